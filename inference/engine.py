@@ -1,0 +1,108 @@
+"""Python-level generation API: pads and buckets prompts, sizes the cache, calls one jitted decode per batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.kv_cache import KVCache
+from medusa_jax.inference import autoregressive
+from medusa_jax.inference.sampling import SamplingConfig
+
+PROMPT_BUCKET = 64  # prompts are right-padded to a multiple of this, bounding recompiles
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    token_ids: list[int]  # the new tokens, EOS included when one was produced
+    steps: int  # forward passes after prefill that produced them (plain decoding: one per token)
+    text: str | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / max(self.steps, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedBatch:
+    tokens_bp: np.ndarray  # int32, right-padded with pad_id
+    lengths_b: np.ndarray  # int32
+    num_real: int  # rows beyond this are filler (copies of row 0) that callers drop
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, batch_size: int | None = None,
+                bucket: int = PROMPT_BUCKET) -> PaddedBatch:
+    if not prompts:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    batch_size = batch_size or len(prompts)
+    if len(prompts) > batch_size:
+        raise ValueError(f"{len(prompts)} prompts do not fit a batch of {batch_size}")
+    rows = list(prompts) + [prompts[0]] * (batch_size - len(prompts))
+    width = round_up(max(len(p) for p in rows), bucket)
+    tokens = np.full((batch_size, width), pad_id, np.int32)
+    for i, p in enumerate(rows):
+        tokens[i, : len(p)] = p
+    return PaddedBatch(tokens, np.asarray([len(p) for p in rows], np.int32), len(prompts))
+
+
+def cache_size_for(prompt_width: int, max_new_tokens: int, extra: int = 0, bucket: int = PROMPT_BUCKET) -> int:
+    """Slots for the padded prompt, the new tokens and `extra` scratch slots (a Medusa tree block)."""
+    return round_up(prompt_width + max_new_tokens + extra, bucket)
+
+
+def check_fits(batch: PaddedBatch, max_new_tokens: int, extra: int, cache_size: int | None) -> int:
+    """Returns the cache size to use; raises a clear error when a prompt plus its budget does not fit."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    needed = int(batch.tokens_bp.shape[1]) + max_new_tokens + extra
+    if cache_size is None:
+        return cache_size_for(batch.tokens_bp.shape[1], max_new_tokens, extra)
+    if needed > cache_size:
+        longest = int(batch.lengths_b.max())
+        raise ValueError(
+            f"prompt of {longest} tokens (padded to {batch.tokens_bp.shape[1]}) + max_new_tokens={max_new_tokens}"
+            f" + {extra} scratch slots needs {needed} cache slots, but cache_size is {cache_size}")
+    return cache_size
+
+
+def resolve_eos(model: CausalLM, eos_ids: Sequence[int] | None) -> tuple[int, ...]:
+    return tuple(int(t) for t in (model.config.eos_token_ids if eos_ids is None else eos_ids))
+
+
+def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+             sampling: SamplingConfig = SamplingConfig(), seed: int = 0, eos_ids: Sequence[int] | None = None,
+             pad_id: int = 0, batch_size: int | None = None, cache_size: int | None = None,
+             timings: dict | None = None) -> list[GenerationResult]:
+    """Plain decoding of one batch of token-id prompts (ragged lengths are fine)."""
+    batch = pad_prompts(prompts, pad_id, batch_size)
+    size = check_fits(batch, max_new_tokens, 0, cache_size)
+    graphdef, params = nnx.split(model)
+    cache = KVCache.zeros(model.config, batch.tokens_bp.shape[0], size)
+    start = time.perf_counter()
+    out_bn, num_b, _ = autoregressive.decode(
+        graphdef, params, cache, jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b),
+        jax.random.key(seed), max_new_tokens=max_new_tokens, sampling=sampling,
+        eos_ids=resolve_eos(model, eos_ids), pad_id=pad_id)
+    out_bn, num_b = np.asarray(out_bn), np.asarray(num_b)
+    if timings is not None:
+        timings["seconds"] = time.perf_counter() - start
+    return [GenerationResult(out_bn[i, : num_b[i]].tolist(), steps=int(num_b[i]))
+            for i in range(batch.num_real)]

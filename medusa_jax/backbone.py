@@ -1,0 +1,133 @@
+"""Flax NNX Llama-family decoder (Llama, Mistral, Qwen2) over the static KV cache of `kv_cache.py`.
+
+The forward takes token ids [B, T], explicit positions [B, T] and an explicit boolean attention mask
+[B, T, S] over all S cache slots (build it with `kv_cache.attention_mask`): the Medusa tree mask passes
+through unchanged. It writes the new K/V at each row's `lengths` offset and returns the final-norm hidden
+states; `logits()` maps hidden states to the vocabulary (tied or untied lm_head).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from medusa_jax.config import ModelConfig
+from medusa_jax.kv_cache import KVCache, write_rows
+from medusa_jax.rope import apply_rope, inverse_frequencies
+
+_NEG_INF = -1e30
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+def _linear(d_in: int, d_out: int, bias: bool, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Linear:
+    dtype = config.jnp_dtype
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(0.02))
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        h, d = config.hidden_size, config.head_dim
+        self.config = config
+        self.q_proj = _linear(h, config.num_heads * d, config.attention_bias, config, rngs)
+        self.k_proj = _linear(h, config.num_kv_heads * d, config.attention_bias, config, rngs)
+        self.v_proj = _linear(h, config.num_kv_heads * d, config.attention_bias, config, rngs)
+        self.o_proj = _linear(config.num_heads * d, h, False, config, rngs)
+
+    def __call__(self, x_btd, positions_bt, mask_bts, k_cache_bshd, v_cache_bshd, lengths_b, inv_freq):
+        cfg = self.config
+        b, t, _ = x_btd.shape
+        kv, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        q_bthd = apply_rope(self.q_proj(x_btd).reshape(b, t, cfg.num_heads, d), positions_bt, inv_freq)
+        k_btkd = apply_rope(self.k_proj(x_btd).reshape(b, t, kv, d), positions_bt, inv_freq)
+        v_btkd = self.v_proj(x_btd).reshape(b, t, kv, d)
+        k_cache_bshd = write_rows(k_cache_bshd, k_btkd, lengths_b)
+        v_cache_bshd = write_rows(v_cache_bshd, v_btkd, lengths_b)
+
+        q_btkgd = q_bthd.reshape(b, t, kv, group, d)
+        scores_bkgts = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_cache_bshd.astype(q_btkgd.dtype))
+        scores_bkgts = scores_bkgts.astype(jnp.float32) * (d ** -0.5)
+        scores_bkgts = jnp.where(mask_bts[:, None, None, :, :], scores_bkgts, _NEG_INF)
+        probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(x_btd.dtype)
+        out_btkgd = jnp.einsum("bkgts,bskd->btkgd", probs_bkgts, v_cache_bshd.astype(x_btd.dtype))
+        return self.o_proj(out_btkgd.reshape(b, t, cfg.num_heads * d)), k_cache_bshd, v_cache_bshd
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(h, f, False, config, rngs)
+        self.up_proj = _linear(h, f, False, config, rngs)
+        self.down_proj = _linear(f, h, False, config, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.jnp_dtype)
+        self.self_attn = Attention(config, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.jnp_dtype)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, x, positions_bt, mask_bts, k_cache, v_cache, lengths_b, inv_freq):
+        attn, k_cache, v_cache = self.self_attn(
+            self.input_layernorm(x), positions_bt, mask_bts, k_cache, v_cache, lengths_b, inv_freq)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_cache, v_cache
+
+
+class CausalLM(nnx.Module):
+    """Embeddings, decoder layers, final norm and (tied or own) lm_head of a Llama-family model."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        dtype = config.jnp_dtype
+        self.config = config
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+                                      rngs=rngs, embedding_init=nnx.initializers.normal(0.02))
+        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = None if config.tie_word_embeddings else _linear(
+            config.hidden_size, config.vocab_size, False, config, rngs)
+
+    def __call__(self, tokens_bt, positions_bt, mask_bts, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Returns (final-norm hidden states [B, T, D], cache with the new K/V written; lengths unchanged)."""
+        cfg = self.config
+        if cfg.sliding_window is not None:
+            slot_s = jnp.arange(cache.cache_size, dtype=jnp.int32)
+            mask_bts = mask_bts & ((positions_bt[:, :, None] - slot_s[None, None, :]) < cfg.sliding_window)
+        inv_freq = inverse_frequencies(cfg)
+        x = self.embed_tokens(tokens_bt)
+        k_all, v_all = cache.k_lbshd, cache.v_lbshd
+        for i, layer in enumerate(self.layers):
+            x, k_new, v_new = layer(x, positions_bt, mask_bts, k_all[i], v_all[i], cache.lengths_b, inv_freq)
+            k_all = k_all.at[i].set(k_new)
+            v_all = v_all.at[i].set(v_new)
+        return self.norm(x), cache.replace(k_lbshd=k_all, v_lbshd=v_all)
+
+    def logits(self, hidden):
+        """hidden [..., D] -> logits [..., V] in fp32."""
+        if self.lm_head is None:
+            out = self.embed_tokens.attend(hidden)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(jnp.float32)
+
+    def lm_head_weight(self) -> jax.Array:
+        """The [D, V] output projection (the transposed embedding when tied)."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]

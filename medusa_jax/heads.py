@@ -1,0 +1,158 @@
+"""Medusa heads (Flax NNX) and the model object that runs backbone + heads in one forward.
+
+Head i (0-based) reads the base model's final-norm hidden state at position t and predicts the token at
+t + 2 + i. Each head is `num_layers` ResBlocks (x + SiLU(W x + b), W and b zero-initialised, so a fresh head
+starts as the identity) followed by an lm_head in one of three modes:
+  own        a [D, V] projection per head, initialised from the base lm_head (FasterDecoding/TRT-LLM layout)
+  shared     the base model's lm_head is reused (TGI "v2", vLLM `original_lm_head`)
+  truncated  a [D, Vt] projection per head over the Vt most frequent tokens; `token_map[j]` is the full-vocab
+             id of truncated entry j (vLLM `truncated_vocab_size` + `token_map`)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.config import resolve_dtype
+from medusa_jax.kv_cache import KVCache
+
+LM_HEAD_MODES = ("own", "shared", "truncated")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsConfig:
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    lm_head: str = "own"  # one of LM_HEAD_MODES
+    truncated_vocab_size: int | None = None  # only for lm_head == "truncated"
+    dtype: str = "float32"
+    base_model_name_or_path: str = ""
+
+    def __post_init__(self):
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
+        if self.lm_head not in LM_HEAD_MODES:
+            raise ValueError(f"lm_head must be one of {LM_HEAD_MODES}, got {self.lm_head!r}")
+        if self.lm_head == "truncated":
+            if not self.truncated_vocab_size or not 0 < self.truncated_vocab_size <= self.vocab_size:
+                raise ValueError(f"lm_head='truncated' needs 0 < truncated_vocab_size <= {self.vocab_size}, "
+                                 f"got {self.truncated_vocab_size}")
+        elif self.truncated_vocab_size is not None:
+            raise ValueError("truncated_vocab_size is only meaningful with lm_head='truncated'")
+        resolve_dtype(self.dtype)
+
+    @property
+    def head_vocab_size(self) -> int:
+        return self.truncated_vocab_size if self.lm_head == "truncated" else self.vocab_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HeadsConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ValueError(f"unknown heads config fields {unknown}")
+        return cls(**d)
+
+
+class TokenMap(nnx.Variable):
+    """Non-trainable int32 ids mapping truncated-vocab entries to full-vocab token ids."""
+
+
+class ResBlock(nnx.Module):
+    def __init__(self, dim: int, dtype, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(dim, dim, use_bias=True, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                                 kernel_init=nnx.initializers.zeros, bias_init=nnx.initializers.zeros)
+
+    def __call__(self, x):
+        return x + jax.nn.silu(self.linear(x))
+
+
+class MedusaHead(nnx.Module):
+    def __init__(self, config: HeadsConfig, rngs: nnx.Rngs):
+        dtype = resolve_dtype(config.dtype)
+        self.blocks = nnx.List([ResBlock(config.hidden_size, dtype, rngs) for _ in range(config.num_layers)])
+        self.lm_head = None if config.lm_head == "shared" else nnx.Linear(
+            config.hidden_size, config.head_vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, hidden):
+        for block in self.blocks:
+            hidden = block(hidden)
+        return hidden
+
+
+class MedusaHeads(nnx.Module):
+    def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
+        self.config = config
+        self.heads = nnx.List([MedusaHead(config, rngs) for _ in range(config.num_heads)])
+        if config.lm_head == "truncated":
+            ids = np.arange(config.truncated_vocab_size) if token_map is None else np.asarray(token_map)
+            if ids.shape != (config.truncated_vocab_size,):
+                raise ValueError(f"token_map has shape {ids.shape}, expected ({config.truncated_vocab_size},)")
+            self.token_map = TokenMap(jnp.asarray(ids, jnp.int32))
+        else:
+            self.token_map = None
+
+    def head_hidden(self, hidden_xd: jax.Array) -> jax.Array:
+        """[..., D] base hidden states -> [K, ..., D] per-head states (after the ResBlocks)."""
+        return jnp.stack([head(hidden_xd) for head in self.heads])
+
+    def logits(self, hidden_xd: jax.Array, base: CausalLM) -> jax.Array:
+        """[..., D] -> [K, ..., V_head] fp32 logits (V_head = truncated_vocab_size in truncated mode)."""
+        outs = []
+        for head in self.heads:
+            h = head(hidden_xd)
+            outs.append(base.logits(h) if head.lm_head is None else head.lm_head(h).astype(jnp.float32))
+        return jnp.stack(outs)
+
+    def to_full_vocab(self, head_token_ids: jax.Array) -> jax.Array:
+        """Maps ids in the head's vocabulary (truncated or not) to full-vocabulary ids."""
+        if self.token_map is None:
+            return head_token_ids
+        return self.token_map[...][head_token_ids]
+
+    def top_k(self, hidden_xd: jax.Array, base: CausalLM, k: int) -> jax.Array:
+        """[..., D] -> [K, ..., k] int32 full-vocab ids of each head's k best tokens, best first."""
+        _, ids = jax.lax.top_k(self.logits(hidden_xd, base), k)
+        return self.to_full_vocab(ids.astype(jnp.int32))
+
+
+def init_heads(config: HeadsConfig, base: CausalLM, seed: int = 0,
+               token_map: np.ndarray | None = None) -> MedusaHeads:
+    """Fresh heads: identity ResBlocks; own lm_heads copy the base lm_head (rows of token_map if truncated)."""
+    if config.hidden_size != base.config.hidden_size or config.vocab_size != base.config.vocab_size:
+        raise ValueError(f"heads (hidden {config.hidden_size}, vocab {config.vocab_size}) do not match the base "
+                         f"model (hidden {base.config.hidden_size}, vocab {base.config.vocab_size})")
+    heads = MedusaHeads(config, nnx.Rngs(seed), token_map=token_map)
+    if config.lm_head != "shared":
+        base_w_dv = base.lm_head_weight()
+        if config.lm_head == "truncated":
+            base_w_dv = base_w_dv[:, heads.token_map[...]]
+        for head in heads.heads:
+            head.lm_head.kernel[...] = base_w_dv.astype(head.lm_head.kernel[...].dtype)
+    return heads
+
+
+class MedusaModel(nnx.Module):
+    """Backbone + heads: one forward gives the base logits, the heads' logits and the updated cache."""
+
+    def __init__(self, base: CausalLM, heads: MedusaHeads):
+        if heads.config.hidden_size != base.config.hidden_size or heads.config.vocab_size != base.config.vocab_size:
+            raise ValueError("heads and base model disagree on hidden_size or vocab_size")
+        self.base = base
+        self.heads = heads
+
+    def __call__(self, tokens_bt, positions_bt, mask_bts, cache: KVCache):
+        hidden_btd, cache = self.base(tokens_bt, positions_bt, mask_bts, cache)
+        return self.base.logits(hidden_btd), self.heads.logits(hidden_btd, self.base), cache

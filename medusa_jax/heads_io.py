@@ -1,0 +1,92 @@
+"""Save and load heads in medusa-jax's own folder format: `config.json` + `heads.safetensors`.
+
+Tensor names are the NNX parameter paths joined by dots (`heads.0.blocks.0.linear.kernel`, kernels stored
+[in, out] as in JAX; `token_map` for truncated heads). Writes go to a temp folder renamed into place, so an
+interrupted save never leaves a half-written heads folder. Other projects' layouts: `medusa_jax.heads_interop`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from medusa_jax.heads import HeadsConfig, MedusaHeads
+from medusa_jax.hf_import import fill_state, param_paths
+from medusa_jax.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
+
+FORMAT = "medusa-jax"
+WEIGHTS = "heads.safetensors"
+
+
+def heads_tensors(heads: MedusaHeads) -> dict[str, np.ndarray]:
+    """All head arrays by dotted path, as NumPy."""
+    _, state = nnx.split(heads)
+    return {".".join(path): np.asarray(jax.device_get(leaf)) for path, leaf in param_paths(state)}
+
+
+def save_heads(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict | None = None) -> Path:
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp-"))
+    try:
+        cfg = heads.config
+        config = {
+            "format": FORMAT,
+            "medusa_jax": cfg.to_dict(),
+            # the fields other Medusa tools read, for orientation
+            "medusa_num_heads": cfg.num_heads,
+            "medusa_num_layers": cfg.num_layers,
+            "base_model_name_or_path": cfg.base_model_name_or_path,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            **(extra_config or {}),
+        }
+        write_safetensors(tmp / WEIGHTS, heads_tensors(heads), metadata={"format": FORMAT})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def heads_from_tensors(config: HeadsConfig, tensors: dict[str, np.ndarray], origin: str) -> MedusaHeads:
+    """Builds MedusaHeads from dotted-path tensors; every key must match, with the right shape."""
+    abstract = nnx.eval_shape(lambda: MedusaHeads(config, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    expected = {".".join(p): leaf for p, leaf in param_paths(state)}
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{origin}: heads tensors do not match the config: missing {missing}; "
+                              f"unexpected {unexpected}")
+    for name, leaf in expected.items():
+        if tuple(tensors[name].shape) != tuple(leaf.shape):
+            raise CheckpointError(f"{origin}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                                  f"expected {tuple(leaf.shape)}")
+
+    def value(path, leaf):
+        return jax.numpy.asarray(np.asarray(tensors[".".join(path)]).astype(leaf.dtype))
+
+    return nnx.merge(graphdef, fill_state(state, value))
+
+
+def load_native_heads(folder: str | os.PathLike) -> MedusaHeads:
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{folder}: not a heads folder (no config.json)")
+    raw = json.loads(config_path.read_text())
+    if raw.get("format") != FORMAT:
+        raise CheckpointError(f"{folder}: config.json is not in the {FORMAT} format")
+    config = HeadsConfig.from_dict(raw["medusa_jax"])
+    st = SafetensorsFile(folder / WEIGHTS)
+    return heads_from_tensors(config, {n: st.array(n) for n in st.names}, str(folder / WEIGHTS))
