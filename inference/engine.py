@@ -26,8 +26,9 @@ def round_up(n: int, multiple: int) -> int:
 @dataclasses.dataclass
 class GenerationResult:
     token_ids: list[int]  # the new tokens, EOS included when one was produced
-    steps: int  # forward passes after prefill that produced them (plain decoding: one per token)
+    steps: int  # forward passes that produced them, prefill included (plain decoding: one per token)
     text: str | None = None
+    accept_lengths: list[int] | None = None  # Medusa: candidates accepted at each verify step (0..tree depth)
 
     @property
     def new_tokens(self) -> int:
@@ -36,6 +37,10 @@ class GenerationResult:
     @property
     def tokens_per_step(self) -> float:
         return self.new_tokens / max(self.steps, 1)
+
+    def accept_histogram(self, depth: int) -> list[int]:
+        """Medusa: how many verify steps accepted 0, 1, ..., depth candidates."""
+        return np.bincount(np.asarray(self.accept_lengths or [], int), minlength=depth + 1).tolist()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,10 +108,11 @@ class MedusaHeads(nnx.Module):
         """[..., D] base hidden states -> [K, ..., D] per-head states (after the ResBlocks)."""
         return jnp.stack([head(hidden_xd) for head in self.heads])
 
-    def logits(self, hidden_xd: jax.Array, base: CausalLM) -> jax.Array:
-        """[..., D] -> [K, ..., V_head] fp32 logits (V_head = truncated_vocab_size in truncated mode)."""
+    def logits(self, hidden_xd: jax.Array, base: CausalLM, num_heads: int | None = None) -> jax.Array:
+        """[..., D] -> [K, ..., V_head] fp32 logits (V_head = truncated_vocab_size in truncated mode) of the
+        first num_heads heads (all by default)."""
         outs = []
-        for head in self.heads:
+        for head in self.heads[:num_heads]:
             h = head(hidden_xd)
             outs.append(base.logits(h) if head.lm_head is None else head.lm_head(h).astype(jnp.float32))
         return jnp.stack(outs)
@@ -122,9 +123,10 @@ class MedusaHeads(nnx.Module):
             return head_token_ids
         return self.token_map[...][head_token_ids]
 
-    def top_k(self, hidden_xd: jax.Array, base: CausalLM, k: int) -> jax.Array:
-        """[..., D] -> [K, ..., k] int32 full-vocab ids of each head's k best tokens, best first."""
-        _, ids = jax.lax.top_k(self.logits(hidden_xd, base), k)
+    def top_k(self, hidden_xd: jax.Array, base: CausalLM, k: int, num_heads: int | None = None) -> jax.Array:
+        """[..., D] -> [K, ..., k] int32 full-vocab ids of each head's k best tokens, best first (first
+        num_heads heads only when given)."""
+        _, ids = jax.lax.top_k(self.logits(hidden_xd, base, num_heads), k)
         return self.to_full_vocab(ids.astype(jnp.int32))
 
 

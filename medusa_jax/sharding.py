@@ -32,6 +32,7 @@ PARAM_RULES: tuple[tuple[str, tuple[Any, ...]], ...] = (
     (r"mlp\.down_proj\.kernel$", ("tensor", "fsdp")),  # [F, D]
     (r"(layernorm|norm)\.weight$", (None,)),  # [D]
     (r"^lm_head\.kernel$", ("fsdp", "tensor")),  # [D, V]
+    (r"^base\.lm_head\.kernel$", ("fsdp", "tensor")),  # [D, V], the backbone inside MedusaModel
     # Medusa heads (alone, or under `heads.` inside MedusaModel)
     (r"blocks\.\d+\.linear\.kernel$", ("fsdp", "tensor")),  # [D, D]
     (r"blocks\.\d+\.linear\.bias$", ("tensor",)),
@@ -160,3 +161,18 @@ def cache_shardings(mesh: Mesh, cache: KVCache) -> KVCache:
     kv = checked_sharding(mesh, P(None, BATCH_AXES, None, "tensor", None), cache.k_lbshd.shape, "KV cache")
     lengths = checked_sharding(mesh, P(BATCH_AXES), cache.lengths_b.shape, "KV cache lengths (batch)")
     return KVCache(kv, kv, lengths)
+
+
+def map_cache_rows(fn, cache: KVCache, *rows):
+    """fn(cache, *rows) -> KVCache, run shard by shard when traced under a mesh with our axes (`jax.set_mesh`,
+    as `inference.sharded` does); plainly otherwise. `fn` must treat rows and KV heads independently (e.g.
+    moving slots within each row): then each device works on its own rows and heads, with no collectives.
+    XLA's partitioner cannot see that a gather/scatter indexed by explicit row ids stays within a row, and
+    would all-reduce the moved K/V over the batch axes. `rows` are [B, ...] arrays."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(AXES) <= set(mesh.axis_names) or all(mesh.shape[a] == 1 for a in AXES):
+        return fn(cache, *rows)
+    kv = P(None, BATCH_AXES, None, "tensor", None)
+    cache_spec = KVCache(kv, kv, P(BATCH_AXES))
+    row_specs = tuple(P(BATCH_AXES, *([None] * (r.ndim - 1))) for r in rows)
+    return jax.shard_map(fn, in_specs=(cache_spec, *row_specs), out_specs=cache_spec)(cache, *rows)

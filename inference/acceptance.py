@@ -1,0 +1,114 @@
+"""Which tree candidates to accept: greedy (exact) and typical acceptance, as pure jnp functions.
+
+Path-level arrays: B rows, L leaf paths, D = tree depth; index j of a [B, L, D] array is the candidate at
+depth j + 1 of path l (so its parent is the depth-j node). Padding past a leaf is masked by valid_ld.
+`accept_tree` works on the T verified tree nodes: it turns the base logits of every node into these
+path-level arrays (per node first, so the [B, T, V] logits are never copied per path), picks the accepted
+path and the next token after it (the bonus token: the next step's root).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from medusa_jax.tree import TreeBuffers
+
+ACCEPTANCE_KINDS = ("greedy", "typical")
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptanceConfig:
+    """greedy: accept a candidate iff it is the base model's argmax (output identical to plain greedy).
+    typical: accept x if p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))) with p the base
+    distribution at temperature; the bonus token is sampled from p restricted to the same typical set."""
+
+    kind: str = "greedy"
+    temperature: float = 0.7  # typical only
+    posterior_threshold: float = 0.09  # typical only: epsilon, the hard threshold
+    posterior_alpha: float = 0.3  # typical only: delta, scales exp(-entropy)
+
+    def __post_init__(self):
+        if self.kind not in ACCEPTANCE_KINDS:
+            raise ValueError(f"acceptance kind must be one of {ACCEPTANCE_KINDS}, got {self.kind!r}")
+        if self.kind == "typical" and not self.temperature > 0:
+            raise ValueError(f"typical acceptance needs temperature > 0 (use kind='greedy' for 0), "
+                             f"got {self.temperature}")
+        if not 0 <= self.posterior_threshold <= 1 or self.posterior_alpha < 0:
+            raise ValueError(f"need 0 <= posterior_threshold <= 1 and posterior_alpha >= 0, got "
+                             f"{self.posterior_threshold}, {self.posterior_alpha}")
+
+
+def _longest(accept_bld: jax.Array, valid_ld: jax.Array) -> jax.Array:
+    """[B, L] number of leading accepted candidates of each path."""
+    ok_bld = (accept_bld & valid_ld[None]).astype(jnp.int32)
+    return jnp.sum(jnp.cumprod(ok_bld, axis=-1), axis=-1)
+
+
+def greedy_accept(candidates_bld: jax.Array, predictions_bld: jax.Array,
+                  valid_ld: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """candidates_bld: tokens at depth j+1; predictions_bld: the base argmax at each one's parent.
+    Returns (accept length [B] in 0..D, index of the chosen path [B]): the first longest path."""
+    length_bl = _longest(candidates_bld == predictions_bld, valid_ld)
+    best_b = jnp.argmax(length_bl, axis=-1).astype(jnp.int32)
+    return jnp.max(length_bl, axis=-1).astype(jnp.int32), best_b
+
+
+def typical_accept(candidate_prob_bld: jax.Array, threshold_bld: jax.Array,
+                   valid_ld: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """candidate_prob_bld: p_parent(candidate) at the temperature; threshold_bld: the parent's typical
+    threshold. Accepts candidates with p > threshold; among the longest paths picks the one with the highest
+    log-likelihood of its accepted candidates. Returns (accept length [B], chosen path [B])."""
+    length_bl = _longest(candidate_prob_bld > threshold_bld, valid_ld)
+    longest_b = jnp.max(length_bl, axis=-1)
+    depth_d = jnp.arange(candidate_prob_bld.shape[-1])
+    counted_bld = depth_d[None, None, :] < length_bl[..., None]
+    loglik_bl = jnp.sum(jnp.where(counted_bld, jnp.log(candidate_prob_bld + 1e-30), 0.0), axis=-1)
+    loglik_bl = jnp.where(length_bl == longest_b[:, None], loglik_bl, -jnp.inf)
+    return longest_b.astype(jnp.int32), jnp.argmax(loglik_bl, axis=-1).astype(jnp.int32)
+
+
+def typical_threshold(probs_xv: jax.Array, config: AcceptanceConfig) -> jax.Array:
+    """[..., V] probabilities -> [...] min(epsilon, delta * exp(-entropy))."""
+    entropy_x = -jnp.sum(probs_xv * jnp.log(probs_xv + 1e-30), axis=-1)
+    return jnp.minimum(config.posterior_threshold, config.posterior_alpha * jnp.exp(-entropy_x))
+
+
+def sample_typical(logits_bv: jax.Array, key: jax.Array, config: AcceptanceConfig) -> jax.Array:
+    """One token per row from softmax(logits / temperature) restricted to the typical set (the argmax is
+    always kept, so the set is never empty). Greedy: the argmax."""
+    if config.kind == "greedy":
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    scaled_bv = logits_bv.astype(jnp.float32) / config.temperature
+    probs_bv = jax.nn.softmax(scaled_bv, axis=-1)
+    keep_bv = probs_bv >= typical_threshold(probs_bv, config)[:, None]
+    keep_bv = keep_bv | (scaled_bv == jnp.max(scaled_bv, axis=-1, keepdims=True))
+    return jax.random.categorical(key, jnp.where(keep_bv, scaled_bv, -jnp.inf), axis=-1).astype(jnp.int32)
+
+
+def accept_tree(tree: TreeBuffers, tokens_bt: jax.Array, logits_btv: jax.Array, key: jax.Array,
+                config: AcceptanceConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """tokens_bt / logits_btv: the T tree tokens and the base logits at each. Returns (accept length [B],
+    accepted nodes [B, D + 1] root first (entries past the accept length are padding), bonus token [B])."""
+    parent_nodes_ld = jnp.asarray(tree.retrieve_lj[:, :-1])
+    child_nodes_ld = jnp.asarray(tree.retrieve_lj[:, 1:])
+    valid_ld = jnp.asarray(tree.retrieve_valid_lj[:, 1:])
+    candidates_bld = tokens_bt[:, child_nodes_ld]
+    if config.kind == "greedy":
+        predictions_bt = jnp.argmax(logits_btv, axis=-1).astype(jnp.int32)
+        length_b, path_b = greedy_accept(candidates_bld, predictions_bt[:, parent_nodes_ld], valid_ld)
+    else:
+        probs_btv = jax.nn.softmax(logits_btv.astype(jnp.float32) / config.temperature, axis=-1)
+        threshold_bt = typical_threshold(probs_btv, config)
+        parent_t = jnp.asarray(tree.parent_t)
+        # p_parent(token) of every node: the probability its parent's distribution gives it
+        rows_b1 = jnp.arange(tokens_bt.shape[0])[:, None]
+        node_prob_bt = probs_btv[rows_b1, parent_t[None, :], tokens_bt]
+        length_b, path_b = typical_accept(node_prob_bt[:, child_nodes_ld], threshold_bt[:, parent_nodes_ld],
+                                          valid_ld)
+    nodes_bj = jnp.asarray(tree.retrieve_lj)[path_b]
+    last_node_b = jnp.take_along_axis(nodes_bj, length_b[:, None], axis=1)[:, 0]
+    last_logits_bv = jnp.take_along_axis(logits_btv, last_node_b[:, None, None], axis=1)[:, 0]
+    return length_b, nodes_bj, sample_typical(last_logits_bv, key, config)

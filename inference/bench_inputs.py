@@ -1,0 +1,106 @@
+"""What the benchmark, build_tree and gpu_bench load: model folder, heads, tokenizer and chat prompts.
+
+`--model smollm2` means the real SmolLM2-135M-Instruct (`medusa_jax.real_model.prepare_smollm2`); `--heads
+default` means the heads shipped in the package (`medusa_jax.assets.resolve_heads_dir`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+import jax
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.heads import MedusaHeads
+from medusa_jax.heads_import import load_heads
+from medusa_jax.hf_import import load_pretrained
+from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
+
+
+def resolve_model_dir(model: str | os.PathLike) -> Path:
+    if str(model) == "smollm2":
+        from medusa_jax.real_model import prepare_smollm2
+
+        return prepare_smollm2()
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: not a model folder (no config.json); pass a HF folder or 'smollm2'")
+    return folder
+
+
+def resolve_heads(heads: str | os.PathLike) -> Path:
+    if str(heads) == "default":
+        try:
+            from medusa_jax.assets import resolve_heads_dir
+        except ImportError as e:
+            raise FileNotFoundError("--heads default: this installation ships no heads "
+                                    "(medusa_jax.assets is missing); pass a heads folder") from e
+        return Path(resolve_heads_dir("default"))
+    folder = Path(heads)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: heads folder does not exist")
+    return folder
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    folder: Path
+    base: CausalLM
+    heads: MedusaHeads | None
+    heads_folder: Path | None
+    tokenizer: object
+    eos_ids: tuple[int, ...]
+    pad_id: int
+
+    def encode_chat(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text as a user message with the chat template and the assistant header."""
+        return [encode_prompt(self.tokenizer, t, chat=True) for t in texts]
+
+
+def load_model(model: str | os.PathLike, heads: str | os.PathLike | None, dtype: str = "float32") -> LoadedModel:
+    folder = resolve_model_dir(model)
+    base = load_pretrained(folder, dtype=dtype)
+    heads_folder = resolve_heads(heads) if heads is not None else None
+    loaded_heads = load_heads(heads_folder, base=base, dtype=dtype) if heads_folder is not None else None
+    tokenizer = load_tokenizer(folder)
+    eos = eos_token_ids(folder, tokenizer)
+    return LoadedModel(folder, base, loaded_heads, heads_folder, tokenizer, eos, pad_token_id(tokenizer, eos))
+
+
+def machine_description() -> dict:
+    """Where a measurement ran: CPU model and count, JAX backend and version, load average at the time."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    devices = jax.devices()
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": f"{len(devices)} x {devices[0].device_kind}",
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "python": sys.version.split()[0],
+    }
+
+
+def git_revision(folder: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None

@@ -1,0 +1,289 @@
+"""MT-Bench decoding benchmark: our plain decode vs our Medusa decode (and optionally transformers' PyTorch
+`generate`), greedy, interleaved question by question so machine load hits every method alike.
+
+Timing: each method's first call for a new (prompt bucket, batch size, tree) compiles, so it runs once
+untimed first; timed figures are wall-clock seconds of the public API call (`engine.generate`,
+`medusa.generate_medusa`, `model.generate`), prefill included. Steps count the prefill as one step for both
+decoders, so plain decoding makes exactly 1 token per step.
+    acceleration rate = Medusa tokens / Medusa steps
+    step overhead     = (Medusa seconds / Medusa steps) / (plain seconds / plain steps)
+    speedup           = Medusa tokens/s / plain tokens/s
+Batched: total tokens/s at each batch size over the same questions, Medusa vs plain at the same batch.
+Tree sweep: Medusa with trees of several sizes (prefixes of the tree's greedy order) on a few questions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from medusa_jax.mtbench import MTBenchQuestion
+from medusa_jax.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
+from medusa_jax.tree_search import greedy_order_of
+from medusa_jax.inference.bench_inputs import LoadedModel
+from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
+from medusa_jax.inference.medusa import generate_medusa
+
+METHODS = ("plain", "medusa", "hf")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkConfig:
+    max_new_tokens: int = 256
+    batch_size: int = 1  # rows per call in the main (interleaved, per-question) run
+    tree: str = "mc_sim_7b_16"  # preset name or tree JSON file
+    hf: bool = False  # also time transformers' PyTorch generate
+    batched_sizes: tuple[int, ...] = (4, 8)  # extra batch sizes for the throughput table
+    sweep_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)  # tree sizes (nodes) for the speedup-vs-size plot
+    sweep_questions: int = 2  # questions per sweep size
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.sweep_questions < 0:
+            raise ValueError(f"max_new_tokens and batch_size must be >= 1, sweep_questions >= 0: {self}")
+        if any(b < 1 for b in self.batched_sizes) or any(n < 1 for n in self.sweep_sizes):
+            raise ValueError("batch sizes and tree sizes must be >= 1")
+
+
+@dataclasses.dataclass
+class Timed:
+    token_ids: list[list[int]]  # per row
+    steps: list[int]
+    seconds: float
+    accept_lengths: list[list[int]] | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+
+class Runner:
+    """Runs each method through its public API, compiling (one untimed call) before the first timed call
+    of every new (method, prompt bucket, batch size, tree)."""
+
+    def __init__(self, loaded: LoadedModel, max_new_tokens: int, hf: bool):
+        self.loaded, self.max_new_tokens = loaded, max_new_tokens
+        self._warm: set = set()
+        self.compile_seconds: dict[str, float] = defaultdict(float)
+        self.hf_model = _load_hf(loaded.folder) if hf else None
+
+    def _call(self, method: str, prompts: Sequence[Sequence[int]], batch: int, tree: TreeBuffers | None) -> Timed:
+        lm = self.loaded
+        start = time.perf_counter()
+        if method == "plain":
+            res = generate(lm.base, prompts, max_new_tokens=self.max_new_tokens, eos_ids=lm.eos_ids,
+                           pad_id=lm.pad_id, batch_size=batch)
+        elif method == "medusa":
+            res = generate_medusa(lm.base, lm.heads, prompts, tree=tree, max_new_tokens=self.max_new_tokens,
+                                  eos_ids=lm.eos_ids, pad_id=lm.pad_id, batch_size=batch)
+        else:
+            return self._hf(prompts)
+        seconds = time.perf_counter() - start
+        return Timed([r.token_ids for r in res], [r.steps for r in res], seconds,
+                     [r.accept_lengths or [] for r in res] if method == "medusa" else None)
+
+    def _hf(self, prompts: Sequence[Sequence[int]]) -> Timed:
+        import torch
+
+        out, start = [], time.perf_counter()
+        with torch.inference_mode():
+            for p in prompts:
+                ids = self.hf_model.generate(torch.tensor([list(p)]), max_new_tokens=self.max_new_tokens,
+                                             do_sample=False, eos_token_id=list(self.loaded.eos_ids),
+                                             pad_token_id=self.loaded.pad_id)[0, len(p):].tolist()
+                cut = next((i + 1 for i, t in enumerate(ids) if t in self.loaded.eos_ids), len(ids))
+                out.append(ids[:cut])
+        return Timed(out, [len(t) for t in out], time.perf_counter() - start)
+
+    def run(self, method: str, prompts: Sequence[Sequence[int]], batch: int, tree: TreeBuffers | None = None) -> Timed:
+        width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
+        key = (method, width if method != "hf" else 0, batch, tree)
+        if key not in self._warm:
+            start = time.perf_counter()
+            self._call(method, prompts, batch, tree)
+            self.compile_seconds[method] += time.perf_counter() - start
+            self._warm.add(key)
+        return self._call(method, prompts, batch, tree)
+
+
+def _load_hf(folder: Path):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def summarize(records: list[dict], methods: Sequence[str]) -> dict:
+    """Aggregate figures over per-question records (see `run_benchmark`)."""
+    out: dict = {"questions": len(records), "tokens_per_s": {}, "tokens": {}, "seconds": {}, "steps": {}}
+    for m in methods:
+        tokens = sum(r[m]["tokens"] for r in records)
+        seconds = sum(r[m]["seconds"] for r in records)
+        out["tokens"][m], out["seconds"][m] = tokens, seconds
+        out["steps"][m] = sum(r[m]["steps"] for r in records)
+        out["tokens_per_s"][m] = tokens / seconds if seconds > 0 else float("nan")
+    tps = out["tokens_per_s"]
+    out["speedup"] = tps["medusa"] / tps["plain"]
+    out["acceleration_rate"] = out["tokens"]["medusa"] / out["steps"]["medusa"]
+    out["step_overhead"] = ((out["seconds"]["medusa"] / out["steps"]["medusa"])
+                            / (out["seconds"]["plain"] / out["steps"]["plain"]))
+    out["mismatches"] = sum(not r["match"] for r in records)
+    if "hf" in methods:
+        out["speedup_vs_hf"] = tps["medusa"] / tps["hf"]
+        out["plain_vs_hf"] = tps["plain"] / tps["hf"]
+        out["hf_mismatches"] = sum(not r["hf_match"] for r in records)
+    return out
+
+
+def accept_histogram(records: list[dict], depth: int) -> list[int]:
+    lengths = [a for r in records for a in r["medusa"]["accept_lengths"]]
+    return np.bincount(np.asarray(lengths, int), minlength=depth + 1).tolist()
+
+
+def _record(question: MTBenchQuestion, prompt: list[int], timed: dict[str, Timed], row: int = 0) -> dict:
+    rec = {"question_id": question.question_id, "category": question.category, "prompt_tokens": len(prompt)}
+    for m, t in timed.items():
+        rec[m] = {"tokens": len(t.token_ids[row]), "seconds": t.seconds, "steps": t.steps[row]}
+        if t.accept_lengths is not None:
+            rec[m]["accept_lengths"] = t.accept_lengths[row]
+    rec["match"] = timed["medusa"].token_ids[row] == timed["plain"].token_ids[row]
+    if "hf" in timed:
+        rec["hf_match"] = timed["hf"].token_ids[row] == timed["plain"].token_ids[row]
+    return rec
+
+
+def sweep_order(tree_spec: str) -> list[tuple[int, ...]]:
+    """Paths in an order whose every prefix is a valid tree: the greedy order stored by build_tree, the
+    official order for presets, else the file's paths sorted by (length, ranks) (prefixes of that are valid)."""
+    if tree_spec in PRESETS:
+        return list(MC_SIM_7B_63)
+    path = Path(tree_spec)
+    document = json.loads(path.read_text())
+    order = greedy_order_of(document if isinstance(document, dict) else None)
+    if order:
+        return order
+    return sorted(load_tree(path).paths, key=lambda p: (len(p), p))
+
+
+def tree_metadata(tree_spec: str) -> dict:
+    """build_tree's predictions when the tree is a build_tree file, else {}."""
+    path = Path(tree_spec)
+    if tree_spec in PRESETS or not path.is_file():
+        return {}
+    document = json.loads(path.read_text())
+    if not isinstance(document, dict):
+        return {}
+    keys = ("predicted_tokens_per_step", "predicted_speedup_vs_plain", "head_top1", "num_nodes")
+    return {k: document[k] for k in keys if k in document}
+
+
+def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], config: BenchmarkConfig,
+                  progress: Callable[[str], None] = print) -> dict:
+    """Runs the main interleaved comparison, the batched table and the tree sweep; returns the results dict
+    (`bench_report.write_report` turns it into files)."""
+    if loaded.heads is None:
+        raise ValueError("the benchmark needs Medusa heads")
+    heads_cfg = loaded.heads.config
+    tree = load_tree(config.tree, num_heads=heads_cfg.num_heads, max_top_k=heads_cfg.head_vocab_size)
+    prompts = loaded.encode_chat([q.first_turn for q in questions])
+    methods = ["plain", "medusa"] + (["hf"] if config.hf else [])
+    runner = Runner(loaded, config.max_new_tokens, config.hf)
+
+    records: list[dict] = []
+    b = config.batch_size
+    for i in range(0, len(prompts), b):
+        chunk = prompts[i: i + b]
+        timed = {m: runner.run(m, chunk, b if m != "hf" else 1, tree if m == "medusa" else None) for m in methods}
+        for row, (q, p) in enumerate(zip(questions[i: i + b], chunk)):
+            records.append(_record(q, p, timed, row))
+        last = records[-1]
+        progress(f"[{len(records)}/{len(prompts)}] {last['category']}: plain {last['plain']['tokens']} tok "
+                 f"{last['plain']['seconds']:.1f}s | medusa {last['medusa']['tokens']} tok "
+                 f"{last['medusa']['seconds']:.1f}s {last['medusa']['steps']} steps"
+                 + (f" | hf {last['hf']['seconds']:.1f}s" if config.hf else "")
+                 + ("" if last["match"] else "  MISMATCH"))
+
+    overall = summarize(records, methods)
+    categories = sorted({r["category"] for r in records})
+    results = {
+        **{k: overall[k] for k in ("speedup", "acceleration_rate", "step_overhead", "mismatches", "tokens_per_s")},
+        "overall": overall,
+        "per_category": {c: summarize([r for r in records if r["category"] == c], methods) for c in categories},
+        "accept_length_histogram": accept_histogram(records, tree.depth),
+        "tree": {"spec": config.tree, "num_nodes": len(tree.paths), "num_tree_tokens": tree.num_tokens,
+                 "depth": tree.depth, "top_k": tree.top_k, **tree_metadata(config.tree)},
+        "heads": {"folder": str(loaded.heads_folder), **dataclasses.asdict(heads_cfg)},
+        "config": dataclasses.asdict(config),
+        "compile_seconds": dict(runner.compile_seconds),
+        "per_question": records,
+    }
+    results["batched"] = run_batched(runner, questions, prompts, config, tree, records, progress)
+    results["tree_sweep"] = run_tree_sweep(runner, prompts, config, tree, records, progress)
+    return results
+
+
+def run_batched(runner: Runner, questions, prompts, config: BenchmarkConfig, tree: TreeBuffers,
+                records: list[dict], progress) -> list[dict]:
+    """Total tokens/s, Medusa vs plain, at each batch size (the main run gives its own batch size's row)."""
+    rows = [_batched_row(config.batch_size, summarize(records, ["plain", "medusa"]), len(records))]
+    for b in config.batched_sizes:
+        if b == config.batch_size:
+            continue
+        usable = (len(prompts) // b) * b
+        if usable == 0:
+            progress(f"batched: skipping batch {b}: only {len(prompts)} questions")
+            continue
+        recs = []
+        for i in range(0, usable, b):
+            chunk = prompts[i: i + b]
+            timed = {m: runner.run(m, chunk, b, tree if m == "medusa" else None) for m in ("plain", "medusa")}
+            for row in range(b):
+                rec = _record(questions[i + row], chunk[row], timed, row)
+                for m in ("plain", "medusa"):  # a call's seconds are shared by its rows
+                    rec[m]["seconds"] = timed[m].seconds / b
+                recs.append(rec)
+        rows.append(_batched_row(b, summarize(recs, ["plain", "medusa"]), usable))
+        progress(f"batch {b}: plain {rows[-1]['tokens_per_s']['plain']:.1f} tok/s, medusa "
+                 f"{rows[-1]['tokens_per_s']['medusa']:.1f} tok/s, x{rows[-1]['speedup']:.2f}")
+    return rows
+
+
+def _batched_row(batch: int, s: dict, questions: int) -> dict:
+    return {"batch_size": batch, "questions": questions, "tokens_per_s": s["tokens_per_s"], "speedup": s["speedup"],
+            "acceleration_rate": s["acceleration_rate"], "mismatches": s["mismatches"]}
+
+
+def run_tree_sweep(runner: Runner, prompts, config: BenchmarkConfig, tree: TreeBuffers, records: list[dict],
+                   progress) -> list[dict]:
+    """Medusa speedup over plain (plain times from the main run) for trees of several sizes."""
+    n = min(config.sweep_questions, len(prompts))
+    if n == 0 or config.batch_size != 1:
+        return []
+    heads_cfg = runner.loaded.heads.config
+    order = sweep_order(config.tree)
+    plain_seconds = sum(r["plain"]["seconds"] for r in records[:n])
+    plain_tokens = sum(r["plain"]["tokens"] for r in records[:n])
+    out = []
+    for size in sorted(set(s for s in config.sweep_sizes if s <= len(order)) | {len(tree.paths)}):
+        if size == len(tree.paths):
+            sub = tree
+        else:
+            try:
+                sub = build_tree(order[:size], name=f"prefix_{size}", num_heads=heads_cfg.num_heads,
+                                 max_top_k=heads_cfg.head_vocab_size)
+            except TreeError as e:
+                progress(f"tree sweep: skipping {size} nodes ({e})")
+                continue
+        timed = [runner.run("medusa", [p], 1, sub) for p in prompts[:n]]
+        tokens, seconds = sum(t.tokens for t in timed), sum(t.seconds for t in timed)
+        steps = sum(sum(t.steps) for t in timed)
+        out.append({"num_nodes": size, "num_tree_tokens": size + 1, "acceleration_rate": tokens / steps,
+                    "tokens_per_s": tokens / seconds, "speedup": (tokens / seconds) / (plain_tokens / plain_seconds),
+                    "questions": n, "is_main_tree": sub == tree})
+        progress(f"tree sweep: {size} nodes: {tokens / steps:.2f} tok/step, x{out[-1]['speedup']:.2f}")
+    return out

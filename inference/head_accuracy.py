@@ -1,0 +1,110 @@
+"""Each Medusa head's top-k accuracy on held-out text: the table build_tree turns into a tree.
+
+The text is self-distilled: the base model's own greedy continuation of held-out prompts, so a head's guess
+counts as right exactly when greedy acceptance would accept it. For a continuation position p (the last
+prompt token and after), head d's rank-r guess from the hidden state at p is right when it equals the token at
+p + 2 + d. accuracy_dk[d, r] = P(rank-r guess right) = hits / positions where p + 2 + d is still in the text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.heads import MedusaHeads
+from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadAccuracy:
+    accuracy_dk: np.ndarray  # [num_heads, top_k] P(head d's rank-r guess is right)
+    positions_d: np.ndarray  # [num_heads] positions counted per head
+    num_sequences: int
+
+    @property
+    def top1_d(self) -> np.ndarray:
+        return self.accuracy_dk[:, 0]
+
+    def topk_cumulative(self) -> np.ndarray:
+        """[num_heads, top_k] P(right token among the first r+1 guesses)."""
+        return np.cumsum(self.accuracy_dk, axis=1)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "top_k"))
+def _top_k_along(graphdef, params, tokens_bt, *, top_k: int):
+    """[K, B, T, k] every head's top-k at every position of full sequences (one causal forward)."""
+    base, heads = nnx.merge(graphdef, params)
+    b, t = tokens_bt.shape
+    cache = KVCache.zeros(base.config, b, t)
+    positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    hidden_btd, _ = base(tokens_bt, positions_bt, attention_mask(cache.lengths_b, causal_block(t), t), cache)
+    return heads.top_k(hidden_btd, base, top_k)
+
+
+def count_hits(top_k_kbtr: np.ndarray, sequences: Sequence[Sequence[int]], starts: Sequence[int]):
+    """(hits [K, k], positions [K]) over a batch: sequence b's positions from starts[b] on."""
+    num_heads, _, _, k = top_k_kbtr.shape
+    hits = np.zeros((num_heads, k), np.int64)
+    counted = np.zeros(num_heads, np.int64)
+    for b, (seq, start) in enumerate(zip(sequences, starts)):
+        seq = np.asarray(seq)
+        for d in range(num_heads):
+            last = len(seq) - 3 - d  # the last position p whose target p + 2 + d exists
+            if last < start:
+                continue
+            guesses_pr = top_k_kbtr[d, b, start: last + 1]
+            targets_p = seq[start + 2 + d: last + 3 + d]
+            hits[d] += (guesses_pr == targets_p[:, None]).sum(axis=0)
+            counted[d] += last + 1 - start
+    return hits, counted
+
+
+def measure_head_accuracy(base: CausalLM, heads: MedusaHeads, sequences: Sequence[Sequence[int]],
+                          starts: Sequence[int], *, top_k: int = 10, batch_size: int = 8,
+                          progress: Callable[[str], None] | None = None) -> HeadAccuracy:
+    """Accuracy table over `sequences` (token ids), counting positions from starts[i] (the index of the
+    last prompt token) on."""
+    if len(sequences) != len(starts) or not sequences:
+        raise ValueError("need one start index per sequence, and at least one sequence")
+    graphdef, params = nnx.split((base, heads))
+    num_heads = heads.config.num_heads
+    hits = np.zeros((num_heads, top_k), np.int64)
+    counted = np.zeros(num_heads, np.int64)
+    for i in range(0, len(sequences), batch_size):
+        chunk, chunk_starts = list(sequences[i: i + batch_size]), list(starts[i: i + batch_size])
+        width = round_up(max(len(s) for s in chunk), PROMPT_BUCKET)
+        tokens = np.zeros((batch_size, width), np.int32)  # filler rows stay zero and are not counted
+        for b, s in enumerate(chunk):
+            tokens[b, : len(s)] = s
+        top = np.asarray(_top_k_along(graphdef, params, jnp.asarray(tokens), top_k=top_k))
+        h, c = count_hits(top, chunk, chunk_starts)
+        hits, counted = hits + h, counted + c
+        if progress:
+            progress(f"head accuracy: {min(i + batch_size, len(sequences))}/{len(sequences)} sequences")
+    if counted.min() == 0:
+        raise ValueError("the held-out text is too short: some head has no position to score; use longer "
+                         "continuations or more prompts")
+    return HeadAccuracy(hits / counted[:, None], counted, len(sequences))
+
+
+def self_distill(base: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids,
+                 pad_id: int, batch_size: int = 8) -> tuple[list[list[int]], list[int]]:
+    """The base model's greedy continuations: (prompt + continuation per prompt, index of the last prompt
+    token per prompt)."""
+    sequences, starts = [], []
+    for i in range(0, len(prompts), batch_size):
+        chunk = [list(p) for p in prompts[i: i + batch_size]]
+        results = generate(base, chunk, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+                           batch_size=batch_size)
+        for prompt, result in zip(chunk, results):
+            sequences.append(prompt + list(result.token_ids))
+            starts.append(len(prompt) - 1)
+    return sequences, starts

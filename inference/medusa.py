@@ -1,0 +1,187 @@
+"""Medusa decoding: prefill + a `jax.lax.while_loop` of tree steps, one jitted call per batch.
+
+Shapes: B rows, P padded prompt length, N = max_new_tokens, S cache slots (S >= P + N + T), T tree tokens,
+D tree depth, k top-k per head. Each step, per row:
+  1. the proposer gives [B, D, k] candidates per (head, rank) from the hidden state that produced the root
+     (the last emitted token, not yet in the cache); the tree picks its T tokens from [root, candidates];
+  2. ONE verify forward of the T tokens at positions length + depth under the tree mask writes their K/V to
+     slots [length, length + T);
+  3. acceptance picks a path and its accept length a, plus the base model's next token after it (bonus);
+  4. the K/V of the root and the a accepted nodes move to slots [length, length + a + 1) (a gather and a
+     scatter of D + 1 slots per row; the rest of the tree block is scratch) and the row advances by a + 1.
+Rows finish independently: tokens after an EOS inside the accepted path are dropped, the last step is cut
+to max_new_tokens, and a finished row stops advancing (it keeps computing, writing scratch slots only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.heads import MedusaHeads, MedusaModel
+from medusa_jax.kv_cache import KVCache, attention_mask
+from medusa_jax.sharding import map_cache_rows
+from medusa_jax.tree import DEFAULT_TREE, TreeBuffers, load_tree
+from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_typical
+from medusa_jax.inference.autoregressive import is_eos, prefill
+from medusa_jax.inference.engine import GenerationResult, check_fits, pad_prompts, resolve_eos
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposeInputs:
+    """What a proposer sees at each step (inside the jitted loop)."""
+
+    model: MedusaModel
+    hidden_bd: jax.Array  # base hidden state of the last accepted node: its logits gave root_b
+    root_b: jax.Array  # the newest emitted token (tree node 0)
+    num_out_b: jax.Array  # tokens emitted so far, the root included
+    step: jax.Array  # verify steps done so far (scalar)
+    tree: TreeBuffers
+    data: Any  # the proposer_data pytree given to generate_medusa
+
+
+# A proposer returns [B, tree.depth, tree.top_k] int32 candidate ids: [b, h, r] fills tree nodes (head h, rank r)
+Proposer = Callable[[ProposeInputs], jax.Array]
+
+
+def heads_proposer(inputs: ProposeInputs) -> jax.Array:
+    """The Medusa proposal: each head's top-k tokens from the last accepted hidden state."""
+    tree = inputs.tree
+    top_kbk = inputs.model.heads.top_k(inputs.hidden_bd, inputs.model.base, tree.top_k, num_heads=tree.depth)
+    return top_kbk.transpose(1, 0, 2)
+
+
+def tree_tokens(root_b: jax.Array, candidates_bhk: jax.Array, tree: TreeBuffers) -> jax.Array:
+    """[B] roots + [B, D, k] candidates -> [B, T] tree tokens (flat list [root, head0 top-k, head1 top-k, ...])."""
+    flat_bf = jnp.concatenate([root_b[:, None], candidates_bhk.reshape(root_b.shape[0], -1)], axis=1)
+    return flat_bf[:, jnp.asarray(tree.candidate_index_t)].astype(jnp.int32)
+
+
+def compact_accepted(cache: KVCache, nodes_bj: jax.Array) -> KVCache:
+    """Moves the K/V of tree nodes nodes_bj (slots lengths + node) to slots lengths + j, j = 0..D, in every
+    layer. Only D + 1 slots per row are read and written; lengths are unchanged. Under a mesh each device
+    moves its own rows (`sharding.map_cache_rows`), with no collectives."""
+    return map_cache_rows(_compact_rows, cache, nodes_bj)
+
+
+def _compact_rows(cache: KVCache, nodes_bj: jax.Array) -> KVCache:
+    rows_b1 = jnp.arange(cache.batch_size)[:, None]
+    src_bj = cache.lengths_b[:, None] + nodes_bj
+    dst_bj = cache.lengths_b[:, None] + jnp.arange(nodes_bj.shape[1])[None, :]
+
+    def move(buf_lbshd):
+        return buf_lbshd.at[:, rows_b1, dst_bj].set(buf_lbshd[:, rows_b1, src_bj])
+
+    return cache.replace(k_lbshd=move(cache.k_lbshd), v_lbshd=move(cache.v_lbshd))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _LoopState:
+    cache: KVCache
+    root_b: jax.Array  # the newest emitted token of each row, not yet in the cache
+    hidden_bd: jax.Array  # the hidden state whose logits gave root_b
+    out_bn: jax.Array  # emitted tokens, pad after a row's end
+    num_out_b: jax.Array
+    done_b: jax.Array
+    steps_b: jax.Array  # verify steps each row took part in
+    accept_bn: jax.Array  # accept length of each of a row's verify steps
+    step: jax.Array
+    key: jax.Array
+
+
+@partial(jax.jit, static_argnames=("graphdef", "tree", "max_new_tokens", "acceptance", "eos_ids", "pad_id",
+                                   "proposer"), donate_argnames=("cache",))
+def medusa_decode(graphdef, params, cache: KVCache, prompt_bp, prompt_lens_b, key, proposer_data=None, *,
+                  tree: TreeBuffers, max_new_tokens: int, acceptance: AcceptanceConfig,
+                  eos_ids: tuple[int, ...], pad_id: int, proposer: Proposer = heads_proposer):
+    """Prefill + Medusa decoding in one call. Returns (tokens [B, N], number of new tokens [B], verify steps
+    [B], accept lengths [B, N] (the first steps[b] are valid), cache)."""
+    model: MedusaModel = nnx.merge(graphdef, params)
+    base = model.base
+    b, n, depth = prompt_bp.shape[0], max_new_tokens, tree.depth
+    last_bd, cache = prefill(base, prompt_bp, prompt_lens_b, cache)
+    key, sub = jax.random.split(key)
+    first_b = sample_typical(base.logits(last_bd), sub, acceptance)
+    out_bn = jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(first_b)
+    zeros_b = jnp.zeros((b,), jnp.int32)
+    state = _LoopState(cache, first_b, last_bd, out_bn, jnp.ones((b,), jnp.int32), is_eos(first_b, eos_ids),
+                       zeros_b, jnp.zeros((b, n), jnp.int32), jnp.zeros((), jnp.int32), key)
+    block_mask_tt = jnp.asarray(tree.ancestor_mask_tt)
+    depth_t = jnp.asarray(tree.depth_t)
+    rows_b1 = jnp.arange(b)[:, None]
+    j_1j = jnp.arange(depth + 1)[None, :]
+
+    def cond(s: _LoopState):
+        return jnp.any(~s.done_b & (s.num_out_b < n))
+
+    def body(s: _LoopState):
+        active_b = ~s.done_b & (s.num_out_b < n)
+        lengths_b = s.cache.lengths_b
+        candidates_bhk = proposer(ProposeInputs(model, s.hidden_bd, s.root_b, s.num_out_b, s.step, tree,
+                                                proposer_data))
+        tokens_bt = tree_tokens(s.root_b, candidates_bhk, tree)
+        mask_bts = attention_mask(lengths_b, block_mask_tt, s.cache.cache_size)
+        hidden_btd, cache = base(tokens_bt, lengths_b[:, None] + depth_t[None, :], mask_bts, s.cache)
+        key, sub = jax.random.split(s.key)
+        accept_b, nodes_bj, bonus_b = accept_tree(tree, tokens_bt, base.logits(hidden_btd), sub, acceptance)
+
+        # emitted this step: the accepted candidates (depth 1..a of the path), then the bonus token
+        path_tokens_bj = jnp.take_along_axis(tokens_bt, nodes_bj, axis=1)
+        shifted_bj = jnp.concatenate([path_tokens_bj[:, 1:], path_tokens_bj[:, :1]], axis=1)
+        emitted_bj = jnp.where(j_1j < accept_b[:, None], shifted_bj, bonus_b[:, None])
+        eos_bj = is_eos(emitted_bj, eos_ids) & (j_1j <= accept_b[:, None])
+        until_eos_b = jnp.where(jnp.any(eos_bj, axis=1), jnp.argmax(eos_bj, axis=1) + 1, depth + 1)
+        count_b = jnp.minimum(jnp.minimum(accept_b + 1, until_eos_b), n - s.num_out_b)
+        count_b = jnp.where(active_b, count_b, 0)
+        keep_bj = j_1j < count_b[:, None]
+        out_bn = s.out_bn.at[rows_b1, jnp.where(keep_bj, s.num_out_b[:, None] + j_1j, n)].set(
+            emitted_bj, mode="drop")
+        accept_bn = s.accept_bn.at[jnp.arange(b), jnp.where(active_b, s.steps_b, n)].set(accept_b, mode="drop")
+
+        cache = compact_accepted(cache, nodes_bj)
+        cache = cache.replace(lengths_b=lengths_b + count_b)
+        last_node_b = jnp.take_along_axis(nodes_bj, accept_b[:, None], axis=1)[:, 0]
+        hidden_bd = jnp.take_along_axis(hidden_btd, last_node_b[:, None, None], axis=1)[:, 0]
+        return _LoopState(cache, jnp.where(active_b, bonus_b, s.root_b),
+                          jnp.where(active_b[:, None], hidden_bd, s.hidden_bd), out_bn, s.num_out_b + count_b,
+                          s.done_b | jnp.any(eos_bj & keep_bj, axis=1), s.steps_b + active_b.astype(jnp.int32),
+                          accept_bn, s.step + 1, key)
+
+    state = jax.lax.while_loop(cond, body, state)
+    return state.out_bn, state.num_out_b, state.steps_b, state.accept_bn, state.cache
+
+
+def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequence[int]], *,
+                    tree: "str | TreeBuffers" = DEFAULT_TREE, max_new_tokens: int = 128,
+                    acceptance: AcceptanceConfig = AcceptanceConfig(), seed: int = 0,
+                    eos_ids: Sequence[int] | None = None, pad_id: int = 0, batch_size: int | None = None,
+                    cache_size: int | None = None, proposer: Proposer | None = None, proposer_data: Any = None,
+                    timings: dict | None = None) -> list[GenerationResult]:
+    """Medusa decoding of one batch of token-id prompts (ragged lengths are fine). `tree` is a preset name,
+    a JSON file or TreeBuffers; `proposer` replaces the heads' top-k proposal (it receives `proposer_data`).
+    Each result's `steps` counts the prefill and the verify steps; `accept_lengths` lists each step's."""
+    tree = load_tree(tree, num_heads=heads.config.num_heads, max_top_k=heads.config.head_vocab_size)
+    batch = pad_prompts(prompts, pad_id, batch_size)
+    size = check_fits(batch, max_new_tokens, tree.num_tokens, cache_size)
+    graphdef, params = nnx.split(MedusaModel(base, heads))
+    cache = KVCache.zeros(base.config, batch.tokens_bp.shape[0], size)
+    start = time.perf_counter()
+    out_bn, num_b, steps_b, accept_bn, _ = medusa_decode(
+        graphdef, params, cache, jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b),
+        jax.random.key(seed), proposer_data, tree=tree, max_new_tokens=max_new_tokens, acceptance=acceptance,
+        eos_ids=resolve_eos(base, eos_ids), pad_id=pad_id, proposer=proposer or heads_proposer)
+    out_bn, num_b, steps_b, accept_bn = map(np.asarray, (out_bn, num_b, steps_b, accept_bn))
+    if timings is not None:
+        timings["seconds"] = time.perf_counter() - start
+    return [GenerationResult(out_bn[i, : num_b[i]].tolist(), steps=1 + int(steps_b[i]),
+                             accept_lengths=accept_bn[i, : steps_b[i]].tolist())
+            for i in range(batch.num_real)]

@@ -1,0 +1,234 @@
+"""Decoding under a device mesh: the plain and Medusa decode loops jitted with explicit in/out shardings.
+
+Layouts (mesh axes from `medusa_jax.sharding`):
+    parameters        PARAM_RULES (attention heads, MLP width and vocabulary over `tensor`; hidden over `fsdp`)
+    KV cache          [L, B, S, Hkv, D]: rows over (data, fsdp), KV heads over `tensor`
+    prompts, outputs  [B, ...]: rows over (data, fsdp); the PRNG key is replicated
+With data x tensor meshes each step moves only activations (all-reduces after the row-parallel o_proj and
+down_proj, the vocabulary-parallel logits). `fsdp` > 1 stores weights split over hidden_size, so every layer
+all-gathers its weights at every decode step: it saves memory, not time. For decoding prefer data x tensor
+(see `loop_collectives` in medusa_jax.hlo_collectives to check a compiled loop).
+
+Multi-host: every process holds the same (small) host batch of token ids; `put_rows` builds each process's
+addressable shards from it, so each process feeds only the rows its devices hold, and `fetch` gathers the
+outputs from all processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.heads import MedusaHeads, MedusaModel
+from medusa_jax.kv_cache import KVCache
+from medusa_jax.sharding import (BATCH_AXES, MeshConfig, batch_sharding, cache_shardings, checked_sharding,
+                                 param_shardings, replicated, validate_model_mesh)
+from medusa_jax.tree import TreeBuffers
+from medusa_jax.inference import autoregressive, medusa
+from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+def put_rows(mesh: Mesh, rows: np.ndarray) -> jax.Array:
+    """A host array [B, ...] (the same on every process) -> a global array with rows over (data, fsdp).
+    Each process materialises only the shards of its own devices."""
+    rows = np.asarray(rows)
+    sharding = checked_sharding(mesh, P(BATCH_AXES, *([None] * (rows.ndim - 1))), rows.shape, "batch rows")
+    return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+
+def fetch(array: jax.Array) -> np.ndarray:
+    """A (possibly multi-process) global array -> the full host array on every process."""
+    if jax.process_count() == 1:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def sharded_top_k(logits_xbv: jax.Array, k: int, mesh: Mesh) -> jax.Array:
+    """Indices of the k largest entries along the last axis of [..., B, V] logits, computed shard by shard:
+    XLA's partitioner replicates a TopK (it all-gathers the whole [..., B, V] logits, even over the batch).
+    Here each device takes the top-k of its rows and vocabulary slice, the k candidates of every vocabulary
+    shard are all-gathered over `tensor` and reduced again. Ties resolve to the lower index, as in lax.top_k."""
+    t = mesh.shape["tensor"]
+    vocab = logits_xbv.shape[-1]
+    vocab_axis = "tensor" if t > 1 and vocab % t == 0 and vocab // t >= k else None
+    lead = (None,) * (logits_xbv.ndim - 2)
+
+    def local(x):
+        values, ids = jax.lax.top_k(x, k)
+        if vocab_axis is None:
+            return ids
+        ids = ids + jax.lax.axis_index("tensor") * x.shape[-1]
+        values = jax.lax.all_gather(values, "tensor", axis=x.ndim - 1, tiled=True)  # [..., b, t*k]
+        ids = jax.lax.all_gather(ids, "tensor", axis=x.ndim - 1, tiled=True)
+        _, best = jax.lax.top_k(values, k)  # candidates are ordered by vocabulary shard, so ties keep order
+        return jnp.take_along_axis(ids, best, axis=-1)
+
+    # check_vma=False: the all-gathered result is the same on every `tensor` shard, which JAX cannot infer
+    return jax.shard_map(local, mesh=mesh, in_specs=P(*lead, BATCH_AXES, vocab_axis),
+                         out_specs=P(*lead, BATCH_AXES, None), check_vma=False)(logits_xbv)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshHeadsProposer:
+    """`medusa.heads_proposer` with the heads' top-k computed per shard (`sharded_top_k`)."""
+
+    mesh: Mesh
+
+    def __call__(self, inputs: medusa.ProposeInputs) -> jax.Array:
+        tree, heads = inputs.tree, inputs.model.heads
+        logits_kbv = heads.logits(inputs.hidden_bd, inputs.model.base, num_heads=tree.depth)
+        ids_kbk = sharded_top_k(logits_kbv, tree.top_k, self.mesh).astype(jnp.int32)
+        return heads.to_full_vocab(ids_kbk).transpose(1, 0, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainStatics:
+    """Everything the plain decode loop is specialised on (one compilation per distinct value)."""
+
+    graphdef: Any  # of the CausalLM
+    max_new_tokens: int
+    sampling: SamplingConfig
+    eos_ids: tuple[int, ...]
+    pad_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaStatics:
+    """Everything the Medusa decode loop is specialised on."""
+
+    graphdef: Any  # of the MedusaModel
+    tree: TreeBuffers
+    max_new_tokens: int
+    acceptance: AcceptanceConfig
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    proposer: MeshHeadsProposer
+
+
+def _plain_decode(statics: PlainStatics, params, cache, prompt_bp, prompt_lens_b, key):
+    return autoregressive.decode(statics.graphdef, params, cache, prompt_bp, prompt_lens_b, key,
+                                 max_new_tokens=statics.max_new_tokens, sampling=statics.sampling,
+                                 eos_ids=statics.eos_ids, pad_id=statics.pad_id)
+
+
+def _medusa_decode(statics: MedusaStatics, params, cache, prompt_bp, prompt_lens_b, key):
+    return medusa.medusa_decode(statics.graphdef, params, cache, prompt_bp, prompt_lens_b, key, None,
+                                tree=statics.tree, max_new_tokens=statics.max_new_tokens,
+                                acceptance=statics.acceptance, eos_ids=statics.eos_ids, pad_id=statics.pad_id,
+                                proposer=statics.proposer)
+
+
+class ShardedModel:
+    """A base model (and optionally Medusa heads) placed on a mesh, with the decode loops jitted under explicit
+    in/out shardings. Build it once and reuse it across batches: compilations are cached per batch shape and
+    static settings, and the donated KV cache is recycled when the next batch has the same shape."""
+
+    def __init__(self, base: CausalLM, heads: MedusaHeads | None = None, mesh: Mesh | MeshConfig | None = None):
+        if mesh is None or isinstance(mesh, MeshConfig):
+            mesh = (mesh or MeshConfig()).make_mesh()
+        if not isinstance(base, CausalLM):
+            raise TypeError(f"expected a CausalLM base model, got {type(base).__name__}")
+        validate_model_mesh(base.config, mesh)
+        self.mesh = mesh
+        self.config = base.config
+        self.heads_config = None if heads is None else heads.config
+        graphdef, state = nnx.split(base if heads is None else MedusaModel(base, heads))
+        shardings = param_shardings(state, mesh)
+        params = jax.device_put(state, shardings)  # a no-op for parameters already loaded in place
+        if heads is None:
+            self.base_graphdef, self.base_params, self.base_shardings = graphdef, params, shardings
+            self.medusa_graphdef = self.medusa_params = self.medusa_shardings = None
+        else:
+            self.medusa_graphdef, self.medusa_params, self.medusa_shardings = graphdef, params, shardings
+            self.base_graphdef = nnx.split(base)[0]
+            self.base_params, self.base_shardings = params["base"], shardings["base"]
+        if mesh.shape["fsdp"] > 1:
+            log.warning("mesh axis fsdp=%d stores weights split over hidden_size: every decode step then needs "
+                        "extra collectives per layer (weights or activations over fsdp); prefer data x tensor "
+                        "meshes for decoding", mesh.shape["fsdp"])
+        self._jits: dict[tuple, Callable] = {}
+        self._spare_cache: KVCache | None = None  # the last donated-and-returned cache
+
+    @property
+    def has_heads(self) -> bool:
+        return self.medusa_graphdef is not None
+
+    # ---- placement -------------------------------------------------------------------------------------
+    def cache_sharding(self, batch_size: int, cache_size: int) -> KVCache:
+        abstract = jax.eval_shape(lambda: KVCache.zeros(self.config, batch_size, cache_size))
+        return cache_shardings(self.mesh, abstract)
+
+    def new_cache(self, batch_size: int, cache_size: int) -> KVCache:
+        """A zeroed KV cache created directly in its sharded layout (never whole on one device)."""
+        spare, self._spare_cache = self._spare_cache, None
+        if spare is not None and spare.k_lbshd.shape[1:3] == (batch_size, cache_size):
+            return spare  # decoding resets lengths and masks every slot past them: stale contents are harmless
+        shardings = self.cache_sharding(batch_size, cache_size)
+        return jax.jit(lambda: KVCache.zeros(self.config, batch_size, cache_size), out_shardings=shardings)()
+
+    def key(self, seed: int) -> jax.Array:
+        return jax.device_put(jax.random.key(seed), replicated(self.mesh))
+
+    def _jit(self, fn: Callable, params_shardings, batch_size: int, cache_size: int,
+             out_batch_ndims: tuple[int, ...]) -> Callable:
+        """fn(statics, params, cache, prompt_bp, prompt_lens_b, key) with explicit shardings; it returns
+        batch-major arrays of `out_batch_ndims` and then the cache (donated in, returned out)."""
+        memo = (fn, batch_size, cache_size, out_batch_ndims)
+        if memo not in self._jits:
+            cache_sh = self.cache_sharding(batch_size, cache_size)
+            rows_2d, rows_1d = batch_sharding(self.mesh, 2), batch_sharding(self.mesh, 1)
+            outs = tuple(batch_sharding(self.mesh, nd) for nd in out_batch_ndims) + (cache_sh,)
+            self._jits[memo] = jax.jit(
+                fn, static_argnums=(0,), donate_argnums=(2,),
+                in_shardings=(params_shardings, cache_sh, rows_2d, rows_1d, replicated(self.mesh)),
+                out_shardings=outs)
+        return self._jits[memo]
+
+    def _run(self, fn, statics, params, params_shardings, prompt_bp, prompt_lens_b, cache_size, seed,
+             out_batch_ndims, lowered_only):
+        batch_size = prompt_bp.shape[0]
+        jitted = self._jit(fn, params_shardings, batch_size, cache_size, out_batch_ndims)
+        args = (statics, params, self.new_cache(batch_size, cache_size), put_rows(self.mesh, prompt_bp),
+                put_rows(self.mesh, prompt_lens_b), self.key(seed))
+        with jax.set_mesh(self.mesh):  # lets row-local steps run per shard (sharding.map_cache_rows)
+            if lowered_only:
+                self._spare_cache = args[2]  # lowering does not consume the donated cache
+                return jitted.lower(*args)
+            *outs, cache = jitted(*args)
+        self._spare_cache = cache
+        return tuple(fetch(o) for o in outs)
+
+    # ---- decode loops ----------------------------------------------------------------------------------
+    def plain_decode(self, prompt_bp: np.ndarray, prompt_lens_b: np.ndarray, *, cache_size: int,
+                     max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+                     eos_ids: tuple[int, ...] = (), pad_id: int = 0, lowered_only: bool = False):
+        """Prefill + plain decoding of one padded batch -> host (tokens [B, N], num_new [B]).
+        `lowered_only` returns the lowered computation instead (for HLO inspection)."""
+        statics = PlainStatics(self.base_graphdef, max_new_tokens, sampling, tuple(eos_ids), pad_id)
+        return self._run(_plain_decode, statics, self.base_params, self.base_shardings, prompt_bp,
+                         prompt_lens_b, cache_size, seed, (2, 1), lowered_only)
+
+    def medusa_decode(self, prompt_bp: np.ndarray, prompt_lens_b: np.ndarray, *, tree: TreeBuffers,
+                      cache_size: int, max_new_tokens: int, acceptance: AcceptanceConfig = AcceptanceConfig(),
+                      seed: int = 0, eos_ids: tuple[int, ...] = (), pad_id: int = 0, lowered_only: bool = False):
+        """Prefill + Medusa decoding of one padded batch (the cache needs tree.num_tokens scratch slots) ->
+        host (tokens [B, N], num_new [B], verify steps [B], accept lengths [B, N])."""
+        if not self.has_heads:
+            raise ValueError("this ShardedModel was built without Medusa heads")
+        statics = MedusaStatics(self.medusa_graphdef, tree, max_new_tokens, acceptance, tuple(eos_ids), pad_id,
+                                MeshHeadsProposer(self.mesh))
+        return self._run(_medusa_decode, statics, self.medusa_params, self.medusa_shardings, prompt_bp,
+                         prompt_lens_b, cache_size, seed, (2, 1, 1, 2), lowered_only)

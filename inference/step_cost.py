@@ -1,0 +1,205 @@
+"""Where a Medusa step's time goes on this hardware: each piece jitted and timed on its own, and the whole
+step as one jitted call, as a function of T (tree tokens verified, the root included) and the batch size.
+
+Pieces of one step (B rows, T tree tokens, S cache slots of which `context` are committed):
+    verify_forward    the backbone over the T tree tokens (tree mask, writes their K/V)
+    base_logits       base lm_head over the T nodes + argmax (what greedy acceptance compares against)
+    acceptance        the longest accepted path and the bonus token (`acceptance.accept_tree`)
+    heads_top_k       every head's top-k at the accepted node (the next step's candidates)
+    cache_compaction  moves the accepted path's K/V to consecutive slots (all layers)
+The pieces are the decoder's own functions (`acceptance.accept_tree`, `medusa.compact_accepted`, ...);
+`medusa_step` runs all of them in one jitted call (what a decode loop iteration costs, XLA fusing across
+pieces); `plain_step` is one plain decoding step (T = 1 forward + lm_head + argmax). Caches are donated so
+writes are in place, as in the decode loops. Values do not matter for cost, so weights are used as given
+(random or real) and the cache holds zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from functools import partial
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.heads import MedusaHeads
+from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.tree import TreeBuffers
+from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree
+from medusa_jax.inference.medusa import compact_accepted, tree_tokens
+
+PIECES = ("verify_forward", "base_logits", "acceptance", "heads_top_k", "cache_compaction")
+
+
+def time_call(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `fn()` after two untimed warm-up calls (the second compiles again when the first
+    call's inputs were fresh, uncommitted arrays and the next ones are outputs of a jitted call)."""
+    for _ in range(2):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _tree_inputs(tree: TreeBuffers, batch: int, context: int, vocab: int):
+    t = tree.num_tokens
+    tokens_bt = jnp.asarray(np.random.RandomState(0).randint(0, vocab, (batch, t)), jnp.int32)
+    positions_bt = jnp.asarray(context + tree.depth_t[None, :].repeat(batch, 0), jnp.int32)
+    return tokens_bt, positions_bt
+
+
+@partial(jax.jit, static_argnames=("graphdef", "tree"), donate_argnames=("cache",))
+def _verify_forward(graphdef, params, cache, tokens_bt, positions_bt, *, tree: TreeBuffers):
+    base: CausalLM = nnx.merge(graphdef, params)
+    mask_bts = attention_mask(cache.lengths_b, jnp.asarray(tree.ancestor_mask_tt), cache.cache_size)
+    return base(tokens_bt, positions_bt, mask_bts, cache)
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def _base_logits(graphdef, params, hidden_btd):
+    base: CausalLM = nnx.merge(graphdef, params)
+    logits_btv = base.logits(hidden_btd)
+    return logits_btv, jnp.argmax(logits_btv, axis=-1)
+
+
+@partial(jax.jit, static_argnames=("tree",))
+def _acceptance(tokens_bt, logits_btv, key, *, tree: TreeBuffers):
+    return accept_tree(tree, tokens_bt, logits_btv, key, AcceptanceConfig())
+
+
+@partial(jax.jit, static_argnames=("graphdef", "top_k", "num_heads"))
+def _heads_top_k(graphdef, params, hidden_bd, *, top_k: int, num_heads: int):
+    base, heads = nnx.merge(graphdef, params)
+    return heads.top_k(hidden_bd, base, top_k, num_heads)
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def _compaction(cache, nodes_bj):
+    return compact_accepted(cache, nodes_bj)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "tree"), donate_argnames=("cache",))
+def _medusa_step(graphdef, params, cache, tokens_bt, positions_bt, key, *, tree: TreeBuffers):
+    base, heads = nnx.merge(graphdef, params)
+    mask_bts = attention_mask(cache.lengths_b, jnp.asarray(tree.ancestor_mask_tt), cache.cache_size)
+    hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, cache)
+    length_b, nodes_bj, bonus_b = accept_tree(tree, tokens_bt, base.logits(hidden_btd), key, AcceptanceConfig())
+    last_b = jnp.take_along_axis(nodes_bj, length_b[:, None], axis=1)[:, 0]
+    hidden_bd = jnp.take_along_axis(hidden_btd, last_b[:, None, None], axis=1)[:, 0]
+    candidates_bhk = heads.top_k(hidden_bd, base, tree.top_k, tree.depth).transpose(1, 0, 2)
+    cache = compact_accepted(cache, nodes_bj)
+    return tree_tokens(bonus_b, candidates_bhk, tree), cache.replace(lengths_b=cache.lengths_b + length_b + 1)
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _plain_step(graphdef, params, cache, tokens_b1):
+    base: CausalLM = nnx.merge(graphdef, params)
+    lengths_b = cache.lengths_b
+    mask_b1s = attention_mask(lengths_b, causal_block(1), cache.cache_size)
+    hidden_b1d, cache = base(tokens_b1, lengths_b[:, None], mask_b1s, cache)
+    next_b1 = jnp.argmax(base.logits(hidden_b1d), axis=-1).astype(jnp.int32)
+    return next_b1, cache.replace(lengths_b=lengths_b + 1)
+
+
+class _Donating:
+    """Calls fn(cache, ...) repeatedly, feeding each call's returned cache into the next and resetting
+    lengths so every call sees the same committed context."""
+
+    def __init__(self, cache: KVCache, context: int):
+        self.cache, self.context = cache, context
+
+    def run(self, fn, *args):
+        lengths = jnp.full_like(self.cache.lengths_b, self.context)
+        out, cache = fn(self.cache.replace(lengths_b=lengths), *args)
+        self.cache = cache
+        return out
+
+
+def make_cache(base: CausalLM, batch: int, cache_size: int, context: int) -> KVCache:
+    cache = KVCache.zeros(base.config, batch, cache_size)
+    return cache.replace(lengths_b=jnp.full((batch,), context, jnp.int32))
+
+
+def plain_step_seconds(base: CausalLM, batch: int, context: int, cache_size: int, repeats: int = 5) -> float:
+    graphdef, params = nnx.split(base)
+    runner = _Donating(make_cache(base, batch, cache_size, context), context)
+    tokens_b1 = jnp.zeros((batch, 1), jnp.int32)
+    return time_call(lambda: runner.run(lambda c, *a: _plain_step(graphdef, params, c, *a), tokens_b1), repeats)
+
+
+def medusa_step_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: int, context: int,
+                        cache_size: int, repeats: int = 5) -> float:
+    """Seconds of one whole Medusa step (all pieces in one jitted call)."""
+    graphdef, params = nnx.split((base, heads))
+    runner = _Donating(make_cache(base, batch, cache_size, context), context)
+    tokens_bt, positions_bt = _tree_inputs(tree, batch, context, base.config.vocab_size)
+    key = jax.random.key(0)
+    step = lambda c, *a: _medusa_step(graphdef, params, c, *a, tree=tree)  # noqa: E731
+    return time_call(lambda: runner.run(step, tokens_bt, positions_bt, key), repeats)
+
+
+def piece_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: int, context: int,
+                  cache_size: int, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of each piece of a step (see the module docstring), each jitted on its own."""
+    base_def, base_params = nnx.split(base)
+    both_def, both_params = nnx.split((base, heads))
+    runner = _Donating(make_cache(base, batch, cache_size, context), context)
+    tokens_bt, positions_bt = _tree_inputs(tree, batch, context, base.config.vocab_size)
+    verify = lambda c, *a: _verify_forward(base_def, base_params, c, *a, tree=tree)  # noqa: E731
+    out = {"verify_forward": time_call(lambda: runner.run(verify, tokens_bt, positions_bt), repeats)}
+    hidden_btd = runner.run(verify, tokens_bt, positions_bt)
+    out["base_logits"] = time_call(lambda: _base_logits(base_def, base_params, hidden_btd), repeats)
+    logits_btv, _ = _base_logits(base_def, base_params, hidden_btd)
+    key = jax.random.key(0)
+    out["acceptance"] = time_call(lambda: _acceptance(tokens_bt, logits_btv, key, tree=tree), repeats)
+    out["heads_top_k"] = time_call(lambda: _heads_top_k(both_def, both_params, hidden_btd[:, 0], top_k=tree.top_k,
+                                                        num_heads=tree.depth), repeats)
+    nodes_bj = jnp.broadcast_to(jnp.asarray(tree.retrieve_lj[0]), (batch, tree.depth + 1))
+    compact = lambda c, n: (None, _compaction(c, n))  # noqa: E731
+    out["cache_compaction"] = time_call(lambda: runner.run(compact, nodes_bj), repeats)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCostTable:
+    """Step seconds by tree size for one batch size: the curve build_tree sizes trees with."""
+
+    batch: int
+    context: int
+    cache_size: int
+    plain_seconds: float
+    num_tree_tokens: tuple[int, ...]
+    medusa_seconds: tuple[float, ...]
+
+    def overhead(self) -> list[float]:
+        return [s / self.plain_seconds for s in self.medusa_seconds]
+
+
+def measure_step_costs(base: CausalLM, heads: MedusaHeads, trees: Sequence[TreeBuffers], *, batch: int = 1,
+                       context: int = 256, cache_size: int | None = None, repeats: int = 5,
+                       progress: Callable[[str], None] | None = None) -> StepCostTable:
+    """The whole-step time of each tree (sorted by size) and of a plain step, same batch and context."""
+    if not trees:
+        raise ValueError("need at least one tree to measure")
+    trees = sorted(trees, key=lambda t: t.num_tokens)
+    largest = trees[-1].num_tokens
+    cache_size = cache_size or context + 2 * largest + 64
+    if cache_size < context + largest + trees[-1].depth + 1:
+        raise ValueError(f"cache_size {cache_size} cannot hold context {context} + a {largest}-token tree")
+    plain = plain_step_seconds(base, batch, context, cache_size, repeats)
+    seconds = []
+    for tree in trees:
+        seconds.append(medusa_step_seconds(base, heads, tree, batch, context, cache_size, repeats))
+        if progress:
+            progress(f"B={batch} T={tree.num_tokens}: {seconds[-1] * 1e3:.2f} ms/step "
+                     f"(plain {plain * 1e3:.2f} ms, x{seconds[-1] / plain:.2f})")
+    return StepCostTable(batch, context, cache_size, plain, tuple(t.num_tokens for t in trees), tuple(seconds))

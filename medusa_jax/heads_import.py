@@ -1,0 +1,259 @@
+"""Load Medusa heads from any folder layout we know (see `medusa_jax.heads_interop` for the layouts):
+
+  medusa-jax  config.json with "format": "medusa-jax" + heads.safetensors (ours; `heads_io`)
+  medusa      FasterDecoding / TGI / TensorRT-LLM: config.json (medusa_num_heads, medusa_num_layers) +
+              medusa_lm_head.safetensors, or medusa_lm_head.pt (read with torch.load(weights_only=True));
+              "v1" when every head has `{h}.{L}.weight`, else the ResBlock-only "v2" (shared base lm_head).
+              When both files exist the .safetensors one is read.
+  vllm        config.json with model_type "medusa" + model.safetensors (or pytorch_model.bin)
+
+Every tensor the layout names must be present with the right shape and no other tensor may be there;
+errors list the missing and unexpected names. Hidden size and vocabulary are checked against config.json
+and, when given, the backbone's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.config import ModelConfig
+from medusa_jax.heads import HeadsConfig, MedusaHeads
+from medusa_jax.heads_interop import ExportError, MEDUSA_WEIGHTS, MEDUSA_WEIGHTS_PT, check_token_map
+from medusa_jax.heads_io import FORMAT, heads_from_tensors, heads_tensors, load_native_heads
+from medusa_jax.tensor_files import (CheckpointError, SafetensorsFile, TensorSource, find_model_weights,
+                                     load_torch_bin)
+
+LAYOUTS = ("medusa-jax", "medusa", "vllm")
+
+
+def _read_config(folder: Path) -> dict | None:
+    path = folder / "config.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: corrupt config.json ({e})") from None
+
+
+def detect_layout(folder: str | os.PathLike) -> str:
+    """One of LAYOUTS, or CheckpointError saying what a heads folder should contain."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: heads folder does not exist")
+    raw = _read_config(folder)
+    if raw is not None and raw.get("format") == FORMAT:
+        return "medusa-jax"
+    if (folder / MEDUSA_WEIGHTS).exists() or (folder / MEDUSA_WEIGHTS_PT).exists():
+        return "medusa"
+    if raw is not None and raw.get("model_type") == "medusa":
+        return "vllm"
+    raise CheckpointError(
+        f"{folder}: not a Medusa heads folder: expected config.json with \"format\": \"{FORMAT}\" (medusa-jax), "
+        f"{MEDUSA_WEIGHTS} or {MEDUSA_WEIGHTS_PT} (FasterDecoding/TGI/TensorRT-LLM), or config.json with "
+        f"model_type \"medusa\" (vLLM)")
+
+
+def _field(raw: dict | None, origin: str, *names: str) -> int:
+    for name in names:
+        if raw is not None and name in raw:
+            return int(raw[name])
+    raise CheckpointError(f"{origin}: config.json lacks {' / '.join(names)}")
+
+
+def _natural(name: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _check_names(origin: str, present, expected: dict[str, tuple], head_re: str, num_heads: int,
+                 count_field: str) -> None:
+    """Exact key match (listing missing and unexpected names), then shapes."""
+    missing = sorted(set(expected) - set(present), key=_natural)
+    unexpected = sorted(set(present) - set(expected), key=_natural)
+    if missing or unexpected:
+        heads_in_file = {int(m.group(1)) for n in present if (m := re.match(head_re, n))}
+        hint = ""
+        if heads_in_file and max(heads_in_file) + 1 != num_heads:
+            hint = (f" (the file holds heads 0..{max(heads_in_file)} but {count_field} is {num_heads}; if "
+                    f"config.json is wrong, pass num_heads={max(heads_in_file) + 1})")
+        raise CheckpointError(f"{origin}: tensors do not match the heads config: missing {missing}; "
+                              f"unexpected {unexpected}{hint}")
+    for name, shape in expected.items():
+        got = tuple(present[name].shape)
+        if got != shape:
+            raise CheckpointError(f"{origin}: tensor {name!r} has shape {got}, expected {shape}")
+
+
+def _check_sizes(origin: str, hidden: int, vocab: int, raw: dict | None, base_config: ModelConfig | None):
+    for source, cfg in (("config.json", raw or {}), ("the base model config", dataclasses.asdict(base_config)
+                                                      if base_config is not None else {})):
+        if cfg.get("hidden_size") is not None and int(cfg["hidden_size"]) != hidden:
+            raise CheckpointError(f"{origin}: the heads have hidden size {hidden} but {source} says "
+                                  f"{cfg['hidden_size']}")
+        if cfg.get("vocab_size") is not None and int(cfg["vocab_size"]) != vocab:
+            raise CheckpointError(f"{origin}: the heads have vocabulary size {vocab} but {source} says "
+                                  f"{cfg['vocab_size']}")
+
+
+def _base_lm_head_vd(base: CausalLM | None) -> np.ndarray | None:
+    return None if base is None else np.asarray(jax.device_get(base.lm_head_weight())).T
+
+
+def _equals_base(lm_vd: np.ndarray, base_vd: np.ndarray | None) -> bool:
+    """The stored lm_head is the base lm_head (compared after rounding the base to the stored dtype)."""
+    if base_vd is None or lm_vd.shape != base_vd.shape:
+        return False
+    return np.array_equal(np.asarray(lm_vd, np.float32), base_vd.astype(lm_vd.dtype).astype(np.float32))
+
+
+def _assemble(blocks, lms, token_map, *, hidden, vocab, base_vd, raw, dtype, origin) -> MedusaHeads:
+    """blocks[h][l] = (W [D,D] out-in, b [D]); lms[h] = [V_head, D] or None for the shared base lm_head."""
+    if token_map is not None:
+        mode = "truncated"
+    elif lms[0] is None or all(_equals_base(lm, base_vd) for lm in lms):
+        mode = "shared"
+    else:
+        mode = "own"
+    config = HeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=len(blocks), num_layers=len(blocks[0]),
+                         lm_head=mode, truncated_vocab_size=None if token_map is None else int(token_map.shape[0]),
+                         dtype=dtype, base_model_name_or_path=str((raw or {}).get("base_model_name_or_path", "")))
+    native: dict[str, np.ndarray] = {}
+    for h, (head_blocks, lm) in enumerate(zip(blocks, lms)):
+        for l, (w, b) in enumerate(head_blocks):
+            native[f"heads.{h}.blocks.{l}.linear.kernel"] = np.asarray(w).T
+            native[f"heads.{h}.blocks.{l}.linear.bias"] = np.asarray(b)
+        if mode != "shared":
+            native[f"heads.{h}.lm_head.kernel"] = np.asarray(lm).T
+    if token_map is not None:
+        native["token_map"] = token_map.astype(np.int32)
+    return heads_from_tensors(config, native, origin)
+
+
+def _load_medusa(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> MedusaHeads:
+    path = folder / MEDUSA_WEIGHTS
+    if path.exists():
+        st = SafetensorsFile(path)
+        tensors = {n: st.array(n) for n in st.names}
+    else:
+        path = folder / MEDUSA_WEIGHTS_PT
+        tensors = load_torch_bin(path)
+    origin = str(path)
+    heads = num_heads if num_heads is not None else _field(raw, origin, "medusa_num_heads")
+    layers = _field(raw, origin, "medusa_num_layers")
+    lm_keys = sorted((n for n in tensors if re.fullmatch(rf"\d+\.{layers}\.weight", n)), key=_natural)
+    v1 = bool(lm_keys)
+    if layers == 0 and not v1:
+        raise CheckpointError(f"{origin}: medusa_num_layers is 0 and there is no lm_head tensor: nothing to load")
+    some_w = tensors.get("0.0.linear.weight") if layers else tensors.get(f"0.{layers}.weight")
+    if some_w is None:
+        raise CheckpointError(f"{origin}: missing tensor {'0.0.linear.weight' if layers else '0.0.weight'}")
+    hidden = int(some_w.shape[-1])
+    if v1:
+        vocab = int(tensors[lm_keys[0]].shape[0])
+    else:
+        vocab = (raw or {}).get("vocab_size") or (base_config.vocab_size if base_config is not None else None)
+    if vocab is None:
+        raise CheckpointError(f"{origin}: cannot tell the vocabulary size (no lm_head tensor 0.{layers}.weight, "
+                              f"no vocab_size in config.json, no base model config given)")
+    vocab = int(vocab)
+    if str((raw or {}).get("version", "")) == "2" and v1:
+        raise CheckpointError(f"{origin}: config.json says version 2 (no per-head lm_head) but the file holds "
+                              f"per-head lm_head tensors {{h}}.{layers}.weight")
+    expected = {}
+    for h in range(heads):
+        for l in range(layers):
+            expected[f"{h}.{l}.linear.weight"] = (hidden, hidden)
+            expected[f"{h}.{l}.linear.bias"] = (hidden,)
+        if v1:
+            expected[f"{h}.{layers}.weight"] = (vocab, hidden)
+    _check_names(origin, tensors, expected, r"(\d+)\.", heads, "medusa_num_heads")
+    _check_sizes(origin, hidden, vocab, raw, base_config)
+    blocks = [[(tensors[f"{h}.{l}.linear.weight"], tensors[f"{h}.{l}.linear.bias"]) for l in range(layers)]
+              for h in range(heads)]
+    lms = [tensors[f"{h}.{layers}.weight"] if v1 else None for h in range(heads)]
+    return _assemble(blocks, lms, None, hidden=hidden, vocab=vocab, base_vd=base_vd, raw=raw, dtype=dtype,
+                     origin=origin)
+
+
+def _load_vllm(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> MedusaHeads:
+    source = TensorSource.from_files(find_model_weights(folder))
+    tensors = {n: source.array(n) for n in source.names}
+    origin = source.origin
+    heads = num_heads if num_heads is not None else _field(raw, origin, "num_heads", "medusa_num_heads")
+    layers = _field(raw, origin, "num_hidden_layers", "medusa_num_layers")
+    hidden, vocab = _field(raw, origin, "hidden_size"), _field(raw, origin, "vocab_size")
+    head_vocab = int(raw.get("truncated_vocab_size") or vocab)
+    bias, original = bool(raw.get("medusa_fc_bias", False)), bool(raw.get("original_lm_head", False))
+    token_map = None
+    if "token_map" in tensors:
+        if head_vocab == vocab:
+            raise CheckpointError(f"{origin}: has a token_map but truncated_vocab_size == vocab_size ({vocab}); "
+                                  f"vLLM ignores the map then: remove it or set truncated_vocab_size")
+        token_map = np.asarray(tensors["token_map"])
+        try:
+            check_token_map(token_map, head_vocab, vocab, origin)
+        except ExportError as e:
+            raise CheckpointError(str(e)) from None
+    elif head_vocab < vocab:
+        raise CheckpointError(f"{origin}: truncated_vocab_size {head_vocab} < vocab_size {vocab} needs a "
+                              f"token_map tensor, which is missing")
+    lm_names = [f"lm_heads.{h}.weight" for h in range(heads)]
+    if original:  # vLLM reads the shared lm_head as `lm_heads.0.weight` (or directly as `lm_head.weight`)
+        lm_names = ["lm_head.weight" if "lm_head.weight" in tensors else "lm_heads.0.weight"]
+    lm_rows = {n: (vocab if token_map is not None and n in tensors and tensors[n].shape[0] == vocab
+                   else head_vocab) for n in lm_names}  # vLLM slices full-vocab rows by token_map
+    expected = {n: (lm_rows[n], hidden) for n in lm_names}
+    for h in range(heads):
+        for l in range(layers):
+            expected[f"blocks.{h}.layers.{l}.weight"] = (hidden, hidden)
+            if bias:
+                expected[f"blocks.{h}.layers.{l}.bias"] = (hidden,)
+    if token_map is not None:
+        expected["token_map"] = (head_vocab,)
+    _check_names(origin, tensors, expected, r"(?:blocks|lm_heads)\.(\d+)\.", heads, "num_heads")
+    _check_sizes(origin, hidden, vocab, None, base_config)
+    zeros = np.zeros((hidden,), np.float32)
+    blocks = [[(tensors[f"blocks.{h}.layers.{l}.weight"], tensors[f"blocks.{h}.layers.{l}.bias"] if bias else zeros)
+               for l in range(layers)] for h in range(heads)]
+    lms = [tensors[lm_names[0 if original else h]] for h in range(heads)]
+    if token_map is not None:
+        lms = [lm[token_map] if lm.shape[0] == vocab else lm for lm in lms]
+    return _assemble(blocks, lms, token_map, hidden=hidden, vocab=vocab, base_vd=base_vd, raw=raw, dtype=dtype,
+                     origin=origin)
+
+
+def load_heads(folder: str | os.PathLike, base_config: ModelConfig | None = None, *, base: CausalLM | None = None,
+               dtype: str | None = None, num_heads: int | None = None) -> MedusaHeads:
+    """Loads heads from a folder in any layout in LAYOUTS.
+
+    base_config: the backbone's config; hidden size and vocabulary must match it (default: `base.config`).
+    base: the backbone itself, optional. Heads whose stored lm_heads all equal its lm_head (a materialized
+      shared lm_head, or vLLM's `original_lm_head`) then load as lm_head="shared" instead of "own" copies.
+    dtype: parameter dtype; default: as saved for medusa-jax folders, float32 for the other layouts.
+    num_heads: overrides the head count of config.json (some published configs are wrong, e.g.
+      FasterDecoding/medusa-vicuna-7b-v1.3 says 2 and holds 4); it must still match the tensors.
+    """
+    folder = Path(folder)
+    layout = detect_layout(folder)
+    if base_config is None and base is not None:
+        base_config = base.config
+    if layout == "medusa-jax":
+        heads = load_native_heads(folder)
+        cfg = heads.config
+        if num_heads is not None and num_heads != cfg.num_heads:
+            raise CheckpointError(f"{folder}: holds {cfg.num_heads} heads, num_heads={num_heads} was asked for")
+        _check_sizes(str(folder), cfg.hidden_size, cfg.vocab_size, None, base_config)
+        if dtype is not None and dtype != cfg.dtype:
+            heads = heads_from_tensors(dataclasses.replace(cfg, dtype=dtype), heads_tensors(heads), str(folder))
+        return heads
+    raw = _read_config(folder)
+    load = _load_medusa if layout == "medusa" else _load_vllm
+    return load(folder, raw, base_config, _base_lm_head_vd(base), dtype or "float32", num_heads)

@@ -1,0 +1,216 @@
+"""Export Medusa heads to the folder layouts PyTorch serving systems read.
+
+`medusa` layout (FasterDecoding Medusa, TGI, TensorRT-LLM): `medusa_lm_head.safetensors` + `config.json`.
+  `{h}.{l}.linear.weight` [D, D] and `{h}.{l}.linear.bias` [D] for ResBlock l of head h, and `{h}.{L}.weight`
+  [V, D] for the head's own lm_head (L = num_layers), all in PyTorch's [out, in] layout. config.json holds
+  `medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`, `hidden_size`, `vocab_size` and no
+  `architectures` key (TGI turns speculation off when it finds one).
+  - own lm_heads: "v1", read by all three.
+  - shared lm_head: "v2" (ResBlocks only; TGI's MedusaHeadV2 reuses the base lm_head and needs
+    medusa_num_layers == 1), or with `materialize_lm_head` the base lm_head copied into every head (v1).
+  - truncated lm_heads: expanded to the full vocabulary. Row `token_map[j]` holds truncated row j; every
+    other row is zero, so a token outside the map gets logit exactly 0 (a bias-free linear cannot give a
+    large negative logit for every input). The expanded head's top-k therefore equals the truncated head's
+    top-k (mapped to full-vocab ids) wherever the k-th best truncated logit is > 0; elsewhere tokens outside
+    the map, all tied at 0, enter the top-k. Prefer the `vllm` layout, which keeps the map.
+`vllm` layout (vLLM `MedusaModel`): `model.safetensors` + `config.json` with model_type "medusa".
+  `blocks.{h}.layers.{l}.weight` / `.bias`, `lm_heads.{h}.weight` [V_head, D], `token_map` (int64) for
+  truncated heads. Shared heads: `original_lm_head: true` and the base lm_head stored once as
+  `lm_heads.0.weight` (vLLM loads it from the heads checkpoint, not from the target model), or with
+  `materialize_lm_head` one copy per head.
+Reading any of these back: `medusa_jax.heads_import.load_heads`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.config import resolve_dtype
+from medusa_jax.heads import MedusaHeads
+from medusa_jax.tensor_files import write_safetensors
+
+FORMATS = ("medusa", "vllm")
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+MEDUSA_WEIGHTS_PT = "medusa_lm_head.pt"
+VLLM_WEIGHTS = "model.safetensors"
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ExportError(ValueError):
+    """The heads cannot be written in the requested layout with the given options."""
+
+
+def _np(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x))
+
+
+def check_token_map(token_map: np.ndarray, truncated_vocab_size: int, vocab_size: int, origin: str) -> None:
+    """A token map must list truncated_vocab_size distinct full-vocab ids."""
+    if token_map.ndim != 1 or token_map.shape[0] != truncated_vocab_size:
+        raise ExportError(f"{origin}: token_map has shape {token_map.shape}, expected ({truncated_vocab_size},)")
+    if not np.issubdtype(token_map.dtype, np.integer):
+        raise ExportError(f"{origin}: token_map has dtype {token_map.dtype}, expected an integer type")
+    if token_map.size and (token_map.min() < 0 or token_map.max() >= vocab_size):
+        raise ExportError(f"{origin}: token_map ids must lie in [0, {vocab_size}), "
+                          f"found [{token_map.min()}, {token_map.max()}]")
+    if np.unique(token_map).size != token_map.size:
+        raise ExportError(f"{origin}: token_map repeats token ids")
+
+
+def _torch_layout(heads: MedusaHeads):
+    """Per head: ([(weight [D,D] out-in, bias [D]) per layer], lm_head [V_head, D] or None), plus token_map."""
+    out = []
+    for head in heads.heads:
+        blocks = [(_np(b.linear.kernel[...]).T, _np(b.linear.bias[...])) for b in head.blocks]
+        lm = None if head.lm_head is None else _np(head.lm_head.kernel[...]).T
+        out.append((blocks, lm))
+    token_map = None if heads.token_map is None else _np(heads.token_map[...])
+    return out, token_map
+
+
+def _base_lm_head_vd(base: CausalLM, heads: MedusaHeads) -> np.ndarray:
+    cfg = heads.config
+    if base.config.hidden_size != cfg.hidden_size or base.config.vocab_size != cfg.vocab_size:
+        raise ExportError(f"base model (hidden {base.config.hidden_size}, vocab {base.config.vocab_size}) does "
+                          f"not match the heads (hidden {cfg.hidden_size}, vocab {cfg.vocab_size})")
+    return _np(base.lm_head_weight()).T
+
+
+def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "float32",
+                   base: CausalLM | None = None, materialize_lm_head: bool = False,
+                   base_model_name_or_path: str | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """The tensors and config.json dict of the `format` layout (see the module docstring)."""
+    if format not in FORMATS:
+        raise ExportError(f"unknown format {format!r}; expected one of {FORMATS}")
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; expected one of {EXPORT_DTYPES}")
+    cfg = heads.config
+    np_dtype = np.dtype(resolve_dtype(dtype))
+    if materialize_lm_head and cfg.lm_head != "shared":
+        raise ExportError(f"materialize_lm_head applies to heads that share the base lm_head; these heads have "
+                          f"lm_head={cfg.lm_head!r}")
+    base_vd = None
+    if cfg.lm_head == "shared" and (materialize_lm_head or format == "vllm"):
+        if base is None:
+            why = ("copying the base lm_head into each head" if materialize_lm_head else
+                   "vLLM reads the shared lm_head from the heads checkpoint (original_lm_head)")
+            raise ExportError(f"{why} needs the base model (pass base= / --model)")
+        base_vd = _base_lm_head_vd(base, heads).astype(np_dtype)
+    per_head, token_map = _torch_layout(heads)
+    if token_map is not None:
+        check_token_map(token_map, cfg.truncated_vocab_size, cfg.vocab_size, "heads")
+
+    def cast(x):
+        return np.ascontiguousarray(np.asarray(x, np.float32).astype(np_dtype))
+
+    name = base_model_name_or_path if base_model_name_or_path is not None else cfg.base_model_name_or_path
+    tensors: dict[str, np.ndarray] = {}
+    if format == "medusa":
+        for h, (blocks, lm) in enumerate(per_head):
+            for l, (w, b) in enumerate(blocks):
+                tensors[f"{h}.{l}.linear.weight"] = cast(w)
+                tensors[f"{h}.{l}.linear.bias"] = cast(b)
+            if cfg.lm_head == "truncated":
+                full = np.zeros((cfg.vocab_size, cfg.hidden_size), np_dtype)
+                full[token_map] = cast(lm)
+                tensors[f"{h}.{cfg.num_layers}.weight"] = full
+            elif lm is not None:
+                tensors[f"{h}.{cfg.num_layers}.weight"] = cast(lm)
+            elif materialize_lm_head:
+                tensors[f"{h}.{cfg.num_layers}.weight"] = base_vd
+        config = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
+                  "base_model_name_or_path": name, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+        if cfg.lm_head == "shared" and not materialize_lm_head:
+            config["version"] = "2"  # informational; readers tell v1 from v2 by the keys
+    else:
+        original_lm_head = cfg.lm_head == "shared" and not materialize_lm_head
+        for h, (blocks, lm) in enumerate(per_head):
+            for l, (w, b) in enumerate(blocks):
+                tensors[f"blocks.{h}.layers.{l}.weight"] = cast(w)
+                tensors[f"blocks.{h}.layers.{l}.bias"] = cast(b)
+            if lm is not None:
+                tensors[f"lm_heads.{h}.weight"] = cast(lm)
+            elif materialize_lm_head or h == 0:
+                tensors[f"lm_heads.{h}.weight"] = base_vd
+        if token_map is not None:
+            tensors["token_map"] = token_map.astype(np.int64)
+        config = {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": cfg.num_heads,
+                  "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+                  "vocab_size": cfg.vocab_size, "truncated_vocab_size": cfg.head_vocab_size,
+                  "medusa_fc_bias": True, "original_lm_head": original_lm_head,
+                  "base_model_name_or_path": name}
+    config["exported_by"] = "medusa-jax"
+    return tensors, config
+
+
+def write_heads_folder(out: str | os.PathLike, weights_name: str, tensors: dict[str, np.ndarray], config: dict,
+                       overwrite: bool = False) -> Path:
+    """Writes config.json + weights into a temp folder and renames it to `out` (all or nothing)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not overwrite:
+            raise ExportError(f"{out} already exists and is not an empty folder (pass overwrite=True / --overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
+    try:
+        write_safetensors(tmp / weights_name, tensors, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_heads(heads: MedusaHeads, out: str | os.PathLike, *, format: str = "medusa", dtype: str = "float32",
+                 base: CausalLM | None = None, materialize_lm_head: bool = False,
+                 base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
+    """Writes `heads` to the folder `out` in the `format` layout; returns the folder."""
+    tensors, config = export_tensors(heads, format=format, dtype=dtype, base=base,
+                                     materialize_lm_head=materialize_lm_head,
+                                     base_model_name_or_path=base_model_name_or_path)
+    weights = MEDUSA_WEIGHTS if format == "medusa" else VLLM_WEIGHTS
+    return write_heads_folder(out, weights, tensors, config, overwrite=overwrite)
+
+
+def serving_notes(heads: MedusaHeads, format: str, materialize_lm_head: bool = False,
+                  base_model_name_or_path: str | None = None) -> list[str]:
+    """Which serving systems can read the exported folder, and what to watch for."""
+    cfg = heads.config
+    name = base_model_name_or_path if base_model_name_or_path is not None else cfg.base_model_name_or_path
+    if format == "vllm":
+        notes = [f"vLLM: speculative_config={{'method': 'medusa', 'model': <out>, "
+                 f"'num_speculative_tokens': {cfg.num_heads}}} (vLLM proposes each head's top-1 token, no tree)"]
+        if cfg.lm_head == "shared" and not materialize_lm_head:
+            notes.append("original_lm_head: the base lm_head is stored once as lm_heads.0.weight")
+        return notes
+    notes = []
+    if cfg.lm_head == "shared" and not materialize_lm_head:
+        notes.append("ResBlock-only 'v2' layout: TGI only (MedusaHeadV2 reuses the base lm_head); the official "
+                     "Medusa code and TensorRT-LLM need --materialize-lm-head")
+        if cfg.num_layers != 1:
+            notes.append(f"TGI's v2 loader requires medusa_num_layers == 1; these heads have {cfg.num_layers}: "
+                         f"use --materialize-lm-head")
+    else:
+        notes.append("v1 layout: TGI, TensorRT-LLM (examples/medusa/convert_checkpoint.py --medusa_model_dir) and "
+                     "the official Medusa code (which reads medusa_lm_head.pt: see the README for the one-line "
+                     "conversion)")
+        if cfg.num_layers > 1:
+            notes.append("the official Medusa code builds a head's ResBlocks from one shared module "
+                         "([ResBlock] * n), so heads with medusa_num_layers > 1 load wrongly there")
+    if cfg.lm_head == "truncated":
+        notes.append(f"truncated heads expanded to the full vocabulary: the {cfg.vocab_size - cfg.head_vocab_size} "
+                     f"tokens outside the token map have zero rows (logit exactly 0)")
+    notes.append("TGI and the official code load the base model from config.json's base_model_name_or_path "
+                 f"(here {name!r}): it must name the base model on the serving machine")
+    return notes

@@ -1,0 +1,183 @@
+"""Hardware-aware Medusa trees: greedy construction by expected accepted length, sized by measured step time.
+
+Inputs are two measurements (see `medusa_jax.inference.head_accuracy` and `medusa_jax.inference.step_cost`):
+    accuracy_dk [num_heads, top_k]  P(head d's rank-r guess equals the base model's greedy token at t+2+d)
+    step time   seconds of one Medusa step as a function of T, the tree tokens verified (the root included)
+
+Under greedy acceptance at most one node per depth can be accepted (siblings hold different tokens, and only
+one prefix is the base model's continuation), so the accepted length is the number of accepted nodes and its
+expectation is the sum over nodes of P(every node on the path is right). Taking the heads as independent, a
+node's value is the product of its path's accuracies, `prod_d accuracy_dk[d, path[d]]` (the Medusa paper's
+construction). A node is worth at most its parent, so adding the most valuable frontier node one at a time
+gives a sequence in which every prefix is a valid tree and the tree of n nodes maximises the expected accepted
+length among trees of n nodes. Tokens per step = 1 + expected accepted length (the base model's own token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+Path_ = tuple[int, ...]
+
+
+def check_accuracy_table(accuracy_dk) -> np.ndarray:
+    acc = np.asarray(accuracy_dk, np.float64)
+    if acc.ndim != 2 or acc.shape[0] < 1 or acc.shape[1] < 1:
+        raise ValueError(f"accuracy table must be [num_heads, top_k] with both >= 1, got shape {acc.shape}")
+    if not np.all(np.isfinite(acc)) or acc.min() < 0 or acc.max() > 1:
+        raise ValueError("accuracy table entries must be probabilities in [0, 1]")
+    return acc
+
+
+def path_value(path: Sequence[int], accuracy_dk) -> float:
+    """P(every node on the path is the base model's greedy token), heads taken as independent."""
+    acc = np.asarray(accuracy_dk, np.float64)
+    return float(np.prod([acc[d, r] for d, r in enumerate(path)]))
+
+
+def expected_tokens_per_step(paths: Sequence[Sequence[int]], accuracy_dk) -> float:
+    """1 (the base model's token) + the expected number of accepted tree nodes."""
+    acc = check_accuracy_table(accuracy_dk)
+    for p in paths:
+        if len(p) > acc.shape[0] or max(p) >= acc.shape[1]:
+            raise ValueError(f"path {list(p)} is outside the {acc.shape[0]} heads x top-{acc.shape[1]} table")
+    return 1.0 + sum(path_value(p, acc) for p in paths)
+
+
+def greedy_tree(accuracy_dk, max_nodes: int) -> list[tuple[Path_, float]]:
+    """The first `max_nodes` nodes in greedy order, each with its value; every prefix is a valid tree and the
+    values never increase. Ties go to the shorter, then lexicographically smaller path (deterministic)."""
+    acc = check_accuracy_table(accuracy_dk)
+    num_heads, top_k = acc.shape
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+    frontier: list[tuple[float, int, Path_]] = []
+
+    def push(path: Path_, value: float) -> None:
+        heapq.heappush(frontier, (-value, len(path), path))
+
+    for r in range(top_k):
+        push((r,), acc[0, r])
+    order: list[tuple[Path_, float]] = []
+    while frontier and len(order) < max_nodes:
+        neg_value, _, path = heapq.heappop(frontier)
+        order.append((path, -neg_value))
+        if len(path) < num_heads:
+            for r in range(top_k):
+                push(path + (r,), -neg_value * acc[len(path), r])
+    return order
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """Measured step seconds at a few tree sizes; linear interpolation between them (no extrapolation)."""
+
+    tokens: tuple[int, ...]  # T values measured, increasing
+    seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        if len(self.tokens) < 1 or len(self.tokens) != len(self.seconds):
+            raise ValueError("StepCost needs as many seconds as token counts, at least one")
+        if list(self.tokens) != sorted(set(self.tokens)):
+            raise ValueError(f"tree sizes must be strictly increasing, got {self.tokens}")
+        if min(self.seconds) <= 0:
+            raise ValueError("step times must be positive")
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tokens[-1]
+
+    def __call__(self, num_tokens: int) -> float:
+        if not self.tokens[0] <= num_tokens <= self.tokens[-1]:
+            raise ValueError(f"step time for T={num_tokens} is outside the measured range "
+                             f"[{self.tokens[0]}, {self.tokens[-1]}]")
+        return float(np.interp(num_tokens, self.tokens, self.seconds))
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeChoice:
+    order: tuple[Path_, ...]  # greedy order, longest considered
+    node_values: tuple[float, ...]
+    tokens_per_step: tuple[float, ...]  # [n - 1]: expected tokens per step of the first n nodes
+    tokens_per_second: tuple[float, ...]  # [n - 1]: tokens_per_step / step_cost(n + 1)
+    best_num_nodes: int
+
+    @property
+    def paths(self) -> tuple[Path_, ...]:
+        return self.order[: self.best_num_nodes]
+
+    @property
+    def predicted_tokens_per_step(self) -> float:
+        return self.tokens_per_step[self.best_num_nodes - 1]
+
+    @property
+    def predicted_tokens_per_second(self) -> float:
+        return self.tokens_per_second[self.best_num_nodes - 1]
+
+
+def choose_tree(accuracy_dk, step_cost: Callable[[int], float] | StepCost, max_nodes: int) -> TreeChoice:
+    """Greedy trees of 1..max_nodes nodes; keeps the size with the most expected tokens per second. With a
+    measured `StepCost`, sizes outside its measured range get NaN tokens/s and are never chosen."""
+    order = greedy_tree(accuracy_dk, max_nodes)
+    values = np.array([v for _, v in order])
+    per_step = 1.0 + np.cumsum(values)
+    low, high = (step_cost.tokens[0], step_cost.max_tokens) if isinstance(step_cost, StepCost) else (1, None)
+    per_second = np.array([per_step[n - 1] / step_cost(n + 1) if low <= n + 1 <= (high or n + 1) else np.nan
+                           for n in range(1, len(order) + 1)])
+    if np.all(np.isnan(per_second)):
+        raise ValueError(f"no tree size between 1 and {len(order)} nodes has a measured step time "
+                         f"(measured T = {low}..{high})")
+    best = int(np.nanargmax(per_second)) + 1
+    return TreeChoice(order=tuple(p for p, _ in order), node_values=tuple(values.tolist()),
+                      tokens_per_step=tuple(per_step.tolist()), tokens_per_second=tuple(per_second.tolist()),
+                      best_num_nodes=best)
+
+
+def tree_document(choice: TreeChoice, accuracy_dk, step_cost: StepCost, provenance: dict) -> dict:
+    """The JSON written by build_tree: `medusa_choices` (what `medusa_jax.tree.load_tree` reads) plus the
+    measurements and predictions that chose it. `greedy_order` lists the paths in the order they were
+    added, so any prefix is a valid tree (the benchmark's tree-size sweep uses it)."""
+    return {
+        "medusa_choices": [list(p) for p in choice.paths],
+        "num_nodes": choice.best_num_nodes,
+        "num_tree_tokens": choice.best_num_nodes + 1,
+        "predicted_tokens_per_step": choice.predicted_tokens_per_step,
+        "predicted_tokens_per_second": choice.predicted_tokens_per_second,
+        "greedy_order": [list(p) for p in choice.order],
+        "expected_tokens_per_step_by_size": list(choice.tokens_per_step),
+        "expected_tokens_per_second_by_size": list(choice.tokens_per_second),
+        "head_accuracy": np.asarray(accuracy_dk).tolist(),
+        "step_seconds": {"tree_tokens": list(step_cost.tokens), "seconds": list(step_cost.seconds)},
+        **provenance,
+    }
+
+
+def write_json_atomic(path: str | os.PathLike, document: dict) -> Path:
+    """Writes JSON to a temp file beside `path`, then renames it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(document, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def greedy_order_of(tree_json: dict | None) -> list[Path_] | None:
+    """The greedy order stored by build_tree, if the document has one."""
+    if not tree_json or "greedy_order" not in tree_json:
+        return None
+    return [tuple(int(r) for r in p) for p in tree_json["greedy_order"]]

@@ -1,0 +1,85 @@
+"""Export Medusa heads for PyTorch serving systems (official Medusa code, TGI, TensorRT-LLM, vLLM).
+
+Example:
+  python scripts/export_heads.py --heads default --out exported/medusa --model ~/.cache/medusa_jax/SmolLM2-135M-Instruct
+  python scripts/export_heads.py --heads my_heads --out exported/vllm --format vllm --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # exporting is host work; never grab an accelerator for it
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", required=True,
+                   help="heads folder in any layout medusa-jax reads (ours, FasterDecoding/TGI/TensorRT-LLM, vLLM), "
+                        "or 'default' for the heads shipped with the package")
+    p.add_argument("--out", required=True, help="output folder (written atomically; must not exist or be empty)")
+    p.add_argument("--format", choices=("medusa", "vllm"), default="medusa",
+                   help="'medusa': medusa_lm_head.safetensors + config.json for the official Medusa code, TGI and "
+                        "TensorRT-LLM (default); 'vllm': model.safetensors + config.json for vLLM")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="dtype of the written tensors (default float32; serve in the base model's dtype)")
+    p.add_argument("--materialize-lm-head", action="store_true",
+                   help="for heads that share the base lm_head: copy it into every head (needed by the official "
+                        "Medusa code and TensorRT-LLM); without it the medusa format is TGI's ResBlock-only 'v2' "
+                        "and the vllm format stores it once with original_lm_head. Needs --model")
+    p.add_argument("--model", default=None,
+                   help="base model folder (HF layout); needed to write a shared lm_head (vllm format or "
+                        "--materialize-lm-head) and used to check the heads' hidden size and vocabulary")
+    p.add_argument("--base-model-name-or-path", default=None,
+                   help="value written to config.json's base_model_name_or_path, which TGI and the official code "
+                        "load as the base model (default: the heads' own value, else the --model path)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds files")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from medusa_jax.heads_interop import ExportError
+    from medusa_jax.tensor_files import CheckpointError
+
+    try:
+        return run(args)
+    except (CheckpointError, ExportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from medusa_jax.heads_import import load_heads
+    from medusa_jax.heads_interop import export_heads, serving_notes
+    from medusa_jax.hf_import import load_pretrained
+
+    heads_dir = args.heads
+    if heads_dir == "default":
+        from medusa_jax.assets import resolve_heads_dir
+
+        heads_dir = resolve_heads_dir("default")
+    base = load_pretrained(args.model, dtype="float32") if args.model else None
+    heads = load_heads(heads_dir, base_config=base.config if base is not None else None)
+    name = args.base_model_name_or_path
+    if name is None and not heads.config.base_model_name_or_path and args.model:
+        name = str(Path(args.model).resolve())
+    out = export_heads(heads, args.out, format=args.format, dtype=args.dtype, base=base,
+                       materialize_lm_head=args.materialize_lm_head, base_model_name_or_path=name,
+                       overwrite=args.overwrite)
+    cfg = heads.config
+    size_mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
+    print(f"wrote {out} ({args.format} layout, {args.dtype}, {size_mb:.1f} MiB): {cfg.num_heads} heads x "
+          f"{cfg.num_layers} ResBlocks, lm_head={cfg.lm_head}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    for note in serving_notes(heads, args.format, args.materialize_lm_head,
+                              name if name is not None else cfg.base_model_name_or_path):
+        print(f"  - {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+"""Medusa decoding: lossless greedy (== plain greedy token for token), every accept length, per-row EOS and
+max_new_tokens, typical acceptance, capacity errors; tiny Llama/Qwen2 and SmolLM2.
+
+The planted proposer knows the true continuation (from a plain greedy run) and puts it at chosen (head, rank)
+slots so that step s of row b accepts exactly targets_bs[b, s] candidates: every accept length is exercised.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax.heads import HeadsConfig, init_heads
+from medusa_jax.hf_import import load_pretrained
+from medusa_jax.kv_cache import KVCache
+from medusa_jax.tree import PRESETS, TreeError, load_tree
+from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, greedy_accept, typical_accept
+from medusa_jax.inference.engine import generate
+from medusa_jax.inference.medusa import ProposeInputs, compact_accepted, generate_medusa
+
+N = 40  # max_new_tokens of the tiny-model runs (one compile per model, tree, batch and proposer)
+PROMPTS = {
+    "batch1": [[5, 9, 2, 17, 33, 4]],
+    "ragged4": [[11, 3, 8, 21, 7, 2], [40, 41, 9, 13, 5, 77, 61, 2, 19, 30, 8, 4, 99], [6, 1, 3],
+                [50, 22, 16, 90, 4, 3, 8, 12, 70]],
+}
+
+
+def planted_proposer(inputs: ProposeInputs) -> jax.Array:
+    """Candidates [B, D, k]: head h < target holds the true token at rank ranks_ad[target, h]; every other slot
+    holds a distinct wrong token (true + 1 + rank)."""
+    data, tree = inputs.data, inputs.tree
+    truth_bm, targets_bs, ranks_ad = data["truth_bm"], data["targets_bs"], data["ranks_ad"]
+    b, d, k = truth_bm.shape[0], tree.depth, tree.top_k
+    rows = jnp.arange(b)
+    target_b = targets_bs[rows, jnp.minimum(inputs.step, targets_bs.shape[1] - 1)]
+    # the depth-(h+1) node continues the root, which is emitted token num_out - 1
+    idx_bd = jnp.minimum(inputs.num_out_b[:, None] + jnp.arange(d)[None, :], truth_bm.shape[1] - 1)
+    true_bd = truth_bm[rows[:, None], idx_bd]
+    wrong_bdk = (true_bd[..., None] + 1 + jnp.arange(k)) % inputs.model.base.config.vocab_size
+    planted_bdk = ((jnp.arange(d)[None, :, None] < target_b[:, None, None])
+                   & (jnp.arange(k)[None, None, :] == ranks_ad[target_b][:, :, None]))
+    return jnp.where(planted_bdk, true_bd[..., None], wrong_bdk).astype(jnp.int32)
+
+
+def plant(tree, reference, targets_bs):
+    """proposer_data for planted_proposer: for target a, the ranks of the last tree path of length a."""
+    ranks_ad = np.zeros((tree.depth + 1, tree.depth), np.int32)
+    for p in tree.paths:
+        ranks_ad[len(p), : len(p)] = p
+    width = N + tree.depth + 1
+    truth_bm = np.zeros((len(reference), width), np.int32)
+    for i, r in enumerate(reference):
+        truth_bm[i, : len(r.token_ids)] = r.token_ids
+    return {"truth_bm": jnp.asarray(truth_bm), "targets_bs": jnp.asarray(targets_bs, jnp.int32),
+            "ranks_ad": jnp.asarray(ranks_ad)}
+
+
+def cycling_targets(batch: int, depth: int) -> np.ndarray:
+    return (np.arange(N)[None, :] + np.arange(batch)[:, None]) % (depth + 1)
+
+
+def random_heads(base, seed=0, num_heads=4, **config):
+    """init_heads plus random ResBlock weights, so the proposals differ from the base model's own."""
+    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=num_heads,
+                                   **config), base, seed=seed)
+    rng = np.random.RandomState(seed)
+    for head in heads.heads:
+        for block in head.blocks:
+            block.linear.kernel[...] = jnp.asarray(rng.normal(0, 0.3, block.linear.kernel.shape), jnp.float32)
+    return heads
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """kind -> (base, random heads, {case: (eos_ids, plain greedy results)})."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            # a wider init than the default 0.02 gives varied (not constant) greedy continuations
+            base = load_pretrained(tiny_model_dir(kind, initializer_range=0.3)[0])
+            refs = {"batch1": ((), generate(base, PROMPTS["batch1"], max_new_tokens=N, eos_ids=()))}
+            free = generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=())
+            eos = pick_eos(free[1].token_ids, lo=N // 3)
+            refs["ragged4"] = ((eos,), generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=(eos,)))
+            assert len(refs["ragged4"][1][1].token_ids) < N  # row 1 stops at the EOS, mid-generation
+            made[kind] = (base, random_heads(base), refs)
+        return made[kind]
+
+    return get
+
+
+def pick_eos(tokens, lo, avoid_multiple_of=None):
+    """A token whose first occurrence in `tokens` is at a position >= lo (and not a multiple of the given)."""
+    for p in range(lo, len(tokens) - 2):
+        if tokens[p] not in tokens[:p] and (avoid_multiple_of is None or p % avoid_multiple_of):
+            return int(tokens[p])
+    raise AssertionError(f"no usable EOS token in {tokens}")
+
+
+def ids(results):
+    return [r.token_ids for r in results]
+
+
+@pytest.mark.parametrize("case", ["batch1", "ragged4"])
+@pytest.mark.parametrize("tree_name", list(PRESETS))
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_medusa_greedy_equals_plain_greedy(tiny, kind, tree_name, case):
+    base, heads, refs = tiny(kind)
+    eos_ids, reference = refs[case]
+    tree = load_tree(tree_name)
+    prompts = PROMPTS[case]
+    got = generate_medusa(base, heads, prompts, tree=tree, max_new_tokens=N, eos_ids=eos_ids)
+    assert ids(got) == ids(reference)
+    for r in got:
+        assert r.steps == 1 + len(r.accept_lengths)
+        assert all(0 <= a <= tree.depth for a in r.accept_lengths)
+
+    targets_bs = cycling_targets(len(prompts), tree.depth)
+    got = generate_medusa(base, heads, prompts, tree=tree, max_new_tokens=N, eos_ids=eos_ids,
+                          proposer=planted_proposer, proposer_data=plant(tree, reference, targets_bs))
+    assert ids(got) == ids(reference)
+    histogram = np.zeros(tree.depth + 1, int)
+    for b, r in enumerate(got):
+        # every step but the last (which may run past the known continuation) accepts exactly its target
+        assert r.accept_lengths[:-1] == targets_bs[b, : len(r.accept_lengths) - 1].tolist()
+        histogram += r.accept_histogram(tree.depth)
+    assert (histogram > 0).all(), histogram
+    assert sum(r.new_tokens for r in got) / sum(r.steps for r in got) > 1.5
+
+
+def test_eos_inside_an_accepted_path_and_max_new_tokens_cut_the_last_step(tiny):
+    base, heads, refs = tiny("llama")
+    tree = load_tree("mc_sim_7b_16")  # depth 3: full acceptance emits 4 tokens per step
+    reference = refs["batch1"][1]
+    always_full = np.full((1, N), tree.depth)
+    data = plant(tree, reference, always_full)
+    got = generate_medusa(base, heads, PROMPTS["batch1"], tree=tree, max_new_tokens=N - 2,  # 1 + 4 * 9 + 1
+                          proposer=planted_proposer, proposer_data=data, eos_ids=())
+    assert got[0].token_ids == reference[0].token_ids[: N - 2]
+    assert got[0].accept_lengths == [3] * 10 and got[0].steps == 11
+
+    eos = pick_eos(reference[0].token_ids, lo=N // 3, avoid_multiple_of=tree.depth + 1)
+    stop = reference[0].token_ids.index(eos)
+    got = generate_medusa(base, heads, PROMPTS["batch1"], tree=tree, max_new_tokens=N - 2,
+                          proposer=planted_proposer, proposer_data=data, eos_ids=(eos,))
+    assert got[0].token_ids == reference[0].token_ids[: stop + 1]  # the path's tokens after the EOS dropped
+    assert got[0].accept_lengths == [3] * (-(-stop // 4))
+
+
+def test_typical_acceptance_near_zero_temperature_equals_greedy(tiny):
+    base, heads, refs = tiny("qwen2")
+    eos_ids, reference = refs["ragged4"]
+    got = generate_medusa(base, heads, PROMPTS["ragged4"], tree="mc_sim_7b_16", max_new_tokens=N,
+                          eos_ids=eos_ids, acceptance=AcceptanceConfig("typical", temperature=1e-4), seed=3)
+    assert ids(got) == ids(reference)
+
+
+def test_typical_acceptance_is_seeded(tiny):
+    base, heads, _ = tiny("qwen2")
+    run = lambda seed: generate_medusa(base, heads, PROMPTS["ragged4"], tree="mc_sim_7b_16", max_new_tokens=N,
+                                       eos_ids=(), acceptance=AcceptanceConfig("typical", temperature=1.0),
+                                       seed=seed)
+    a, b, c = run(0), run(0), run(1)
+    assert ids(a) == ids(b) and ids(a) != ids(c)
+    assert all(len(r.token_ids) == N and 0 <= min(r.token_ids) and max(r.token_ids) < 128 for r in a)
+
+
+def test_other_lm_head_modes_are_lossless(tiny):
+    base, _, refs = tiny("llama")
+    eos_ids, reference = refs["ragged4"]
+    token_map = np.random.RandomState(1).permutation(base.config.vocab_size)[:48]
+    for heads in (random_heads(base, seed=2, lm_head="shared"),
+                  random_heads(base, seed=3, lm_head="truncated", truncated_vocab_size=48)):
+        if heads.token_map is not None:
+            heads.token_map[...] = jnp.asarray(token_map, jnp.int32)
+        got = generate_medusa(base, heads, PROMPTS["ragged4"], tree="mc_sim_7b_8", max_new_tokens=N,
+                              eos_ids=eos_ids)
+        assert ids(got) == ids(reference)
+
+
+def test_prompt_plus_budget_over_capacity_is_a_clear_error(tiny):
+    base, heads, _ = tiny("llama")
+    with pytest.raises(ValueError, match=r"\+ 17 scratch slots needs 145 cache slots, but cache_size is 128"):
+        generate_medusa(base, heads, PROMPTS["batch1"], tree="mc_sim_7b_16", max_new_tokens=64, cache_size=128)
+    with pytest.raises(TreeError, match="only 2 Medusa heads"):
+        generate_medusa(base, random_heads(base, num_heads=2), PROMPTS["batch1"], tree="mc_sim_7b_63")
+
+
+def test_greedy_and_typical_accept_on_hand_made_paths():
+    valid_ld = jnp.asarray([[True, True, True], [True, True, False]])
+    cand_bld = jnp.asarray([[[1, 2, 3], [1, 5, 0]], [[4, 2, 3], [7, 8, 0]]])
+    pred_bld = jnp.asarray([[[1, 2, 9], [1, 5, 0]], [[1, 2, 3], [7, 8, 0]]])
+    length_b, path_b = greedy_accept(cand_bld, pred_bld, valid_ld)
+    assert length_b.tolist() == [2, 2] and path_b.tolist() == [0, 1]  # padding never counts as a match
+
+    prob_bld = jnp.asarray([[[0.5, 0.2, 0.01], [0.6, 0.3, 0.9]]])
+    thr_bld = jnp.full((1, 2, 3), 0.09)
+    length_b, path_b = typical_accept(prob_bld, thr_bld, valid_ld)
+    assert length_b.tolist() == [2] and path_b.tolist() == [1]  # tie at 2: path 1 is more likely
+
+
+def test_accept_tree_bonus_is_the_argmax_after_the_accepted_path():
+    tree = load_tree("mc_sim_7b_8")  # nodes: root, [0], [1], [2], [0,0], [0,1], [0,2], [1,0], [0,0,0]
+    tokens_bt = jnp.asarray([[10, 11, 12, 13, 14, 15, 16, 17, 18]])
+    best = {0: 12, 2: 17, 7: 30}  # root -> 12 (node 2 = [1]), node 2 -> 17 (node 7 = [1, 0]), node 7 -> 30
+    logits_btv = np.zeros((1, 9, 32), np.float32)
+    for t in range(9):
+        logits_btv[0, t, best.get(t, 31)] = 1.0
+    length_b, nodes_bj, bonus_b = accept_tree(tree, tokens_bt, jnp.asarray(logits_btv), jax.random.key(0),
+                                              AcceptanceConfig())
+    assert length_b.tolist() == [2] and nodes_bj[0, :3].tolist() == [0, 2, 7] and bonus_b.tolist() == [30]
+
+
+def test_compact_accepted_moves_only_the_path():
+    k = jnp.arange(2 * 2 * 16, dtype=jnp.float32).reshape(2, 2, 16, 1, 1)
+    cache = KVCache(k, -k, jnp.asarray([3, 5], jnp.int32))
+    out = compact_accepted(cache, jnp.asarray([[0, 4, 6], [0, 1, 2]]))
+    expect = np.asarray(k).copy()
+    expect[:, 0, 4], expect[:, 0, 5] = expect[:, 0, 7], expect[:, 0, 9]
+    np.testing.assert_array_equal(out.k_lbshd, expect)
+    np.testing.assert_array_equal(out.v_lbshd, -expect)
+    assert out.lengths_b.tolist() == [3, 5]
+
+
+def test_smollm2_medusa_equals_plain_greedy(smollm2_dir):
+    from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    prompts = [encode_prompt(tokenizer, text, chat=True) for text in (
+        "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")]
+    base = load_pretrained(smollm2_dir)
+    eos_ids, n = eos_token_ids(smollm2_dir, tokenizer), 24
+    reference = generate(base, prompts, max_new_tokens=n, eos_ids=eos_ids)
+    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4), base)
+    tree = load_tree("mc_sim_7b_16")
+    got = generate_medusa(base, heads, prompts, tree=tree, max_new_tokens=n, eos_ids=eos_ids)
+    assert ids(got) == ids(reference)
+    targets_bs = cycling_targets(3, tree.depth)
+    got = generate_medusa(base, heads, prompts, tree=tree, max_new_tokens=n, eos_ids=eos_ids,
+                          proposer=planted_proposer, proposer_data=plant(tree, reference, targets_bs))
+    assert ids(got) == ids(reference)
+    assert all(r.accept_lengths[:-1] == targets_bs[b, : len(r.accept_lengths) - 1].tolist()
+               for b, r in enumerate(got))

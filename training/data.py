@@ -1,0 +1,268 @@
+"""Chat data -> fixed-length packed rows with an assistant-only loss mask, a held-out split and batches.
+
+Tokenisation renders each conversation with the tokenizer's chat template and marks the tokens of every
+assistant reply (its content and the end-of-turn token, not the newline the template adds after it) as loss
+tokens. It runs through `datasets.Dataset.map(num_proc=...)` and the result is cached with `save_to_disk`
+under a key of (data, tokenizer, template, max length), so a second run skips it.
+
+Packing, not padding: conversations are packed first-fit into rows of `seq_len` tokens. Each row carries
+segment ids (0 = padding) and per-conversation positions, and the model attends only within a segment
+(`segment_mask`), so a packed conversation sees exactly what it would see alone, while rows waste few
+tokens (ShareGPT replies range from a few to thousands of tokens; padding would waste most of each row).
+A conversation longer than `seq_len` keeps its first `seq_len` tokens.
+
+The split is by conversation (seeded), so held-out text never appears in training rows. Batches come in a
+seeded per-epoch order; `BatchIterator.position` (epoch, index) is saved in checkpoints. Under multi-host
+training each process loads only its own rows of each global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from medusa_jax.training.sharegpt import DataError, ReadReport, read_conversations
+
+CACHE_VERSION = "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    seq_len: int = 1024
+    heldout_fraction: float = 0.02
+    seed: int = 0
+    num_proc: int = 1  # tokenisation processes (datasets.map)
+    cache_dir: str | None = None  # None: $MEDUSA_JAX_CACHE/tokenized (default ~/.cache/medusa_jax/tokenized)
+    limit: int | None = None  # use only the first N usable conversations
+
+    def __post_init__(self):
+        if self.seq_len < 8:
+            raise ValueError(f"seq_len must be >= 8, got {self.seq_len}")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """R rows of L tokens. segment_ids 0 marks padding; positions restart at 0 for each conversation."""
+    tokens_rl: np.ndarray  # int32
+    segment_ids_rl: np.ndarray  # int32
+    positions_rl: np.ndarray  # int32
+    loss_mask_rl: np.ndarray  # bool, True on assistant tokens
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens_rl.shape[0])
+
+    def rows(self, index) -> "PackedRows":
+        return PackedRows(self.tokens_rl[index], self.segment_ids_rl[index], self.positions_rl[index],
+                          self.loss_mask_rl[index])
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatData:
+    train: PackedRows
+    heldout: PackedRows
+    report: ReadReport
+    num_conversations: tuple[int, int]  # (train, heldout)
+    dropped_no_loss_tokens: int  # conversations whose assistant tokens all fell beyond seq_len
+
+
+def tokenize_messages(tokenizer, messages: list[dict[str, str]], eos_ids: tuple[int, ...], where: str = ""
+                      ) -> tuple[list[int], list[int]]:
+    """Chat-template token ids and a 0/1 mask that is 1 on assistant reply tokens (up to and including the
+    first end-of-turn token of each reply)."""
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
+        through = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise DataError(f"{where}: the chat template does not render conversations prefix by prefix, so "
+                            f"assistant tokens cannot be located")
+        spans.append((len(before), len(through)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    mask = [0] * len(ids)
+    eos = set(eos_ids)
+    for lo, hi in spans:
+        inside = [j for j, (start, _) in enumerate(offsets) if lo <= start < hi]
+        ends = [j for j in inside if ids[j] in eos]
+        for j in inside if not ends else [j for j in inside if j <= ends[0]]:
+            mask[j] = 1
+    return ids, mask
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    h.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    return h.hexdigest()[:16]
+
+
+def _source_fingerprint(source: str | None) -> str:
+    path = Path(source) if source and source != "sharegpt" else None
+    if path is not None and path.exists():
+        st = path.stat()
+        return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return str(source)
+
+
+def cache_root(config: DataConfig) -> Path:
+    if config.cache_dir:
+        return Path(config.cache_dir)
+    from medusa_jax.real_model import cache_root as root
+    return root() / "tokenized"
+
+
+def tokenize_conversations(records: list[dict[str, Any]], tokenizer, eos_ids: tuple[int, ...],
+                           config: DataConfig, source_key: str):
+    """A `datasets.Dataset` with columns id, input_ids, loss_mask (cached on disk)."""
+    import datasets
+
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, source_key, _tokenizer_fingerprint(tokenizer),
+                                     list(eos_ids), config.seq_len, config.limit, len(records)]).encode())
+    folder = cache_root(config) / key.hexdigest()[:24]
+    if (folder / "dataset_info.json").exists():
+        return datasets.load_from_disk(str(folder))
+
+    def encode(row, index):
+        ids, mask = tokenize_messages(tokenizer, row["messages"], eos_ids, f"conversation {index} (id {row['id']!r})")
+        return {"input_ids": ids[: config.seq_len], "loss_mask": mask[: config.seq_len]}
+
+    ds = datasets.Dataset.from_list(records)
+    ds = ds.map(encode, with_indices=True, remove_columns=["messages"], num_proc=config.num_proc or None,
+                desc="tokenising")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp-"))
+    try:
+        ds.save_to_disk(str(tmp))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return datasets.load_from_disk(str(folder))
+
+
+def pack(sequences: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int, window: int = 64) -> PackedRows:
+    """First-fit packing (over the last `window` open rows, which keeps it linear) in the given order."""
+    rows: list[list[int]] = []  # indices into sequences
+    room: list[int] = []
+    for i, (ids, _) in enumerate(sequences):
+        n = len(ids)
+        for r in range(max(0, len(rows) - window), len(rows)):
+            if room[r] >= n:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(seq_len - n)
+    shape = (len(rows), seq_len)
+    tokens = np.full(shape, pad_id, np.int32)
+    segments = np.zeros(shape, np.int32)
+    positions = np.zeros(shape, np.int32)
+    loss = np.zeros(shape, bool)
+    for r, members in enumerate(rows):
+        at = 0
+        for s, i in enumerate(members):
+            ids, mask = sequences[i]
+            n = len(ids)
+            tokens[r, at:at + n] = ids
+            segments[r, at:at + n] = s + 1
+            positions[r, at:at + n] = np.arange(n)
+            loss[r, at:at + n] = np.asarray(mask, bool)
+            at += n
+    return PackedRows(tokens, segments, positions, loss)
+
+
+def load_chat_data(source: str | None, tokenizer, eos_ids: tuple[int, ...], config: DataConfig,
+                   log=print) -> ChatData:
+    """Reads, tokenises (cached), splits by conversation and packs. `source` as in `read_conversations`."""
+    records, report = read_conversations(source, limit=config.limit)
+    log(report.summary())
+    ds = tokenize_conversations(records, tokenizer, eos_ids, config, _source_fingerprint(source))
+    seqs, dropped = [], 0
+    for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
+        if not any(mask):
+            dropped += 1
+            continue
+        seqs.append((np.asarray(ids, np.int32), np.asarray(mask, np.int8)))
+    if not seqs:
+        raise DataError(f"{report.source}: no conversation has assistant tokens within the first "
+                        f"{config.seq_len} tokens")
+    order = np.random.default_rng(config.seed).permutation(len(seqs))
+    n_held = int(round(config.heldout_fraction * len(seqs)))
+    if config.heldout_fraction > 0 and len(seqs) > 1:
+        n_held = min(max(n_held, 1), len(seqs) - 1)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    held = pack([seqs[i] for i in order[:n_held]], config.seq_len, pad_id)
+    train = pack([seqs[i] for i in order[n_held:]], config.seq_len, pad_id)
+    return ChatData(train, held, report, (len(seqs) - n_held, n_held), dropped)
+
+
+def segment_mask(segment_ids_bt: np.ndarray):
+    """[B, T, T] bool: causal attention within the same (non-padding) conversation of a packed row."""
+    import jax.numpy as jnp
+
+    seg = jnp.asarray(segment_ids_bt)
+    t = seg.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+    return same & causal[None]
+
+
+def top_token_ids(rows: PackedRows, n: int, vocab_size: int) -> np.ndarray:
+    """The n most frequent loss tokens (ties by id), for a truncated-vocabulary lm_head's token_map."""
+    if n > vocab_size:
+        raise ValueError(f"truncated vocabulary of {n} exceeds the model's vocabulary of {vocab_size}")
+    counts = np.bincount(rows.tokens_rl[rows.loss_mask_rl], minlength=vocab_size)
+    return np.sort(np.argsort(-counts, kind="stable")[:n]).astype(np.int32)
+
+
+class BatchIterator:
+    """Seeded per-epoch order over rows; yields this process's share of each global batch (rows
+    [p * B/P, (p+1) * B/P) of it). The last incomplete batch of an epoch is dropped."""
+
+    def __init__(self, rows: PackedRows, global_batch: int, seed: int, process_index: int = 0,
+                 process_count: int = 1, epoch: int = 0, index: int = 0):
+        if global_batch % process_count:
+            raise ValueError(f"global batch {global_batch} does not divide over {process_count} processes")
+        if rows.num_rows < global_batch:
+            raise DataError(f"only {rows.num_rows} packed training rows, fewer than one batch of {global_batch}; "
+                            f"lower --batch-size or add data")
+        self.rows, self.global_batch, self.seed = rows, global_batch, seed
+        self.process_index, self.process_count = process_index, process_count
+        self.epoch, self.index = epoch, index
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.rows.num_rows // self.global_batch
+
+    @property
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> PackedRows:
+        if self.index >= self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.rows.num_rows)
+        local = self.global_batch // self.process_count
+        start = self.index * self.global_batch + self.process_index * local
+        self.index += 1
+        return self.rows.rows(np.sort(order[start:start + local]))

@@ -1,0 +1,278 @@
+"""The jitted, mesh-sharded Medusa train step (Medusa-1: frozen backbone; Medusa-2: joint).
+
+State: `params` = {"heads": head Params} (+ {"base": backbone Params} in Medusa-2), the optax state, and
+`frozen` = what the step reads but never updates (the backbone in Medusa-1, the truncated heads' token_map,
+the original backbone for Medusa-2's KL term). Master weights stay in their stored dtype; with
+`compute_dtype="bfloat16"` the step runs the modules in bf16 (norms, softmax and losses stay fp32).
+
+Two batch kinds:
+  rows    {"tokens", "segment_ids", "positions", "loss_mask"} [B, T] packed rows: the backbone runs in the step
+  hidden  {"hidden" [N, D], "targets" [N, K]}: cached final hidden states (Medusa-1 CPU path, hidden_cache.py)
+The step is `jax.jit` with explicit in/out shardings from `medusa_jax.sharding` (parameters by PARAM_RULES,
+optimiser moments like their parameters, batches over (data, fsdp)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from medusa_jax import sharding as shd
+from medusa_jax.backbone import CausalLM
+from medusa_jax.config import resolve_dtype
+from medusa_jax.heads import MedusaHeads
+from medusa_jax.kv_cache import KVCache
+from medusa_jax.training import losses
+from medusa_jax.training.data import segment_mask
+
+ROW_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+HIDDEN_KEYS = ("hidden", "targets")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    learning_rate: float = 1e-3  # peak LR of the backbone (Medusa-2); heads use learning_rate * head_lr_multiplier
+    head_lr_multiplier: float = 1.0
+    warmup_steps: int = 50
+    max_steps: int = 1000  # length of the cosine schedule
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0  # global gradient norm clip (0 = off)
+    loss_decay: float = 0.8  # head i's loss weight is loss_decay**i
+    medusa2: bool = False  # train the backbone jointly
+    lm_loss_weight: float = 1.0  # Medusa-2: weight of the base model's objective
+    distill_kl: bool = False  # Medusa-2 on self-distilled data: KL to the frozen original instead of LM loss
+    compute_dtype: str = "float32"
+
+    def __post_init__(self):
+        resolve_dtype(self.compute_dtype)
+        if self.distill_kl and not self.medusa2:
+            raise ValueError("distill_kl only applies to Medusa-2 (the backbone must be trained)")
+        if self.max_steps < 1 or self.warmup_steps < 0 or self.learning_rate <= 0 or self.head_lr_multiplier <= 0:
+            raise ValueError(f"bad schedule: {self}")
+
+
+def schedule(peak: float, config: TrainConfig) -> optax.Schedule:
+    warmup = min(config.warmup_steps, config.max_steps - 1)
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(config.max_steps, warmup + 1), peak * 0.01)
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW + warmup/cosine, heads at learning_rate * head_lr_multiplier (optax.multi_transform), after a
+    global-norm clip over all trainable parameters."""
+    def adamw(peak):
+        return optax.adamw(schedule(peak, config), b1=0.9, b2=0.999, weight_decay=config.weight_decay)
+
+    def labels(params):
+        return {name: jax.tree.map(lambda _: name, tree) for name, tree in params.items()}
+
+    tx = optax.multi_transform({"heads": adamw(config.learning_rate * config.head_lr_multiplier),
+                                "base": adamw(config.learning_rate)}, labels)
+    return optax.chain(optax.clip_by_global_norm(config.clip_norm), tx) if config.clip_norm > 0 else tx
+
+
+def _path_keys(path) -> tuple[str, ...]:
+    out = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+    return tuple(out)
+
+
+def shardings_like_params(tree, params, param_shardings, mesh: Mesh):
+    """Shardings for an optimiser state: a leaf whose path ends with a parameter's path (Adam's mu/nu) takes
+    that parameter's sharding; anything else (step counts) is replicated."""
+    by_path = {_path_keys(p): s for p, s in jax.tree_util.tree_leaves_with_path(param_shardings)}
+
+    def one(path, _):
+        keys = _path_keys(path)
+        for start in range(len(keys)):
+            if keys[start:] in by_path:
+                return by_path[keys[start:]]
+        return shd.replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def cast_floating(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _compute_graphdef(module: nnx.Module, make, dtype: str):
+    """The module's graph definition with its compute dtype set to `dtype` (parameters cast on the fly)."""
+    if dtype == module.config.dtype:
+        return nnx.split(module)[0]
+    return nnx.split(nnx.eval_shape(lambda: make(dataclasses.replace(module.config, dtype=dtype))))[0]
+
+
+def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
+    """[B, T, D] final-norm hidden states of packed rows (attention stays inside each conversation)."""
+    b, t = batch["tokens"].shape
+    cache = KVCache.zeros(base.config, b, t)
+    hidden_btd, _ = base(batch["tokens"], batch["positions"], segment_mask(batch["segment_ids"]), cache)
+    return hidden_btd
+
+
+def _one_head(graphdef, state, hidden, lm_w_dv, targets, inverse_v):
+    head = nnx.merge(graphdef, state)
+    h = head(hidden)
+    logits = jnp.dot(h, lm_w_dv.astype(h.dtype)) if head.lm_head is None else head.lm_head(h)
+    return losses.one_head_stats(logits, targets, inverse_v)
+
+
+def all_head_stats(heads: MedusaHeads, base: CausalLM, hidden_xd, targets_kx) -> losses.HeadStats:
+    """Each head's logits are rematerialised in the backward pass, so only one [..., V] block is live."""
+    inverse = None
+    if heads.token_map is not None:
+        inverse = losses.inverse_token_map(heads.token_map[...], heads.config.vocab_size)
+    lm_w_dv = base.lm_head_weight() if heads.config.lm_head == "shared" else None
+    per_head = []
+    for i, head in enumerate(heads.heads):
+        graphdef, state = nnx.split(head)
+        fn = jax.checkpoint(partial(_one_head, graphdef))
+        per_head.append(fn(state, hidden_xd, lm_w_dv, targets_kx[i], inverse))
+    return losses.stack_stats(per_head)
+
+
+class Trainer:
+    """Holds the sharded train state and the jitted step/eval functions."""
+
+    def __init__(self, base: CausalLM, heads: MedusaHeads, config: TrainConfig, mesh: Mesh):
+        self.config, self.mesh = config, mesh
+        shd.validate_model_mesh(base.config, mesh)
+        self.num_heads = heads.config.num_heads
+        dtype = config.compute_dtype
+        self._base_def = _compute_graphdef(base, lambda c: CausalLM(c, nnx.Rngs(0)), dtype)
+        self._heads_def = _compute_graphdef(heads, lambda c: MedusaHeads(c, nnx.Rngs(0)), dtype)
+        self._stored_heads_def, heads_params, heads_rest = nnx.split(heads, nnx.Param, ...)
+        self._stored_base_def, base_state = nnx.split(base)
+        params = {"heads": heads_params}
+        frozen: dict[str, Any] = {"heads_rest": heads_rest}
+        if config.medusa2:
+            params["base"] = base_state
+            if config.distill_kl:
+                frozen["reference"] = jax.tree.map(jnp.copy, base_state)
+        else:
+            frozen["base"] = base_state
+        self.param_shardings = {k: shd.param_shardings(v, mesh) for k, v in params.items()}
+        self.frozen_shardings = {k: shd.param_shardings(v, mesh) if k != "heads_rest" else
+                                 jax.tree.map(lambda _: shd.replicated(mesh), v) for k, v in frozen.items()}
+        # fresh buffers: the step donates them, and init_heads may share one array between heads
+        self.params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), self.param_shardings)
+        self.frozen = jax.device_put(frozen, self.frozen_shardings)
+        self.optimizer = make_optimizer(config)
+        abstract_opt = jax.eval_shape(self.optimizer.init, self.params)
+        self.opt_shardings = shardings_like_params(abstract_opt, self.params, self.param_shardings, mesh)
+        self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
+        self.step = 0
+        self._steps: dict[str, Any] = {}
+        self._evals: dict[str, Any] = {}
+
+    # ---- the pure functions -----------------------------------------------------------------------
+    def _modules(self, params, frozen):
+        dtype = resolve_dtype(self.config.compute_dtype)
+        base_state = params["base"] if self.config.medusa2 else frozen["base"]
+        base = nnx.merge(self._base_def, cast_floating(base_state, dtype))
+        heads = nnx.merge(self._heads_def, cast_floating(params["heads"], dtype), frozen["heads_rest"])
+        return base, heads
+
+    def _objective(self, params, frozen, batch):
+        base, heads = self._modules(params, frozen)
+        extras = {}
+        if "hidden" in batch:
+            hidden = batch["hidden"].astype(resolve_dtype(self.config.compute_dtype))
+            targets = jnp.moveaxis(batch["targets"], -1, 0)  # [K, N]
+        else:
+            hidden = backbone_hidden(base, batch)
+            if not self.config.medusa2:
+                hidden = jax.lax.stop_gradient(hidden)
+            targets = losses.head_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], self.num_heads)
+        stats = all_head_stats(heads, base, hidden, targets)
+        loss = losses.medusa_loss(stats, self.config.loss_decay)
+        if self.config.medusa2:
+            next_bt = losses.shifted_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], 1)
+            logits = base.logits(hidden)
+            if self.config.distill_kl:
+                reference = nnx.merge(self._base_def, cast_floating(frozen["reference"],
+                                                                    resolve_dtype(self.config.compute_dtype)))
+                ref_logits = reference.logits(backbone_hidden(reference, batch))
+                base_sum, base_count = losses.kl_to_reference(logits, ref_logits, next_bt >= 0)
+            else:
+                base_sum, base_count = losses.lm_loss(logits, next_bt)
+            base_loss = base_sum / jnp.maximum(base_count, 1.0)
+            loss = loss + self.config.lm_loss_weight * base_loss
+            extras["base_loss"] = base_loss
+        return loss, (stats, extras)
+
+    def _train_step(self, params, opt_state, frozen, batch):
+        (loss, (stats, extras)), grads = jax.value_and_grad(self._objective, has_aux=True)(params, frozen, batch)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "stats": stats, **extras}
+        return params, opt_state, metrics
+
+    def _eval_step(self, params, frozen, batch):
+        _, (stats, extras) = self._objective(params, frozen, batch)
+        return stats, extras
+
+    # ---- sharded entry points ---------------------------------------------------------------------
+    def _batch_shardings(self, batch: dict[str, np.ndarray]):
+        return {k: shd.checked_sharding(self.mesh, shd.batch_sharding(self.mesh, v.ndim).spec,
+                                        _global_shape(v.shape), f"batch array {k!r} (rows over data x fsdp)")
+                for k, v in batch.items()}
+
+    def device_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows -> global arrays sharded over (data, fsdp)."""
+        sh = self._batch_shardings(batch)
+        return {k: jax.make_array_from_process_local_data(sh[k], np.asarray(v)) for k, v in batch.items()}
+
+    def _compiled(self, cache: dict, kind: str, batch, build):
+        if kind not in cache:
+            cache[kind] = build(self._batch_shardings(batch))
+        return cache[kind]
+
+    def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        """One optimiser step on this process's share of a global batch. Returns host metrics."""
+        kind = "hidden" if "hidden" in batch else "rows"
+        rep = shd.replicated(self.mesh)
+        step = self._compiled(self._steps, kind, batch, lambda bsh: jax.jit(
+            self._train_step, in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings, bsh),
+            out_shardings=(self.param_shardings, self.opt_shardings, rep), donate_argnums=(0, 1)))
+        self.params, self.opt_state, metrics = step(self.params, self.opt_state, self.frozen, self.device_batch(batch))
+        self.step += 1
+        return jax.device_get(metrics)
+
+    def eval_stats(self, batch: dict[str, np.ndarray]) -> tuple[losses.HeadStats, dict]:
+        kind = "hidden" if "hidden" in batch else "rows"
+        rep = shd.replicated(self.mesh)
+        fn = self._compiled(self._evals, kind, batch, lambda bsh: jax.jit(
+            self._eval_step, in_shardings=(self.param_shardings, self.frozen_shardings, bsh), out_shardings=rep))
+        return jax.device_get(fn(self.params, self.frozen, self.device_batch(batch)))
+
+    # ---- results ----------------------------------------------------------------------------------
+    def heads(self) -> MedusaHeads:
+        """The trained heads (stored dtype) on the host's default device."""
+        params, rest = jax.device_get((self.params["heads"], self.frozen["heads_rest"]))
+        return nnx.merge(self._stored_heads_def, _to_device(params), _to_device(rest))
+
+    def base(self) -> CausalLM:
+        """The backbone (trained in Medusa-2, the original in Medusa-1) on the host's default device."""
+        state = jax.device_get(self.params["base"] if self.config.medusa2 else self.frozen["base"])
+        return nnx.merge(self._stored_base_def, _to_device(state))
+
+
+def _global_shape(local_shape) -> tuple[int, ...]:
+    return (local_shape[0] * jax.process_count(),) + tuple(local_shape[1:])
+
+
+def _to_device(tree):
+    return jax.tree.map(jnp.asarray, tree)
