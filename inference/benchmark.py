@@ -118,6 +118,23 @@ def _load_hf(folder: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
+def select_questions(questions: Sequence[MTBenchQuestion], n: int) -> list[MTBenchQuestion]:
+    """The first n questions taking categories in turn (MT-Bench's file is grouped by category), so a
+    small n still covers every category."""
+    by_category: dict[str, list[MTBenchQuestion]] = defaultdict(list)
+    for q in questions:
+        by_category[q.category].append(q)
+    queues = list(by_category.values())
+    out: list[MTBenchQuestion] = []
+    depth = 0
+    while len(out) < min(n, len(questions)):
+        for queue in queues:
+            if depth < len(queue) and len(out) < n:
+                out.append(queue[depth])
+        depth += 1
+    return out
+
+
 def summarize(records: list[dict], methods: Sequence[str]) -> dict:
     """Aggregate figures over per-question records (see `run_benchmark`)."""
     out: dict = {"questions": len(records), "tokens_per_s": {}, "tokens": {}, "seconds": {}, "steps": {}}
@@ -238,12 +255,15 @@ def run_batched(runner: Runner, questions, prompts, config: BenchmarkConfig, tre
         if usable == 0:
             progress(f"batched: skipping batch {b}: only {len(prompts)} questions")
             continue
+        # chunks of similar prompt length share a prompt bucket, so fewer shapes compile
+        by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[:usable]
         recs = []
         for i in range(0, usable, b):
-            chunk = prompts[i: i + b]
+            members = by_length[i: i + b]
+            chunk = [prompts[j] for j in members]
             timed = {m: runner.run(m, chunk, b, tree if m == "medusa" else None) for m in ("plain", "medusa")}
             for row in range(b):
-                rec = _record(questions[i + row], chunk[row], timed, row)
+                rec = _record(questions[members[row]], chunk[row], timed, row)
                 for m in ("plain", "medusa"):  # a call's seconds are shared by its rows
                     rec[m]["seconds"] = timed[m].seconds / b
                 recs.append(rec)

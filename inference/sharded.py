@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads, MedusaModel
 from medusa_jax.kv_cache import KVCache
-from medusa_jax.sharding import (BATCH_AXES, MeshConfig, batch_sharding, cache_shardings, checked_sharding,
-                                 param_shardings, replicated, validate_model_mesh)
+from medusa_jax.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_sharding, cache_shardings,
+                                 checked_sharding, param_shardings, replicated, validate_model_mesh)
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference import autoregressive, medusa
 from medusa_jax.inference.acceptance import AcceptanceConfig
@@ -142,12 +142,15 @@ class ShardedModel:
         if not isinstance(base, CausalLM):
             raise TypeError(f"expected a CausalLM base model, got {type(base).__name__}")
         validate_model_mesh(base.config, mesh)
+        if jax.process_count() > 1 and mesh.size != jax.device_count():
+            raise MeshError(f"with {jax.process_count()} processes the mesh must span all {jax.device_count()} "
+                            f"devices (every process runs the same program), got a mesh of {mesh.size}")
         self.mesh = mesh
         self.config = base.config
         self.heads_config = None if heads is None else heads.config
         graphdef, state = nnx.split(base if heads is None else MedusaModel(base, heads))
         shardings = param_shardings(state, mesh)
-        params = jax.device_put(state, shardings)  # a no-op for parameters already loaded in place
+        params = jax.tree.map(_placed, state, shardings)
         if heads is None:
             self.base_graphdef, self.base_params, self.base_shardings = graphdef, params, shardings
             self.medusa_graphdef = self.medusa_params = self.medusa_shardings = None
@@ -179,8 +182,18 @@ class ShardedModel:
         shardings = self.cache_sharding(batch_size, cache_size)
         return jax.jit(lambda: KVCache.zeros(self.config, batch_size, cache_size), out_shardings=shardings)()
 
+    @property
+    def row_multiple(self) -> int:
+        """Batch sizes must be multiples of this (rows are split over data x fsdp)."""
+        return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+
+    def check_batch_size(self, batch_size: int) -> None:
+        if batch_size % self.row_multiple:
+            raise MeshError(f"batch size {batch_size} is not divisible by mesh axes ('data', 'fsdp') of total size "
+                            f"{self.row_multiple} (data={self.mesh.shape['data']}, fsdp={self.mesh.shape['fsdp']})")
+
     def key(self, seed: int) -> jax.Array:
-        return jax.device_put(jax.random.key(seed), replicated(self.mesh))
+        return jax.jit(jax.random.key, out_shardings=replicated(self.mesh))(seed)
 
     def _jit(self, fn: Callable, params_shardings, batch_size: int, cache_size: int,
              out_batch_ndims: tuple[int, ...]) -> Callable:
@@ -200,6 +213,7 @@ class ShardedModel:
     def _run(self, fn, statics, params, params_shardings, prompt_bp, prompt_lens_b, cache_size, seed,
              out_batch_ndims, lowered_only):
         batch_size = prompt_bp.shape[0]
+        self.check_batch_size(batch_size)
         jitted = self._jit(fn, params_shardings, batch_size, cache_size, out_batch_ndims)
         args = (statics, params, self.new_cache(batch_size, cache_size), put_rows(self.mesh, prompt_bp),
                 put_rows(self.mesh, prompt_lens_b), self.key(seed))
@@ -232,3 +246,15 @@ class ShardedModel:
                                 MeshHeadsProposer(self.mesh))
         return self._run(_medusa_decode, statics, self.medusa_params, self.medusa_shardings, prompt_bp,
                          prompt_lens_b, cache_size, seed, (2, 1, 1, 2), lowered_only)
+
+
+def _placed(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """One parameter in its mesh layout: kept when loaded in place (sharding_for), resharded when already
+    global, else built shard by shard from the local copy (the same on every process: no cross-process
+    transfer, which `device_put` of a local array to a multi-host sharding would need)."""
+    if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
+        return value
+    if jax.process_count() == 1 or (isinstance(value, jax.Array) and not value.is_fully_addressable):
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

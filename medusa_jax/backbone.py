@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from medusa_jax.config import ModelConfig
-from medusa_jax.kv_cache import KVCache, write_rows
+from medusa_jax.kv_cache import KVCache, write_layer_rows
 from medusa_jax.rope import apply_rope, inverse_frequencies
 
 _NEG_INF = -1e30
@@ -45,15 +45,17 @@ class Attention(nnx.Module):
         self.v_proj = _linear(h, config.num_kv_heads * d, config.attention_bias, config, rngs)
         self.o_proj = _linear(config.num_heads * d, h, False, config, rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_bts, k_cache_bshd, v_cache_bshd, lengths_b, inv_freq):
+    def __call__(self, x_btd, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq):
+        """Writes this layer's new K/V into the stacked cache buffers and attends over layer `layer` of them."""
         cfg = self.config
         b, t, _ = x_btd.shape
         kv, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         q_bthd = apply_rope(self.q_proj(x_btd).reshape(b, t, cfg.num_heads, d), positions_bt, inv_freq)
         k_btkd = apply_rope(self.k_proj(x_btd).reshape(b, t, kv, d), positions_bt, inv_freq)
         v_btkd = self.v_proj(x_btd).reshape(b, t, kv, d)
-        k_cache_bshd = write_rows(k_cache_bshd, k_btkd, lengths_b)
-        v_cache_bshd = write_rows(v_cache_bshd, v_btkd, lengths_b)
+        k_lbshd = write_layer_rows(k_lbshd, layer, k_btkd, lengths_b)
+        v_lbshd = write_layer_rows(v_lbshd, layer, v_btkd, lengths_b)
+        k_cache_bshd, v_cache_bshd = k_lbshd[layer], v_lbshd[layer]
 
         q_btkgd = q_bthd.reshape(b, t, kv, group, d)
         scores_bkgts = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_cache_bshd.astype(q_btkgd.dtype))
@@ -61,7 +63,7 @@ class Attention(nnx.Module):
         scores_bkgts = jnp.where(mask_bts[:, None, None, :, :], scores_bkgts, _NEG_INF)
         probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(x_btd.dtype)
         out_btkgd = jnp.einsum("bkgts,bskd->btkgd", probs_bkgts, v_cache_bshd.astype(x_btd.dtype))
-        return self.o_proj(out_btkgd.reshape(b, t, cfg.num_heads * d)), k_cache_bshd, v_cache_bshd
+        return self.o_proj(out_btkgd.reshape(b, t, cfg.num_heads * d)), k_lbshd, v_lbshd
 
 
 class MLP(nnx.Module):
@@ -82,12 +84,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.jnp_dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, positions_bt, mask_bts, k_cache, v_cache, lengths_b, inv_freq):
-        attn, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), positions_bt, mask_bts, k_cache, v_cache, lengths_b, inv_freq)
+    def __call__(self, x, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq):
+        attn, k_lbshd, v_lbshd = self.self_attn(
+            self.input_layernorm(x), positions_bt, mask_bts, k_lbshd, v_lbshd, layer, lengths_b, inv_freq)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k_cache, v_cache
+        return x, k_lbshd, v_lbshd
 
 
 class CausalLM(nnx.Module):
@@ -113,15 +115,18 @@ class CausalLM(nnx.Module):
         x = self.embed_tokens(tokens_bt)
         k_all, v_all = cache.k_lbshd, cache.v_lbshd
         for i, layer in enumerate(self.layers):
-            x, k_new, v_new = layer(x, positions_bt, mask_bts, k_all[i], v_all[i], cache.lengths_b, inv_freq)
-            k_all = k_all.at[i].set(k_new)
-            v_all = v_all.at[i].set(v_new)
+            x, k_all, v_all = layer(x, positions_bt, mask_bts, k_all, v_all, i, cache.lengths_b, inv_freq)
         return self.norm(x), cache.replace(k_lbshd=k_all, v_lbshd=v_all)
 
     def logits(self, hidden):
         """hidden [..., D] -> logits [..., V] in fp32."""
         if self.lm_head is None:
-            out = self.embed_tokens.attend(hidden)
+            # embedding [V, D] as the left operand: XLA CPU streams it as is, where `attend` (hidden @ E.T)
+            # copied a transposed 113 MB embedding on every SmolLM2 decode step.
+            embedding_vd = self.embed_tokens.embedding[...]
+            hidden_nd = hidden.reshape(-1, hidden.shape[-1]).astype(embedding_vd.dtype)
+            out_vn = jax.lax.dot_general(embedding_vd, hidden_nd, (((1,), (1,)), ((), ())))
+            out = out_vn.T.reshape(*hidden.shape[:-1], embedding_vd.shape[0])
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)

@@ -110,7 +110,7 @@ def load_pretrained(folder: str | os.PathLike, dtype: str = "float32",
             raise CheckpointError(f"{folder}: tensor {name!r} has shape {stored}, the config implies {want}")
 
     np_dtype = np.dtype(config.jnp_dtype)
-    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's first device
     by_path = {path: (name, transpose) for name, (path, transpose, _) in expected.items()}
 
     def value(path, leaf):

@@ -87,7 +87,62 @@ def loop_collectives(hlo_text: str) -> list[Collective]:
     return found
 
 
-def large_loop_gathers(hlo_text: str, min_elements: int) -> list[Collective]:
-    """All-gathers inside loops whose result holds at least `min_elements` values. Pass the size of the
-    smallest per-device weight shard: a hit means a weight (or a big slice of one) is gathered every step."""
-    return [c for c in loop_collectives(hlo_text) if c.op == "all-gather" and c.num_elements >= min_elements]
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
+
+
+def _operands(rest: str) -> list[str]:
+    """Operand names of an instruction, from the text after its opcode's opening parenthesis."""
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def invariant_gathers(hlo_text: str) -> list[Collective]:
+    """All-gathers inside a `while` body whose input is loop-invariant: derived only from carried values the
+    body passes through unchanged (the weights) and constants. Each is a weight re-gathered at every step."""
+    comps = _computations(hlo_text)
+    bodies = set()
+    for lines in comps.values():
+        for line in lines:
+            match = re.search(r"\swhile\(.*\bbody=%?([\w.\-]+)", line)
+            if match:
+                bodies.add(match.group(1))
+    found = []
+    for body in sorted(bodies & set(comps)):
+        defs, order, root = {}, [], None
+        for line in comps[body]:
+            match = _DEFINITION.match(line)
+            if not match:
+                continue
+            name, opcode, rest = match.groups()
+            index = re.search(r"\bindex=(\d+)", rest)
+            defs[name] = (opcode, _operands(rest), int(index.group(1)) if index else None, line)
+            order.append(name)
+            if line.lstrip().startswith("ROOT"):
+                root = name
+        if root is None or defs[root][0] != "tuple":
+            continue
+        params = {n for n in order if defs[n][0] == "parameter"}
+        passed = {i for i, operand in enumerate(defs[root][1])
+                  if operand in defs and defs[operand][0] == "get-tuple-element"
+                  and defs[operand][2] == i and defs[operand][1][:1] and defs[operand][1][0] in params}
+        invariant = set()
+        for name in order:
+            opcode, operands, index, line = defs[name]
+            if opcode == "get-tuple-element" and operands[:1] and operands[0] in params:
+                if index in passed:
+                    invariant.add(name)
+            elif opcode == "constant" or (operands and opcode not in ("parameter", "rng", "rng-bit-generator")
+                                          and all(o in invariant for o in operands)):
+                invariant.add(name)
+            if opcode in ("all-gather", "all-gather-start") and operands and all(o in invariant for o in operands):
+                origin = re.search(r'op_name="([^"]*)"', line)
+                shape = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s" + re.escape(opcode), line)
+                found.append(Collective("all-gather", shape.group(1) if shape else "", body,
+                                        origin.group(1) if origin else ""))
+    return found

@@ -52,6 +52,18 @@ def write_rows(cache_bshd: jax.Array, new_bthd: jax.Array, offsets_b: jax.Array)
     return jax.vmap(one_row)(cache_bshd, new_bthd, offsets_b)
 
 
+def write_layer_rows(cache_lbshd: jax.Array, layer: int, new_bthd: jax.Array, offsets_b: jax.Array) -> jax.Array:
+    """Writes new_bthd[b] into cache_lbshd[layer, b, offsets_b[b] : offsets_b[b] + T] of the stacked buffer.
+
+    Same result as `write_rows` on layer `layer`, but as one update of the stacked buffer: XLA does it in
+    place, where slicing a layer out, updating it and setting it back copied the whole cache every layer."""
+    def one_row(cache_lshd, new_thd, offset):
+        start = (jnp.asarray(layer, jnp.int32), offset.astype(jnp.int32), jnp.int32(0), jnp.int32(0))
+        return jax.lax.dynamic_update_slice(cache_lshd, new_thd[None].astype(cache_lshd.dtype), start)
+
+    return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(cache_lbshd, new_bthd, offsets_b)
+
+
 def attention_mask(lengths_b: jax.Array, block_mask_tt: jax.Array, cache_size: int) -> jax.Array:
     """[B, T, S] bool: new token t of row b sees every committed slot (< lengths[b]) and, inside its own
     block of T slots starting at lengths[b], the slots that block_mask_tt[t] allows (causal or tree)."""

@@ -40,11 +40,14 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=d.seed, help="conversation order and sampling seed (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None,
                    help="stop after this many conversations in total, counting those already written")
+    p.add_argument("--save-hidden", action="store_true",
+                   help="also store the base model's hidden state behind every generated token in OUTPUT.hidden/, so "
+                        "train_heads.py --cache-hidden trains the heads without another pass over the backbone")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     a = p.parse_args(argv)
     config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                            max_prompt_tokens=a.max_prompt_tokens, turns=a.turns, temperature=a.temperature,
-                           seed=a.seed, limit=a.limit)
+                           seed=a.seed, limit=a.limit, save_hidden=a.save_hidden)
     stats = self_distill(a.model, a.data, a.output, config, progress=not a.no_progress)
     print(json.dumps(stats))
 

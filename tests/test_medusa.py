@@ -1,8 +1,9 @@
 """Medusa decoding: lossless greedy (== plain greedy token for token), every accept length, per-row EOS and
 max_new_tokens, typical acceptance, capacity errors; tiny Llama/Qwen2 and SmolLM2.
 
-The planted proposer knows the true continuation (from a plain greedy run) and puts it at chosen (head, rank)
-slots so that step s of row b accepts exactly targets_bs[b, s] candidates: every accept length is exercised.
+The planted proposer (`inference/oracle.py`) knows the true continuation (from a plain greedy run) and puts
+it at chosen (head, rank) slots so that step s of row b accepts exactly targets_bs[b, s] candidates: every
+accept length is exercised.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from medusa_jax.kv_cache import KVCache
 from medusa_jax.tree import PRESETS, TreeError, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, greedy_accept, typical_accept
 from medusa_jax.inference.engine import generate
-from medusa_jax.inference.medusa import ProposeInputs, compact_accepted, generate_medusa
+from medusa_jax.inference.medusa import compact_accepted, generate_medusa
+from medusa_jax.inference.oracle import planted_data, planted_proposer
 
 N = 40  # max_new_tokens of the tiny-model runs (one compile per model, tree, batch and proposer)
 PROMPTS = {
@@ -28,34 +30,8 @@ PROMPTS = {
 }
 
 
-def planted_proposer(inputs: ProposeInputs) -> jax.Array:
-    """Candidates [B, D, k]: head h < target holds the true token at rank ranks_ad[target, h]; every other slot
-    holds a distinct wrong token (true + 1 + rank)."""
-    data, tree = inputs.data, inputs.tree
-    truth_bm, targets_bs, ranks_ad = data["truth_bm"], data["targets_bs"], data["ranks_ad"]
-    b, d, k = truth_bm.shape[0], tree.depth, tree.top_k
-    rows = jnp.arange(b)
-    target_b = targets_bs[rows, jnp.minimum(inputs.step, targets_bs.shape[1] - 1)]
-    # the depth-(h+1) node continues the root, which is emitted token num_out - 1
-    idx_bd = jnp.minimum(inputs.num_out_b[:, None] + jnp.arange(d)[None, :], truth_bm.shape[1] - 1)
-    true_bd = truth_bm[rows[:, None], idx_bd]
-    wrong_bdk = (true_bd[..., None] + 1 + jnp.arange(k)) % inputs.model.base.config.vocab_size
-    planted_bdk = ((jnp.arange(d)[None, :, None] < target_b[:, None, None])
-                   & (jnp.arange(k)[None, None, :] == ranks_ad[target_b][:, :, None]))
-    return jnp.where(planted_bdk, true_bd[..., None], wrong_bdk).astype(jnp.int32)
-
-
 def plant(tree, reference, targets_bs):
-    """proposer_data for planted_proposer: for target a, the ranks of the last tree path of length a."""
-    ranks_ad = np.zeros((tree.depth + 1, tree.depth), np.int32)
-    for p in tree.paths:
-        ranks_ad[len(p), : len(p)] = p
-    width = N + tree.depth + 1
-    truth_bm = np.zeros((len(reference), width), np.int32)
-    for i, r in enumerate(reference):
-        truth_bm[i, : len(r.token_ids)] = r.token_ids
-    return {"truth_bm": jnp.asarray(truth_bm), "targets_bs": jnp.asarray(targets_bs, jnp.int32),
-            "ranks_ad": jnp.asarray(ranks_ad)}
+    return planted_data(tree, [r.token_ids for r in reference], targets_bs, N)
 
 
 def cycling_targets(batch: int, depth: int) -> np.ndarray:

@@ -12,7 +12,7 @@ tokens (ShareGPT replies range from a few to thousands of tokens; padding would 
 A conversation longer than `seq_len` keeps its first `seq_len` tokens.
 
 The split is by conversation (seeded), so held-out text never appears in training rows. Batches come in a
-seeded per-epoch order; `BatchIterator.position` (epoch, index) is saved in checkpoints. Under multi-host
+seeded per-epoch order; `EpochIterator.position` (epoch, index) is saved in checkpoints. Under multi-host
 training each process loads only its own rows of each global batch.
 """
 
@@ -25,7 +25,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -224,32 +224,39 @@ def segment_mask(segment_ids_bt: np.ndarray):
     return same & causal[None]
 
 
-def top_token_ids(rows: PackedRows, n: int, vocab_size: int) -> np.ndarray:
-    """The n most frequent loss tokens (ties by id), for a truncated-vocabulary lm_head's token_map."""
+def top_token_ids(loss_tokens: np.ndarray, n: int, vocab_size: int) -> np.ndarray:
+    """The n most frequent of the given (loss) tokens, ties by id, sorted: a truncated lm_head's token_map."""
     if n > vocab_size:
         raise ValueError(f"truncated vocabulary of {n} exceeds the model's vocabulary of {vocab_size}")
-    counts = np.bincount(rows.tokens_rl[rows.loss_mask_rl], minlength=vocab_size)
+    counts = np.bincount(np.asarray(loss_tokens).reshape(-1), minlength=vocab_size)
     return np.sort(np.argsort(-counts, kind="stable")[:n]).astype(np.int32)
 
 
-class BatchIterator:
-    """Seeded per-epoch order over rows; yields this process's share of each global batch (rows
-    [p * B/P, (p+1) * B/P) of it). The last incomplete batch of an epoch is dropped."""
+def row_batch(rows: PackedRows) -> dict[str, np.ndarray]:
+    """The trainer's "rows" batch."""
+    return {"tokens": rows.tokens_rl, "segment_ids": rows.segment_ids_rl, "positions": rows.positions_rl,
+            "loss_mask": rows.loss_mask_rl}
 
-    def __init__(self, rows: PackedRows, global_batch: int, seed: int, process_index: int = 0,
-                 process_count: int = 1, epoch: int = 0, index: int = 0):
+
+class EpochIterator:
+    """Seeded per-epoch order over `num_items` items (packed rows or cached examples); yields
+    `take(sorted indices)` for this process's share of each global batch (items [p * B/P, (p+1) * B/P) of
+    it). The last incomplete batch of an epoch is dropped. `position` (epoch, index) is all its state."""
+
+    def __init__(self, num_items: int, take: Callable[[np.ndarray], dict[str, np.ndarray]], global_batch: int,
+                 seed: int, process_index: int = 0, process_count: int = 1, epoch: int = 0, index: int = 0):
         if global_batch % process_count:
             raise ValueError(f"global batch {global_batch} does not divide over {process_count} processes")
-        if rows.num_rows < global_batch:
-            raise DataError(f"only {rows.num_rows} packed training rows, fewer than one batch of {global_batch}; "
-                            f"lower --batch-size or add data")
-        self.rows, self.global_batch, self.seed = rows, global_batch, seed
+        if num_items < global_batch:
+            raise DataError(f"only {num_items} training items (packed rows or cached positions), fewer than one "
+                            f"batch of {global_batch}; lower --batch-size or add data")
+        self.num_items, self.take, self.global_batch, self.seed = num_items, take, global_batch, seed
         self.process_index, self.process_count = process_index, process_count
         self.epoch, self.index = epoch, index
 
     @property
     def batches_per_epoch(self) -> int:
-        return self.rows.num_rows // self.global_batch
+        return self.num_items // self.global_batch
 
     @property
     def position(self) -> dict[str, int]:
@@ -258,11 +265,15 @@ class BatchIterator:
     def __iter__(self):
         return self
 
-    def __next__(self) -> PackedRows:
+    def __next__(self) -> dict[str, np.ndarray]:
         if self.index >= self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.rows.num_rows)
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_items)
         local = self.global_batch // self.process_count
         start = self.index * self.global_batch + self.process_index * local
         self.index += 1
-        return self.rows.rows(np.sort(order[start:start + local]))
+        return self.take(np.sort(order[start:start + local]))
+
+
+def row_iterator(rows: PackedRows, global_batch: int, seed: int, **kw) -> EpochIterator:
+    return EpochIterator(rows.num_rows, lambda idx: row_batch(rows.rows(idx)), global_batch, seed, **kw)

@@ -7,6 +7,11 @@ generated with `medusa_jax.inference.engine.generate` (one jitted call per batch
 Output: ShareGPT records (`{"id", "conversations": [{"from": "human"|"gpt"|"system", "value"}]}`), one per
 line (JSONL), appended and fsync'ed batch by batch. A rerun skips the ids already written, so an interrupted
 run resumes where it stopped; a half-written last line (killed mid-write) is cut off first.
+
+With `save_hidden`, generation runs `training/distill_decode.py` instead of the engine's plain decode (same
+tokens) and each batch also writes `OUTPUT.hidden/batch-<first id>.npz` (written before the batch's JSONL
+lines, renamed into place): the generated token ids and the backbone's hidden state behind each of them.
+`hidden_store.py` turns them into Medusa-1 training examples without another pass over the backbone.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class DistillConfig:
     temperature: float = 0.0  # 0 = greedy, the distribution greedy Medusa decoding verifies against
     seed: int = 0  # conversation order and sampling
     limit: int | None = None  # stop after this many conversations (None: all)
+    save_hidden: bool = False  # also keep the hidden state behind every generated token (hidden_store_path)
 
     def __post_init__(self):
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.turns < 1 or self.max_prompt_tokens < 1:
@@ -77,6 +83,52 @@ def _ordered(records: list[dict[str, Any]], lengths: list[int], batch_size: int,
     return out
 
 
+def hidden_store_path(output: str | os.PathLike) -> Path:
+    return Path(str(output) + ".hidden")
+
+
+def write_hidden_batch(folder: Path, saved: list[tuple[str, int, list[int], np.ndarray]]) -> None:
+    """One .npz per batch: ids/turns of its replies, their token ids (flat, with offsets), hidden [n, D] fp16."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lengths = [len(t) for _, _, t, _ in saved]
+    arrays = {"ids": np.asarray([s[0] for s in saved]), "turns": np.asarray([s[1] for s in saved], np.int32),
+              "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+              "tokens": np.concatenate([np.asarray(s[2], np.int32) for s in saved]),
+              "hidden": np.concatenate([s[3] for s in saved]).astype(np.float16)}
+    name = "batch-" + "".join(c if c.isalnum() else "_" for c in str(saved[0][0]))[:64]
+    tmp = folder / f".{name}.tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, folder / f"{name}.npz")
+
+
+def _generate(model, prompts: list[list[int]], config: DistillConfig, seed: int, eos: tuple[int, ...],
+              pad_id: int) -> list[tuple[list[int], np.ndarray | None]]:
+    """(new token ids, hidden [n, D] or None) per prompt; EOS included when produced."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from medusa_jax.inference.engine import check_fits, generate, pad_prompts
+    from medusa_jax.inference.sampling import SamplingConfig
+    from medusa_jax.kv_cache import KVCache
+    from medusa_jax.training.distill_decode import decode_with_hidden
+
+    sampling = SamplingConfig(temperature=config.temperature)
+    if not config.save_hidden:
+        results = generate(model, prompts, max_new_tokens=config.max_new_tokens, sampling=sampling, seed=seed,
+                           eos_ids=eos, pad_id=pad_id, batch_size=config.batch_size)
+        return [(r.token_ids, None) for r in results]
+    batch = pad_prompts(prompts, pad_id, config.batch_size)
+    size = check_fits(batch, config.max_new_tokens, 0, None)
+    graphdef, params = nnx.split(model)
+    cache = KVCache.zeros(model.config, batch.tokens_bp.shape[0], size)
+    out_bn, num_b, hidden_bnd = decode_with_hidden(
+        graphdef, params, cache, jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b), jax.random.key(seed),
+        max_new_tokens=config.max_new_tokens, sampling=sampling, eos_ids=eos, pad_id=pad_id)
+    out_bn, num_b, hidden_bnd = np.asarray(out_bn), np.asarray(num_b), np.asarray(hidden_bnd)
+    return [(out_bn[i, : num_b[i]].tolist(), hidden_bnd[i, : num_b[i]]) for i in range(batch.num_real)]
+
+
 def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | os.PathLike,
                  config: DistillConfig = DistillConfig(), progress: bool = True,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -84,8 +136,6 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     from transformers import AutoTokenizer
 
     from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.inference.engine import generate
-    from medusa_jax.inference.sampling import SamplingConfig
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +164,6 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     todo = [i for i in order if records[i]["id"] not in finished]
     log(f"{len(usable)} conversations have a non-empty first prompt of <= {config.max_prompt_tokens} tokens; "
         f"{len(order) - len(todo)} already in {output}, {len(todo)} to generate")
-    sampling = SamplingConfig(temperature=config.temperature)
     stats = {"conversations": 0, "new_tokens": 0, "seconds": 0.0, "skipped_long_prompt": len(records) - len(usable)}
     bar = None
     if progress:
@@ -123,7 +172,7 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     start = time.perf_counter()
     for b0 in range(0, len(todo), config.batch_size):
         batch = todo[b0:b0 + config.batch_size]
-        histories, users = {}, {}
+        histories, users, saved = {}, {}, []
         for i in batch:
             system, turns = _user_turns(records[i]["messages"])
             histories[i], users[i] = list(system), turns[: config.turns]
@@ -134,19 +183,22 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
             rows = [i for i in rows if len(prompts[i]) <= limit]
             if not rows:
                 break
-            results = generate(model, [prompts[i] for i in rows], max_new_tokens=config.max_new_tokens,
-                               sampling=sampling, seed=config.seed + b0 + turn, eos_ids=eos, pad_id=pad_id,
-                               batch_size=config.batch_size)
-            for i, res in zip(rows, results):
-                ids = [t for t in res.token_ids if t not in eos]
+            results = _generate(model, [prompts[i] for i in rows], config, seed=config.seed + b0 + turn,
+                                eos=eos, pad_id=pad_id)
+            for i, (token_ids, hidden) in zip(rows, results):
+                text = tokenizer.decode([t for t in token_ids if t not in eos])
                 histories[i] += [{"role": "user", "content": users[i][turn]},
-                                 {"role": "assistant", "content": tokenizer.decode(ids)}]
-                stats["new_tokens"] += res.new_tokens
+                                 {"role": "assistant", "content": text}]
+                stats["new_tokens"] += len(token_ids)
+                if hidden is not None:
+                    saved.append((records[i]["id"], turn, token_ids, hidden))
         lines = []
         for i in batch:
             if len(histories[i]) and histories[i][-1]["role"] == "assistant":
                 conv = [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in histories[i]]
                 lines.append(json.dumps({"id": records[i]["id"], "conversations": conv}, ensure_ascii=False))
+        if config.save_hidden and saved:
+            write_hidden_batch(hidden_store_path(output), saved)
         with open(output, "a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))
             f.flush()

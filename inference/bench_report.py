@@ -1,0 +1,180 @@
+"""Benchmark results to files: results.json, results.md (the tables) and PNG plots (matplotlib, Agg).
+
+Every file is written to a temp name and renamed, so an interrupted run never leaves a half-written report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+TARGETS = {"acceleration_rate": 3.0, "speedup_batch1": 2.5, "speedup_batch8": 1.5}
+PLOTS = ("speedup_by_category.png", "accept_lengths.png", "speedup_vs_tree_size.png", "batched_throughput.png")
+_METHOD_NAMES = {"plain": "plain decode (ours)", "medusa": "Medusa (ours)", "hf": "transformers generate"}
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def target_status(results: dict) -> dict:
+    """Each target with the measured value (None when not measured) and whether it is met."""
+    batched = {row["batch_size"]: row["speedup"] for row in results.get("batched", [])}
+    measured = {"acceleration_rate": results["acceleration_rate"], "speedup_batch1": batched.get(1),
+                "speedup_batch8": batched.get(8)}
+    return {k: {"target": t, "measured": measured[k], "met": measured[k] is not None and measured[k] >= t}
+            for k, t in TARGETS.items()}
+
+
+def markdown(results: dict) -> str:
+    meta, ov, tree = results["meta"], results["overall"], results["tree"]
+    lines = [
+        f"Date: {meta['machine']['date']}. Machine: {meta['machine']['cpu']}, {meta['machine']['cpu_count']} cores "
+        f"({meta['machine']['devices']}, JAX {meta['machine']['jax']}, load average {_fmt(meta['machine']['load_average_1m'], 1)} "
+        f"at start).",
+        f"Command: `{meta['command']}`",
+        f"Model: {meta['model']}; heads: {results['heads']['folder']} ({results['heads']['num_heads']} heads, "
+        f"lm_head={results['heads']['lm_head']}); tree: {tree['spec']} ({tree['num_nodes']} nodes + root, depth "
+        f"{tree['depth']}); {ov['questions']} MT-Bench first turns, greedy, max {results['config']['max_new_tokens']} "
+        f"new tokens, batch {results['config']['batch_size']}.",
+        "",
+        "| method | tokens/s | tokens/step | ms/step | speedup vs plain |",
+        "|---|---|---|---|---|",
+    ]
+    for m, tps in ov["tokens_per_s"].items():
+        per_step = ov["tokens"][m] / ov["steps"][m]
+        ms = 1e3 * ov["seconds"][m] / ov["steps"][m]
+        lines.append(f"| {_METHOD_NAMES[m]} | {_fmt(tps, 1)} | {_fmt(per_step)} | {_fmt(ms, 1)} | "
+                     f"{_fmt(tps / ov['tokens_per_s']['plain'])}x |")
+    lines += ["", f"Acceleration rate {_fmt(results['acceleration_rate'])} tokens/step; step overhead "
+              f"{_fmt(results['step_overhead'])}x; speedup {_fmt(results['speedup'])}x; Medusa/plain mismatches: "
+              f"{results['mismatches']} of {ov['questions']}."
+              + (f" Predicted by build_tree: {_fmt(tree['predicted_tokens_per_step'])} tokens/step."
+                 if "predicted_tokens_per_step" in tree else "")
+              + (f" transformers vs our plain: {ov['hf_mismatches']} outputs differ (fp32 rounding can flip a "
+                 f"near-tie argmax)." if "hf_mismatches" in ov else "")]
+    lines += ["", "| category | questions | plain tok/s | Medusa tok/s | speedup | tokens/step | step overhead |",
+              "|---|---|---|---|---|---|---|"]
+    for c, s in results["per_category"].items():
+        lines.append(f"| {c} | {s['questions']} | {_fmt(s['tokens_per_s']['plain'], 1)} | "
+                     f"{_fmt(s['tokens_per_s']['medusa'], 1)} | {_fmt(s['speedup'])}x | {_fmt(s['acceleration_rate'])} | "
+                     f"{_fmt(s['step_overhead'])}x |")
+    if results.get("batched"):
+        lines += ["", "| batch | questions | plain tok/s (total) | Medusa tok/s (total) | speedup | tokens/step | "
+                      "mismatches |", "|---|---|---|---|---|---|---|"]
+        for row in results["batched"]:
+            lines.append(f"| {row['batch_size']} | {row['questions']} | {_fmt(row['tokens_per_s']['plain'], 1)} | "
+                         f"{_fmt(row['tokens_per_s']['medusa'], 1)} | {_fmt(row['speedup'])}x | "
+                         f"{_fmt(row['acceleration_rate'])} | {row['mismatches']} |")
+    if results.get("tree_sweep"):
+        lines += ["", "| tree nodes | tokens/step | Medusa tok/s | speedup (vs plain on the same questions) |",
+                  "|---|---|---|---|"]
+        for row in results["tree_sweep"]:
+            mark = " (main)" if row["is_main_tree"] else ""
+            lines.append(f"| {row['num_nodes']}{mark} | {_fmt(row['acceleration_rate'])} | "
+                         f"{_fmt(row['tokens_per_s'], 1)} | {_fmt(row['speedup'])}x |")
+    lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
+    for name, t in target_status(results).items():
+        lines.append(f"| {name} | >= {t['target']} | {_fmt(t['measured'])} | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_all(results: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, name):
+        _atomic_write(out / name, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png"))
+        plt.close(fig)
+        written.append(out / name)
+
+    cats = list(results["per_category"])
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    values = [results["per_category"][c]["speedup"] for c in cats] + [results["speedup"]]
+    ax.bar(cats + ["overall"], values, color=["#4c72b0"] * len(cats) + ["#c44e52"])
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_ylabel("Medusa speedup vs plain decode")
+    ax.set_title("Speedup by MT-Bench category (batch %d)" % results["config"]["batch_size"])
+    ax.tick_params(axis="x", rotation=30)
+    save(fig, PLOTS[0])
+
+    hist = results["accept_length_histogram"]
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    total = max(sum(hist), 1)
+    ax.bar(range(len(hist)), [h / total for h in hist], color="#55a868")
+    ax.set_xlabel("accepted candidates per verify step")
+    ax.set_ylabel("fraction of steps")
+    ax.set_xticks(range(len(hist)))
+    ax.set_title(f"Accept lengths (mean {results['acceleration_rate']:.2f} tokens/step incl. bonus)")
+    save(fig, PLOTS[1])
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    sweep = results.get("tree_sweep") or []
+    if sweep:
+        xs = [r["num_nodes"] for r in sweep]
+        ax.plot(xs, [r["speedup"] for r in sweep], "o-", color="#c44e52", label="speedup")
+        ax.plot(xs, [r["acceleration_rate"] for r in sweep], "s--", color="#4c72b0", label="tokens/step")
+        main = [r for r in sweep if r["is_main_tree"]]
+        if main:
+            ax.plot([main[0]["num_nodes"]], [main[0]["speedup"]], "*", ms=14, color="black", label="benchmarked tree")
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no tree sweep in this run", ha="center", va="center", transform=ax.transAxes)
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_xlabel("tree nodes (root excluded)")
+    ax.set_title("Speedup vs tree size")
+    save(fig, PLOTS[2])
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    rows = results.get("batched") or []
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["tokens_per_s"]["plain"] for r in rows], 0.4, label="plain", color="#8c8c8c")
+    ax.bar([x + 0.2 for x in xs], [r["tokens_per_s"]["medusa"] for r in rows], 0.4, label="Medusa", color="#c44e52")
+    for x, r in zip(xs, rows):
+        ax.text(x + 0.2, r["tokens_per_s"]["medusa"], f"x{r['speedup']:.2f}", ha="center", va="bottom")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([str(r["batch_size"]) for r in rows])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("total tokens/s")
+    ax.legend()
+    ax.set_title("Throughput by batch size")
+    save(fig, PLOTS[3])
+    return written
+
+
+def write_report(results: dict, out: str | os.PathLike) -> dict[str, Path]:
+    """Writes results.json, results.md and the plots into `out`; returns their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {**results, "targets": target_status(results)}
+    paths = {"json": out / "results.json", "markdown": out / "results.md"}
+
+    def dump(tmp):
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=1, default=float)
+            f.write("\n")
+
+    _atomic_write(paths["json"], dump)
+    _atomic_write(paths["markdown"], lambda tmp: Path(tmp).write_text(markdown(results)))
+    for p in plot_all(results, out):
+        paths[p.stem] = p
+    return paths

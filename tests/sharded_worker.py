@@ -1,0 +1,141 @@
+"""Subprocess side of tests/test_sharded_decode.py (run as a script; the device count is set before JAX loads).
+
+    python tests/sharded_worker.py meshes MODEL_DIR OUT.json
+        1-device references (engine.generate / generate_medusa) vs ShardedModel on meshes (data, tensor) in
+        (1,1), (8,1), (2,4), (1,8) on 8 forced CPU devices; loop collectives; mesh errors; batch API order.
+    python tests/sharded_worker.py multihost MODEL_DIR OUT.json
+        one of 2 processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID set), 4 CPU devices
+        each, mesh data=2 x tensor=4 spanning both: batch generation results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+MODE = sys.argv[1]
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 if MODE == 'meshes' else 4}"
+
+from medusa_jax import distributed  # noqa: E402
+
+if MODE == "multihost":
+    distributed.initialize(distributed.DistributedConfig.from_sources())
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from medusa_jax.heads import HeadsConfig, init_heads  # noqa: E402
+from medusa_jax.hf_import import load_pretrained  # noqa: E402
+from medusa_jax.hlo_collectives import invariant_gathers, loop_collectives  # noqa: E402
+from medusa_jax.sharding import MeshConfig, MeshError, sharding_for  # noqa: E402
+from medusa_jax.tree import load_tree  # noqa: E402
+from medusa_jax.inference.batch import BatchSettings, generate_batch  # noqa: E402
+from medusa_jax.inference.engine import generate  # noqa: E402
+from medusa_jax.inference.medusa import generate_medusa  # noqa: E402
+from medusa_jax.inference.sharded import ShardedModel  # noqa: E402
+
+MAX_NEW = 20
+BUCKET = 16
+NUM_HEADS = 3
+
+
+def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.RandomState(seed)
+    return [rng.randint(1, vocab, size=rng.randint(3, 28)).tolist() for _ in range(n)]
+
+
+def rows(run) -> list[dict]:
+    return [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in run.results]
+
+
+def main_meshes(model_dir: str, out: str) -> None:
+    base0 = load_pretrained(model_dir)
+    heads_cfg = HeadsConfig(base0.config.hidden_size, base0.config.vocab_size, num_heads=NUM_HEADS)
+    heads = init_heads(heads_cfg, base0, seed=1)
+    tree = load_tree("mc_sim_7b_16", num_heads=NUM_HEADS)
+    prompts = make_prompts(8, base0.config.vocab_size, 0)
+    # an EOS id that ends some rows early: a token row 3 produces mid-way without EOS
+    free = generate(base0, prompts, max_new_tokens=MAX_NEW, eos_ids=())
+    eos = (free[3].token_ids[MAX_NEW // 2],)
+    ref_plain = generate(base0, prompts, max_new_tokens=MAX_NEW, eos_ids=eos)
+    ref_medusa = generate_medusa(base0, heads, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos)
+    report = {"eos": list(eos), "reference": {
+        "plain": [{"tokens": r.token_ids, "steps": r.steps} for r in ref_plain],
+        "medusa": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_medusa]},
+        "meshes": {}}
+    settings = BatchSettings(batch_size=8, max_new_tokens=MAX_NEW, eos_ids=eos, bucket=BUCKET)
+    for data, tensor in ((1, 1), (8, 1), (2, 4), (1, 8)):
+        mesh = MeshConfig(data=data, tensor=tensor).make_mesh()
+        base = load_pretrained(model_dir, sharding_for=sharding_for(mesh))
+        model = ShardedModel(base, heads, mesh)
+        plain = generate_batch(model, prompts, settings, progress=False)
+        medusa = generate_batch(model, prompts, BatchSettings(**{**settings.__dict__, "tree": tree}), progress=False)
+        entry = {"plain": rows(plain), "medusa": rows(medusa),
+                 "k_sharding": [list(a) if isinstance(a, tuple) else a for a in model.cache_sharding(8, 64).k_lbshd.spec],
+                 "q_proj_shards": len(base.layers[0].self_attn.q_proj.kernel[...].addressable_shards)}
+        if (data, tensor) in ((2, 4), (1, 8)):
+            batch = np.asarray([p + [0] * (32 - len(p)) for p in prompts], np.int32)
+            lens = np.asarray([len(p) for p in prompts], np.int32)
+            for name, lowered in (
+                    ("plain", model.plain_decode(batch, lens, cache_size=64, max_new_tokens=MAX_NEW,
+                                                 lowered_only=True)),
+                    ("medusa", model.medusa_decode(batch, lens, tree=tree, cache_size=80, max_new_tokens=MAX_NEW,
+                                                   lowered_only=True))):
+                hlo = lowered.compile().as_text()
+                entry[f"{name}_loop_ops"] = sorted({c.op for c in loop_collectives(hlo)})
+                entry[f"{name}_invariant_gathers"] = [c.shape for c in invariant_gathers(hlo)]
+        report["meshes"][f"{data},{tensor}"] = entry
+
+    errors = {}
+    for name, make in (("tensor3", lambda: ShardedModel(base0, None, MeshConfig(tensor=3))),
+                       ("fsdp3", lambda: ShardedModel(base0, None, MeshConfig(fsdp=3)))):
+        try:
+            make()
+            errors[name] = None
+        except MeshError as e:
+            errors[name] = str(e)
+    try:
+        generate_batch(ShardedModel(base0, None, MeshConfig(data=4)), prompts, BatchSettings(batch_size=6))
+        errors["batch6_data4"] = None
+    except MeshError as e:
+        errors["batch6_data4"] = str(e)
+    report["errors"] = errors
+
+    # batch API: 11 ragged prompts, batches of 4 (3 batches, the last padded), on data=2 x tensor=4
+    many = make_prompts(11, base0.config.vocab_size, 1)
+    model = ShardedModel(base0, heads, MeshConfig(data=2, tensor=4))
+    run = generate_batch(model, many, BatchSettings(batch_size=4, max_new_tokens=MAX_NEW, eos_ids=eos,
+                                                    bucket=BUCKET), progress=False)
+    report["order"] = {
+        "indices": [r.index for r in run.results], "prompt_tokens": [r.prompt_tokens for r in run.results],
+        "lengths": [len(p) for p in many], "batches": [r.batch for r in run.results],
+        "tokens": [r.token_ids for r in run.results],
+        "expected": [r.token_ids for r in generate(base0, many, max_new_tokens=MAX_NEW, eos_ids=eos)],
+        "num_batches": run.num_batches, "num_shapes": run.num_shapes}
+    with open(out, "w") as f:
+        json.dump(report, f)
+
+
+def main_multihost(model_dir: str, out: str) -> None:
+    eos = tuple(json.loads(os.environ["SHARDED_TEST_EOS"]))
+    base0 = load_pretrained(model_dir)
+    heads = init_heads(HeadsConfig(base0.config.hidden_size, base0.config.vocab_size, num_heads=NUM_HEADS),
+                       base0, seed=1)
+    mesh = MeshConfig(data=2, tensor=4).make_mesh()
+    base = load_pretrained(model_dir, sharding_for=sharding_for(mesh))
+    model = ShardedModel(base, heads, mesh)
+    prompts = make_prompts(8, base0.config.vocab_size, 0)
+    settings = BatchSettings(batch_size=8, max_new_tokens=MAX_NEW, eos_ids=eos, bucket=BUCKET)
+    plain = generate_batch(model, prompts, settings, progress=False)
+    tree = load_tree("mc_sim_7b_16", num_heads=NUM_HEADS)
+    medusa = generate_batch(model, prompts, BatchSettings(**{**settings.__dict__, "tree": tree}), progress=False)
+    with open(out, "w") as f:
+        json.dump({"process_index": jax.process_index(), "process_count": jax.process_count(),
+                   "device_count": jax.device_count(), "local_devices": jax.local_device_count(),
+                   "plain": rows(plain), "medusa": rows(medusa)}, f)
+
+
+if __name__ == "__main__":
+    {"meshes": main_meshes, "multihost": main_multihost}[MODE](sys.argv[2], sys.argv[3])

@@ -1,0 +1,215 @@
+"""Benchmark plumbing (scripts/benchmark.py), tree construction (medusa_jax.tree_search, scripts/build_tree.py)
+and the GPU step-cost script's CPU mode (scripts/gpu_bench.py --tiny), on tiny models."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from medusa_jax import tree_search
+from medusa_jax.tree import build_tree, load_tree
+from medusa_jax.inference.head_accuracy import count_hits
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "write", "poem", "about", "why", "is", "sky", "blue",
+         "explain", "math", "two", "plus", "three", "code", "python", "list", "sort", "story", "short", "tell"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- tree construction -------------------------------------------------------------------------------
+
+def prefix_closed_subsets(nodes, size):
+    for subset in itertools.combinations(nodes, size):
+        chosen = set(subset)
+        if all(len(p) == 1 or p[:-1] in chosen for p in subset):
+            yield subset
+
+
+def test_expected_tokens_and_greedy_order_on_a_toy_table():
+    acc = [[0.5, 0.2], [0.4, 0.1]]
+    # 1 (bonus) + P([0]) + P([1]) + P([0,0]) = 1 + 0.5 + 0.2 + 0.5 * 0.4
+    assert tree_search.expected_tokens_per_step([[0], [1], [0, 0]], acc) == pytest.approx(1.9)
+    order = tree_search.greedy_tree(acc, 6)
+    # [1] and [0, 0] tie at 0.2: the shorter path goes first
+    assert [p for p, _ in order] == [(0,), (1,), (0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [v for _, v in order] == pytest.approx([0.5, 0.2, 0.2, 0.08, 0.05, 0.02])
+
+
+def test_greedy_tree_values_never_increase_prefixes_are_valid_and_optimal():
+    rng = np.random.RandomState(3)
+    acc = np.sort(rng.uniform(0, 0.6, (3, 3)), axis=1)[:, ::-1]
+    order = tree_search.greedy_tree(acc, 39)  # every node of 3 heads x top-3: 3 + 9 + 27
+    values = [v for _, v in order]
+    assert len(order) == 39 and all(a >= b for a, b in zip(values, values[1:]))
+    all_nodes = [p for p, _ in order]
+    for n in range(1, 40):
+        buffers = build_tree(all_nodes[:n], num_heads=3, max_top_k=3)  # a valid tree that the decoder accepts
+        assert buffers.num_tokens == n + 1
+    for n in (1, 2, 3, 4):  # brute force over every valid tree of n nodes
+        greedy = tree_search.expected_tokens_per_step(all_nodes[:n], acc)
+        best = max(tree_search.expected_tokens_per_step(s, acc) for s in prefix_closed_subsets(all_nodes, n))
+        assert greedy == pytest.approx(best)
+
+
+def test_choose_tree_maximises_tokens_per_second_and_writes_a_loadable_tree(tmp_path):
+    acc = np.array([[0.6, 0.1, 0.05], [0.4, 0.08, 0.04], [0.3, 0.06, 0.03]])
+    cost = tree_search.StepCost((2, 4, 8, 16, 32), (1.0, 1.02, 1.1, 1.4, 2.4))
+    choice = tree_search.choose_tree(acc, cost, 31)
+    order = tree_search.greedy_tree(acc, 31)
+    by_hand = [tree_search.expected_tokens_per_step([p for p, _ in order[:n]], acc) / cost(n + 1)
+               for n in range(1, 32)]
+    assert choice.best_num_nodes == int(np.argmax(by_hand)) + 1
+    assert choice.predicted_tokens_per_step == pytest.approx(
+        tree_search.expected_tokens_per_step(choice.paths, acc))
+    doc = tree_search.tree_document(choice, acc, cost, {"model": "toy"})
+    path = tree_search.write_json_atomic(tmp_path / "tree.json", doc)
+    loaded = load_tree(path, num_heads=3, max_top_k=3)
+    assert set(loaded.paths) == set(choice.paths)
+    assert tree_search.greedy_order_of(json.loads(path.read_text()))[: choice.best_num_nodes] == list(choice.paths)
+
+
+def test_step_cost_and_accuracy_table_reject_bad_input():
+    cost = tree_search.StepCost((2, 8), (1.0, 2.0))
+    assert cost(5) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="outside the measured range"):
+        cost(9)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        tree_search.StepCost((8, 2), (1.0, 2.0))
+    with pytest.raises(ValueError, match="probabilities"):
+        tree_search.greedy_tree([[1.5]], 3)
+    with pytest.raises(ValueError, match="outside"):
+        tree_search.expected_tokens_per_step([[0, 0, 0]], [[0.5], [0.5]])
+
+
+def test_count_hits_scores_head_d_against_the_token_at_p_plus_2_plus_d():
+    seq = [7, 1, 2, 3, 4, 5, 6]
+    start = 1  # the last prompt token: positions 1.. are scored
+    top = np.zeros((2, 1, len(seq), 2), np.int64)
+    for p in range(len(seq)):
+        top[0, 0, p] = [seq[p + 2] if p + 2 < len(seq) else 0, 99]  # head 0 always right at rank 0
+        top[1, 0, p] = [99, seq[p + 3] if p + 3 < len(seq) else 0]  # head 1 always right at rank 1
+    top[1, 0, 2, 1] = 98  # ... except once
+    hits, counted = count_hits(top, [seq], [start])
+    assert counted.tolist() == [4, 3]  # head 0: p = 1..4 (target p+2 <= 6); head 1: p = 1..3
+    assert hits.tolist() == [[4, 0], [0, 2]]
+
+
+# ---- tiny model with a tokenizer -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tiny_model_dir, tmp_path_factory):
+    """A tiny Llama folder with a word-level tokenizer and chat template, plus random heads."""
+    import shutil
+
+    import tokenizers
+    import transformers
+
+    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.heads_io import save_heads
+    from medusa_jax.hf_import import load_pretrained
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
+    vocab = {w: i for i, w in enumerate(specials + WORDS)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                                pad_token="<unk>", additional_special_tokens=specials[1:3])
+    fast.chat_template = CHAT_TEMPLATE
+    src, _ = tiny_model_dir("llama", seed=1, eos_token_id=2)
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    for f in src.iterdir():
+        shutil.copy(f, folder / f.name)
+    fast.save_pretrained(folder)
+    heads_dir = folder.parent / (folder.name + "-heads")
+    save_heads(init_heads(HeadsConfig(64, 128, num_heads=3, lm_head="own"), load_pretrained(folder), seed=2),
+               heads_dir)
+    return folder, heads_dir
+
+
+def write_questions(path: Path):
+    rows = [(1, "writing", "write a short poem about the cat"), (2, "math", "explain two plus three"),
+            (3, "coding", "sort a list in python")]
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t, "tell why"]}) + "\n"
+                            for i, c, t in rows))
+    return path
+
+
+def test_benchmark_cli_writes_results_markdown_and_plots(tiny_chat_model, tmp_path):
+    folder, heads_dir = tiny_chat_model
+    out = tmp_path / "bench"
+    rc = load_script("benchmark").main([
+        "--model", str(folder), "--heads", str(heads_dir), "--tree", "mc_sim_7b_8",
+        "--question-file", str(write_questions(tmp_path / "q.jsonl")), "--questions", "3",
+        "--max-new-tokens", "6", "--batched-sizes", "2", "--sweep-sizes", "2", "--sweep-questions", "1",
+        "--hf", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    for key in ("speedup", "acceleration_rate", "step_overhead", "mismatches", "tokens_per_s"):
+        assert key in res
+    assert set(res["tokens_per_s"]) == {"plain", "medusa", "hf"} and all(v > 0 for v in res["tokens_per_s"].values())
+    assert res["mismatches"] == 0  # Medusa greedy reproduces plain greedy
+    rows = res["per_question"]
+    assert len(rows) == 3 and {r["category"] for r in rows} == {"writing", "math", "coding"}
+    tokens, steps = sum(r["medusa"]["tokens"] for r in rows), sum(r["medusa"]["steps"] for r in rows)
+    assert res["acceleration_rate"] == pytest.approx(tokens / steps)
+    plain_tps = sum(r["plain"]["tokens"] for r in rows) / sum(r["plain"]["seconds"] for r in rows)
+    assert res["speedup"] == pytest.approx(res["tokens_per_s"]["medusa"] / plain_tps)
+    assert sum(res["accept_length_histogram"]) == sum(len(r["medusa"]["accept_lengths"]) for r in rows)
+    assert [b["batch_size"] for b in res["batched"]] == [1, 2]
+    assert {s["num_nodes"] for s in res["tree_sweep"]} == {2, 8}
+    assert set(res["targets"]) == {"acceleration_rate", "speedup_batch1", "speedup_batch8"}
+    md = (out / "results.md").read_text()
+    assert "| Medusa (ours) |" in md and "| writing |" in md and "Command: `python scripts/benchmark.py" in md
+    for name in ("speedup_by_category", "accept_lengths", "speedup_vs_tree_size", "batched_throughput"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_build_tree_cli_writes_a_tree_the_decoder_loads(tiny_chat_model, tmp_path):
+    folder, heads_dir = tiny_chat_model
+    data = tmp_path / "conv.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "conversations": [
+        {"from": "human", "value": f"tell a short story about the {w}"}, {"from": "gpt", "value": "the cat sat"}]})
+        + "\n" for i, w in enumerate(["cat", "dog", "mat"])))
+    out = tmp_path / "tree.json"
+    rc = load_script("build_tree").main([
+        "--model", str(folder), "--heads", str(heads_dir), "--out", str(out), "--data", str(data),
+        "--heldout", "2", "--continuation-tokens", "12", "--top-k", "3", "--max-nodes", "7",
+        "--tree-tokens", "2,4,8", "--repeats", "1", "--context", "16"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    tree = load_tree(out, num_heads=3, max_top_k=3)
+    assert tree.num_tokens == doc["num_tree_tokens"] and 1 <= doc["num_nodes"] <= 7
+    acc = np.asarray(doc["head_accuracy"])
+    assert acc.shape == (3, 3) and np.all((acc >= 0) & (acc <= 1))
+    assert doc["predicted_tokens_per_step"] == pytest.approx(
+        tree_search.expected_tokens_per_step(doc["medusa_choices"], acc))
+    assert doc["step_seconds"]["tree_tokens"] == [2, 4, 8] and min(doc["step_seconds"]["seconds"]) > 0
+
+
+def test_gpu_bench_tiny_mode_on_cpu(tmp_path):
+    rc = load_script("gpu_bench").main(["--tiny", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "gpu_bench.json").read_text())
+    (entry,) = res["models"]
+    assert set(entry["plain_ms"]) == {"1", "2"}
+    assert set(entry["medusa_ms"]) == {"B=1,T=4", "B=1,T=8", "B=2,T=4", "B=2,T=8"}
+    for key, ms in entry["medusa_ms"].items():
+        batch = key.split(",")[0].split("=")[1]
+        assert entry["overhead"][key] == pytest.approx(ms / entry["plain_ms"][batch])
+    assert "| batch | plain ms/step |" in (tmp_path / "gpu_bench.md").read_text()
+    # a spent budget skips everything and still writes a report
+    rc = load_script("gpu_bench").main(["--tiny", "--budget-seconds", "0", "--out", str(tmp_path / "none")])
+    assert rc == 0 and json.loads((tmp_path / "none" / "gpu_bench.json").read_text())["models"] == []

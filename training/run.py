@@ -1,0 +1,261 @@
+"""A whole head-training run: data, heads, trainer, checkpoints, logs, held-out evaluation, the heads folder.
+
+`train_heads(RunConfig)` is what scripts/train_heads.py calls. Outputs (written by process 0):
+  OUTPUT/config.json + heads.safetensors   the heads (medusa_jax.heads_io.load_native_heads reads them)
+  OUTPUT/base_model/                       Medusa-2 only: the jointly trained backbone as a HF folder
+  OUTPUT/train_log.jsonl                   one JSON object per logged step ("train") and evaluation ("eval")
+  OUTPUT/checkpoints/                      Orbax checkpoints (unless --checkpoint-dir points elsewhere)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from medusa_jax import sharding as shd
+from medusa_jax.heads import HeadsConfig, MedusaHeads, init_heads
+from medusa_jax.heads_io import heads_from_tensors, heads_tensors, save_heads
+from medusa_jax.training import losses
+from medusa_jax.training.checkpointing import Checkpoints
+from medusa_jax.training.data import DataConfig, PackedRows, load_chat_data, row_batch, row_iterator, top_token_ids
+from medusa_jax.training.trainer import TrainConfig, Trainer, schedule
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: str
+    output: str
+    data: str | None = None  # None: the packaged ShareGPT file
+    num_heads: int = 4
+    num_layers: int = 1
+    lm_head: str = "own"  # own | shared | truncated:N
+    batch_size: int = 8  # global packed rows per step
+    cached_batch_size: int = 4096  # global positions per step with cache_hidden
+    cache_hidden: bool = False
+    mesh: str = ""
+    checkpoint_dir: str | None = None
+    save_every: int = 500
+    keep_checkpoints: int = 3
+    resume: bool = False
+    eval_every: int = 500
+    eval_batches: int = 50  # at most this many held-out batches per evaluation
+    log_every: int = 10
+    heads_dtype: str = "float32"  # dtype of the saved heads
+    seed: int = 0
+    progress: bool = True
+    data_config: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+
+
+def parse_lm_head(spec: str) -> tuple[str, int | None]:
+    """'own' | 'shared' | 'truncated:N' -> (mode, N)."""
+    mode, _, n = spec.partition(":")
+    if mode == "truncated":
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--lm-head truncated needs a size, e.g. truncated:4096, got {spec!r}")
+        return mode, int(n)
+    if mode in ("own", "shared") and not n:
+        return mode, None
+    raise ValueError(f"--lm-head must be own, shared or truncated:N, got {spec!r}")
+
+
+def _padded_batches(take: Callable[[np.ndarray], dict], num: int, global_batch: int, max_batches: int,
+                    empty: Callable[[int], dict]) -> list[dict[str, np.ndarray]]:
+    """Held-out batches of this process; the last one is completed with target-free filler."""
+    out = []
+    p, n_proc = jax.process_index(), jax.process_count()
+    local = global_batch // n_proc
+    for start in range(0, min(num, max_batches * global_batch), global_batch):
+        idx = np.arange(start + p * local, start + (p + 1) * local)
+        real = idx[idx < num]
+        part = take(real)
+        if len(real) < local:
+            fill = empty(local - len(real))
+            part = {k: np.concatenate([part[k], fill[k]]) for k in part}
+        out.append(part)
+    return out
+
+
+def _empty_rows(like: PackedRows) -> Callable[[int], dict]:
+    def make(n):
+        z = np.zeros((n, like.tokens_rl.shape[1]), np.int32)
+        return {"tokens": z, "segment_ids": z, "positions": z, "loss_mask": z.astype(bool)}
+    return make
+
+
+def _signature(cfg: RunConfig, base, heads: MedusaHeads) -> dict[str, Any]:
+    token_map = "" if heads.token_map is None else hashlib.sha256(
+        np.asarray(heads.token_map[...]).tobytes()).hexdigest()[:16]
+    return {"model": repr(base.config), "heads": heads.config.to_dict(), "token_map": token_map,
+            "medusa2": cfg.train.medusa2, "distill_kl": cfg.train.distill_kl, "cache_hidden": cfg.cache_hidden,
+            "seq_len": cfg.data_config.seq_len, "batch_size": cfg.cached_batch_size if cfg.cache_hidden else
+            cfg.batch_size, "seed": cfg.seed}
+
+
+def convert_heads(heads: MedusaHeads, dtype: str) -> MedusaHeads:
+    if dtype == heads.config.dtype:
+        return heads
+    config = dataclasses.replace(heads.config, dtype=dtype)
+    return heads_from_tensors(config, heads_tensors(heads), "trained heads")
+
+
+def evaluate(trainer: Trainer, batches: list[dict]) -> dict[str, Any]:
+    total = None
+    for batch in batches:
+        stats, _ = trainer.eval_stats(batch)
+        total = stats if total is None else jax.tree.map(np.add, total, stats)
+    return losses.HeadStats.summary(total) if total is not None else {}
+
+
+@dataclasses.dataclass
+class _Feed:
+    iterator: Any  # EpochIterator
+    eval_batches: list[dict[str, np.ndarray]]
+    loss_tokens: np.ndarray  # training target tokens (for a truncated token_map)
+    tokens_per_step: Callable[[dict], int]
+
+
+def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
+    """Packed rows (backbone in the step), cached hidden states, or self-distillation's saved hidden states."""
+    from medusa_jax.training import hidden_cache, hidden_store
+
+    pos = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    k, n_proc = cfg.num_heads, jax.process_count()
+    store = hidden_store.store_for(cfg.data) if cfg.cache_hidden else None
+    if store is not None:
+        ex = hidden_store.load_distilled_examples(cfg.data, k, cfg.data_config.heldout_fraction, cfg.seed)
+        log(f"using the hidden states saved by self-distillation in {store}: {ex.num_conversations[0]} training / "
+            f"{ex.num_conversations[1]} held-out conversations, {len(ex.train['targets'])} / "
+            f"{len(ex.heldout['targets'])} positions")
+        train_arrays, held_arrays, loss_tokens = ex.train, ex.heldout, ex.train_tokens
+    else:
+        data = load_chat_data(cfg.data, tokenizer, eos, cfg.data_config, log=log)
+        log(f"packed {data.num_conversations[0]} training / {data.num_conversations[1]} held-out conversations "
+            f"into {data.train.num_rows} / {data.heldout.num_rows} rows of {cfg.data_config.seq_len} tokens "
+            f"({int(data.train.loss_mask_rl.sum())} training loss tokens; {data.dropped_no_loss_tokens} "
+            f"conversations without loss tokens dropped)")
+        loss_tokens = data.train.tokens_rl[data.train.loss_mask_rl]
+        if not cfg.cache_hidden:
+            return _Feed(row_iterator(data.train, cfg.batch_size, cfg.seed, **pos),
+                         _padded_batches(lambda i: row_batch(data.heldout.rows(i)), data.heldout.num_rows,
+                                         cfg.batch_size, cfg.eval_batches, _empty_rows(data.heldout)),
+                         loss_tokens, lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
+        arrays = []
+        for name, rows in (("train", data.train), ("held-out", data.heldout)):
+            t0 = time.perf_counter()
+            cache = hidden_cache.build_hidden_cache(
+                base, rows, k, Path(cfg.output) / "hidden_cache",
+                progress=lambda d, n, name=name, t0=t0: log(f"hidden cache ({name}): {d}/{n} rows, "
+                                                            f"{time.perf_counter() - t0:.0f} s"))
+            arrays.append(cache.arrays())
+        train_arrays, held_arrays = arrays
+    d = base.config.hidden_size
+    empty = lambda n: {"hidden": np.zeros((n, d), np.float16), "targets": np.full((n, k), -1, np.int32)}  # noqa: E731
+    return _Feed(hidden_cache.example_iterator(train_arrays, cfg.cached_batch_size, cfg.seed, **pos),
+                 _padded_batches(lambda i: {a: v[i] for a, v in held_arrays.items()}, len(held_arrays["targets"]),
+                                 cfg.cached_batch_size, cfg.eval_batches, empty),
+                 loss_tokens, lambda b: len(b["targets"]) * n_proc)
+
+
+def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from medusa_jax.hf_import import load_pretrained
+
+    is_main = jax.process_index() == 0
+    output = Path(cfg.output)
+    if cfg.cache_hidden and cfg.train.medusa2:
+        raise ValueError("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
+    mesh = shd.MeshConfig.parse(cfg.mesh).make_mesh()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    base = load_pretrained(cfg.model, sharding_for=shd.sharding_for(mesh) if mesh.size > 1 else None)
+    eos = tuple(base.config.eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+    mode, n_trunc = parse_lm_head(cfg.lm_head)
+    feed = _prepare_data(cfg, base, tokenizer, eos, log)
+    heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
+                               mode, n_trunc, base_model_name_or_path=str(cfg.model))
+    token_map = top_token_ids(feed.loss_tokens, n_trunc, base.config.vocab_size) if mode == "truncated" else None
+    heads = init_heads(heads_config, base, cfg.seed, token_map)
+    trainer = Trainer(base, heads, cfg.train, mesh)
+    it, eval_batches, tokens_per_step = feed.iterator, feed.eval_batches, feed.tokens_per_step
+
+    signature = _signature(cfg, base, heads)
+    ckpt = Checkpoints(cfg.checkpoint_dir or output / "checkpoints", cfg.save_every, cfg.keep_checkpoints)
+    log_path = output / "train_log.jsonl"
+    if cfg.resume and ckpt.latest_step() is not None:
+        meta = ckpt.restore(trainer, signature)
+        it.epoch, it.index = meta["data_position"]["epoch"], meta["data_position"]["index"]
+        log(f"resumed from {ckpt.directory}/{trainer.step} (data epoch {it.epoch}, batch {it.index})")
+    elif ckpt.latest_step() is not None:
+        raise FileExistsError(f"{ckpt.directory} already holds checkpoints (latest step {ckpt.latest_step()}); "
+                              f"pass --resume to continue that run, or choose another --checkpoint-dir/--output")
+    elif is_main:
+        output.mkdir(parents=True, exist_ok=True)
+        log_path.unlink(missing_ok=True)
+
+    def write_log(record):
+        if is_main:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    bar = None
+    if cfg.progress and is_main:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.train.max_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
+    head_lr = schedule(cfg.train.learning_rate * cfg.train.head_lr_multiplier, cfg.train)
+    t_start, tokens_done, result = time.perf_counter(), 0, {}
+    while trainer.step < cfg.train.max_steps:
+        batch = next(it)
+        metrics = trainer.train_step(batch)
+        tokens_done += tokens_per_step(batch)
+        loss = float(metrics["loss"])
+        if not math.isfinite(loss):
+            ckpt.wait()
+            raise TrainingDiverged(
+                f"loss is {loss} at step {trainer.step}; training stopped. The last good checkpoint is step "
+                f"{ckpt.latest_step()} in {ckpt.directory} (lower --learning-rate or check the data)")
+        elapsed = time.perf_counter() - t_start
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_done / elapsed:.0f}")
+        if trainer.step % cfg.log_every == 0 or trainer.step == cfg.train.max_steps:
+            write_log({"kind": "train", "step": trainer.step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                       "head_lr": float(head_lr(trainer.step - 1)), "tokens_per_s": tokens_done / elapsed,
+                       "elapsed_s": elapsed, "epoch": it.epoch, **metrics["stats"].summary(),
+                       **({"base_loss": float(metrics["base_loss"])} if "base_loss" in metrics else {})})
+        ckpt.save(trainer, it.position, signature)
+        if trainer.step % cfg.eval_every == 0 or trainer.step == cfg.train.max_steps:
+            result = evaluate(trainer, eval_batches)
+            write_log({"kind": "eval", "step": trainer.step, **result})
+            log(f"step {trainer.step}: held-out top-1 per head {np.round(result.get('top1', []), 3).tolist()}")
+    if bar is not None:
+        bar.close()
+    if trainer.step not in ckpt.all_steps():
+        ckpt.save(trainer, it.position, signature, force=True)
+    ckpt.close()
+    if not result:
+        result = evaluate(trainer, eval_batches)
+    if is_main:
+        trained = convert_heads(trainer.heads(), cfg.heads_dtype)
+        summary = {"steps": trainer.step, "heldout": result, "lm_head": cfg.lm_head, "medusa2": cfg.train.medusa2}
+        save_heads(trained, output / "_heads_tmp", extra_config={"training": summary})
+        for name in ("config.json", "heads.safetensors"):
+            (output / "_heads_tmp" / name).replace(output / name)
+        shutil.rmtree(output / "_heads_tmp")
+        if cfg.train.medusa2:
+            from medusa_jax.training.export import save_backbone
+            save_backbone(trainer.base(), cfg.model, output / "base_model")
+    return {"steps": trainer.step, "heldout": result, "output": str(output)}
