@@ -35,6 +35,19 @@ from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
 
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_seconds = [0.0]  # tracing + lowering + XLA compilation time of this process, from JAX's own events
+
+
+def _on_event(event: str, duration: float, **_) -> None:
+    if event in _COMPILE_EVENTS:
+        _compile_seconds[0] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchSettings:
     batch_size: int = 8
@@ -81,6 +94,7 @@ class RowResult:
 class BatchRun:
     results: list[RowResult]  # in input order
     seconds: float  # wall-clock time of all batches, compilation included
+    compile_seconds: float  # of which tracing and compiling (JAX's compile events)
     num_batches: int
     num_shapes: int  # distinct (prompt width, cache size) pairs = compilations of the decode loop
 
@@ -91,6 +105,11 @@ class BatchRun:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / max(self.seconds, 1e-9)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Throughput without the one-off compilation time."""
+        return self.new_tokens / max(self.seconds - self.compile_seconds, 1e-9)
 
     @property
     def tokens_per_step(self) -> float:
@@ -129,7 +148,7 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     results: list[RowResult | None] = [None] * len(prompts)
     shapes = set()
     bar = _progress(len(prompts), progress)
-    start = time.perf_counter()
+    start, compile_start = time.perf_counter(), _compile_seconds[0]
     new_tokens = 0
     for number, indices in enumerate(plan):
         batch = pad_prompts([prompts[i] for i in indices], settings.pad_id, settings.batch_size, settings.bucket)
@@ -155,7 +174,7 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
             bar.set_postfix(tok_s=f"{rate:.1f}", batch=f"{number + 1}/{len(plan)}")
     if bar is not None:
         bar.close()
-    return BatchRun(results, time.perf_counter() - start, len(plan), len(shapes))
+    return BatchRun(results, time.perf_counter() - start, _compile_seconds[0] - compile_start, len(plan), len(shapes))
 
 
 def _decode(model: ShardedModel, prompt_bp: np.ndarray, lengths_b: np.ndarray, cache_size: int,

@@ -87,6 +87,13 @@ def markdown(results: dict) -> str:
             mark = " (main)" if row["is_main_tree"] else ""
             lines.append(f"| {row['num_nodes']}{mark} | {_fmt(row['acceleration_rate'])} | "
                          f"{_fmt(row['tokens_per_s'], 1)} | {_fmt(row['speedup'])}x |")
+    prof = results.get("step_profile")
+    if prof:
+        lines += ["", f"Where a Medusa step's time goes (batch 1, {prof['context']} tokens of context, each piece "
+                      f"jitted alone, ms): " + ", ".join(f"{k.replace('_', ' ')} {_fmt(v, 1)}"
+                                                          for k, v in prof["pieces_ms"].items())
+                  + f"; the whole step in one jitted call {_fmt(prof['medusa_step_ms'], 1)}; a plain step "
+                    f"{_fmt(prof['plain_step_ms'], 1)}."]
     lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
     for name, t in target_status(results).items():
         lines.append(f"| {name} | >= {t['target']} | {_fmt(t['measured'])} | {'yes' if t['met'] else 'no'} |")

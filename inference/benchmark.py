@@ -26,6 +26,7 @@ import numpy as np
 from medusa_jax.mtbench import MTBenchQuestion
 from medusa_jax.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
 from medusa_jax.tree_search import greedy_order_of
+from medusa_jax.inference import step_cost
 from medusa_jax.inference.bench_inputs import LoadedModel
 from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
 from medusa_jax.inference.medusa import generate_medusa
@@ -42,6 +43,7 @@ class BenchmarkConfig:
     batched_sizes: tuple[int, ...] = (4, 8)  # extra batch sizes for the throughput table
     sweep_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)  # tree sizes (nodes) for the speedup-vs-size plot
     sweep_questions: int = 2  # questions per sweep size
+    profile: bool = True  # time each piece of a Medusa step (step_cost.piece_seconds) at batch 1
 
     def __post_init__(self):
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.sweep_questions < 0:
@@ -239,9 +241,26 @@ def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], con
         "compile_seconds": dict(runner.compile_seconds),
         "per_question": records,
     }
+    if config.profile:
+        results["step_profile"] = profile_step(loaded, tree, records, progress)
     results["batched"] = run_batched(runner, questions, prompts, config, tree, records, progress)
     results["tree_sweep"] = run_tree_sweep(runner, prompts, config, tree, records, progress)
     return results
+
+
+def profile_step(loaded: LoadedModel, tree: TreeBuffers, records: list[dict], progress) -> dict:
+    """ms of each piece of one Medusa step, of the whole step and of a plain step, batch 1, at the
+    benchmark's median context (prompt + half the answer)."""
+    context = int(np.median([r["prompt_tokens"] + r["plain"]["tokens"] // 2 for r in records]))
+    size = round_up(context + 2 * tree.num_tokens + tree.depth + 1, PROMPT_BUCKET)
+    args = (loaded.base, loaded.heads, tree, 1, context, size)
+    out = {"context": context, "cache_size": size, "batch": 1,
+           "pieces_ms": {k: 1e3 * v for k, v in step_cost.piece_seconds(*args, repeats=7).items()},
+           "medusa_step_ms": 1e3 * step_cost.medusa_step_seconds(*args, repeats=7),
+           "plain_step_ms": 1e3 * step_cost.plain_step_seconds(loaded.base, 1, context, size, repeats=7)}
+    progress("step profile (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in out["pieces_ms"].items())
+             + f"; whole Medusa step {out['medusa_step_ms']:.1f}; plain step {out['plain_step_ms']:.1f}")
+    return out
 
 
 def run_batched(runner: Runner, questions, prompts, config: BenchmarkConfig, tree: TreeBuffers,

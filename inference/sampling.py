@@ -38,9 +38,18 @@ def top_p_filter(logits_bv: jax.Array, top_p: float) -> jax.Array:
     return jnp.where(logits_bv >= threshold_b, logits_bv, -jnp.inf)
 
 
+def greedy_tokens(logits_xv: jax.Array) -> jax.Array:
+    """[..., V] -> [...] int32: the first index of the maximum over the last axis (= jnp.argmax for finite
+    logits). Two plain reductions instead of argmax's (value, index) reduce, which XLA:CPU does not vectorise:
+    on SmolLM2's 49k vocabulary argmax took ~25 of a 60 ms plain decode step on 2 CPU cores."""
+    max_x1 = jnp.max(logits_xv, axis=-1, keepdims=True)
+    iota_xv = jax.lax.broadcasted_iota(jnp.int32, logits_xv.shape, logits_xv.ndim - 1)
+    return jnp.min(jnp.where(logits_xv == max_x1, iota_xv, logits_xv.shape[-1] - 1), axis=-1)
+
+
 def sample_tokens(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig) -> jax.Array:
     """logits [..., V] -> token ids [...] (int32)."""
     if config.greedy:
-        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+        return greedy_tokens(logits_bv)
     scaled = top_p_filter(logits_bv.astype(jnp.float32) / config.temperature, config.top_p)
     return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)

@@ -4,10 +4,14 @@ Layouts (mesh axes from `medusa_jax.sharding`):
     parameters        PARAM_RULES (attention heads, MLP width and vocabulary over `tensor`; hidden over `fsdp`)
     KV cache          [L, B, S, Hkv, D]: rows over (data, fsdp), KV heads over `tensor`
     prompts, outputs  [B, ...]: rows over (data, fsdp); the PRNG key is replicated
-With data x tensor meshes each step moves only activations (all-reduces after the row-parallel o_proj and
-down_proj, the vocabulary-parallel logits). `fsdp` > 1 stores weights split over hidden_size, so every layer
-all-gathers its weights at every decode step: it saves memory, not time. For decoding prefer data x tensor
-(see `loop_collectives` in medusa_jax.hlo_collectives to check a compiled loop).
+With data x tensor meshes each decode step moves only activations: all-reduces after the row-parallel o_proj
+and down_proj and the vocabulary-parallel embedding, the k best candidates of each vocabulary shard for argmax
+and top-k (`sharded_top_k`); `data` alone needs no collective but the loop's "any row still running" flag.
+`fsdp` > 1 stores weights split over hidden_size: the prefill all-gathers them layer by layer (once per
+batch), and the decode loop needs extra activation collectives over fsdp per layer (XLA's choice on the
+meshes we compiled; it could as well gather weights). It saves memory, not time: for decoding prefer
+data x tensor, and fsdp only when the weights do not fit. `medusa_jax.hlo_collectives` checks a compiled
+loop (`invariant_gathers` lists weights re-gathered at every step).
 
 Multi-host: every process holds the same (small) host batch of token ids; `put_rows` builds each process's
 addressable shards from it, so each process feeds only the rows its devices hold, and `fetch` gathers the
@@ -258,3 +262,29 @@ def _placed(value: jax.Array, sharding: NamedSharding) -> jax.Array:
         return jax.device_put(value, sharding)
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def load_sharded(model_dir, heads_dir=None, mesh: MeshConfig | Mesh | None = None, dtype: str = "float32",
+                 random_heads: int = 0) -> ShardedModel:
+    """A HF model folder read straight into its mesh layout (each device reads its own slice), plus heads
+    from a folder in any layout `heads_import.load_heads` reads, as a ShardedModel. `random_heads` = K > 0
+    instead adds K untrained heads sharing the base lm_head (for timing runs before trained heads exist)."""
+    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.heads_import import load_heads
+    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.sharding import sharding_for
+
+    if mesh is None or isinstance(mesh, MeshConfig):
+        mesh = (mesh or MeshConfig()).make_mesh()
+    base = load_pretrained(model_dir, dtype=dtype, sharding_for=sharding_for(mesh))
+    heads = None
+    if heads_dir is not None:
+        # `base` lets heads whose lm_heads equal the base's load as shared; comparing needs the whole base on
+        # this process, so multi-host runs load them as own copies instead (same outputs, more memory)
+        same_process = jax.process_count() == 1
+        heads = load_heads(heads_dir, base_config=base.config, base=base if same_process else None, dtype=dtype)
+    elif random_heads:
+        config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=random_heads,
+                             lm_head="shared", dtype=dtype)
+        heads = init_heads(config, base)
+    return ShardedModel(base, heads, mesh)

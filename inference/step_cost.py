@@ -33,6 +33,7 @@ from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree
 from medusa_jax.inference.medusa import compact_accepted, tree_tokens
+from medusa_jax.inference.sampling import greedy_tokens
 
 PIECES = ("verify_forward", "base_logits", "acceptance", "heads_top_k", "cache_compaction")
 
@@ -68,7 +69,7 @@ def _verify_forward(graphdef, params, cache, tokens_bt, positions_bt, *, tree: T
 def _base_logits(graphdef, params, hidden_btd):
     base: CausalLM = nnx.merge(graphdef, params)
     logits_btv = base.logits(hidden_btd)
-    return logits_btv, jnp.argmax(logits_btv, axis=-1)
+    return logits_btv, greedy_tokens(logits_btv)
 
 
 @partial(jax.jit, static_argnames=("tree",))
@@ -106,7 +107,7 @@ def _plain_step(graphdef, params, cache, tokens_b1):
     lengths_b = cache.lengths_b
     mask_b1s = attention_mask(lengths_b, causal_block(1), cache.cache_size)
     hidden_b1d, cache = base(tokens_b1, lengths_b[:, None], mask_b1s, cache)
-    next_b1 = jnp.argmax(base.logits(hidden_b1d), axis=-1).astype(jnp.int32)
+    next_b1 = greedy_tokens(base.logits(hidden_b1d))
     return next_b1, cache.replace(lengths_b=lengths_b + 1)
 
 

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from medusa_jax.config import resolve_dtype
 from medusa_jax.heads import HeadsConfig, MedusaHeads
 from medusa_jax.hf_import import fill_state, param_paths
 from medusa_jax.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
@@ -31,7 +32,10 @@ def heads_tensors(heads: MedusaHeads) -> dict[str, np.ndarray]:
     return {".".join(path): np.asarray(jax.device_get(leaf)) for path, leaf in param_paths(state)}
 
 
-def save_heads(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict | None = None) -> Path:
+def save_heads(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict | None = None,
+               storage_dtype: str | None = None) -> Path:
+    """`storage_dtype` ('float16', 'bfloat16'): store floating tensors in it; loading casts them back to the
+    config's dtype (a half-size file, computed as before)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp-"))
@@ -48,7 +52,11 @@ def save_heads(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict
             "vocab_size": cfg.vocab_size,
             **(extra_config or {}),
         }
-        write_safetensors(tmp / WEIGHTS, heads_tensors(heads), metadata={"format": FORMAT})
+        tensors = heads_tensors(heads)
+        if storage_dtype is not None:
+            store = np.dtype(resolve_dtype(storage_dtype))
+            tensors = {k: v.astype(store) if np.issubdtype(v.dtype, np.floating) else v for k, v in tensors.items()}
+        write_safetensors(tmp / WEIGHTS, tensors, metadata={"format": FORMAT})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if folder.exists():
             shutil.rmtree(folder)

@@ -55,13 +55,19 @@ def write_rows(cache_bshd: jax.Array, new_bthd: jax.Array, offsets_b: jax.Array)
 def write_layer_rows(cache_lbshd: jax.Array, layer: int, new_bthd: jax.Array, offsets_b: jax.Array) -> jax.Array:
     """Writes new_bthd[b] into cache_lbshd[layer, b, offsets_b[b] : offsets_b[b] + T] of the stacked buffer.
 
-    Same result as `write_rows` on layer `layer`, but as one update of the stacked buffer: XLA does it in
-    place, where slicing a layer out, updating it and setting it back copied the whole cache every layer."""
-    def one_row(cache_lshd, new_thd, offset):
-        start = (jnp.asarray(layer, jnp.int32), offset.astype(jnp.int32), jnp.int32(0), jnp.int32(0))
-        return jax.lax.dynamic_update_slice(cache_lshd, new_thd[None].astype(cache_lshd.dtype), start)
-
-    return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(cache_lbshd, new_bthd, offsets_b)
+    One scatter with the batch as an explicit batching dimension: XLA updates the stacked buffer in place
+    (slicing a layer out, updating it and setting it back copied the whole cache on every layer) and GSPMD
+    keeps a batch-sharded cache local. Slots past the cache end are dropped, never clamped onto earlier slots;
+    callers size the cache so that this does not happen (`engine.check_fits`)."""
+    b, t = new_bthd.shape[:2]
+    slots_bt = offsets_b[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+    index_bt2 = jnp.stack([jnp.full((b, t), layer, jnp.int32), slots_bt], axis=-1)  # (layer, slot) per update
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(2, 3), inserted_window_dims=(0, 2), scatter_dims_to_operand_dims=(0, 2),
+        operand_batching_dims=(1,), scatter_indices_batching_dims=(0,))
+    return jax.lax.scatter(cache_lbshd, index_bt2, new_bthd.astype(cache_lbshd.dtype), dims,
+                           indices_are_sorted=True, unique_indices=True,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def attention_mask(lengths_b: jax.Array, block_mask_tt: jax.Array, cache_size: int) -> jax.Array:

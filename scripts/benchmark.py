@@ -50,6 +50,9 @@ def main(argv=None) -> int:
                         "'' for none (default: %s)" % ",".join(map(str, d.sweep_sizes)))
     p.add_argument("--sweep-questions", type=int, default=d.sweep_questions,
                    help="questions per tree size in the sweep; 0 skips it (default: %(default)s)")
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip timing each piece of a Medusa step (verify forward, base logits, acceptance, heads "
+                        "top-k, cache compaction)")
     p.add_argument("--hf", action="store_true",
                    help="also time transformers' PyTorch generate (greedy) on every question")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -59,7 +62,7 @@ def main(argv=None) -> int:
     try:
         config = BenchmarkConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, tree=a.tree, hf=a.hf,
                                  batched_sizes=a.batched_sizes, sweep_sizes=a.sweep_sizes,
-                                 sweep_questions=a.sweep_questions)
+                                 sweep_questions=a.sweep_questions, profile=not a.no_profile)
     except ValueError as e:
         p.error(str(e))
     if a.questions < 1:

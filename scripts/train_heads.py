@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "lm_head), 'shared' (reuse the base lm_head: smallest), or 'truncated:N' (own [D, N] over the N "
                         "most frequent training tokens; targets outside them count as misses) (default: %(default)s)")
     g.add_argument("--heads-dtype", default=r.heads_dtype, choices=("float32", "bfloat16", "float16"),
-                   help="dtype of the saved heads (halve the size with bfloat16/float16) (default: %(default)s)")
+                   help="storage dtype of the saved heads file: float16/bfloat16 halve its size; the heads still load "
+                        "and compute in float32 (default: %(default)s)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max-steps", type=int, default=t.max_steps, help="optimiser steps; also the cosine schedule length (default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=r.batch_size,

@@ -171,6 +171,10 @@ def test_benchmark_cli_writes_results_markdown_and_plots(tiny_chat_model, tmp_pa
     assert [b["batch_size"] for b in res["batched"]] == [1, 2]
     assert {s["num_nodes"] for s in res["tree_sweep"]} == {2, 8}
     assert set(res["targets"]) == {"acceleration_rate", "speedup_batch1", "speedup_batch8"}
+    prof = res["step_profile"]
+    assert set(prof["pieces_ms"]) == {"verify_forward", "base_logits", "acceptance", "heads_top_k",
+                                      "cache_compaction"}
+    assert prof["medusa_step_ms"] > 0 and prof["plain_step_ms"] > 0
     md = (out / "results.md").read_text()
     assert "| Medusa (ours) |" in md and "| writing |" in md and "Command: `python scripts/benchmark.py" in md
     for name in ("speedup_by_category", "accept_lengths", "speedup_vs_tree_size", "batched_throughput"):

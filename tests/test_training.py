@@ -238,3 +238,81 @@ def test_kl_to_reference_matches_numpy():
     kl = (p_ref * (_np_log_softmax(b) - _np_log_softmax(a))).sum(-1)
     np.testing.assert_allclose(total, kl[valid].sum(), rtol=1e-5)
     assert count == valid.sum()
+
+
+# ---- the train step -----------------------------------------------------------------------------------
+
+def _tiny_batch(vocab, b=4, t=24, seed=0):
+    rng = np.random.default_rng(seed)
+    seg = np.repeat([[1] * 10 + [2] * (t - 10)], b, axis=0).astype(np.int32)
+    return {"tokens": rng.integers(0, vocab, (b, t)).astype(np.int32), "segment_ids": seg,
+            "positions": np.where(seg == 1, np.arange(t), np.arange(t) - 10).astype(np.int32),
+            "loss_mask": rng.random((b, t)) < 0.7}
+
+
+def _trainer(chat_model, lm_head="own", **train):
+    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.sharding import MeshConfig
+    from medusa_jax.training.trainer import TrainConfig, Trainer
+
+    base = load_pretrained(chat_model)
+    cfg = base.config
+    trunc = 32 if lm_head == "truncated" else None
+    heads = init_heads(HeadsConfig(cfg.hidden_size, cfg.vocab_size, num_heads=3, lm_head=lm_head,
+                                   truncated_vocab_size=trunc), base, seed=0,
+                       token_map=np.arange(0, 64, 2) if trunc else None)
+    train = {"warmup_steps": 0, "max_steps": 1000, **train}
+    return base, heads, Trainer(base, heads, TrainConfig(**train), MeshConfig().make_mesh())
+
+
+def _flat(tree):
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(jax.device_get(tree))])
+
+
+def test_medusa1_freezes_the_backbone_and_medusa2_trains_it_with_a_head_lr_multiplier(chat_model):
+    from flax import nnx
+
+    base, heads, t1 = _trainer(chat_model)
+    before_base, before_heads = _flat(nnx.state(base)), _flat(nnx.state(heads, nnx.Param))
+    t1.train_step(_tiny_batch(base.config.vocab_size))
+    np.testing.assert_array_equal(_flat(nnx.state(t1.base())), before_base)
+    assert np.abs(_flat(nnx.state(t1.heads(), nnx.Param)) - before_heads).max() > 1e-4
+    np.testing.assert_array_equal(_flat(nnx.state(heads, nnx.Param)), before_heads)  # caller's heads untouched
+
+    _, _, t2 = _trainer(chat_model, medusa2=True, learning_rate=1e-4, head_lr_multiplier=4.0)
+    m = t2.train_step(_tiny_batch(base.config.vocab_size))
+    assert np.isfinite(m["base_loss"])
+    base_step = np.abs(_flat(nnx.state(t2.base())) - before_base).max()
+    head_step = np.abs(_flat(nnx.state(t2.heads(), nnx.Param)) - before_heads).max()
+    # Adam's first step moves each weight by about its learning rate
+    assert base_step == pytest.approx(1e-4, rel=0.05) and head_step == pytest.approx(4e-4, rel=0.05)
+
+
+def test_training_drives_the_loss_down(chat_model):
+    base, _, trainer = _trainer(chat_model, lm_head="truncated", learning_rate=1e-2)
+    batch = _tiny_batch(base.config.vocab_size, seed=1)
+    losses_seen = [float(trainer.train_step(batch)["loss"]) for _ in range(15)]
+    assert losses_seen[-1] < 0.8 * losses_seen[0]
+
+
+@pytest.mark.parametrize("lm_head", ["own", "shared", "truncated"])
+def test_cached_hidden_states_give_the_same_statistics_as_the_backbone_in_the_step(chat_model, tmp_path, lm_head):
+    from medusa_jax.training.data import PackedRows
+    from medusa_jax.training.hidden_cache import build_hidden_cache
+
+    base, _, trainer = _trainer(chat_model, lm_head=lm_head)
+    batch = _tiny_batch(base.config.vocab_size, b=4, seed=2)
+    direct, _ = trainer.eval_stats(batch)
+    rows = PackedRows(batch["tokens"], batch["segment_ids"], batch["positions"], batch["loss_mask"])
+    cache = build_hidden_cache(base, rows, 3, tmp_path, batch_rows=2).arrays()
+    assert build_hidden_cache(base, rows, 3, tmp_path).folder == cache_folder(tmp_path)  # reused, not rebuilt
+    cached, _ = trainer.eval_stats(cache)
+    np.testing.assert_array_equal(cached.total, direct.total)
+    np.testing.assert_array_equal(cached.count, direct.count)
+    np.testing.assert_allclose(cached.loss_sum, direct.loss_sum, rtol=2e-3)  # float16 storage
+
+
+def cache_folder(root):
+    (folder,) = [p for p in root.iterdir() if p.is_dir()]
+    return folder

@@ -37,8 +37,7 @@ class _State:
     key: jax.Array
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids", "pad_id"),
-         donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids", "pad_id"))
 def decode_with_hidden(graphdef, params, cache: KVCache, prompt_bp, prompt_lens_b, key, *, max_new_tokens: int,
                        sampling: SamplingConfig, eos_ids: tuple[int, ...], pad_id: int):
     """Returns (tokens [B, N], number of new tokens [B], hidden [B, N, D] in the model dtype)."""

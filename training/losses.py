@@ -43,7 +43,7 @@ class HeadStats:
     def summary(self, prefix: str = "") -> dict[str, list[float]]:
         s = jax.tree.map(np.asarray, self)
         total = np.maximum(s.total, 1)
-        return {f"{prefix}loss": (s.loss_sum / np.maximum(s.count, 1)).tolist(),
+        return {f"{prefix}head_loss": (s.loss_sum / np.maximum(s.count, 1)).tolist(),
                 f"{prefix}top1": (s.top1 / total).tolist(), f"{prefix}top5": (s.top5 / total).tolist(),
                 f"{prefix}targets": s.total.astype(int).tolist()}
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from medusa_jax import sharding as shd
 from medusa_jax.heads import HeadsConfig, MedusaHeads, init_heads
-from medusa_jax.heads_io import heads_from_tensors, heads_tensors, save_heads
+from medusa_jax.heads_io import save_heads
 from medusa_jax.training import losses
 from medusa_jax.training.checkpointing import Checkpoints
 from medusa_jax.training.data import DataConfig, PackedRows, load_chat_data, row_batch, row_iterator, top_token_ids
@@ -53,7 +53,7 @@ class RunConfig:
     eval_every: int = 500
     eval_batches: int = 50  # at most this many held-out batches per evaluation
     log_every: int = 10
-    heads_dtype: str = "float32"  # dtype of the saved heads
+    heads_dtype: str = "float32"  # storage dtype of the saved heads file (they load as float32)
     seed: int = 0
     progress: bool = True
     data_config: DataConfig = DataConfig()
@@ -103,13 +103,6 @@ def _signature(cfg: RunConfig, base, heads: MedusaHeads) -> dict[str, Any]:
             "medusa2": cfg.train.medusa2, "distill_kl": cfg.train.distill_kl, "cache_hidden": cfg.cache_hidden,
             "seq_len": cfg.data_config.seq_len, "batch_size": cfg.cached_batch_size if cfg.cache_hidden else
             cfg.batch_size, "seed": cfg.seed}
-
-
-def convert_heads(heads: MedusaHeads, dtype: str) -> MedusaHeads:
-    if dtype == heads.config.dtype:
-        return heads
-    config = dataclasses.replace(heads.config, dtype=dtype)
-    return heads_from_tensors(config, heads_tensors(heads), "trained heads")
 
 
 def evaluate(trainer: Trainer, batches: list[dict]) -> dict[str, Any]:
@@ -211,8 +204,34 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    try:
+        result = _loop(cfg, trainer, it, ckpt, signature, write_log, log, tokens_per_step, eval_batches)
+    except BaseException:
+        ckpt.wait()  # commit a checkpoint still being written (Ctrl-C, an error) before leaving
+        raise
+    if trainer.step not in ckpt.all_steps():
+        ckpt.save(trainer, it.position, signature, force=True)
+    ckpt.close()
+    if not result:
+        result = evaluate(trainer, eval_batches)
+    if is_main:
+        summary = {"steps": trainer.step, "heldout": result, "lm_head": cfg.lm_head, "medusa2": cfg.train.medusa2}
+        save_heads(trainer.heads(), output / "_heads_tmp", extra_config={"training": summary},
+                   storage_dtype=None if cfg.heads_dtype == "float32" else cfg.heads_dtype)
+        for name in ("config.json", "heads.safetensors"):
+            (output / "_heads_tmp" / name).replace(output / name)
+        shutil.rmtree(output / "_heads_tmp")
+        if cfg.train.medusa2:
+            from medusa_jax.training.export import save_backbone
+            save_backbone(trainer.base(), cfg.model, output / "base_model")
+    return {"steps": trainer.step, "heldout": result, "output": str(output)}
+
+
+def _loop(cfg: RunConfig, trainer: Trainer, it, ckpt: Checkpoints, signature, write_log, log, tokens_per_step,
+          eval_batches) -> dict[str, Any]:
+    """Steps until max_steps: NaN check, progress bar, JSONL log, checkpoints, held-out evaluation."""
     bar = None
-    if cfg.progress and is_main:
+    if cfg.progress and jax.process_index() == 0:
         from tqdm import tqdm
         bar = tqdm(total=cfg.train.max_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
     head_lr = schedule(cfg.train.learning_rate * cfg.train.head_lr_multiplier, cfg.train)
@@ -243,19 +262,4 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
             log(f"step {trainer.step}: held-out top-1 per head {np.round(result.get('top1', []), 3).tolist()}")
     if bar is not None:
         bar.close()
-    if trainer.step not in ckpt.all_steps():
-        ckpt.save(trainer, it.position, signature, force=True)
-    ckpt.close()
-    if not result:
-        result = evaluate(trainer, eval_batches)
-    if is_main:
-        trained = convert_heads(trainer.heads(), cfg.heads_dtype)
-        summary = {"steps": trainer.step, "heldout": result, "lm_head": cfg.lm_head, "medusa2": cfg.train.medusa2}
-        save_heads(trained, output / "_heads_tmp", extra_config={"training": summary})
-        for name in ("config.json", "heads.safetensors"):
-            (output / "_heads_tmp" / name).replace(output / name)
-        shutil.rmtree(output / "_heads_tmp")
-        if cfg.train.medusa2:
-            from medusa_jax.training.export import save_backbone
-            save_backbone(trainer.base(), cfg.model, output / "base_model")
-    return {"steps": trainer.step, "heldout": result, "output": str(output)}
+    return result

@@ -217,7 +217,7 @@ class Trainer:
         (loss, (stats, extras)), grads = jax.value_and_grad(self._objective, has_aux=True)(params, frozen, batch)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "stats": stats, **extras}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "stats": stats, **extras}
         return params, opt_state, metrics
 
     def _eval_step(self, params, frozen, batch):

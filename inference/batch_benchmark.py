@@ -1,0 +1,86 @@
+"""Throughput of batch generation (`inference.batch.generate_batch`): MT-Bench first turns at several batch
+sizes, plain vs Medusa greedy decoding, in one run.
+
+For every batch size the methods run back to back on the same prompts, so machine load hits them alike.
+Per run: new tokens, wall seconds, the part of them spent tracing and compiling (JAX's compile events;
+each new batch shape compiles once), tokens/s with and without that part, tokens per step, and for Medusa
+the number of rows whose output differs from plain greedy at the same batch size (must be 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Callable, Sequence
+
+from medusa_jax.tree import DEFAULT_TREE, load_tree
+from medusa_jax.inference.batch import BatchSettings, generate_batch
+from medusa_jax.inference.sharded import ShardedModel
+
+METHODS = ("plain", "medusa")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchBenchConfig:
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    max_new_tokens: int = 128
+    tree: str = DEFAULT_TREE  # preset name or tree JSON file
+    methods: tuple[str, ...] = METHODS
+
+    def __post_init__(self):
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes) or self.max_new_tokens < 1:
+            raise ValueError(f"need batch sizes >= 1 and max_new_tokens >= 1: {self}")
+        unknown = sorted(set(self.methods) - set(METHODS))
+        if unknown or not self.methods:
+            raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {self.methods}")
+
+
+def run_batch_benchmark(model: ShardedModel, prompts: Sequence[Sequence[int]], config: BatchBenchConfig, *,
+                        eos_ids: tuple[int, ...], pad_id: int, progress: bool = True,
+                        log: Callable[[str], None] = print) -> dict:
+    """Runs every (batch size, method) on all prompts; returns {"config", "rows"}."""
+    tree = None
+    if "medusa" in config.methods:
+        if not model.has_heads:
+            raise ValueError("the Medusa runs need a ShardedModel with heads")
+        tree = load_tree(config.tree, num_heads=model.heads_config.num_heads,
+                         max_top_k=model.heads_config.head_vocab_size)
+    rows = []
+    for batch_size in config.batch_sizes:
+        outputs = {}
+        for method in config.methods:
+            settings = BatchSettings(batch_size=batch_size, max_new_tokens=config.max_new_tokens,
+                                     tree=tree if method == "medusa" else None, eos_ids=eos_ids, pad_id=pad_id)
+            run = generate_batch(model, prompts, settings, progress=progress)
+            outputs[method] = [r.token_ids for r in run.results]
+            row = {"batch_size": batch_size, "method": method, "prompts": len(prompts),
+                   "new_tokens": run.new_tokens, "seconds": round(run.seconds, 2),
+                   "compile_seconds": round(run.compile_seconds, 2),
+                   "tokens_per_s": round(run.tokens_per_second, 2),
+                   "tokens_per_s_excl_compile": round(run.decode_tokens_per_second, 2),
+                   "tokens_per_step": round(run.tokens_per_step, 3), "batches": run.num_batches,
+                   "compiled_shapes": run.num_shapes}
+            if method == "medusa" and "plain" in outputs:
+                row["rows_differing_from_plain"] = sum(a != b for a, b in zip(outputs["plain"], outputs["medusa"]))
+            rows.append(row)
+            log(json.dumps(row))
+    return {"config": {**dataclasses.asdict(config), "tree_nodes": None if tree is None else tree.num_tokens - 1},
+            "rows": rows}
+
+
+def markdown(result: dict, title: str) -> str:
+    rows = result["rows"]
+    lines = [title, "", "| batch | method | new tokens | tokens/step | tokens/s | tokens/s excl. compile | seconds "
+             "| compile s | differs from plain |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch_size']} | {r['method']} | {r['new_tokens']} | {r['tokens_per_step']} | "
+                     f"{r['tokens_per_s']} | {r['tokens_per_s_excl_compile']} | {r['seconds']} | "
+                     f"{r['compile_seconds']} | {r.get('rows_differing_from_plain', '')} |")
+    by_size = {}
+    for r in rows:
+        by_size.setdefault(r["batch_size"], {})[r["method"]] = r
+    if all(len(v) == 2 for v in by_size.values()):
+        lines += ["", "Medusa / plain tokens/s (excl. compile): " + ", ".join(
+            f"batch {b}: {v['medusa']['tokens_per_s_excl_compile'] / v['plain']['tokens_per_s_excl_compile']:.2f}x"
+            for b, v in by_size.items())]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,66 @@
+"""Peak host memory of loading a model on 1 vs N forced CPU devices (each load in a fresh process).
+
+Example (the README's figures, SmolLM2-135M-Instruct in float32):
+  python scripts/benchmark_loading.py --model smollm2 --out bench/loading
+Default runs: one device; 8 devices with fsdp=8, data=2,fsdp=4 and data=8 read in place (each device reads
+its own slice of the memory-mapped safetensors); fsdp=8 loaded on one device first and then moved (the
+naive way, for contrast). Writes OUT/loading.json and OUT/loading.md. See medusa_jax/load_memory.py for
+what each column measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_RUNS = ("1::sharded", "8:fsdp=8:sharded", "8:data=2,fsdp=4:sharded", "8:data=8:sharded",
+                "8:fsdp=8:via_one")
+
+
+def markdown(rows: list[dict], model: str) -> str:
+    lines = [f"Loading {model} (float32): peak host memory, MiB (fresh process per row)", "",
+             "| devices | mesh | mode | on devices | max per device | private memory growth (peak RssAnon) "
+             "| VmHWM (incl. mapped file) | seconds |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['devices']} | {r['mesh']} | {r['mode']} | {r['on_devices_mib']} | "
+                     f"{r['max_per_device_mib']} | {r['anon_growth_mib']} | {r['peak_total_mib']} | {r['seconds']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2",
+                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), metavar="DEVICES:MESH:MODE",
+                   help="loads to measure: forced CPU device count, mesh spec ('' = one device) and mode "
+                        "(sharded | via_one) (default: %(default)s)")
+    p.add_argument("--out", default="bench/loading", help="folder for loading.json and loading.md (default: %(default)s)")
+    a = p.parse_args(argv)
+
+    from medusa_jax.load_memory import measure
+    from medusa_jax.inference.bench_inputs import resolve_model_dir
+
+    folder = str(resolve_model_dir(a.model))
+    rows = []
+    for run in a.runs:
+        parts = run.split(":")
+        if len(parts) != 3 or not parts[0].isdigit():
+            p.error(f"bad run {run!r}: expected DEVICES:MESH:MODE, e.g. 8:fsdp=8:sharded")
+        rows.append(measure(folder, parts[1], int(parts[0]), parts[2]))
+        print(json.dumps(rows[-1]), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("loading.json", json.dumps({"model": folder, "runs": rows}, indent=1)),
+                       ("loading.md", markdown(rows, Path(folder).name))):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+    print(markdown(rows, Path(folder).name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

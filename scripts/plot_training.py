@@ -1,0 +1,80 @@
+"""Plot a head-training run's curves from its train_log.jsonl into a PNG.
+
+Panels: total loss (train), per-head loss (train and held-out), per-head top-1 and top-5 accuracy (held-out).
+Example:
+  python scripts/plot_training.py heads/smollm2/train_log.jsonl --output heads/smollm2/curves.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def read_log(path: Path) -> tuple[list[dict], list[dict]]:
+    train, evals = [], []
+    for n, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}: line {n + 1} is not JSON ({e})")
+        (train if record.get("kind") == "train" else evals).append(record)
+    if not train and not evals:
+        raise SystemExit(f"{path}: no training records")
+    return train, evals
+
+
+def plot(train: list[dict], evals: list[dict], output: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0, 0]
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
+    ax.set(title="weighted loss (train)", xlabel="step")
+    num_heads = len((train or evals)[0]["head_loss"])
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k in range(num_heads):
+        c = colors[k % len(colors)]
+        axes[0, 1].plot([r["step"] for r in train], [r["head_loss"][k] for r in train], lw=0.8, alpha=0.5, color=c)
+        if evals:
+            steps = [r["step"] for r in evals]
+            axes[0, 1].plot(steps, [r["head_loss"][k] for r in evals], "o-", color=c, label=f"head {k} held-out")
+            axes[1, 0].plot(steps, [r["top1"][k] for r in evals], "o-", color=c, label=f"head {k}")
+            axes[1, 1].plot(steps, [r["top5"][k] for r in evals], "o-", color=c, label=f"head {k}")
+    axes[0, 1].set(title="per-head loss (lines: train, dots: held-out)", xlabel="step")
+    axes[1, 0].set(title="held-out top-1 accuracy", xlabel="step", ylim=(0, 1))
+    axes[1, 1].set(title="held-out top-5 accuracy", xlabel="step", ylim=(0, 1))
+    for a in (axes[0, 1], axes[1, 0], axes[1, 1]):
+        if evals:
+            a.legend(fontsize=8)
+    for a in axes.flat:
+        a.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return output
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("log", type=Path, help="train_log.jsonl written by scripts/train_heads.py")
+    p.add_argument("--output", type=Path, default=None, help="PNG to write (default: curves.png next to the log)")
+    p.add_argument("--title", default=None, help="figure title (default: the log's folder name)")
+    a = p.parse_args(argv)
+    if not a.log.is_file():
+        raise SystemExit(f"{a.log}: no such log file")
+    train, evals = read_log(a.log)
+    out = plot(train, evals, a.output or a.log.with_name("curves.png"), a.title or a.log.parent.name)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

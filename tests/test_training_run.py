@@ -1,0 +1,181 @@
+"""Whole training runs on a tiny chat model: CLI, resume equivalence, NaN stop, a process killed while saving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from training_helpers import build_tiny_chat_model, chat_records, write_json
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    model = build_tiny_chat_model(root / "model")
+    data = write_json(root / "chat.json", chat_records(80, seed=1))
+    return model, data, root
+
+
+def _args(model, data, out, *extra):
+    return ["--model", str(model), "--data", str(data), "--output", str(out), "--batch-size", "4", "--seq-len", "128",
+            "--heldout-fraction", "0.1", "--log-every", "1", "--no-progress", "--num-proc", "1", *extra]
+
+
+def _train(args, monkeypatch, tmp_path):
+    from scripts_train_heads import main
+
+    monkeypatch.setenv("MEDUSA_JAX_CACHE", str(tmp_path / "cache"))
+    main(args)
+
+
+@pytest.fixture(autouse=True)
+def _scripts_on_path(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "scripts_train_heads", Path(__file__).parents[1] / "scripts" / "train_heads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "scripts_train_heads", module)
+
+
+def _log(out: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def test_help_explains_every_flag():
+    from scripts_train_heads import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        assert action.help and len(action.help) > 10, action.option_strings
+    text = parser.format_help()
+    for flag in ("--model", "--data", "--output", "--num-heads", "--num-layers", "--lm-head", "--max-steps",
+                 "--resume", "--mesh", "--medusa2"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("extra", [["--lm-head", "truncated:64"], ["--lm-head", "shared", "--cache-hidden",
+                                                                   "--cached-batch-size", "64"]])
+def test_cli_trains_and_writes_a_loadable_heads_folder(setup, tmp_path, monkeypatch, extra):
+    from medusa_jax.heads_io import load_native_heads
+
+    model, data, _ = setup
+    out = tmp_path / "heads"
+    _train(_args(model, data, out, "--max-steps", "4", "--num-heads", "3", "--eval-every", "2", *extra),
+           monkeypatch, tmp_path)
+    heads = load_native_heads(out)
+    assert heads.config.num_heads == 3 and heads.config.lm_head == extra[1].split(":")[0]
+    train, evals = _log(out, "train"), _log(out, "eval")
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and [r["step"] for r in evals] == [2, 4]
+    assert len(evals[-1]["top1"]) == 3 and all(0 <= a <= b <= 1 for a, b in zip(evals[-1]["top1"], evals[-1]["top5"]))
+    assert all(np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in train)
+    assert json.loads((out / "config.json").read_text())["training"]["steps"] == 4
+
+
+def test_resumed_run_matches_an_uninterrupted_one(setup, tmp_path, monkeypatch):
+    from medusa_jax.training import trainer as trainer_mod
+
+    model, data, _ = setup
+    common = ["--max-steps", "7", "--save-every", "3", "--eval-every", "100", "--learning-rate", "3e-3",
+              "--warmup-steps", "2"]
+    _train(_args(model, data, tmp_path / "a", *common), monkeypatch, tmp_path)
+    expected = {r["step"]: r["loss"] for r in _log(tmp_path / "a", "train")}
+
+    real_step = trainer_mod.Trainer.train_step
+
+    def crash_after_five(self, batch):
+        if self.step == 5:
+            raise KeyboardInterrupt("simulated crash")
+        return real_step(self, batch)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", crash_after_five)
+    with pytest.raises(KeyboardInterrupt):
+        _train(_args(model, data, tmp_path / "b", *common), monkeypatch, tmp_path)
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", real_step)
+    _train(_args(model, data, tmp_path / "b", *common, "--resume"), monkeypatch, tmp_path)
+    resumed = [r for r in _log(tmp_path / "b", "train")]
+    # steps 1-5 from the first attempt, then 4-7 again from the step-3 checkpoint
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 4, 5, 6, 7]
+    for r in resumed[5:]:
+        assert r["loss"] == pytest.approx(expected[r["step"]], abs=1e-6), r["step"]
+    assert resumed[-1]["epoch"] == _log(tmp_path / "a", "train")[-1]["epoch"]
+
+
+def test_checkpoints_refuse_a_different_run_and_an_accidental_restart(setup, tmp_path, monkeypatch):
+    model, data, _ = setup
+    _train(_args(model, data, tmp_path / "c", "--max-steps", "2", "--save-every", "1"), monkeypatch, tmp_path)
+    with pytest.raises(FileExistsError, match="--resume"):
+        _train(_args(model, data, tmp_path / "c", "--max-steps", "3"), monkeypatch, tmp_path)
+    with pytest.raises(ValueError, match="different \\['heads'"):
+        _train(_args(model, data, tmp_path / "c", "--max-steps", "3", "--num-heads", "2", "--resume"),
+               monkeypatch, tmp_path)
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch):
+    from medusa_jax.training.checkpointing import Checkpoints
+    from medusa_jax.training.run import TrainingDiverged
+
+    model, data, _ = setup
+    out = tmp_path / "nan"
+    # an absurd learning rate blows the heads up within a few steps
+    with pytest.raises(TrainingDiverged, match=r"loss is (nan|inf) at step (\d+).*last good checkpoint is step") as err:
+        _train(_args(model, data, out, "--max-steps", "50", "--save-every", "1", "--learning-rate", "1e30",
+                     "--warmup-steps", "0", "--clip-norm", "0"), monkeypatch, tmp_path)
+    bad_step = int(str(err.value).split("at step ")[1].split(";")[0])
+    steps = Checkpoints(out / "checkpoints", save_every=1).all_steps()
+    assert steps and max(steps) == bad_step - 1  # the diverged state was never saved
+    losses = [r["loss"] for r in _log(out, "train")]
+    assert len(losses) == bad_step - 1 and all(np.isfinite(losses))
+
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    import jax, jax.numpy as jnp
+    from medusa_jax.training.checkpointing import Checkpoints
+
+    class State:  # what Checkpoints.save reads from a Trainer
+        def __init__(self, step, value):
+            self.step = step
+            self.params = {"w": jnp.full((4096, 4096), value, jnp.float32)}  # 64 MB: the save takes a while
+            self.opt_state = {"m": jnp.zeros((8,))}
+
+    ckpt = Checkpoints(sys.argv[1], save_every=1, keep=3, async_save=True)
+    ckpt.save(State(1, 1.0), {"epoch": 0, "index": 1}, {"run": "x"})
+    ckpt.wait()
+    ckpt.save(State(2, 2.0), {"epoch": 0, "index": 2}, {"run": "x"})  # returns while the write goes on
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
+    from medusa_jax.training.checkpointing import Checkpoints
+
+    folder = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(folder)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    leftovers = [p.name for p in folder.iterdir() if not p.name.isdigit()]
+    ckpt = Checkpoints(folder, save_every=1)
+    assert ckpt.latest_step() == 1, (sorted(p.name for p in folder.iterdir()))
+    assert leftovers, "the kill should have interrupted the second save"
+
+    import jax.numpy as jnp
+
+    class Target:
+        step = 0
+        params = {"w": jnp.zeros((4096, 4096), jnp.float32)}
+        opt_state = {"m": jnp.ones((8,))}
+
+    target = Target()
+    meta = ckpt.restore(target, {"run": "x"})
+    assert meta["data_position"] == {"epoch": 0, "index": 1} and target.step == 1
+    assert float(target.params["w"].min()) == float(target.params["w"].max()) == 1.0
