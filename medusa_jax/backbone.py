@@ -14,6 +14,7 @@ from flax import nnx
 
 from medusa_jax.config import ModelConfig
 from medusa_jax.kv_cache import KVCache, write_layer_rows
+from medusa_jax.sharding import constrain_rows
 from medusa_jax.rope import apply_rope, inverse_frequencies
 
 _NEG_INF = -1e30
@@ -112,10 +113,11 @@ class CausalLM(nnx.Module):
             slot_s = jnp.arange(cache.cache_size, dtype=jnp.int32)
             mask_bts = mask_bts & ((positions_bt[:, :, None] - slot_s[None, None, :]) < cfg.sliding_window)
         inv_freq = inverse_frequencies(cfg)
-        x = self.embed_tokens(tokens_bt)
+        x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
         k_all, v_all = cache.k_lbshd, cache.v_lbshd
         for i, layer in enumerate(self.layers):
             x, k_all, v_all = layer(x, positions_bt, mask_bts, k_all, v_all, i, cache.lengths_b, inv_freq)
+            x = constrain_rows(x)
         return self.norm(x), cache.replace(k_lbshd=k_all, v_lbshd=v_all)
 
     def logits(self, hidden):

@@ -176,3 +176,15 @@ def map_cache_rows(fn, cache: KVCache, *rows):
     cache_spec = KVCache(kv, kv, P(BATCH_AXES))
     row_specs = tuple(P(BATCH_AXES, *([None] * (r.ndim - 1))) for r in rows)
     return jax.shard_map(fn, in_specs=(cache_spec, *row_specs), out_specs=cache_spec)(cache, *rows)
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+    """Activations [B, ...] pinned to rows over (data, fsdp), the rest replicated, when traced under a mesh with
+    our axes (`jax.set_mesh`); unchanged otherwise. Without it XLA split the residual stream of Medusa's
+    tree verify over `tensor` and paid an extra all-gather and all-reduce per layer."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(AXES) <= set(mesh.axis_names):
+        return x
+    if x.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *([None] * (x.ndim - 1))))

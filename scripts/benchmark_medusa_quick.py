@@ -36,6 +36,8 @@ def parse_args(argv=None):
                                                         "%%(default)s)" % len(PROMPTS))
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt "
                                                                   "(default: %(default)s)")
+    p.add_argument("--stop-at-eos", action="store_true", help="end rows at the model's EOS ids (default: "
+                   "ignore them, so every row generates exactly --max-new-tokens)")
     p.add_argument("--repeats", type=int, default=2, help="timed calls per configuration after the warm-up; "
                                                           "the fastest counts (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object per configuration")
@@ -75,18 +77,20 @@ def main(argv=None) -> None:
         HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4), base)
     prompts = [encode_prompt(tokenizer, text, chat=True) for text in PROMPTS]
     n = a.max_new_tokens
-    common = dict(max_new_tokens=n, eos_ids=eos_ids, pad_id=pad_id)
+    common = dict(max_new_tokens=n, eos_ids=eos_ids if a.stop_at_eos else (), pad_id=pad_id)
 
     def report(batch, name, results, seconds):
         tokens = sum(r.new_tokens for r in results)
         row = {"batch": batch, "config": name, "tokens": tokens, "seconds": round(seconds, 3),
                "tokens_per_s": round(tokens / seconds, 1),
-               "tokens_per_step": round(float(np.mean([r.tokens_per_step for r in results])), 3)}
+               "tokens_per_step": round(float(np.mean([r.tokens_per_step for r in results])), 3),
+               "ms_per_step": round(1000 * seconds / max(r.steps for r in results), 1)}
         if a.json:
             print(json.dumps(row), flush=True)
         else:
             print(f"B={batch} {name:34s} tokens/step {row['tokens_per_step']:5.2f}   "
-                  f"{row['tokens_per_s']:7.1f} tokens/s   ({tokens} tokens in {seconds:.2f} s)", flush=True)
+                  f"{row['tokens_per_s']:7.1f} tokens/s  {row['ms_per_step']:7.1f} ms/step  ({tokens} tokens in "
+                  f"{seconds:.2f} s)", flush=True)
         return row
 
     for batch in (int(b) for b in a.batch_sizes.split(",")):

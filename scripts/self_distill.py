@@ -27,11 +27,13 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                    help="tokens generated per assistant turn (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="prompts per jitted generation call; larger is faster until memory runs out "
+                   help="decode slots run together; larger is faster until memory runs out (default: %(default)s)")
+    p.add_argument("--chunk-steps", type=int, default=d.chunk_steps,
+                   help="decode steps per jitted call; finished slots get new prompts between calls "
                         "(default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
-                   help="skip conversations whose first prompt (chat template applied) is longer "
-                        "(default: %(default)s)")
+                   help="skip conversations whose first prompt (chat template applied) is longer; with "
+                        "--max-new-tokens and --turns it sets the KV cache size (default: %(default)s)")
     p.add_argument("--turns", type=int, default=d.turns,
                    help="assistant turns regenerated per conversation, each seeing the earlier regenerated ones "
                         "(default: %(default)s)")
@@ -45,7 +47,7 @@ def main(argv=None):
                         "train_heads.py --cache-hidden trains the heads without another pass over the backbone")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     a = p.parse_args(argv)
-    config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
+    config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, chunk_steps=a.chunk_steps,
                            max_prompt_tokens=a.max_prompt_tokens, turns=a.turns, temperature=a.temperature,
                            seed=a.seed, limit=a.limit, save_hidden=a.save_hidden)
     stats = self_distill(a.model, a.data, a.output, config, progress=not a.no_progress)

@@ -127,6 +127,18 @@ def test_eos_inside_an_accepted_path_and_max_new_tokens_cut_the_last_step(tiny):
     assert got[0].accept_lengths == [3] * (-(-stop // 4))
 
 
+def test_sliding_window_model_is_lossless(tiny):
+    base, heads, refs = tiny("mistral")  # sliding_window 16 < prompt + 40 new tokens
+    eos_ids, reference = refs["ragged4"]
+    tree = load_tree("mc_sim_7b_32")
+    got = generate_medusa(base, heads, PROMPTS["ragged4"], tree=tree, max_new_tokens=N, eos_ids=eos_ids)
+    assert ids(got) == ids(reference)
+    got = generate_medusa(base, heads, PROMPTS["ragged4"], tree=tree, max_new_tokens=N, eos_ids=eos_ids,
+                          proposer=planted_proposer,
+                          proposer_data=plant(tree, reference, cycling_targets(4, tree.depth)))
+    assert ids(got) == ids(reference)
+
+
 def test_typical_acceptance_near_zero_temperature_equals_greedy(tiny):
     base, heads, refs = tiny("qwen2")
     eos_ids, reference = refs["ragged4"]

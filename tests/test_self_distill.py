@@ -56,3 +56,58 @@ def test_self_distill_writes_sharegpt_resumes_and_keeps_hidden_states(tmp_path):
                                "segment_ids": jnp.ones((1, len(full)), jnp.int32)})[0]
     expected = np.asarray(h[len(prompt) - 1: len(prompt) - 1 + len(reply)])
     np.testing.assert_allclose(z["hidden"][: len(reply)], expected, atol=2e-2)
+
+
+def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
+    """Prompts admitted into free slots mid-run (next to rows still decoding) get the engine's greedy tokens,
+    and each token comes with the hidden state that produced it."""
+    import jax
+    from flax import nnx
+
+    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.inference.engine import generate
+    from medusa_jax.inference.sampling import SamplingConfig
+    from medusa_jax.training.distill_decode import Slots, admit, run_chunk
+    from medusa_jax.training.trainer import backbone_hidden
+
+    base = load_pretrained(build_tiny_chat_model(tmp_path / "m", seed=3))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (5, 17, 9, 30, 3)]
+    expected = [r.token_ids for r in generate(base, prompts, max_new_tokens=20, eos_ids=(), pad_id=0)]
+    graphdef, params = nnx.split(base)
+    slots = Slots.empty(base.config, 2, 64)
+    got = {i: ([], []) for i in range(len(prompts))}
+    queue, rows = list(range(len(prompts))), [None, None]
+    greedy = SamplingConfig()
+    while queue or any(r is not None for r in rows):
+        free = [r for r in range(2) if rows[r] is None]
+        take = [(r, queue.pop(0)) for r in free if queue]
+        if take:
+            width = max(len(prompts[i]) for _, i in take)
+            p = np.zeros((len(take), width), np.int32)
+            for j, (_, i) in enumerate(take):
+                p[j, : len(prompts[i])] = prompts[i]
+            slots, first, h0 = admit(graphdef, params, slots, jnp.asarray([r for r, _ in take]), jnp.asarray(p),
+                                     jnp.asarray([len(prompts[i]) for _, i in take]), jax.random.key(0),
+                                     sampling=greedy, eos_ids=())
+            for j, (r, i) in enumerate(take):
+                rows[r] = i
+                got[i][0].append(int(first[j]))
+                got[i][1].append(np.asarray(h0[j: j + 1]))
+        slots, toks, hid, emitted = run_chunk(graphdef, params, slots, jax.random.key(1), steps=7,
+                                              max_new_tokens=20, sampling=greedy, eos_ids=(), pad_id=0)
+        for r, i in enumerate(rows):
+            if i is None:
+                continue
+            e = int(emitted[r])
+            got[i][0].extend(np.asarray(toks[r, :e]).tolist())
+            got[i][1].append(np.asarray(hid[r, :e]))
+            if len(got[i][0]) >= 20:
+                rows[r] = None
+    for i, prompt in enumerate(prompts):
+        assert got[i][0] == expected[i], i
+        full = prompt + got[i][0]
+        h = backbone_hidden(base, {"tokens": jnp.asarray([full]), "positions": jnp.arange(len(full))[None],
+                                   "segment_ids": jnp.ones((1, len(full)), jnp.int32)})[0]
+        np.testing.assert_allclose(np.concatenate(got[i][1]), np.asarray(h[len(prompt) - 1: len(full) - 1]),
+                                   atol=1e-4)

