@@ -40,6 +40,7 @@ class BenchmarkConfig:
     batch_size: int = 1  # rows per call in the main (interleaved, per-question) run
     tree: str = "mc_sim_7b_16"  # preset name or tree JSON file
     hf: bool = False  # also time transformers' PyTorch generate
+    hf_threads: int = 1  # torch intra-op threads (0: torch's default)
     batched_sizes: tuple[int, ...] = (4, 8)  # extra batch sizes for the throughput table
     sweep_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)  # tree sizes (nodes) for the speedup-vs-size plot
     sweep_questions: int = 2  # questions per sweep size
@@ -68,11 +69,11 @@ class Runner:
     """Runs each method through its public API, compiling (one untimed call) before the first timed call
     of every new (method, prompt bucket, batch size, tree)."""
 
-    def __init__(self, loaded: LoadedModel, max_new_tokens: int, hf: bool):
+    def __init__(self, loaded: LoadedModel, max_new_tokens: int, hf: bool, hf_threads: int = 1):
         self.loaded, self.max_new_tokens = loaded, max_new_tokens
         self._warm: set = set()
         self.compile_seconds: dict[str, float] = defaultdict(float)
-        self.hf_model = _load_hf(loaded.folder) if hf else None
+        self.hf_model = _load_hf(loaded.folder, hf_threads) if hf else None
 
     def _call(self, method: str, prompts: Sequence[Sequence[int]], batch: int, tree: TreeBuffers | None) -> Timed:
         lm = self.loaded
@@ -113,10 +114,12 @@ class Runner:
         return self._call(method, prompts, batch, tree)
 
 
-def _load_hf(folder: Path):
+def _load_hf(folder: Path, threads: int):
     import torch
     import transformers
 
+    if threads > 0:
+        torch.set_num_threads(threads)
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
@@ -211,7 +214,7 @@ def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], con
     tree = load_tree(config.tree, num_heads=heads_cfg.num_heads, max_top_k=heads_cfg.head_vocab_size)
     prompts = loaded.encode_chat([q.first_turn for q in questions])
     methods = ["plain", "medusa"] + (["hf"] if config.hf else [])
-    runner = Runner(loaded, config.max_new_tokens, config.hf)
+    runner = Runner(loaded, config.max_new_tokens, config.hf, config.hf_threads)
 
     records: list[dict] = []
     b = config.batch_size

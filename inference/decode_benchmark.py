@@ -6,13 +6,12 @@ Each round also re-measures memory bandwidth, which gives the floor:
     floor tokens/s = bandwidth / weight bytes   (one decode step must read every weight once)
 Timed figures are wall-clock seconds of the public API call, prefill included. Our first call for a new
 prompt bucket compiles; it runs untimed first and its compile seconds are reported apart (from JAX's own
-compile events, `compile_events`).
+compile events).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import statistics
 import time
@@ -25,30 +24,7 @@ from flax import nnx
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
-
-_COMPILE_EVENT_PREFIX = "/jax/core/compile/"
-_compile_listeners: list[list[float]] = []
-
-
-def _on_event(name: str, seconds: float, **_) -> None:
-    if name.startswith(_COMPILE_EVENT_PREFIX):
-        for acc in _compile_listeners:
-            acc.append(seconds)
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-
-
-@contextlib.contextmanager
-def compile_events():
-    """Collects the seconds JAX spends tracing, lowering and compiling inside the block: `with ... as s:`
-    then `sum(s)`."""
-    acc: list[float] = []
-    _compile_listeners.append(acc)
-    try:
-        yield acc
-    finally:
-        _compile_listeners.remove(acc)
+from medusa_jax.inference.text_generation import compile_seconds as compile_events
 
 
 def weight_bytes(model: CausalLM) -> int:

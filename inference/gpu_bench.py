@@ -94,20 +94,22 @@ def load_real_smollm2(dtype: str) -> tuple[CausalLM | None, str]:
         return None, f"real SmolLM2 unavailable ({type(e).__name__}: {e}); random weights of its shape"
 
 
-def reference_trees(max_tokens: int, sizes: Sequence[int]):
-    """Prefix trees of the greedy order under REFERENCE_ACCURACY, with their expected tokens per step."""
-    order = tree_search.greedy_tree(REFERENCE_ACCURACY, max_tokens - 1)
+def reference_trees(max_tokens: int, sizes: Sequence[int], num_heads: int):
+    """Prefix trees of the greedy order under REFERENCE_ACCURACY (first num_heads heads), with their expected
+    tokens per step."""
+    accuracy = REFERENCE_ACCURACY[:num_heads]
+    order = tree_search.greedy_tree(accuracy, max_tokens - 1)
     out = []
     for t in sorted(sizes):
         paths = [p for p, _ in order[: t - 1]]
-        out.append((build_tree(paths, name=f"reference_{t - 1}"),
-                    tree_search.expected_tokens_per_step(paths, REFERENCE_ACCURACY)))
+        out.append((build_tree(paths, name=f"reference_{t - 1}", num_heads=num_heads),
+                    tree_search.expected_tokens_per_step(paths, accuracy)))
     return out
 
 
 def run_gpu_bench(config: GpuBenchConfig, progress: Callable[[str], None] = print) -> dict:
     start = time.perf_counter()
-    trees = reference_trees(max(config.tree_tokens), config.tree_tokens)
+    trees = reference_trees(max(config.tree_tokens), config.tree_tokens, config.num_heads)
     shapes = model_shapes(config.dtype)
     device = jax.devices()[0]
     results = {"device": f"{len(jax.devices())} x {device.device_kind}", "backend": jax.default_backend(),

@@ -55,6 +55,10 @@ def main(argv=None) -> int:
                         "top-k, cache compaction)")
     p.add_argument("--hf", action="store_true",
                    help="also time transformers' PyTorch generate (greedy) on every question")
+    p.add_argument("--hf-threads", type=int, default=d.hf_threads,
+                   help="PyTorch intra-op threads for --hf; 0 keeps torch's default. On a 2-core machine shared with "
+                        "other work, torch's spinning OpenMP threads made generate ~5x slower than 1 thread "
+                        "(default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
     p.add_argument("--out", default="bench", help="folder for results.json, results.md and plots (default: %(default)s)")
@@ -62,7 +66,8 @@ def main(argv=None) -> int:
     try:
         config = BenchmarkConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, tree=a.tree, hf=a.hf,
                                  batched_sizes=a.batched_sizes, sweep_sizes=a.sweep_sizes,
-                                 sweep_questions=a.sweep_questions, profile=not a.no_profile)
+                                 sweep_questions=a.sweep_questions, profile=not a.no_profile,
+                                 hf_threads=a.hf_threads)
     except ValueError as e:
         p.error(str(e))
     if a.questions < 1:

