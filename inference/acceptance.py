@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax.tree import TreeBuffers
+from medusa_jax.inference.sampling import greedy_tokens
 
 ACCEPTANCE_KINDS = ("greedy", "typical")
 
@@ -80,7 +81,7 @@ def sample_typical(logits_bv: jax.Array, key: jax.Array, config: AcceptanceConfi
     """One token per row from softmax(logits / temperature) restricted to the typical set (the argmax is
     always kept, so the set is never empty). Greedy: the argmax."""
     if config.kind == "greedy":
-        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+        return greedy_tokens(logits_bv)
     scaled_bv = logits_bv.astype(jnp.float32) / config.temperature
     probs_bv = jax.nn.softmax(scaled_bv, axis=-1)
     keep_bv = probs_bv >= typical_threshold(probs_bv, config)[:, None]
@@ -97,7 +98,7 @@ def accept_tree(tree: TreeBuffers, tokens_bt: jax.Array, logits_btv: jax.Array, 
     valid_ld = jnp.asarray(tree.retrieve_valid_lj[:, 1:])
     candidates_bld = tokens_bt[:, child_nodes_ld]
     if config.kind == "greedy":
-        predictions_bt = jnp.argmax(logits_btv, axis=-1).astype(jnp.int32)
+        predictions_bt = greedy_tokens(logits_btv)
         length_b, path_b = greedy_accept(candidates_bld, predictions_bt[:, parent_nodes_ld], valid_ld)
     else:
         probs_btv = jax.nn.softmax(logits_btv.astype(jnp.float32) / config.temperature, axis=-1)

@@ -78,7 +78,8 @@ class RowResult:
     steps: int  # forward passes that produced the tokens, prefill included (plain: one per token)
     finish_reason: str  # "eos" or "length"
     batch: int  # which batch of the plan ran it
-    batch_seconds: float  # wall-clock time of that batch (all its rows together)
+    batch_seconds: float  # wall-clock time of that batch (all its rows together), compilation included
+    batch_compile_seconds: float  # of which tracing and compiling (0 once the batch shape was seen)
     accept_lengths: list[int] | None = None  # Medusa: candidates accepted at each verify step
 
     @property
@@ -154,16 +155,16 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
         batch = pad_prompts([prompts[i] for i in indices], settings.pad_id, settings.batch_size, settings.bucket)
         cache_size = cache_size_for(batch.tokens_bp.shape[1], settings.max_new_tokens, extra, settings.bucket)
         shapes.add((batch.tokens_bp.shape[1], cache_size))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _compile_seconds[0]
         rows = _decode(model, batch.tokens_bp, batch.lengths_b, cache_size, settings, settings.seed + number)
-        seconds = time.perf_counter() - t0
+        seconds, compiling = time.perf_counter() - t0, _compile_seconds[0] - c0
         finished = []
         for row, index in enumerate(indices):
             tokens_n, num, steps, accepts = rows[row]
             ids = tokens_n[:num].tolist()
             eos = bool(ids) and ids[-1] in settings.eos_ids
             results[index] = RowResult(index, ids, len(prompts[index]), steps, "eos" if eos else "length",
-                                       number, seconds, accepts)
+                                       number, seconds, compiling, accepts)
             finished.append(results[index])
             new_tokens += num
         if on_batch is not None:

@@ -111,6 +111,10 @@ class MedusaHeads(nnx.Module):
     def logits(self, hidden_xd: jax.Array, base: CausalLM, num_heads: int | None = None) -> jax.Array:
         """[..., D] -> [K, ..., V_head] fp32 logits (V_head = truncated_vocab_size in truncated mode) of the
         first num_heads heads (all by default)."""
+        if self.config.lm_head == "shared":
+            # one matmul for all heads: the base lm_head is read once, not once per head (~30 -> 20 ms for
+            # 4 SmolLM2 heads on 2 CPU cores)
+            return base.logits(jnp.stack([head(hidden_xd) for head in self.heads[:num_heads]]))
         outs = []
         for head in self.heads[:num_heads]:
             h = head(hidden_xd)

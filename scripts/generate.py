@@ -1,8 +1,15 @@
-"""Generate text with a local HF Llama/Mistral/Qwen2 model folder (plain jitted decoding).
+"""Generate text with a local HF Llama/Mistral/Qwen2 model folder (plain or Medusa jitted decoding).
 
 Examples:
   python scripts/generate.py --model default --chat --prompt "Write a haiku about JAX."
+  python scripts/generate.py --model default --chat --prompt "Write a haiku about JAX." --heads HEADS_DIR \
+      --tree mc_sim_7b_16 --json      (Medusa decoding; greedy output is identical to plain greedy)
   python scripts/generate.py --model DIR --input prompts.jsonl --output answers.jsonl --batch-size 4 --json
+  python scripts/generate.py --model DIR --input prompts.jsonl --output answers.jsonl --batch-size 16 \
+      --mesh data=2,tensor=4      (sharded; add --coordinator/--num-processes/--process-id for several hosts)
+With --input (or --mesh, or several processes) prompts go through batch generation: sorted by length into
+batches of --batch-size (bounding padding and recompiles), one jitted call per batch on the device mesh, a
+progress bar, results in input order; rows also hold finish_reason and batch.
 Input JSONL: one prompt per line, a JSON string or {"prompt": TEXT, "id": ...}. Each output row (and each
 --json line) holds the id, prompt, text, token_ids, new_tokens, steps, tokens_per_step, prompt_tokens,
 seconds, tokens_per_s and compile_seconds (seconds exclude JAX compilation, which is reported apart).
@@ -17,14 +24,59 @@ import sys
 
 
 def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags that choose the decoder. Medusa decoding (--heads/--tree/--acceptance) belongs here."""
+    """Flags that choose the decoder: plain decoding, or Medusa decoding with --heads."""
+    from medusa_jax.tree import DEFAULT_TREE, PRESETS
+
+    p.add_argument("--heads", default=None,
+                   help="Medusa heads folder (medusa-jax, FasterDecoding/TGI/TensorRT-LLM or vLLM layout), or "
+                        "'default' for the heads shipped with medusa-jax; enables Medusa decoding "
+                        "(default: plain decoding)")
+    p.add_argument("--tree", default=None,
+                   help=f"Medusa candidate tree: a preset ({', '.join(PRESETS)}) or a JSON file of "
+                        f"medusa_choices paths; needs --heads (default: {DEFAULT_TREE})")
+    p.add_argument("--acceptance", default=None, choices=("greedy", "typical"),
+                   help="Medusa acceptance: greedy (output identical to plain greedy decoding; needs "
+                        "--temperature 0) or typical (posterior threshold 0.09, alpha 0.3, at --temperature); "
+                        "needs --heads (default: greedy at temperature 0, typical otherwise)")
+
+
+def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.heads is None:
+        if a.tree is not None or a.acceptance is not None:
+            p.error("--tree and --acceptance need --heads (Medusa decoding)")
+        return
+    if a.acceptance is None:
+        a.acceptance = "greedy" if a.temperature == 0 else "typical"
+    if a.acceptance == "greedy" and a.temperature != 0:
+        p.error("--acceptance greedy decodes greedily: use --temperature 0, or --acceptance typical to sample")
+    if a.acceptance == "typical" and a.temperature == 0:
+        p.error("--acceptance typical samples: give --temperature > 0 (e.g. 0.7), or use --acceptance greedy")
+    if a.top_p != 1.0:
+        p.error("--top-p applies to plain decoding only; Medusa's typical acceptance has its own thresholds")
 
 
 def build_decoder(args: argparse.Namespace, model):
     """The decoder the flags ask for (see medusa_jax.inference.text_generation.Decoder)."""
     from medusa_jax.inference.text_generation import plain_decoder
 
-    return plain_decoder(model)
+    if args.heads is None:
+        return plain_decoder(model)
+    from medusa_jax.heads_import import load_heads
+    from medusa_jax.tree import DEFAULT_TREE, load_tree
+    from medusa_jax.inference.acceptance import AcceptanceConfig
+    from medusa_jax.inference.bench_inputs import resolve_heads
+    from medusa_jax.inference.medusa import generate_medusa
+
+    heads = load_heads(resolve_heads(args.heads), base=model, dtype=args.dtype)
+    tree = load_tree(args.tree or DEFAULT_TREE, num_heads=heads.config.num_heads,
+                     max_top_k=heads.config.head_vocab_size)
+    acceptance = (AcceptanceConfig("greedy") if args.acceptance == "greedy"
+                  else AcceptanceConfig("typical", temperature=args.temperature))
+
+    def decode(prompts, *, sampling, **kwargs):  # sampling is carried by the acceptance config
+        return generate_medusa(model, heads, prompts, tree=tree, acceptance=acceptance, **kwargs)
+
+    return decode
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +103,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     add_decoder_arguments(p)
+    p.add_argument("--mesh", default=None,
+                   help="device mesh for sharded decoding, e.g. data=2,tensor=4 (axes data, fsdp, tensor; missing "
+                        "axes are 1; --batch-size must divide by data*fsdp; for decoding prefer data x tensor) "
+                        "(default: one device)")
+    from medusa_jax.distributed import add_distributed_args
+
+    add_distributed_args(p)
     a = p.parse_args(argv)
     if a.input and not a.output:
         p.error("--input needs --output")
@@ -58,16 +117,70 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-new-tokens and --batch-size must be >= 1")
     if a.temperature < 0 or not 0 < a.top_p <= 1:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    check_decoder_arguments(p, a)
     return a
+
+
+def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
+    """--input / --mesh / multi-host: batch generation on the mesh; process 0 prints and writes the output."""
+    import jax
+
+    from medusa_jax.sharding import MeshConfig
+    from medusa_jax.text import pad_token_id
+    from medusa_jax.tree import DEFAULT_TREE, load_tree
+    from medusa_jax.inference.acceptance import AcceptanceConfig
+    from medusa_jax.inference.batch import BatchSettings
+    from medusa_jax.inference.batch_text import generate_rows
+    from medusa_jax.inference.bench_inputs import resolve_heads
+    from medusa_jax.inference.prompts_jsonl import write_jsonl
+    from medusa_jax.inference.sampling import SamplingConfig
+    from medusa_jax.inference.sharded import load_sharded
+
+    model = load_sharded(folder, resolve_heads(a.heads) if a.heads else None, MeshConfig.parse(a.mesh), a.dtype)
+    tree, acceptance = None, AcceptanceConfig()
+    if a.heads:
+        hc = model.heads_config
+        tree = load_tree(a.tree or DEFAULT_TREE, num_heads=hc.num_heads, max_top_k=hc.head_vocab_size)
+        acceptance = (AcceptanceConfig("greedy") if a.acceptance == "greedy"
+                      else AcceptanceConfig("typical", temperature=a.temperature))
+    settings = BatchSettings(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, tree=tree,
+                             acceptance=acceptance,
+                             sampling=SamplingConfig(a.temperature, a.top_p), seed=a.seed, eos_ids=tuple(eos),
+                             pad_id=pad_token_id(tokenizer, eos))
+    rows, run = generate_rows(model, tokenizer, records, settings, chat=a.chat)
+    if jax.process_index() != 0:
+        return 0
+    if a.output:
+        write_jsonl(a.output, rows)
+    for row in rows:
+        if a.json:
+            print(json.dumps(row, ensure_ascii=False))
+        elif not a.input:
+            print(row["text"])
+    if not a.json:
+        print(f"[{run.new_tokens} new tokens for {len(rows)} prompt(s) in {run.num_batches} batch(es) of "
+              f"{a.batch_size} on mesh {dict(model.mesh.shape)}: {run.seconds:.2f} s, "
+              f"{run.decode_tokens_per_second:.1f} tokens/s without the {run.compile_seconds:.1f} s of JIT "
+              f"compilation ({run.num_shapes} shape(s)), {run.tokens_per_step:.2f} tokens/step]")
+        if a.output:
+            print(f"wrote {a.output}")
+    return 0
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    from medusa_jax import distributed
+
+    try:  # before any other JAX call
+        multi_process = distributed.initialize(distributed.config_from_args(a))
+    except distributed.DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from medusa_jax.config import UnsupportedModelError
     from medusa_jax.hf_import import load_pretrained
     from medusa_jax.tensor_files import CheckpointError
     from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
-    from medusa_jax.inference.prompts_jsonl import PromptFileError, PromptRecord, read_prompts, write_jsonl
+    from medusa_jax.inference.prompts_jsonl import PromptFileError, PromptRecord, read_prompts
     from medusa_jax.inference.sampling import SamplingConfig
     from medusa_jax.inference.text_generation import generate_texts, summary
 
@@ -82,35 +195,25 @@ def main(argv=None) -> int:
                 raise FileNotFoundError(f"{folder}: model folder does not exist")
         records = read_prompts(a.input) if a.input else [PromptRecord(0, a.prompt)]
         tokenizer = load_tokenizer(folder)
-        model = load_pretrained(folder, dtype=a.dtype)
         eos = eos_token_ids(folder, tokenizer)
-        progress = None
-        if a.input:
-            progress = lambda done, total: print(f"\r{done}/{total} prompts", end="", file=sys.stderr, flush=True)
+        if a.input or a.mesh or multi_process:
+            return run_batched(a, folder, records, tokenizer, eos)
+        model = load_pretrained(folder, dtype=a.dtype)
         results = generate_texts(
             build_decoder(a, model), tokenizer, [r.text for r in records], chat=a.chat,
             max_new_tokens=a.max_new_tokens, sampling=SamplingConfig(a.temperature, a.top_p), seed=a.seed,
-            eos_ids=eos, pad_id=pad_token_id(tokenizer, eos), batch_size=a.batch_size, progress=progress)
+            eos_ids=eos, pad_id=pad_token_id(tokenizer, eos), batch_size=a.batch_size)
     except (OSError, ValueError, CheckpointError, UnsupportedModelError, TokenizerError, PromptFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if progress is not None:
-        print(file=sys.stderr)
     rows = [{"id": rec.id, "prompt": rec.text, **res.row()} for rec, res in zip(records, results)]
-    if a.output:
-        write_jsonl(a.output, rows)
     total = summary(results)
     for row in rows:
-        if a.json:
-            print(json.dumps(row, ensure_ascii=False))
-        elif not a.input:
-            print(row["text"])
+        print(json.dumps(row, ensure_ascii=False) if a.json else row["text"])
     if not a.json:
         print(f"[{total['new_tokens']} new tokens for {total['prompts']} prompt(s) in {total['seconds']:.2f} s: "
               f"{total['tokens_per_s']:.1f} tokens/s, {sum(r.result.steps for r in results)} steps; "
               f"JIT compile {total['compile_seconds']:.1f} s apart]")
-        if a.output:
-            print(f"wrote {a.output}")
     return 0
 
 

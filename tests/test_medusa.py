@@ -233,3 +233,40 @@ def test_smollm2_medusa_equals_plain_greedy(smollm2_dir):
     assert ids(got) == ids(reference)
     assert all(r.accept_lengths[:-1] == targets_bs[b, : len(r.accept_lengths) - 1].tolist()
                for b, r in enumerate(got))
+
+
+def test_generate_script_medusa_flags(tiny, tiny_model_dir, tmp_path, capsys):
+    """scripts/generate.py --heads --tree --json: Medusa output == plain output, with steps and tokens_per_step."""
+    import importlib.util
+    import json
+    import shutil
+    from pathlib import Path
+
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from medusa_jax.heads_io import save_heads
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama", initializer_range=0.3)[0], folder)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(100)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>",
+                                         pad_token="<unk>").save_pretrained(folder)
+    base, heads, _ = tiny("llama")
+    save_heads(heads, tmp_path / "heads")
+    spec = importlib.util.spec_from_file_location("generate", Path(__file__).parents[1] / "scripts/generate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    common = ["--model", str(folder), "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "12", "--json"]
+    assert script.main(common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert script.main(common + ["--heads", str(tmp_path / "heads"), "--tree", "mc_sim_7b_8"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["token_ids"] == plain["token_ids"] and row["text"] == plain["text"]
+    assert 1 <= row["steps"] <= row["new_tokens"]
+    assert row["tokens_per_step"] == pytest.approx(row["new_tokens"] / row["steps"], abs=1e-3)
+    with pytest.raises(SystemExit):
+        script.main(common + ["--tree", "mc_sim_7b_8"])  # --tree without --heads
+    assert "need --heads" in capsys.readouterr().err

@@ -111,6 +111,52 @@ def test_two_processes_match_one(mesh_report, tmp_path):
         assert [r["tokens"] for r in got["medusa"]] == [r["tokens"] for r in ref["medusa"]]
 
 
+def with_word_tokenizer(folder: Path, dst: Path) -> Path:
+    """A copy of the model folder plus a word-level tokenizer (w0 .. w99 -> ids 3 .. 102, EOS </s> = 2)."""
+    import shutil
+
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    shutil.copytree(folder, dst)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(100)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>",
+                                         eos_token="</s>", pad_token="<unk>").save_pretrained(dst)
+    return dst
+
+
+def test_generate_script_on_a_mesh_with_medusa_heads(mesh_report, tmp_path):
+    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.heads_io import save_heads
+    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.text import encode_prompt, load_tokenizer
+    from medusa_jax.inference.engine import generate
+
+    model_dir = with_word_tokenizer(mesh_report[0], tmp_path / "model")
+    base = load_pretrained(model_dir)
+    save_heads(init_heads(HeadsConfig(64, 128, num_heads=3), base, seed=1), tmp_path / "heads")
+    prompts = ["w5 w6", "w7 w8 w9 w10 w11 w12 w13 w14 w15", "w14", "w1 w2 w3 w4"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "id": f"q{i}"}) + "\n" for i, p in enumerate(prompts)))
+    dst = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(WORKER.parents[1] / "scripts" / "generate.py"), "--model", str(model_dir),
+         "--input", str(src), "--output", str(dst), "--batch-size", "2", "--max-new-tokens", "10",
+         "--heads", str(tmp_path / "heads"), "--tree", "mc_sim_7b_8", "--mesh", "data=2,tensor=2"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "'data': 2" in proc.stdout and "wrote" in proc.stdout
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["q0", "q1", "q2", "q3"] and [r["prompt"] for r in rows] == prompts
+    tok = load_tokenizer(model_dir)
+    expected = generate(base, [encode_prompt(tok, p, chat=False) for p in prompts], max_new_tokens=10, eos_ids=(2,))
+    assert [r["token_ids"] for r in rows] == [e.token_ids for e in expected]  # greedy Medusa == plain greedy
+    assert all(len(r["accept_lengths"]) == r["steps"] - 1 and r["finish_reason"] in ("eos", "length") for r in rows)
+
+
 def test_distributed_config_sources():
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
     cfg = DistributedConfig.from_sources(environ=env)
