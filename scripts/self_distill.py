@@ -39,7 +39,8 @@ def main(argv=None):
                         "(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=d.temperature,
                    help="0 = greedy (matches greedy Medusa decoding); > 0 samples (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="conversation order and sampling seed (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="conversation order and sampling seed (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None,
                    help="stop after this many conversations in total, counting those already written")
     p.add_argument("--save-hidden", action="store_true",

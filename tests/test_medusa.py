@@ -19,7 +19,7 @@ from medusa_jax.kv_cache import KVCache
 from medusa_jax.tree import PRESETS, TreeError, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, greedy_accept, typical_accept
 from medusa_jax.inference.engine import generate
-from medusa_jax.inference.medusa import compact_accepted, generate_medusa
+from medusa_jax.inference.medusa import compact_accepted, generate_medusa, heads_proposer
 from medusa_jax.inference.oracle import planted_data, planted_proposer
 
 N = 40  # max_new_tokens of the tiny-model runs (one compile per model, tree, batch and proposer)
@@ -32,6 +32,12 @@ PROMPTS = {
 
 def plant(tree, reference, targets_bs):
     return planted_data(tree, [r.token_ids for r in reference], targets_bs, N)
+
+
+def heads_or_planted(inputs):
+    """The heads' proposal or the planted one, chosen by data (one compile serves both runs of a test)."""
+    use_planted = inputs.data["use_planted"]
+    return jnp.where(use_planted, planted_proposer(inputs), heads_proposer(inputs))
 
 
 def cycling_targets(batch: int, depth: int) -> np.ndarray:
@@ -89,15 +95,18 @@ def test_medusa_greedy_equals_plain_greedy(tiny, kind, tree_name, case):
     eos_ids, reference = refs[case]
     tree = load_tree(tree_name)
     prompts = PROMPTS[case]
-    got = generate_medusa(base, heads, prompts, tree=tree, max_new_tokens=N, eos_ids=eos_ids)
+    targets_bs = cycling_targets(len(prompts), tree.depth)
+    data = plant(tree, reference, targets_bs)
+    run = lambda use_planted: generate_medusa(  # noqa: E731
+        base, heads, prompts, tree=tree, max_new_tokens=N, eos_ids=eos_ids, proposer=heads_or_planted,
+        proposer_data={**data, "use_planted": jnp.asarray(use_planted)})
+    got = run(False)  # the heads' own proposals
     assert ids(got) == ids(reference)
     for r in got:
         assert r.steps == 1 + len(r.accept_lengths)
         assert all(0 <= a <= tree.depth for a in r.accept_lengths)
 
-    targets_bs = cycling_targets(len(prompts), tree.depth)
-    got = generate_medusa(base, heads, prompts, tree=tree, max_new_tokens=N, eos_ids=eos_ids,
-                          proposer=planted_proposer, proposer_data=plant(tree, reference, targets_bs))
+    got = run(True)
     assert ids(got) == ids(reference)
     histogram = np.zeros(tree.depth + 1, int)
     for b, r in enumerate(got):
@@ -131,12 +140,12 @@ def test_sliding_window_model_is_lossless(tiny):
     base, heads, refs = tiny("mistral")  # sliding_window 16 < prompt + 40 new tokens
     eos_ids, reference = refs["ragged4"]
     tree = load_tree("mc_sim_7b_32")
-    got = generate_medusa(base, heads, PROMPTS["ragged4"], tree=tree, max_new_tokens=N, eos_ids=eos_ids)
-    assert ids(got) == ids(reference)
-    got = generate_medusa(base, heads, PROMPTS["ragged4"], tree=tree, max_new_tokens=N, eos_ids=eos_ids,
-                          proposer=planted_proposer,
-                          proposer_data=plant(tree, reference, cycling_targets(4, tree.depth)))
-    assert ids(got) == ids(reference)
+    data = plant(tree, reference, cycling_targets(4, tree.depth))
+    for use_planted in (False, True):
+        got = generate_medusa(base, heads, PROMPTS["ragged4"], tree=tree, max_new_tokens=N, eos_ids=eos_ids,
+                              proposer=heads_or_planted,
+                              proposer_data={**data, "use_planted": jnp.asarray(use_planted)})
+        assert ids(got) == ids(reference)
 
 
 def test_typical_acceptance_near_zero_temperature_equals_greedy(tiny):
@@ -225,12 +234,13 @@ def test_smollm2_medusa_equals_plain_greedy(smollm2_dir):
     reference = generate(base, prompts, max_new_tokens=n, eos_ids=eos_ids)
     heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4), base)
     tree = load_tree("mc_sim_7b_16")
-    got = generate_medusa(base, heads, prompts, tree=tree, max_new_tokens=n, eos_ids=eos_ids)
-    assert ids(got) == ids(reference)
     targets_bs = cycling_targets(3, tree.depth)
-    got = generate_medusa(base, heads, prompts, tree=tree, max_new_tokens=n, eos_ids=eos_ids,
-                          proposer=planted_proposer, proposer_data=plant(tree, reference, targets_bs))
-    assert ids(got) == ids(reference)
+    data = plant(tree, reference, targets_bs)
+    for use_planted in (False, True):  # fresh heads, then the planted proposer (one compile)
+        got = generate_medusa(base, heads, prompts, tree=tree, max_new_tokens=n, eos_ids=eos_ids,
+                              proposer=heads_or_planted,
+                              proposer_data={**data, "use_planted": jnp.asarray(use_planted)})
+        assert ids(got) == ids(reference)
     assert all(r.accept_lengths[:-1] == targets_bs[b, : len(r.accept_lengths) - 1].tolist()
                for b, r in enumerate(got))
 

@@ -146,8 +146,10 @@ def test_load_chat_data_split_is_seeded_and_tokenisation_is_cached(tmp_path, tok
     b = load_chat_data(str(path), tokenizer, eos, cfg, log=lambda _: None)
     np.testing.assert_array_equal(a.train.tokens_rl, b.train.tokens_rl)
     np.testing.assert_array_equal(a.heldout.tokens_rl, b.heldout.tokens_rl)
-    train_convs = {tuple(r[s == k]) for r, s in zip(a.train.tokens_rl, a.train.segment_ids_rl) for k in range(1, s.max() + 1)}
-    held_convs = {tuple(r[s == k]) for r, s in zip(a.heldout.tokens_rl, a.heldout.segment_ids_rl) for k in range(1, s.max() + 1)}
+    def conversations(rows):
+        return {tuple(r[s == k]) for r, s in zip(rows.tokens_rl, rows.segment_ids_rl) for k in range(1, s.max() + 1)}
+
+    train_convs, held_convs = conversations(a.train), conversations(a.heldout)
     assert len(held_convs) == 6 and not train_convs & held_convs
     monkeypatch.undo()
     c = load_chat_data(str(path), tokenizer, eos, DataConfig(seq_len=128, heldout_fraction=0.1, seed=4,
@@ -169,7 +171,8 @@ def test_epoch_iterator_resumes_and_splits_over_processes():
 
 
 def test_top_token_ids_are_the_most_frequent_loss_tokens():
-    rows = pack([(np.array([1, 5, 5, 5, 7, 7, 9, 1, 1], np.int32), np.array([0, 1, 1, 1, 1, 1, 1, 0, 0], np.int8))], 9, 0)
+    tokens = np.array([1, 5, 5, 5, 7, 7, 9, 1, 1], np.int32)
+    rows = pack([(tokens, np.array([0, 1, 1, 1, 1, 1, 1, 0, 0], np.int8))], 9, 0)
     assert top_token_ids(rows.tokens_rl[rows.loss_mask_rl], 2, 16).tolist() == [5, 7]
 
 
@@ -224,7 +227,8 @@ def test_head_stats_and_loss_match_numpy(truncated):
         assert stats.count[h] == inv.sum() and stats.total[h] == valid.sum()
         assert stats.top1[h] == top1.sum() and stats.top5[h] == top5.sum()
     means = [float(stats.loss_sum[h] / stats.count[h]) for h in range(k)]
-    np.testing.assert_allclose(losses.medusa_loss(stats, 0.8), sum(0.8 ** h * m for h, m in enumerate(means)), rtol=1e-6)
+    expected = sum(0.8 ** h * m for h, m in enumerate(means))
+    np.testing.assert_allclose(losses.medusa_loss(stats, 0.8), expected, rtol=1e-6)
     if truncated:  # targets outside the map count as misses: accuracy denominators include them
         assert (stats.total > stats.count).all()
 
@@ -316,3 +320,13 @@ def test_cached_hidden_states_give_the_same_statistics_as_the_backbone_in_the_st
 def cache_folder(root):
     (folder,) = [p for p in root.iterdir() if p.is_dir()]
     return folder
+
+
+def test_frozen_lm_heads_keep_their_initial_rows_while_resblocks_train(chat_model):
+    _, heads, trainer = _trainer(chat_model, lm_head="truncated", freeze_head_lm_heads=True)
+    trainer.train_step(_tiny_batch(trainer.base().config.vocab_size))
+    trained = trainer.heads()
+    for before, after in zip(heads.heads, trained.heads):
+        np.testing.assert_array_equal(after.lm_head.kernel[...], before.lm_head.kernel[...])
+        assert np.abs(np.asarray(after.blocks[0].linear.kernel[...])).max() > 0  # zero-initialised, now moved
+    assert "lm_head" not in str(jax.tree_util.tree_structure(trainer.params["heads"]))

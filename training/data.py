@@ -141,7 +141,8 @@ def tokenize_conversations(records: list[dict[str, Any]], tokenizer, eos_ids: tu
         return {"input_ids": ids[: config.seq_len], "loss_mask": mask[: config.seq_len]}
 
     ds = datasets.Dataset.from_list(records)
-    ds = ds.map(encode, with_indices=True, remove_columns=["messages"], num_proc=config.num_proc if config.num_proc > 1 else None,
+    ds = ds.map(encode, with_indices=True, remove_columns=["messages"],
+                num_proc=config.num_proc if config.num_proc > 1 else None,
                 desc="tokenising")
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp-"))

@@ -90,7 +90,8 @@ def build_hidden_cache(base: CausalLM, rows: PackedRows, num_heads: int, root: s
         for b0 in range(lo, hi, batch_rows):
             idx = np.arange(b0, b0 + batch_rows) % rows.num_rows  # a short last batch repeats rows: one shape
             part = rows.rows(idx)
-            h_btd = np.asarray(_hidden_rows(graphdef, state, jnp.asarray(part.tokens_rl), jnp.asarray(part.positions_rl),
+            h_btd = np.asarray(_hidden_rows(graphdef, state, jnp.asarray(part.tokens_rl),
+                                            jnp.asarray(part.positions_rl),
                                             jnp.asarray(part.segment_ids_rl)))
             keep = min(batch_rows, hi - b0)
             t_kbt = targets_krt[:, b0:b0 + keep]

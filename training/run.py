@@ -54,6 +54,7 @@ class RunConfig:
     eval_batches: int = 50  # at most this many held-out batches per evaluation
     log_every: int = 10
     heads_dtype: str = "float32"  # storage dtype of the saved heads file (they load as float32)
+    base_model_name: str | None = None  # recorded in the heads config (default: the --model path)
     seed: int = 0
     progress: bool = True
     data_config: DataConfig = DataConfig()
@@ -101,6 +102,7 @@ def _signature(cfg: RunConfig, base, heads: MedusaHeads) -> dict[str, Any]:
         np.asarray(heads.token_map[...]).tobytes()).hexdigest()[:16]
     return {"model": repr(base.config), "heads": heads.config.to_dict(), "token_map": token_map,
             "medusa2": cfg.train.medusa2, "distill_kl": cfg.train.distill_kl, "cache_hidden": cfg.cache_hidden,
+            "freeze_lm_heads": cfg.train.freeze_head_lm_heads,
             "seq_len": cfg.data_config.seq_len, "batch_size": cfg.cached_batch_size if cfg.cache_hidden else
             cfg.batch_size, "seed": cfg.seed}
 
@@ -179,7 +181,7 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
     mode, n_trunc = parse_lm_head(cfg.lm_head)
     feed = _prepare_data(cfg, base, tokenizer, eos, log)
     heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
-                               mode, n_trunc, base_model_name_or_path=str(cfg.model))
+                               mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model))
     token_map = top_token_ids(feed.loss_tokens, n_trunc, base.config.vocab_size) if mode == "truncated" else None
     heads = init_heads(heads_config, base, cfg.seed, token_map)
     trainer = Trainer(base, heads, cfg.train, mesh)

@@ -63,7 +63,8 @@ def _iter_json_array(text: str, source: str, report: ReadReport) -> Iterable[tup
     decoder = json.JSONDecoder()
     start = _SEPARATOR.match(text, 0).end()
     if start >= len(text) or text[start] != "[":
-        raise DataError(f"{source}: expected a JSON array of conversations (or JSONL), found {text[start:start + 20]!r}")
+        raise DataError(f"{source}: expected a JSON array of conversations (or JSONL), "
+                        f"found {text[start:start + 20]!r}")
     pos, index = start + 1, 0
     while True:
         pos = _SEPARATOR.match(text, pos).end()

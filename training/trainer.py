@@ -2,8 +2,9 @@
 
 State: `params` = {"heads": head Params} (+ {"base": backbone Params} in Medusa-2), the optax state, and
 `frozen` = what the step reads but never updates (the backbone in Medusa-1, the truncated heads' token_map,
-the original backbone for Medusa-2's KL term). Master weights stay in their stored dtype; with
-`compute_dtype="bfloat16"` the step runs the modules in bf16 (norms, softmax and losses stay fp32).
+the heads' lm_heads with `freeze_head_lm_heads`, the original backbone for Medusa-2's KL term). Master
+weights stay in their stored dtype; with `compute_dtype="bfloat16"` the step runs the modules in bf16
+(norms, softmax and losses stay fp32).
 
 Two batch kinds:
   rows    {"tokens", "segment_ids", "positions", "loss_mask"} [B, T] packed rows: the backbone runs in the step
@@ -50,6 +51,7 @@ class TrainConfig:
     lm_loss_weight: float = 1.0  # Medusa-2: weight of the base model's objective
     distill_kl: bool = False  # Medusa-2 on self-distilled data: KL to the frozen original instead of LM loss
     compute_dtype: str = "float32"
+    freeze_head_lm_heads: bool = False  # train only the ResBlocks; each head's lm_head keeps its initial value
 
     def __post_init__(self):
         resolve_dtype(self.compute_dtype)
@@ -153,7 +155,10 @@ class Trainer:
         dtype = config.compute_dtype
         self._base_def = _compute_graphdef(base, lambda c: CausalLM(c, nnx.Rngs(0)), dtype)
         self._heads_def = _compute_graphdef(heads, lambda c: MedusaHeads(c, nnx.Rngs(0)), dtype)
-        self._stored_heads_def, heads_params, heads_rest = nnx.split(heads, nnx.Param, ...)
+        trainable = nnx.Param
+        if config.freeze_head_lm_heads:
+            trainable = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("lm_head")))
+        self._stored_heads_def, heads_params, heads_rest = nnx.split(heads, trainable, ...)
         self._stored_base_def, base_state = nnx.split(base)
         params = {"heads": heads_params}
         frozen: dict[str, Any] = {"heads_rest": heads_rest}
@@ -164,8 +169,7 @@ class Trainer:
         else:
             frozen["base"] = base_state
         self.param_shardings = {k: shd.param_shardings(v, mesh) for k, v in params.items()}
-        self.frozen_shardings = {k: shd.param_shardings(v, mesh) if k != "heads_rest" else
-                                 jax.tree.map(lambda _: shd.replicated(mesh), v) for k, v in frozen.items()}
+        self.frozen_shardings = {k: shd.param_shardings(v, mesh) for k, v in frozen.items()}
         # fresh buffers: the step donates them, and init_heads may share one array between heads
         self.params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), self.param_shardings)
         self.frozen = jax.device_put(frozen, self.frozen_shardings)
@@ -182,7 +186,8 @@ class Trainer:
         dtype = resolve_dtype(self.config.compute_dtype)
         base_state = params["base"] if self.config.medusa2 else frozen["base"]
         base = nnx.merge(self._base_def, cast_floating(base_state, dtype))
-        heads = nnx.merge(self._heads_def, cast_floating(params["heads"], dtype), frozen["heads_rest"])
+        heads = nnx.merge(self._heads_def, cast_floating(params["heads"], dtype),
+                          cast_floating(frozen["heads_rest"], dtype))
         return base, heads
 
     def _objective(self, params, frozen, batch):

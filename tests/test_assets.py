@@ -1,0 +1,24 @@
+"""The heads shipped in the package: `--heads default` resolves to them and they fit SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+
+from medusa_jax.assets import resolve_heads_dir, shipped_heads_dir
+
+
+def test_default_resolves_to_the_shipped_smollm2_heads():
+    from medusa_jax.heads_io import load_native_heads
+
+    folder = resolve_heads_dir("default")
+    assert folder == shipped_heads_dir()
+    assert sum(p.stat().st_size for p in folder.iterdir()) <= 20 * 1024 * 1024  # the package budget
+    heads = load_native_heads(folder)
+    assert (heads.config.hidden_size, heads.config.vocab_size) == (576, 49152)  # SmolLM2-135M
+    assert heads.config.dtype == "float32"  # stored as float16, computed in float32
+
+
+def test_other_values_are_folders(tmp_path):
+    assert resolve_heads_dir(tmp_path) == tmp_path
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_heads_dir(tmp_path / "missing")
