@@ -13,11 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from medusa_jax.config import ModelConfig
+from medusa_jax.attention import attention_windows, cached_attention, window_index
 from medusa_jax.kv_cache import KVCache, write_layer_rows
 from medusa_jax.sharding import constrain_rows
 from medusa_jax.rope import apply_rope, inverse_frequencies
-
-_NEG_INF = -1e30
 
 
 class RMSNorm(nnx.Module):
@@ -46,8 +45,9 @@ class Attention(nnx.Module):
         self.v_proj = _linear(h, config.num_kv_heads * d, config.attention_bias, config, rngs)
         self.o_proj = _linear(config.num_heads * d, h, False, config, rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq):
-        """Writes this layer's new K/V into the stacked cache buffers and attends over layer `layer` of them."""
+    def __call__(self, x_btd, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq, window):
+        """Writes this layer's new K/V into the stacked cache buffers and attends over layer `layer` of them,
+        reading only cache window `window` (see medusa_jax.attention)."""
         cfg = self.config
         b, t, _ = x_btd.shape
         kv, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
@@ -56,14 +56,7 @@ class Attention(nnx.Module):
         v_btkd = self.v_proj(x_btd).reshape(b, t, kv, d)
         k_lbshd = write_layer_rows(k_lbshd, layer, k_btkd, lengths_b)
         v_lbshd = write_layer_rows(v_lbshd, layer, v_btkd, lengths_b)
-        k_cache_bshd, v_cache_bshd = k_lbshd[layer], v_lbshd[layer]
-
-        q_btkgd = q_bthd.reshape(b, t, kv, group, d)
-        scores_bkgts = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_cache_bshd.astype(q_btkgd.dtype))
-        scores_bkgts = scores_bkgts.astype(jnp.float32) * (d ** -0.5)
-        scores_bkgts = jnp.where(mask_bts[:, None, None, :, :], scores_bkgts, _NEG_INF)
-        probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(x_btd.dtype)
-        out_btkgd = jnp.einsum("bkgts,bskd->btkgd", probs_bkgts, v_cache_bshd.astype(x_btd.dtype))
+        out_btkgd = cached_attention(q_bthd.reshape(b, t, kv, group, d), k_lbshd, v_lbshd, layer, mask_bts, window)
         return self.o_proj(out_btkgd.reshape(b, t, cfg.num_heads * d)), k_lbshd, v_lbshd
 
 
@@ -85,9 +78,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.jnp_dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq):
+    def __call__(self, x, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq, window):
         attn, k_lbshd, v_lbshd = self.self_attn(
-            self.input_layernorm(x), positions_bt, mask_bts, k_lbshd, v_lbshd, layer, lengths_b, inv_freq)
+            self.input_layernorm(x), positions_bt, mask_bts, k_lbshd, v_lbshd, layer, lengths_b, inv_freq, window)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_lbshd, v_lbshd
@@ -114,9 +107,10 @@ class CausalLM(nnx.Module):
             mask_bts = mask_bts & ((positions_bt[:, :, None] - slot_s[None, None, :]) < cfg.sliding_window)
         inv_freq = inverse_frequencies(cfg)
         x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
+        window = window_index(mask_bts, attention_windows(cache.cache_size))  # the cache prefix the mask reaches
         k_all, v_all = cache.k_lbshd, cache.v_lbshd
         for i, layer in enumerate(self.layers):
-            x, k_all, v_all = layer(x, positions_bt, mask_bts, k_all, v_all, i, cache.lengths_b, inv_freq)
+            x, k_all, v_all = layer(x, positions_bt, mask_bts, k_all, v_all, i, cache.lengths_b, inv_freq, window)
             x = constrain_rows(x)
         return self.norm(x), cache.replace(k_lbshd=k_all, v_lbshd=v_all)
 

@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), metavar="DEVICES:MESH:MODE",
                    help="loads to measure: forced CPU device count, mesh spec ('' = one device) and mode "
                         "(sharded | via_one) (default: %(default)s)")
-    p.add_argument("--out", default="bench/loading", help="folder for loading.json and loading.md (default: %(default)s)")
+    p.add_argument("--out", default="bench/loading",
+                   help="folder for loading.json and loading.md (default: %(default)s)")
     a = p.parse_args(argv)
 
     from medusa_jax.load_memory import measure

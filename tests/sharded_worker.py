@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -71,7 +72,7 @@ def main_meshes(model_dir: str, out: str) -> None:
         base = load_pretrained(model_dir, sharding_for=sharding_for(mesh))
         model = ShardedModel(base, heads, mesh)
         plain = generate_batch(model, prompts, settings, progress=False)
-        medusa = generate_batch(model, prompts, BatchSettings(**{**settings.__dict__, "tree": tree}), progress=False)
+        medusa = generate_batch(model, prompts, dataclasses.replace(settings, tree=tree), progress=False)
         entry = {"plain": rows(plain), "medusa": rows(medusa),
                  "k_sharding": [list(a) if isinstance(a, tuple) else a for a in model.cache_sharding(8, 64).k_lbshd.spec],
                  "q_proj_shards": len(base.layers[0].self_attn.q_proj.kernel[...].addressable_shards)}
@@ -130,7 +131,7 @@ def main_multihost(model_dir: str, out: str) -> None:
     settings = BatchSettings(batch_size=8, max_new_tokens=MAX_NEW, eos_ids=eos, bucket=BUCKET)
     plain = generate_batch(model, prompts, settings, progress=False)
     tree = load_tree("mc_sim_7b_16", num_heads=NUM_HEADS)
-    medusa = generate_batch(model, prompts, BatchSettings(**{**settings.__dict__, "tree": tree}), progress=False)
+    medusa = generate_batch(model, prompts, dataclasses.replace(settings, tree=tree), progress=False)
     with open(out, "w") as f:
         json.dump({"process_index": jax.process_index(), "process_count": jax.process_count(),
                    "device_count": jax.device_count(), "local_devices": jax.local_device_count(),
