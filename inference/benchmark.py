@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from medusa_jax.mtbench import MTBenchQuestion
-from medusa_jax.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
+from medusa_jax.tree import DEFAULT_TREE, MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
 from medusa_jax.tree_search import greedy_order_of
 from medusa_jax.inference import step_cost
 from medusa_jax.inference.bench_inputs import LoadedModel
@@ -38,7 +38,7 @@ METHODS = ("plain", "medusa", "hf")
 class BenchmarkConfig:
     max_new_tokens: int = 256
     batch_size: int = 1  # rows per call in the main (interleaved, per-question) run
-    tree: str = "mc_sim_7b_16"  # preset name or tree JSON file
+    tree: str = DEFAULT_TREE  # preset name or tree JSON file
     hf: bool = False  # also time transformers' PyTorch generate
     hf_threads: int = 1  # torch intra-op threads (0: torch's default)
     batched_sizes: tuple[int, ...] = (4, 8)  # extra batch sizes for the throughput table
