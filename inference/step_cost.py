@@ -130,22 +130,48 @@ def make_cache(base: CausalLM, batch: int, cache_size: int, context: int) -> KVC
     return cache.replace(lengths_b=jnp.full((batch,), context, jnp.int32))
 
 
-def plain_step_seconds(base: CausalLM, batch: int, context: int, cache_size: int, repeats: int = 5) -> float:
+def plain_step_call(base: CausalLM, batch: int, context: int, cache_size: int) -> Callable[[], object]:
+    """A zero-argument call that runs one plain step over its own (donated, reused) cache."""
     graphdef, params = nnx.split(base)
     runner = _Donating(make_cache(base, batch, cache_size, context), context)
     tokens_b1 = jnp.zeros((batch, 1), jnp.int32)
-    return time_call(lambda: runner.run(lambda c, *a: _plain_step(graphdef, params, c, *a), tokens_b1), repeats)
+    return lambda: runner.run(lambda c, *a: _plain_step(graphdef, params, c, *a), tokens_b1)
 
 
-def medusa_step_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: int, context: int,
-                        cache_size: int, repeats: int = 5) -> float:
-    """Seconds of one whole Medusa step (all pieces in one jitted call)."""
+def medusa_step_call(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: int, context: int,
+                     cache_size: int) -> Callable[[], object]:
+    """A zero-argument call that runs one whole Medusa step (all pieces in one jitted call)."""
     graphdef, params = nnx.split((base, heads))
     runner = _Donating(make_cache(base, batch, cache_size, context), context)
     tokens_bt, positions_bt = _tree_inputs(tree, batch, context, base.config.vocab_size)
     key = jax.random.key(0)
     step = lambda c, *a: _medusa_step(graphdef, params, c, *a, tree=tree)  # noqa: E731
-    return time_call(lambda: runner.run(step, tokens_bt, positions_bt, key), repeats)
+    return lambda: runner.run(step, tokens_bt, positions_bt, key)
+
+
+def plain_step_seconds(base: CausalLM, batch: int, context: int, cache_size: int, repeats: int = 5) -> float:
+    return time_call(plain_step_call(base, batch, context, cache_size), repeats)
+
+
+def medusa_step_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: int, context: int,
+                        cache_size: int, repeats: int = 5) -> float:
+    """Seconds of one whole Medusa step (all pieces in one jitted call)."""
+    return time_call(medusa_step_call(base, heads, tree, batch, context, cache_size), repeats)
+
+
+def time_interleaved(calls: Sequence[Callable[[], object]], rounds: int) -> list[float]:
+    """Median seconds of each call, timing them in turn round after round (after two warm-up calls each),
+    so that a change in machine load affects every call alike."""
+    for fn in calls:
+        for _ in range(2):
+            jax.block_until_ready(fn())
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(rounds):
+        for fn, acc in zip(calls, times):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            acc.append(time.perf_counter() - start)
+    return [statistics.median(acc) for acc in times]
 
 
 def piece_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: int, context: int,
@@ -188,7 +214,8 @@ class StepCostTable:
 def measure_step_costs(base: CausalLM, heads: MedusaHeads, trees: Sequence[TreeBuffers], *, batch: int = 1,
                        context: int = 256, cache_size: int | None = None, repeats: int = 5,
                        progress: Callable[[str], None] | None = None) -> StepCostTable:
-    """The whole-step time of each tree (sorted by size) and of a plain step, same batch and context."""
+    """The whole-step time of each tree (sorted by size) and of a plain step, same batch and context, timed
+    in interleaved rounds (each call keeps its own cache, so memory grows with the number of trees)."""
     if not trees:
         raise ValueError("need at least one tree to measure")
     trees = sorted(trees, key=lambda t: t.num_tokens)
@@ -196,11 +223,11 @@ def measure_step_costs(base: CausalLM, heads: MedusaHeads, trees: Sequence[TreeB
     cache_size = cache_size or context + 2 * largest + 64
     if cache_size < context + largest + trees[-1].depth + 1:
         raise ValueError(f"cache_size {cache_size} cannot hold context {context} + a {largest}-token tree")
-    plain = plain_step_seconds(base, batch, context, cache_size, repeats)
-    seconds = []
-    for tree in trees:
-        seconds.append(medusa_step_seconds(base, heads, tree, batch, context, cache_size, repeats))
-        if progress:
-            progress(f"B={batch} T={tree.num_tokens}: {seconds[-1] * 1e3:.2f} ms/step "
-                     f"(plain {plain * 1e3:.2f} ms, x{seconds[-1] / plain:.2f})")
+    calls = [plain_step_call(base, batch, context, cache_size)]
+    calls += [medusa_step_call(base, heads, tree, batch, context, cache_size) for tree in trees]
+    plain, *seconds = time_interleaved(calls, repeats)
+    if progress:
+        for tree, s in zip(trees, seconds):
+            progress(f"B={batch} T={tree.num_tokens}: {s * 1e3:.2f} ms/step (plain {plain * 1e3:.2f} ms, "
+                     f"x{s / plain:.2f})")
     return StepCostTable(batch, context, cache_size, plain, tuple(t.num_tokens for t in trees), tuple(seconds))

@@ -4,7 +4,8 @@
    greedily by the base model itself (self-distilled text);
 2. each head's top-k accuracy on that text (`head_accuracy`);
 3. the greedy node order by expected accepted length, and the whole Medusa step's time for trees that are
-   prefixes of that order at several sizes T (`step_cost`), plus one plain step;
+   prefixes of that order at several sizes T, plus one plain step, timed in interleaved rounds
+   (`step_cost`) and fitted with a non-decreasing curve (a bigger tree is never cheaper; dips are noise);
 4. the size with the most expected tokens per second = (1 + expected accepted nodes) / step time.
 """
 
@@ -82,7 +83,9 @@ def build(loaded: LoadedModel, config: BuildTreeConfig, progress: Callable[[str]
     trees = [build_tree([p for p, _ in order[: t - 1]], name=f"greedy_{t - 1}") for t in sizes]
     costs = step_cost.measure_step_costs(loaded.base, loaded.heads, trees, batch=config.batch,
                                          context=config.context, repeats=config.repeats, progress=progress)
-    cost = tree_search.StepCost(costs.num_tree_tokens, costs.medusa_seconds)
+    # step time cannot fall as the tree grows: fit the measured (noisy) times with a non-decreasing curve
+    cost = tree_search.StepCost(costs.num_tree_tokens,
+                                tuple(tree_search.nondecreasing_fit(costs.medusa_seconds)))
     choice = tree_search.choose_tree(accuracy.accuracy_dk, cost, min(len(order), cost.max_tokens - 1))
     progress(f"chosen: {choice.best_num_nodes} nodes, predicted {choice.predicted_tokens_per_step:.2f} tokens/step, "
              f"{choice.predicted_tokens_per_second:.1f} tokens/s at batch {config.batch}")
@@ -95,6 +98,7 @@ def build(loaded: LoadedModel, config: BuildTreeConfig, progress: Callable[[str]
                     "positions_per_head": accuracy.positions_d.tolist()},
         "head_top1": accuracy.top1_d.tolist(),
         "plain_step_seconds": costs.plain_seconds,
+        "measured_step_seconds": list(costs.medusa_seconds),
         "timing": {"batch": config.batch, "context": config.context, "cache_size": costs.cache_size,
                    "repeats": config.repeats},
         "predicted_speedup_vs_plain": float(choice.predicted_tokens_per_second * costs.plain_seconds),

@@ -76,6 +76,18 @@ def greedy_tree(accuracy_dk, max_nodes: int) -> list[tuple[Path_, float]]:
     return order
 
 
+def nondecreasing_fit(values: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators). A bigger tree does
+    all of a smaller one's work, so its step is never cheaper: a measured dip is machine-load noise."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks[-2], blocks[-1]
+            blocks[-2:] = [[(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]]
+    return [m for m, c in blocks for _ in range(int(c))]
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCost:
     """Measured step seconds at a few tree sizes; linear interpolation between them (no extrapolation)."""

@@ -81,6 +81,12 @@ def test_choose_tree_maximises_tokens_per_second_and_writes_a_loadable_tree(tmp_
     assert tree_search.greedy_order_of(json.loads(path.read_text()))[: choice.best_num_nodes] == list(choice.paths)
 
 
+def test_nondecreasing_fit_pools_noisy_dips():
+    assert tree_search.nondecreasing_fit([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    assert tree_search.nondecreasing_fit([5.0, 1.0, 1.0]) == pytest.approx([7 / 3] * 3)
+    assert tree_search.nondecreasing_fit([1.0, 2.0]) == [1.0, 2.0]
+
+
 def test_step_cost_and_accuracy_table_reject_bad_input():
     cost = tree_search.StepCost((2, 8), (1.0, 2.0))
     assert cost(5) == pytest.approx(1.5)
@@ -201,6 +207,8 @@ def test_build_tree_cli_writes_a_tree_the_decoder_loads(tiny_chat_model, tmp_pat
     assert doc["predicted_tokens_per_step"] == pytest.approx(
         tree_search.expected_tokens_per_step(doc["medusa_choices"], acc))
     assert doc["step_seconds"]["tree_tokens"] == [2, 4, 8] and min(doc["step_seconds"]["seconds"]) > 0
+    fitted = doc["step_seconds"]["seconds"]
+    assert fitted == sorted(fitted) and len(doc["measured_step_seconds"]) == 3
 
 
 def test_gpu_bench_tiny_mode_on_cpu(tmp_path):
