@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from medusa_jax.atomic import atomic_folder
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import resolve_dtype
 from medusa_jax.heads import MedusaHeads
@@ -158,17 +157,9 @@ def write_heads_folder(out: str | os.PathLike, weights_name: str, tensors: dict[
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
             raise ExportError(f"{out} already exists and is not an empty folder (pass overwrite=True / --overwrite)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
-    try:
+    with atomic_folder(out) as tmp:
         write_safetensors(tmp / weights_name, tensors, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
+from medusa_jax.atomic import atomic_folder
 from medusa_jax.config import resolve_dtype
 from medusa_jax.heads import HeadsConfig, MedusaHeads
 from medusa_jax.hf_import import fill_state, param_paths
@@ -36,34 +35,26 @@ def save_heads(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict
                storage_dtype: str | None = None) -> Path:
     """`storage_dtype` ('float16', 'bfloat16'): store floating tensors in it; loading casts them back to the
     config's dtype (a half-size file, computed as before)."""
+    cfg = heads.config
+    config = {
+        "format": FORMAT,
+        "medusa_jax": cfg.to_dict(),
+        # the fields other Medusa tools read, for orientation
+        "medusa_num_heads": cfg.num_heads,
+        "medusa_num_layers": cfg.num_layers,
+        "base_model_name_or_path": cfg.base_model_name_or_path,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        **(extra_config or {}),
+    }
+    tensors = heads_tensors(heads)
+    if storage_dtype is not None:
+        store = np.dtype(resolve_dtype(storage_dtype))
+        tensors = {k: v.astype(store) if np.issubdtype(v.dtype, np.floating) else v for k, v in tensors.items()}
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp-"))
-    try:
-        cfg = heads.config
-        config = {
-            "format": FORMAT,
-            "medusa_jax": cfg.to_dict(),
-            # the fields other Medusa tools read, for orientation
-            "medusa_num_heads": cfg.num_heads,
-            "medusa_num_layers": cfg.num_layers,
-            "base_model_name_or_path": cfg.base_model_name_or_path,
-            "hidden_size": cfg.hidden_size,
-            "vocab_size": cfg.vocab_size,
-            **(extra_config or {}),
-        }
-        tensors = heads_tensors(heads)
-        if storage_dtype is not None:
-            store = np.dtype(resolve_dtype(storage_dtype))
-            tensors = {k: v.astype(store) if np.issubdtype(v.dtype, np.floating) else v for k, v in tensors.items()}
+    with atomic_folder(folder) as tmp:
         write_safetensors(tmp / WEIGHTS, tensors, metadata={"format": FORMAT})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 

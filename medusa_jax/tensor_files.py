@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 import ml_dtypes
 import numpy as np
+
+from medusa_jax.atomic import atomic_file
 
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -95,19 +96,11 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
         arrays.append(arr)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for arr in arrays:
-                f.write(arr.tobytes())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in arrays:
+            f.write(arr.tobytes())
 
 
 def load_torch_bin(path: str | os.PathLike) -> dict[str, np.ndarray]:

@@ -21,14 +21,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from medusa_jax.atomic import atomic_folder
 from medusa_jax.training.sharegpt import DataError, ReadReport, read_conversations
 
 CACHE_VERSION = "1"
@@ -144,16 +142,8 @@ def tokenize_conversations(records: list[dict[str, Any]], tokenizer, eos_ids: tu
     ds = ds.map(encode, with_indices=True, remove_columns=["messages"],
                 num_proc=config.num_proc if config.num_proc > 1 else None,
                 desc="tokenising")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp-"))
-    try:
+    with atomic_folder(folder) as tmp:
         ds.save_to_disk(str(tmp))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return datasets.load_from_disk(str(folder))
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
+from medusa_jax.atomic import atomic_folder
 from medusa_jax.backbone import CausalLM
 from medusa_jax.hf_import import hf_param_name, param_paths
 from medusa_jax.tensor_files import write_safetensors
@@ -22,22 +22,14 @@ _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer
 def save_backbone(base: CausalLM, source_folder: str | os.PathLike, folder: str | os.PathLike) -> Path:
     """HF tensor names, PyTorch [out, in] layout; config and tokenizer files copied from `source_folder`."""
     folder, source = Path(folder), Path(source_folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp-"))
-    try:
-        tensors = {}
-        for path, leaf in param_paths(nnx.state(base, nnx.Param)):
-            name, transpose = hf_param_name(path)
-            arr = np.asarray(jax.device_get(leaf))
-            tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    tensors = {}
+    for path, leaf in param_paths(nnx.state(base, nnx.Param)):
+        name, transpose = hf_param_name(path)
+        arr = np.asarray(jax.device_get(leaf))
+        tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    with atomic_folder(folder) as tmp:
         write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
         for name in _COPIED:
             if (source / name).exists():
                 shutil.copy2(source / name, tmp / name)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder

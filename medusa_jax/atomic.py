@@ -1,0 +1,62 @@
+"""All-or-nothing writes: build a file or folder under a temporary name beside it, then rename it into place.
+
+An interrupted write (an exception, a kill) leaves the previous version, or nothing, never half a file.
+Results get the usual permissions (0666/0777 less the umask), not mkstemp's private 0600/0700.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator:
+    """`with atomic_file(p) as f: f.write(...)` — p appears, complete, only when the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    with atomic_file(path, "w") as f:
+        f.write(text)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_folder(folder: str | os.PathLike, replace: bool = True) -> Iterator[Path]:
+    """`with atomic_folder(d) as tmp:` fill tmp; on success it replaces d (if `replace`) in one rename."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
+        if folder.exists():
+            if not replace:
+                raise FileExistsError(f"{folder} already exists")
+            shutil.rmtree(folder) if folder.is_dir() else folder.unlink()
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
