@@ -247,7 +247,7 @@ def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], con
     if config.profile:
         results["step_profile"] = profile_step(loaded, tree, records, progress)
     results["batched"] = run_batched(runner, questions, prompts, config, tree, records, progress)
-    results["tree_sweep"] = run_tree_sweep(runner, prompts, config, tree, records, progress)
+    results["tree_sweep"] = run_tree_sweep(runner, prompts, config, tree, progress)
     return results
 
 
@@ -300,16 +300,14 @@ def _batched_row(batch: int, s: dict, questions: int) -> dict:
             "acceleration_rate": s["acceleration_rate"], "mismatches": s["mismatches"]}
 
 
-def run_tree_sweep(runner: Runner, prompts, config: BenchmarkConfig, tree: TreeBuffers, records: list[dict],
-                   progress) -> list[dict]:
-    """Medusa speedup over plain (plain times from the main run) for trees of several sizes."""
+def run_tree_sweep(runner: Runner, prompts, config: BenchmarkConfig, tree: TreeBuffers, progress) -> list[dict]:
+    """Medusa speedup over plain for trees of several sizes (prefixes of the tree's greedy order) on the first
+    sweep_questions questions; plain is timed again next to each size, so load drift hits both alike."""
     n = min(config.sweep_questions, len(prompts))
     if n == 0 or config.batch_size != 1:
         return []
     heads_cfg = runner.loaded.heads.config
     order = sweep_order(config.tree)
-    plain_seconds = sum(r["plain"]["seconds"] for r in records[:n])
-    plain_tokens = sum(r["plain"]["tokens"] for r in records[:n])
     out = []
     for size in sorted(set(s for s in config.sweep_sizes if s <= len(order)) | {len(tree.paths)}):
         if size == len(tree.paths):
@@ -321,11 +319,14 @@ def run_tree_sweep(runner: Runner, prompts, config: BenchmarkConfig, tree: TreeB
             except TreeError as e:
                 progress(f"tree sweep: skipping {size} nodes ({e})")
                 continue
-        timed = [runner.run("medusa", [p], 1, sub) for p in prompts[:n]]
-        tokens, seconds = sum(t.tokens for t in timed), sum(t.seconds for t in timed)
-        steps = sum(sum(t.steps) for t in timed)
+        medusa = [runner.run("medusa", [p], 1, sub) for p in prompts[:n]]
+        plain = [runner.run("plain", [p], 1) for p in prompts[:n]]
+        tokens, seconds = sum(t.tokens for t in medusa), sum(t.seconds for t in medusa)
+        steps = sum(sum(t.steps) for t in medusa)
+        plain_tps = sum(t.tokens for t in plain) / sum(t.seconds for t in plain)
         out.append({"num_nodes": size, "num_tree_tokens": size + 1, "acceleration_rate": tokens / steps,
-                    "tokens_per_s": tokens / seconds, "speedup": (tokens / seconds) / (plain_tokens / plain_seconds),
-                    "questions": n, "is_main_tree": sub == tree})
+                    "tokens_per_s": tokens / seconds, "plain_tokens_per_s": plain_tps,
+                    "speedup": (tokens / seconds) / plain_tps, "questions": n, "is_main_tree": sub == tree,
+                    "mismatches": sum(m.token_ids != p.token_ids for m, p in zip(medusa, plain))})
         progress(f"tree sweep: {size} nodes: {tokens / steps:.2f} tok/step, x{out[-1]['speedup']:.2f}")
     return out
