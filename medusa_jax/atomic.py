@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -29,7 +29,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator:
     try:
         with os.fdopen(fd, mode) as f:
             yield f
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -51,7 +51,7 @@ def atomic_folder(folder: str | os.PathLike, replace: bool = True) -> Iterator[P
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
     try:
         yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~current_umask())
         if folder.exists():
             if not replace:
                 raise FileExistsError(f"{folder} already exists")

