@@ -73,7 +73,8 @@ class Runner:
         self.loaded, self.max_new_tokens = loaded, max_new_tokens
         self._warm: set = set()
         self.compile_seconds: dict[str, float] = defaultdict(float)
-        self.hf_model = _load_hf(loaded.folder, hf_threads) if hf else None
+        self.hf_threads = hf_threads
+        self.hf_model = _load_hf(loaded.folder) if hf else None
 
     def _call(self, method: str, prompts: Sequence[Sequence[int]], batch: int, tree: TreeBuffers | None) -> Timed:
         lm = self.loaded
@@ -91,6 +92,17 @@ class Runner:
                      [r.accept_lengths or [] for r in res] if method == "medusa" else None)
 
     def _hf(self, prompts: Sequence[Sequence[int]]) -> Timed:
+        import torch
+
+        threads = torch.get_num_threads()
+        if self.hf_threads > 0:  # only for these calls: the rest of the process keeps its setting
+            torch.set_num_threads(self.hf_threads)
+        try:
+            return self._hf_generate(prompts)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _hf_generate(self, prompts: Sequence[Sequence[int]]) -> Timed:
         import torch
 
         out, start = [], time.perf_counter()
@@ -114,12 +126,10 @@ class Runner:
         return self._call(method, prompts, batch, tree)
 
 
-def _load_hf(folder: Path, threads: int):
+def _load_hf(folder: Path):
     import torch
     import transformers
 
-    if threads > 0:
-        torch.set_num_threads(threads)
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 

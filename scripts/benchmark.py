@@ -2,7 +2,7 @@
 interleaved question by question; then total throughput at several batch sizes and a tree-size sweep.
 
 Example (the README's figures):
-  python scripts/benchmark.py --model smollm2 --heads default --tree trees/smollm2_cpu.json --hf --out bench/
+  python scripts/benchmark.py --model smollm2 --heads default --tree medusa_jax/trees/smollm2_cpu.json --hf --out bench/medusa
 Writes OUT/results.json (speedup, acceleration_rate, step_overhead, mismatches, tokens_per_s per method, per
 category, batched, tree sweep, per question), OUT/results.md (tables) and PNG plots.
 """

@@ -2,7 +2,7 @@
 step time as a function of the tree size, then keep the tree with the most expected tokens per second.
 
 Example:
-  python scripts/build_tree.py --model smollm2 --heads default --out trees/smollm2_cpu.json
+  python scripts/build_tree.py --model smollm2 --heads default --out medusa_jax/trees/smollm2_cpu.json
 The output is a `medusa_choices` JSON that `--tree FILE` of generate.py / benchmark.py loads; it also records
 the accuracy table, the step-time curve and the predicted tokens per step.
 """
