@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
+
+from medusa_jax.atomic import atomic_path
 
 TARGETS = {"acceleration_rate": 3.0, "speedup_batch1": 2.5, "speedup_batch8": 1.5}
 PLOTS = ("speedup_by_category.png", "accept_lengths.png", "speedup_vs_tree_size.png", "batched_throughput.png")
@@ -17,14 +18,9 @@ _METHOD_NAMES = {"plain": "plain decode (ours)", "medusa": "Medusa (ours)", "hf"
 
 
 def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """`write(tmp_path)` fills a temp file (e.g. matplotlib's savefig); it is renamed into place on success."""
+    with atomic_path(path) as tmp:
+        write(str(tmp))
 
 
 def _fmt(x: float, digits: int = 2) -> str:

@@ -21,20 +21,27 @@ def current_umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator:
-    """`with atomic_file(p) as f: f.write(...)` — p appears, complete, only when the block succeeds."""
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """`with atomic_path(p) as tmp:` write the file `tmp` (by name, e.g. savefig); it becomes p on success."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, mode) as f:
-            yield f
+        yield Path(tmp)
         os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator:
+    """`with atomic_file(p) as f: f.write(...)` — p appears, complete, only when the block succeeds."""
+    with atomic_path(path) as tmp, open(tmp, mode) as f:
+        yield f
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:

@@ -19,8 +19,9 @@ import dataclasses
 import heapq
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from medusa_jax.atomic import write_text_atomic
 from typing import Callable, Sequence
 
 import numpy as np
@@ -174,18 +175,7 @@ def tree_document(choice: TreeChoice, accuracy_dk, step_cost: StepCost, provenan
 
 def write_json_atomic(path: str | os.PathLike, document: dict) -> Path:
     """Writes JSON to a temp file beside `path`, then renames it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(document, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(path, json.dumps(document, indent=1) + "\n")
 
 
 def greedy_order_of(tree_json: dict | None) -> list[Path_] | None:
