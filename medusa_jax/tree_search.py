@@ -20,11 +20,11 @@ import heapq
 import json
 import os
 from pathlib import Path
-
-from medusa_jax.atomic import write_text_atomic
 from typing import Callable, Sequence
 
 import numpy as np
+
+from medusa_jax.atomic import write_text_atomic
 
 Path_ = tuple[int, ...]
 
