@@ -14,12 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-
-def parse_int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+from medusa_jax.cli_args import parse_int_list
 
 
 def main(argv=None) -> int:
