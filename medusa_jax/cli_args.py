@@ -11,3 +11,11 @@ def parse_int_list(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def parse_positive_int_list(text: str) -> tuple[int, ...]:
+    """Like parse_int_list, but at least one value and every value >= 1 (sizes, counts)."""
+    values = parse_int_list(text)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values

@@ -17,14 +17,7 @@ import sys
 from pathlib import Path
 
 
-def parse_int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+from medusa_jax.cli_args import parse_positive_int_list as parse_int_list
 
 
 def main(argv=None) -> int:
