@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from medusa_jax.config import ModelConfig
-from medusa_jax.attention import attention_windows, cached_attention, window_index
+from medusa_jax.attention import attention_windows, cached_attention, row_groups, window_index
 from medusa_jax.kv_cache import KVCache, write_layer_rows
 from medusa_jax.sharding import constrain_rows
 from medusa_jax.rope import apply_rope, inverse_frequencies
@@ -45,9 +45,10 @@ class Attention(nnx.Module):
         self.v_proj = _linear(h, config.num_kv_heads * d, config.attention_bias, config, rngs)
         self.o_proj = _linear(config.num_heads * d, h, False, config, rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq, window):
+    def __call__(self, x_btd, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq, window,
+                 groups):
         """Writes this layer's new K/V into the stacked cache buffers and attends over layer `layer` of them,
-        reading only cache window `window` (see medusa_jax.attention)."""
+        rows of row group g reading only cache window window[g] (see medusa_jax.attention)."""
         cfg = self.config
         b, t, _ = x_btd.shape
         kv, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
@@ -56,7 +57,8 @@ class Attention(nnx.Module):
         v_btkd = self.v_proj(x_btd).reshape(b, t, kv, d)
         k_lbshd = write_layer_rows(k_lbshd, layer, k_btkd, lengths_b)
         v_lbshd = write_layer_rows(v_lbshd, layer, v_btkd, lengths_b)
-        out_btkgd = cached_attention(q_bthd.reshape(b, t, kv, group, d), k_lbshd, v_lbshd, layer, mask_bts, window)
+        out_btkgd = cached_attention(q_bthd.reshape(b, t, kv, group, d), k_lbshd, v_lbshd, layer, mask_bts, window,
+                                     groups)
         return self.o_proj(out_btkgd.reshape(b, t, cfg.num_heads * d)), k_lbshd, v_lbshd
 
 
@@ -78,9 +80,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.jnp_dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq, window):
+    def __call__(self, x, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq, window, groups):
         attn, k_lbshd, v_lbshd = self.self_attn(
-            self.input_layernorm(x), positions_bt, mask_bts, k_lbshd, v_lbshd, layer, lengths_b, inv_freq, window)
+            self.input_layernorm(x), positions_bt, mask_bts, k_lbshd, v_lbshd, layer, lengths_b, inv_freq, window,
+            groups)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_lbshd, v_lbshd
@@ -107,10 +110,12 @@ class CausalLM(nnx.Module):
             mask_bts = mask_bts & ((positions_bt[:, :, None] - slot_s[None, None, :]) < cfg.sliding_window)
         inv_freq = inverse_frequencies(cfg)
         x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
-        window = window_index(mask_bts, attention_windows(cache.cache_size))  # the cache prefix the mask reaches
+        groups = row_groups(tokens_bt.shape[0])  # contiguous row groups, each reading its own cache prefix
+        window_g = window_index(mask_bts, attention_windows(cache.cache_size), groups)
         k_all, v_all = cache.k_lbshd, cache.v_lbshd
         for i, layer in enumerate(self.layers):
-            x, k_all, v_all = layer(x, positions_bt, mask_bts, k_all, v_all, i, cache.lengths_b, inv_freq, window)
+            x, k_all, v_all = layer(x, positions_bt, mask_bts, k_all, v_all, i, cache.lengths_b, inv_freq, window_g,
+                                   groups)
             x = constrain_rows(x)
         return self.norm(x), cache.replace(k_lbshd=k_all, v_lbshd=v_all)
 

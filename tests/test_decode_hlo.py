@@ -1,0 +1,91 @@
+"""The compiled decode step's memory traffic follows the work (issue: batched decode that scales).
+
+Timing tests are flaky on shared machines, so these read the compiler's own output instead:
+- the compiled plain and Medusa decode loops hold no copy, transpose or broadcast as large as the whole
+  stacked KV cache (the cache is updated in place and read per layer window);
+- attention over a cache window accesses bytes (XLA's cost analysis) in proportion to the slots it reads:
+  doubling the slots or the rows at most doubles the bytes, and the total stays within a small multiple of
+  one read of the window's K and V (materialising K/V once per query group, as a GQA broadcast would, fails).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from medusa_jax.attention import grouped_attention
+from medusa_jax.backbone import CausalLM
+from medusa_jax.config import ModelConfig
+from medusa_jax.heads import HeadsConfig, MedusaHeads, MedusaModel
+from medusa_jax.kv_cache import KVCache
+from medusa_jax.tree import load_tree
+from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.autoregressive import decode
+from medusa_jax.inference.medusa import heads_proposer, medusa_decode
+from medusa_jax.inference.sampling import SamplingConfig
+
+CFG = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=6, num_kv_heads=2, head_dim=16)
+_OP = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (copy|transpose|broadcast)\(")
+
+
+def _cache_copies(hlo: str, slots: int, batch: int) -> list[str]:
+    """copy/transpose/broadcast instructions over cache slots (a slots and a head-width axis) holding more
+    than one layer's K or V: a copy of the stacked cache, or K/V materialised once per query group."""
+    one_layer = batch * slots * CFG.num_kv_heads * CFG.head_dim
+    found = []
+    for line in hlo.splitlines():
+        m = _OP.search(line)
+        if m:
+            dims = [int(x) for x in filter(None, m.group(2).split(","))]
+            n = 1
+            for x in dims:
+                n *= x
+            if slots in dims and CFG.head_dim in dims and n > one_layer:
+                found.append(line.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("batch, slots", [(4, 256), (12, 1024)])
+def test_decode_loops_hold_no_copy_of_the_whole_cache(batch, slots):
+    model = CausalLM(CFG, nnx.Rngs(0))
+    cache = KVCache.zeros(CFG, batch, slots)
+    prompts = jnp.zeros((batch, 64), jnp.int32)
+    lengths = jnp.full((batch,), 10, jnp.int32)
+    graphdef, params = nnx.split(model)
+    plain = decode.lower(graphdef, params, cache, prompts, lengths, jax.random.key(0), max_new_tokens=8,
+                         sampling=SamplingConfig(), eos_ids=(), pad_id=0).compile().as_text()
+    assert _cache_copies(plain, slots, batch) == []
+    heads = MedusaHeads(HeadsConfig(num_heads=4, num_layers=1, hidden_size=CFG.hidden_size,
+                                    vocab_size=CFG.vocab_size), nnx.Rngs(1))
+    graphdef, params = nnx.split(MedusaModel(model, heads))
+    tree = load_tree("mc_sim_7b_8", num_heads=4)
+    medusa = medusa_decode.lower(graphdef, params, cache, prompts, lengths, jax.random.key(0), None, tree=tree,
+                                 max_new_tokens=8, acceptance=AcceptanceConfig(), eos_ids=(), pad_id=0,
+                                 proposer=heads_proposer).compile().as_text()
+    assert _cache_copies(medusa, slots, batch) == []
+
+
+def _attention_bytes(rows: int, slots: int, tokens: int = 1) -> tuple[float, int]:
+    kv, group, d = CFG.num_kv_heads, CFG.num_heads // CFG.num_kv_heads, CFG.head_dim
+    q = jax.ShapeDtypeStruct((rows, tokens, kv, group, d), jnp.float32)
+    k = jax.ShapeDtypeStruct((rows, slots, kv, d), jnp.float32)
+    mask = jax.ShapeDtypeStruct((rows, tokens, slots), jnp.bool_)
+    compiled = jax.jit(grouped_attention).lower(q, k, k, mask).compile()
+    return compiled.cost_analysis()["bytes accessed"], 2 * rows * slots * kv * d * 4
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_attention_bytes_grow_with_the_slots_read(tokens):
+    base, kv_bytes = _attention_bytes(8, 256, tokens)
+    more_slots, _ = _attention_bytes(8, 512, tokens)
+    more_rows, _ = _attention_bytes(16, 256, tokens)
+    assert more_slots <= 2.1 * base and more_rows <= 2.1 * base
+    # K and V read, re-laid once for the batched dots (a transpose reads and writes them), and read again by
+    # the dots: 4 passes; the softmax makes up to ~10 passes over the scores. A copy of K/V per query group
+    # (x3 here) would need >= 8 passes.
+    assert base <= 4.5 * kv_bytes + 10 * (8 * 256 * tokens * CFG.num_heads * 4), (base, kv_bytes)
