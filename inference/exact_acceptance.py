@@ -29,8 +29,8 @@ children of a node are distinct tokens, (3) the tree does not depend on the coin
 logits at a node equal a plain forward's on the same prefix (the greedy losslessness tests check that).
 
 Distinct siblings. In a `medusa_choices` tree all children of one node are the same head's top-k ranks at
-one hidden state (paths [..., a] and [..., b] with a != b), and `jax.lax.top_k` returns distinct indices, so
-siblings are distinct tokens. A custom proposer may still repeat a token among siblings: a repeat is given
+one hidden state (paths [..., a] and [..., b] with a != b), and `jax.lax.top_k` returns distinct indices
+(a truncated head's token_map is one-to-one), so siblings are distinct tokens. A custom proposer may still repeat a token among siblings: a repeat is given
 probability 0 here (its token was already zeroed when the first copy was rejected), which is exactly what
 the walk above does, so the law stays exact.
 
