@@ -1,4 +1,7 @@
-"""Which tree candidates to accept: greedy (exact) and typical acceptance, as pure jnp functions.
+"""Which tree candidates to accept: greedy, exact (lossless sampling) and typical acceptance, as pure jnp
+functions. greedy emits what plain greedy decoding emits; exact (`exact_acceptance`) samples exactly what plain
+sampling at the same temperature / top-k / top-p samples; typical (the official Medusa's sampling mode) changes
+the distribution for longer accepts.
 
 Path-level arrays: B rows, L leaf paths, D = tree depth; index j of a [B, L, D] array is the candidate at
 depth j + 1 of path l (so its parent is the depth-j node). Padding past a leaf is masked by valid_ld.
@@ -15,31 +18,64 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax.tree import TreeBuffers
-from medusa_jax.inference.sampling import greedy_tokens
+from medusa_jax.inference.exact_acceptance import exact_accept
+from medusa_jax.inference.sampling import SamplingConfig, greedy_tokens, sample_tokens
 
-ACCEPTANCE_KINDS = ("greedy", "typical")
+ACCEPTANCE_KINDS = ("greedy", "exact", "typical")
 
 
 @dataclasses.dataclass(frozen=True)
 class AcceptanceConfig:
     """greedy: accept a candidate iff it is the base model's argmax (output identical to plain greedy).
+    exact: lossless sampling (`exact_acceptance`): the output has the law of plain sampling with
+    SamplingConfig(temperature, top_p, top_k).
     typical: accept x if p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))) with p the base
     distribution at temperature; the bonus token is sampled from p restricted to the same typical set."""
 
     kind: str = "greedy"
-    temperature: float = 0.7  # typical only
+    temperature: float = 0.7  # exact and typical
     posterior_threshold: float = 0.09  # typical only: epsilon, the hard threshold
     posterior_alpha: float = 0.3  # typical only: delta, scales exp(-entropy)
+    top_p: float = 1.0  # exact only
+    top_k: int = 0  # exact only (0: no top-k cut)
 
     def __post_init__(self):
         if self.kind not in ACCEPTANCE_KINDS:
             raise ValueError(f"acceptance kind must be one of {ACCEPTANCE_KINDS}, got {self.kind!r}")
-        if self.kind == "typical" and not self.temperature > 0:
-            raise ValueError(f"typical acceptance needs temperature > 0 (use kind='greedy' for 0), "
+        if self.kind != "greedy" and not self.temperature > 0:
+            raise ValueError(f"{self.kind} acceptance needs temperature > 0 (use kind='greedy' for 0), "
                              f"got {self.temperature}")
+        if self.kind != "exact" and (self.top_p != 1.0 or self.top_k != 0):
+            raise ValueError(f"top_p and top_k apply to exact acceptance only, not {self.kind!r}")
+        SamplingConfig(self.temperature, self.top_p, self.top_k)  # validates top_p and top_k
         if not 0 <= self.posterior_threshold <= 1 or self.posterior_alpha < 0:
             raise ValueError(f"need 0 <= posterior_threshold <= 1 and posterior_alpha >= 0, got "
                              f"{self.posterior_threshold}, {self.posterior_alpha}")
+
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """exact: the plain sampler whose law the output has."""
+        return SamplingConfig(self.temperature, self.top_p, self.top_k)
+
+
+def acceptance_for(kind: str | None, sampling: SamplingConfig) -> AcceptanceConfig:
+    """The acceptance that goes with a plain sampling config: kind None picks greedy at temperature 0 and exact
+    otherwise (typical is opt-in). Raises ValueError for a kind that cannot honour `sampling`."""
+    kind = kind or ("greedy" if sampling.greedy else "exact")
+    if kind == "greedy":
+        if not sampling.greedy:
+            raise ValueError("greedy acceptance decodes greedily: use temperature 0, or exact/typical to sample")
+        return AcceptanceConfig("greedy")
+    if sampling.greedy:
+        raise ValueError(f"{kind} acceptance samples: give a temperature > 0 (e.g. 0.7), or use greedy")
+    if kind == "exact":
+        return AcceptanceConfig("exact", temperature=sampling.temperature, top_p=sampling.top_p,
+                                top_k=sampling.top_k)
+    if sampling.top_p != 1.0 or sampling.top_k != 0:
+        raise ValueError("top-p and top-k do not apply to typical acceptance (it has its own thresholds); "
+                         "use exact acceptance")
+    return AcceptanceConfig(kind, temperature=sampling.temperature)
 
 
 def _longest(accept_bld: jax.Array, valid_ld: jax.Array) -> jax.Array:
@@ -89,10 +125,20 @@ def sample_typical(logits_bv: jax.Array, key: jax.Array, config: AcceptanceConfi
     return jax.random.categorical(key, jnp.where(keep_bv, scaled_bv, -jnp.inf), axis=-1).astype(jnp.int32)
 
 
+def sample_next(logits_bv: jax.Array, key: jax.Array, config: AcceptanceConfig) -> jax.Array:
+    """The token after a node outside the tree walk (the first token after the prompt): the plain sampler's
+    for exact, the argmax for greedy, the typical set's for typical."""
+    if config.kind == "exact":
+        return sample_tokens(logits_bv, key, config.sampling)
+    return sample_typical(logits_bv, key, config)
+
+
 def accept_tree(tree: TreeBuffers, tokens_bt: jax.Array, logits_btv: jax.Array, key: jax.Array,
                 config: AcceptanceConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """tokens_bt / logits_btv: the T tree tokens and the base logits at each. Returns (accept length [B],
     accepted nodes [B, D + 1] root first (entries past the accept length are padding), bonus token [B])."""
+    if config.kind == "exact":
+        return exact_accept(tree, tokens_bt, logits_btv, key, config.sampling)
     parent_nodes_ld = jnp.asarray(tree.retrieve_lj[:, :-1])
     child_nodes_ld = jnp.asarray(tree.retrieve_lj[:, 1:])
     valid_ld = jnp.asarray(tree.retrieve_valid_lj[:, 1:])

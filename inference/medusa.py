@@ -30,7 +30,7 @@ from medusa_jax.heads import MedusaHeads, MedusaModel
 from medusa_jax.kv_cache import KVCache, attention_mask
 from medusa_jax.sharding import map_cache_rows
 from medusa_jax.tree import DEFAULT_TREE, TreeBuffers, load_tree
-from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_typical
+from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
 from medusa_jax.inference.autoregressive import is_eos, prefill
 from medusa_jax.inference.engine import GenerationResult, check_fits, pad_prompts, resolve_eos
 
@@ -110,7 +110,7 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bp, prompt_lens_b, ke
     b, n, depth = prompt_bp.shape[0], max_new_tokens, tree.depth
     last_bd, cache = prefill(base, prompt_bp, prompt_lens_b, cache)
     key, sub = jax.random.split(key)
-    first_b = sample_typical(base.logits(last_bd), sub, acceptance)
+    first_b = sample_next(base.logits(last_bd), sub, acceptance)
     out_bn = jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(first_b)
     zeros_b = jnp.zeros((b,), jnp.int32)
     state = _LoopState(cache, first_b, last_bd, out_bn, jnp.ones((b,), jnp.int32), is_eos(first_b, eos_ids),

@@ -1,4 +1,8 @@
-"""Token selection from logits: greedy, temperature and nucleus (top-p) sampling."""
+"""Token selection from logits: greedy, or sampling at a temperature within top-k and top-p.
+
+`target_logits` is THE definition of the sampled distribution: plain sampling (`sample_tokens`) and Medusa's
+exact acceptance (`exact_acceptance`) both draw from softmax(target_logits(...)), so they cannot drift apart.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +14,20 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """temperature == 0 means greedy (argmax); otherwise sample from softmax(logits / T) within top_p."""
+    """temperature == 0 means greedy (argmax); otherwise sample from softmax(logits / T) restricted to the
+    top_k most likely tokens (0: no cut), then to the smallest set of those holding top_p of their mass."""
 
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self):
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k cut), got {self.top_k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -38,6 +46,19 @@ def top_p_filter(logits_bv: jax.Array, top_p: float) -> jax.Array:
     return jnp.where(logits_bv >= threshold_b, logits_bv, -jnp.inf)
 
 
+def target_logits(logits_xv: jax.Array, config: SamplingConfig) -> jax.Array:
+    """[..., V] logits -> fp32 [..., V] logits of the sampling distribution (temperature > 0): logits / T,
+    -inf outside the top_k (every token tied with the k-th is kept), then top_p applied to what is left
+    (the order of transformers' logits processors)."""
+    if config.greedy:
+        raise ValueError("target_logits needs temperature > 0 (greedy decoding takes the argmax)")
+    scaled_xv = logits_xv.astype(jnp.float32) / config.temperature
+    if 0 < config.top_k < scaled_xv.shape[-1]:
+        kth_x1 = jax.lax.top_k(scaled_xv, config.top_k)[0][..., -1:]
+        scaled_xv = jnp.where(scaled_xv >= kth_x1, scaled_xv, -jnp.inf)
+    return top_p_filter(scaled_xv, config.top_p)
+
+
 def greedy_tokens(logits_xv: jax.Array) -> jax.Array:
     """[..., V] -> [...] int32: the first index of the maximum over the last axis (= jnp.argmax for finite
     logits). Two plain reductions instead of argmax's (value, index) reduce, which XLA:CPU does not vectorise:
@@ -51,5 +72,4 @@ def sample_tokens(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig) 
     """logits [..., V] -> token ids [...] (int32)."""
     if config.greedy:
         return greedy_tokens(logits_bv)
-    scaled = top_p_filter(logits_bv.astype(jnp.float32) / config.temperature, config.top_p)
-    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, target_logits(logits_bv, config), axis=-1).astype(jnp.int32)

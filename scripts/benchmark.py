@@ -5,6 +5,11 @@ Example (the README's figures):
   python scripts/benchmark.py --model smollm2 --heads default --tree medusa_jax/trees/smollm2_cpu.json --hf --out bench/medusa
 Writes OUT/results.json (speedup, acceleration_rate, step_overhead, mismatches, tokens_per_s per method, per
 category, batched, tree sweep, per question), OUT/results.md (tables) and PNG plots.
+
+Sampling mode (--temperatures): plain sampling vs Medusa exact vs Medusa typical acceptance at each temperature,
+with Medusa greedy's tokens/step as reference; writes OUT/sampling.json and OUT/sampling.md:
+  python scripts/benchmark.py --model smollm2 --heads default --tree medusa_jax/trees/smollm2_cpu.json \
+      --temperatures 0.7,1.0 --out bench/sampling
 """
 
 from __future__ import annotations
@@ -15,6 +20,16 @@ import sys
 from pathlib import Path
 
 from medusa_jax.cli_args import parse_int_list
+
+
+def parse_temperatures(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"temperatures must be > 0, got {text!r}")
+    return values
 
 
 def main(argv=None) -> int:
@@ -56,6 +71,13 @@ def main(argv=None) -> int:
                         "(default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
+    p.add_argument("--temperatures", type=parse_temperatures, default=None,
+                   help="sampling mode: comma-separated temperatures (e.g. 0.7,1.0); times plain sampling, Medusa "
+                        "with exact acceptance and with typical acceptance at each (uses --tree, --questions, "
+                        "--max-new-tokens, --batch-size; ignores the greedy-only flags) and writes sampling.json "
+                        "and sampling.md (default: the greedy benchmark)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling mode: question i samples with seed + i (default: %(default)s)")
     p.add_argument("--out", default="bench", help="folder for results.json, results.md and plots (default: %(default)s)")
     a = p.parse_args(argv)
     try:
@@ -67,6 +89,8 @@ def main(argv=None) -> int:
         p.error(str(e))
     if a.questions < 1:
         p.error("--questions must be >= 1")
+    if a.temperatures is not None:
+        return sampling_main(a, argv)
 
     from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
     from medusa_jax.tree import TreeError
@@ -86,6 +110,34 @@ def main(argv=None) -> int:
     results["meta"] = {"command": "python scripts/benchmark.py " + shlex.join(args), "machine": machine,
                        "model": str(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
     paths = write_report(results, a.out)
+    print(paths["markdown"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def sampling_main(a: argparse.Namespace, argv) -> int:
+    """--temperatures: the sampling benchmark (inference/sampling_benchmark.py)."""
+    from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
+    from medusa_jax.tree import TreeError
+    from medusa_jax.inference.bench_inputs import git_revision, load_model, machine_description
+    from medusa_jax.inference.benchmark import select_questions
+    from medusa_jax.inference.sampling_benchmark import (SamplingBenchConfig, run_sampling_benchmark,
+                                                         write_sampling_report)
+
+    config = SamplingBenchConfig(temperatures=a.temperatures, max_new_tokens=a.max_new_tokens,
+                                 batch_size=a.batch_size, tree=a.tree, seed=a.seed)
+    machine = machine_description()
+    try:
+        questions = select_questions(load_mtbench_questions(a.question_file), a.questions)
+        loaded = load_model(a.model, a.heads, dtype=a.dtype)
+        results = run_sampling_benchmark(loaded, questions, config, progress=lambda m: print(m, flush=True))
+    except (FileNotFoundError, MTBenchError, TreeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args = sys.argv[1:] if argv is None else list(argv)
+    results["meta"] = {"command": "python scripts/benchmark.py " + shlex.join(args), "machine": machine,
+                       "model": str(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
+    paths = write_sampling_report(results, a.out)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -4,6 +4,8 @@ Examples:
   python scripts/generate.py --model default --chat --prompt "Write a haiku about JAX."
   python scripts/generate.py --model default --chat --prompt "Write a haiku about JAX." --heads HEADS_DIR \
       --tree mc_sim_7b_16 --json      (Medusa decoding; greedy output is identical to plain greedy)
+  python scripts/generate.py --model default --chat --prompt "Tell a story." --heads default --temperature 0.7 \
+      --top-p 0.9      (Medusa sampling, --acceptance exact: the same distribution as without --heads)
   python scripts/generate.py --model DIR --input prompts.jsonl --output answers.jsonl --batch-size 4 --json
   python scripts/generate.py --model DIR --input prompts.jsonl --output answers.jsonl --batch-size 16 \
       --mesh data=2,tensor=4      (sharded; add --coordinator/--num-processes/--process-id for several hosts)
@@ -34,10 +36,12 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default=None,
                    help=f"Medusa candidate tree: a preset ({', '.join(PRESETS)}) or a JSON file of "
                         f"medusa_choices paths; needs --heads (default: {DEFAULT_TREE})")
-    p.add_argument("--acceptance", default=None, choices=("greedy", "typical"),
+    p.add_argument("--acceptance", default=None, choices=("greedy", "exact", "typical"),
                    help="Medusa acceptance: greedy (output identical to plain greedy decoding; needs "
-                        "--temperature 0) or typical (posterior threshold 0.09, alpha 0.3, at --temperature); "
-                        "needs --heads (default: greedy at temperature 0, typical otherwise)")
+                        "--temperature 0), exact (lossless sampling: the output has exactly the distribution of "
+                        "plain sampling at --temperature/--top-k/--top-p) or typical (the official Medusa's "
+                        "posterior threshold 0.09, alpha 0.3, at --temperature; changes the distribution; no "
+                        "--top-p/--top-k); needs --heads (default: greedy at temperature 0, exact otherwise)")
 
 
 def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -45,14 +49,25 @@ def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -
         if a.tree is not None or a.acceptance is not None:
             p.error("--tree and --acceptance need --heads (Medusa decoding)")
         return
-    if a.acceptance is None:
-        a.acceptance = "greedy" if a.temperature == 0 else "typical"
-    if a.acceptance == "greedy" and a.temperature != 0:
-        p.error("--acceptance greedy decodes greedily: use --temperature 0, or --acceptance typical to sample")
-    if a.acceptance == "typical" and a.temperature == 0:
-        p.error("--acceptance typical samples: give --temperature > 0 (e.g. 0.7), or use --acceptance greedy")
-    if a.top_p != 1.0:
-        p.error("--top-p applies to plain decoding only; Medusa's typical acceptance has its own thresholds")
+    from medusa_jax.inference.acceptance import acceptance_for
+
+    try:
+        a.acceptance = acceptance_for(a.acceptance, sampling_config(a)).kind
+    except ValueError as e:
+        p.error(f"--acceptance {a.acceptance}: {e}")  # only an explicit choice can conflict
+
+
+def sampling_config(a: argparse.Namespace):
+    from medusa_jax.inference.sampling import SamplingConfig
+
+    return SamplingConfig(a.temperature, a.top_p, a.top_k)
+
+
+def acceptance_config(a: argparse.Namespace):
+    """The Medusa acceptance of checked flags (check_decoder_arguments)."""
+    from medusa_jax.inference.acceptance import acceptance_for
+
+    return acceptance_for(a.acceptance, sampling_config(a))
 
 
 def build_decoder(args: argparse.Namespace, model):
@@ -63,15 +78,13 @@ def build_decoder(args: argparse.Namespace, model):
         return plain_decoder(model)
     from medusa_jax.heads_import import load_heads
     from medusa_jax.tree import DEFAULT_TREE, load_tree
-    from medusa_jax.inference.acceptance import AcceptanceConfig
     from medusa_jax.inference.bench_inputs import resolve_heads
     from medusa_jax.inference.medusa import generate_medusa
 
     heads = load_heads(resolve_heads(args.heads), base=model, dtype=args.dtype)
     tree = load_tree(args.tree or DEFAULT_TREE, num_heads=heads.config.num_heads,
                      max_top_k=heads.config.head_vocab_size)
-    acceptance = (AcceptanceConfig("greedy") if args.acceptance == "greedy"
-                  else AcceptanceConfig("typical", temperature=args.temperature))
+    acceptance = acceptance_config(args)
 
     def decode(prompts, *, sampling, **kwargs):  # sampling is carried by the acceptance config
         return generate_medusa(model, heads, prompts, tree=tree, acceptance=acceptance, **kwargs)
@@ -96,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sampling temperature; 0 means greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: keep the smallest set of tokens with this much probability (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample only among the k most likely tokens (applied before --top-p); 0 means no cut "
+                        "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts per jitted call; rows of different lengths are fine (default: %(default)s)")
@@ -115,8 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--input needs --output")
     if a.max_new_tokens < 1 or a.batch_size < 1:
         p.error("--max-new-tokens and --batch-size must be >= 1")
-    if a.temperature < 0 or not 0 < a.top_p <= 1:
-        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
+        p.error("--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0")
     check_decoder_arguments(p, a)
     return a
 
@@ -133,7 +149,6 @@ def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
     from medusa_jax.inference.batch_text import generate_rows
     from medusa_jax.inference.bench_inputs import resolve_heads
     from medusa_jax.inference.prompts_jsonl import write_jsonl
-    from medusa_jax.inference.sampling import SamplingConfig
     from medusa_jax.inference.sharded import load_sharded
 
     model = load_sharded(folder, resolve_heads(a.heads) if a.heads else None, MeshConfig.parse(a.mesh), a.dtype)
@@ -141,11 +156,10 @@ def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
     if a.heads:
         hc = model.heads_config
         tree = load_tree(a.tree or DEFAULT_TREE, num_heads=hc.num_heads, max_top_k=hc.head_vocab_size)
-        acceptance = (AcceptanceConfig("greedy") if a.acceptance == "greedy"
-                      else AcceptanceConfig("typical", temperature=a.temperature))
+        acceptance = acceptance_config(a)
     settings = BatchSettings(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, tree=tree,
                              acceptance=acceptance,
-                             sampling=SamplingConfig(a.temperature, a.top_p), seed=a.seed, eos_ids=tuple(eos),
+                             sampling=sampling_config(a), seed=a.seed, eos_ids=tuple(eos),
                              pad_id=pad_token_id(tokenizer, eos))
     rows, run = generate_rows(model, tokenizer, records, settings, chat=a.chat)
     if jax.process_index() != 0:
@@ -181,7 +195,6 @@ def main(argv=None) -> int:
     from medusa_jax.tensor_files import CheckpointError
     from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
     from medusa_jax.inference.prompts_jsonl import PromptFileError, PromptRecord, read_prompts
-    from medusa_jax.inference.sampling import SamplingConfig
     from medusa_jax.inference.text_generation import generate_texts, summary
 
     try:
@@ -201,7 +214,7 @@ def main(argv=None) -> int:
         model = load_pretrained(folder, dtype=a.dtype)
         results = generate_texts(
             build_decoder(a, model), tokenizer, [r.text for r in records], chat=a.chat,
-            max_new_tokens=a.max_new_tokens, sampling=SamplingConfig(a.temperature, a.top_p), seed=a.seed,
+            max_new_tokens=a.max_new_tokens, sampling=sampling_config(a), seed=a.seed,
             eos_ids=eos, pad_id=pad_token_id(tokenizer, eos), batch_size=a.batch_size)
     except (OSError, ValueError, CheckpointError, UnsupportedModelError, TokenizerError, PromptFileError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -32,12 +32,14 @@ from medusa_jax.hf_import import load_pretrained  # noqa: E402
 from medusa_jax.hlo_collectives import invariant_gathers, loop_collectives  # noqa: E402
 from medusa_jax.sharding import MeshConfig, MeshError, sharding_for  # noqa: E402
 from medusa_jax.tree import load_tree  # noqa: E402
+from medusa_jax.inference.acceptance import AcceptanceConfig  # noqa: E402
 from medusa_jax.inference.batch import BatchSettings, generate_batch  # noqa: E402
 from medusa_jax.inference.engine import generate  # noqa: E402
 from medusa_jax.inference.medusa import generate_medusa  # noqa: E402
 from medusa_jax.inference.sharded import ShardedModel  # noqa: E402
 
 MAX_NEW = 20
+EXACT = AcceptanceConfig("exact", temperature=0.7, top_k=40)
 BUCKET = 16
 NUM_HEADS = 3
 
@@ -62,9 +64,12 @@ def main_meshes(model_dir: str, out: str) -> None:
     eos = (free[3].token_ids[MAX_NEW // 2],)
     ref_plain = generate(base0, prompts, max_new_tokens=MAX_NEW, eos_ids=eos)
     ref_medusa = generate_medusa(base0, heads, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos)
+    ref_exact = generate_medusa(base0, heads, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos,
+                                acceptance=EXACT, seed=5)
     report = {"eos": list(eos), "reference": {
         "plain": [{"tokens": r.token_ids, "steps": r.steps} for r in ref_plain],
-        "medusa": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_medusa]},
+        "medusa": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_medusa],
+        "exact": [r.token_ids for r in ref_exact]},
         "meshes": {}}
     settings = BatchSettings(batch_size=8, max_new_tokens=MAX_NEW, eos_ids=eos, bucket=BUCKET)
     for data, tensor in ((1, 1), (8, 1), (2, 4), (1, 8)):
@@ -87,6 +92,12 @@ def main_meshes(model_dir: str, out: str) -> None:
                 hlo = lowered.compile().as_text()
                 entry[f"{name}_loop_ops"] = sorted({c.op for c in loop_collectives(hlo)})
                 entry[f"{name}_invariant_gathers"] = [c.shape for c in invariant_gathers(hlo)]
+        if (data, tensor) == (2, 4):  # exact sampling under the mesh: the same draws as on one device
+            batch = np.asarray([p + [0] * (32 - len(p)) for p in prompts], np.int32)
+            tokens_bn, num_b, _, _ = model.medusa_decode(batch, np.asarray([len(p) for p in prompts], np.int32),
+                                                         tree=tree, cache_size=80, max_new_tokens=MAX_NEW,
+                                                         acceptance=EXACT, seed=5, eos_ids=eos)
+            entry["exact"] = [tokens_bn[i, : num_b[i]].tolist() for i in range(len(prompts))]
         report["meshes"][f"{data},{tensor}"] = entry
 
     errors = {}

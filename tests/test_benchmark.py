@@ -187,6 +187,28 @@ def test_benchmark_cli_writes_results_markdown_and_plots(tiny_chat_model, tmp_pa
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_benchmark_sampling_mode_writes_exact_typical_and_plain(tiny_chat_model, tmp_path):
+    folder, heads_dir = tiny_chat_model
+    out = tmp_path / "sampling"
+    args = ["--model", str(folder), "--heads", str(heads_dir), "--tree", "mc_sim_7b_8", "--question-file",
+            str(write_questions(tmp_path / "q.jsonl")), "--questions", "2", "--max-new-tokens", "6",
+            "--temperatures", "0.7", "--out", str(out)]
+    assert load_script("benchmark").main(args) == 0
+    res = json.loads((out / "sampling.json").read_text())
+    row = res["by_temperature"]["0.7"]
+    assert set(row) == {"plain", "exact", "typical", "exact_over_greedy_tokens_per_step"}
+    assert row["plain"]["tokens_per_step"] == pytest.approx(1.0)  # one token per plain step, prefill included
+    for m in ("plain", "exact", "typical"):
+        assert 0 < row[m]["tokens"] <= 2 * 6 and row[m]["tokens_per_s"] > 0
+        assert row[m]["tokens_per_step"] == pytest.approx(row[m]["tokens"] / row[m]["steps"])
+    assert row["exact_over_greedy_tokens_per_step"] == pytest.approx(
+        row["exact"]["tokens_per_step"] / res["greedy_medusa"]["tokens_per_step"])
+    md = (out / "sampling.md").read_text()
+    assert "| Medusa, exact acceptance |" in md and "Command: `python scripts/benchmark.py" in md
+    with pytest.raises(SystemExit):
+        load_script("benchmark").main(args[:-4] + ["--temperatures", "0,1"])
+
+
 def test_build_tree_cli_writes_a_tree_the_decoder_loads(tiny_chat_model, tmp_path):
     folder, heads_dir = tiny_chat_model
     data = tmp_path / "conv.jsonl"

@@ -156,6 +156,15 @@ def test_typical_acceptance_near_zero_temperature_equals_greedy(tiny):
     assert ids(got) == ids(reference)
 
 
+def test_exact_acceptance_near_zero_temperature_equals_greedy(tiny):
+    """Ragged rows and a mid-run EOS through the exact sampler: at T -> 0 its law is the argmax's."""
+    base, heads, refs = tiny("llama")
+    eos_ids, reference = refs["ragged4"]
+    got = generate_medusa(base, heads, PROMPTS["ragged4"], tree="mc_sim_7b_16", max_new_tokens=N,
+                          eos_ids=eos_ids, acceptance=AcceptanceConfig("exact", temperature=1e-4), seed=3)
+    assert ids(got) == ids(reference)
+
+
 def test_typical_acceptance_is_seeded(tiny):
     base, heads, _ = tiny("qwen2")
     run = lambda seed: generate_medusa(base, heads, PROMPTS["ragged4"], tree="mc_sim_7b_16", max_new_tokens=N,
@@ -280,3 +289,10 @@ def test_generate_script_medusa_flags(tiny, tiny_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(common + ["--tree", "mc_sim_7b_8"])  # --tree without --heads
     assert "need --heads" in capsys.readouterr().err
+    heads_dir = str(tmp_path / "heads")
+    assert script.parse_args(common + ["--heads", heads_dir, "--temperature", "0.7"]).acceptance == "exact"
+    assert script.parse_args(common + ["--heads", heads_dir]).acceptance == "greedy"
+    with pytest.raises(SystemExit):
+        script.parse_args(common + ["--heads", heads_dir, "--acceptance", "typical", "--temperature", "0.7",
+                                    "--top-k", "5"])
+    assert "typical" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Sharded decoding on 8 forced CPU devices equals one device, token for token (plain and Medusa greedy);
+"""Sharded decoding on 8 forced CPU devices equals one device, token for token (plain and Medusa greedy, and
+Medusa exact sampling for one seed);
 clear mesh errors; batch API order; 2-process (multi-host) decoding over gloo CPU collectives.
 
 The JAX work runs in subprocesses (tests/sharded_worker.py), because the device count must be fixed before
@@ -54,6 +55,14 @@ def test_reference_exercises_eos_and_acceptance(mesh_report):
     lengths = [len(r["tokens"]) for r in ref["plain"]]
     assert min(lengths) < max(lengths), "the chosen EOS should end some rows early"
     assert any(sum(r["accepts"]) > 0 for r in ref["medusa"]), "some verify step should accept candidates"
+
+
+def test_exact_sampling_on_a_mesh_equals_one_device(mesh_report):
+    """Exact acceptance (T 0.7, top-k 40) on data=2 x tensor=4 draws what one device draws for the seed."""
+    _, report = mesh_report
+    ref = report["reference"]
+    assert report["meshes"]["2,4"]["exact"] == ref["exact"]
+    assert ref["exact"] != [r["tokens"] for r in ref["medusa"]]  # it sampled, not decoded greedily
 
 
 def test_layouts_are_sharded(mesh_report):

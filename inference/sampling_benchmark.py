@@ -1,0 +1,152 @@
+"""MT-Bench sampling benchmark: plain sampling vs Medusa with exact acceptance vs Medusa with typical acceptance,
+at several temperatures, plus Medusa greedy on the same heads and tree as the tokens/step reference.
+
+Every method runs through its public API (`engine.generate`, `medusa.generate_medusa`), interleaved question
+by question so machine load hits all alike; the first call of each (method, temperature, prompt bucket, batch)
+compiles and runs once untimed. Question i samples with seed + i for every method. Steps count the prefill,
+so plain decoding makes 1 token per step.
+    tokens/step ratio = exact tokens/step at T / Medusa greedy tokens/step  (target >= 0.85 at T = 0.7)
+    speedup           = method tokens/s / plain sampling tokens/s at the same T
+Writes OUT/sampling.json and OUT/sampling.md (`write_sampling_report`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from medusa_jax.atomic import write_text_atomic
+from medusa_jax.mtbench import MTBenchQuestion
+from medusa_jax.tree import DEFAULT_TREE, TreeBuffers, load_tree
+from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
+from medusa_jax.inference.bench_inputs import LoadedModel
+from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
+from medusa_jax.inference.medusa import generate_medusa
+from medusa_jax.inference.sampling import SamplingConfig
+
+SAMPLED = ("plain", "exact", "typical")  # methods timed at each temperature
+RATIO_TARGET = {"temperature": 0.7, "min_ratio": 0.85}
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingBenchConfig:
+    temperatures: tuple[float, ...] = (0.7, 1.0)
+    max_new_tokens: int = 256
+    batch_size: int = 1
+    tree: str = DEFAULT_TREE
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperatures or any(not t > 0 for t in self.temperatures):
+            raise ValueError(f"temperatures must be a non-empty list of values > 0, got {self.temperatures}")
+        if self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError("max_new_tokens and batch_size must be >= 1")
+
+
+class _Runner:
+    """One method at one temperature (None: greedy) through the public API, compiled before it is timed."""
+
+    def __init__(self, loaded: LoadedModel, tree: TreeBuffers, config: SamplingBenchConfig):
+        self.loaded, self.tree, self.config = loaded, tree, config
+        self._warm: set = set()
+
+    def _call(self, method: str, temperature: float | None, prompts, seed: int):
+        lm, n, b = self.loaded, self.config.max_new_tokens, self.config.batch_size
+        common = dict(max_new_tokens=n, eos_ids=lm.eos_ids, pad_id=lm.pad_id, batch_size=b, seed=seed)
+        if method == "plain":
+            return generate(lm.base, prompts, sampling=SamplingConfig(temperature), **common)
+        acceptance = (AcceptanceConfig("greedy") if method == "greedy"
+                      else acceptance_for(method, SamplingConfig(temperature)))
+        return generate_medusa(lm.base, lm.heads, prompts, tree=self.tree, acceptance=acceptance, **common)
+
+    def run(self, method: str, temperature: float | None, prompts, seed: int) -> dict:
+        key = (method, temperature, round_up(max(len(p) for p in prompts), PROMPT_BUCKET))
+        if key not in self._warm:
+            self._call(method, temperature, prompts, seed + 10_000)  # compile (other draws than the timed run)
+            self._warm.add(key)
+        start = time.perf_counter()
+        results = self._call(method, temperature, prompts, seed)
+        seconds = time.perf_counter() - start
+        return {"tokens": sum(r.new_tokens for r in results), "steps": sum(r.steps for r in results),
+                "seconds": seconds}
+
+
+def _totals(records: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in records)
+    steps = sum(r["steps"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    return {"tokens": tokens, "steps": steps, "seconds": seconds, "tokens_per_step": tokens / max(steps, 1),
+            "tokens_per_s": tokens / seconds if seconds > 0 else float("nan")}
+
+
+def run_sampling_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], config: SamplingBenchConfig,
+                           progress: Callable[[str], None] = print) -> dict:
+    """The results dict: per temperature each method's totals, speedups and the exact/greedy tokens/step ratio."""
+    if loaded.heads is None:
+        raise ValueError("the sampling benchmark needs Medusa heads")
+    hc = loaded.heads.config
+    tree = load_tree(config.tree, num_heads=hc.num_heads, max_top_k=hc.head_vocab_size)
+    prompts = loaded.encode_chat([q.first_turn for q in questions])
+    runner = _Runner(loaded, tree, config)
+    runs = [("greedy", None)] + [(m, t) for t in config.temperatures for m in SAMPLED]
+    records: dict[tuple, list[dict]] = {run: [] for run in runs}
+    b = config.batch_size
+    for i in range(0, len(prompts), b):
+        for method, temperature in runs:
+            records[(method, temperature)].append(runner.run(method, temperature, prompts[i: i + b],
+                                                             config.seed + i))
+        progress(f"[{min(i + b, len(prompts))}/{len(prompts)}] " + ", ".join(
+            f"{m}@{t}: {records[(m, t)][-1]['tokens'] / max(records[(m, t)][-1]['steps'], 1):.2f} tok/step"
+            for m, t in runs if m != "plain"))
+    greedy = _totals(records[("greedy", None)])
+    by_temperature = {}
+    for t in config.temperatures:
+        row = {m: _totals(records[(m, t)]) for m in SAMPLED}
+        for m in SAMPLED:
+            row[m]["speedup_vs_plain"] = row[m]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+        row["exact_over_greedy_tokens_per_step"] = row["exact"]["tokens_per_step"] / greedy["tokens_per_step"]
+        by_temperature[str(t)] = row
+    return {"greedy_medusa": greedy, "by_temperature": by_temperature, "questions": len(prompts),
+            "config": dataclasses.asdict(config), "ratio_target": RATIO_TARGET,
+            "tree": {"spec": config.tree, "num_nodes": len(tree.paths), "depth": tree.depth},
+            "heads": {"folder": str(loaded.heads_folder), **dataclasses.asdict(hc)}}
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}"
+
+
+def sampling_markdown(results: dict) -> str:
+    meta, cfg, greedy = results["meta"], results["config"], results["greedy_medusa"]
+    lines = [f"Date: {meta['machine']['date']}. Machine: {meta['machine']['cpu']}, {meta['machine']['cpu_count']} "
+             f"cores, load average {_fmt(meta['machine']['load_average_1m'], 1)} at start.",
+             f"Command: `{meta['command']}`",
+             f"Model: {meta['model']}; heads: {results['heads']['folder']}; tree: {results['tree']['spec']} "
+             f"({results['tree']['num_nodes']} nodes); {results['questions']} MT-Bench first turns, max "
+             f"{cfg['max_new_tokens']} new tokens, batch {cfg['batch_size']}, top-p 1, no top-k.",
+             f"Medusa greedy (same heads and tree): {_fmt(greedy['tokens_per_step'])} tokens/step, "
+             f"{_fmt(greedy['tokens_per_s'], 1)} tokens/s.", ""]
+    names = {"plain": "plain sampling", "exact": "Medusa, exact acceptance", "typical": "Medusa, typical acceptance"}
+    for t, row in results["by_temperature"].items():
+        lines += [f"### Temperature {t}", "", "| method | tokens/s | tokens/step | speedup vs plain sampling |",
+                  "|---|---|---|---|"]
+        for m in SAMPLED:
+            lines.append(f"| {names[m]} | {_fmt(row[m]['tokens_per_s'], 1)} | {_fmt(row[m]['tokens_per_step'])} | "
+                         f"{_fmt(row[m]['speedup_vs_plain'])}x |")
+        lines += ["", f"Exact tokens/step / greedy tokens/step: {_fmt(row['exact_over_greedy_tokens_per_step'])}"
+                  + (f" (target >= {RATIO_TARGET['min_ratio']})" if float(t) == RATIO_TARGET["temperature"] else ""),
+                  ""]
+    return "\n".join(lines)
+
+
+def write_sampling_report(results: dict, out: str | Path) -> dict[str, Path]:
+    """OUT/sampling.json and OUT/sampling.md, each written atomically."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "sampling.json", "markdown": out / "sampling.md"}
+    write_text_atomic(paths["json"], json.dumps(results, indent=1, default=float) + "\n")
+    write_text_atomic(paths["markdown"], sampling_markdown(results))
+    return paths

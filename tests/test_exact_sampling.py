@@ -1,0 +1,249 @@
+"""Exact (lossless) Medusa sampling: the first 3 emitted tokens have the plain sampler's law, checked against the
+law enumerated from the model's own probabilities; the check is shown to reject wrong samplers.
+
+Setup. A 1-layer model with a 16-token vocabulary, weights scaled up so its next-token distributions are sharp
+(top token ~0.5-0.9), sampled at temperature 0.9 with top_k 12 and top_p 0.97 (every filter is active). The
+proposer is planted: for the root token x1 of each row, head 0 proposes the top-3 tokens of q(x2 | prompt, x1)
+and head 1 the top-2 of q(x3 | prompt, x1, argmax x2), so candidates are often, not always, accepted, at both
+depths and at ranks > 0, and the tree below has a depth-1 leaf (its bonus token comes from its full q).
+The enumeration runs a plain forward on every prompt + (x1) and prompt + (x1, x2) and applies the shared
+`sampling.target_logits`: P(x1, x2, x3) = q1(x1) q2(x2 | x1) q3(x3 | x1, x2), V^3 = 4096 cells per prompt.
+
+Samples: medusa_decode vmapped over PRNG keys, jitted once per (batch, acceptance): 20,000 runs of one row
+(batch 1), and 5,000 runs of 4 ragged prompts (batch 4, 20,000 rows in all).
+
+The check (`law_check`). n samples, split in strata b (prompt rows) of n_b samples each with known law p_b.
+  chi-square: cells with expected count n_b p_bc >= 5 are kept, the rest of each stratum pooled into one
+  cell; the statistic summed over strata has sum(cells - 1) degrees of freedom; require p-value > 1e-3.
+  Any sample in a cell of probability 0 fails at once.
+  total variation: TV = 1/(2n) sum_bc |count_bc - n_b p_bc|. Since E|count - n_b p| <= sd =
+  sqrt(n_b p (1 - p)), E[TV] <= 1/(2n) sum_bc sqrt(n_b p_bc (1 - p_bc)) =: m. Changing one sample moves TV
+  by at most 1/n, so McDiarmid's inequality gives P(TV > m + t) <= exp(-2 n t^2); with t =
+  sqrt(ln(1/delta) / (2n)) and delta = 1e-4 the bound m + t fails a correct sampler with probability <=
+  1e-4. For these laws and n = 20,000: m ~ 0.05, t = 0.015.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.config import ModelConfig
+from medusa_jax.heads import HeadsConfig, MedusaModel, init_heads
+from medusa_jax.kv_cache import KVCache
+from medusa_jax.tree import build_tree
+from medusa_jax.inference import exact_acceptance
+from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
+from medusa_jax.inference.autoregressive import prefill
+from medusa_jax.inference.exact_acceptance import exact_accept, trial_outcomes
+from medusa_jax.inference.medusa import medusa_decode
+from medusa_jax.inference.sampling import SamplingConfig, sample_tokens, target_logits
+
+V, N_OUT, WIDTH = 16, 3, 5
+SAMPLING = SamplingConfig(temperature=0.9, top_p=0.97, top_k=12)
+TREE = build_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)], name="stat")  # node [2] is a depth-1 leaf
+PROMPTS = [[3, 7, 1, 12, 5], [9, 2], [14, 14, 6, 0], [1, 10, 4]]  # ragged
+DELTA = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = ModelConfig(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=1,
+                         num_heads=2, num_kv_heads=1, head_dim=16)
+    base = CausalLM(config, nnx.Rngs(0))
+    rng = np.random.RandomState(0)
+    for path, var in nnx.iter_graph(base):
+        if isinstance(var, nnx.Param) and var[...].ndim == 2:  # sharp, context-dependent distributions
+            var[...] = jnp.asarray(rng.normal(0, 0.5, var[...].shape), jnp.float32)
+    heads = init_heads(HeadsConfig(32, V, num_heads=2), base)  # unused by the planted proposer
+    graphdef, params = nnx.split(MedusaModel(base, heads))
+    q1_bv, q2_bvv, q3_bvvv = enumerate_laws(graphdef, params, PROMPTS)
+    return graphdef, params, (q1_bv, q2_bvv, q3_bvvv), planted_table(q2_bvv, q3_bvvv)
+
+
+@partial(jax.jit, static_argnames="graphdef")
+def target_probs(graphdef, params, tokens_np, lengths_n):
+    """The plain sampler's next-token law after each of N right-padded sequences (one plain prefill)."""
+    base = nnx.merge(graphdef, params).base
+    cache = KVCache.zeros(base.config, tokens_np.shape[0], tokens_np.shape[1])
+    last_nd, _ = prefill(base, tokens_np, lengths_n, cache)
+    return jax.nn.softmax(target_logits(base.logits(last_nd), SAMPLING), axis=-1)
+
+
+def enumerate_laws(graphdef, params, prompts):
+    """Per prompt b: q1 [V], q2 [V, V] (given x1), q3 [V, V, V] (given x1, x2), from plain forwards."""
+    seqs = []
+    for p in prompts:
+        seqs += [p] + [p + [x1] for x1 in range(V)] + [p + [x1, x2] for x1 in range(V) for x2 in range(V)]
+    width = max(len(s) for s in seqs)
+    tokens = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = s
+    lengths = jnp.asarray([len(s) for s in seqs], jnp.int32)
+    q_nv = np.asarray(target_probs(graphdef, params, jnp.asarray(tokens), lengths), np.float64)
+    q_bxv = q_nv.reshape(len(prompts), 1 + V + V * V, V)
+    return q_bxv[:, 0], q_bxv[:, 1: 1 + V], q_bxv[:, 1 + V:].reshape(len(prompts), V, V, V)
+
+
+def planted_table(q2_bvv, q3_bvvv) -> jnp.ndarray:
+    """[B, V, D=2, k=3] candidates per (row, root token): head 0 the top-3 of q2, head 1 the top-2 of q3 after
+    the most likely x2 (rank 2 of head 1 is unused by the tree)."""
+    top2_bvk = np.argsort(-q2_bvv, axis=-1, kind="stable")[..., :3]
+    best_bv = top2_bvk[..., 0]
+    b_idx, v_idx = np.meshgrid(np.arange(q2_bvv.shape[0]), np.arange(V), indexing="ij")
+    top3_bvk = np.argsort(-q3_bvvv[b_idx, v_idx, best_bv], axis=-1, kind="stable")[..., :3]
+    return jnp.asarray(np.stack([top2_bvk, top3_bvk], axis=2), jnp.int32)
+
+
+def table_proposer(inputs):
+    table_bvdk = inputs.data
+    return table_bvdk[jnp.arange(inputs.root_b.shape[0]), inputs.root_b]
+
+
+@partial(jax.jit, static_argnames=("graphdef", "acceptance", "pad_id"))
+def draw(graphdef, params, prompt_bp, lens_b, keys_r, table, *, acceptance, pad_id=0):
+    """[R, B, N_OUT] tokens and [R, B] first-step accept lengths of R independent runs (one per key)."""
+    def one(key):
+        cache = KVCache.zeros(graphdef_config(graphdef, params), prompt_bp.shape[0], 16)
+        out_bn, _, _, accept_bn, _ = medusa_decode(
+            graphdef, params, cache, prompt_bp, lens_b, key, table, tree=TREE, max_new_tokens=N_OUT,
+            acceptance=acceptance, eos_ids=(), pad_id=pad_id, proposer=table_proposer)
+        return out_bn, accept_bn[:, 0]
+
+    return jax.vmap(one)(keys_r)
+
+
+def graphdef_config(graphdef, params) -> ModelConfig:
+    return nnx.merge(graphdef, params).base.config
+
+
+def run(setup, prompts, runs, acceptance, seed=0, pad_id=0):
+    graphdef, params, _, table = setup
+    rows = [PROMPTS.index(p) for p in prompts]
+    prompt_bp = np.zeros((len(prompts), WIDTH), np.int32)
+    for i, p in enumerate(prompts):
+        prompt_bp[i, : len(p)] = p
+    keys_r = jax.random.split(jax.random.key(seed), runs)
+    out_rbn, accept_rb = draw(graphdef, params, jnp.asarray(prompt_bp), jnp.asarray([len(p) for p in prompts]),
+                              keys_r, table[jnp.asarray(rows)], acceptance=acceptance, pad_id=pad_id)
+    return np.asarray(out_rbn), np.asarray(accept_rb), rows
+
+
+def law_check(out_rbn: np.ndarray, rows, laws) -> dict:
+    """chi-square p-value, TV and its bound (module docstring) of samples [R, B, 3] against the laws of rows."""
+    q1_bv, q2_bvv, q3_bvvv = laws
+    n = out_rbn.shape[0] * out_rbn.shape[1]
+    chi2, dof, tv, mean_bound, impossible = 0.0, 0, 0.0, 0.0, 0
+    for col, row in enumerate(rows):
+        p_c = (q1_bv[row][:, None, None] * q2_bvv[row][:, :, None] * q3_bvvv[row]).ravel()
+        cells = out_rbn[:, col, 0] * V * V + out_rbn[:, col, 1] * V + out_rbn[:, col, 2]
+        count_c = np.bincount(cells, minlength=V ** 3).astype(np.float64)
+        n_b = out_rbn.shape[0]
+        impossible += int(count_c[p_c == 0].sum())
+        tv += 0.5 * np.abs(count_c - n_b * p_c).sum() / n
+        mean_bound += 0.5 * np.sqrt(n_b * p_c * (1 - p_c)).sum() / n
+        big = n_b * p_c >= 5
+        observed = np.append(count_c[big], count_c[~big].sum())
+        expected = np.append(n_b * p_c[big], n_b * p_c[~big].sum())
+        if expected[-1] < 5:  # pool a too small rest into the smallest kept cell
+            smallest = np.argmin(expected[:-1])
+            observed[smallest] += observed[-1]
+            expected[smallest] += expected[-1]
+            observed, expected = observed[:-1], expected[:-1]
+        chi2 += float(((observed - expected) ** 2 / expected).sum())
+        dof += len(expected) - 1
+    bound = mean_bound + math.sqrt(math.log(1 / DELTA) / (2 * n))
+    p_value = 0.0 if impossible else float(stats.chi2.sf(chi2, dof))
+    return {"p_value": p_value, "tv": tv, "tv_bound": bound, "impossible": impossible, "n": n}
+
+
+def passes(check: dict) -> bool:
+    return check["p_value"] > 1e-3 and check["tv"] < check["tv_bound"]
+
+
+EXACT = acceptance_for("exact", SAMPLING)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_exact_medusa_has_the_plain_samplers_law(setup, batch):
+    prompts = PROMPTS[:batch]
+    out_rbn, accept_rb, rows = run(setup, prompts, 20_000 // batch, EXACT, seed=batch)
+    check = law_check(out_rbn, rows, setup[2])
+    assert check["n"] >= 20_000
+    assert passes(check), check
+    # the tree really is exercised: the first step accepts 0, 1 and 2 candidates, each often
+    share = np.bincount(accept_rb.ravel(), minlength=3) / accept_rb.size
+    assert (share > 0.05).all(), share
+
+
+def test_the_check_rejects_typical_acceptance(setup):
+    """Typical acceptance (a real, deliberately different sampler) on the same run: the check must fail."""
+    typical = AcceptanceConfig("typical", temperature=SAMPLING.temperature)
+    out_rbn, _, rows = run(setup, PROMPTS[:1], 4_000, typical, seed=4)
+    check = law_check(out_rbn, rows, setup[2])
+    assert not passes(check), check
+
+
+def test_the_check_rejects_exact_acceptance_without_renormalisation(setup, monkeypatch):
+    """The subtle bug: accept x_i with probability q(x_i) instead of q(x_i) / (1 - mass of rejected siblings).
+    pad_id=1 (no effect on these outputs) makes jit trace the loop again with the broken rule."""
+    def no_renormalisation(tokens_bt, node_prob_bt, uniform_bt, tree):
+        return uniform_bt < node_prob_bt
+
+    monkeypatch.setattr(exact_acceptance, "trial_outcomes", no_renormalisation)
+    out_rbn, _, rows = run(setup, PROMPTS[:1], 20_000, EXACT, seed=1, pad_id=1)
+    check = law_check(out_rbn, rows, setup[2])
+    assert not passes(check), check
+
+
+def test_same_seed_same_samples(setup):
+    a, _, _ = run(setup, PROMPTS, 5_000, EXACT, seed=7)
+    b, _, _ = run(setup, PROMPTS, 5_000, EXACT, seed=7)
+    c, _, _ = run(setup, PROMPTS, 5_000, EXACT, seed=8)
+    assert (a == b).all() and not (a == c).all()
+
+
+def test_target_logits_applies_temperature_then_top_k_then_top_p():
+    logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+    probs = np.asarray(jax.nn.softmax(target_logits(logits, SamplingConfig(1.0, top_p=0.8, top_k=4)), axis=-1))
+    # top-4 drops 0.05; renormalised 0.4/.95, 0.3/.95, 0.15/.95 reach 0.8 -> 0.1 is cut too
+    np.testing.assert_allclose(probs, [[0, 0.4 / 0.85, 0, 0.3 / 0.85, 0.15 / 0.85]], atol=1e-6)
+    hot = np.asarray(jax.nn.softmax(target_logits(logits, SamplingConfig(2.0)), axis=-1))
+    ref = np.asarray([0.05, 0.4, 0.1, 0.3, 0.15]) ** 0.5
+    np.testing.assert_allclose(hot[0], ref / ref.sum(), atol=1e-6)
+    sample = jax.jit(sample_tokens, static_argnums=2)
+    draws = sample(jnp.tile(logits, (4000, 1)), jax.random.key(0), SamplingConfig(1.0, top_p=0.8, top_k=4))
+    assert set(np.unique(np.asarray(draws)).tolist()) == {1, 3, 4}  # plain sampling uses the same filter
+
+
+def test_repeated_sibling_is_never_accepted_and_does_not_count_twice():
+    tree = build_tree([(0,), (1,), (2,)])
+    tokens_bt = jnp.asarray([[0, 5, 5, 6]])  # node 2 repeats node 1's token
+    prob_bt = jnp.asarray([[0.0, 0.5, 0.5, 0.25]])
+    # coins: node 1 rejected (0.9 > 0.5); node 2 has probability 0; node 3: 0.45 * (1 - 0.5) < 0.25 -> accepted
+    accept = trial_outcomes(tokens_bt, prob_bt, jnp.asarray([[0.0, 0.9, 0.0, 0.45]]), tree)
+    assert accept.tolist() == [[False, False, False, True]]
+    logits = jnp.zeros((1, 4, 8)).at[0, 0, 5].set(5.0)
+    accept = jax.jit(exact_accept, static_argnums=(0, 4))
+    length_b, nodes_bj, bonus_b = accept(tree, tokens_bt, logits, jax.random.key(0), SamplingConfig(1.0))
+    assert int(length_b[0]) in (0, 1) and int(nodes_bj[0, 0]) == 0
+    if int(length_b[0]) == 0:
+        assert int(bonus_b[0]) not in (5, 6)  # the rejected children's tokens are excluded from the bonus
+
+
+def test_acceptance_for_defaults_and_errors():
+    assert acceptance_for(None, SamplingConfig(0.7, top_k=5)) == AcceptanceConfig(
+        "exact", temperature=0.7, top_k=5)
+    assert acceptance_for(None, SamplingConfig()).kind == "greedy"
+    with pytest.raises(ValueError, match="typical"):
+        acceptance_for("typical", SamplingConfig(0.7, top_p=0.9))
+    with pytest.raises(ValueError, match="temperature"):
+        acceptance_for("exact", SamplingConfig())
