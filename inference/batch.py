@@ -3,9 +3,8 @@
 Plan. Prompts are sorted by token length (longest first) and cut into batches of exactly `batch_size` rows
 (the last one padded with filler rows that are dropped). Each batch's prompts are right-padded to `bucket`
 times a power of two (`engine.bucket_length`) and its cache size follows the width, so the number of
-compilations is bounded by
-the number of distinct prompt buckets (3 for 64 MT-Bench prompts at batch 8), not the number of prompts;
-sorting makes a batch's rows share a bucket, so little compute goes to padding.
+compilations is bounded by the number of distinct prompt buckets (3 for 64 MT-Bench prompts at batch 8), not
+the number of prompts; sorting makes a batch's rows share a bucket, so little compute goes to padding.
 
 Why batches formed this way and not rows refilled. Each batch is one jitted call whose `while_loop` runs
 until every row has finished (EOS or `max_new_tokens`), so a long answer holds only the rows of its own
