@@ -14,8 +14,8 @@ The estimate (bytes; float32 everywhere, as the trainer stores weights and optim
                attention scores 4 x B x heads x T x T; with --medusa2 every layer's activations are kept for
                the backward pass (x layers).
   overhead     1.5 GiB: the Python process, XLA, tokenizer and data.
-It was checked against measured peaks (VmHWM) on SmolLM2-135M: own lm_heads over 49,152 tokens at 8 x 1,024
-positions measured 23.9 GB (estimate 22.4 GiB); see the README's training section for the default run.
+Checked against measured peaks (VmHWM) on SmolLM2-135M at 8 x 1,024 positions: own lm_heads over 49,152
+tokens peaked at 23.9 GB (22.3 GiB; estimate 22.2 GiB), the default truncated:3072 at 3.3 GiB (estimate 3.7).
 """
 
 from __future__ import annotations
