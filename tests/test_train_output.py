@@ -122,3 +122,12 @@ def smollm2_dir_config():
     """SmolLM2-135M's architecture (the HF config's numbers that the estimate reads)."""
     return {"hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152, "num_hidden_layers": 30,
             "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}
+
+
+def test_cache_hidden_refuses_a_cache_larger_than_memory():
+    from medusa_jax.training.memory_plan import GIB, MemoryPlanError, check_cache_fits
+
+    check_cache_fits(1 * GIB, limit_gib=4)
+    check_cache_fits(100 * GIB, limit_gib=0)  # 0: no check
+    with pytest.raises(MemoryPlanError, match="--max-conversations"):
+        check_cache_fits(3 * GIB, limit_gib=4)

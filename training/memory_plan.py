@@ -109,3 +109,14 @@ def check_fits(plan: MemoryEstimate, limit_gib: float | None, cache_hidden: bool
     advice.append("a smaller --cached-batch-size" if cache_hidden else "a smaller --batch-size or --seq-len")
     raise MemoryPlanError(f"this run needs about {plan.describe()} at its peak, more than the {limit / GIB:.1f} GiB "
                           f"of {where}; use {', or '.join(advice)} (or --memory-limit 0 to skip this check)")
+
+
+def check_cache_fits(cache_bytes: int, limit_gib: float | None) -> None:
+    """--cache-hidden: the hidden states of every training position (float16) are held in memory."""
+    if limit_gib == 0:
+        return
+    limit = int(limit_gib * GIB) if limit_gib is not None else available_bytes()
+    if limit is not None and cache_bytes + OVERHEAD > limit:
+        raise MemoryPlanError(f"--cache-hidden would hold {cache_bytes / GIB:.1f} GiB of hidden states in memory, "
+                              f"more than the {limit / GIB:.1f} GiB available: use fewer conversations "
+                              f"(--max-conversations) or drop --cache-hidden")

@@ -148,6 +148,9 @@ def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
             f"({int(data.train.loss_mask_rl.sum())} training loss tokens; {data.dropped_no_loss_tokens} "
             f"conversations without loss tokens dropped)")
         loss_tokens = data.train.tokens_rl[data.train.loss_mask_rl]
+        if cfg.cache_hidden:  # the cached hidden states are held in memory: check them before computing them
+            positions = int(data.train.loss_mask_rl.sum() + data.heldout.loss_mask_rl.sum())
+            memory_plan.check_cache_fits(positions * (2 * base.config.hidden_size + 4 * k), cfg.memory_limit_gib)
         if not cfg.cache_hidden:
             return _Feed(row_iterator(data.train, cfg.batch_size, cfg.seed, **pos),
                          _padded_batches(lambda i: row_batch(data.heldout.rows(i)), data.heldout.num_rows,
