@@ -26,8 +26,8 @@ def round_up(n: int, multiple: int) -> int:
 def bucket_length(n: int, smallest: int = PROMPT_BUCKET) -> int:
     """The smallest of smallest * 2**k (k >= 0) that holds n: prompt widths come from this short fixed ladder
     (64, 128, 256, ...; batch generation starts at 128) and cache sizes follow them (cache_size_for), so a run
-    compiles each decoder for a few shapes only (3 for 64 MT-Bench prompts at batch 8), and a later run with other prompts but the same
-    settings meets the same shapes in the persistent compilation cache."""
+    compiles each decoder for a few shapes only (3 for 64 MT-Bench prompts at batch 8), and a later run with
+    other prompts but the same settings meets the same shapes in the persistent compilation cache."""
     size = smallest
     while size < n:
         size *= 2

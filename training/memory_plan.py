@@ -25,6 +25,7 @@ from typing import Any
 
 GIB = 2**30
 OVERHEAD = int(1.5 * GIB)
+CONFIG_KEYS = ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers", "num_attention_heads")
 
 
 class MemoryPlanError(ValueError):

@@ -176,10 +176,17 @@ def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
 def plan_memory(cfg: RunConfig) -> memory_plan.MemoryEstimate:
     """The run's peak-memory estimate from the model's config.json (no weights loaded)."""
     mode, n_trunc = parse_lm_head(cfg.lm_head)
-    hf = json.loads((Path(cfg.model) / "config.json").read_text())
+    try:
+        hf = json.loads((Path(cfg.model) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {cfg.model}: cannot read its config.json ({e})") from None
+    missing = [key for key in memory_plan.CONFIG_KEYS if key not in hf]
+    if missing:
+        raise ValueError(f"--model {cfg.model}: config.json lacks {missing}; not a Llama-family model")
     return memory_plan.estimate(
         hf, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-        head_vocab=None if mode == "shared" else min(n_trunc or hf["vocab_size"], hf["vocab_size"]), batch_size=cfg.batch_size,
+        head_vocab=None if mode == "shared" else min(n_trunc or hf["vocab_size"], hf["vocab_size"]),
+        batch_size=cfg.batch_size,
         seq_len=cfg.data_config.seq_len, cached_batch_size=cfg.cached_batch_size, cache_hidden=cfg.cache_hidden,
         medusa2=cfg.train.medusa2, distill_kl=cfg.train.distill_kl, freeze_lm_heads=cfg.train.freeze_head_lm_heads)
 
