@@ -1,10 +1,10 @@
 """Batch generation for many prompts: length-sorted fixed-size batches on a (possibly multi-host) mesh.
 
 Plan. Prompts are sorted by token length (longest first) and cut into batches of exactly `batch_size` rows
-(the last one padded with filler rows that are dropped). Each batch's prompts are right-padded to a multiple
-of `bucket`, and its cache to a multiple of `bucket` too, so the number of compilations is bounded by the
-number of distinct prompt buckets, not the number of prompts; sorting makes a batch's rows share a bucket,
-so little compute goes to padding.
+(the last one padded with filler rows that are dropped). Each batch's prompts are right-padded to `bucket`
+times a power of two (`engine.bucket_length`) and its cache size follows the width, so the number of
+compilations is bounded by the number of distinct prompt buckets (3 for 64 MT-Bench prompts at batch 8), not
+the number of prompts; sorting makes a batch's rows share a bucket, so little compute goes to padding.
 
 Why batches formed this way and not rows refilled. Each batch is one jitted call whose `while_loop` runs
 until every row has finished (EOS or `max_new_tokens`), so a long answer holds only the rows of its own
@@ -30,7 +30,7 @@ import numpy as np
 
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig
-from medusa_jax.inference.engine import PROMPT_BUCKET, cache_size_for, pad_prompts
+from medusa_jax.inference.engine import PROMPT_BUCKET, cache_size_for, check_positions, pad_prompts
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
@@ -58,7 +58,7 @@ class BatchSettings:
     seed: int = 0  # batch i uses seed + i
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
-    bucket: int = PROMPT_BUCKET  # prompt widths and cache sizes are multiples of this
+    bucket: int = 2 * PROMPT_BUCKET  # prompt widths are bucket * 2**k (engine.bucket_length)
 
     def __post_init__(self):
         if self.batch_size < 1 or self.max_new_tokens < 1 or self.bucket < 1:
@@ -144,6 +144,7 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     if settings.tree is not None and not model.has_heads:
         raise ValueError("Medusa decoding (a tree was given) needs a ShardedModel built with heads")
     model.check_batch_size(settings.batch_size)
+    check_positions(model.config.max_position_embeddings, [len(p) for p in prompts], settings.max_new_tokens)
     extra = 0 if settings.tree is None else settings.tree.num_tokens
     plan = plan_batches([len(p) for p in prompts], settings.batch_size)
     results: list[RowResult | None] = [None] * len(prompts)

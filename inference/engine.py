@@ -16,11 +16,34 @@ from medusa_jax.kv_cache import KVCache
 from medusa_jax.inference import autoregressive
 from medusa_jax.inference.sampling import SamplingConfig
 
-PROMPT_BUCKET = 64  # prompts are right-padded to a multiple of this, bounding recompiles
+PROMPT_BUCKET = 64  # the smallest padded prompt width; wider prompts double it (see bucket_length)
 
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def bucket_length(n: int, smallest: int = PROMPT_BUCKET) -> int:
+    """The smallest of smallest * 2**k (k >= 0) that holds n: prompt widths come from this short fixed ladder
+    (64, 128, 256, ...; batch generation starts at 128) and cache sizes follow them (cache_size_for), so a run
+    compiles each decoder for a few shapes only (3 for 64 MT-Bench prompts at batch 8), and a later run with
+    other prompts but the same settings meets the same shapes in the persistent compilation cache."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
+
+
+def check_positions(max_positions: int, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
+    """Refuses prompts whose tokens plus max_new_tokens would run past the model's max_position_embeddings
+    (no silent truncation: the caller shortens the prompt or lowers max_new_tokens)."""
+    longest = max(prompt_lengths, default=0)
+    if longest + max_new_tokens > max_positions:
+        index = list(prompt_lengths).index(longest)
+        raise ValueError(f"prompt {index} has {longest} tokens; with max_new_tokens={max_new_tokens} it needs "
+                         f"{longest + max_new_tokens} positions, but the model has max_position_embeddings="
+                         f"{max_positions}: shorten the prompt to at most {max_positions - max_new_tokens} tokens "
+                         f"or lower max_new_tokens")
 
 
 @dataclasses.dataclass
@@ -61,7 +84,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, batch_size: int |
     if len(prompts) > batch_size:
         raise ValueError(f"{len(prompts)} prompts do not fit a batch of {batch_size}")
     rows = list(prompts) + [prompts[0]] * (batch_size - len(prompts))
-    width = round_up(max(len(p) for p in rows), bucket)
+    width = bucket_length(max(len(p) for p in rows), bucket)
     tokens = np.full((batch_size, width), pad_id, np.int32)
     for i, p in enumerate(rows):
         tokens[i, : len(p)] = p
@@ -69,8 +92,9 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, batch_size: int |
 
 
 def cache_size_for(prompt_width: int, max_new_tokens: int, extra: int = 0, bucket: int = PROMPT_BUCKET) -> int:
-    """Slots for the padded prompt, the new tokens and `extra` scratch slots (a Medusa tree block)."""
-    return round_up(prompt_width + max_new_tokens + extra, bucket)
+    """Slots for the padded prompt, the new tokens and `extra` scratch slots (a Medusa tree block); with a
+    bucketed prompt width, one cache size per width for given settings."""
+    return prompt_width + round_up(max_new_tokens + extra, bucket)
 
 
 def check_fits(batch: PaddedBatch, max_new_tokens: int, extra: int, cache_size: int | None) -> int:
@@ -98,6 +122,7 @@ def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_token
              timings: dict | None = None) -> list[GenerationResult]:
     """Plain decoding of one batch of token-id prompts (ragged lengths are fine)."""
     batch = pad_prompts(prompts, pad_id, batch_size)
+    check_positions(model.config.max_position_embeddings, batch.lengths_b.tolist(), max_new_tokens)
     size = check_fits(batch, max_new_tokens, 0, cache_size)
     graphdef, params = nnx.split(model)
     cache = KVCache.zeros(model.config, batch.tokens_bp.shape[0], size)

@@ -32,7 +32,7 @@ from medusa_jax.sharding import map_cache_rows
 from medusa_jax.tree import DEFAULT_TREE, TreeBuffers, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
 from medusa_jax.inference.autoregressive import is_eos, prefill
-from medusa_jax.inference.engine import GenerationResult, check_fits, pad_prompts, resolve_eos
+from medusa_jax.inference.engine import GenerationResult, check_fits, check_positions, pad_prompts, resolve_eos
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +171,7 @@ def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequen
     Each result's `steps` counts the prefill and the verify steps; `accept_lengths` lists each step's."""
     tree = load_tree(tree, num_heads=heads.config.num_heads, max_top_k=heads.config.head_vocab_size)
     batch = pad_prompts(prompts, pad_id, batch_size)
+    check_positions(base.config.max_position_embeddings, batch.lengths_b.tolist(), max_new_tokens)
     size = check_fits(batch, max_new_tokens, tree.num_tokens, cache_size)
     graphdef, params = nnx.split(MedusaModel(base, heads))
     cache = KVCache.zeros(base.config, batch.tokens_bp.shape[0], size)

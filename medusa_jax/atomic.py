@@ -2,6 +2,8 @@
 
 An interrupted write (an exception, a kill) leaves the previous version, or nothing, never half a file.
 Results get the usual permissions (0666/0777 less the umask), not mkstemp's private 0600/0700.
+Temporary names are `.NAME.PID.RANDOM.tmp`; one left by a killed process (PID no longer running) is removed the
+next time NAME is written.
 """
 
 from __future__ import annotations
@@ -20,12 +22,46 @@ def current_umask() -> int:
     return mask
 
 
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}.{os.getpid()}."
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
+    """Removes the temporary files/folders of `path` left by processes that no longer run; returns them."""
+    path = Path(path)
+    removed = []
+    if not path.parent.is_dir():
+        return removed
+    for p in path.parent.glob(f".{glob_escape(path.name)}.*.tmp"):
+        pid = p.name[len(path.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit() or _running(int(pid)):
+            continue
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """`with atomic_path(p) as tmp:` write the file `tmp` (by name, e.g. savefig); it becomes p on success."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
     os.close(fd)
     try:
         yield Path(tmp)
@@ -55,7 +91,8 @@ def atomic_folder(folder: str | os.PathLike, replace: bool = True) -> Iterator[P
     """`with atomic_folder(d) as tmp:` fill tmp; on success it replaces d (if `replace`) in one rename."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    remove_stale_temps(folder)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=_temp_prefix(folder), suffix=".tmp"))
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~current_umask())

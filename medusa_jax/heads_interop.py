@@ -93,9 +93,8 @@ def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "
         raise ExportError(f"unknown dtype {dtype!r}; expected one of {EXPORT_DTYPES}")
     cfg = heads.config
     np_dtype = np.dtype(resolve_dtype(dtype))
-    if materialize_lm_head and cfg.lm_head != "shared":
-        raise ExportError(f"materialize_lm_head applies to heads that share the base lm_head; these heads have "
-                          f"lm_head={cfg.lm_head!r}")
+    # own/truncated heads already carry an lm_head per head: materialize_lm_head is a no-op for them
+    materialize_lm_head = materialize_lm_head and cfg.lm_head == "shared"
     base_vd = None
     if cfg.lm_head == "shared" and (materialize_lm_head or format == "vllm"):
         if base is None:
@@ -152,15 +151,34 @@ def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "
 
 def write_heads_folder(out: str | os.PathLike, weights_name: str, tensors: dict[str, np.ndarray], config: dict,
                        overwrite: bool = False) -> Path:
-    """Writes config.json + weights into a temp folder and renames it to `out` (all or nothing)."""
+    """Writes config.json + weights into a temp folder and renames it to `out` (all or nothing). `overwrite`
+    replaces only a folder that holds nothing but an earlier export (config.json with exported_by medusa-jax and
+    its weights file); any other file in it is never deleted."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
             raise ExportError(f"{out} already exists and is not an empty folder (pass overwrite=True / --overwrite)")
+        foreign = _not_an_export(out)
+        if foreign:
+            raise ExportError(f"{out} holds files that are not an earlier export ({', '.join(foreign[:5])}); "
+                              f"--overwrite replaces only an earlier export: choose another --out")
     with atomic_folder(out) as tmp:
         write_safetensors(tmp / weights_name, tensors, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _not_an_export(folder: Path) -> list[str]:
+    """Names in `folder` that an export by this module did not write (all of them for a non-export)."""
+    if not folder.is_dir():
+        return [folder.name]
+    names = sorted(p.name for p in folder.iterdir())
+    try:
+        ours = json.loads((folder / "config.json").read_text()).get("exported_by") == "medusa-jax"
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    allowed = {"config.json", MEDUSA_WEIGHTS, VLLM_WEIGHTS} if ours else set()
+    return [n for n in names if n not in allowed or (folder / n).is_dir()]
 
 
 def export_heads(heads: MedusaHeads, out: str | os.PathLike, *, format: str = "medusa", dtype: str = "float32",

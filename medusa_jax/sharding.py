@@ -41,6 +41,12 @@ PARAM_RULES: tuple[tuple[str, tuple[Any, ...]], ...] = (
 )
 
 
+# Medusa head parameters whose dimensions need not divide the mesh: an axis that does not divide its dimension
+# (e.g. a truncated lm_head of 3,584 tokens on tensor=3) is replicated instead; the rest stays sharded. The
+# backbone's dimensions must divide (validate_model_mesh): a mesh that suits the model suits its heads.
+REPLICATE_IF_INDIVISIBLE = re.compile(r"(blocks\.\d+\.linear\.(kernel|bias)|heads\.\d+\.lm_head\.kernel)$")
+
+
 class MeshError(ValueError):
     """The mesh does not fit the model or the machine."""
 
@@ -113,11 +119,20 @@ def checked_sharding(mesh: Mesh, spec: P, shape: Sequence[int], what: str) -> Na
     return NamedSharding(mesh, spec)
 
 
+def dividing_spec(mesh: Mesh, spec: P, shape: Sequence[int]) -> P:
+    """`spec` with every mesh axis that does not divide its dimension replaced by None (replicated)."""
+    axes = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return P(*(a if dim % axis_size(mesh, a) == 0 else None for dim, a in zip(shape, axes)))
+
+
 def sharding_for(mesh: Mesh):
     """The `sharding_for(path, shape)` callback of `hf_import.load_pretrained`: each device reads its slice."""
     def fn(path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
         dotted = ".".join(path)
-        return checked_sharding(mesh, spec_for_path(dotted, len(shape)), shape, f"parameter {dotted}")
+        spec = spec_for_path(dotted, len(shape))
+        if REPLICATE_IF_INDIVISIBLE.search(dotted):
+            spec = dividing_spec(mesh, spec, shape)
+        return checked_sharding(mesh, spec, shape, f"parameter {dotted}")
 
     return fn
 

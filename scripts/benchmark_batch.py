@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/batch", help="folder for batch.json and batch.md (default: %(default)s)")
     a = p.parse_args(argv)
 
+    from medusa_jax.compile_cache import enable_compile_cache
+
+    enable_compile_cache()  # compile seconds stay reported; a rerun loads the executables instead
     from medusa_jax.mtbench import load_mtbench_questions
     from medusa_jax.sharding import MeshConfig
     from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id

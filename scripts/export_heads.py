@@ -19,7 +19,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", required=True,
                    help="heads folder in any layout medusa-jax reads (ours, FasterDecoding/TGI/TensorRT-LLM, vLLM), "
                         "or 'default' for the heads shipped with the package")
-    p.add_argument("--out", required=True, help="output folder (written atomically; must not exist or be empty)")
+    p.add_argument("--out", required=True,
+                   help="output folder (written atomically; must not exist or be empty; temp folders left by a "
+                        "killed export are removed)")
     p.add_argument("--format", choices=("medusa", "vllm"), default="medusa",
                    help="'medusa': medusa_lm_head.safetensors + config.json for the official Medusa code, TGI and "
                         "TensorRT-LLM (default); 'vllm': model.safetensors + config.json for vLLM")
@@ -28,14 +30,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--materialize-lm-head", action="store_true",
                    help="for heads that share the base lm_head: copy it into every head (needed by the official "
                         "Medusa code and TensorRT-LLM); without it the medusa format is TGI's ResBlock-only 'v2' "
-                        "and the vllm format stores it once with original_lm_head. Needs --model")
+                        "and the vllm format stores it once with original_lm_head. Needs --model. Own and "
+                        "truncated heads already have an lm_head per head: a no-op for them")
     p.add_argument("--model", default=None,
                    help="base model folder (HF layout); needed to write a shared lm_head (vllm format or "
                         "--materialize-lm-head) and used to check the heads' hidden size and vocabulary")
     p.add_argument("--base-model-name-or-path", default=None,
                    help="value written to config.json's base_model_name_or_path, which TGI and the official code "
                         "load as the base model (default: the heads' own value, else the --model path)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds files")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it holds an earlier export (config.json + weights written by this "
+                        "script); a folder with any other file is refused, and so is --out equal to --heads")
     return p.parse_args(argv)
 
 
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from medusa_jax.heads_import import load_heads
-    from medusa_jax.heads_interop import export_heads, serving_notes
+    from medusa_jax.heads_interop import ExportError, export_heads, serving_notes
     from medusa_jax.hf_import import load_pretrained
 
     heads_dir = args.heads
@@ -63,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         from medusa_jax.assets import resolve_heads_dir
 
         heads_dir = resolve_heads_dir("default")
+    if Path(args.out).resolve() == Path(heads_dir).resolve():
+        raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
+                          f"checkpoints); choose another --out")
     base = load_pretrained(args.model, dtype="float32") if args.model else None
     heads = load_heads(heads_dir, base_config=base.config if base is not None else None)
     name = args.base_model_name_or_path

@@ -14,7 +14,9 @@ batches of --batch-size (bounding padding and recompiles), one jitted call per b
 progress bar, results in input order; rows also hold finish_reason and batch.
 Input JSONL: one prompt per line, a JSON string or {"prompt": TEXT, "id": ...}. Each output row (and each
 --json line) holds the id, prompt, text, token_ids, new_tokens, steps, tokens_per_step, prompt_tokens,
-seconds, tokens_per_s and compile_seconds (seconds exclude JAX compilation, which is reported apart).
+seconds, tokens_per_s and compile_seconds (seconds exclude JAX compilation, which is reported apart), and the
+run's compiles / compile_cache_hits: executables XLA compiled afresh / read from the persistent compilation cache
+($MEDUSA_JAX_CACHE/jax_compile, see medusa_jax/compile_cache.py).
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--input", help="JSONL file of prompts (a JSON string or {\"prompt\", \"id\"} per line)")
     p.add_argument("--output", help="JSONL file for the results, one row per prompt in input order "
-                                    "(required with --input; written atomically)")
+                                    "(required with --input, optional with --prompt; written atomically; "
+                                    "must not be the --input file)")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message with the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most (default: %(default)s)")
@@ -129,6 +132,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.input and not a.output:
         p.error("--input needs --output")
+    if a.input and os.path.abspath(a.output) == os.path.abspath(a.input) or (
+            a.input and os.path.exists(a.output) and os.path.exists(a.input) and os.path.samefile(a.output, a.input)):
+        p.error("--output is the --input file: write the results to another file")
+    if a.output and os.path.isdir(a.output):
+        p.error(f"--output {a.output} is a folder: give a JSONL file name")
     if a.max_new_tokens < 1 or a.batch_size < 1:
         p.error("--max-new-tokens and --batch-size must be >= 1")
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
@@ -137,7 +145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
+def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos, compiles) -> int:
     """--input / --mesh / multi-host: batch generation on the mesh; process 0 prints and writes the output."""
     import jax
 
@@ -162,6 +170,7 @@ def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
                              sampling=sampling_config(a), seed=a.seed, eos_ids=tuple(eos),
                              pad_id=pad_token_id(tokenizer, eos))
     rows, run = generate_rows(model, tokenizer, records, settings, chat=a.chat)
+    rows = [{**row, **compiles.summary()} for row in rows]
     if jax.process_index() != 0:
         return 0
     if a.output:
@@ -175,7 +184,8 @@ def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
         print(f"[{run.new_tokens} new tokens for {len(rows)} prompt(s) in {run.num_batches} batch(es) of "
               f"{a.batch_size} on mesh {dict(model.mesh.shape)}: {run.seconds:.2f} s, "
               f"{run.decode_tokens_per_second:.1f} tokens/s without the {run.compile_seconds:.1f} s of JIT "
-              f"compilation ({run.num_shapes} shape(s)), {run.tokens_per_step:.2f} tokens/step]")
+              f"compilation ({run.num_shapes} shape(s); {compiles.compiles} XLA compilation(s), "
+              f"{compiles.cache_hits} from the persistent cache), {run.tokens_per_step:.2f} tokens/step]")
         if a.output:
             print(f"wrote {a.output}")
     return 0
@@ -190,11 +200,14 @@ def main(argv=None) -> int:
     except distributed.DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
+
+    enable_compile_cache()
     from medusa_jax.config import UnsupportedModelError
     from medusa_jax.hf_import import load_pretrained
     from medusa_jax.tensor_files import CheckpointError
     from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
-    from medusa_jax.inference.prompts_jsonl import PromptFileError, PromptRecord, read_prompts
+    from medusa_jax.inference.prompts_jsonl import PromptFileError, PromptRecord, read_prompts, write_jsonl
     from medusa_jax.inference.text_generation import generate_texts, summary
 
     try:
@@ -204,29 +217,40 @@ def main(argv=None) -> int:
             folder = prepare_smollm2()
         else:
             folder = a.model
+            if os.path.isfile(folder):
+                raise NotADirectoryError(f"--model {folder} is a file, not a model folder (give the folder that "
+                                         f"holds config.json, the weights and the tokenizer)")
             if not os.path.isdir(folder):
-                raise FileNotFoundError(f"{folder}: model folder does not exist")
+                raise FileNotFoundError(f"--model {folder}: model folder does not exist")
         records = read_prompts(a.input) if a.input else [PromptRecord(0, a.prompt)]
         tokenizer = load_tokenizer(folder)
         eos = eos_token_ids(folder, tokenizer)
         if a.input or a.mesh or multi_process:
-            return run_batched(a, folder, records, tokenizer, eos)
+            with CompileCounter() as compiles:
+                return run_batched(a, folder, records, tokenizer, eos, compiles)
         model = load_pretrained(folder, dtype=a.dtype)
-        results = generate_texts(
-            build_decoder(a, model), tokenizer, [r.text for r in records], chat=a.chat,
-            max_new_tokens=a.max_new_tokens, sampling=sampling_config(a), seed=a.seed,
-            eos_ids=eos, pad_id=pad_token_id(tokenizer, eos), batch_size=a.batch_size)
+        with CompileCounter() as compiles:
+            results = generate_texts(
+                build_decoder(a, model), tokenizer, [r.text for r in records], chat=a.chat,
+                max_new_tokens=a.max_new_tokens, sampling=sampling_config(a), seed=a.seed,
+                eos_ids=eos, pad_id=pad_token_id(tokenizer, eos), batch_size=a.batch_size)
     except (OSError, ValueError, CheckpointError, UnsupportedModelError, TokenizerError, PromptFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [{"id": rec.id, "prompt": rec.text, **res.row()} for rec, res in zip(records, results)]
+    rows = [{"id": rec.id, "prompt": rec.text, **res.row(), **compiles.summary()}
+            for rec, res in zip(records, results)]
     total = summary(results)
+    if a.output:
+        write_jsonl(a.output, rows)
     for row in rows:
         print(json.dumps(row, ensure_ascii=False) if a.json else row["text"])
     if not a.json:
         print(f"[{total['new_tokens']} new tokens for {total['prompts']} prompt(s) in {total['seconds']:.2f} s: "
               f"{total['tokens_per_s']:.1f} tokens/s, {sum(r.result.steps for r in results)} steps; "
-              f"JIT compile {total['compile_seconds']:.1f} s apart]")
+              f"JIT compile {total['compile_seconds']:.1f} s apart, {compiles.compiles} compilation(s), "
+              f"{compiles.cache_hits} from the persistent cache]")
+        if a.output:
+            print(f"wrote {a.output}")
     return 0
 
 

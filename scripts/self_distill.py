@@ -58,6 +58,9 @@ def main(argv=None):
                         "train_heads.py --cache-hidden trains the heads without another pass over the backbone")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     a = p.parse_args(argv)
+    from medusa_jax.compile_cache import enable_compile_cache
+
+    enable_compile_cache()
     config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, chunk_steps=a.chunk_steps,
                            max_prompt_tokens=a.max_prompt_tokens, turns=a.turns, temperature=a.temperature,
                            seed=a.seed, limit=a.limit, save_hidden=a.save_hidden)

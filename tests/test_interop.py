@@ -324,8 +324,6 @@ def test_vllm_folder_errors(bases, tmp_path):
 def test_export_refuses_bad_options_and_leaves_nothing(bases, tmp_path):
     _, _, base = bases["untied"]
     own, shared = make_heads(base, "own"), make_heads(base, "shared", num_layers=1)
-    with pytest.raises(ExportError, match="materialize_lm_head applies to heads that share"):
-        export_heads(own, tmp_path / "x", materialize_lm_head=True)
     with pytest.raises(ExportError, match="vLLM reads the shared lm_head .* needs the base model"):
         export_heads(shared, tmp_path / "x", format="vllm")
     with pytest.raises(ExportError, match="needs the base model"):
@@ -336,6 +334,10 @@ def test_export_refuses_bad_options_and_leaves_nothing(bases, tmp_path):
         export_heads(own, tmp_path / "x")
     export_heads(shared, tmp_path / "x", overwrite=True)
     assert load_heads(tmp_path / "x").config.lm_head == "shared"
+    (tmp_path / "x" / "notes.txt").write_text("mine")  # --overwrite never deletes a file it did not write
+    with pytest.raises(ExportError, match="not an earlier export .*notes.txt"):
+        export_heads(own, tmp_path / "x", overwrite=True)
+    assert (tmp_path / "x" / "notes.txt").read_text() == "mine"
     assert any("TGI" in note for note in serving_notes(shared, "medusa"))
 
 

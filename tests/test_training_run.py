@@ -33,7 +33,7 @@ def _train(args, monkeypatch, tmp_path):
     from scripts_train_heads import main
 
     monkeypatch.setenv("MEDUSA_JAX_CACHE", str(tmp_path / "cache"))
-    main(args)
+    return main(args)
 
 
 @pytest.fixture(autouse=True)
@@ -103,21 +103,26 @@ def test_resumed_run_matches_an_uninterrupted_one(setup, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", real_step)
     _train(_args(model, data, tmp_path / "b", *common, "--resume"), monkeypatch, tmp_path)
     resumed = [r for r in _log(tmp_path / "b", "train")]
-    # steps 1-5 from the first attempt, then 4-7 again from the step-3 checkpoint
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 4, 5, 6, 7]
-    for r in resumed[5:]:
+    # steps 1-3 from the first attempt (its steps 4-5 after the step-3 checkpoint are dropped), then 4-7 again
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7]
+    for r in resumed[3:]:
         assert r["loss"] == pytest.approx(expected[r["step"]], abs=1e-6), r["step"]
     assert resumed[-1]["epoch"] == _log(tmp_path / "a", "train")[-1]["epoch"]
 
 
-def test_checkpoints_refuse_a_different_run_and_an_accidental_restart(setup, tmp_path, monkeypatch):
+def test_checkpoints_refuse_a_different_run_and_an_accidental_restart(setup, tmp_path, monkeypatch, capsys):
     model, data, _ = setup
-    _train(_args(model, data, tmp_path / "c", "--max-steps", "2", "--save-every", "1"), monkeypatch, tmp_path)
-    with pytest.raises(FileExistsError, match="--resume"):
-        _train(_args(model, data, tmp_path / "c", "--max-steps", "3"), monkeypatch, tmp_path)
-    with pytest.raises(ValueError, match="different \\['heads'"):
-        _train(_args(model, data, tmp_path / "c", "--max-steps", "3", "--num-heads", "2", "--resume"),
-               monkeypatch, tmp_path)
+    assert _train(_args(model, data, tmp_path / "c", "--max-steps", "2", "--save-every", "1"), monkeypatch,
+                  tmp_path) == 0
+    capsys.readouterr()
+    log = (tmp_path / "c" / "train_log.jsonl").read_text()
+    assert _train(_args(model, data, tmp_path / "c", "--max-steps", "3"), monkeypatch, tmp_path) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--resume" in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "c" / "train_log.jsonl").read_text() == log  # nothing deleted
+    assert _train(_args(model, data, tmp_path / "c", "--max-steps", "3", "--num-heads", "2", "--resume"),
+                  monkeypatch, tmp_path) == 2
+    assert "different ['heads'" in capsys.readouterr().err
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch):

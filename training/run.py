@@ -5,10 +5,13 @@
   OUTPUT/base_model/                       Medusa-2 only: the jointly trained backbone as a HF folder
   OUTPUT/train_log.jsonl                   one JSON object per logged step ("train") and evaluation ("eval")
   OUTPUT/checkpoints/                      Orbax checkpoints (unless --checkpoint-dir points elsewhere)
+  OUTPUT/.medusa_jax_train, .train.lock    the trainer's marker and the run's lock (training.output_folder)
+Before any weights are loaded: the output folder's checks and lock, and the memory plan (training.memory_plan).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -24,7 +27,7 @@ import numpy as np
 from medusa_jax import sharding as shd
 from medusa_jax.heads import HeadsConfig, MedusaHeads, init_heads
 from medusa_jax.heads_io import save_heads
-from medusa_jax.training import losses
+from medusa_jax.training import losses, memory_plan, output_folder
 from medusa_jax.training.checkpointing import Checkpoints
 from medusa_jax.training.data import DataConfig, PackedRows, load_chat_data, row_batch, row_iterator, top_token_ids
 from medusa_jax.training.trainer import TrainConfig, Trainer, schedule
@@ -41,7 +44,7 @@ class RunConfig:
     data: str | None = None  # None: the packaged ShareGPT file
     num_heads: int = 4
     num_layers: int = 1
-    lm_head: str = "own"  # own | shared | truncated:N
+    lm_head: str = "truncated:3072"  # own | shared | truncated:N (3,072 divides tensor degrees 2, 3, 4, 6, 8)
     batch_size: int = 8  # global packed rows per step
     cached_batch_size: int = 4096  # global positions per step with cache_hidden
     cache_hidden: bool = False
@@ -57,6 +60,8 @@ class RunConfig:
     base_model_name: str | None = None  # recorded in the heads config (default: the --model path)
     seed: int = 0
     progress: bool = True
+    force_output: bool = False  # write into an existing folder the trainer did not make (never a model folder)
+    memory_limit_gib: float | None = None  # None: MemAvailable; 0: no check (training.memory_plan)
     data_config: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
 
@@ -143,6 +148,9 @@ def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
             f"({int(data.train.loss_mask_rl.sum())} training loss tokens; {data.dropped_no_loss_tokens} "
             f"conversations without loss tokens dropped)")
         loss_tokens = data.train.tokens_rl[data.train.loss_mask_rl]
+        if cfg.cache_hidden:  # the cached hidden states are held in memory: check them before computing them
+            positions = int(data.train.loss_mask_rl.sum() + data.heldout.loss_mask_rl.sum())
+            memory_plan.check_cache_fits(positions * (2 * base.config.hidden_size + 4 * k), cfg.memory_limit_gib)
         if not cfg.cache_hidden:
             return _Feed(row_iterator(data.train, cfg.batch_size, cfg.seed, **pos),
                          _padded_batches(lambda i: row_batch(data.heldout.rows(i)), data.heldout.num_rows,
@@ -165,20 +173,55 @@ def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
                  loss_tokens, lambda b: len(b["targets"]) * n_proc)
 
 
+def plan_memory(cfg: RunConfig) -> memory_plan.MemoryEstimate:
+    """The run's peak-memory estimate from the model's config.json (no weights loaded)."""
+    mode, n_trunc = parse_lm_head(cfg.lm_head)
+    try:
+        hf = json.loads((Path(cfg.model) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {cfg.model}: cannot read its config.json ({e})") from None
+    missing = [key for key in memory_plan.CONFIG_KEYS if key not in hf]
+    if missing:
+        raise ValueError(f"--model {cfg.model}: config.json lacks {missing}; not a Llama-family model")
+    return memory_plan.estimate(
+        hf, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+        head_vocab=None if mode == "shared" else min(n_trunc or hf["vocab_size"], hf["vocab_size"]),
+        batch_size=cfg.batch_size,
+        seq_len=cfg.data_config.seq_len, cached_batch_size=cfg.cached_batch_size, cache_hidden=cfg.cache_hidden,
+        medusa2=cfg.train.medusa2, distill_kl=cfg.train.distill_kl, freeze_lm_heads=cfg.train.freeze_head_lm_heads)
+
+
 def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Checks the output folder and the memory plan, takes the folder's lock, then runs (see output_folder)."""
+    if cfg.cache_hidden and cfg.train.medusa2:
+        raise ValueError("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
+    parse_lm_head(cfg.lm_head)
+    output_folder.check_output(cfg.output, cfg.force_output)
+    plan = plan_memory(cfg)
+    memory_plan.check_fits(plan, cfg.memory_limit_gib, cfg.cache_hidden, cfg.lm_head, cfg.train.medusa2)
+    is_main = jax.process_index() == 0
+    with output_folder.OutputLock(cfg.output) if is_main else contextlib.nullcontext():
+        output_folder.check_previous_run(cfg.output, cfg.checkpoint_dir or Path(cfg.output) / "checkpoints",
+                                         cfg.resume)
+        log(f"memory estimate: {plan.describe()}")
+        return _run(cfg, log)
+
+
+def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from medusa_jax.hf_import import load_pretrained
 
     is_main = jax.process_index() == 0
     output = Path(cfg.output)
-    if cfg.cache_hidden and cfg.train.medusa2:
-        raise ValueError("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
     mesh = shd.MeshConfig.parse(cfg.mesh).make_mesh()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     base = load_pretrained(cfg.model, sharding_for=shd.sharding_for(mesh) if mesh.size > 1 else None)
     eos = tuple(base.config.eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     mode, n_trunc = parse_lm_head(cfg.lm_head)
+    if n_trunc is not None and n_trunc > base.config.vocab_size:  # e.g. the default truncated:3072, tiny vocab
+        log(f"--lm-head {cfg.lm_head}: the vocabulary has only {base.config.vocab_size} tokens; using all of them")
+        n_trunc = base.config.vocab_size
     feed = _prepare_data(cfg, base, tokenizer, eos, log)
     heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
                                mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model))
@@ -193,13 +236,15 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
     if cfg.resume and ckpt.latest_step() is not None:
         meta = ckpt.restore(trainer, signature)
         it.epoch, it.index = meta["data_position"]["epoch"], meta["data_position"]["index"]
-        log(f"resumed from {ckpt.directory}/{trainer.step} (data epoch {it.epoch}, batch {it.index})")
+        dropped = output_folder.truncate_log(output, trainer.step) if is_main else 0
+        log(f"resumed from {ckpt.directory}/{trainer.step} (data epoch {it.epoch}, batch {it.index}; "
+            f"{dropped} log records after that step dropped)")
     elif ckpt.latest_step() is not None:
         raise FileExistsError(f"{ckpt.directory} already holds checkpoints (latest step {ckpt.latest_step()}); "
                               f"pass --resume to continue that run, or choose another --checkpoint-dir/--output")
     elif is_main:
         output.mkdir(parents=True, exist_ok=True)
-        log_path.unlink(missing_ok=True)
+        output_folder.truncate_log(output, 0)  # --resume before the first checkpoint: the log starts again
 
     def write_log(record):
         if is_main:

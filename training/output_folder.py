@@ -1,0 +1,133 @@
+"""The training output folder: refuse folders the trainer did not write, one run at a time, a clean log on resume.
+
+Rules (checked before the model or the data are loaded):
+- `--output` must be a folder (or not exist yet). A folder the trainer made holds the marker file
+  `.medusa_jax_train`; an existing folder without it that is not empty (a model folder, anything else) is
+  refused, unless `--force-output` is given; even then the trainer writes only its own names (config.json,
+  heads.safetensors, train_log.jsonl, checkpoints/, hidden_cache/, base_model/) and never touches a model
+  folder's config.json: a folder that holds model weights is always refused.
+- One run per folder: the run holds an exclusive `fcntl.flock` on `OUTPUT/.train.lock` until it ends (the OS
+  drops it when the process dies); a second run on the same folder stops with one error line.
+- A folder with a previous run (checkpoints or train_log.jsonl) needs `--resume`: nothing is deleted.
+- On resume, train_log.jsonl keeps the records up to the restored step (a killed run may have logged steps
+  after its last checkpoint; they are run again), so each step appears once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+from medusa_jax.atomic import write_text_atomic
+
+MARKER = ".medusa_jax_train"
+LOCK = ".train.lock"
+LOG = "train_log.jsonl"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".msgpack", ".h5")
+
+
+class OutputFolderError(ValueError):
+    """The output folder is not one the trainer may write (the message says why and what to do)."""
+
+
+def _holds_model(folder: Path) -> bool:
+    """A model folder: a config.json with a model_type next to weights, or weights of any kind but ours."""
+    weights = [p.name for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES) and p.name != "heads.safetensors"]
+    config = folder / "config.json"
+    if config.is_file():
+        try:
+            hf = json.loads(config.read_text())
+        except (OSError, ValueError):
+            hf = {}
+        if isinstance(hf, dict) and "model_type" in hf and "medusa_num_heads" not in hf:
+            return True
+    return bool(weights)
+
+
+def check_output(output: str | os.PathLike, force: bool = False) -> None:
+    """Refuses a file, a model folder, or (without `force`) a non-empty folder the trainer did not write."""
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise OutputFolderError(f"--output {out} is a file; give a folder for the heads (it may not exist yet)")
+    if not out.is_dir() or (out / MARKER).exists() or not any(out.iterdir()):
+        return
+    if _holds_model(out):
+        raise OutputFolderError(f"--output {out} holds a model (config.json with a model_type, or weights); the "
+                                f"trainer would overwrite its config.json: choose another --output")
+    if not force:
+        names = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise OutputFolderError(f"--output {out} holds files the trainer did not write ({shown}); choose a new or "
+                                f"empty folder, or pass --force-output to add the trainer's files to it")
+
+
+class OutputLock:
+    """`with OutputLock(folder):` creates the folder and its marker, and holds the folder's exclusive lock."""
+
+    def __init__(self, output: str | os.PathLike):
+        self.folder = Path(output)
+        self._fd: int | None = None
+
+    def __enter__(self) -> "OutputLock":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if not (self.folder / MARKER).exists():
+            write_text_atomic(self.folder / MARKER, json.dumps({"written_by": "medusa_jax scripts/train_heads.py"}))
+        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputFolderError(f"--output {self.folder} is in use by another training run (it holds "
+                                    f"{self.folder / LOCK}); wait for it to finish or choose another --output")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def checkpoint_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps of the complete Orbax checkpoints in `directory` (step folders), read without Orbax."""
+    d = Path(directory)
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()) if d.is_dir() else []
+
+
+def check_previous_run(output: str | os.PathLike, checkpoint_dir: str | os.PathLike, resume: bool) -> None:
+    """Without --resume, a folder with checkpoints or a training log is refused (nothing is deleted)."""
+    if resume:
+        return
+    steps, log = checkpoint_steps(checkpoint_dir), Path(output) / LOG
+    if steps:
+        raise OutputFolderError(f"{checkpoint_dir} already holds checkpoints (latest step {steps[-1]}): pass --resume "
+                                f"to continue that run, or choose another --output/--checkpoint-dir")
+    if log.exists():
+        raise OutputFolderError(f"{log} holds a previous run's log: pass --resume to continue that run (the log is "
+                                f"cut back to its last checkpoint), or choose another --output")
+
+
+def truncate_log(output: str | os.PathLike, step: int) -> int:
+    """Keeps the train_log.jsonl records of steps <= `step` (atomic rewrite); returns how many were dropped."""
+    log = Path(output) / LOG
+    if not log.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in log.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut off by a kill
+            dropped += 1
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        write_text_atomic(log, "".join(line + "\n" for line in kept))
+    return dropped
