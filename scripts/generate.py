@@ -12,7 +12,9 @@ batches of --batch-size (bounding padding and recompiles), one jitted call per b
 progress bar, results in input order; rows also hold finish_reason and batch.
 Input JSONL: one prompt per line, a JSON string or {"prompt": TEXT, "id": ...}. Each output row (and each
 --json line) holds the id, prompt, text, token_ids, new_tokens, steps, tokens_per_step, prompt_tokens,
-seconds, tokens_per_s and compile_seconds (seconds exclude JAX compilation, which is reported apart).
+seconds, tokens_per_s and compile_seconds (seconds exclude JAX compilation, which is reported apart); with
+--heads also decoder ("medusa", or "plain" where the heads' trees.json says no tree pays at this batch size)
+and tree (where the tree came from).
 """
 
 from __future__ import annotations
