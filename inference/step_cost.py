@@ -10,8 +10,8 @@ Pieces of one step (B rows, T tree tokens, S cache slots of which `context` are 
 The pieces are the decoder's own functions (`acceptance.accept_tree`, `medusa.compact_accepted`, ...).
 The whole step is the decode loop's own step function, `medusa.medusa_step` (what a loop iteration costs,
 XLA fusing across pieces), jitted alone; the plain step is `autoregressive.plain_step` (T = 1 forward +
-lm_head + argmax), the plain loop's own. Caches are donated so writes are in place, as in the decode loops. Values do not matter for cost, so weights are used as given
-(random or real) and the cache holds zeros.
+lm_head + argmax), the plain loop's own. Caches are donated so writes are in place, as in the decode loops.
+Values do not matter for cost, so weights are used as given (random or real) and the cache holds zeros.
 """
 
 from __future__ import annotations
