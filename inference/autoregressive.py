@@ -38,6 +38,16 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
+def plain_step(model: CausalLM, cache: KVCache, token_b: jax.Array, key: jax.Array,
+               sampling: SamplingConfig) -> tuple[jax.Array, KVCache]:
+    """One plain step: the forward of each row's newest token at slot `length` (its K/V written) and the next
+    token sampled; lengths unchanged. The decode loop runs exactly this, and build_tree's timing does too."""
+    lengths_b = cache.lengths_b
+    mask_b1s = attention_mask(lengths_b, causal_block(1), cache.cache_size)
+    hidden_b1d, cache = model(token_b[:, None], lengths_b[:, None], mask_b1s, cache)
+    return sample_tokens(model.logits(hidden_b1d[:, 0]), key, sampling), cache
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _LoopState:
@@ -61,7 +71,6 @@ def decode(graphdef, params, cache: KVCache, prompt_bp, prompt_lens_b, key, *, m
     first_b = sample_tokens(model.logits(last_bd), sub, sampling)
     out_bn = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_b)
     state = _LoopState(cache, first_b, out_bn, jnp.ones((b,), jnp.int32), is_eos(first_b, eos_ids), key)
-    single = causal_block(1)
 
     def cond(s: _LoopState):
         return jnp.any(~s.done_b & (s.num_out_b < max_new_tokens))
@@ -69,10 +78,8 @@ def decode(graphdef, params, cache: KVCache, prompt_bp, prompt_lens_b, key, *, m
     def body(s: _LoopState):
         active_b = ~s.done_b & (s.num_out_b < max_new_tokens)
         lengths_b = s.cache.lengths_b
-        mask_b1s = attention_mask(lengths_b, single, s.cache.cache_size)
-        hidden_b1d, cache = model(s.last_token_b[:, None], lengths_b[:, None], mask_b1s, s.cache)
         key, sub = jax.random.split(s.key)
-        token_b = sample_tokens(model.logits(hidden_b1d[:, 0]), sub, sampling)
+        token_b, cache = plain_step(model, s.cache, s.last_token_b, sub, sampling)
         token_b = jnp.where(active_b, token_b, pad_id)
         rows = jnp.arange(b)
         idx_b = jnp.minimum(s.num_out_b, max_new_tokens - 1)

@@ -31,9 +31,12 @@ import numpy as np
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.engine import PROMPT_BUCKET, cache_size_for, check_positions, pad_prompts
+from medusa_jax.inference.medusa import ChosenTree, choose_tree
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
+
+HEADS_TREE = "heads"  # BatchSettings.tree: the heads' own tree for the backend and batch size
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
@@ -52,7 +55,9 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 class BatchSettings:
     batch_size: int = 8
     max_new_tokens: int = 128
-    tree: TreeBuffers | None = None  # None: plain decoding; a tree: Medusa (the model needs heads)
+    # None: plain decoding; a tree: Medusa (the model needs heads); HEADS_TREE: the heads' own tree for this
+    # backend and batch_size, or plain decoding where their trees.json says no tree pays (`medusa.choose_tree`)
+    tree: TreeBuffers | str | None = None
     acceptance: AcceptanceConfig = AcceptanceConfig()  # Medusa only
     sampling: SamplingConfig = SamplingConfig()  # plain only
     seed: int = 0  # batch i uses seed + i
@@ -61,6 +66,8 @@ class BatchSettings:
     bucket: int = 2 * PROMPT_BUCKET  # prompt widths are bucket * 2**k (engine.bucket_length)
 
     def __post_init__(self):
+        if isinstance(self.tree, str) and self.tree != HEADS_TREE:
+            raise ValueError(f"tree must be TreeBuffers, None (plain) or {HEADS_TREE!r}, got {self.tree!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1 or self.bucket < 1:
             raise ValueError(f"batch_size, max_new_tokens and bucket must be >= 1, got {self.batch_size}, "
                              f"{self.max_new_tokens}, {self.bucket}")
@@ -98,6 +105,7 @@ class BatchRun:
     compile_seconds: float  # of which tracing and compiling (JAX's compile events)
     num_batches: int
     num_shapes: int  # distinct (prompt width, cache size) pairs = compilations of the decode loop
+    tree_choice: ChosenTree | None = None  # Medusa: the tree used (None: plain) and its origin / why plain
 
     @property
     def new_tokens(self) -> int:
@@ -143,6 +151,11 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
     if settings.tree is not None and not model.has_heads:
         raise ValueError("Medusa decoding (a tree was given) needs a ShardedModel built with heads")
+    chosen = None
+    if settings.tree is not None:
+        chosen = choose_tree(model.heads_config, model.heads_trees, settings.batch_size,
+                             None if settings.tree == HEADS_TREE else settings.tree)
+        settings = dataclasses.replace(settings, tree=chosen.tree)
     model.check_batch_size(settings.batch_size)
     check_positions(model.config.max_position_embeddings, [len(p) for p in prompts], settings.max_new_tokens)
     extra = 0 if settings.tree is None else settings.tree.num_tokens
@@ -176,7 +189,8 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
             bar.set_postfix(tok_s=f"{rate:.1f}", batch=f"{number + 1}/{len(plan)}")
     if bar is not None:
         bar.close()
-    return BatchRun(results, time.perf_counter() - start, _compile_seconds[0] - compile_start, len(plan), len(shapes))
+    return BatchRun(results, time.perf_counter() - start, _compile_seconds[0] - compile_start, len(plan), len(shapes),
+                    chosen)
 
 
 def _decode(model: ShardedModel, prompt_bp: np.ndarray, lengths_b: np.ndarray, cache_size: int,

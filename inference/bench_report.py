@@ -44,8 +44,8 @@ def markdown(results: dict) -> str:
         f"at start).",
         f"Command: `{meta['command']}`",
         f"Model: {meta['model']}; heads: {results['heads']['folder']} ({results['heads']['num_heads']} heads, "
-        f"lm_head={results['heads']['lm_head']}); tree: {tree['spec']} ({tree['num_nodes']} nodes + root, depth "
-        f"{tree['depth']}); {ov['questions']} MT-Bench first turns, greedy, max {results['config']['max_new_tokens']} "
+        f"lm_head={results['heads']['lm_head']}); tree: {tree.get('origin', tree['spec'])} "
+        f"({tree['num_nodes']} nodes + root, depth {tree['depth']}); {ov['questions']} MT-Bench first turns, greedy, max {results['config']['max_new_tokens']} "
         f"new tokens, batch {results['config']['batch_size']}.",
         "",
         "| method | tokens/s | tokens/step | ms/step | speedup vs plain |",

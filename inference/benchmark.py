@@ -21,15 +21,17 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from medusa_jax.mtbench import MTBenchQuestion
-from medusa_jax.tree import DEFAULT_TREE, MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
+from medusa_jax.heads_trees import HeadsTrees, resolve_tree, trees_of
+from medusa_jax.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
 from medusa_jax.tree_search import greedy_order_of
 from medusa_jax.inference import step_cost
 from medusa_jax.inference.bench_inputs import LoadedModel
 from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
-from medusa_jax.inference.medusa import generate_medusa
+from medusa_jax.inference.medusa import ChosenTree, choose_tree, generate_medusa
 
 METHODS = ("plain", "medusa", "hf")
 
@@ -38,7 +40,7 @@ METHODS = ("plain", "medusa", "hf")
 class BenchmarkConfig:
     max_new_tokens: int = 256
     batch_size: int = 1  # rows per call in the main (interleaved, per-question) run
-    tree: str = DEFAULT_TREE  # preset name or tree JSON file
+    tree: str | None = None  # preset name or tree JSON file; None: the heads' own tree per batch size
     hf: bool = False  # also time transformers' PyTorch generate
     hf_threads: int = 1  # torch intra-op threads (0: torch's default)
     batched_sizes: tuple[int, ...] = (4, 8)  # extra batch sizes for the throughput table
@@ -80,6 +82,9 @@ class Runner:
         lm = self.loaded
         start = time.perf_counter()
         if method == "plain":
+            res = generate(lm.base, prompts, max_new_tokens=self.max_new_tokens, eos_ids=lm.eos_ids,
+                           pad_id=lm.pad_id, batch_size=batch)
+        elif method == "medusa" and tree is None:  # the heads' trees say no tree pays: Medusa decodes plainly
             res = generate(lm.base, prompts, max_new_tokens=self.max_new_tokens, eos_ids=lm.eos_ids,
                            pad_id=lm.pad_id, batch_size=batch)
         elif method == "medusa":
@@ -189,9 +194,15 @@ def _record(question: MTBenchQuestion, prompt: list[int], timed: dict[str, Timed
     return rec
 
 
-def sweep_order(tree_spec: str) -> list[tuple[int, ...]]:
-    """Paths in an order whose every prefix is a valid tree: the greedy order stored by build_tree, the
-    official order for presets, else the file's paths sorted by (length, ranks) (prefixes of that are valid)."""
+def sweep_order(tree_spec: str | None, heads_trees: HeadsTrees | None = None) -> list[tuple[int, ...]]:
+    """Paths in an order whose every prefix is a valid tree: the greedy order stored by build_tree (in a tree
+    file, or for the heads' own trees in their trees.json), the official order for presets, else the file's
+    paths sorted by (length, ranks) (prefixes of that are valid)."""
+    if tree_spec is None:
+        resolution = resolve_tree(heads_trees, jax.default_backend(), 1)
+        built = heads_trees.built(resolution.backend) if heads_trees and resolution.backend else {}
+        order = greedy_order_of(built)
+        return order if order else list(MC_SIM_7B_63)
     if tree_spec in PRESETS:
         return list(MC_SIM_7B_63)
     path = Path(tree_spec)
@@ -202,8 +213,16 @@ def sweep_order(tree_spec: str) -> list[tuple[int, ...]]:
     return sorted(load_tree(path).paths, key=lambda p: (len(p), p))
 
 
-def tree_metadata(tree_spec: str) -> dict:
-    """build_tree's predictions when the tree is a build_tree file, else {}."""
+def tree_metadata(tree_spec: str | None, chosen: ChosenTree, heads_trees: HeadsTrees | None,
+                  batch_size: int) -> dict:
+    """build_tree's predictions when the tree is a build_tree file or the heads' own tree, else {}."""
+    if tree_spec is None:
+        resolution = resolve_tree(heads_trees, jax.default_backend(), batch_size)
+        if heads_trees is None or resolution.backend is None:
+            return {"origin": chosen.note}
+        record = heads_trees.built(resolution.backend).get("batches", {}).get(str(resolution.batch), {})
+        keys = ("predicted_tokens_per_step", "predicted_speedup_vs_plain", "num_nodes")
+        return {"origin": chosen.note, **{k: record[k] for k in keys if k in record}}
     path = Path(tree_spec)
     if tree_spec in PRESETS or not path.is_file():
         return {}
@@ -220,8 +239,10 @@ def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], con
     (`bench_report.write_report` turns it into files)."""
     if loaded.heads is None:
         raise ValueError("the benchmark needs Medusa heads")
-    heads_cfg = loaded.heads.config
-    tree = load_tree(config.tree, num_heads=heads_cfg.num_heads, max_top_k=heads_cfg.head_vocab_size)
+    heads_cfg, heads_trees = loaded.heads.config, trees_of(loaded.heads)
+    chosen = choose_tree(heads_cfg, heads_trees, config.batch_size, config.tree)
+    tree = chosen.tree  # None: the heads' trees say no tree pays at this batch size; "medusa" runs plain
+    progress(f"tree: {chosen.note}")
     prompts = loaded.encode_chat([q.first_turn for q in questions])
     methods = ["plain", "medusa"] + (["hf"] if config.hf else [])
     runner = Runner(loaded, config.max_new_tokens, config.hf, config.hf_threads)
@@ -246,15 +267,17 @@ def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], con
         **{k: overall[k] for k in ("speedup", "acceleration_rate", "step_overhead", "mismatches", "tokens_per_s")},
         "overall": overall,
         "per_category": {c: summarize([r for r in records if r["category"] == c], methods) for c in categories},
-        "accept_length_histogram": accept_histogram(records, tree.depth),
-        "tree": {"spec": config.tree, "num_nodes": len(tree.paths), "num_tree_tokens": tree.num_tokens,
-                 "depth": tree.depth, "top_k": tree.top_k, **tree_metadata(config.tree)},
+        "accept_length_histogram": accept_histogram(records, tree.depth if tree else 0),
+        "tree": {"spec": config.tree or "heads", "num_nodes": len(tree.paths) if tree else 0,
+                 "num_tree_tokens": tree.num_tokens if tree else 1, "depth": tree.depth if tree else 0,
+                 "top_k": tree.top_k if tree else 0,
+                 **tree_metadata(config.tree, chosen, heads_trees, config.batch_size)},
         "heads": {"folder": str(loaded.heads_folder), **dataclasses.asdict(heads_cfg)},
         "config": dataclasses.asdict(config),
         "compile_seconds": dict(runner.compile_seconds),
         "per_question": records,
     }
-    if config.profile:
+    if config.profile and tree is not None:
         results["step_profile"] = profile_step(loaded, tree, records, progress)
     results["batched"] = run_batched(runner, questions, prompts, config, tree, records, progress)
     results["tree_sweep"] = run_tree_sweep(runner, prompts, config, tree, progress)
@@ -279,7 +302,8 @@ def profile_step(loaded: LoadedModel, tree: TreeBuffers, records: list[dict], pr
 def run_batched(runner: Runner, questions, prompts, config: BenchmarkConfig, tree: TreeBuffers,
                 records: list[dict], progress) -> list[dict]:
     """Total tokens/s, Medusa vs plain, at each batch size (the main run gives its own batch size's row)."""
-    rows = [_batched_row(config.batch_size, summarize(records, ["plain", "medusa"]), len(records))]
+    rows = [{**_batched_row(config.batch_size, summarize(records, ["plain", "medusa"]), len(records)),
+             "tree_nodes": len(tree.paths) if tree else 0}]
     for b in config.batched_sizes:
         if b == config.batch_size:
             continue
@@ -287,19 +311,21 @@ def run_batched(runner: Runner, questions, prompts, config: BenchmarkConfig, tre
         if usable == 0:
             progress(f"batched: skipping batch {b}: only {len(prompts)} questions")
             continue
+        tree_b = choose_tree(runner.loaded.heads.config, trees_of(runner.loaded.heads), b, config.tree).tree
         # chunks of similar prompt length share a prompt bucket, so fewer shapes compile
         by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[:usable]
         recs = []
         for i in range(0, usable, b):
             members = by_length[i: i + b]
             chunk = [prompts[j] for j in members]
-            timed = {m: runner.run(m, chunk, b, tree if m == "medusa" else None) for m in ("plain", "medusa")}
+            timed = {m: runner.run(m, chunk, b, tree_b if m == "medusa" else None) for m in ("plain", "medusa")}
             for row in range(b):
                 rec = _record(questions[members[row]], chunk[row], timed, row)
                 for m in ("plain", "medusa"):  # a call's seconds are shared by its rows
                     rec[m]["seconds"] = timed[m].seconds / b
                 recs.append(rec)
-        rows.append(_batched_row(b, summarize(recs, ["plain", "medusa"]), usable))
+        rows.append({**_batched_row(b, summarize(recs, ["plain", "medusa"]), usable),
+                     "tree_nodes": len(tree_b.paths) if tree_b else 0})
         progress(f"batch {b}: plain {rows[-1]['tokens_per_s']['plain']:.1f} tok/s, medusa "
                  f"{rows[-1]['tokens_per_s']['medusa']:.1f} tok/s, x{rows[-1]['speedup']:.2f}")
     return rows
@@ -317,10 +343,11 @@ def run_tree_sweep(runner: Runner, prompts, config: BenchmarkConfig, tree: TreeB
     if n == 0 or config.batch_size != 1:
         return []
     heads_cfg = runner.loaded.heads.config
-    order = sweep_order(config.tree)
+    order = sweep_order(config.tree, trees_of(runner.loaded.heads))
     out = []
-    for size in sorted(set(s for s in config.sweep_sizes if s <= len(order)) | {len(tree.paths)}):
-        if size == len(tree.paths):
+    main = {len(tree.paths)} if tree is not None else set()
+    for size in sorted(set(s for s in config.sweep_sizes if s <= len(order)) | main):
+        if tree is not None and size == len(tree.paths):
             sub = tree
         else:
             try:

@@ -16,6 +16,7 @@ to max_new_tokens, and a finished row stops advancing (it keeps computing, writi
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -26,13 +27,16 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.backbone import CausalLM
-from medusa_jax.heads import MedusaHeads, MedusaModel
+from medusa_jax.heads import HeadsConfig, MedusaHeads, MedusaModel
+from medusa_jax.heads_trees import HeadsTrees, resolve_tree, trees_of
 from medusa_jax.kv_cache import KVCache, attention_mask
 from medusa_jax.sharding import map_cache_rows
-from medusa_jax.tree import DEFAULT_TREE, TreeBuffers, load_tree
+from medusa_jax.tree import TreeBuffers, build_tree, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
 from medusa_jax.inference.autoregressive import is_eos, prefill
-from medusa_jax.inference.engine import GenerationResult, check_fits, check_positions, pad_prompts, resolve_eos
+from medusa_jax.inference.engine import (GenerationResult, check_fits, check_positions, generate, pad_prompts,
+                                         resolve_eos)
+from medusa_jax.inference.sampling import SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,35 @@ def _compact_rows(cache: KVCache, nodes_bj: jax.Array) -> KVCache:
     return cache.replace(k_lbshd=move(cache.k_lbshd), v_lbshd=move(cache.v_lbshd))
 
 
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    cache: KVCache  # tree K/V written, the accepted path's moved to slots [length, length + D]; same lengths
+    tokens_bt: jax.Array  # the verified tree tokens
+    accept_b: jax.Array  # accepted candidates (0..D)
+    nodes_bj: jax.Array  # the chosen path's nodes, root first (the first accept_b + 1 are accepted)
+    bonus_b: jax.Array  # the base model's token after the accepted path
+    hidden_bd: jax.Array  # hidden state of the last accepted node (its logits gave bonus_b)
+
+
+def medusa_step(inputs: ProposeInputs, cache: KVCache, key: jax.Array, *, acceptance: AcceptanceConfig,
+                proposer: Proposer = heads_proposer) -> StepOutput:
+    """One tree step, items 1-4 of the module docstring but the length update: propose, verify, accept,
+    compact. The decode loop runs exactly this each iteration, and build_tree's step timing does too."""
+    model, tree = inputs.model, inputs.tree
+    base = model.base
+    lengths_b = cache.lengths_b
+    candidates_bhk = proposer(inputs)
+    tokens_bt = tree_tokens(inputs.root_b, candidates_bhk, tree)
+    mask_bts = attention_mask(lengths_b, jnp.asarray(tree.ancestor_mask_tt), cache.cache_size)
+    positions_bt = lengths_b[:, None] + jnp.asarray(tree.depth_t)[None, :]
+    hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, cache)
+    accept_b, nodes_bj, bonus_b = accept_tree(tree, tokens_bt, base.logits(hidden_btd), key, acceptance)
+    cache = compact_accepted(cache, nodes_bj)
+    last_node_b = jnp.take_along_axis(nodes_bj, accept_b[:, None], axis=1)[:, 0]
+    hidden_bd = jnp.take_along_axis(hidden_btd, last_node_b[:, None, None], axis=1)[:, 0]
+    return StepOutput(cache, tokens_bt, accept_b, nodes_bj, bonus_b, hidden_bd)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _LoopState:
@@ -115,8 +148,6 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bp, prompt_lens_b, ke
     zeros_b = jnp.zeros((b,), jnp.int32)
     state = _LoopState(cache, first_b, last_bd, out_bn, jnp.ones((b,), jnp.int32), is_eos(first_b, eos_ids),
                        zeros_b, jnp.zeros((b, n), jnp.int32), jnp.zeros((), jnp.int32), key)
-    block_mask_tt = jnp.asarray(tree.ancestor_mask_tt)
-    depth_t = jnp.asarray(tree.depth_t)
     rows_b1 = jnp.arange(b)[:, None]
     j_1j = jnp.arange(depth + 1)[None, :]
 
@@ -126,13 +157,10 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bp, prompt_lens_b, ke
     def body(s: _LoopState):
         active_b = ~s.done_b & (s.num_out_b < n)
         lengths_b = s.cache.lengths_b
-        candidates_bhk = proposer(ProposeInputs(model, s.hidden_bd, s.root_b, s.num_out_b, s.step, tree,
-                                                proposer_data))
-        tokens_bt = tree_tokens(s.root_b, candidates_bhk, tree)
-        mask_bts = attention_mask(lengths_b, block_mask_tt, s.cache.cache_size)
-        hidden_btd, cache = base(tokens_bt, lengths_b[:, None] + depth_t[None, :], mask_bts, s.cache)
         key, sub = jax.random.split(s.key)
-        accept_b, nodes_bj, bonus_b = accept_tree(tree, tokens_bt, base.logits(hidden_btd), sub, acceptance)
+        step = medusa_step(ProposeInputs(model, s.hidden_bd, s.root_b, s.num_out_b, s.step, tree, proposer_data),
+                           s.cache, sub, acceptance=acceptance, proposer=proposer)
+        tokens_bt, accept_b, nodes_bj, bonus_b = step.tokens_bt, step.accept_b, step.nodes_bj, step.bonus_b
 
         # emitted this step: the accepted candidates (depth 1..a of the path), then the bonus token
         path_tokens_bj = jnp.take_along_axis(tokens_bt, nodes_bj, axis=1)
@@ -147,12 +175,9 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bp, prompt_lens_b, ke
             emitted_bj, mode="drop")
         accept_bn = s.accept_bn.at[jnp.arange(b), jnp.where(active_b, s.steps_b, n)].set(accept_b, mode="drop")
 
-        cache = compact_accepted(cache, nodes_bj)
-        cache = cache.replace(lengths_b=lengths_b + count_b)
-        last_node_b = jnp.take_along_axis(nodes_bj, accept_b[:, None], axis=1)[:, 0]
-        hidden_bd = jnp.take_along_axis(hidden_btd, last_node_b[:, None, None], axis=1)[:, 0]
+        cache = step.cache.replace(lengths_b=lengths_b + count_b)
         return _LoopState(cache, jnp.where(active_b, bonus_b, s.root_b),
-                          jnp.where(active_b[:, None], hidden_bd, s.hidden_bd), out_bn, s.num_out_b + count_b,
+                          jnp.where(active_b[:, None], step.hidden_bd, s.hidden_bd), out_bn, s.num_out_b + count_b,
                           s.done_b | jnp.any(eos_bj & keep_bj, axis=1), s.steps_b + active_b.astype(jnp.int32),
                           accept_bn, s.step + 1, key)
 
@@ -160,16 +185,52 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bp, prompt_lens_b, ke
     return state.out_bn, state.num_out_b, state.steps_b, state.accept_bn, state.cache
 
 
+@dataclasses.dataclass(frozen=True)
+class ChosenTree:
+    tree: TreeBuffers | None  # None: decode plainly
+    note: str  # where the tree came from, for logs and JSON rows
+
+
+def choose_tree(heads_config: HeadsConfig, trees: HeadsTrees | None, batch_size: int,
+                tree: "str | os.PathLike | TreeBuffers | None" = None) -> ChosenTree:
+    """The tree to decode with: an explicit `tree` (preset name, JSON file or TreeBuffers) always wins; None
+    takes the heads' own `trees` (their folder's trees.json) for this backend and batch size, which may say
+    to decode plainly (see `medusa_jax.heads_trees.resolve_tree`)."""
+    limits = dict(num_heads=heads_config.num_heads, max_top_k=heads_config.head_vocab_size)
+    if tree is not None:
+        buffers = load_tree(tree, **limits)
+        return ChosenTree(buffers, f"tree {buffers.name} of {len(buffers.paths)} nodes (given)")
+    resolution = resolve_tree(trees, jax.default_backend(), batch_size)
+    if resolution.plain:
+        return ChosenTree(None, resolution.note)
+    if resolution.preset is not None:
+        return ChosenTree(load_tree(resolution.preset, **limits), resolution.note)
+    name = f"heads_{resolution.backend}_batch{resolution.batch}"
+    return ChosenTree(build_tree(resolution.paths, name=name, **limits), resolution.note)
+
+
 def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequence[int]], *,
-                    tree: "str | TreeBuffers" = DEFAULT_TREE, max_new_tokens: int = 128,
+                    tree: "str | TreeBuffers | None" = None, max_new_tokens: int = 128,
                     acceptance: AcceptanceConfig = AcceptanceConfig(), seed: int = 0,
                     eos_ids: Sequence[int] | None = None, pad_id: int = 0, batch_size: int | None = None,
                     cache_size: int | None = None, proposer: Proposer | None = None, proposer_data: Any = None,
                     timings: dict | None = None) -> list[GenerationResult]:
     """Medusa decoding of one batch of token-id prompts (ragged lengths are fine). `tree` is a preset name,
-    a JSON file or TreeBuffers; `proposer` replaces the heads' top-k proposal (it receives `proposer_data`).
-    Each result's `steps` counts the prefill and the verify steps; `accept_lengths` lists each step's."""
-    tree = load_tree(tree, num_heads=heads.config.num_heads, max_top_k=heads.config.head_vocab_size)
+    a JSON file or TreeBuffers; None: the heads' own tree for this backend and batch size (`choose_tree`),
+    and plain decoding (`engine.generate`, same sampling) where their trees.json says no tree pays.
+    `proposer` replaces the heads' top-k proposal (it receives `proposer_data`). Each result's `steps` counts
+    the prefill and the verify steps; `accept_lengths` lists each step's. `timings` gets "seconds" and
+    "tree" (the tree's origin, or why decoding was plain)."""
+    chosen = choose_tree(heads.config, trees_of(heads), batch_size or len(prompts), tree)
+    if timings is not None:
+        timings["tree"] = chosen.note
+    if chosen.tree is None:
+        sampling = (SamplingConfig() if acceptance.kind == "greedy" else
+                    SamplingConfig(acceptance.temperature, acceptance.top_p, acceptance.top_k))
+        return generate(base, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                        eos_ids=eos_ids, pad_id=pad_id, batch_size=batch_size, cache_size=cache_size,
+                        timings=timings)
+    tree = chosen.tree
     batch = pad_prompts(prompts, pad_id, batch_size)
     check_positions(base.config.max_position_embeddings, batch.lengths_b.tolist(), max_new_tokens)
     size = check_fits(batch, max_new_tokens, tree.num_tokens, cache_size)

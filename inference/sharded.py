@@ -35,6 +35,7 @@ from medusa_jax.heads import MedusaHeads, MedusaModel
 from medusa_jax.kv_cache import KVCache
 from medusa_jax.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_sharding, cache_shardings,
                                  checked_sharding, param_shardings, replicated, validate_model_mesh)
+from medusa_jax.heads_trees import trees_of
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference import autoregressive, medusa
 from medusa_jax.inference.acceptance import AcceptanceConfig
@@ -152,6 +153,7 @@ class ShardedModel:
         self.mesh = mesh
         self.config = base.config
         self.heads_config = None if heads is None else heads.config
+        self.heads_trees = None if heads is None else trees_of(heads)  # the heads folder's trees.json
         graphdef, state = nnx.split(base if heads is None else MedusaModel(base, heads))
         shardings = param_shardings(state, mesh)
         params = jax.tree.map(_placed, state, shardings)

@@ -7,11 +7,11 @@ Pieces of one step (B rows, T tree tokens, S cache slots of which `context` are 
     acceptance        the longest accepted path and the bonus token (`acceptance.accept_tree`)
     heads_top_k       every head's top-k at the accepted node (the next step's candidates)
     cache_compaction  moves the accepted path's K/V to consecutive slots (all layers)
-The pieces are the decoder's own functions (`acceptance.accept_tree`, `medusa.compact_accepted`, ...);
-`medusa_step` runs all of them in one jitted call (what a decode loop iteration costs, XLA fusing across
-pieces); `plain_step` is one plain decoding step (T = 1 forward + lm_head + argmax). Caches are donated so
-writes are in place, as in the decode loops. Values do not matter for cost, so weights are used as given
-(random or real) and the cache holds zeros.
+The pieces are the decoder's own functions (`acceptance.accept_tree`, `medusa.compact_accepted`, ...).
+The whole step is the decode loop's own step function, `medusa.medusa_step` (what a loop iteration costs,
+XLA fusing across pieces), jitted alone; the plain step is `autoregressive.plain_step` (T = 1 forward +
+lm_head + argmax), the plain loop's own. Caches are donated so writes are in place, as in the decode loops.
+Values do not matter for cost, so weights are used as given (random or real) and the cache holds zeros.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.backbone import CausalLM
-from medusa_jax.heads import MedusaHeads
-from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.heads import MedusaHeads, MedusaModel
+from medusa_jax.kv_cache import KVCache, attention_mask
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree
-from medusa_jax.inference.medusa import compact_accepted, tree_tokens
-from medusa_jax.inference.sampling import greedy_tokens
+from medusa_jax.inference.autoregressive import plain_step
+from medusa_jax.inference.medusa import ProposeInputs, compact_accepted, heads_proposer, medusa_step
+from medusa_jax.inference.sampling import SamplingConfig, greedy_tokens
 
 PIECES = ("verify_forward", "base_logits", "acceptance", "heads_top_k", "cache_compaction")
 
@@ -89,26 +90,21 @@ def _compaction(cache, nodes_bj):
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree"), donate_argnames=("cache",))
-def _medusa_step(graphdef, params, cache, tokens_bt, positions_bt, key, *, tree: TreeBuffers):
-    base, heads = nnx.merge(graphdef, params)
-    mask_bts = attention_mask(cache.lengths_b, jnp.asarray(tree.ancestor_mask_tt), cache.cache_size)
-    hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, cache)
-    length_b, nodes_bj, bonus_b = accept_tree(tree, tokens_bt, base.logits(hidden_btd), key, AcceptanceConfig())
-    last_b = jnp.take_along_axis(nodes_bj, length_b[:, None], axis=1)[:, 0]
-    hidden_bd = jnp.take_along_axis(hidden_btd, last_b[:, None, None], axis=1)[:, 0]
-    candidates_bhk = heads.top_k(hidden_bd, base, tree.top_k, tree.depth).transpose(1, 0, 2)
-    cache = compact_accepted(cache, nodes_bj)
-    return tree_tokens(bonus_b, candidates_bhk, tree), cache.replace(lengths_b=cache.lengths_b + length_b + 1)
+def _medusa_step(graphdef, params, cache, root_b, hidden_bd, key, *, tree: TreeBuffers):
+    """`medusa.medusa_step`, the decode loop's own step (greedy, the heads' proposal), then the length update."""
+    model: MedusaModel = nnx.merge(graphdef, params)
+    b = root_b.shape[0]
+    inputs = ProposeInputs(model, hidden_bd, root_b, jnp.ones((b,), jnp.int32), jnp.zeros((), jnp.int32), tree, None)
+    out = medusa_step(inputs, cache, key, acceptance=AcceptanceConfig(), proposer=heads_proposer)
+    return out.bonus_b, out.cache.replace(lengths_b=out.cache.lengths_b + out.accept_b + 1)
 
 
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _plain_step(graphdef, params, cache, tokens_b1):
+def _plain_step(graphdef, params, cache, tokens_b, key):
+    """`autoregressive.plain_step`, the plain decode loop's own step (greedy), then the length update."""
     base: CausalLM = nnx.merge(graphdef, params)
-    lengths_b = cache.lengths_b
-    mask_b1s = attention_mask(lengths_b, causal_block(1), cache.cache_size)
-    hidden_b1d, cache = base(tokens_b1, lengths_b[:, None], mask_b1s, cache)
-    next_b1 = greedy_tokens(base.logits(hidden_b1d))
-    return next_b1, cache.replace(lengths_b=lengths_b + 1)
+    next_b, cache = plain_step(base, cache, tokens_b, key, SamplingConfig())
+    return next_b, cache.replace(lengths_b=cache.lengths_b + 1)
 
 
 class _Donating:
@@ -134,19 +130,20 @@ def plain_step_call(base: CausalLM, batch: int, context: int, cache_size: int) -
     """A zero-argument call that runs one plain step over its own (donated, reused) cache."""
     graphdef, params = nnx.split(base)
     runner = _Donating(make_cache(base, batch, cache_size, context), context)
-    tokens_b1 = jnp.zeros((batch, 1), jnp.int32)
-    return lambda: runner.run(lambda c, *a: _plain_step(graphdef, params, c, *a), tokens_b1)
+    tokens_b, key = jnp.zeros((batch,), jnp.int32), jax.random.key(0)
+    return lambda: runner.run(lambda c, *a: _plain_step(graphdef, params, c, *a), tokens_b, key)
 
 
 def medusa_step_call(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: int, context: int,
                      cache_size: int) -> Callable[[], object]:
     """A zero-argument call that runs one whole Medusa step (all pieces in one jitted call)."""
-    graphdef, params = nnx.split((base, heads))
+    graphdef, params = nnx.split(MedusaModel(base, heads))
     runner = _Donating(make_cache(base, batch, cache_size, context), context)
-    tokens_bt, positions_bt = _tree_inputs(tree, batch, context, base.config.vocab_size)
+    root_b = jnp.zeros((batch,), jnp.int32)
+    hidden_bd = jax.random.normal(jax.random.key(1), (batch, base.config.hidden_size), base.config.jnp_dtype)
     key = jax.random.key(0)
     step = lambda c, *a: _medusa_step(graphdef, params, c, *a, tree=tree)  # noqa: E731
-    return lambda: runner.run(step, tokens_bt, positions_bt, key)
+    return lambda: runner.run(step, root_b, hidden_bd, key)
 
 
 def plain_step_seconds(base: CausalLM, batch: int, context: int, cache_size: int, repeats: int = 5) -> float:

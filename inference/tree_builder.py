@@ -3,15 +3,19 @@
 1. held-out prompts (the LAST conversations of the ShareGPT data, first user turn, chat template), continued
    greedily by the base model itself (self-distilled text);
 2. each head's top-k accuracy on that text (`head_accuracy`);
-3. the greedy node order by expected accepted length, and the whole Medusa step's time for trees that are
-   prefixes of that order at several sizes T, plus one plain step, timed in interleaved rounds
-   (`step_cost`) and fitted with a non-decreasing curve (a bigger tree is never cheaper; dips are noise);
-4. the size with the most expected tokens per second = (1 + expected accepted nodes) / step time.
+3. the greedy node order by expected accepted length, and, for each batch size B, the whole Medusa step's
+   time (the decode loop's own `medusa.medusa_step`) for trees that are prefixes of that order at several
+   sizes T, plus one plain step, timed in interleaved rounds (`step_cost`) and fitted with a non-decreasing
+   curve (a bigger tree is never cheaper; dips are noise);
+4. per B, the size with the most expected tokens per second = (1 + expected accepted nodes) / step time,
+   or no tree (plain decoding) when even that one is predicted under `min_speedup` x plain. Verify cost
+   grows with B x T, so the tree shrinks as the batch grows, down to none.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -31,7 +35,8 @@ class BuildTreeConfig:
     top_k: int = 10  # ranks measured per head (the largest rank a tree may use)
     max_nodes: int = 64  # largest tree considered (root excluded)
     tree_tokens: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64)  # T values whose step time is measured
-    batch: int = 1  # rows per step when timing
+    batch_sizes: tuple[int, ...] = (1,)  # rows per step when timing: one tree per batch size
+    min_speedup: float = 1.05  # a tree is kept only if its predicted speedup over plain reaches this
     context: int = 256  # committed tokens in the cache when timing
     repeats: int = 7  # timed calls per size (median)
     batch_size: int = 8  # rows per call when generating / scoring the held-out text
@@ -41,6 +46,10 @@ class BuildTreeConfig:
             raise ValueError(f"heldout, top_k, max_nodes must be >= 1 and continuation_tokens >= 4: {self}")
         if not self.tree_tokens or min(self.tree_tokens) < 2:
             raise ValueError(f"tree_tokens must be sizes >= 2 (root + at least one node), got {self.tree_tokens}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch_sizes must be sizes >= 1, got {self.batch_sizes}")
+        if not self.min_speedup > 0 or self.repeats < 1 or self.context < 1:
+            raise ValueError(f"min_speedup must be > 0, repeats and context >= 1: {self}")
 
 
 def heldout_prompts(loaded: LoadedModel, config: BuildTreeConfig) -> tuple[list[list[int]], str]:
@@ -60,14 +69,43 @@ def heldout_prompts(loaded: LoadedModel, config: BuildTreeConfig) -> tuple[list[
             break
     if not prompts:
         raise ValueError(f"{report.source}: no usable prompt of at most {config.max_prompt_tokens} tokens")
-    return prompts, f"last {len(prompts)} usable conversations of {report.source} ({report.kept} kept)"
+    name = Path(str(report.source)).name  # no local paths in what build_tree writes
+    return prompts, f"last {len(prompts)} usable conversations of {name} ({report.kept} kept)"
 
 
-def build(loaded: LoadedModel, config: BuildTreeConfig, progress: Callable[[str], None] = print) -> dict:
-    """Runs the measurements and returns the tree document (see `tree_search.tree_document`)."""
+def pick_for_batch(accuracy_dk, costs: step_cost.StepCostTable, max_nodes: int,
+                   min_speedup: float) -> tuple[tuple[tuple[int, ...], ...], dict]:
+    """The tree for one batch size from its measured step costs: the greedy tree with the most expected tokens
+    per second, or () ("decode plainly") when its predicted speedup over a plain step is below min_speedup.
+    Returns (paths, the record build_tree stores for that batch)."""
+    # step time cannot fall as the tree grows: fit the measured (noisy) times with a non-decreasing curve
+    fitted = tuple(tree_search.nondecreasing_fit(costs.medusa_seconds))
+    cost = tree_search.StepCost(costs.num_tree_tokens, fitted)
+    choice = tree_search.choose_tree(accuracy_dk, cost, min(max_nodes, cost.max_tokens - 1))
+    speedup_by_size = [tps * costs.plain_seconds for tps in choice.tokens_per_second]
+    speedup = speedup_by_size[choice.best_num_nodes - 1]
+    paths = choice.paths if speedup >= min_speedup else ()
+    record = {
+        "num_nodes": len(paths),
+        "best_num_nodes": choice.best_num_nodes,
+        "predicted_tokens_per_step": choice.predicted_tokens_per_step if paths else 1.0,
+        "predicted_speedup_vs_plain": speedup if paths else 1.0,
+        "best_tree_predicted_speedup": speedup,
+        "plain_step_seconds": costs.plain_seconds,
+        "step_seconds": {"tree_tokens": list(costs.num_tree_tokens), "measured": list(costs.medusa_seconds),
+                         "fitted": list(fitted)},
+        "predicted_speedup_by_size": [None if np.isnan(x) else x for x in speedup_by_size],
+        "cache_size": costs.cache_size,
+    }
+    return paths, record
+
+
+def build(loaded: LoadedModel, config: BuildTreeConfig,
+          progress: Callable[[str], None] = print) -> tuple[dict[int, tuple], dict]:
+    """Runs the measurements. Returns (batch size -> paths, () for plain decoding; the `built` record of
+    trees.json: accuracies, step times and predictions per batch size, where it ran — no local paths)."""
     if loaded.heads is None:
         raise ValueError("build_tree needs heads")
-    num_heads = loaded.heads.config.num_heads
     top_k = min(config.top_k, loaded.heads.config.head_vocab_size)
     prompts, source = heldout_prompts(loaded, config)
     progress(f"held-out text: greedy continuations of {len(prompts)} prompts ({source})")
@@ -81,40 +119,47 @@ def build(loaded: LoadedModel, config: BuildTreeConfig, progress: Callable[[str]
     order = tree_search.greedy_tree(accuracy.accuracy_dk, config.max_nodes)
     sizes = sorted({t for t in config.tree_tokens if t <= len(order) + 1})
     trees = [build_tree([p for p, _ in order[: t - 1]], name=f"greedy_{t - 1}") for t in sizes]
-    costs = step_cost.measure_step_costs(loaded.base, loaded.heads, trees, batch=config.batch,
-                                         context=config.context, repeats=config.repeats, progress=progress)
-    # step time cannot fall as the tree grows: fit the measured (noisy) times with a non-decreasing curve
-    cost = tree_search.StepCost(costs.num_tree_tokens,
-                                tuple(tree_search.nondecreasing_fit(costs.medusa_seconds)))
-    choice = tree_search.choose_tree(accuracy.accuracy_dk, cost, min(len(order), cost.max_tokens - 1))
-    progress(f"chosen: {choice.best_num_nodes} nodes, predicted {choice.predicted_tokens_per_step:.2f} tokens/step, "
-             f"{choice.predicted_tokens_per_second:.1f} tokens/s at batch {config.batch}")
-    provenance = {
-        "model": str(loaded.folder),
-        "heads": str(loaded.heads_folder),
-        "num_heads": num_heads,
-        "heldout": {"source": source, "prompts": len(prompts),
-                    "continuation_tokens": config.continuation_tokens,
+    chosen, records = {}, {}
+    for batch in sorted(set(config.batch_sizes)):
+        costs = step_cost.measure_step_costs(loaded.base, loaded.heads, trees, batch=batch, context=config.context,
+                                             repeats=config.repeats, progress=progress)
+        chosen[batch], records[str(batch)] = pick_for_batch(accuracy.accuracy_dk, costs, len(order),
+                                                            config.min_speedup)
+        r = records[str(batch)]
+        progress(f"batch {batch}: " + (f"{r['num_nodes']} nodes, predicted {r['predicted_tokens_per_step']:.2f} "
+                                       f"tokens/step, x{r['predicted_speedup_vs_plain']:.2f} over plain"
+                                       if chosen[batch] else
+                                       f"no tree (the best, {r['best_num_nodes']} nodes, predicts "
+                                       f"x{r['best_tree_predicted_speedup']:.2f} < {config.min_speedup}): plain"))
+    built = {
+        "machine": machine_description(),
+        "model": loaded.folder.name,
+        "heads": loaded.heads_folder.name if loaded.heads_folder else None,
+        "num_heads": loaded.heads.config.num_heads,
+        "min_speedup": config.min_speedup,
+        "heldout": {"source": source, "prompts": len(prompts), "continuation_tokens": config.continuation_tokens,
                     "positions_per_head": accuracy.positions_d.tolist()},
         "head_top1": accuracy.top1_d.tolist(),
-        "plain_step_seconds": costs.plain_seconds,
-        "measured_step_seconds": list(costs.medusa_seconds),
-        "timing": {"batch": config.batch, "context": config.context, "cache_size": costs.cache_size,
-                   "repeats": config.repeats},
-        "predicted_speedup_vs_plain": float(choice.predicted_tokens_per_second * costs.plain_seconds),
-        "machine": machine_description(),
+        "head_accuracy": accuracy.accuracy_dk.tolist(),
+        "greedy_order": [list(p) for p, _ in order],
+        "timing": {"context": config.context, "repeats": config.repeats, "tree_tokens": sizes},
+        "batches": records,
     }
-    return tree_search.tree_document(choice, accuracy.accuracy_dk, cost, provenance)
+    return chosen, built
 
 
-def summary_lines(document: dict) -> list[str]:
-    """A short human-readable account of a tree document."""
-    acc = np.asarray(document["head_accuracy"])
+def summary_lines(batches: dict[int, tuple], built: dict) -> list[str]:
+    """A short human-readable account of a build."""
+    acc = np.asarray(built["head_accuracy"])
     lines = [f"head {d}: top-1 {acc[d, 0]:.3f}, top-{acc.shape[1]} {acc[d].sum():.3f}" for d in range(acc.shape[0])]
-    steps = document["step_seconds"]
-    lines.append("step ms by tree tokens: " + ", ".join(
-        f"T={t}: {s * 1e3:.1f}" for t, s in zip(steps["tree_tokens"], steps["seconds"]))
-        + f" (plain {document['plain_step_seconds'] * 1e3:.1f})")
-    lines.append(f"chosen tree: {document['num_nodes']} nodes, predicted {document['predicted_tokens_per_step']:.2f} "
-                 f"tokens/step, predicted speedup over plain x{document['predicted_speedup_vs_plain']:.2f}")
+    for batch, paths in sorted(batches.items()):
+        r = built["batches"][str(batch)]
+        steps = r["step_seconds"]
+        lines.append(f"batch {batch}: step ms by tree tokens " + ", ".join(
+            f"T={t}: {s * 1e3:.1f}" for t, s in zip(steps["tree_tokens"], steps["fitted"]))
+            + f" (plain {r['plain_step_seconds'] * 1e3:.1f})")
+        lines.append(f"batch {batch}: " + (
+            f"tree of {len(paths)} nodes, predicted {r['predicted_tokens_per_step']:.2f} tokens/step, "
+            f"x{r['predicted_speedup_vs_plain']:.2f} over plain" if paths else
+            f"no tree pays (best predicted x{r['best_tree_predicted_speedup']:.2f}): decode plainly"))
     return lines

@@ -1,7 +1,8 @@
 """Medusa heads shipped inside the package (package data under medusa_jax/assets/heads/<name>/).
 
 `--heads default` resolves to the SmolLM2-135M-Instruct heads, trained by the command in the README's
-"Training" section; any other value is taken as a heads folder path.
+"Training" section; any other value is taken as a heads folder path. The folder also carries `trees.json`,
+the heads' Medusa tree per backend and batch size (`medusa_jax.heads_trees`, written by scripts/build_tree.py).
 """
 
 from __future__ import annotations

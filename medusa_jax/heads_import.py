@@ -27,6 +27,7 @@ from medusa_jax.backbone import CausalLM
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import HeadsConfig, MedusaHeads
 from medusa_jax.heads_interop import ExportError, MEDUSA_WEIGHTS, MEDUSA_WEIGHTS_PT, check_token_map
+from medusa_jax.heads_trees import attach_trees, read_trees
 from medusa_jax.heads_io import FORMAT, heads_from_tensors, heads_tensors, load_native_heads
 from medusa_jax.tensor_files import (CheckpointError, SafetensorsFile, TensorSource, find_model_weights,
                                      load_torch_bin)
@@ -240,8 +241,16 @@ def load_heads(folder: str | os.PathLike, base_config: ModelConfig | None = None
     dtype: parameter dtype; default: as saved for medusa-jax folders, float32 for the other layouts.
     num_heads: overrides the head count of config.json (some published configs are wrong, e.g.
       FasterDecoding/medusa-vicuna-7b-v1.3 says 2 and holds 4); it must still match the tensors.
+    The folder's `trees.json` (scripts/build_tree.py), if any, is checked and attached as `heads.trees`
+    (see `medusa_jax.heads_trees`).
     """
     folder = Path(folder)
+    trees = read_trees(folder)  # a bad trees.json fails before the weights are read
+    return attach_trees(_load_heads(folder, base_config, base, dtype, num_heads), trees)
+
+
+def _load_heads(folder: Path, base_config: ModelConfig | None, base: CausalLM | None, dtype: str | None,
+                num_heads: int | None) -> MedusaHeads:
     layout = detect_layout(folder)
     if base_config is None and base is not None:
         base_config = base.config

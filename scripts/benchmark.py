@@ -2,7 +2,8 @@
 interleaved question by question; then total throughput at several batch sizes and a tree-size sweep.
 
 Example (the README's figures):
-  python scripts/benchmark.py --model smollm2 --heads default --tree medusa_jax/trees/smollm2_cpu.json --hf --out bench/medusa
+  python scripts/benchmark.py --model smollm2 --heads default --hf --out bench/medusa
+(the shipped heads decode with their own trees: medusa_jax/assets/heads/smollm2/trees.json)
 Writes OUT/results.json (speedup, acceleration_rate, step_overhead, mismatches, tokens_per_s per method, per
 category, batched, tree sweep, per question), OUT/results.md (tables) and PNG plots.
 
@@ -42,7 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--heads", default="default",
                    help="heads folder, or 'default' for the heads shipped with medusa-jax (default: %(default)s)")
     p.add_argument("--tree", default=d.tree,
-                   help="tree preset name or tree JSON (e.g. from scripts/build_tree.py) (default: %(default)s)")
+                   help="tree preset name or tree JSON file (default: the heads' own tree for this backend and each "
+                        "batch size, from their trees.json built by scripts/build_tree.py, plain decoding where it "
+                        "says no tree pays; the mc_sim_7b_16 preset for heads without trees.json)")
     p.add_argument("--questions", type=int, default=16,
                    help="MT-Bench first turns to run, taking the 8 categories in turn (default: %(default)s)")
     p.add_argument("--question-file", default=None,

@@ -1,18 +1,23 @@
-"""Build a Medusa tree for THIS machine: measure each head's top-k accuracy on held-out text and the Medusa
-step time as a function of the tree size, then keep the tree with the most expected tokens per second.
+"""Build the Medusa trees of a heads folder for THIS machine: measure each head's top-k accuracy on held-out
+text, then, per batch size, the time of the decode loop's own Medusa step as a function of the tree size and
+of one plain step; keep per batch size the tree with the most expected tokens per second, or none (plain
+decoding) where no tree is predicted to beat plain decoding by --min-speedup.
 
-Example:
-  python scripts/build_tree.py --model smollm2 --heads default --out medusa_jax/trees/smollm2_cpu.json
-The output is a `medusa_choices` JSON that `--tree FILE` of generate.py / benchmark.py loads; it also records
-the accuracy table, the step-time curve and the predicted tokens per step.
+Example (the shipped SmolLM2 heads, on the machine that will decode):
+  python scripts/build_tree.py --model smollm2 --heads default --batch-sizes 1,4,8
+The result goes into HEADS/trees.json under this backend (cpu, gpu or tpu; other backends' entries are
+kept). generate.py, benchmark.py, demo.sh and the Python API decode with it unless --tree is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from datetime import datetime, timezone
+from pathlib import Path
 
-from medusa_jax.cli_args import parse_int_list
+from medusa_jax.cli_args import parse_int_list, parse_positive_int_list
 
 
 def main(argv=None) -> int:
@@ -22,8 +27,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct")
     p.add_argument("--heads", required=True, help="heads folder (any layout load_heads reads), or 'default' for "
-                                                  "the heads shipped with medusa-jax")
-    p.add_argument("--out", required=True, help="tree JSON to write (written to a temp file, then renamed)")
+                                                  "the heads shipped with medusa-jax; the trees go into its "
+                                                  "trees.json")
+    p.add_argument("--out", default=None,
+                   help="write the trees file here instead of HEADS/trees.json (e.g. when the heads folder is "
+                        "read-only; copy it into the heads folder to use it) (default: HEADS/trees.json)")
+    p.add_argument("--batch-sizes", "--batch", type=parse_positive_int_list, default=d.batch_sizes,
+                   help="batch sizes to build a tree for, comma-separated: each is timed and gets its own tree "
+                        "(or none); decoding at another batch size uses the nearest smaller one (default: %s)"
+                        % ",".join(map(str, d.batch_sizes)))
+    p.add_argument("--min-speedup", type=float, default=d.min_speedup,
+                   help="keep a tree only if its predicted speedup over plain decoding reaches this; the "
+                        "prediction assumes independent heads and held-out text like yours, so a margin guards "
+                        "against trees that end up slower than plain (default: %(default)s)")
     p.add_argument("--data", default=None, help="conversations for the held-out prompts: a ShareGPT .json/.jsonl, "
                                                 "a saved dataset or a datasets name (default: packaged ShareGPT)")
     p.add_argument("--heldout", type=int, default=d.heldout,
@@ -38,35 +54,45 @@ def main(argv=None) -> int:
     p.add_argument("--tree-tokens", type=parse_int_list, default=d.tree_tokens,
                    help="tree sizes T (root included) whose step time is measured, comma-separated; sizes in "
                         "between are interpolated (default: %s)" % ",".join(map(str, d.tree_tokens)))
-    p.add_argument("--batch", type=int, default=d.batch,
-                   help="rows per step when timing: build a tree for the batch size you will serve "
-                        "(default: %(default)s)")
     p.add_argument("--context", type=int, default=d.context,
                    help="committed tokens in the cache when timing (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed calls per size (median; default: %(default)s)")
     a = p.parse_args(argv)
     try:
         config = BuildTreeConfig(data=a.data, heldout=a.heldout, continuation_tokens=a.continuation_tokens,
-                                 top_k=a.top_k, max_nodes=a.max_nodes, tree_tokens=a.tree_tokens, batch=a.batch,
-                                 context=a.context, repeats=a.repeats)
+                                 top_k=a.top_k, max_nodes=a.max_nodes, tree_tokens=a.tree_tokens,
+                                 batch_sizes=a.batch_sizes, min_speedup=a.min_speedup, context=a.context,
+                                 repeats=a.repeats)
     except ValueError as e:
         p.error(str(e))
 
-    from medusa_jax import tree_search
-    from medusa_jax.inference.bench_inputs import load_model
+    import jax
+
+    from medusa_jax import heads_trees
+    from medusa_jax.atomic import write_text_atomic
+    from medusa_jax.tree import TreeError
+    from medusa_jax.inference.bench_inputs import load_model, resolve_heads
     from medusa_jax.inference.tree_builder import build, summary_lines
 
     try:
-        loaded = load_model(a.model, a.heads)
-    except (FileNotFoundError, ValueError) as e:
+        heads_dir = resolve_heads(a.heads)
+        out = Path(a.out) if a.out else heads_dir / heads_trees.FILE_NAME
+        # an existing file must be valid: its other backends are kept (checked before the slow work)
+        existing = heads_trees.read_trees_file(out)
+        loaded = load_model(a.model, heads_dir)
+    except (FileNotFoundError, ValueError, TreeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    document = build(loaded, config, progress=lambda m: print(m, flush=True))
-    document["command"] = "python scripts/build_tree.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    tree_search.write_json_atomic(a.out, document)
-    for line in summary_lines(document):
+    backend = jax.default_backend()
+    batches, built = build(loaded, config, progress=lambda m: print(m, flush=True))
+    args = sys.argv[1:] if argv is None else list(argv)
+    built = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+             "command": "python scripts/build_tree.py " + " ".join(args), **built}
+    document = heads_trees.trees_document(existing, backend, batches, built)
+    write_text_atomic(out, json.dumps(document, indent=1) + "\n")
+    for line in summary_lines(batches, built):
         print(line)
-    print(f"wrote {a.out}")
+    print(f"wrote the {backend} trees for batch sizes {', '.join(map(str, sorted(batches)))} to {out}")
     return 0
 
 

@@ -12,6 +12,5 @@ QUESTION="$("$PYTHON" -c 'from medusa_jax.mtbench import load_mtbench_questions 
 echo "MT-Bench question: $QUESTION"
 echo "== plain greedy decoding =="
 "$PYTHON" scripts/generate.py --model "$MODEL" --chat --prompt "$QUESTION" --max-new-tokens 128 "$@"
-echo "== Medusa (shipped heads, CPU tree from scripts/build_tree.py; greedy, so the same text) =="
-"$PYTHON" scripts/generate.py --model "$MODEL" --heads default --tree medusa_jax/trees/smollm2_cpu.json \
-    --chat --prompt "$QUESTION" --max-new-tokens 128 "$@"
+echo "== Medusa (shipped heads with their own tree for this backend, from their trees.json; greedy, so the same text) =="
+"$PYTHON" scripts/generate.py --model "$MODEL" --heads default --chat --prompt "$QUESTION" --max-new-tokens 128 "$@"

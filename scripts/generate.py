@@ -14,9 +14,10 @@ batches of --batch-size (bounding padding and recompiles), one jitted call per b
 progress bar, results in input order; rows also hold finish_reason and batch.
 Input JSONL: one prompt per line, a JSON string or {"prompt": TEXT, "id": ...}. Each output row (and each
 --json line) holds the id, prompt, text, token_ids, new_tokens, steps, tokens_per_step, prompt_tokens,
-seconds, tokens_per_s and compile_seconds (seconds exclude JAX compilation, which is reported apart), and the
+seconds, tokens_per_s and compile_seconds (seconds exclude JAX compilation, which is reported apart), the
 run's compiles / compile_cache_hits: executables XLA compiled afresh / read from the persistent compilation cache
-($MEDUSA_JAX_CACHE/jax_compile, see medusa_jax/compile_cache.py).
+($MEDUSA_JAX_CACHE/jax_compile, see medusa_jax/compile_cache.py); with --heads also decoder ("medusa", or
+"plain" where the heads' trees.json says no tree pays at this batch size) and tree (where the tree came from).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: plain decoding)")
     p.add_argument("--tree", default=None,
                    help=f"Medusa candidate tree: a preset ({', '.join(PRESETS)}) or a JSON file of "
-                        f"medusa_choices paths; needs --heads (default: {DEFAULT_TREE})")
+                        f"medusa_choices paths; needs --heads (default: the heads' own tree for this backend and "
+                        f"--batch-size from their trees.json (scripts/build_tree.py), which may be plain decoding "
+                        f"where no tree pays; {DEFAULT_TREE} for heads without trees.json)")
     p.add_argument("--acceptance", default=None, choices=("greedy", "exact", "typical"),
                    help="Medusa acceptance: greedy (output identical to plain greedy decoding; needs "
                         "--temperature 0), exact (lossless sampling: the output has exactly the distribution of "
@@ -73,25 +76,28 @@ def acceptance_config(a: argparse.Namespace):
 
 
 def build_decoder(args: argparse.Namespace, model):
-    """The decoder the flags ask for (see medusa_jax.inference.text_generation.Decoder)."""
+    """(the decoder the flags ask for (see medusa_jax.inference.text_generation.Decoder), the ChosenTree
+    with --heads: the tree and its origin, or None and why decoding is plain; None without --heads)."""
     from medusa_jax.inference.text_generation import plain_decoder
 
     if args.heads is None:
-        return plain_decoder(model)
+        return plain_decoder(model), None
     from medusa_jax.heads_import import load_heads
-    from medusa_jax.tree import DEFAULT_TREE, load_tree
+    from medusa_jax.heads_trees import trees_of
     from medusa_jax.inference.bench_inputs import resolve_heads
-    from medusa_jax.inference.medusa import generate_medusa
+    from medusa_jax.inference.medusa import choose_tree, generate_medusa
 
     heads = load_heads(resolve_heads(args.heads), base=model, dtype=args.dtype)
-    tree = load_tree(args.tree or DEFAULT_TREE, num_heads=heads.config.num_heads,
-                     max_top_k=heads.config.head_vocab_size)
+    chosen = choose_tree(heads.config, trees_of(heads), args.batch_size, args.tree)
+    if chosen.tree is None:
+        return plain_decoder(model), chosen
+    tree = chosen.tree
     acceptance = acceptance_config(args)
 
     def decode(prompts, *, sampling, **kwargs):  # sampling is carried by the acceptance config
         return generate_medusa(model, heads, prompts, tree=tree, acceptance=acceptance, **kwargs)
 
-    return decode
+    return decode, chosen
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -145,15 +151,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def decoder_fields(chosen) -> dict:
+    """With --heads, each row says how it was decoded: {"decoder": "medusa" | "plain", "tree": origin/why}."""
+    if chosen is None:
+        return {}
+    return {"decoder": "plain" if chosen.tree is None else "medusa", "tree": chosen.note}
+
+
 def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos, compiles) -> int:
     """--input / --mesh / multi-host: batch generation on the mesh; process 0 prints and writes the output."""
     import jax
 
     from medusa_jax.sharding import MeshConfig
     from medusa_jax.text import pad_token_id
-    from medusa_jax.tree import DEFAULT_TREE, load_tree
+    from medusa_jax.tree import load_tree
     from medusa_jax.inference.acceptance import AcceptanceConfig
-    from medusa_jax.inference.batch import BatchSettings
+    from medusa_jax.inference.batch import HEADS_TREE, BatchSettings
     from medusa_jax.inference.batch_text import generate_rows
     from medusa_jax.inference.bench_inputs import resolve_heads
     from medusa_jax.inference.prompts_jsonl import write_jsonl
@@ -163,7 +176,7 @@ def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos, compiles
     tree, acceptance = None, AcceptanceConfig()
     if a.heads:
         hc = model.heads_config
-        tree = load_tree(a.tree or DEFAULT_TREE, num_heads=hc.num_heads, max_top_k=hc.head_vocab_size)
+        tree = load_tree(a.tree, num_heads=hc.num_heads, max_top_k=hc.head_vocab_size) if a.tree else HEADS_TREE
         acceptance = acceptance_config(a)
     settings = BatchSettings(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, tree=tree,
                              acceptance=acceptance,
@@ -173,6 +186,7 @@ def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos, compiles
     rows = [{**row, **compiles.summary()} for row in rows]
     if jax.process_index() != 0:
         return 0
+    rows = [{**row, **decoder_fields(run.tree_choice)} for row in rows]
     if a.output:
         write_jsonl(a.output, rows)
     for row in rows:
@@ -186,6 +200,8 @@ def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos, compiles
               f"{run.decode_tokens_per_second:.1f} tokens/s without the {run.compile_seconds:.1f} s of JIT "
               f"compilation ({run.num_shapes} shape(s); {compiles.compiles} XLA compilation(s), "
               f"{compiles.cache_hits} from the persistent cache), {run.tokens_per_step:.2f} tokens/step]")
+        if run.tree_choice:
+            print(f"[tree: {run.tree_choice.note}]")
         if a.output:
             print(f"wrote {a.output}")
     return 0
@@ -229,15 +245,16 @@ def main(argv=None) -> int:
             with CompileCounter() as compiles:
                 return run_batched(a, folder, records, tokenizer, eos, compiles)
         model = load_pretrained(folder, dtype=a.dtype)
+        decoder, chosen = build_decoder(a, model)
         with CompileCounter() as compiles:
             results = generate_texts(
-                build_decoder(a, model), tokenizer, [r.text for r in records], chat=a.chat,
+                decoder, tokenizer, [r.text for r in records], chat=a.chat,
                 max_new_tokens=a.max_new_tokens, sampling=sampling_config(a), seed=a.seed,
                 eos_ids=eos, pad_id=pad_token_id(tokenizer, eos), batch_size=a.batch_size)
     except (OSError, ValueError, CheckpointError, UnsupportedModelError, TokenizerError, PromptFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [{"id": rec.id, "prompt": rec.text, **res.row(), **compiles.summary()}
+    rows = [{"id": rec.id, "prompt": rec.text, **res.row(), **compiles.summary(), **decoder_fields(chosen)}
             for rec, res in zip(records, results)]
     total = summary(results)
     if a.output:
@@ -249,6 +266,8 @@ def main(argv=None) -> int:
               f"{total['tokens_per_s']:.1f} tokens/s, {sum(r.result.steps for r in results)} steps; "
               f"JIT compile {total['compile_seconds']:.1f} s apart, {compiles.compiles} compilation(s), "
               f"{compiles.cache_hits} from the persistent cache]")
+        if chosen:
+            print(f"[tree: {chosen.note}]")
         if a.output:
             print(f"wrote {a.output}")
     return 0

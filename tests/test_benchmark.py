@@ -209,28 +209,75 @@ def test_benchmark_sampling_mode_writes_exact_typical_and_plain(tiny_chat_model,
         load_script("benchmark").main(args[:-4] + ["--temperatures", "0,1"])
 
 
-def test_build_tree_cli_writes_a_tree_the_decoder_loads(tiny_chat_model, tmp_path):
+def test_build_tree_cli_writes_the_heads_trees_per_batch_size(tiny_chat_model, tmp_path, capsys):
+    import shutil
+
+    from medusa_jax.heads_trees import read_trees
+
     folder, heads_dir = tiny_chat_model
+    heads = tmp_path / "heads"
+    shutil.copytree(heads_dir, heads)
     data = tmp_path / "conv.jsonl"
     data.write_text("".join(json.dumps({"id": str(i), "conversations": [
         {"from": "human", "value": f"tell a short story about the {w}"}, {"from": "gpt", "value": "the cat sat"}]})
         + "\n" for i, w in enumerate(["cat", "dog", "mat"])))
-    out = tmp_path / "tree.json"
-    rc = load_script("build_tree").main([
-        "--model", str(folder), "--heads", str(heads_dir), "--out", str(out), "--data", str(data),
-        "--heldout", "2", "--continuation-tokens", "12", "--top-k", "3", "--max-nodes", "7",
-        "--tree-tokens", "2,4,8", "--repeats", "1", "--context", "16"])
-    assert rc == 0
-    doc = json.loads(out.read_text())
-    tree = load_tree(out, num_heads=3, max_top_k=3)
-    assert tree.num_tokens == doc["num_tree_tokens"] and 1 <= doc["num_nodes"] <= 7
-    acc = np.asarray(doc["head_accuracy"])
+    common = ["--model", str(folder), "--heads", str(heads), "--data", str(data), "--heldout", "2",
+              "--continuation-tokens", "12", "--top-k", "3", "--max-nodes", "7", "--tree-tokens", "2,4,8",
+              "--repeats", "1", "--context", "16", "--batch-sizes", "1,2"]
+    assert load_script("build_tree").main(common + ["--min-speedup", "0.01"]) == 0  # any tree "pays"
+    doc = json.loads((heads / "trees.json").read_text())
+    trees = read_trees(heads)  # valid, and every tree fits the heads
+    trees.check_heads(3, 3)
+    assert trees.backends() == ["cpu"] and set(trees.batches("cpu")) == {1, 2}
+    built = doc["built"]["cpu"]
+    acc = np.asarray(built["head_accuracy"])
     assert acc.shape == (3, 3) and np.all((acc >= 0) & (acc <= 1))
-    assert doc["predicted_tokens_per_step"] == pytest.approx(
-        tree_search.expected_tokens_per_step(doc["medusa_choices"], acc))
-    assert doc["step_seconds"]["tree_tokens"] == [2, 4, 8] and min(doc["step_seconds"]["seconds"]) > 0
-    fitted = doc["step_seconds"]["seconds"]
-    assert fitted == sorted(fitted) and len(doc["measured_step_seconds"]) == 3
+    for batch, paths in trees.batches("cpu").items():
+        record = built["batches"][str(batch)]
+        assert 1 <= len(paths) == record["num_nodes"] <= 7  # min_speedup 0.01: a tree every time
+        assert record["predicted_tokens_per_step"] == pytest.approx(tree_search.expected_tokens_per_step(paths, acc))
+        fitted = record["step_seconds"]["fitted"]
+        assert record["step_seconds"]["tree_tokens"] == [2, 4, 8] and fitted == sorted(fitted) and min(fitted) > 0
+        assert record["plain_step_seconds"] > 0
+    assert built["model"] == folder.name and str(tmp_path) not in json.dumps({k: v for k, v in built.items()
+                                                                               if k != "command"})
+
+    # no tree can reach a 1000x speedup: every batch size decodes plainly, exactly like plain greedy
+    assert load_script("build_tree").main(common + ["--min-speedup", "1000"]) == 0
+    assert all(p == () for p in read_trees(heads).batches("cpu").values())
+    capsys.readouterr()
+    prompt = ["--model", str(folder), "--prompt", "tell a story", "--chat", "--max-new-tokens", "8", "--json"]
+    assert load_script("generate").main(prompt) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert load_script("generate").main(prompt + ["--heads", str(heads)]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["decoder"] == "plain" and "no tree pays" in row["tree"] and row["token_ids"] == plain["token_ids"]
+
+    (heads / "trees.json").write_text('{"format": "medusa-jax-trees", "version": 1, "trees": {"cpu": {"1": [[0, 1]]}}}')
+    assert load_script("generate").main(prompt + ["--heads", str(heads)]) == 2
+    assert "trees.json" in capsys.readouterr().err  # a clear error, before any decoding
+    assert load_script("build_tree").main(common) == 2  # build_tree refuses to overwrite what it cannot read
+
+
+def test_benchmark_uses_the_heads_trees_per_batch_size(tiny_chat_model, tmp_path):
+    import shutil
+
+    folder, heads_dir = tiny_chat_model
+    heads = tmp_path / "heads"
+    shutil.copytree(heads_dir, heads)
+    (heads / "trees.json").write_text(json.dumps({"format": "medusa-jax-trees", "version": 1, "trees": {
+        "cpu": {"1": [[0], [1], [0, 0]], "2": []}}, "built": {"cpu": {"greedy_order": [[0], [1], [0, 0], [2]]}}}))
+    out = tmp_path / "bench"
+    rc = load_script("benchmark").main([
+        "--model", str(folder), "--heads", str(heads), "--question-file", str(write_questions(tmp_path / "q.jsonl")),
+        "--questions", "2", "--max-new-tokens", "6", "--batched-sizes", "2", "--sweep-sizes", "1,4",
+        "--sweep-questions", "1", "--no-profile", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["tree"]["num_nodes"] == 3 and "3 nodes" in res["tree"]["origin"] and res["mismatches"] == 0
+    assert [(b["batch_size"], b["tree_nodes"]) for b in res["batched"]] == [(1, 3), (2, 0)]
+    assert res["batched"][1]["acceleration_rate"] == pytest.approx(1.0)  # batch 2: plain decoding
+    assert {s["num_nodes"] for s in res["tree_sweep"]} == {1, 3, 4}  # prefixes of the stored greedy order
 
 
 def test_gpu_bench_tiny_mode_on_cpu(tmp_path):
