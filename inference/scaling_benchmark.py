@@ -83,7 +83,7 @@ def run_scaling(base: CausalLM, heads: MedusaHeads | None, tree: TreeBuffers | N
 
 
 def markdown(results: dict, command: str, machine: str) -> str:
-    lines = [f"# Decode-step scaling with the batch", "", f"Command: `{command}`", "", f"Machine: {machine}", "",
+    lines = ["# Decode-step scaling with the batch", "", f"Command: `{command}`", "", f"Machine: {machine}", "",
              f"Measured in the same run: read bandwidth {results['read_bandwidth_gb_s']:.1f} GB/s, fp32 GEMM "
              f"{results['gemm_gflop_s']:.1f} GFLOP/s, weights {results['weight_mb']:.0f} MB. Floor = weights / "
              f"bandwidth + batch x FLOPs per token / GEMM rate. Medusa step: tree of {results['tree_tokens']} tokens.",

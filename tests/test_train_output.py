@@ -4,8 +4,6 @@ flags and data, and the memory plan that refuses a run that would not fit (all b
 from __future__ import annotations
 
 import importlib.util
-import json
-import sys
 from pathlib import Path
 
 import pytest
