@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("heads")
     add(g, "--num-heads", "Medusa heads K; head i predicts token t+2+i", type=int, default=r.num_heads)
     add(g, "--num-layers", "ResBlocks per head", type=int, default=r.num_layers)
+    add(g, "--head-type", "'medusa': every head reads only the base hidden state; 'hydra': head i also reads the "
+        "embeddings of the tokens already drafted on its path (the base's next token and heads 0..i-1's picks), "
+        "trained by teacher forcing; Medusa-1 (frozen backbone) only", default=r.head_type,
+        choices=("medusa", "hydra"))
     add(g, "--lm-head", "each head's output layer: 'own' (a full [D, V] copy per head, initialised from the base "
         "lm_head), 'shared' (reuse the base lm_head: smallest), or 'truncated:N' (own [D, N] over the N most "
         "frequent training tokens; targets outside them count as misses)", default=r.lm_head)
@@ -110,7 +114,10 @@ def model_dir(arg: str) -> str:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.head_type == "hydra" and args.medusa2:
+        parser.error("--head-type hydra trains with a frozen backbone (Medusa-1) only; drop --medusa2")
     from medusa_jax.distributed import config_from_args, initialize
 
     initialize(config_from_args(args))  # before any other JAX call
@@ -122,7 +129,7 @@ def main(argv=None):
     multiplier = args.head_lr_multiplier if args.head_lr_multiplier is not None else (4.0 if args.medusa2 else 1.0)
     config = RunConfig(
         model=model_dir(args.model), output=args.output, data=args.data, num_heads=args.num_heads,
-        num_layers=args.num_layers,
+        num_layers=args.num_layers, head_type=args.head_type,
         lm_head=args.lm_head, batch_size=args.batch_size, cached_batch_size=args.cached_batch_size,
         cache_hidden=args.cache_hidden, mesh=args.mesh, checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
