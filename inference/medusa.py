@@ -72,6 +72,14 @@ def tree_tokens(root_b: jax.Array, candidates_bhk: jax.Array, tree: TreeBuffers)
     return flat_bf[:, jnp.asarray(tree.candidate_index_t)].astype(jnp.int32)
 
 
+def draft_tree(heads, base: CausalLM, hidden_bd: jax.Array, root_b: jax.Array, tree: TreeBuffers) -> jax.Array:
+    """[B, T] tree tokens the heads propose (Medusa or Hydra): what `heads_proposer` gives, placed in the tree."""
+    if isinstance(heads, HydraHeads):
+        return heads.tree_tokens(hidden_bd, root_b, base, tree)
+    return tree_tokens(root_b, heads.top_k(hidden_bd, base, tree.top_k, num_heads=tree.depth).transpose(1, 0, 2),
+                       tree)
+
+
 def proposal_tokens(root_b: jax.Array, proposal: jax.Array, tree: TreeBuffers) -> jax.Array:
     """A proposer's output ([B, D, k] candidates or [B, T] tokens) -> [B, T] tree tokens, node 0 = root_b."""
     if proposal.ndim == 2:

@@ -5,7 +5,8 @@ Pieces of one step (B rows, T tree tokens, S cache slots of which `context` are 
     verify_forward    the backbone over the T tree tokens (tree mask, writes their K/V)
     base_logits       base lm_head over the T nodes + argmax (what greedy acceptance compares against)
     acceptance        the longest accepted path and the bonus token (`acceptance.accept_tree`)
-    heads_top_k       every head's top-k at the accepted node (the next step's candidates)
+    heads_top_k       every head's top-k at the accepted node (the next step's candidates; Hydra heads: their
+                      depth-many drafting rounds)
     cache_compaction  moves the accepted path's K/V to consecutive slots (all layers)
 The pieces are the decoder's own functions (`acceptance.accept_tree`, `medusa.compact_accepted`, ...);
 `medusa_step` runs all of them in one jitted call (what a decode loop iteration costs, XLA fusing across
@@ -29,10 +30,11 @@ from flax import nnx
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads
+from medusa_jax.hydra_heads import HydraHeads
 from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree
-from medusa_jax.inference.medusa import compact_accepted, tree_tokens
+from medusa_jax.inference.medusa import compact_accepted, draft_tree
 from medusa_jax.inference.sampling import greedy_tokens
 
 PIECES = ("verify_forward", "base_logits", "acceptance", "heads_top_k", "cache_compaction")
@@ -77,10 +79,12 @@ def _acceptance(tokens_bt, logits_btv, key, *, tree: TreeBuffers):
     return accept_tree(tree, tokens_bt, logits_btv, key, AcceptanceConfig())
 
 
-@partial(jax.jit, static_argnames=("graphdef", "top_k", "num_heads"))
-def _heads_top_k(graphdef, params, hidden_bd, *, top_k: int, num_heads: int):
+@partial(jax.jit, static_argnames=("graphdef", "tree"))
+def _heads_top_k(graphdef, params, hidden_bd, *, tree: TreeBuffers):
     base, heads = nnx.merge(graphdef, params)
-    return heads.top_k(hidden_bd, base, top_k, num_heads)
+    if isinstance(heads, HydraHeads):
+        return heads.tree_tokens(hidden_bd, jnp.zeros(hidden_bd.shape[:1], jnp.int32), base, tree)
+    return heads.top_k(hidden_bd, base, tree.top_k, tree.depth)
 
 
 @partial(jax.jit, donate_argnames=("cache",))
@@ -96,9 +100,8 @@ def _medusa_step(graphdef, params, cache, tokens_bt, positions_bt, key, *, tree:
     length_b, nodes_bj, bonus_b = accept_tree(tree, tokens_bt, base.logits(hidden_btd), key, AcceptanceConfig())
     last_b = jnp.take_along_axis(nodes_bj, length_b[:, None], axis=1)[:, 0]
     hidden_bd = jnp.take_along_axis(hidden_btd, last_b[:, None, None], axis=1)[:, 0]
-    candidates_bhk = heads.top_k(hidden_bd, base, tree.top_k, tree.depth).transpose(1, 0, 2)
     cache = compact_accepted(cache, nodes_bj)
-    return tree_tokens(bonus_b, candidates_bhk, tree), cache.replace(lengths_b=cache.lengths_b + length_b + 1)
+    return draft_tree(heads, base, hidden_bd, bonus_b, tree), cache.replace(lengths_b=cache.lengths_b + length_b + 1)
 
 
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
@@ -188,8 +191,8 @@ def piece_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: 
     logits_btv, _ = _base_logits(base_def, base_params, hidden_btd)
     key = jax.random.key(0)
     out["acceptance"] = time_call(lambda: _acceptance(tokens_bt, logits_btv, key, tree=tree), repeats)
-    out["heads_top_k"] = time_call(lambda: _heads_top_k(both_def, both_params, hidden_btd[:, 0], top_k=tree.top_k,
-                                                        num_heads=tree.depth), repeats)
+    out["heads_top_k"] = time_call(lambda: _heads_top_k(both_def, both_params, hidden_btd[:, 0], tree=tree),
+                                   repeats)
     nodes_bj = jnp.broadcast_to(jnp.asarray(tree.retrieve_lj[0]), (batch, tree.depth + 1))
     compact = lambda c, n: (None, _compaction(c, n))  # noqa: E731
     out["cache_compaction"] = time_call(lambda: runner.run(compact, nodes_bj), repeats)

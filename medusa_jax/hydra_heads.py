@@ -114,3 +114,11 @@ class DraftRound:
 def draft_rounds(tree: TreeBuffers) -> list[DraftRound]:
     return [DraftRound(tree, d) for d in range(1, tree.depth + 1)]
 
+
+def path_tokens(tokens_bt, num_heads: int):
+    """Teacher forcing's paths: [B, T, K] tokens t + 1 + j, j = 0..K-1, 0 past the row's end (NumPy in, NumPy
+    out; jax in, jax out). Head i at position t reads path[..., :i + 1]."""
+    xp = np if isinstance(tokens_bt, np.ndarray) else jnp
+    b, t = tokens_bt.shape
+    padded = xp.concatenate([tokens_bt, xp.zeros((b, num_heads), tokens_bt.dtype)], axis=1)
+    return xp.stack([padded[:, 1 + j: 1 + j + t] for j in range(num_heads)], axis=-1).astype(xp.int32)

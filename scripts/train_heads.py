@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         "embeddings of the tokens already drafted on its path (the base's next token and heads 0..i-1's picks), "
         "trained by teacher forcing; Medusa-1 (frozen backbone) only", default=r.head_type,
         choices=("medusa", "hydra"))
+    add(g, "--hydra-input", "how a Hydra head combines the hidden state h and its path embeddings e_0..e_i: 'add' "
+        "(h + a projection of [e_0..e_i]) or 'concat' (a projection of [h, e_0..e_i]); see medusa_jax/hydra_heads.py",
+        default=r.hydra_input, choices=("add", "concat"))
     add(g, "--lm-head", "each head's output layer: 'own' (a full [D, V] copy per head, initialised from the base "
         "lm_head), 'shared' (reuse the base lm_head: smallest), or 'truncated:N' (own [D, N] over the N most "
         "frequent training tokens; targets outside them count as misses)", default=r.lm_head)
@@ -129,7 +132,7 @@ def main(argv=None):
     multiplier = args.head_lr_multiplier if args.head_lr_multiplier is not None else (4.0 if args.medusa2 else 1.0)
     config = RunConfig(
         model=model_dir(args.model), output=args.output, data=args.data, num_heads=args.num_heads,
-        num_layers=args.num_layers, head_type=args.head_type,
+        num_layers=args.num_layers, head_type=args.head_type, hydra_input=args.hydra_input,
         lm_head=args.lm_head, batch_size=args.batch_size, cached_batch_size=args.cached_batch_size,
         cache_hidden=args.cache_hidden, mesh=args.mesh, checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,

@@ -97,7 +97,7 @@ def test_our_format_round_trips_and_pytorch_export_refuses(base, tmp_path, lm_he
 
 def test_teacher_forcing_paths_of_rows_and_of_self_distilled_replies_agree():
     from medusa_jax.training.hidden_store import reply_examples
-    from medusa_jax.training.hydra_losses import path_tokens
+    from medusa_jax.hydra_heads import path_tokens
 
     tokens = np.arange(10, 20, dtype=np.int32)
     path = path_tokens(tokens[None], 3)[0]  # position t: tokens t + 1, t + 2, t + 3 (0 past the end)
@@ -176,3 +176,34 @@ def test_hydra_with_medusa2_is_a_clear_cli_error(chat, tmp_path, monkeypatch, ca
         _train(chat, tmp_path / "x", monkeypatch, tmp_path, "--medusa2")
     assert err.value.code == 2 and "error: --head-type hydra trains with a frozen backbone" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_head_accuracy_and_training_stats_agree_on_teacher_forced_top1(base):
+    """inference/head_accuracy (the benchmarks' held-out top-k) and the trainer's statistics score the same
+    teacher-forced Hydra predictions."""
+    from medusa_jax.hydra_heads import path_tokens
+    from medusa_jax.inference.head_accuracy import measure_head_accuracy
+    from medusa_jax.training.hydra_losses import hydra_head_stats
+    from medusa_jax.training.losses import head_targets
+    from medusa_jax.training.trainer import backbone_hidden
+
+    heads = hydra(base, seed=5, hydra_input="concat")
+    tokens = np.random.RandomState(6).randint(0, base.config.vocab_size, (3, 24)).astype(np.int32)
+    table = measure_head_accuracy(base, heads, tokens.tolist(), [0, 0, 0], top_k=4)
+    ones = np.ones_like(tokens)
+    batch = {"tokens": jnp.asarray(tokens), "positions": jnp.asarray(np.cumsum(ones, 1) - 1),
+             "segment_ids": jnp.asarray(ones)}
+    stats = hydra_head_stats(heads, base, backbone_hidden(base, batch), path_tokens(batch["tokens"], 3),
+                             head_targets(batch["tokens"], jnp.asarray(ones, bool), batch["segment_ids"], 3))
+    assert table.positions_d.tolist() == np.asarray(stats.total).astype(int).tolist() == [66, 63, 60]
+    np.testing.assert_allclose(table.top1_d, np.asarray(stats.top1) / np.asarray(stats.total), atol=1e-6)
+    assert np.asarray(stats.top1).sum() > 0
+
+
+def test_step_cost_times_a_hydra_step(base):
+    from medusa_jax.inference import step_cost
+
+    heads, tree = hydra(base, seed=7), load_tree("mc_sim_7b_8")
+    pieces = step_cost.piece_seconds(base, heads, tree, 1, 20, 64, repeats=1)
+    assert set(pieces) == set(step_cost.PIECES) and min(pieces.values()) > 0
+    assert step_cost.medusa_step_seconds(base, heads, tree, 1, 20, 64, repeats=1) > 0

@@ -5,8 +5,9 @@ only the heads. Only positions that have at least one head target are kept, as f
 (hidden [N, D] float16, targets [N, K] full-vocab ids, -1 = none; for Hydra heads also path [N, K], the
 tokens t + 1 .. t + K), so padding and prompt-only positions cost nothing afterwards.
 
-The cache lives in a folder keyed by (backbone weights, data rows, number of heads, path or not) and is written in chunks
-(each written to a temp file and renamed): an interrupted build resumes at the first missing chunk.
+The cache lives in a folder keyed by (backbone weights, data rows, number of heads, path or not) and is
+written in chunks (each written to a temp file and renamed): an interrupted build resumes at the first
+missing chunk.
 On a GPU the backbone is cheap next to the step overhead; keep it in the step there (the default).
 """
 
@@ -25,8 +26,8 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.backbone import CausalLM
+from medusa_jax.hydra_heads import path_tokens
 from medusa_jax.training.data import EpochIterator, PackedRows
-from medusa_jax.training.hydra_losses import path_tokens
 from medusa_jax.training.losses import head_targets
 from medusa_jax.training.trainer import backbone_hidden
 

@@ -3,8 +3,8 @@
 Each generated reply of n tokens with hidden states h_0..h_{n-1} (h_j produced token j) gives n - 1 examples:
 hidden h_j with head i's target token j + 1 + i (-1 past the reply's end) and, for Hydra heads, the path
 tokens j + i (0 past the end): the root token j and the true drafts before head i's target. Only replies
-whose conversation is in the JSONL file are used (a batch whose lines were never appended is ignored), each (id, turn) once.
-The held-out split is by conversation: a seeded permutation of the conversation ids, as in data.py.
+whose conversation is in the JSONL file are used (a batch whose lines were never appended is ignored), each
+(id, turn) once. The held-out split is by conversation: a seeded permutation of the conversation ids, as in data.py.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 At position t (hidden state h_t, whose base logits predict x_{t+1}) head i sees the embeddings of the true
 tokens x_{t+1}..x_{t+1+i} (the root and the drafts an ideal head 0..i-1 would have made) and is trained on
 x_{t+2+i}: the same targets as Medusa head i (`losses.head_targets`). The path tokens of a position are
-path[..., j] = x_{t+1+j}, j = 0..K-1 (0 past the end of a row; such positions have no target). Cached
-batches ({"hidden", "targets", "path"}) carry them; packed rows derive them here.
+path[..., j] = x_{t+1+j}, j = 0..K-1 (`hydra_heads.path_tokens`; 0 past the end of a row, where there is no
+target). Cached batches ({"hidden", "targets", "path"}) carry them; packed rows derive them in the step.
 
 The per-head loss is the shared `losses.one_head_stats` (cross-entropy), called in one line in
 `_one_hydra_head`: a distilled (KL) head loss plugs in there.
@@ -16,20 +16,11 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.hydra_heads import HydraHeads
 from medusa_jax.training import losses
-
-
-def path_tokens(tokens_bt, num_heads: int):
-    """[B, T, K]: tokens t + 1 + j, j = 0..K-1, 0 past the row's end (NumPy in, NumPy out; jax in, jax out)."""
-    xp = np if isinstance(tokens_bt, np.ndarray) else jnp
-    b, t = tokens_bt.shape
-    padded = xp.concatenate([tokens_bt, xp.zeros((b, num_heads), tokens_bt.dtype)], axis=1)
-    return xp.stack([padded[:, 1 + j: 1 + j + t] for j in range(num_heads)], axis=-1).astype(xp.int32)
 
 
 def _one_hydra_head(graphdef, state, hidden_xd, embeds_xjd, lm_w_dv, targets_x, inverse_v):

@@ -43,6 +43,7 @@ class RunConfig:
     num_layers: int = 1
     lm_head: str = "own"  # own | shared | truncated:N
     head_type: str = "medusa"  # medusa | hydra (heads that also see the drafted tokens; Medusa-1 only)
+    hydra_input: str = HeadsConfig.hydra_input  # hydra: add | concat (medusa_jax.hydra_heads)
     batch_size: int = 8  # global packed rows per step
     cached_batch_size: int = 4096  # global positions per step with cache_hidden
     cache_hidden: bool = False
@@ -188,7 +189,7 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
     feed = _prepare_data(cfg, base, tokenizer, eos, log)
     heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
                                mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model),
-                               head_type=cfg.head_type)
+                               head_type=cfg.head_type, hydra_input=cfg.hydra_input)
     token_map = top_token_ids(feed.loss_tokens, n_trunc, base.config.vocab_size) if mode == "truncated" else None
     heads = init_heads(heads_config, base, cfg.seed, token_map)
     trainer = Trainer(base, heads, cfg.train, mesh)

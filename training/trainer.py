@@ -31,6 +31,7 @@ from medusa_jax import sharding as shd
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import resolve_dtype
 from medusa_jax.heads import MedusaHeads, heads_class
+from medusa_jax.hydra_heads import path_tokens
 from medusa_jax.kv_cache import KVCache
 from medusa_jax.training import hydra_losses, losses
 from medusa_jax.training.data import segment_mask
@@ -205,7 +206,7 @@ class Trainer:
             if not self.config.medusa2:
                 hidden = jax.lax.stop_gradient(hidden)
             targets = losses.head_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], self.num_heads)
-            path = hydra_losses.path_tokens(batch["tokens"], self.num_heads)
+            path = path_tokens(batch["tokens"], self.num_heads)
         if self.head_type == "hydra":
             if path is None:
                 raise ValueError("Hydra heads need the path tokens ('path') in cached batches")
