@@ -83,6 +83,8 @@ def draft_tree(heads, base: CausalLM, hidden_bd: jax.Array, root_b: jax.Array, t
 def proposal_tokens(root_b: jax.Array, proposal: jax.Array, tree: TreeBuffers) -> jax.Array:
     """A proposer's output ([B, D, k] candidates or [B, T] tokens) -> [B, T] tree tokens, node 0 = root_b."""
     if proposal.ndim == 2:
+        if proposal.shape[1] != tree.num_tokens:
+            raise ValueError(f"a proposer returned {proposal.shape[1]} tree tokens; the tree has {tree.num_tokens}")
         return proposal.astype(jnp.int32).at[:, 0].set(root_b)
     return tree_tokens(root_b, proposal, tree)
 
