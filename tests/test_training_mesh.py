@@ -38,7 +38,8 @@ CHILD = textwrap.dedent("""
     batch = {"tokens": rng.integers(0, cfg.vocab_size, (8, 24)).astype(np.int32), "segment_ids": seg,
              "positions": np.where(seg == 1, np.arange(24), np.arange(24) - 10).astype(np.int32),
              "loss_mask": rng.random((8, 24)) < 0.7}
-    train = TrainConfig(medusa2=head_type == "medusa", learning_rate=1e-4, head_lr_multiplier=4.0, warmup_steps=0, max_steps=100)
+    train = TrainConfig(medusa2=head_type == "medusa", learning_rate=1e-4, head_lr_multiplier=4.0, warmup_steps=0,
+                        max_steps=100)
     out = {}
     ref = None
     for shape in [(1, 1, 1), (8, 1, 1), (2, 2, 2), (1, 4, 2)]:
