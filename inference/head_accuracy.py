@@ -19,6 +19,7 @@ from flax import nnx
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads
+from medusa_jax.hydra_heads import HydraHeads, path_tokens
 from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
 
@@ -46,6 +47,11 @@ def _top_k_along(graphdef, params, tokens_bt, *, top_k: int):
     cache = KVCache.zeros(base.config, b, t)
     positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     hidden_btd, _ = base(tokens_bt, positions_bt, attention_mask(cache.lengths_b, causal_block(t), t), cache)
+    if isinstance(heads, HydraHeads):  # teacher forcing: head i's path is the true tokens t + 1 .. t + 1 + i
+        path_btk = path_tokens(tokens_bt, heads.config.num_heads)
+        _, ids = jax.lax.top_k(jnp.stack([heads.head_logits(i, hidden_btd, path_btk[..., : i + 1], base)
+                                          for i in range(heads.config.num_heads)]), top_k)
+        return heads.to_full_vocab(ids.astype(jnp.int32))
     return heads.top_k(hidden_btd, base, top_k)
 
 

@@ -3,7 +3,8 @@
 Shapes: B rows, P padded prompt length, N = max_new_tokens, S cache slots (S >= P + N + T), T tree tokens,
 D tree depth, k top-k per head. Each step, per row:
   1. the proposer gives [B, D, k] candidates per (head, rank) from the hidden state that produced the root
-     (the last emitted token, not yet in the cache); the tree picks its T tokens from [root, candidates];
+     (the last emitted token, not yet in the cache); the tree picks its T tokens from [root, candidates]
+     (or, for Hydra heads, the proposer drafts the T tree tokens itself, depth by depth);
   2. ONE verify forward of the T tokens at positions length + depth under the tree mask writes their K/V to
      slots [length, length + T);
   3. acceptance picks a path and its accept length a, plus the base model's next token after it (bonus);
@@ -29,6 +30,7 @@ from flax import nnx
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import HeadsConfig, MedusaHeads, MedusaModel
 from medusa_jax.heads_trees import HeadsTrees, resolve_tree, trees_of
+from medusa_jax.hydra_heads import HydraHeads
 from medusa_jax.kv_cache import KVCache, attention_mask
 from medusa_jax.sharding import map_cache_rows
 from medusa_jax.tree import TreeBuffers, build_tree, load_tree
@@ -52,13 +54,18 @@ class ProposeInputs:
     data: Any  # the proposer_data pytree given to generate_medusa
 
 
-# A proposer returns [B, tree.depth, tree.top_k] int32 candidate ids: [b, h, r] fills tree nodes (head h, rank r)
+# A proposer returns either [B, tree.depth, tree.top_k] int32 candidate ids ([b, h, r] fills every tree node
+# (head h, rank r)), or [B, T] int32 tree tokens (node 0 is root_b) when a node's children depend on its own
+# path (Hydra heads). Verification, acceptance and cache compaction are the same for both.
 Proposer = Callable[[ProposeInputs], jax.Array]
 
 
 def heads_proposer(inputs: ProposeInputs) -> jax.Array:
-    """The Medusa proposal: each head's top-k tokens from the last accepted hidden state."""
+    """The heads' proposal: Medusa heads' top-k tokens from the last accepted hidden state ([B, D, k]), or
+    Hydra heads' tree drafted depth by depth along each node's path ([B, T])."""
     tree = inputs.tree
+    if isinstance(inputs.model.heads, HydraHeads):
+        return inputs.model.heads.tree_tokens(inputs.hidden_bd, inputs.root_b, inputs.model.base, tree)
     top_kbk = inputs.model.heads.top_k(inputs.hidden_bd, inputs.model.base, tree.top_k, num_heads=tree.depth)
     return top_kbk.transpose(1, 0, 2)
 
@@ -67,6 +74,23 @@ def tree_tokens(root_b: jax.Array, candidates_bhk: jax.Array, tree: TreeBuffers)
     """[B] roots + [B, D, k] candidates -> [B, T] tree tokens (flat list [root, head0 top-k, head1 top-k, ...])."""
     flat_bf = jnp.concatenate([root_b[:, None], candidates_bhk.reshape(root_b.shape[0], -1)], axis=1)
     return flat_bf[:, jnp.asarray(tree.candidate_index_t)].astype(jnp.int32)
+
+
+def draft_tree(heads, base: CausalLM, hidden_bd: jax.Array, root_b: jax.Array, tree: TreeBuffers) -> jax.Array:
+    """[B, T] tree tokens the heads propose (Medusa or Hydra): what `heads_proposer` gives, placed in the tree."""
+    if isinstance(heads, HydraHeads):
+        return heads.tree_tokens(hidden_bd, root_b, base, tree)
+    return tree_tokens(root_b, heads.top_k(hidden_bd, base, tree.top_k, num_heads=tree.depth).transpose(1, 0, 2),
+                       tree)
+
+
+def proposal_tokens(root_b: jax.Array, proposal: jax.Array, tree: TreeBuffers) -> jax.Array:
+    """A proposer's output ([B, D, k] candidates or [B, T] tokens) -> [B, T] tree tokens, node 0 = root_b."""
+    if proposal.ndim == 2:
+        if proposal.shape[1] != tree.num_tokens:
+            raise ValueError(f"a proposer returned {proposal.shape[1]} tree tokens; the tree has {tree.num_tokens}")
+        return proposal.astype(jnp.int32).at[:, 0].set(root_b)
+    return tree_tokens(root_b, proposal, tree)
 
 
 def compact_accepted(cache: KVCache, nodes_bj: jax.Array) -> KVCache:
@@ -104,8 +128,7 @@ def medusa_step(inputs: ProposeInputs, cache: KVCache, key: jax.Array, *, accept
     model, tree = inputs.model, inputs.tree
     base = model.base
     lengths_b = cache.lengths_b
-    candidates_bhk = proposer(inputs)
-    tokens_bt = tree_tokens(inputs.root_b, candidates_bhk, tree)
+    tokens_bt = proposal_tokens(inputs.root_b, proposer(inputs), tree)
     mask_bts = attention_mask(lengths_b, jnp.asarray(tree.ancestor_mask_tt), cache.cache_size)
     positions_bt = lengths_b[:, None] + jnp.asarray(tree.depth_t)[None, :]
     hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, cache)

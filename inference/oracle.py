@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.tree import TreeBuffers
-from medusa_jax.inference.medusa import ProposeInputs, heads_proposer
+from medusa_jax.inference.medusa import ProposeInputs, heads_proposer, tree_tokens
 
 
 def planted_data(tree: TreeBuffers, continuations: Sequence[Sequence[int]], targets_bs,
@@ -58,5 +58,8 @@ def planted_proposer(inputs: ProposeInputs) -> jax.Array:
 def planted_over_heads_proposer(inputs: ProposeInputs) -> jax.Array:
     """planted_proposer's candidates, after running the heads as the Medusa proposal would (their ids are
     never negative, so the select keeps the planted ones; the compiler cannot drop the heads)."""
-    from_heads_bdk = heads_proposer(inputs)
-    return jnp.where(from_heads_bdk < 0, from_heads_bdk, planted_proposer(inputs))
+    from_heads = heads_proposer(inputs)  # [B, D, k], or [B, T] tree tokens for Hydra heads
+    planted = planted_proposer(inputs)
+    if from_heads.ndim == 2:
+        planted = tree_tokens(inputs.root_b, planted, inputs.tree)
+    return jnp.where(from_heads < 0, from_heads, planted)

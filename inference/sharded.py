@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads, MedusaModel
+from medusa_jax.hydra_heads import HydraHeads
 from medusa_jax.kv_cache import KVCache
 from medusa_jax.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_sharding, cache_shardings,
                                  checked_sharding, param_shardings, replicated, validate_model_mesh)
@@ -94,6 +95,8 @@ class MeshHeadsProposer:
 
     def __call__(self, inputs: medusa.ProposeInputs) -> jax.Array:
         tree, heads = inputs.tree, inputs.model.heads
+        if isinstance(heads, HydraHeads):  # small per-round top-k: left to the compiler's collectives
+            return medusa.heads_proposer(inputs)
         logits_kbv = heads.logits(inputs.hidden_bd, inputs.model.base, num_heads=tree.depth)
         ids_kbk = sharded_top_k(logits_kbv, tree.top_k, self.mesh).astype(jnp.int32)
         return heads.to_full_vocab(ids_kbk).transpose(1, 0, 2)

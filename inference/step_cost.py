@@ -5,7 +5,8 @@ Pieces of one step (B rows, T tree tokens, S cache slots of which `context` are 
     verify_forward    the backbone over the T tree tokens (tree mask, writes their K/V)
     base_logits       base lm_head over the T nodes + argmax (what greedy acceptance compares against)
     acceptance        the longest accepted path and the bonus token (`acceptance.accept_tree`)
-    heads_top_k       every head's top-k at the accepted node (the next step's candidates)
+    heads_top_k       every head's top-k at the accepted node (the next step's candidates; Hydra heads: their
+                      depth-many drafting rounds)
     cache_compaction  moves the accepted path's K/V to consecutive slots (all layers)
 The pieces are the decoder's own functions (`acceptance.accept_tree`, `medusa.compact_accepted`, ...).
 The whole step is the decode loop's own step function, `medusa.medusa_step` (what a loop iteration costs,
@@ -29,6 +30,7 @@ from flax import nnx
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads, MedusaModel
+from medusa_jax.hydra_heads import HydraHeads
 from medusa_jax.kv_cache import KVCache, attention_mask
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree
@@ -78,10 +80,12 @@ def _acceptance(tokens_bt, logits_btv, key, *, tree: TreeBuffers):
     return accept_tree(tree, tokens_bt, logits_btv, key, AcceptanceConfig())
 
 
-@partial(jax.jit, static_argnames=("graphdef", "top_k", "num_heads"))
-def _heads_top_k(graphdef, params, hidden_bd, *, top_k: int, num_heads: int):
+@partial(jax.jit, static_argnames=("graphdef", "tree"))
+def _heads_top_k(graphdef, params, hidden_bd, *, tree: TreeBuffers):
     base, heads = nnx.merge(graphdef, params)
-    return heads.top_k(hidden_bd, base, top_k, num_heads)
+    if isinstance(heads, HydraHeads):
+        return heads.tree_tokens(hidden_bd, jnp.zeros(hidden_bd.shape[:1], jnp.int32), base, tree)
+    return heads.top_k(hidden_bd, base, tree.top_k, tree.depth)
 
 
 @partial(jax.jit, donate_argnames=("cache",))
@@ -185,8 +189,8 @@ def piece_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: 
     logits_btv, _ = _base_logits(base_def, base_params, hidden_btd)
     key = jax.random.key(0)
     out["acceptance"] = time_call(lambda: _acceptance(tokens_bt, logits_btv, key, tree=tree), repeats)
-    out["heads_top_k"] = time_call(lambda: _heads_top_k(both_def, both_params, hidden_btd[:, 0], top_k=tree.top_k,
-                                                        num_heads=tree.depth), repeats)
+    out["heads_top_k"] = time_call(lambda: _heads_top_k(both_def, both_params, hidden_btd[:, 0], tree=tree),
+                                   repeats)
     nodes_bj = jnp.broadcast_to(jnp.asarray(tree.retrieve_lj[0]), (batch, tree.depth + 1))
     compact = lambda c, n: (None, _compaction(c, n))  # noqa: E731
     out["cache_compaction"] = time_call(lambda: runner.run(compact, nodes_bj), repeats)

@@ -24,6 +24,8 @@ from medusa_jax.config import resolve_dtype
 from medusa_jax.kv_cache import KVCache
 
 LM_HEAD_MODES = ("own", "shared", "truncated")
+HEAD_TYPES = ("medusa", "hydra")  # hydra: heads that also see the drafted tokens (medusa_jax.hydra_heads)
+HYDRA_INPUTS = ("concat", "add")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +38,14 @@ class HeadsConfig:
     truncated_vocab_size: int | None = None  # only for lm_head == "truncated"
     dtype: str = "float32"
     base_model_name_or_path: str = ""
+    head_type: str = "medusa"  # one of HEAD_TYPES
+    hydra_input: str = "add"  # hydra only: how a head combines h and its path embeddings (hydra_heads.py)
 
     def __post_init__(self):
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        if self.hydra_input not in HYDRA_INPUTS:
+            raise ValueError(f"hydra_input must be one of {HYDRA_INPUTS}, got {self.hydra_input!r}")
         if self.num_heads < 1 or self.num_layers < 0:
             raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
         if self.lm_head not in LM_HEAD_MODES:
@@ -55,7 +63,10 @@ class HeadsConfig:
         return self.truncated_vocab_size if self.lm_head == "truncated" else self.vocab_size
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.head_type == "medusa":  # Medusa configs (and run signatures) stay as they were before Hydra
+            del d["head_type"], d["hydra_input"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HeadsConfig":
@@ -94,6 +105,8 @@ class MedusaHead(nnx.Module):
 
 class MedusaHeads(nnx.Module):
     def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
+        if config.head_type != "medusa":
+            raise ValueError(f"MedusaHeads needs head_type='medusa', got {config.head_type!r}")
         self.config = config
         self.heads = nnx.List([MedusaHead(config, rngs) for _ in range(config.num_heads)])
         if config.lm_head == "truncated":
@@ -134,13 +147,23 @@ class MedusaHeads(nnx.Module):
         return self.to_full_vocab(ids.astype(jnp.int32))
 
 
+def heads_class(config: HeadsConfig) -> type:
+    """MedusaHeads or HydraHeads, by config.head_type (both take (config, rngs, token_map=None))."""
+    if config.head_type == "hydra":
+        from medusa_jax.hydra_heads import HydraHeads
+
+        return HydraHeads
+    return MedusaHeads
+
+
 def init_heads(config: HeadsConfig, base: CausalLM, seed: int = 0,
                token_map: np.ndarray | None = None) -> MedusaHeads:
-    """Fresh heads: identity ResBlocks; own lm_heads copy the base lm_head (rows of token_map if truncated)."""
+    """Fresh heads (Medusa or Hydra, by config.head_type): identity ResBlocks; own lm_heads copy the base
+    lm_head (rows of token_map if truncated)."""
     if config.hidden_size != base.config.hidden_size or config.vocab_size != base.config.vocab_size:
         raise ValueError(f"heads (hidden {config.hidden_size}, vocab {config.vocab_size}) do not match the base "
                          f"model (hidden {base.config.hidden_size}, vocab {base.config.vocab_size})")
-    heads = MedusaHeads(config, nnx.Rngs(seed), token_map=token_map)
+    heads = heads_class(config)(config, nnx.Rngs(seed), token_map=token_map)
     if config.lm_head != "shared":
         base_w_dv = base.lm_head_weight()
         if config.lm_head == "truncated":

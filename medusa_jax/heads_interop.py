@@ -92,6 +92,11 @@ def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; expected one of {EXPORT_DTYPES}")
     cfg = heads.config
+    if cfg.head_type != "medusa":
+        raise ExportError(f"these are {cfg.head_type} heads (each head also reads the embeddings of the tokens "
+                          f"drafted on its path); the PyTorch layouts (FasterDecoding/TGI/TensorRT-LLM, vLLM) only "
+                          f"describe Medusa heads, so they cannot be exported. Use them with medusa-jax's own "
+                          f"format (medusa_jax.heads_io)")
     np_dtype = np.dtype(resolve_dtype(dtype))
     # own/truncated heads already carry an lm_head per head: materialize_lm_head is a no-op for them
     materialize_lm_head = materialize_lm_head and cfg.lm_head == "shared"

@@ -1,8 +1,11 @@
 """Save and load heads in medusa-jax's own folder format: `config.json` + `heads.safetensors`.
 
 Tensor names are the NNX parameter paths joined by dots (`heads.0.blocks.0.linear.kernel`, kernels stored
-[in, out] as in JAX; `token_map` for truncated heads). Writes go to a temp folder renamed into place, so an
-interrupted save never leaves a half-written heads folder. Other projects' layouts: `medusa_jax.heads_interop`.
+[in, out] as in JAX; `token_map` for truncated heads). Hydra heads (config.json `medusa_jax.head_type`
+"hydra") add `heads.{i}.input_proj.kernel` (+ `.bias` with hydra_input "concat") and leave out the
+`medusa_num_*` fields, so Medusa tools do not take them for Medusa heads. Writes go to a temp folder renamed
+into place, so an interrupted save never leaves a half-written heads folder. Other projects' layouts:
+`medusa_jax.heads_interop`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from flax import nnx
 
 from medusa_jax.atomic import atomic_folder
 from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import HeadsConfig, MedusaHeads
+from medusa_jax.heads import HeadsConfig, MedusaHeads, heads_class
 from medusa_jax.hf_import import fill_state, param_paths
 from medusa_jax.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
 
@@ -40,8 +43,8 @@ def save_heads(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict
         "format": FORMAT,
         "medusa_jax": cfg.to_dict(),
         # the fields other Medusa tools read, for orientation
-        "medusa_num_heads": cfg.num_heads,
-        "medusa_num_layers": cfg.num_layers,
+        **({"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers}
+           if cfg.head_type == "medusa" else {}),
         "base_model_name_or_path": cfg.base_model_name_or_path,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
@@ -59,8 +62,9 @@ def save_heads(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict
 
 
 def heads_from_tensors(config: HeadsConfig, tensors: dict[str, np.ndarray], origin: str) -> MedusaHeads:
-    """Builds MedusaHeads from dotted-path tensors; every key must match, with the right shape."""
-    abstract = nnx.eval_shape(lambda: MedusaHeads(config, nnx.Rngs(0)))
+    """Builds MedusaHeads (or HydraHeads, by config.head_type) from dotted-path tensors; every key must match,
+    with the right shape."""
+    abstract = nnx.eval_shape(lambda: heads_class(config)(config, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     expected = {".".join(p): leaf for p, leaf in param_paths(state)}
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))

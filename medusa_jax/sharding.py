@@ -37,6 +37,8 @@ PARAM_RULES: tuple[tuple[str, tuple[Any, ...]], ...] = (
     (r"blocks\.\d+\.linear\.kernel$", ("fsdp", "tensor")),  # [D, D]
     (r"blocks\.\d+\.linear\.bias$", ("tensor",)),
     (r"heads\.\d+\.lm_head\.kernel$", ("fsdp", "tensor")),  # [D, V_head]
+    (r"heads\.\d+\.input_proj\.kernel$", ("fsdp", "tensor")),  # Hydra: [(path tokens [+ 1]) * D, D]
+    (r"heads\.\d+\.input_proj\.bias$", ("tensor",)),
     (r"token_map$", (None,)),
 )
 

@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("heads")
     add(g, "--num-heads", "Medusa heads K; head i predicts token t+2+i", type=int, default=r.num_heads)
     add(g, "--num-layers", "ResBlocks per head", type=int, default=r.num_layers)
+    add(g, "--head-type", "'medusa': every head reads only the base hidden state; 'hydra': head i also reads the "
+        "embeddings of the tokens already drafted on its path (the base's next token and heads 0..i-1's picks), "
+        "trained by teacher forcing; Medusa-1 (frozen backbone) only", default=r.head_type,
+        choices=("medusa", "hydra"))
+    add(g, "--hydra-input", "how a Hydra head combines the hidden state h and its path embeddings e_0..e_i: 'add' "
+        "(h + a projection of [e_0..e_i]) or 'concat' (a projection of [h, e_0..e_i]); see medusa_jax/hydra_heads.py",
+        default=r.hydra_input, choices=("add", "concat"))
     add(g, "--lm-head", "each head's output layer: 'truncated:N' (own [D, N] over the N most frequent training "
         "tokens; targets outside them count as misses; fast and small), 'own' (a full [D, V] copy per head, "
         "initialised from the base lm_head; needs far more memory), or 'shared' (reuse the base lm_head)",
@@ -130,6 +137,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--warmup-steps and --num-layers must be >= 0 and --learning-rate > 0")
     if not 0 <= args.heldout_fraction < 1:
         raise ValueError(f"--heldout-fraction must be in [0, 1), got {args.heldout_fraction}")
+    if args.head_type == "hydra" and args.medusa2:
+        raise ValueError("--head-type hydra trains with a frozen backbone (Medusa-1) only; drop --medusa2")
     if args.memory_limit is not None and args.memory_limit < 0:
         raise ValueError(f"--memory-limit must be >= 0 GiB, got {args.memory_limit}")
     if args.model != "smollm2" and not os.path.isdir(args.model):
@@ -172,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     multiplier = args.head_lr_multiplier if args.head_lr_multiplier is not None else (4.0 if args.medusa2 else 1.0)
     config = RunConfig(
         model=model_dir(args.model), output=args.output, data=args.data, num_heads=args.num_heads,
-        num_layers=args.num_layers,
+        num_layers=args.num_layers, head_type=args.head_type, hydra_input=args.hydra_input,
         lm_head=args.lm_head, batch_size=args.batch_size, cached_batch_size=args.cached_batch_size,
         cache_hidden=args.cache_hidden, mesh=args.mesh, checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,

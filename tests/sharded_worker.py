@@ -64,12 +64,18 @@ def main_meshes(model_dir: str, out: str) -> None:
     eos = (free[3].token_ids[MAX_NEW // 2],)
     ref_plain = generate(base0, prompts, max_new_tokens=MAX_NEW, eos_ids=eos)
     ref_medusa = generate_medusa(base0, heads, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos)
+    hydra = init_heads(dataclasses.replace(heads_cfg, head_type="hydra"), base0, seed=1)
+    for head in hydra.heads:  # random path projections: the drafts depend on the path
+        shape = head.input_proj.kernel.shape
+        head.input_proj.kernel[...] = jax.numpy.asarray(np.random.RandomState(2).normal(0, 0.3, shape), "float32")
+    ref_hydra = generate_medusa(base0, hydra, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos)
     ref_exact = generate_medusa(base0, heads, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos,
                                 acceptance=EXACT, seed=5)
     report = {"eos": list(eos), "reference": {
         "plain": [{"tokens": r.token_ids, "steps": r.steps} for r in ref_plain],
         "medusa": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_medusa],
-        "exact": [r.token_ids for r in ref_exact]},
+        "exact": [r.token_ids for r in ref_exact],
+        "hydra": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_hydra]},
         "meshes": {}}
     settings = BatchSettings(batch_size=8, max_new_tokens=MAX_NEW, eos_ids=eos, bucket=BUCKET)
     for data, tensor in ((1, 1), (8, 1), (2, 4), (1, 8)):
@@ -81,6 +87,9 @@ def main_meshes(model_dir: str, out: str) -> None:
         entry = {"plain": rows(plain), "medusa": rows(medusa),
                  "k_sharding": [list(a) if isinstance(a, tuple) else a for a in model.cache_sharding(8, 64).k_lbshd.spec],
                  "q_proj_shards": len(base.layers[0].self_attn.q_proj.kernel[...].addressable_shards)}
+        if (data, tensor) in ((8, 1), (2, 4)):  # Hydra heads on the same sharded loop
+            entry["hydra"] = rows(generate_batch(ShardedModel(base, hydra, mesh), prompts,
+                                                 dataclasses.replace(settings, tree=tree), progress=False))
         if (data, tensor) in ((2, 4), (1, 8)):
             batch = np.asarray([p + [0] * (32 - len(p)) for p in prompts], np.int32)
             lens = np.asarray([len(p) for p in prompts], np.int32)

@@ -1,5 +1,6 @@
 """Medusa decoding: lossless greedy (== plain greedy token for token), every accept length, per-row EOS and
-max_new_tokens, typical acceptance, capacity errors; tiny Llama/Qwen2 and SmolLM2.
+max_new_tokens, typical acceptance, capacity errors; tiny Llama/Qwen2 and SmolLM2. The losslessness tests run
+for Medusa heads and for Hydra heads (which draft the tree themselves, depth by depth).
 
 The planted proposer (`inference/oracle.py`) knows the true continuation (from a plain greedy run) and puts
 it at chosen (head, rank) slots so that step s of row b accepts exactly targets_bs[b, s] candidates: every
@@ -19,8 +20,8 @@ from medusa_jax.kv_cache import KVCache
 from medusa_jax.tree import PRESETS, TreeError, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, greedy_accept, typical_accept
 from medusa_jax.inference.engine import generate
-from medusa_jax.inference.medusa import compact_accepted, generate_medusa, heads_proposer
-from medusa_jax.inference.oracle import planted_data, planted_proposer
+from medusa_jax.inference.medusa import compact_accepted, generate_medusa, heads_proposer, tree_tokens
+from medusa_jax.inference.oracle import planted_data, planted_over_heads_proposer, planted_proposer
 
 N = 40  # max_new_tokens of the tiny-model runs (one compile per model, tree, batch and proposer)
 PROMPTS = {
@@ -37,7 +38,10 @@ def plant(tree, reference, targets_bs):
 def heads_or_planted(inputs):
     """The heads' proposal or the planted one, chosen by data (one compile serves both runs of a test)."""
     use_planted = inputs.data["use_planted"]
-    return jnp.where(use_planted, planted_proposer(inputs), heads_proposer(inputs))
+    from_heads, planted = heads_proposer(inputs), planted_proposer(inputs)
+    if from_heads.ndim == 2:  # Hydra heads propose the [B, T] tree tokens
+        planted = tree_tokens(inputs.root_b, planted, inputs.tree)
+    return jnp.where(use_planted, planted, from_heads)
 
 
 def cycling_targets(batch: int, depth: int) -> np.ndarray:
@@ -45,22 +49,24 @@ def cycling_targets(batch: int, depth: int) -> np.ndarray:
 
 
 def random_heads(base, seed=0, num_heads=4, **config):
-    """init_heads plus random ResBlock weights, so the proposals differ from the base model's own."""
+    """init_heads plus random ResBlock (and Hydra input) weights, so the proposals differ from the base
+    model's own and Hydra heads' depend on their path."""
     heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=num_heads,
                                    **config), base, seed=seed)
     rng = np.random.RandomState(seed)
     for head in heads.heads:
-        for block in head.blocks:
-            block.linear.kernel[...] = jnp.asarray(rng.normal(0, 0.3, block.linear.kernel.shape), jnp.float32)
+        for linear in [block.linear for block in head.blocks] + [getattr(head, "input_proj", None)]:
+            if linear is not None:
+                linear.kernel[...] = jnp.asarray(rng.normal(0, 0.3, linear.kernel.shape), jnp.float32)
     return heads
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    """kind -> (base, random heads, {case: (eos_ids, plain greedy results)})."""
-    made = {}
+    """(kind, head_type) -> (base, random heads, {case: (eos_ids, plain greedy results)})."""
+    made, heads = {}, {}
 
-    def get(kind):
+    def get(kind, head_type="medusa"):
         if kind not in made:
             # a wider init than the default 0.02 gives varied (not constant) greedy continuations
             base = load_pretrained(tiny_model_dir(kind, initializer_range=0.3)[0])
@@ -69,8 +75,11 @@ def tiny(tiny_model_dir):
             eos = pick_eos(free[1].token_ids, lo=N // 3)
             refs["ragged4"] = ((eos,), generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=(eos,)))
             assert len(refs["ragged4"][1][1].token_ids) < N  # row 1 stops at the EOS, mid-generation
-            made[kind] = (base, random_heads(base), refs)
-        return made[kind]
+            made[kind] = (base, refs)
+        base, refs = made[kind]
+        if (kind, head_type) not in heads:
+            heads[kind, head_type] = random_heads(base, head_type=head_type)
+        return base, heads[kind, head_type], refs
 
     return get
 
@@ -87,11 +96,15 @@ def ids(results):
     return [r.token_ids for r in results]
 
 
+HEAD_TYPES = ["medusa", "hydra"]
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
 @pytest.mark.parametrize("case", ["batch1", "ragged4"])
 @pytest.mark.parametrize("tree_name", list(PRESETS))
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_medusa_greedy_equals_plain_greedy(tiny, kind, tree_name, case):
-    base, heads, refs = tiny(kind)
+def test_medusa_greedy_equals_plain_greedy(tiny, kind, tree_name, case, head_type):
+    base, heads, refs = tiny(kind, head_type)
     eos_ids, reference = refs[case]
     tree = load_tree(tree_name)
     prompts = PROMPTS[case]
@@ -117,27 +130,29 @@ def test_medusa_greedy_equals_plain_greedy(tiny, kind, tree_name, case):
     assert sum(r.new_tokens for r in got) / sum(r.steps for r in got) > 1.5
 
 
-def test_eos_inside_an_accepted_path_and_max_new_tokens_cut_the_last_step(tiny):
-    base, heads, refs = tiny("llama")
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_eos_inside_an_accepted_path_and_max_new_tokens_cut_the_last_step(tiny, head_type):
+    base, heads, refs = tiny("llama", head_type)
     tree = load_tree("mc_sim_7b_16")  # depth 3: full acceptance emits 4 tokens per step
     reference = refs["batch1"][1]
     always_full = np.full((1, N), tree.depth)
     data = plant(tree, reference, always_full)
     got = generate_medusa(base, heads, PROMPTS["batch1"], tree=tree, max_new_tokens=N - 2,  # 1 + 4 * 9 + 1
-                          proposer=planted_proposer, proposer_data=data, eos_ids=())
+                          proposer=planted_over_heads_proposer, proposer_data=data, eos_ids=())
     assert got[0].token_ids == reference[0].token_ids[: N - 2]
     assert got[0].accept_lengths == [3] * 10 and got[0].steps == 11
 
     eos = pick_eos(reference[0].token_ids, lo=N // 3, avoid_multiple_of=tree.depth + 1)
     stop = reference[0].token_ids.index(eos)
     got = generate_medusa(base, heads, PROMPTS["batch1"], tree=tree, max_new_tokens=N - 2,
-                          proposer=planted_proposer, proposer_data=data, eos_ids=(eos,))
+                          proposer=planted_over_heads_proposer, proposer_data=data, eos_ids=(eos,))
     assert got[0].token_ids == reference[0].token_ids[: stop + 1]  # the path's tokens after the EOS dropped
     assert got[0].accept_lengths == [3] * (-(-stop // 4))
 
 
-def test_sliding_window_model_is_lossless(tiny):
-    base, heads, refs = tiny("mistral")  # sliding_window 16 < prompt + 40 new tokens
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_sliding_window_model_is_lossless(tiny, head_type):
+    base, heads, refs = tiny("mistral", head_type)  # sliding_window 16 < prompt + 40 new tokens
     eos_ids, reference = refs["ragged4"]
     tree = load_tree("mc_sim_7b_32")
     data = plant(tree, reference, cycling_targets(4, tree.depth))
@@ -175,12 +190,13 @@ def test_typical_acceptance_is_seeded(tiny):
     assert all(len(r.token_ids) == N and 0 <= min(r.token_ids) and max(r.token_ids) < 128 for r in a)
 
 
-def test_other_lm_head_modes_are_lossless(tiny):
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_other_lm_head_modes_are_lossless(tiny, head_type):
     base, _, refs = tiny("llama")
     eos_ids, reference = refs["ragged4"]
     token_map = np.random.RandomState(1).permutation(base.config.vocab_size)[:48]
-    for heads in (random_heads(base, seed=2, lm_head="shared"),
-                  random_heads(base, seed=3, lm_head="truncated", truncated_vocab_size=48)):
+    for heads in (random_heads(base, seed=2, lm_head="shared", head_type=head_type),
+                  random_heads(base, seed=3, lm_head="truncated", truncated_vocab_size=48, head_type=head_type)):
         if heads.token_map is not None:
             heads.token_map[...] = jnp.asarray(token_map, jnp.int32)
         got = generate_medusa(base, heads, PROMPTS["ragged4"], tree="mc_sim_7b_8", max_new_tokens=N,
@@ -232,7 +248,8 @@ def test_compact_accepted_moves_only_the_path():
     assert out.lengths_b.tolist() == [3, 5]
 
 
-def test_smollm2_medusa_equals_plain_greedy(smollm2_dir):
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_smollm2_medusa_equals_plain_greedy(smollm2_dir, head_type):
     from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_dir)
@@ -241,7 +258,8 @@ def test_smollm2_medusa_equals_plain_greedy(smollm2_dir):
     base = load_pretrained(smollm2_dir)
     eos_ids, n = eos_token_ids(smollm2_dir, tokenizer), 24
     reference = generate(base, prompts, max_new_tokens=n, eos_ids=eos_ids)
-    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4), base)
+    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4,
+                                   head_type=head_type), base)
     tree = load_tree("mc_sim_7b_16")
     targets_bs = cycling_targets(3, tree.depth)
     data = plant(tree, reference, targets_bs)

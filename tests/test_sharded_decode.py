@@ -47,6 +47,10 @@ def test_sharded_plain_and_medusa_equal_one_device(mesh_report, mesh):
     assert [r["tokens"] for r in got["medusa"]] == [r["tokens"] for r in ref["medusa"]]
     assert [r["steps"] for r in got["medusa"]] == [r["steps"] for r in ref["medusa"]]
     assert [r["accepts"] for r in got["medusa"]] == [r["accepts"] for r in ref["medusa"]]
+    if "hydra" in got:  # Hydra heads draft on the same sharded loop: lossless and the same steps
+        assert [r["tokens"] for r in got["hydra"]] == [r["tokens"] for r in ref["hydra"]] == \
+            [r["tokens"] for r in ref["plain"]]
+        assert [r["accepts"] for r in got["hydra"]] == [r["accepts"] for r in ref["hydra"]]
 
 
 def test_reference_exercises_eos_and_acceptance(mesh_report):

@@ -1,4 +1,5 @@
-"""One Medusa-2 train step on 8 forced CPU devices, on several meshes, equals the 1-device step.
+"""One Medusa-2 train step (and one Medusa-1 step of Hydra heads) on 8 forced CPU devices, on several meshes,
+equals the 1-device step.
 
 XLA's host device count is fixed when jax first initialises, so the step runs in a subprocess that sets
 XLA_FLAGS before importing jax.
@@ -29,13 +30,16 @@ CHILD = textwrap.dedent("""
     assert len(jax.devices()) == 8, jax.devices()
     base = load_pretrained(sys.argv[1])
     cfg = base.config
-    heads = init_heads(HeadsConfig(cfg.hidden_size, cfg.vocab_size, num_heads=2, lm_head=sys.argv[2]), base, seed=0)
+    head_type = sys.argv[3]
+    heads = init_heads(HeadsConfig(cfg.hidden_size, cfg.vocab_size, num_heads=2, lm_head=sys.argv[2],
+                                   head_type=head_type), base, seed=0)
     rng = np.random.default_rng(0)
     seg = np.repeat([[1] * 10 + [2] * 14], 8, axis=0).astype(np.int32)
     batch = {"tokens": rng.integers(0, cfg.vocab_size, (8, 24)).astype(np.int32), "segment_ids": seg,
              "positions": np.where(seg == 1, np.arange(24), np.arange(24) - 10).astype(np.int32),
              "loss_mask": rng.random((8, 24)) < 0.7}
-    train = TrainConfig(medusa2=True, learning_rate=1e-4, head_lr_multiplier=4.0, warmup_steps=0, max_steps=100)
+    train = TrainConfig(medusa2=head_type == "medusa", learning_rate=1e-4, head_lr_multiplier=4.0, warmup_steps=0,
+                        max_steps=100)
     out = {}
     ref = None
     for shape in [(1, 1, 1), (8, 1, 1), (2, 2, 2), (1, 4, 2)]:
@@ -46,7 +50,7 @@ CHILD = textwrap.dedent("""
         if ref is None:
             ref = (float(metrics["loss"]), leaves, float(metrics["grad_norm"]))
             before = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(
-                {"heads": nnx.state(heads, nnx.Param), "base": nnx.state(base)}))]
+                {"heads": nnx.state(heads, nnx.Param), **({"base": nnx.state(base)} if train.medusa2 else {})}))]
             out["max_update"] = max(float(np.abs(a - b).max()) for a, b in zip(leaves, before))
             continue
         out[str(shape)] = {"loss_diff": abs(float(metrics["loss"]) - ref[0]),
@@ -59,9 +63,10 @@ CHILD = textwrap.dedent("""
 
 def test_train_step_is_the_same_on_every_mesh(tmp_path):
     folder = build_tiny_chat_model(tmp_path / "m")
-    for lm_head in ("own",):
+    for lm_head, head_type in (("own", "medusa"), ("own", "hydra")):
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(folder), lm_head], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(folder), lm_head, head_type], capture_output=True,
+                              text=True,
                               env=env, timeout=600, cwd=str(Path(__file__).parent))
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads(proc.stdout.split("RESULT", 1)[1])

@@ -2,11 +2,12 @@
 
 With the backbone frozen, every epoch would recompute the same hidden states; caching them makes an epoch cost
 only the heads. Only positions that have at least one head target are kept, as flat examples
-(hidden [N, D] float16, targets [N, K] full-vocab ids, -1 = none), so padding and prompt-only positions cost
-nothing afterwards.
+(hidden [N, D] float16, targets [N, K] full-vocab ids, -1 = none; for Hydra heads also path [N, K], the
+tokens t + 1 .. t + K), so padding and prompt-only positions cost nothing afterwards.
 
-The cache lives in a folder keyed by (backbone weights, data rows, number of heads) and is written in chunks
-(each written to a temp file and renamed): an interrupted build resumes at the first missing chunk.
+The cache lives in a folder keyed by (backbone weights, data rows, number of heads, path or not) and is
+written in chunks (each written to a temp file and renamed): an interrupted build resumes at the first
+missing chunk.
 On a GPU the backbone is cheap next to the step overhead; keep it in the step there (the default).
 """
 
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.backbone import CausalLM
+from medusa_jax.hydra_heads import path_tokens
 from medusa_jax.training.data import EpochIterator, PackedRows
 from medusa_jax.training.losses import head_targets
 from medusa_jax.training.trainer import backbone_hidden
@@ -64,15 +66,15 @@ class HiddenCache:
     def arrays(self) -> dict[str, np.ndarray]:
         meta = json.loads((self.folder / "meta.json").read_text())
         parts = [np.load(self.folder / f"chunk_{c:05d}.npz") for c in range(meta["chunks"])]
-        return {"hidden": np.concatenate([p["hidden"] for p in parts]),
-                "targets": np.concatenate([p["targets"] for p in parts])}
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0].files}
 
 
 def build_hidden_cache(base: CausalLM, rows: PackedRows, num_heads: int, root: str | os.PathLike,
-                       batch_rows: int = 8, progress: Callable[[int, int], None] | None = None) -> HiddenCache:
+                       batch_rows: int = 8, progress: Callable[[int, int], None] | None = None,
+                       with_path: bool = False) -> HiddenCache:
     """Computes (or reuses) the cache of `rows` under `root`. `progress(done_rows, total_rows)` is called
-    after each chunk."""
-    key = f"{model_fingerprint(base)}-{rows_fingerprint(rows)}-k{num_heads}"
+    after each chunk. `with_path`: also keep each position's path tokens (Hydra heads)."""
+    key = f"{model_fingerprint(base)}-{rows_fingerprint(rows)}-k{num_heads}" + ("-path" if with_path else "")
     folder = Path(root) / key
     folder.mkdir(parents=True, exist_ok=True)
     chunks = -(-rows.num_rows // CHUNK_ROWS)
@@ -86,7 +88,7 @@ def build_hidden_cache(base: CausalLM, rows: PackedRows, num_heads: int, root: s
         if path.exists():
             continue
         lo, hi = c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, rows.num_rows)
-        hidden, targets = [], []
+        hidden, targets, paths = [], [], []
         for b0 in range(lo, hi, batch_rows):
             idx = np.arange(b0, b0 + batch_rows) % rows.num_rows  # a short last batch repeats rows: one shape
             part = rows.rows(idx)
@@ -100,8 +102,10 @@ def build_hidden_cache(base: CausalLM, rows: PackedRows, num_heads: int, root: s
                 raise OverflowError("hidden states exceed the float16 range; this backbone cannot use the cache")
             hidden.append(h_btd[:keep][sel_bt].astype(STORE_DTYPE))
             targets.append(np.moveaxis(t_kbt, 0, -1)[sel_bt].astype(np.int32))
+            paths.append(path_tokens(rows.tokens_rl[b0:b0 + keep], num_heads)[sel_bt])
         tmp = folder / f".chunk_{c:05d}.tmp.npz"
-        np.savez(tmp, hidden=np.concatenate(hidden), targets=np.concatenate(targets))
+        extra = {"path": np.concatenate(paths)} if with_path else {}
+        np.savez(tmp, hidden=np.concatenate(hidden), targets=np.concatenate(targets), **extra)
         os.replace(tmp, path)
         if progress is not None:
             progress(hi, rows.num_rows)

@@ -1,9 +1,10 @@
 """Medusa-1 examples straight from self-distillation's saved hidden states (`self_distill --save-hidden`).
 
 Each generated reply of n tokens with hidden states h_0..h_{n-1} (h_j produced token j) gives n - 1 examples:
-hidden h_j with head i's target token j + 1 + i (-1 past the reply's end). Only replies whose conversation
-is in the JSONL file are used (a batch whose lines were never appended is ignored), each (id, turn) once.
-The held-out split is by conversation: a seeded permutation of the conversation ids, as in data.py.
+hidden h_j with head i's target token j + 1 + i (-1 past the reply's end) and, for Hydra heads, the path
+tokens j + i (0 past the end): the root token j and the true drafts before head i's target. Only replies
+whose conversation is in the JSONL file are used (a batch whose lines were never appended is ignored), each
+(id, turn) once. The held-out split is by conversation: a seeded permutation of the conversation ids, as in data.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from medusa_jax.training.sharegpt import DataError
 
 @dataclasses.dataclass(frozen=True)
 class DistilledExamples:
-    train: dict[str, np.ndarray]  # {"hidden": [N, D] float16, "targets": [N, K] int32}
+    train: dict[str, np.ndarray]  # {"hidden": [N, D] float16, "targets": [N, K] int32 (, "path": [N, K] int32)}
     heldout: dict[str, np.ndarray]
     train_tokens: np.ndarray  # every generated token of the training replies (for a truncated token_map)
     num_conversations: tuple[int, int]
@@ -33,17 +34,20 @@ def store_for(data: str | None) -> Path | None:
     return folder if folder.is_dir() and any(folder.glob("batch-*.npz")) else None
 
 
-def reply_examples(tokens_n: np.ndarray, hidden_nd: np.ndarray, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
+def reply_examples(tokens_n: np.ndarray, hidden_nd: np.ndarray, num_heads: int) -> dict[str, np.ndarray]:
     n = len(tokens_n)
     j = np.arange(n - 1)[:, None] + 1 + np.arange(num_heads)[None, :]  # [n-1, K] target positions
     targets = np.where(j < n, tokens_n[np.minimum(j, n - 1)], -1).astype(np.int32)
-    return hidden_nd[: n - 1], targets
+    path = np.where(j - 1 < n, tokens_n[np.minimum(j - 1, n - 1)], 0).astype(np.int32)
+    return {"hidden": hidden_nd[: n - 1], "targets": targets, "path": path}
 
 
-def load_distilled_examples(data: str, num_heads: int, heldout_fraction: float, seed: int) -> DistilledExamples:
+def load_distilled_examples(data: str, num_heads: int, heldout_fraction: float, seed: int,
+                            with_path: bool = False) -> DistilledExamples:
+    """`with_path`: the examples also carry their path tokens (Hydra heads)."""
     folder = hidden_store_path(data)
     wanted = done_ids(Path(data))
-    replies: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    replies: dict[str, list[dict[str, np.ndarray]]] = {}
     seen = set()
     for path in sorted(folder.glob("batch-*.npz")):
         with np.load(path) as z:
@@ -65,10 +69,12 @@ def load_distilled_examples(data: str, num_heads: int, heldout_fraction: float, 
 
     def arrays(chosen):
         parts = [p for rid in chosen for p in replies[rid]]
+        names = ("hidden", "targets", "path") if with_path else ("hidden", "targets")
         if not parts:
-            return {"hidden": np.zeros((0, 0), np.float16), "targets": np.zeros((0, num_heads), np.int32)}
-        return {"hidden": np.concatenate([h for h, _ in parts]), "targets": np.concatenate([t for _, t in parts])}
+            return {"hidden": np.zeros((0, 0), np.float16), "targets": np.zeros((0, num_heads), np.int32),
+                    **({"path": np.zeros((0, num_heads), np.int32)} if with_path else {})}
+        return {name: np.concatenate([p[name] for p in parts]) for name in names}
 
     train = arrays(train_ids)
-    tokens = np.concatenate([t[:, 0] for rid in train_ids for _, t in replies[rid]])
+    tokens = np.concatenate([p["targets"][:, 0] for rid in train_ids for p in replies[rid]])
     return DistilledExamples(train, arrays(held_ids), tokens[tokens >= 0], (len(train_ids), len(held_ids)))

@@ -45,6 +45,8 @@ class RunConfig:
     num_heads: int = 4
     num_layers: int = 1
     lm_head: str = "truncated:3072"  # own | shared | truncated:N (3,072 divides tensor degrees 2, 3, 4, 6, 8)
+    head_type: str = "medusa"  # medusa | hydra (heads that also see the drafted tokens; Medusa-1 only)
+    hydra_input: str = HeadsConfig.hydra_input  # hydra: add | concat (medusa_jax.hydra_heads)
     batch_size: int = 8  # global packed rows per step
     cached_batch_size: int = 4096  # global positions per step with cache_hidden
     cache_hidden: bool = False
@@ -134,9 +136,11 @@ def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
 
     pos = dict(process_index=jax.process_index(), process_count=jax.process_count())
     k, n_proc = cfg.num_heads, jax.process_count()
+    with_path = cfg.head_type == "hydra"  # Hydra heads also read the true tokens on each position's path
     store = hidden_store.store_for(cfg.data) if cfg.cache_hidden else None
     if store is not None:
-        ex = hidden_store.load_distilled_examples(cfg.data, k, cfg.data_config.heldout_fraction, cfg.seed)
+        ex = hidden_store.load_distilled_examples(cfg.data, k, cfg.data_config.heldout_fraction, cfg.seed,
+                                                  with_path=with_path)
         log(f"using the hidden states saved by self-distillation in {store}: {ex.num_conversations[0]} training / "
             f"{ex.num_conversations[1]} held-out conversations, {len(ex.train['targets'])} / "
             f"{len(ex.heldout['targets'])} positions")
@@ -160,13 +164,14 @@ def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
         for name, rows in (("train", data.train), ("held-out", data.heldout)):
             t0 = time.perf_counter()
             cache = hidden_cache.build_hidden_cache(
-                base, rows, k, Path(cfg.output) / "hidden_cache",
+                base, rows, k, Path(cfg.output) / "hidden_cache", with_path=with_path,
                 progress=lambda d, n, name=name, t0=t0: log(f"hidden cache ({name}): {d}/{n} rows, "
                                                             f"{time.perf_counter() - t0:.0f} s"))
             arrays.append(cache.arrays())
         train_arrays, held_arrays = arrays
     d = base.config.hidden_size
-    empty = lambda n: {"hidden": np.zeros((n, d), np.float16), "targets": np.full((n, k), -1, np.int32)}  # noqa: E731
+    empty = lambda n: {"hidden": np.zeros((n, d), np.float16), "targets": np.full((n, k), -1, np.int32),  # noqa: E731
+                       **({"path": np.zeros((n, k), np.int32)} if with_path else {})}
     return _Feed(hidden_cache.example_iterator(train_arrays, cfg.cached_batch_size, cfg.seed, **pos),
                  _padded_batches(lambda i: {a: v[i] for a, v in held_arrays.items()}, len(held_arrays["targets"]),
                                  cfg.cached_batch_size, cfg.eval_batches, empty),
@@ -195,6 +200,8 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
     """Checks the output folder and the memory plan, takes the folder's lock, then runs (see output_folder)."""
     if cfg.cache_hidden and cfg.train.medusa2:
         raise ValueError("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
+    if cfg.head_type == "hydra" and cfg.train.medusa2:
+        raise ValueError("--head-type hydra trains with a frozen backbone (Medusa-1) only; drop --medusa2")
     parse_lm_head(cfg.lm_head)
     output_folder.check_output(cfg.output, cfg.force_output)
     plan = plan_memory(cfg)
@@ -224,7 +231,8 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
         n_trunc = base.config.vocab_size
     feed = _prepare_data(cfg, base, tokenizer, eos, log)
     heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
-                               mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model))
+                               mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model),
+                               head_type=cfg.head_type, hydra_input=cfg.hydra_input)
     token_map = top_token_ids(feed.loss_tokens, n_trunc, base.config.vocab_size) if mode == "truncated" else None
     heads = init_heads(heads_config, base, cfg.seed, token_map)
     trainer = Trainer(base, heads, cfg.train, mesh)
@@ -262,7 +270,8 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     if not result:
         result = evaluate(trainer, eval_batches)
     if is_main:
-        summary = {"steps": trainer.step, "heldout": result, "lm_head": cfg.lm_head, "medusa2": cfg.train.medusa2}
+        summary = {"steps": trainer.step, "heldout": result, "lm_head": cfg.lm_head, "medusa2": cfg.train.medusa2,
+                   "head_type": cfg.head_type}
         save_heads(trainer.heads(), output / "_heads_tmp", extra_config={"training": summary},
                    storage_dtype=None if cfg.heads_dtype == "float32" else cfg.heads_dtype)
         for name in ("config.json", "heads.safetensors"):

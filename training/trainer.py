@@ -9,6 +9,7 @@ weights stay in their stored dtype; with `compute_dtype="bfloat16"` the step run
 Two batch kinds:
   rows    {"tokens", "segment_ids", "positions", "loss_mask"} [B, T] packed rows: the backbone runs in the step
   hidden  {"hidden" [N, D], "targets" [N, K]}: cached final hidden states (Medusa-1 CPU path, hidden_cache.py)
+          (+ "path" [N, K] for Hydra heads: the true tokens on each position's path, hydra_losses.py)
 The step is `jax.jit` with explicit in/out shardings from `medusa_jax.sharding` (parameters by PARAM_RULES,
 optimiser moments like their parameters, batches over (data, fsdp)).
 """
@@ -29,9 +30,10 @@ from jax.sharding import Mesh
 from medusa_jax import sharding as shd
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import MedusaHeads
+from medusa_jax.heads import MedusaHeads, heads_class
+from medusa_jax.hydra_heads import path_tokens
 from medusa_jax.kv_cache import KVCache
-from medusa_jax.training import losses
+from medusa_jax.training import hydra_losses, losses
 from medusa_jax.training.data import segment_mask
 
 ROW_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -151,10 +153,12 @@ class Trainer:
     def __init__(self, base: CausalLM, heads: MedusaHeads, config: TrainConfig, mesh: Mesh):
         self.config, self.mesh = config, mesh
         shd.validate_model_mesh(base.config, mesh)
-        self.num_heads = heads.config.num_heads
+        if heads.config.head_type == "hydra" and config.medusa2:
+            raise ValueError("Hydra heads train with a frozen backbone (Medusa-1) only; drop --medusa2")
+        self.num_heads, self.head_type = heads.config.num_heads, heads.config.head_type
         dtype = config.compute_dtype
         self._base_def = _compute_graphdef(base, lambda c: CausalLM(c, nnx.Rngs(0)), dtype)
-        self._heads_def = _compute_graphdef(heads, lambda c: MedusaHeads(c, nnx.Rngs(0)), dtype)
+        self._heads_def = _compute_graphdef(heads, lambda c: heads_class(c)(c, nnx.Rngs(0)), dtype)
         trainable = nnx.Param
         if config.freeze_head_lm_heads:
             trainable = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("lm_head")))
@@ -196,12 +200,19 @@ class Trainer:
         if "hidden" in batch:
             hidden = batch["hidden"].astype(resolve_dtype(self.config.compute_dtype))
             targets = jnp.moveaxis(batch["targets"], -1, 0)  # [K, N]
+            path = batch.get("path")  # [N, K], Hydra only
         else:
             hidden = backbone_hidden(base, batch)
             if not self.config.medusa2:
                 hidden = jax.lax.stop_gradient(hidden)
             targets = losses.head_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], self.num_heads)
-        stats = all_head_stats(heads, base, hidden, targets)
+            path = path_tokens(batch["tokens"], self.num_heads)
+        if self.head_type == "hydra":
+            if path is None:
+                raise ValueError("Hydra heads need the path tokens ('path') in cached batches")
+            stats = hydra_losses.hydra_head_stats(heads, base, hidden, path, targets)
+        else:
+            stats = all_head_stats(heads, base, hidden, targets)
         loss = losses.medusa_loss(stats, self.config.loss_decay)
         if self.config.medusa2:
             next_bt = losses.shifted_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], 1)
