@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from medusa_jax.real_model import portable_path
 from medusa_jax.mtbench import MTBenchQuestion
 from medusa_jax.heads_trees import HeadsTrees, resolve_tree, trees_of
 from medusa_jax.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
@@ -272,7 +273,7 @@ def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], con
                  "num_tree_tokens": tree.num_tokens if tree else 1, "depth": tree.depth if tree else 0,
                  "top_k": tree.top_k if tree else 0,
                  **tree_metadata(config.tree, chosen, heads_trees, config.batch_size)},
-        "heads": {"folder": str(loaded.heads_folder), **dataclasses.asdict(heads_cfg)},
+        "heads": {"folder": portable_path(loaded.heads_folder), **dataclasses.asdict(heads_cfg)},
         "config": dataclasses.asdict(config),
         "compile_seconds": dict(runner.compile_seconds),
         "per_question": records,

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from medusa_jax.real_model import portable_path
 from medusa_jax.atomic import write_text_atomic
 from medusa_jax.mtbench import MTBenchQuestion
 from medusa_jax.tree import DEFAULT_TREE, TreeBuffers, load_tree
@@ -112,7 +113,7 @@ def run_sampling_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuest
     return {"greedy_medusa": greedy, "by_temperature": by_temperature, "questions": len(prompts),
             "config": dataclasses.asdict(config), "ratio_target": RATIO_TARGET,
             "tree": {"spec": config.tree, "num_nodes": len(tree.paths), "depth": tree.depth},
-            "heads": {"folder": str(loaded.heads_folder), **dataclasses.asdict(hc)}}
+            "heads": {"folder": portable_path(loaded.heads_folder), **dataclasses.asdict(hc)}}
 
 
 def _fmt(x: float, digits: int = 2) -> str:

