@@ -18,14 +18,15 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from medusa_jax.real_model import portable_path
 from medusa_jax.atomic import write_text_atomic
+from medusa_jax.heads_trees import trees_of
 from medusa_jax.mtbench import MTBenchQuestion
-from medusa_jax.tree import DEFAULT_TREE, TreeBuffers, load_tree
+from medusa_jax.real_model import portable_path
+from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.bench_inputs import LoadedModel
 from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
-from medusa_jax.inference.medusa import generate_medusa
+from medusa_jax.inference.medusa import choose_tree, generate_medusa
 from medusa_jax.inference.sampling import SamplingConfig
 
 SAMPLED = ("plain", "exact", "typical")  # methods timed at each temperature
@@ -37,7 +38,7 @@ class SamplingBenchConfig:
     temperatures: tuple[float, ...] = (0.7, 1.0)
     max_new_tokens: int = 256
     batch_size: int = 1
-    tree: str = DEFAULT_TREE
+    tree: str | None = None  # None: the heads' own tree for this backend and batch size (trees.json)
     seed: int = 0
 
     def __post_init__(self):
@@ -89,7 +90,11 @@ def run_sampling_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuest
     if loaded.heads is None:
         raise ValueError("the sampling benchmark needs Medusa heads")
     hc = loaded.heads.config
-    tree = load_tree(config.tree, num_heads=hc.num_heads, max_top_k=hc.head_vocab_size)
+    chosen = choose_tree(hc, trees_of(loaded.heads), config.batch_size, config.tree)
+    if chosen.tree is None:
+        raise ValueError(f"no Medusa tree to benchmark at batch {config.batch_size}: {chosen.note}; pass --tree")
+    tree = chosen.tree
+    progress(f"tree: {chosen.note}")
     prompts = loaded.encode_chat([q.first_turn for q in questions])
     runner = _Runner(loaded, tree, config)
     runs = [("greedy", None)] + [(m, t) for t in config.temperatures for m in SAMPLED]
@@ -112,7 +117,7 @@ def run_sampling_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuest
         by_temperature[str(t)] = row
     return {"greedy_medusa": greedy, "by_temperature": by_temperature, "questions": len(prompts),
             "config": dataclasses.asdict(config), "ratio_target": RATIO_TARGET,
-            "tree": {"spec": config.tree, "num_nodes": len(tree.paths), "depth": tree.depth},
+            "tree": {"spec": config.tree or chosen.note, "num_nodes": len(tree.paths), "depth": tree.depth},
             "heads": {"folder": portable_path(loaded.heads_folder), **dataclasses.asdict(hc)}}
 
 
