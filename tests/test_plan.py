@@ -24,7 +24,7 @@ ROOT = Path(__file__).parents[1]
 WORKER = Path(__file__).with_name("plan_worker.py")
 # The analytic total is a working-set model (no liveness analysis): it must be within this factor of XLA's.
 # Parameters, optimiser state and KV cache are exact (up to Adam's step counters and padding).
-TOTAL_FACTOR = 2.0
+TOTAL_FACTOR = 1.5
 EXACT_SLACK = 64  # bytes
 
 
@@ -92,12 +92,13 @@ def test_llama3_8b_plans_compile_without_weights(tmp_path):
     # fp32 frozen backbone over fsdp=4 (data=2 replicates), plus 4 own lm_heads and their Adam moments
     assert abs(train["plan"]["arguments"]["params"] - train["estimate"]["params"]) <= EXACT_SLACK
     assert train["plan"]["arguments"]["params"] > backbone_params(cfg, 4, 1) * 4
-    assert train["plan"]["replicated_optimizer_bytes"] == 0
+    # only the heads' bias moments ([D] over `tensor`, here of size 1) are whole on every device
+    assert train["plan"]["replicated_optimizer_bytes"] <= 0.001 * train["plan"]["arguments"]["optimizer"]
     assert decode["plan"]["invariant_gathers"] == []
     assert abs(decode["plan"]["arguments"]["kv_cache"] - decode["estimate"]["kv_cache"]) <= EXACT_SLACK
     # the CPU compiler's float32 copies of the bf16 weights are found and set apart
     upcast, params = decode["plan"]["cpu_upcast_bytes"], decode["plan"]["arguments"]["params"]
-    assert 1.9 * params <= upcast <= 2.0 * params + EXACT_SLACK
+    assert 1.9 * params <= upcast <= 2.2 * params  # (a few weights are converted in two layouts)
     # no weights allocated: the 8B weights alone are 32 GB in float32
     assert report["max_rss_bytes"] < 4 * 2**30
 
@@ -166,7 +167,7 @@ def test_markdown_table_verdicts():
     small = SimpleNamespace(device_bytes=50 * 2**30, analytic_bytes=40 * 2**30)
     bound = SimpleNamespace(device_bytes=200 * 2**30, analytic_bytes=0, arguments_only=True)
     table = markdown_table([(row, {"gpu": small, "v5e": bound})],
-                           {"A": ("gpu", 60 * 2**30), "B": ("gpu", 80 * 2**30), "C": ("v5e", 16 * 2**30)}, 0.1)
+                           {"A": ("gpu", 55 * 2**30), "B": ("gpu", 80 * 2**30), "C": ("v5e", 16 * 2**30)}, 0.1)
     cells = table.splitlines()[2].split(" | ")[2:]
-    # 50 GiB is over 90% of 60 GiB, under 90% of 80 GiB; the lower bound of 200 GiB rules out 16 GiB
+    # 50 GiB is over 90% of 55 GiB, under 90% of 80 GiB; the lower bound of 200 GiB rules out 16 GiB
     assert cells[0].endswith("**no**") and cells[1].endswith("fits") and cells[2].startswith("> 200")
