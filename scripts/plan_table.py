@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of memory kept free (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="keep the plans already in OUT/plans.json")
     p.add_argument("--saved-only", action="store_true",
-                   help="compile nothing: the table from OUT/plans.json, missing plans shown as 'not planned'")
+                   help="compile nothing: the table from OUT/plans.json (and the exact lower bounds), missing plans shown "
+                        "as 'not planned'")
     args = p.parse_args(argv)
     from medusa_jax.presets import PRESETS
 
@@ -56,13 +57,15 @@ def main(argv=None) -> int:
                    key=lambda rk: (rk[0].config["job"] == "train", rk[0].config.get("medusa2", False)))
     for row, mesh_key in order:
         key = _key(row, mesh_key)
-        if key in saved or args.saved_only:
+        if key in saved:
             continue
         start = time.perf_counter()
         least = lower_bound(row_config(row, mesh_key))
         largest = max(capacity for key_, capacity in columns.values() if key_ == mesh_key)
         if least > largest * (1 - args.headroom):  # exact: no compile needed to say no
             saved[key] = {"arguments_only": True, "device_bytes": least}
+        elif args.saved_only:
+            continue
         else:
             try:
                 saved[key] = plan_row(row, mesh_key).to_dict()

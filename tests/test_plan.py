@@ -166,8 +166,11 @@ def test_markdown_table_verdicts():
     row = table_rows(("llama3-8b",))[0]
     small = SimpleNamespace(device_bytes=50 * 2**30, analytic_bytes=40 * 2**30)
     bound = SimpleNamespace(device_bytes=200 * 2**30, analytic_bytes=0, arguments_only=True)
-    table = markdown_table([(row, {"gpu": small, "v5e": bound})],
-                           {"A": ("gpu", 55 * 2**30), "B": ("gpu", 80 * 2**30), "C": ("v5e", 16 * 2**30)}, 0.1)
+    table = markdown_table([(row, {"gpu": small, "v5e": bound}), (row, {"gpu": bound})],
+                           {"A": ("gpu", 55 * 2**30), "B": ("gpu", 80 * 2**30), "C": ("v5e", 16 * 2**30),
+                            "D": ("gpu", 300 * 2**30)}, 0.1)
     cells = table.splitlines()[2].split(" | ")[2:]
     # 50 GiB is over 90% of 55 GiB, under 90% of 80 GiB; the lower bound of 200 GiB rules out 16 GiB
     assert cells[0].endswith("**no**") and cells[1].endswith("fits") and cells[2].startswith("> 200")
+    # ... but cannot prove that 300 GiB suffice
+    assert table.splitlines()[3].rstrip(" |").endswith("not planned")
