@@ -219,17 +219,30 @@ class ShardedModel:
                 out_shardings=outs)
         return self._jits[memo]
 
+    def abstract_inputs(self, batch_size: int, prompt_len: int, cache_size: int) -> tuple:
+        """(cache, prompt_bp, prompt_lens_b, key) as jax.ShapeDtypeStructs in their mesh layouts: lowering a
+        decode loop on them allocates nothing (medusa_jax.plan)."""
+        rows_2d, rows_1d, rep = batch_sharding(self.mesh, 2), batch_sharding(self.mesh, 1), replicated(self.mesh)
+        cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             jax.eval_shape(lambda: KVCache.zeros(self.config, batch_size, cache_size)),
+                             self.cache_sharding(batch_size, cache_size))
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        return (cache, jax.ShapeDtypeStruct((batch_size, prompt_len), jnp.int32, sharding=rows_2d),
+                jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=rows_1d),
+                jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep))
+
     def _run(self, fn, statics, params, params_shardings, prompt_bp, prompt_lens_b, cache_size, seed,
              out_batch_ndims, lowered_only):
         batch_size = prompt_bp.shape[0]
         self.check_batch_size(batch_size)
         jitted = self._jit(fn, params_shardings, batch_size, cache_size, out_batch_ndims)
+        if lowered_only:  # shapes suffice: no cache, prompt or key is allocated
+            with jax.set_mesh(self.mesh):
+                return jitted.lower(statics, params, *self.abstract_inputs(batch_size, prompt_bp.shape[1],
+                                                                           cache_size))
         args = (statics, params, self.new_cache(batch_size, cache_size), put_rows(self.mesh, prompt_bp),
                 put_rows(self.mesh, prompt_lens_b), self.key(seed))
         with jax.set_mesh(self.mesh):  # lets row-local steps run per shard (sharding.map_cache_rows)
-            if lowered_only:
-                self._spare_cache = args[2]  # lowering does not consume the donated cache
-                return jitted.lower(*args)
             *outs, cache = jitted(*args)
         self._spare_cache = cache
         return tuple(fetch(o) for o in outs)
@@ -239,7 +252,8 @@ class ShardedModel:
                      max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                      eos_ids: tuple[int, ...] = (), pad_id: int = 0, lowered_only: bool = False):
         """Prefill + plain decoding of one padded batch -> host (tokens [B, N], num_new [B]).
-        `lowered_only` returns the lowered computation instead (for HLO inspection)."""
+        `lowered_only` returns the lowered computation instead (for HLO inspection and memory plans; only the
+        prompts' shape is used)."""
         statics = PlainStatics(self.base_graphdef, max_new_tokens, sampling, tuple(eos_ids), pad_id)
         return self._run(_plain_decode, statics, self.base_params, self.base_shardings, prompt_bp,
                          prompt_lens_b, cache_size, seed, (2, 1), lowered_only)
@@ -261,6 +275,8 @@ def _placed(value: jax.Array, sharding: NamedSharding) -> jax.Array:
     """One parameter in its mesh layout: kept when loaded in place (sharding_for), resharded when already
     global, else built shard by shard from the local copy (the same on every process: no cross-process
     transfer, which `device_put` of a local array to a multi-host sharding would need)."""
+    if isinstance(value, jax.ShapeDtypeStruct):  # an abstract model (nnx.eval_shape), for planning
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
     if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
         return value
     if jax.process_count() == 1 or (isinstance(value, jax.Array) and not value.is_fully_addressable):

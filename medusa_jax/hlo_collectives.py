@@ -77,14 +77,40 @@ def loop_collectives(hlo_text: str) -> list[Collective]:
             continue
         seen.add(name)
         todo.extend(_callees(comps[name]))
+    return _collectives_in(comps, sorted(seen))
+
+
+def module_collectives(hlo_text: str) -> list[Collective]:
+    """Every collective instruction of the module, in any computation (a branch of a conditional counts even
+    when another branch runs)."""
+    comps = _computations(hlo_text)
+    return _collectives_in(comps, sorted(comps))
+
+
+def _collectives_in(comps: dict[str, list[str]], names: list[str]) -> list[Collective]:
     found = []
-    for name in sorted(seen):
+    for name in names:
         for line in comps[name]:
             match = _INSTRUCTION.match(line)
             if match:
                 origin = re.search(r'op_name="([^"]*)"', line)
                 found.append(Collective(match.group(2), match.group(1), name, origin.group(1) if origin else ""))
     return found
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO result type, e.g. 'bf16[8,64]{1,0}' or a tuple '(f32[4], f32[4])' (summed)."""
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
+        n = 1
+        for d in dims.split(","):
+            n *= int(d) if d else 1
+        total += n * _BYTES.get(dtype, 4)
+    return total
 
 
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
@@ -146,3 +172,39 @@ def invariant_gathers(hlo_text: str) -> list[Collective]:
                 found.append(Collective("all-gather", shape.group(1) if shape else "", body,
                                         origin.group(1) if origin else ""))
     return found
+
+
+def entry_upcast_bytes(hlo_text: str) -> int:
+    """Bytes of float32 copies the entry computation makes of whole bf16/f16 parameters. XLA's CPU backend
+    computes half-precision dots in float32 and hoists those weight copies out of loops; GPU and TPU compilers
+    keep the weights in bf16, so a memory plan compiled on CPU subtracts these bytes."""
+    comps = _computations(hlo_text)
+    entry = next((name for name, lines in comps.items() if any(" parameter(" in l for l in lines)
+                  and name.startswith("main")), None)
+    if entry is None:
+        return 0
+    defs = {}
+    for line in comps[entry]:
+        match = _DEFINITION.match(line)
+        if match:
+            name, opcode, rest = match.groups()
+            shape = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s" + re.escape(opcode) + r"\(", line)
+            called = re.search(r"\bcalls=%?([\w.\-]+)", rest)
+            defs[name] = (opcode, _operands(rest), shape.group(1) if shape else "", called.group(1) if called else None)
+    total = 0
+    for opcode, operands, shape, called in defs.values():
+        if opcode == "fusion":
+            body = [l for l in comps.get(called, []) if l.strip()]
+            if not body or not any(l.lstrip().startswith("ROOT") and " convert(" in l for l in body) \
+                    or len(body) != 2:
+                continue
+        elif opcode != "convert":
+            continue
+        if len(operands) != 1 or operands[0] not in defs or defs[operands[0]][0] != "parameter":
+            continue
+        source = defs[operands[0]][2]
+        dims = re.search(r"\[([\d,]*)\]", shape)
+        if shape.startswith("f32[") and re.match(r"(bf16|f16)\[", source) and dims and \
+                re.search(r"\[([\d,]*)\]", source).group(1) == dims.group(1):
+            total += shape_bytes(shape)
+    return total

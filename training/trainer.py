@@ -150,7 +150,9 @@ def all_head_stats(heads: MedusaHeads, base: CausalLM, hidden_xd, targets_kx) ->
 class Trainer:
     """Holds the sharded train state and the jitted step/eval functions."""
 
-    def __init__(self, base: CausalLM, heads: MedusaHeads, config: TrainConfig, mesh: Mesh):
+    def __init__(self, base: CausalLM, heads: MedusaHeads, config: TrainConfig, mesh: Mesh, abstract: bool = False):
+        """`abstract`: base and heads come from `nnx.eval_shape`; the state is shapes and shardings only
+        (jax.ShapeDtypeStruct), nothing is allocated, and only `jitted_step(...).lower` is usable (medusa_jax.plan)."""
         self.config, self.mesh = config, mesh
         shd.validate_model_mesh(base.config, mesh)
         if heads.config.head_type == "hydra" and config.medusa2:
@@ -169,18 +171,22 @@ class Trainer:
         if config.medusa2:
             params["base"] = base_state
             if config.distill_kl:
-                frozen["reference"] = jax.tree.map(jnp.copy, base_state)
+                frozen["reference"] = base_state if abstract else jax.tree.map(jnp.copy, base_state)
         else:
             frozen["base"] = base_state
         self.param_shardings = {k: shd.param_shardings(v, mesh) for k, v in params.items()}
         self.frozen_shardings = {k: shd.param_shardings(v, mesh) for k, v in frozen.items()}
-        # fresh buffers: the step donates them, and init_heads may share one array between heads
-        self.params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), self.param_shardings)
-        self.frozen = jax.device_put(frozen, self.frozen_shardings)
         self.optimizer = make_optimizer(config)
+        if abstract:
+            self.params, self.frozen = _abstract(params, self.param_shardings), _abstract(frozen, self.frozen_shardings)
+        else:  # fresh buffers: the step donates them, and init_heads may share one array between heads
+            self.params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params),
+                                         self.param_shardings)
+            self.frozen = jax.device_put(frozen, self.frozen_shardings)
         abstract_opt = jax.eval_shape(self.optimizer.init, self.params)
         self.opt_shardings = shardings_like_params(abstract_opt, self.params, self.param_shardings, mesh)
-        self.opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
+        self.opt_state = _abstract(abstract_opt, self.opt_shardings) if abstract else jax.jit(
+            self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
         self.step = 0
         self._steps: dict[str, Any] = {}
         self._evals: dict[str, Any] = {}
@@ -256,13 +262,18 @@ class Trainer:
             cache[kind] = build(self._batch_shardings(batch))
         return cache[kind]
 
-    def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
-        """One optimiser step on this process's share of a global batch. Returns host metrics."""
+    def jitted_step(self, batch) -> Any:
+        """The jitted train step (params, opt_state, frozen, batch) for batches shaped like `batch` (arrays or
+        jax.ShapeDtypeStructs: this process's rows)."""
         kind = "hidden" if "hidden" in batch else "rows"
         rep = shd.replicated(self.mesh)
-        step = self._compiled(self._steps, kind, batch, lambda bsh: jax.jit(
+        return self._compiled(self._steps, kind, batch, lambda bsh: jax.jit(
             self._train_step, in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings, bsh),
             out_shardings=(self.param_shardings, self.opt_shardings, rep), donate_argnums=(0, 1)))
+
+    def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        """One optimiser step on this process's share of a global batch. Returns host metrics."""
+        step = self.jitted_step(batch)
         self.params, self.opt_state, metrics = step(self.params, self.opt_state, self.frozen, self.device_batch(batch))
         self.step += 1
         return jax.device_get(metrics)
@@ -288,6 +299,10 @@ class Trainer:
 
 def _global_shape(local_shape) -> tuple[int, ...]:
     return (local_shape[0] * jax.process_count(),) + tuple(local_shape[1:])
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def _to_device(tree):

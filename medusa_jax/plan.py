@@ -1,0 +1,306 @@
+"""AOT memory plans: compile the project's real train step or Medusa decode loop on abstract inputs.
+
+The model is built with `nnx.eval_shape` (no weights), its state becomes `jax.ShapeDtypeStruct`s carrying the
+shardings of `medusa_jax.sharding`, and the jitted function the project runs (`Trainer.jitted_step`,
+`ShardedModel.medusa_decode`) is lowered and compiled for a mesh of (forced host) devices. XLA's own
+`memory_analysis()` then gives the bytes per device, and the optimised HLO the collectives. Nothing of the
+model's size is ever allocated, so 70B models plan on a laptop. The CPU compiler's temporaries approximate a
+GPU/TPU compiler's (fusion and rematerialisation differ); argument bytes are exact.
+
+Byte figures are per device. Arguments are split by what they are (parameters, optimiser state, KV cache,
+batch) from their shardings; `total = arguments + outputs - aliased (donated) + temporaries`, and
+`device_bytes` leaves out the float32 weight copies only XLA's CPU backend makes (`cpu_upcast_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from medusa_jax import hlo_collectives as hc
+from medusa_jax.backbone import CausalLM
+from medusa_jax.config import ModelConfig
+from medusa_jax.heads import HeadsConfig, MedusaHeads
+from medusa_jax.sharding import MeshConfig, MeshError
+from medusa_jax.tree import load_tree
+
+JOBS = ("train", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """One job to plan. Train: `batch` packed rows of `seq` tokens. Decode: `batch` prompts of `seq` tokens,
+    a KV cache of `cache` slots (the prompt, the new tokens and the tree's scratch block) and tree `tree`."""
+
+    model: ModelConfig  # its dtype is the weights' storage dtype
+    mesh: MeshConfig
+    job: str = "decode"
+    batch: int = 8
+    seq: int = 1024
+    cache: int = 2048
+    tree: str = "mc_sim_7b_63"
+    num_heads: int = 4
+    lm_head: str = "own"  # the heads' lm_head mode (heads.LM_HEAD_MODES; truncated is not planned)
+    medusa2: bool = False
+    compute_dtype: str = "bfloat16"  # train only: the dtype the step computes in
+    heads_dtype: str = "float32"  # train: heads are trained in float32; decode uses the model's dtype
+
+    def __post_init__(self):
+        if self.job not in JOBS:
+            raise ValueError(f"job must be one of {JOBS}, got {self.job!r}")
+        if self.lm_head not in ("own", "shared"):
+            raise ValueError(f"lm_head must be 'own' or 'shared' for planning, got {self.lm_head!r}")
+        for name in ("batch", "seq", "cache", "num_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        rows = self.mesh.data * self.mesh.fsdp
+        if self.batch % rows:
+            raise MeshError(f"batch {self.batch} is not divisible by mesh axes data x fsdp = {rows}")
+        if self.job == "decode" and self.max_new_tokens < 1:
+            raise ValueError(f"cache {self.cache} leaves no room for new tokens after a {self.seq}-token prompt "
+                             f"and the tree's {self.tree_tokens} scratch slots")
+
+    @property
+    def tree_tokens(self) -> int:
+        return len(load_tree(self.tree).depth_t)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.cache - self.seq - self.tree_tokens
+
+    def replace(self, **changes) -> "PlanConfig":
+        return dataclasses.replace(self, **changes)
+
+    def heads_config(self) -> HeadsConfig:
+        dtype = self.heads_dtype if self.job == "train" else self.model.dtype
+        return HeadsConfig(self.model.hidden_size, self.model.vocab_size, self.num_heads, 1, self.lm_head,
+                           dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCount:
+    kind: str  # one of hlo_collectives.COLLECTIVES
+    count: int
+    bytes: int  # summed result bytes per device
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPlan:
+    """Per-device bytes of one compiled program, and its collectives."""
+
+    config: PlanConfig
+    arguments: dict[str, int]  # params, optimizer, kv_cache, batch (per device, from the input shardings)
+    argument_bytes: int  # XLA's figure: the arguments the program reads (at most the sum of `arguments`)
+    output_bytes: int
+    alias_bytes: int  # outputs written into donated arguments
+    temp_bytes: int
+    collectives: tuple[CollectiveCount, ...]  # train: the whole step; decode: one verify step (the loop body)
+    once_collectives: tuple[CollectiveCount, ...]  # decode: outside the loop (prefill); train: empty
+    invariant_gathers: tuple[str, ...]  # decode: weights all-gathered at every loop step (should be empty)
+    replicated_optimizer_bytes: int  # optimiser bytes (leaves over 1 KiB) held whole on every device
+    cpu_upcast_bytes: int  # float32 copies of bf16 weights that only the CPU compiler makes (hlo_collectives)
+
+    @property
+    def total_bytes(self) -> int:
+        """XLA's figure for this (CPU) compilation, with every argument resident: jit drops arguments the
+        program never reads (Medusa-1's base lm_head) from XLA's count, but the device still holds them."""
+        resident = max(self.argument_bytes, sum(self.arguments.values()))
+        return resident + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def device_temp_bytes(self) -> int:
+        return max(self.temp_bytes - self.cpu_upcast_bytes, 0)
+
+    @property
+    def device_bytes(self) -> int:
+        """The per-device peak on a GPU/TPU: XLA's total without the CPU-only weight upcasts."""
+        return self.total_bytes - self.temp_bytes + self.device_temp_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["config"] = {k: v for k, v in out["config"].items() if k not in ("model", "mesh")}
+        out["config"].update(model=dataclasses.asdict(self.config.model), mesh=dataclasses.asdict(self.config.mesh))
+        out.update(total_bytes=self.total_bytes, device_temp_bytes=self.device_temp_bytes,
+                   device_bytes=self.device_bytes)
+        return out
+
+
+def _device_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of ShapeDtypeStructs with shardings (the largest shard)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += int(np.prod(shape, dtype=np.int64)) * _itemsize(leaf.dtype)
+    return total
+
+
+def _itemsize(dtype) -> int:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return 8  # a threefry key: two uint32
+    return np.dtype(dtype).itemsize
+
+
+def _mesh(config: PlanConfig):
+    devices = jax.devices()
+    if len(devices) < config.mesh.size:
+        raise MeshError(f"mesh {config.mesh.shape} needs {config.mesh.size} devices, only {len(devices)}: run with "
+                        f"XLA_FLAGS=--xla_force_host_platform_device_count={config.mesh.size} (scripts/plan.py "
+                        f"sets it)")
+    return config.mesh.make_mesh(devices[: config.mesh.size])
+
+
+def abstract_models(config: PlanConfig) -> tuple[CausalLM, MedusaHeads]:
+    """The backbone and heads as shapes only (nnx.eval_shape: no parameter is allocated)."""
+    base = nnx.eval_shape(lambda: CausalLM(config.model, nnx.Rngs(0)))
+    heads = nnx.eval_shape(lambda: MedusaHeads(config.heads_config(), nnx.Rngs(0)))
+    return base, heads
+
+
+def lower_train(config: PlanConfig):
+    """(lowered train step, argument groups) of `Trainer.jitted_step` on abstract state and batch."""
+    from medusa_jax.training.trainer import TrainConfig, Trainer
+
+    mesh = _mesh(config)
+    base, heads = abstract_models(config)
+    train = TrainConfig(medusa2=config.medusa2, compute_dtype=config.compute_dtype, head_lr_multiplier=4.0
+                        if config.medusa2 else 1.0)
+    trainer = Trainer(base, heads, train, mesh, abstract=True)
+    rows = jax.ShapeDtypeStruct((config.batch, config.seq), np.int32)
+    batch = {"tokens": rows, "segment_ids": rows, "positions": rows,
+             "loss_mask": jax.ShapeDtypeStruct((config.batch, config.seq), np.bool_)}
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)
+             for (k, v), s in zip(batch.items(), trainer._batch_shardings(batch).values())}
+    lowered = trainer.jitted_step(batch).lower(trainer.params, trainer.opt_state, trainer.frozen, batch)
+    groups = {"params": {"trainable": trainer.params, "frozen": trainer.frozen}, "optimizer": trainer.opt_state,
+              "kv_cache": {}, "batch": batch}
+    return lowered, groups
+
+
+def lower_decode(config: PlanConfig):
+    """(lowered Medusa decode loop, argument groups) of `ShardedModel.medusa_decode` on abstract inputs."""
+    from medusa_jax.inference.sharded import ShardedModel
+
+    mesh = _mesh(config)
+    base, heads = abstract_models(config)
+    model = ShardedModel(base, heads, mesh)
+    tree = load_tree(config.tree, num_heads=config.num_heads, max_top_k=config.model.vocab_size)
+    prompt_bp = np.zeros((config.batch, config.seq), np.int32)
+    lowered = model.medusa_decode(prompt_bp, prompt_bp[:, 0], tree=tree, cache_size=config.cache,
+                                  max_new_tokens=config.max_new_tokens, lowered_only=True)
+    cache, prompts, lengths, key = model.abstract_inputs(config.batch, config.seq, config.cache)
+    groups = {"params": model.medusa_params, "optimizer": {}, "kv_cache": cache, "batch": (prompts, lengths, key)}
+    return lowered, groups
+
+
+def _count(collectives) -> tuple[CollectiveCount, ...]:
+    by_kind: dict[str, list[int]] = {}
+    for c in collectives:
+        entry = by_kind.setdefault(c.op, [0, 0])
+        entry[0] += 1
+        entry[1] += hc.shape_bytes(c.shape)
+    return tuple(CollectiveCount(k, n, b) for k, (n, b) in sorted(by_kind.items()))
+
+
+def _replicated_optimizer_bytes(groups, mesh_size: int) -> int:
+    """Bytes of optimiser leaves (over 1 KiB) that every device holds whole on a mesh of more than one device."""
+    if mesh_size == 1:
+        return 0
+    total = 0
+    for leaf in jax.tree.leaves(groups["optimizer"]):
+        nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * _itemsize(leaf.dtype)
+        if nbytes > 1024 and leaf.sharding.is_fully_replicated:
+            total += nbytes
+    return total
+
+
+def compile_plan(config: PlanConfig, keep_hlo: list | None = None) -> CompiledPlan:
+    """Lowers and compiles the job on abstract inputs; reads XLA's memory analysis and collectives."""
+    lowered, groups = (lower_train if config.job == "train" else lower_decode)(config)
+    compiled = lowered.compile()
+    memory = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    if keep_hlo is not None:
+        keep_hlo.append(hlo)
+    if config.job == "decode":
+        in_loop = hc.loop_collectives(hlo)
+        loop_computations = {c.computation for c in in_loop}
+        once = [c for c in hc.module_collectives(hlo) if c.computation not in loop_computations]
+        gathers = tuple(c.shape for c in hc.invariant_gathers(hlo))
+    else:
+        in_loop, once, gathers = hc.module_collectives(hlo), [], ()
+    return CompiledPlan(
+        config=config, arguments={k: _device_bytes(v) for k, v in groups.items()},
+        argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
+        collectives=_count(in_loop), once_collectives=_count(once), invariant_gathers=gathers,
+        replicated_optimizer_bytes=_replicated_optimizer_bytes(groups, config.mesh.size),
+        cpu_upcast_bytes=hc.entry_upcast_bytes(hlo))
+
+
+# Memory a program may use per device (bytes): what the runtime reports as the device's total.
+DEVICES = {
+    "h100-80g": 81559 * 2**20,  # nvidia-smi, H100 SXM 80GB
+    "h200-141g": 143771 * 2**20,  # nvidia-smi, H200 141GB
+    "tpu-v5e-16g": 16 * 2**30,  # v5e: 16 GiB HBM per chip
+}
+
+
+def device_capacity(spec: str) -> tuple[str, int]:
+    """'h100-80g' | 'h200-141g' | 'tpu-v5e-16g' | a byte count -> (name, bytes)."""
+    if spec in DEVICES:
+        return spec, DEVICES[spec]
+    if spec.isdigit() and int(spec) > 0:
+        return f"{int(spec)} bytes", int(spec)
+    raise ValueError(f"unknown device {spec!r}: expected one of {', '.join(DEVICES)} or a number of bytes")
+
+
+def fits(plan: CompiledPlan, capacity: int, headroom: float) -> bool:
+    """The plan fits when it leaves `headroom` (a fraction) of the device free for the runtime."""
+    return plan.device_bytes <= capacity * (1.0 - headroom)
+
+
+def largest_batch(config: PlanConfig, capacity: int, headroom: float, first: CompiledPlan | None = None,
+                  max_compiles: int = 6, log=lambda msg: None) -> tuple[int | None, list[CompiledPlan]]:
+    """The largest batch (a multiple of data x fsdp) whose compiled plan fits, by a secant search over compiled
+    plans: bytes grow about linearly with the batch, so two plans predict the boundary and each further plan
+    checks it. Returns (batch or None if not even the smallest fits, the plans compiled)."""
+    step = config.mesh.data * config.mesh.fsdp
+    limit = capacity * (1.0 - headroom)
+    plans = {config.batch: first or compile_plan(config)}
+    log(f"batch {config.batch}: {plans[config.batch].device_bytes / 2**30:.2f} GiB")
+
+    def at(batch: int) -> CompiledPlan:
+        if batch not in plans:
+            plans[batch] = compile_plan(config.replace(batch=batch))
+            log(f"batch {batch}: {plans[batch].device_bytes / 2**30:.2f} GiB")
+        return plans[batch]
+
+    lo, hi = _bounds(None, None, config.batch, plans[config.batch].device_bytes <= limit)
+    for _ in range(max_compiles - 1):
+        if (lo is not None and hi is not None and hi - lo <= step) or hi == step:
+            break
+        if len(plans) == 1:
+            guess = 2 * config.batch if lo is not None else step
+        else:  # the secant through the two plans nearest the limit
+            (b1, p1), (b2, p2) = sorted(plans.items(), key=lambda kv: abs(kv[1].device_bytes - limit))[:2]
+            slope = (p2.device_bytes - p1.device_bytes) / (b2 - b1)
+            guess = b1 + (limit - p1.device_bytes) / slope if slope > 0 else 2 * max(plans)
+        guess = max(step, int(guess) // step * step)
+        if lo is not None:
+            guess = max(guess, lo + step)
+        if hi is not None:
+            guess = min(guess, hi - step)
+        if guess in plans:
+            break
+        lo, hi = _bounds(lo, hi, guess, at(guess).device_bytes <= limit)
+    return lo, [plans[b] for b in sorted(plans)]
+
+
+def _bounds(lo, hi, batch, ok):
+    if ok:
+        return (batch if lo is None else max(lo, batch)), hi
+    return lo, (batch if hi is None else min(hi, batch))

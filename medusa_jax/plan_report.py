@@ -1,0 +1,121 @@
+"""Text for memory plans (scripts/plan.py) and the README's "Will it fit?" table (scripts/plan_table.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from medusa_jax.plan import CompiledPlan, PlanConfig, compile_plan, fits
+from medusa_jax.plan_estimate import Estimate, estimate
+from medusa_jax.presets import model_config
+from medusa_jax.sharding import MeshConfig
+
+GIB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB" if abs(n) >= GIB or n == 0 else f"{n / 2**20:8.2f} MiB"
+
+
+def warnings(plan: CompiledPlan) -> list[str]:
+    """Layout problems a plan shows: weights gathered in the decode loop, optimiser state on every device."""
+    out = [f"weight all-gathered inside the decode loop: {shape}" for shape in plan.invariant_gathers]
+    opt = plan.arguments.get("optimizer", 0)
+    if opt and plan.replicated_optimizer_bytes > 0.01 * opt:
+        out.append(f"{plan.replicated_optimizer_bytes / GIB:.2f} GiB of optimiser state is replicated on every "
+                   f"device")
+    return out
+
+
+def describe(plan: CompiledPlan, est: Estimate, device: str, capacity: int, headroom: float,
+             largest: int | None = None) -> str:
+    c = plan.config
+    head = (f"{c.job} plan: {c.model.model_type} {c.model.num_layers} layers, hidden {c.model.hidden_size}, "
+            f"{c.num_heads} Medusa heads ({c.lm_head} lm_head){', Medusa-2' if c.medusa2 else ''}; mesh "
+            f"data={c.mesh.data} fsdp={c.mesh.fsdp} tensor={c.mesh.tensor}; batch {c.batch}, "
+            + (f"rows of {c.seq} tokens, weights {c.model.dtype}, compute {c.compute_dtype}" if c.job == "train" else
+               f"prompt {c.seq}, cache {c.cache} slots, tree {c.tree} ({c.tree_tokens} nodes), {c.model.dtype}"))
+    lines = [head, "per device                compiled        analytic"]
+    for name, analytic in (("params", est.params), ("optimizer", est.optimizer), ("kv_cache", est.kv_cache)):
+        lines.append(f"  {name:<22}{_gib(plan.arguments.get(name, 0))}  {_gib(analytic)}")
+    lines += [f"  {'batch inputs':<22}{_gib(plan.arguments.get('batch', 0))}",
+              f"  {'arguments (XLA)':<22}{_gib(plan.argument_bytes)}",
+              f"  {'outputs not donated':<22}{_gib(plan.output_bytes - plan.alias_bytes)}",
+              f"  {'temporaries':<22}{_gib(plan.device_temp_bytes)}  {_gib(est.activations)}",
+              f"  {'total':<22}{_gib(plan.device_bytes)}  {_gib(est.total)}"]
+    if plan.cpu_upcast_bytes:
+        lines.append(f"  (the CPU compile also held {plan.cpu_upcast_bytes / GIB:.2f} GiB of float32 weight copies "
+                     f"that GPU/TPU compilers do not make; excluded above)")
+    where = "one verify step (the decode loop body)" if c.job == "decode" else "one train step"
+    lines.append(f"collectives per {where}:")
+    lines += [f"  {k.kind:<20}{k.count:5d} x  {k.bytes / 2**20:10.1f} MiB" for k in plan.collectives] or ["  none"]
+    if plan.once_collectives:
+        lines.append("collectives once per batch (prefill):")
+        lines += [f"  {k.kind:<20}{k.count:5d} x  {k.bytes / 2**20:10.1f} MiB" for k in plan.once_collectives]
+    verdict = "fits" if fits(plan, capacity, headroom) else "does NOT fit"
+    lines.append(f"{device}: {capacity / GIB:.1f} GiB per device, {headroom:.0%} headroom -> {verdict} "
+                 f"({plan.device_bytes / capacity:.0%} used)")
+    if largest is not None:
+        unit = f" (x {c.cache} cache slots = {largest * c.cache} tokens)" if c.job == "decode" else f" x {c.seq} tokens"
+        lines.append(f"largest batch that fits: {largest}{unit}")
+    lines += [f"WARNING: {w}" for w in warnings(plan)]
+    return "\n".join(lines)
+
+
+# ---- the README table ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TableRow:
+    model: str
+    job: str  # e.g. "train Medusa-1", "decode batch 8"
+    config: dict  # PlanConfig fields besides model and mesh
+    meshes: dict  # {"8 GPUs": "fsdp=8", "v5e-16": "fsdp=16"}
+
+
+def table_rows(models=("llama3-8b", "llama3-70b"), train_seq: int = 2048, train_batch: int = 16,
+               prompt: int = 1024, cache: int = 2048) -> list[TableRow]:
+    rows = []
+    for model in models:
+        for medusa2 in (False, True):
+            rows.append(TableRow(model, f"train Medusa-{2 if medusa2 else 1}, {train_batch} x {train_seq} tokens",
+                                 dict(job="train", batch=train_batch, seq=train_seq, medusa2=medusa2,
+                                      dtype="float32"),
+                                 {"gpu": "fsdp=8", "v5e": "fsdp=16"}))
+        for batch in (1, 8, 64):
+            rows.append(TableRow(model, f"decode batch {batch}, cache {cache}",
+                                 dict(job="decode", batch=batch, seq=prompt, cache=cache, dtype="bfloat16"),
+                                 {"gpu": "tensor=8", "v5e": "tensor=8" if batch == 1 else "data=2,tensor=8"}))
+    return rows
+
+
+def row_config(row: TableRow, mesh_key: str) -> PlanConfig:
+    settings = dict(row.config)
+    dtype = settings.pop("dtype")
+    return PlanConfig(model_config(row.model, dtype), MeshConfig.parse(row.meshes[mesh_key]), **settings)
+
+
+def plan_row(row: TableRow, mesh_key: str) -> CompiledPlan:
+    return compile_plan(row_config(row, mesh_key))
+
+
+def markdown_table(results: list[tuple[TableRow, dict[str, CompiledPlan | None]]], devices: dict[str, tuple],
+                   headroom: float) -> str:
+    """devices: column name -> (mesh key, capacity bytes). Plans need `device_bytes` and `analytic_bytes`
+    (or `arguments_only`: a lower bound). Cells: compiled / analytic GiB per device (mesh): verdict."""
+    head = "| model | job | " + " | ".join(devices) + " |"
+    lines = [head, "|" + "---|" * (2 + len(devices))]
+    for row, plans in results:
+        cells = []
+        for mesh_key, capacity in devices.values():
+            plan = plans.get(mesh_key)
+            if plan is None:
+                cells.append("not planned")
+                continue
+            verdict = "fits" if fits(plan, capacity, headroom) else "**no**"
+            if getattr(plan, "arguments_only", False) and verdict == "fits":
+                cells.append("not planned")  # a lower bound proves only that a plan does not fit
+            elif getattr(plan, "arguments_only", False):
+                cells.append(f"> {plan.device_bytes / GIB:.0f} ({row.meshes[mesh_key]}): {verdict}")
+            else:
+                cells.append(f"{plan.device_bytes / GIB:.1f} / {plan.analytic_bytes / GIB:.1f} "
+                             f"({row.meshes[mesh_key]}): {verdict}")
+        lines.append(f"| {row.model} | {row.job} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

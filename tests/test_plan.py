@@ -1,0 +1,176 @@
+"""Memory plans (medusa_jax.plan): compiled on abstract inputs over 8 forced CPU devices, they match the real
+Trainer's device buffers and the analytic estimate; the Llama-3-8B plans compile without allocating weights.
+
+The JAX work runs in subprocesses (tests/plan_worker.py, scripts/plan.py): the device count is fixed before JAX
+starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from medusa_jax.hlo_collectives import entry_upcast_bytes, shape_bytes
+from medusa_jax.plan import device_capacity
+from medusa_jax.plan_estimate import backbone_params
+from medusa_jax.presets import PRESETS, model_config
+
+ROOT = Path(__file__).parents[1]
+WORKER = Path(__file__).with_name("plan_worker.py")
+# The analytic total is a working-set model (no liveness analysis): it must be within this factor of XLA's.
+# Parameters, optimiser state and KV cache are exact (up to Adam's step counters and padding).
+TOTAL_FACTOR = 1.5
+EXACT_SLACK = 64  # bytes
+
+
+def run_worker(mode: str, out: Path) -> dict:
+    proc = subprocess.run([sys.executable, str(WORKER), mode, str(out)], capture_output=True, text=True,
+                          timeout=1800, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return run_worker("small", tmp_path_factory.mktemp("plan") / "small.json")
+
+
+@pytest.mark.parametrize("case", ["train_m1", "train_m2"])
+def test_plan_state_equals_the_real_trainer_on_device(small, case):
+    plan = small[case]["plan"]
+    assert plan["arguments"]["params"] + plan["arguments"]["optimizer"] == small[case]["real_state_bytes"]
+    assert plan["replicated_optimizer_bytes"] == 0
+
+
+@pytest.mark.parametrize("case", ["train_m1", "train_m2", "decode"])
+def test_analytic_estimate_agrees(small, case):
+    plan, est = small[case]["plan"], small[case]["estimate"]
+    for name in ("params", "optimizer", "kv_cache"):
+        assert abs(plan["arguments"][name] - est[name]) <= EXACT_SLACK, (name, plan["arguments"], est)
+    # XLA counts only the arguments the program reads (Medusa-1 never reads the base lm_head)
+    assert 0.9 * sum(plan["arguments"].values()) <= plan["argument_bytes"] <= sum(plan["arguments"].values())
+    ratio = est["total"] / plan["device_bytes"]
+    assert 1 / TOTAL_FACTOR <= ratio <= TOTAL_FACTOR, (ratio, est, plan["device_bytes"])
+
+
+def test_medusa2_trains_the_backbone(small):
+    m1, m2 = small["train_m1"]["plan"]["arguments"], small["train_m2"]["plan"]["arguments"]
+    assert m2["optimizer"] > 2 * m1["optimizer"]  # Adam moments now cover the backbone too
+    assert abs(m2["optimizer"] - 2 * m2["params"]) <= EXACT_SLACK  # every parameter is trainable, same dtype
+
+
+def test_decode_plan_layout(small):
+    plan = small["decode"]["plan"]
+    cfg = plan["config"]["model"]
+    full_cache = 2 * cfg["num_layers"] * 8 * 256 * cfg["num_kv_heads"] * cfg["head_dim"] * 4
+    assert plan["arguments"]["kv_cache"] - 8 * 4 // 2 == full_cache // 8  # rows over data=2, KV heads over tensor=4
+    assert plan["invariant_gathers"] == []
+    kinds = {c["kind"] for c in plan["collectives"]}
+    assert "all-reduce" in kinds and plan["alias_bytes"] >= full_cache // 8  # the cache is donated
+
+
+def test_largest_batch_search_brackets_the_boundary(small):
+    search = small["search"]
+    plans = {int(b): n for b, n in search["plans"].items()}
+    best, step = search["best"], search["step"]
+    assert plans[best] <= search["capacity"] < plans[best + step]
+    assert len(plans) <= 6
+    batches = sorted(plans)
+    assert all(plans[a] < plans[b] for a, b in zip(batches, batches[1:]))
+
+
+@pytest.mark.slow
+def test_llama3_8b_plans_compile_without_weights(tmp_path):
+    report = run_worker("llama8b", tmp_path / "llama8b.json")
+    train, decode = report["train"], report["decode"]
+    cfg = model_config("llama3-8b")
+    # fp32 frozen backbone over fsdp=4 (data=2 replicates), plus 4 own lm_heads and their Adam moments
+    assert abs(train["plan"]["arguments"]["params"] - train["estimate"]["params"]) <= EXACT_SLACK
+    assert train["plan"]["arguments"]["params"] > backbone_params(cfg, 4, 1) * 4
+    # only the heads' bias moments ([D] over `tensor`, here of size 1) are whole on every device
+    assert train["plan"]["replicated_optimizer_bytes"] <= 0.001 * train["plan"]["arguments"]["optimizer"]
+    assert decode["plan"]["invariant_gathers"] == []
+    assert abs(decode["plan"]["arguments"]["kv_cache"] - decode["estimate"]["kv_cache"]) <= EXACT_SLACK
+    # the CPU compiler's float32 copies of the bf16 weights are found and set apart
+    upcast, params = decode["plan"]["cpu_upcast_bytes"], decode["plan"]["arguments"]["params"]
+    assert 1.9 * params <= upcast <= 2.2 * params  # (a few weights are converted in two layouts)
+    # no weights allocated: the 8B weights alone are 32 GB in float32
+    assert report["max_rss_bytes"] < 4 * 2**30
+
+
+def test_cli_plans_a_config_folder_as_json(tmp_path):
+    hf = {**PRESETS["llama3-8b"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(hf))  # a config alone: planning needs no weights
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "--model", str(tmp_path), "--mesh",
+                           "data=2,tensor=2", "--job", "decode", "--batch", "4", "--seq", "16", "--cache", "96",
+                           "--tree", "mc_sim_7b_16", "--device", "1000000000", "--json"],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["fits"] is True and out["config"]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert out["arguments"]["kv_cache"] == out["analytic"]["kv_cache"] + 4 * 4 // 2  # + the lengths, [B] int32
+    assert out["device_bytes"] > out["arguments"]["params"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama3-8b", "--mesh", "data=2,pipe=2"], "bad mesh spec"),
+    (["--model", "llama9-1b"], "neither a preset"),
+    (["--model", "llama3-8b", "--device", "a100"], "unknown device"),
+    (["--model", "llama3-8b", "--mesh", "data=2", "--batch", "3"], "not divisible"),
+    (["--model", "llama3-8b", "--seq", "1024", "--cache", "1024"], "leaves no room"),
+])
+def test_cli_bad_input_is_one_clear_error(args, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and message in proc.stderr, proc.stderr
+
+
+def test_hlo_helpers():
+    assert shape_bytes("bf16[8,64]{1,0}") == 8 * 64 * 2
+    assert shape_bytes("(f32[4]{0}, s32[2,2]{1,0})") == 16 + 16
+    hlo = """
+%wrapped_convert_computation.1 (param_0: bf16[4,8]) -> f32[4,8] {
+  %param_0 = bf16[4,8]{1,0} parameter(0)
+  ROOT %convert.1 = f32[4,8]{1,0} convert(%param_0)
+}
+
+ENTRY %main.5_spmd (param.1: bf16[4,8], param.2: f32[2]) -> f32[4,8] {
+  %param.1 = bf16[4,8]{1,0} parameter(0)
+  %param.2 = f32[2]{0} parameter(1)
+  %wrapped_convert.1 = f32[4,8]{1,0} fusion(%param.1), kind=kLoop, calls=%wrapped_convert_computation.1
+  ROOT %negate.1 = f32[4,8]{1,0} negate(%wrapped_convert.1)
+}
+"""
+    assert entry_upcast_bytes(hlo) == 4 * 8 * 4
+
+
+def test_presets_and_devices():
+    cfg = model_config("llama3-8b")
+    assert round(backbone_params(cfg, 1, 1) / 1e9, 2) == 8.03  # Meta's published 8.03B parameters
+    assert round(backbone_params(model_config("llama3-70b"), 1, 1) / 1e9, 1) == 70.6
+    assert device_capacity("tpu-v5e-16g") == ("tpu-v5e-16g", 16 * 2**30)
+    assert device_capacity("123") == ("123 bytes", 123)
+
+
+def test_markdown_table_verdicts():
+    from types import SimpleNamespace
+
+    from medusa_jax.plan_report import markdown_table, table_rows
+
+    row = table_rows(("llama3-8b",))[0]
+    small = SimpleNamespace(device_bytes=50 * 2**30, analytic_bytes=40 * 2**30)
+    bound = SimpleNamespace(device_bytes=200 * 2**30, analytic_bytes=0, arguments_only=True)
+    table = markdown_table([(row, {"gpu": small, "v5e": bound}), (row, {"gpu": bound})],
+                           {"A": ("gpu", 55 * 2**30), "B": ("gpu", 80 * 2**30), "C": ("v5e", 16 * 2**30),
+                            "D": ("gpu", 300 * 2**30)}, 0.1)
+    cells = table.splitlines()[2].split(" | ")[2:]
+    # 50 GiB is over 90% of 55 GiB, under 90% of 80 GiB; the lower bound of 200 GiB rules out 16 GiB
+    assert cells[0].endswith("**no**") and cells[1].endswith("fits") and cells[2].startswith("> 200")
+    # ... but cannot prove that 300 GiB suffice
+    assert table.splitlines()[3].rstrip(" |").endswith("not planned")
