@@ -17,7 +17,6 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from medusa_jax.backbone import CausalLM  # noqa: E402
