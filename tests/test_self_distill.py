@@ -167,3 +167,61 @@ def test_npz_batches_of_a_running_job_convert_to_the_same_store(tmp_path):
         np.testing.assert_array_equal(np.asarray(a["hidden"]), np.asarray(b["hidden"]))
     convert_to_store(legacy, tok, log=logs.append)
     assert "0 batches" in logs[1] and "2 already there" in logs[1]
+
+
+MESH_CHILD = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np
+from medusa_jax.training import distill_store
+from medusa_jax.training.self_distill import DistillConfig, self_distill
+
+assert len(jax.devices()) == 8
+model, source, root = sys.argv[1:4]
+out = {}
+for mesh in ("", "data=4", "data=2,tensor=2"):
+    path = os.path.join(root, (mesh or "single").replace("=", "").replace(",", "_") + ".jsonl")
+    cfg = DistillConfig(max_new_tokens=8, batch_size=4, limit=6, save_hidden=True, mesh=mesh)
+    self_distill(model, source, path, cfg, progress=False, log=lambda _: None)
+    ds = distill_store.open_store(distill_store.store_path(path))
+    rows = sorted(ds, key=lambda r: r["id"])
+    out[mesh] = {"text": sorted(open(path).read().splitlines()),
+                 "tokens": [r["input_ids"] for r in rows], "hidden": [np.asarray(r["hidden"]).tolist() for r in rows]}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_slots_over_a_device_mesh_and_processes_over_shards_generate_the_same_data(tmp_path):
+    """--mesh splits the decode slots over 8 forced CPU devices; --num-shards splits the conversations over
+    processes: both produce the single-device run's conversations and hidden states."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from medusa_jax.training.self_distill import shard_output
+
+    model = build_tiny_chat_model(tmp_path / "m")
+    source = write_json(tmp_path / "src.json", chat_records(12, seed=6))
+    proc = subprocess.run([sys.executable, "-c", MESH_CHILD, str(model), str(source), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=str(Path(__file__).parent),
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    single = result[""]
+    assert len(single["text"]) == 6
+    for mesh in ("data=4", "data=2,tensor=2"):
+        assert result[mesh]["text"] == single["text"] and result[mesh]["tokens"] == single["tokens"], mesh
+        for a, b in zip(result[mesh]["hidden"], single["hidden"]):
+            np.testing.assert_allclose(a, b, atol=2e-3)
+
+    merged = []
+    for i in range(2):
+        out = shard_output(tmp_path / "sharded.jsonl", i, 2)
+        assert out.name == f"sharded.shard-{i}-of-2.jsonl"
+        stats = self_distill(model, str(source), out, DistillConfig(max_new_tokens=8, batch_size=4, limit=6,
+                                                                    num_shards=2, shard_index=i),
+                             progress=False, log=lambda _: None)
+        assert stats["conversations"] == 3
+        merged += out.read_text().splitlines()
+    assert sorted(merged) == single["text"]

@@ -17,8 +17,11 @@ hidden_store.py) are converted into the store first, so such a run resumes into 
 `train_heads.py --data OUTPUT.arrow --cache-hidden` trains Medusa-1 heads from the store, memory-mapped,
 without another pass over the backbone.
 
-Sharding: `num_shards`/`shard_index` give each process (a host of a pod) its own slice of the conversations
-(every num_shards-th of the seeded order) and of `limit`; each writes its own OUTPUT (see shard_output).
+Sharding on a pod: `num_shards`/`shard_index` give each process (a host) its own slice of the conversations
+(every num_shards-th of the seeded order) and of `limit`; each writes its own OUTPUT (shard_output) and needs
+no collective. Within a process, `mesh` (e.g. data=8) splits the decode slots over the local devices' data
+axis (the KV cache rows, as medusa_jax.sharding lays them out; tensor=N splits the weights), one jitted call
+for all of them.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class DistillConfig:
     save_hidden: bool = False  # also keep the hidden state behind every generated token
     num_shards: int = 1  # processes splitting the conversations
     shard_index: int = 0  # this process's slice
+    mesh: str = ""  # local device mesh for the decode slots, e.g. "data=8" ('' = one device)
 
     def __post_init__(self):
         if min(self.max_new_tokens, self.batch_size, self.turns, self.max_prompt_tokens, self.chunk_steps) < 1:
@@ -170,6 +174,8 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     graphdef, params = nnx.split(model)
     b, size = config.batch_size, config.cache_size
     slots = Slots.empty(model.config, b, size)
+    if config.mesh:
+        params, slots = _on_mesh(config.mesh, model.config, params, slots)
     key = jax.random.fold_in(jax.random.key(config.seed + len(finished)), config.shard_index)
     rows: list[_Reply | None] = [None] * b
     ready: collections.deque[_Reply] = collections.deque()  # later turns, admitted first
@@ -310,3 +316,18 @@ def _open_store(output: Path, finished: set[str], tokenizer, hidden_size: int, l
         log(f"{store.folder}: dropped {len(dropped)} shard(s) whose conversations never reached {output} "
             f"(they are generated again)")
     return store
+
+
+def _on_mesh(spec: str, model_config, params, slots):
+    """Weights by PARAM_RULES, slot rows over (data, fsdp) of a mesh of this process's devices."""
+    import jax
+
+    from medusa_jax import sharding as shd
+    from medusa_jax.training.distill_decode import Slots
+
+    mesh = shd.MeshConfig.parse(spec).make_mesh(jax.local_devices())
+    shd.validate_model_mesh(model_config, mesh)
+    rows = shd.checked_sharding(mesh, shd.batch_sharding(mesh, 1).spec, slots.done_b.shape,
+                                "decode slots (--batch-size over the mesh's data x fsdp)")
+    return (jax.device_put(params, shd.param_shardings(params, mesh)),
+            jax.device_put(slots, Slots(shd.cache_shardings(mesh, slots.cache), rows, rows, rows)))
