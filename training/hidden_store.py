@@ -10,13 +10,14 @@ being committed by a running job (a later conversion picks it up) or was left by
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from medusa_jax.training.distill_store import StoreWriter, store_path
+from medusa_jax.training.distill_store import META_FILE, StoreWriter, is_store, store_path
 from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows, reply_examples
 from medusa_jax.training.self_distill import chat_prompt_ids
 from medusa_jax.training.sharegpt import DataError, read_conversation_file
@@ -58,17 +59,20 @@ def _committed(data: str | os.PathLike) -> dict[str, list[dict[str, str]]]:
     return {str(r["id"]): r["messages"] for r in records}
 
 
+def _read_batch(path: Path, committed) -> list[tuple[str, int, np.ndarray, np.ndarray]] | None:
+    """[(id, turn, tokens, hidden)] of one npz batch; None unless its conversations are all committed."""
+    with np.load(path) as z:
+        ids = [str(i) for i in z["ids"].tolist()]
+        if not ids or any(i not in committed for i in ids):
+            return None
+        offsets, tokens, hidden = z["offsets"], z["tokens"], z["hidden"]
+        return [(rid, int(turn), tokens[offsets[r]:offsets[r + 1]], hidden[offsets[r]:offsets[r + 1]])
+                for r, (rid, turn) in enumerate(zip(ids, z["turns"].tolist()))]
+
+
 def _batches(data, committed):
-    """(npz path, [(id, turn, tokens, hidden)]) of the batches whose conversations are all committed."""
     for path in sorted(hidden_store_path(data).glob("batch-*.npz")):
-        with np.load(path) as z:
-            ids = [str(i) for i in z["ids"].tolist()]
-            if not ids or any(i not in committed for i in ids):
-                yield path, None
-                continue
-            offsets, tokens, hidden = z["offsets"], z["tokens"], z["hidden"]
-            yield path, [(rid, int(turn), tokens[offsets[r]:offsets[r + 1]], hidden[offsets[r]:offsets[r + 1]])
-                         for r, (rid, turn) in enumerate(zip(ids, z["turns"].tolist()))]
+        yield path, _read_batch(path, committed)
 
 
 def load_distilled_examples(data: str, num_heads: int) -> tuple[HiddenExamples, int]:
@@ -101,19 +105,27 @@ def convert_to_store(data: str | os.PathLike, tokenizer, store: str | os.PathLik
     store = Path(store) if store is not None else store_path(data)
     committed = _committed(data)
     writer, listed, stored = None, set(), set()
+
+    def open_writer(hidden_size):
+        nonlocal writer, listed, stored
+        writer = StoreWriter(store, hidden_size)
+        listed = set(writer.shards())
+        stored = {key for shard in listed for key in writer.shard_ids(shard)}
+
+    if is_store(store):
+        open_writer(json.loads((store / META_FILE).read_text())["hidden_size"])
     counts = {"converted": 0, "already": 0, "pending": 0, "replies": 0}
-    for path, replies in _batches(data, committed):
+    for path in sorted(hidden_store_path(data).glob("batch-*.npz")):
         name = f"legacy-{path.stem}.arrow"
+        if name in listed:  # converted before: not even read
+            counts["already"] += 1
+            continue
+        replies = _read_batch(path, committed)
         if replies is None:
             counts["pending"] += 1
             continue
         if writer is None:
-            writer = StoreWriter(store, int(replies[0][3].shape[1]))
-            listed = set(writer.shards())
-            stored = {key for shard in listed for key in writer.shard_ids(shard)}
-        if name in listed:
-            counts["already"] += 1
-            continue
+            open_writer(int(replies[0][3].shape[1]))
         rows = []
         for rid, turn, tok, h in replies:
             if (rid, turn) in stored or len(tok) < 1:
