@@ -75,7 +75,6 @@ class TrainConfig:
         if self.max_steps < 1 or self.warmup_steps < 0 or self.learning_rate <= 0 or self.head_lr_multiplier <= 0:
             raise ValueError(f"bad schedule: {self}")
 
-
     @property
     def head_loss_weights(self) -> tuple[float, float]:
         """(CE weight, KL weight) of each head's loss."""
