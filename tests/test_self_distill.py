@@ -229,7 +229,8 @@ def test_slots_over_a_device_mesh_and_processes_over_shards_generate_the_same_da
 
 def test_store_examples_match_a_loop_and_the_npz_format(tmp_path):
     """Example j of a reply: head i's target is token j + 1 + i and its teacher the hidden row of that token,
-    within the reply; the first npz format gives the same examples (no model needed)."""
+    within the reply; with paths (Hydra heads) head i's path is tokens j .. j + i; the first npz format gives the
+    same examples (no model needed)."""
     from medusa_jax.training.hidden_store import load_distilled_examples, write_hidden_batch, hidden_store_path
 
     rng = np.random.default_rng(7)
@@ -238,24 +239,26 @@ def test_store_examples_match_a_loop_and_the_npz_format(tmp_path):
     writer = distill_store.StoreWriter(tmp_path / "s", 6)
     writer.append(replies[:3])
     writer.append(replies[3:])
-    ex = distill_store.load_store_examples(tmp_path / "s", num_heads=3)
+    ex = distill_store.load_store_examples(tmp_path / "s", num_heads=3, with_path=True)
     batch = ex.batch(np.arange(len(ex)), teacher=True)
-    expected_targets, expected_teacher, expected_hidden = [], [], []
+    expected_targets, expected_teacher, expected_hidden, expected_path = [], [], [], []
     for _, _, _, tokens, hidden in replies:
         for j in range(len(tokens) - 1):
             expected_hidden.append(hidden[j])
             expected_targets.append([tokens[j + 1 + i] if j + 1 + i < len(tokens) else -1 for i in range(3)])
             expected_teacher.append([hidden[j + 1 + i] if j + 1 + i < len(tokens) else hidden[j] for i in range(3)])
+            expected_path.append([tokens[j + i] if j + i < len(tokens) else 0 for i in range(3)])
     np.testing.assert_array_equal(batch["targets"], expected_targets)
     np.testing.assert_array_equal(batch["hidden"], expected_hidden)
     np.testing.assert_array_equal(batch["teacher_hidden"], expected_teacher)
+    np.testing.assert_array_equal(batch["path"], expected_path)
 
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text("".join(json.dumps({"id": r[0], "conversations": [{"from": "human", "value": "q"},
                                                                       {"from": "gpt", "value": "a"}]}) + "\n"
                              for r in replies))
     write_hidden_batch(hidden_store_path(jsonl), [(r[0], r[1], r[3], r[4]) for r in replies])
-    legacy, conversations = load_distilled_examples(str(jsonl), num_heads=3)
+    legacy, conversations = load_distilled_examples(str(jsonl), num_heads=3, with_path=True)
     assert conversations == 4
     for key, value in legacy.batch(np.arange(len(legacy)), teacher=True).items():
         np.testing.assert_array_equal(value, batch[key])
