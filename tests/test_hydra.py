@@ -96,18 +96,23 @@ def test_our_format_round_trips_and_pytorch_export_refuses(base, tmp_path, lm_he
 
 
 def test_teacher_forcing_paths_of_rows_and_of_self_distilled_replies_agree():
-    from medusa_jax.training.hidden_store import reply_examples
     from medusa_jax.hydra_heads import path_tokens
+    from medusa_jax.training.hidden_examples import HiddenRows, reply_examples
 
     tokens = np.arange(10, 20, dtype=np.int32)
     path = path_tokens(tokens[None], 3)[0]  # position t: tokens t + 1, t + 2, t + 3 (0 past the end)
     assert path[0].tolist() == [11, 12, 13] and path[8].tolist() == [19, 0, 0]
     # a reply's h_j produced token j: its path starts at token j (the root), and matches the row's path at j - 1
-    ex = reply_examples(tokens, np.zeros((10, 4), np.float16), 3)
-    assert ex["path"][0].tolist() == [10, 11, 12]
-    np.testing.assert_array_equal(ex["path"][1:], path[:8])
-    # each head's last path token is the previous head's target (teacher forcing)
-    np.testing.assert_array_equal(ex["path"][:7, 1:], ex["targets"][:7, :-1])
+    # (two replies back to back: the second's paths never reach into the first)
+    both = np.concatenate([tokens, tokens + 100])
+    examples = reply_examples(HiddenRows([np.zeros((20, 4), np.float16)]), [10, 10], both, 3, with_path=True)
+    assert reply_examples(examples.hidden, [10, 10], both, 3).path_nk is None  # only when asked
+    for r, ex in enumerate((examples.subset(slice(0, 9)), examples.subset(slice(9, 18)))):
+        assert ex.path_nk[0].tolist() == [10 + 100 * r, 11 + 100 * r, 12 + 100 * r]
+        np.testing.assert_array_equal(ex.path_nk[1:], path_tokens(tokens[None] + 100 * r, 3)[0][:8])
+        # each head's last path token is the previous head's target (teacher forcing)
+        np.testing.assert_array_equal(ex.path_nk[:7, 1:], ex.targets_nk[:7, :-1])
+        assert set(ex.batch(np.arange(3), teacher=True)) == {"hidden", "targets", "teacher_hidden", "path"}
 
 
 # ---- training runs -------------------------------------------------------------------------------------------
@@ -140,7 +145,8 @@ def _train(chat, out, monkeypatch, tmp_path, *extra):
 
 
 @pytest.mark.parametrize("extra", [["--lm-head", "truncated:64"],
-                                   ["--lm-head", "truncated:64", "--cache-hidden", "--cached-batch-size", "64"]])
+                                   ["--lm-head", "truncated:64", "--cache-hidden", "--cached-batch-size", "64",
+                                    "--head-loss", "ce+kl"]])
 def test_hydra_training_lowers_the_loss_and_resumes_exactly(chat, tmp_path, monkeypatch, extra):
     from medusa_jax.heads_io import load_native_heads
     from medusa_jax.training import trainer as trainer_mod
@@ -149,6 +155,9 @@ def test_hydra_training_lowers_the_loss_and_resumes_exactly(chat, tmp_path, monk
     log = _train(chat, tmp_path / "a", monkeypatch, tmp_path, *common)
     losses = [r["loss"] for r in log if r["kind"] == "train"]
     assert len(losses) == 16 and np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.2, losses
+    if "ce+kl" in extra:  # the cached path also gives Hydra heads their teacher rows: a KL is trained and logged
+        kl = [r["head_kl"] for r in log if r["kind"] == "train"]
+        assert len(kl) == 16 and all(np.isfinite(k).all() and min(k) > 0 for k in kl), kl
     heads = load_native_heads(tmp_path / "a")
     assert isinstance(heads, HydraHeads) and heads.config.num_heads == 3
     assert json.loads((tmp_path / "a" / "config.json").read_text())["training"]["head_type"] == "hydra"
@@ -202,6 +211,36 @@ def test_head_accuracy_and_training_stats_agree_on_teacher_forced_top1(base):
     assert table.positions_d.tolist() == np.asarray(stats.total).astype(int).tolist() == [66, 63, 60]
     np.testing.assert_allclose(table.top1_d, np.asarray(stats.top1) / np.asarray(stats.total), atol=1e-6)
     assert np.asarray(stats.top1).sum() > 0
+
+
+def test_hydra_heads_take_the_distilled_kl_loss(base):
+    """Hydra head i's KL is to the base's distribution at t + 1 + i (as Medusa head i's): the stats equal a direct
+    computation, and a few KL-only steps on cached hidden states bring each head's KL down."""
+    from medusa_jax.sharding import MeshConfig
+    from medusa_jax.training.hydra_losses import hydra_head_stats
+    from medusa_jax.training.losses import distill_loss
+    from medusa_jax.training.trainer import TrainConfig, Trainer
+
+    heads, d, v = hydra(base, seed=8), base.config.hidden_size, base.config.vocab_size
+    rng = np.random.RandomState(9)
+    hidden_xd = jnp.asarray(rng.normal(size=(12, d)), jnp.float32)
+    path_xk = jnp.asarray(rng.randint(0, v, (12, 3)), jnp.int32)
+    targets_kx = jnp.asarray(rng.randint(-1, v, (3, 12)), jnp.int32)
+    teacher_kxd = jnp.asarray(rng.normal(size=(3, 12, d)), jnp.float32)
+    stats = hydra_head_stats(heads, base, hidden_xd, path_xk, targets_kx, teacher_kxd)
+    for i in range(3):
+        student = heads.head_logits(i, hidden_xd, path_xk[:, : i + 1], base)
+        kl, count = distill_loss(student, base.logits(teacher_kxd[i]), targets_kx[i] >= 0)
+        np.testing.assert_allclose(stats.kl_sum[i], kl, rtol=1e-4)
+        assert stats.kl_count[i] == count == int((targets_kx[i] >= 0).sum()) and kl > 0
+
+    batch = {"hidden": np.asarray(hidden_xd, np.float16), "targets": np.asarray(targets_kx).T,
+             "teacher_hidden": np.moveaxis(np.asarray(teacher_kxd, np.float16), 0, 1), "path": np.asarray(path_xk)}
+    mesh = MeshConfig(1, 1, 1).make_mesh(jax.devices()[:1])
+    trainer = Trainer(base, heads, TrainConfig(learning_rate=1e-2, warmup_steps=0, max_steps=20, head_loss="kl"),
+                      mesh)
+    kl = [np.asarray(trainer.train_step(batch)["stats"].mean_kl()) for _ in range(12)]
+    assert (kl[-1] < 0.7 * kl[0]).all(), kl
 
 
 def test_step_cost_times_a_hydra_step(base):

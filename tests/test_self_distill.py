@@ -1,4 +1,5 @@
-"""Self-distillation on a tiny chat model: ShareGPT output, resume, saved hidden states -> training examples."""
+"""Self-distillation on a tiny chat model: ShareGPT output, resume, the Arrow store of hidden states (and the
+conversion of the first npz format into it) -> training examples."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import json
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.training.hidden_store import load_distilled_examples, store_for
-from medusa_jax.training.self_distill import DistillConfig, done_ids, hidden_store_path, self_distill
+from medusa_jax.training import distill_store
+from medusa_jax.training.self_distill import DistillConfig, done_ids, self_distill
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 
@@ -38,24 +39,28 @@ def test_self_distill_writes_sharegpt_resumes_and_keeps_hidden_states(tmp_path):
         assert [m["content"] for m in r["messages"][::2]] == [t["value"] for t in src[r["id"]]["conversations"][::2]]
     assert conv[0]["from"] == "human" and conv[1]["from"] == "gpt"
 
-    assert store_for(str(out)) == hidden_store_path(out)
-    ex = load_distilled_examples(str(out), num_heads=2, heldout_fraction=0.25, seed=0)
-    assert ex.num_conversations == (6, 2)
-    assert ex.train["hidden"].dtype == np.float16 and ex.train["targets"].shape[1] == 2
-    # the saved hidden states are the backbone's: recompute one reply's with a full forward
+    store = distill_store.store_path(out)
+    ds = distill_store.open_store(store)
+    assert len(ds) == 16 and sorted(set(ds["id"])) == sorted(r["id"] for r in records)  # 8 conversations x 2 turns
+    ex = distill_store.load_store_examples(store, num_heads=2)
+    train, held, n_train, n_held = ex.split(0.25, seed=0)
+    assert (n_train, n_held) == (6, 2) and not set(train.groups_n) & set(held.groups_n)
+    assert not ex.hidden.chunks[0].flags.owndata  # a view of the memory-mapped Arrow buffer, not a copy
+    # each row is the exact sequence the model saw, and its hidden states are the backbone's at the positions
+    # that produced the reply tokens: recompute them with a full forward
     base = load_pretrained(model)
     tok = AutoTokenizer.from_pretrained(model)
-    z = np.load(sorted(hidden_store_path(out).glob("batch-*.npz"))[0])
-    rid, turn = str(z["ids"][0]), int(z["turns"][0])
-    rec = next(r for r in records if r["id"] == rid)
-    prompt = tok.apply_chat_template(rec["messages"][: 2 * turn + 1], add_generation_prompt=True, tokenize=True,
-                                     return_dict=True)["input_ids"]
-    reply = z["tokens"][z["offsets"][0]: z["offsets"][1]].tolist()
-    full = list(prompt) + reply
-    h = backbone_hidden(base, {"tokens": jnp.asarray([full]), "positions": jnp.arange(len(full))[None],
-                               "segment_ids": jnp.ones((1, len(full)), jnp.int32)})[0]
-    expected = np.asarray(h[len(prompt) - 1: len(prompt) - 1 + len(reply)])
-    np.testing.assert_allclose(z["hidden"][: len(reply)], expected, atol=2e-2)
+    by_id = {r["id"]: r for r in records}
+    for row in ds.select([0, 5, 11]):
+        rec, turn = by_id[row["id"]], row["turn"]
+        prompt = tok.apply_chat_template(rec["messages"][: 2 * turn + 1], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"]
+        full, mask = row["input_ids"], np.asarray(row["loss_mask"])
+        assert full[: len(prompt)] == list(prompt) and not mask[: len(prompt)].any() and mask[len(prompt):].all()
+        h = backbone_hidden(base, {"tokens": jnp.asarray([full]), "positions": jnp.arange(len(full))[None],
+                                   "segment_ids": jnp.ones((1, len(full)), jnp.int32)})[0]
+        np.testing.assert_allclose(np.asarray(row["hidden"], np.float32), np.asarray(h[len(prompt) - 1: -1]),
+                                   atol=2e-2)
 
 
 def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
@@ -111,3 +116,149 @@ def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
                                    "segment_ids": jnp.ones((1, len(full)), jnp.int32)})[0]
         np.testing.assert_allclose(np.concatenate(got[i][1]), np.asarray(h[len(prompt) - 1: len(full) - 1]),
                                    atol=1e-4)
+
+
+def test_resume_drops_a_shard_whose_conversations_never_reached_the_jsonl(tmp_path):
+    model = build_tiny_chat_model(tmp_path / "m")
+    source = write_json(tmp_path / "src.json", chat_records(10, seed=4))
+    out = tmp_path / "d.jsonl"
+    cfg = DistillConfig(max_new_tokens=5, batch_size=2, limit=4, save_hidden=True)
+    self_distill(model, str(source), out, cfg, progress=False, log=lambda _: None)
+    writer = distill_store.StoreWriter(distill_store.store_path(out), 64)
+    h = np.zeros((2, 64), np.float16)
+    writer.append([("zz-orphan", 0, [1, 2], [3, 4], h)])  # written, then the run died before the JSONL
+    messages = []
+    self_distill(model, str(source), out, DistillConfig(**{**cfg.__dict__, "limit": 6}), progress=False,
+                 log=messages.append)
+    assert any("dropped 1 shard" in m for m in messages)
+    ids = distill_store.open_store(writer.folder)["id"]
+    assert sorted(ids) == sorted(done_ids(out)) and len(ids) == 6
+
+
+def test_npz_batches_of_a_running_job_convert_to_the_same_store(tmp_path):
+    """The first format (npz batches + JSONL) converts into the rows self-distillation now writes directly:
+    prompts re-rendered from the JSONL match, uncommitted batches wait, reruns convert only what is new."""
+    from transformers import AutoTokenizer
+
+    from medusa_jax.training.hidden_store import convert_to_store, hidden_store_path, write_hidden_batch
+
+    model = build_tiny_chat_model(tmp_path / "m")
+    source = write_json(tmp_path / "src.json", chat_records(10, seed=5, turns=2))
+    out = tmp_path / "d.jsonl"
+    self_distill(model, str(source), out, DistillConfig(max_new_tokens=6, batch_size=3, turns=2, limit=6,
+                                                        save_hidden=True), progress=False, log=lambda _: None)
+    direct = distill_store.open_store(distill_store.store_path(out))
+    rows = sorted(direct, key=lambda r: (r["id"], r["turn"]))
+    legacy = tmp_path / "legacy.jsonl"
+    legacy.write_text(out.read_text())
+    for part in (rows[:5], rows[5:]):  # two flushes of the old format
+        write_hidden_batch(hidden_store_path(legacy), [
+            (r["id"], r["turn"], r["input_ids"][len(r["input_ids"]) - len(r["hidden"]):],
+             np.asarray(r["hidden"], np.float16)) for r in part])
+    write_hidden_batch(hidden_store_path(legacy), [("zz-running", 0, [5, 6], np.ones((2, 64), np.float16))])
+    tok = AutoTokenizer.from_pretrained(model)
+    logs = []
+    store = convert_to_store(legacy, tok, log=logs.append)
+    assert "2 batches (12 replies) converted" in logs[0] and "1 not yet committed" in logs[0]
+    converted = sorted(distill_store.open_store(store), key=lambda r: (r["id"], r["turn"]))
+    assert [(r["id"], r["turn"], r["input_ids"], r["loss_mask"]) for r in converted] == \
+        [(r["id"], r["turn"], r["input_ids"], r["loss_mask"]) for r in rows]
+    for a, b in zip(converted, rows):
+        np.testing.assert_array_equal(np.asarray(a["hidden"]), np.asarray(b["hidden"]))
+    convert_to_store(legacy, tok, log=logs.append)
+    assert "0 batches" in logs[1] and "2 already there" in logs[1]
+
+
+MESH_CHILD = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np
+from medusa_jax.training import distill_store
+from medusa_jax.training.self_distill import DistillConfig, self_distill
+
+assert len(jax.devices()) == 8
+model, source, root = sys.argv[1:4]
+out = {}
+for mesh in ("", "data=4", "data=2,tensor=2"):
+    path = os.path.join(root, (mesh or "single").replace("=", "").replace(",", "_") + ".jsonl")
+    cfg = DistillConfig(max_new_tokens=8, batch_size=4, limit=6, save_hidden=True, mesh=mesh)
+    self_distill(model, source, path, cfg, progress=False, log=lambda _: None)
+    ds = distill_store.open_store(distill_store.store_path(path))
+    rows = sorted(ds, key=lambda r: r["id"])
+    out[mesh] = {"text": sorted(open(path).read().splitlines()),
+                 "tokens": [r["input_ids"] for r in rows], "hidden": [np.asarray(r["hidden"]).tolist() for r in rows]}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_slots_over_a_device_mesh_and_processes_over_shards_generate_the_same_data(tmp_path):
+    """--mesh splits the decode slots over 8 forced CPU devices; --num-shards splits the conversations over
+    processes: both produce the single-device run's conversations and hidden states."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from medusa_jax.training.self_distill import shard_output
+
+    model = build_tiny_chat_model(tmp_path / "m")
+    source = write_json(tmp_path / "src.json", chat_records(12, seed=6))
+    proc = subprocess.run([sys.executable, "-c", MESH_CHILD, str(model), str(source), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=str(Path(__file__).parent),
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    single = result[""]
+    assert len(single["text"]) == 6
+    for mesh in ("data=4", "data=2,tensor=2"):
+        assert result[mesh]["text"] == single["text"] and result[mesh]["tokens"] == single["tokens"], mesh
+        for a, b in zip(result[mesh]["hidden"], single["hidden"]):
+            np.testing.assert_allclose(a, b, atol=2e-3)
+
+    merged = []
+    for i in range(2):
+        out = shard_output(tmp_path / "sharded.jsonl", i, 2)
+        assert out.name == f"sharded.shard-{i}-of-2.jsonl"
+        stats = self_distill(model, str(source), out, DistillConfig(max_new_tokens=8, batch_size=4, limit=6,
+                                                                    num_shards=2, shard_index=i),
+                             progress=False, log=lambda _: None)
+        assert stats["conversations"] == 3
+        merged += out.read_text().splitlines()
+    assert sorted(merged) == single["text"]
+
+
+def test_store_examples_match_a_loop_and_the_npz_format(tmp_path):
+    """Example j of a reply: head i's target is token j + 1 + i and its teacher the hidden row of that token,
+    within the reply; with paths (Hydra heads) head i's path is tokens j .. j + i; the first npz format gives the
+    same examples (no model needed)."""
+    from medusa_jax.training.hidden_store import load_distilled_examples, write_hidden_batch, hidden_store_path
+
+    rng = np.random.default_rng(7)
+    replies = [(f"r{i}", 0, [1, 2, 3], rng.integers(0, 90, n).tolist(), rng.normal(size=(n, 6)).astype(np.float16))
+               for i, n in enumerate([1, 4, 9, 2])]
+    writer = distill_store.StoreWriter(tmp_path / "s", 6)
+    writer.append(replies[:3])
+    writer.append(replies[3:])
+    ex = distill_store.load_store_examples(tmp_path / "s", num_heads=3, with_path=True)
+    batch = ex.batch(np.arange(len(ex)), teacher=True)
+    expected_targets, expected_teacher, expected_hidden, expected_path = [], [], [], []
+    for _, _, _, tokens, hidden in replies:
+        for j in range(len(tokens) - 1):
+            expected_hidden.append(hidden[j])
+            expected_targets.append([tokens[j + 1 + i] if j + 1 + i < len(tokens) else -1 for i in range(3)])
+            expected_teacher.append([hidden[j + 1 + i] if j + 1 + i < len(tokens) else hidden[j] for i in range(3)])
+            expected_path.append([tokens[j + i] if j + i < len(tokens) else 0 for i in range(3)])
+    np.testing.assert_array_equal(batch["targets"], expected_targets)
+    np.testing.assert_array_equal(batch["hidden"], expected_hidden)
+    np.testing.assert_array_equal(batch["teacher_hidden"], expected_teacher)
+    np.testing.assert_array_equal(batch["path"], expected_path)
+
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": r[0], "conversations": [{"from": "human", "value": "q"},
+                                                                      {"from": "gpt", "value": "a"}]}) + "\n"
+                             for r in replies))
+    write_hidden_batch(hidden_store_path(jsonl), [(r[0], r[1], r[3], r[4]) for r in replies])
+    legacy, conversations = load_distilled_examples(str(jsonl), num_heads=3, with_path=True)
+    assert conversations == 4
+    for key, value in legacy.batch(np.arange(len(legacy)), teacher=True).items():
+        np.testing.assert_array_equal(value, batch[key])

@@ -244,6 +244,24 @@ def test_kl_to_reference_matches_numpy():
     assert count == valid.sum()
 
 
+def test_distill_loss_matches_numpy_and_renormalises_over_a_token_map():
+    rng = np.random.default_rng(4)
+    teacher_full = rng.normal(size=(6, 20)) * 2
+    token_map = np.array([1, 4, 5, 9, 13])
+    student = rng.normal(size=(6, 5))
+    mask = np.array([1, 1, 0, 1, 0, 1], bool)
+    total, count = losses.distill_loss(jnp.asarray(student), jnp.asarray(teacher_full[:, token_map]),
+                                       jnp.asarray(mask))
+    p_full = np.exp(_np_log_softmax(teacher_full))
+    p_map = p_full[:, token_map] / p_full[:, token_map].sum(-1, keepdims=True)  # the mass outside renormalised away
+    kl = (p_map * (np.log(p_map) - _np_log_softmax(student))).sum(-1)
+    np.testing.assert_allclose(total, kl[mask].sum(), rtol=1e-5)
+    assert count == mask.sum()
+    grad = jax.grad(lambda t: losses.distill_loss(jnp.asarray(student), t, jnp.asarray(mask))[0])(
+        jnp.asarray(teacher_full[:, token_map]))
+    assert not np.asarray(grad).any()  # the teacher gets no gradient
+
+
 # ---- the train step -----------------------------------------------------------------------------------
 
 def _tiny_batch(vocab, b=4, t=24, seed=0):
@@ -305,16 +323,53 @@ def test_cached_hidden_states_give_the_same_statistics_as_the_backbone_in_the_st
     from medusa_jax.training.data import PackedRows
     from medusa_jax.training.hidden_cache import build_hidden_cache
 
-    base, _, trainer = _trainer(chat_model, lm_head=lm_head)
+    base, _, trainer = _trainer(chat_model, lm_head=lm_head, head_loss="ce+kl")
     batch = _tiny_batch(base.config.vocab_size, b=4, seed=2)
     direct, _ = trainer.eval_stats(batch)
     rows = PackedRows(batch["tokens"], batch["segment_ids"], batch["positions"], batch["loss_mask"])
-    cache = build_hidden_cache(base, rows, 3, tmp_path, batch_rows=2).arrays()
+    examples = build_hidden_cache(base, rows, 3, tmp_path, batch_rows=2).examples()
     assert build_hidden_cache(base, rows, 3, tmp_path).folder == cache_folder(tmp_path)  # reused, not rebuilt
-    cached, _ = trainer.eval_stats(cache)
+    cached, _ = trainer.eval_stats(examples.batch(np.arange(len(examples)), teacher=True))
     np.testing.assert_array_equal(cached.total, direct.total)
     np.testing.assert_array_equal(cached.count, direct.count)
+    np.testing.assert_array_equal(cached.kl_count, direct.total)
     np.testing.assert_allclose(cached.loss_sum, direct.loss_sum, rtol=2e-3)  # float16 storage
+    np.testing.assert_allclose(cached.kl_sum, direct.kl_sum, rtol=2e-3, atol=1e-3)
+    assert (direct.kl_sum > 0).all()
+
+
+@pytest.mark.parametrize("lm_head", ["own", "shared", "truncated"])
+def test_distilled_head_loss_in_the_step_matches_numpy(chat_model, lm_head):
+    """ce+kl: head i at t against the base's own distribution at t + 1 + i (truncated: over the token_map,
+    renormalised), masked where the CE target is; weights and the decay as documented."""
+    from medusa_jax.training.trainer import backbone_hidden
+
+    base, heads, trainer = _trainer(chat_model, lm_head=lm_head, head_loss="ce+kl", ce_weight=0.5, kl_weight=2.0)
+    batch = _tiny_batch(base.config.vocab_size, b=3, seed=5)
+    hidden = backbone_hidden(base, {k: jnp.asarray(v) for k, v in batch.items()})
+    student = np.asarray(heads.logits(hidden, base), np.float64)  # [K, B, T, V_head]
+    teacher = np.asarray(base.logits(hidden), np.float64)  # [B, T, V]
+    token_map = None if heads.token_map is None else np.asarray(heads.token_map[...])
+    if token_map is not None:
+        teacher = teacher[..., token_map]
+    expected, kl_sums = 0.0, []
+    for i in range(3):
+        tgt = _np_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], 2 + i)
+        valid = tgt >= 0
+        logq = _np_log_softmax(student[i])
+        logp = _np_log_softmax(np.concatenate([teacher[:, 1 + i:], np.zeros_like(teacher[:, :1 + i])], axis=1))
+        kl = (np.exp(logp) * (logp - logq)).sum(-1)[valid]
+        col = tgt if token_map is None else np.vectorize(
+            lambda t: int(np.searchsorted(token_map, t)) if t in token_map else -1)(tgt)
+        inside = col >= 0
+        ce = -np.take_along_axis(logq, np.maximum(col, 0)[..., None], -1)[..., 0][inside]
+        expected += 0.8 ** i * (0.5 * ce.mean() + 2.0 * kl.mean())
+        kl_sums.append(kl.sum())
+    stats, _ = trainer.eval_stats(batch)
+    np.testing.assert_allclose(stats.kl_sum, kl_sums, rtol=1e-4)
+    metrics = trainer.train_step(batch)  # the loss of the parameters before the update
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-4)
+    assert len(metrics["stats"].summary()["head_kl"]) == 3
 
 
 def cache_folder(root):

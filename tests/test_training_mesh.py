@@ -1,5 +1,6 @@
-"""One Medusa-2 train step (and one Medusa-1 step of Hydra heads) on 8 forced CPU devices, on several meshes,
-equals the 1-device step.
+"""One Medusa-2 train step with distilled head targets (a Medusa-1 step of Hydra heads) and one Medusa-1 step on
+cached hidden states with their teacher states, on 8 forced CPU devices, on several meshes, equal the 1-device
+steps.
 
 XLA's host device count is fixed when jax first initialises, so the step runs in a subprocess that sets
 XLA_FLAGS before importing jax.
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import numpy as np
 
 from training_helpers import build_tiny_chat_model
 
@@ -38,12 +41,21 @@ CHILD = textwrap.dedent("""
     batch = {"tokens": rng.integers(0, cfg.vocab_size, (8, 24)).astype(np.int32), "segment_ids": seg,
              "positions": np.where(seg == 1, np.arange(24), np.arange(24) - 10).astype(np.int32),
              "loss_mask": rng.random((8, 24)) < 0.7}
+    head_loss = sys.argv[4]
     train = TrainConfig(medusa2=head_type == "medusa", learning_rate=1e-4, head_lr_multiplier=4.0, warmup_steps=0,
-                        max_steps=100)
+                        max_steps=100, head_loss=head_loss)
+    cached = {"hidden": rng.normal(size=(16, cfg.hidden_size)).astype(np.float16),
+              "targets": rng.integers(-1, cfg.vocab_size, (16, 2)).astype(np.int32),
+              "teacher_hidden": rng.normal(size=(16, 2, cfg.hidden_size)).astype(np.float16)}
+    if head_type == "hydra":
+        cached["path"] = rng.integers(0, cfg.vocab_size, (16, 2)).astype(np.int32)
+    medusa1 = TrainConfig(learning_rate=1e-3, warmup_steps=0, max_steps=100, head_loss=head_loss)
     out = {}
     ref = None
     for shape in [(1, 1, 1), (8, 1, 1), (2, 2, 2), (1, 4, 2)]:
         mesh = MeshConfig(*shape).make_mesh(jax.devices()[: int(np.prod(shape))])
+        m1 = Trainer(base, heads, medusa1, mesh).train_step(cached)
+        out.setdefault("medusa1", []).append((float(m1["loss"]), np.asarray(m1["stats"].kl_sum).tolist()))
         trainer = Trainer(base, heads, train, mesh)
         metrics = trainer.train_step(batch)
         leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(trainer.params))]
@@ -63,11 +75,10 @@ CHILD = textwrap.dedent("""
 
 def test_train_step_is_the_same_on_every_mesh(tmp_path):
     folder = build_tiny_chat_model(tmp_path / "m")
-    for lm_head, head_type in (("own", "medusa"), ("own", "hydra")):
+    for lm_head, head_type, head_loss in (("own", "medusa", "ce+kl"), ("own", "hydra", "ce+kl")):
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(folder), lm_head, head_type], capture_output=True,
-                              text=True,
-                              env=env, timeout=600, cwd=str(Path(__file__).parent))
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(folder), lm_head, head_type, head_loss],
+                              capture_output=True, text=True, env=env, timeout=600, cwd=str(Path(__file__).parent))
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads(proc.stdout.split("RESULT", 1)[1])
         # the step really moves the parameters (Adam's first step moves each by about its LR, 4e-4 for heads); the
@@ -77,3 +88,7 @@ def test_train_step_is_the_same_on_every_mesh(tmp_path):
             assert result[shape]["loss_diff"] < 1e-5, result
             assert result[shape]["param_diff"] < 1e-5, result
             assert result[shape]["grad_norm_diff"] < 1e-5, result
+        (loss0, kl0), *others = result["medusa1"]
+        assert min(kl0) > 0
+        for loss, kl in others:
+            assert abs(loss - loss0) < 1e-5 and np.allclose(kl, kl0, rtol=1e-5), result["medusa1"]

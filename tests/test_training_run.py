@@ -81,6 +81,33 @@ def test_cli_trains_and_writes_a_loadable_heads_folder(setup, tmp_path, monkeypa
     assert json.loads((out / "config.json").read_text())["training"]["steps"] == 4
 
 
+@pytest.mark.parametrize("extra", [["--cache-hidden", "--cached-batch-size", "32", "--head-loss", "kl",
+                                    "--lm-head", "truncated:64"],
+                                   ["--head-loss", "ce+kl", "--kl-weight", "0.5", "--lm-head", "shared"],
+                                   ["--cache-hidden", "--cached-batch-size", "32", "--head-type", "hydra",
+                                    "--head-loss", "ce+kl", "--lm-head", "truncated:64"]])
+def test_cli_trains_distilled_targets_from_the_arrow_store(setup, tmp_path, monkeypatch, extra):
+    """The self-distilled Arrow store as --data: memory-mapped cached examples (Hydra heads' paths from its reply
+    token ids), or its token ids packed into rows."""
+    from medusa_jax.heads_io import load_native_heads
+    from medusa_jax.training import distill_store
+    from medusa_jax.training.self_distill import DistillConfig, self_distill
+
+    model, data, root = setup
+    distilled = root / "distilled.jsonl"
+    if not distill_store.is_store(distill_store.store_path(distilled)):
+        self_distill(model, str(data), distilled, DistillConfig(max_new_tokens=16, batch_size=8, limit=24,
+                                                                save_hidden=True), progress=False, log=lambda _: None)
+    out = tmp_path / "heads"
+    _train(_args(model, distill_store.store_path(distilled), out, "--max-steps", "3", "--num-heads", "2",
+                 "--eval-every", "3", *extra), monkeypatch, tmp_path)
+    config = load_native_heads(out).config
+    assert config.num_heads == 2 and config.head_type == ("hydra" if "hydra" in extra else "medusa")
+    (final,) = _log(out, "eval")
+    assert len(final["head_kl"]) == 2 and all(np.isfinite(final["head_kl"])) and min(final["head_kl"]) > 0
+    assert all(np.isfinite(r["loss"]) for r in _log(out, "train"))
+
+
 def test_resumed_run_matches_an_uninterrupted_one(setup, tmp_path, monkeypatch):
     from medusa_jax.training import trainer as trainer_mod
 

@@ -6,6 +6,14 @@ combined as sum_i decay**i * CE_i (Medusa: decay 0.8). A truncated-vocabulary he
 its token_map: such targets are left out of its loss but count as misses in its accuracy, so the reported
 accuracy is what the decoder will see.
 
+Distilled targets (`distill_loss`): head i at position t can instead (or also) learn the frozen base model's
+own next-token distribution at position t + 1 + i, i.e. its distribution for token t + 2 + i: the base lm_head
+applied to the base's final hidden state at t + 1 + i. The teacher exists exactly where the CE target does
+(a loss token of the same conversation), so the same mask applies. Per head the loss is
+ce_weight * CE_i + kl_weight * KL_i with KL_i = mean KL(teacher || head). A truncated head's teacher is the base
+distribution restricted to the token_map columns and renormalised over them (the mass outside the map cannot
+be predicted by the head; the trainer computes only those columns of the base lm_head, which is also cheap).
+
 Medusa-2 adds either the base model's own next-token loss or, when training on self-distilled data, the KL
 divergence from the frozen original model's next-token distribution (which keeps the base model's outputs,
 and so the decoder's results, close to the original).
@@ -33,6 +41,8 @@ class HeadStats:
     total: jax.Array  # all targets (the accuracy denominator)
     top1: jax.Array  # targets ranked first
     top5: jax.Array  # targets ranked in the first five
+    kl_sum: jax.Array  # summed KL(teacher || head) (0 where the teacher is not computed)
+    kl_count: jax.Array  # positions with a teacher (the KL denominator; 0 = not computed)
 
     def __add__(self, other: "HeadStats") -> "HeadStats":
         return jax.tree.map(jnp.add, self, other)
@@ -40,12 +50,18 @@ class HeadStats:
     def mean_losses(self) -> jax.Array:
         return self.loss_sum / jnp.maximum(self.count, 1)
 
+    def mean_kl(self) -> jax.Array:
+        return self.kl_sum / jnp.maximum(self.kl_count, 1)
+
     def summary(self, prefix: str = "") -> dict[str, list[float]]:
         s = jax.tree.map(np.asarray, self)
         total = np.maximum(s.total, 1)
-        return {f"{prefix}head_loss": (s.loss_sum / np.maximum(s.count, 1)).tolist(),
-                f"{prefix}top1": (s.top1 / total).tolist(), f"{prefix}top5": (s.top5 / total).tolist(),
-                f"{prefix}targets": s.total.astype(int).tolist()}
+        out = {f"{prefix}head_loss": (s.loss_sum / np.maximum(s.count, 1)).tolist(),
+               f"{prefix}top1": (s.top1 / total).tolist(), f"{prefix}top5": (s.top5 / total).tolist(),
+               f"{prefix}targets": s.total.astype(int).tolist()}
+        if s.kl_count.sum() > 0:
+            out[f"{prefix}head_kl"] = (s.kl_sum / np.maximum(s.kl_count, 1)).tolist()
+        return out
 
 
 def shifted_targets(tokens_bt, loss_mask_bt, segment_ids_bt, offset: int) -> jax.Array:
@@ -91,6 +107,9 @@ def one_head_stats(logits_xv, targets_x, inverse_map_v=None):
 
 
 def stack_stats(per_head: list[tuple]) -> HeadStats:
+    """Per-head tuples of one_head_stats' five sums, optionally followed by distill_loss' (kl_sum, kl_count)."""
+    zero = jnp.zeros((), jnp.float32)
+    per_head = [tuple(h) + (zero, zero) if len(h) == 5 else tuple(h) for h in per_head]
     return HeadStats(*(jnp.stack(col) for col in zip(*per_head)))
 
 
@@ -104,9 +123,12 @@ def head_weights(num_heads: int, decay: float) -> jax.Array:
     return jnp.asarray([decay ** i for i in range(num_heads)], jnp.float32)
 
 
-def medusa_loss(stats: HeadStats, decay: float) -> jax.Array:
-    """sum_i decay**i * mean cross-entropy of head i."""
-    return jnp.sum(head_weights(stats.loss_sum.shape[0], decay) * stats.mean_losses())
+def medusa_loss(stats: HeadStats, decay: float, ce_weight: float = 1.0, kl_weight: float = 0.0) -> jax.Array:
+    """sum_i decay**i * (ce_weight * mean cross-entropy of head i + kl_weight * mean KL of head i)."""
+    per_head = ce_weight * stats.mean_losses() if ce_weight else 0.0
+    if kl_weight:
+        per_head = per_head + kl_weight * stats.mean_kl()
+    return jnp.sum(head_weights(stats.loss_sum.shape[0], decay) * per_head)
 
 
 def lm_loss(logits_btv, targets_bt) -> tuple[jax.Array, jax.Array]:
@@ -115,10 +137,34 @@ def lm_loss(logits_btv, targets_bt) -> tuple[jax.Array, jax.Array]:
     return loss_sum, count
 
 
+def distill_loss(student_logits_xv, teacher_logits_xv, mask_x) -> tuple[jax.Array, jax.Array]:
+    """KL(teacher || student) of the distributions softmax(logits) over the last axis, summed over the
+    positions where mask_x is true; no gradient flows into the teacher. Both logits cover the same
+    vocabulary (for a truncated head: the token_map columns, so the teacher is renormalised over the map).
+    Any float dtype; computed in fp32. Returns (sum, count); the mean is sum / max(count, 1)."""
+    teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits_xv).astype(jnp.float32), axis=-1)
+    student_logp = jax.nn.log_softmax(student_logits_xv.astype(jnp.float32), axis=-1)
+    kl_x = jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - student_logp), axis=-1)
+    return jnp.sum(jnp.where(mask_x, kl_x, 0.0)), jnp.sum(mask_x, dtype=jnp.float32)
+
+
+def teacher_lm_weight(lm_w_dv, token_map_n=None) -> jax.Array:
+    """The base lm_head [D, V] a head's teacher applies (gradient stopped; only the token_map columns [D, N]
+    for a truncated head, so its teacher is renormalised over the map)."""
+    w_dv = jax.lax.stop_gradient(lm_w_dv)
+    return w_dv if token_map_n is None else jnp.take(w_dv, token_map_n, axis=1)
+
+
+def head_stats_with_teacher(logits_xv, targets_x, inverse_map_v=None, teacher_hidden_xd=None, teacher_w_dv=None):
+    """one_head_stats' sums, followed by distill_loss' (kl_sum, kl_count) against the teacher logits
+    teacher_hidden @ teacher_w when a teacher is given (Medusa and Hydra heads alike)."""
+    stats = one_head_stats(logits_xv, targets_x, inverse_map_v)
+    if teacher_hidden_xd is None:
+        return stats
+    teacher_logits = jnp.dot(teacher_hidden_xd.astype(teacher_w_dv.dtype), teacher_w_dv)
+    return stats + distill_loss(logits_xv, teacher_logits, targets_x >= 0)
+
+
 def kl_to_reference(logits_btv, reference_logits_btv, valid_bt) -> tuple[jax.Array, jax.Array]:
-    """KL(reference || model) of the next-token distributions, summed over valid positions. Returns
-    (sum, count)."""
-    ref_logp = jax.nn.log_softmax(jax.lax.stop_gradient(reference_logits_btv).astype(jnp.float32), axis=-1)
-    logp = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
-    kl_bt = jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1)
-    return jnp.sum(jnp.where(valid_bt, kl_bt, 0.0)), jnp.sum(valid_bt, dtype=jnp.float32)
+    """Medusa-2: KL(reference || model) of the backbone's next-token distributions. Returns (sum, count)."""
+    return distill_loss(logits_btv, reference_logits_btv, valid_bt)

@@ -109,7 +109,7 @@ def _signature(cfg: RunConfig, base, heads: MedusaHeads) -> dict[str, Any]:
         np.asarray(heads.token_map[...]).tobytes()).hexdigest()[:16]
     return {"model": repr(base.config), "heads": heads.config.to_dict(), "token_map": token_map,
             "medusa2": cfg.train.medusa2, "distill_kl": cfg.train.distill_kl, "cache_hidden": cfg.cache_hidden,
-            "freeze_lm_heads": cfg.train.freeze_head_lm_heads,
+            "freeze_lm_heads": cfg.train.freeze_head_lm_heads, "head_loss": cfg.train.head_loss,
             "seq_len": cfg.data_config.seq_len, "batch_size": cfg.cached_batch_size if cfg.cache_hidden else
             cfg.batch_size, "seed": cfg.seed}
 
@@ -131,22 +131,32 @@ class _Feed:
 
 
 def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
-    """Packed rows (backbone in the step), cached hidden states, or self-distillation's saved hidden states."""
-    from medusa_jax.training import hidden_cache, hidden_store
+    """Packed rows (backbone in the step), cached hidden states, or self-distillation's saved hidden states
+    (the Arrow store, memory-mapped, or the first npz format, in memory)."""
+    from medusa_jax.training import distill_store, hidden_cache, hidden_store
 
     pos = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    k, n_proc = cfg.num_heads, jax.process_count()
+    k, n_proc, teacher = cfg.num_heads, jax.process_count(), cfg.train.uses_teacher
     with_path = cfg.head_type == "hydra"  # Hydra heads also read the true tokens on each position's path
-    store = hidden_store.store_for(cfg.data) if cfg.cache_hidden else None
-    if store is not None:
-        ex = hidden_store.load_distilled_examples(cfg.data, k, cfg.data_config.heldout_fraction, cfg.seed,
-                                                  with_path=with_path)
-        log(f"using the hidden states saved by self-distillation in {store}: {ex.num_conversations[0]} training / "
-            f"{ex.num_conversations[1]} held-out conversations, {len(ex.train['targets'])} / "
-            f"{len(ex.heldout['targets'])} positions")
-        train_arrays, held_arrays, loss_tokens = ex.train, ex.heldout, ex.train_tokens
+    store = cfg.data if distill_store.is_store(cfg.data) else None
+    if store is None and cfg.data and distill_store.is_store(distill_store.store_path(cfg.data)):
+        store = str(distill_store.store_path(cfg.data))
+    npz = hidden_store.store_for(cfg.data) if cfg.cache_hidden and store is None else None
+    if cfg.cache_hidden and (store or npz):
+        if store:
+            examples = distill_store.load_store_examples(store, k, with_path)
+        else:
+            examples, _ = hidden_store.load_distilled_examples(cfg.data, k, with_path)
+        train_ex, held_ex, n_train, n_held = examples.split(cfg.data_config.heldout_fraction, cfg.seed)
+        log(f"using the hidden states saved by self-distillation in {store or npz}: {n_train} training / {n_held} "
+            f"held-out conversations, {len(train_ex)} / {len(held_ex)} positions")
+        loss_tokens = train_ex.targets_nk[:, 0][train_ex.targets_nk[:, 0] >= 0]
     else:
-        data = load_chat_data(cfg.data, tokenizer, eos, cfg.data_config, log=log)
+        if store:
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+            data = distill_store.store_chat_data(store, cfg.data_config, pad)
+        else:
+            data = load_chat_data(cfg.data, tokenizer, eos, cfg.data_config, log=log)
         log(f"packed {data.num_conversations[0]} training / {data.num_conversations[1]} held-out conversations "
             f"into {data.train.num_rows} / {data.heldout.num_rows} rows of {cfg.data_config.seq_len} tokens "
             f"({int(data.train.loss_mask_rl.sum())} training loss tokens; {data.dropped_no_loss_tokens} "
@@ -154,27 +164,25 @@ def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
         loss_tokens = data.train.tokens_rl[data.train.loss_mask_rl]
         if cfg.cache_hidden:  # the cached hidden states are held in memory: check them before computing them
             positions = int(data.train.loss_mask_rl.sum() + data.heldout.loss_mask_rl.sum())
-            memory_plan.check_cache_fits(positions * (2 * base.config.hidden_size + 4 * k), cfg.memory_limit_gib)
+            per_position = 2 * base.config.hidden_size + 8 + (16 if with_path else 12) * k  # + rows, targets, path
+            memory_plan.check_cache_fits(positions * per_position, cfg.memory_limit_gib)
         if not cfg.cache_hidden:
             return _Feed(row_iterator(data.train, cfg.batch_size, cfg.seed, **pos),
                          _padded_batches(lambda i: row_batch(data.heldout.rows(i)), data.heldout.num_rows,
                                          cfg.batch_size, cfg.eval_batches, _empty_rows(data.heldout)),
                          loss_tokens, lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
-        arrays = []
+        cached = []
         for name, rows in (("train", data.train), ("held-out", data.heldout)):
             t0 = time.perf_counter()
             cache = hidden_cache.build_hidden_cache(
                 base, rows, k, Path(cfg.output) / "hidden_cache", with_path=with_path,
                 progress=lambda d, n, name=name, t0=t0: log(f"hidden cache ({name}): {d}/{n} rows, "
                                                             f"{time.perf_counter() - t0:.0f} s"))
-            arrays.append(cache.arrays())
-        train_arrays, held_arrays = arrays
-    d = base.config.hidden_size
-    empty = lambda n: {"hidden": np.zeros((n, d), np.float16), "targets": np.full((n, k), -1, np.int32),  # noqa: E731
-                       **({"path": np.zeros((n, k), np.int32)} if with_path else {})}
-    return _Feed(hidden_cache.example_iterator(train_arrays, cfg.cached_batch_size, cfg.seed, **pos),
-                 _padded_batches(lambda i: {a: v[i] for a, v in held_arrays.items()}, len(held_arrays["targets"]),
-                                 cfg.cached_batch_size, cfg.eval_batches, empty),
+            cached.append(cache.examples())
+        train_ex, held_ex = cached
+    return _Feed(train_ex.iterator(cfg.cached_batch_size, cfg.seed, teacher, **pos),
+                 _padded_batches(lambda i: held_ex.batch(i, teacher), len(held_ex), cfg.cached_batch_size,
+                                 cfg.eval_batches, lambda n: held_ex.filler(n, teacher)),
                  loss_tokens, lambda b: len(b["targets"]) * n_proc)
 
 

@@ -9,9 +9,19 @@ Output: ShareGPT records (`{"id", "conversations": [{"from": "human"|"gpt"|"syst
 line (JSONL), appended and fsync'ed as conversations complete. A rerun skips the ids already written, so an
 interrupted run resumes where it stopped; a half-written last line (killed mid-write) is cut off first.
 
-With `save_hidden`, each flush also writes `OUTPUT.hidden/batch-<first id>.npz` (before its JSONL lines,
-renamed into place): the generated token ids and the backbone's hidden state behind each of them.
-`hidden_store.py` turns them into Medusa-1 training examples without another pass over the backbone.
+With `save_hidden`, each flush first appends one shard to the Arrow store `OUTPUT.arrow/` (distill_store.py:
+prompt + reply token ids, loss mask, and the backbone's hidden state behind every generated token), then its
+JSONL lines. A rerun drops the store's shards whose conversations never reached the JSONL (a run stopped in
+between) and regenerates them; the hidden states of an earlier run in the first format (`OUTPUT.hidden/*.npz`,
+hidden_store.py) are converted into the store first, so such a run resumes into the new format.
+`train_heads.py --data OUTPUT.arrow --cache-hidden` trains Medusa-1 heads from the store, memory-mapped,
+without another pass over the backbone.
+
+Sharding on a pod: `num_shards`/`shard_index` give each process (a host) its own slice of the conversations
+(every num_shards-th of the seeded order) and of `limit`; each writes its own OUTPUT (shard_output) and needs
+no collective. Within a process, `mesh` (e.g. data=8) splits the decode slots over the local devices' data
+axis (the KV cache rows, as medusa_jax.sharding lays them out; tensor=N splits the weights), one jitted call
+for all of them.
 """
 
 from __future__ import annotations
@@ -43,11 +53,23 @@ class DistillConfig:
     seed: int = 0  # conversation order and sampling
     limit: int | None = None  # stop after this many conversations (None: all)
     save_hidden: bool = False  # also keep the hidden state behind every generated token
+    num_shards: int = 1  # processes splitting the conversations
+    shard_index: int = 0  # this process's slice
+    mesh: str = ""  # local device mesh for the decode slots, e.g. "data=8" ('' = one device)
 
     def __post_init__(self):
         if min(self.max_new_tokens, self.batch_size, self.turns, self.max_prompt_tokens, self.chunk_steps) < 1:
             raise ValueError(f"max_new_tokens, batch_size, chunk_steps, turns and max_prompt_tokens must be >= 1: "
                              f"{self}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"shard_index must be in [0, num_shards), got {self.shard_index} of {self.num_shards}")
+
+    @property
+    def shard_limit(self) -> int | None:
+        """This shard's part of `limit`."""
+        if self.limit is None:
+            return None
+        return self.limit // self.num_shards + (self.shard_index < self.limit % self.num_shards)
 
     @property
     def cache_size(self) -> int:
@@ -77,22 +99,18 @@ def done_ids(output: Path) -> set[str]:
     return ids
 
 
-def hidden_store_path(output: str | os.PathLike) -> Path:
-    return Path(str(output) + ".hidden")
+def shard_output(output: str | os.PathLike, shard_index: int, num_shards: int) -> Path:
+    """Shard i of n writes data/x.shard-i-of-n.jsonl for --output data/x.jsonl (n = 1: the output itself)."""
+    output = Path(output)
+    if num_shards == 1:
+        return output
+    return output.with_name(f"{output.stem}.shard-{shard_index}-of-{num_shards}{output.suffix}")
 
 
-def write_hidden_batch(folder: Path, saved: list[tuple[str, int, list[int], np.ndarray]]) -> None:
-    """One .npz per flush: ids/turns of its replies, their token ids (flat, with offsets), hidden [n, D] fp16."""
-    folder.mkdir(parents=True, exist_ok=True)
-    lengths = [len(t) for _, _, t, _ in saved]
-    arrays = {"ids": np.asarray([s[0] for s in saved]), "turns": np.asarray([s[1] for s in saved], np.int32),
-              "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-              "tokens": np.concatenate([np.asarray(s[2], np.int32) for s in saved]),
-              "hidden": np.concatenate([s[3] for s in saved]).astype(np.float16)}
-    name = "batch-" + "".join(c if c.isalnum() else "_" for c in str(saved[0][0]))[:64]
-    tmp = folder / f".{name}.tmp.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, folder / f"{name}.npz")
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` with the chat template and the assistant generation prompt."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
 
 
 @dataclasses.dataclass
@@ -135,8 +153,7 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
 
     def prompt_ids(messages):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
+        return chat_prompt_ids(tokenizer, messages)
 
     def users(i):
         return [m["content"] for m in records[i]["messages"] if m["role"] == "user"][: config.turns]
@@ -145,10 +162,11 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
         return [m for m in records[i]["messages"][:1] if m["role"] == "system"]
 
     order = np.random.default_rng(config.seed).permutation(len(records)).tolist()
-    order = [i for i in order if users(i)[0].strip()]
+    order = [i for i in order if users(i)[0].strip()][config.shard_index::config.num_shards]
     finished = done_ids(output)
+    store = _open_store(output, finished, tokenizer, model.config.hidden_size, log) if config.save_hidden else None
     todo = collections.deque(i for i in order if records[i]["id"] not in finished)
-    total = len(order) if config.limit is None else min(config.limit, len(order))
+    total = len(order) if config.shard_limit is None else min(config.shard_limit, len(order))
     remaining = max(0, total - len(finished & {records[i]["id"] for i in order}))
     log(f"{len(order)} conversations with a non-empty first prompt; {len(order) - len(todo)} already in {output}; "
         f"generating up to {remaining} more")
@@ -156,7 +174,9 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     graphdef, params = nnx.split(model)
     b, size = config.batch_size, config.cache_size
     slots = Slots.empty(model.config, b, size)
-    key = jax.random.key(config.seed + len(finished))
+    if config.mesh:
+        params, slots = _on_mesh(config.mesh, model.config, params, slots)
+    key = jax.random.fold_in(jax.random.key(config.seed + len(finished)), config.shard_index)
     rows: list[_Reply | None] = [None] * b
     ready: collections.deque[_Reply] = collections.deque()  # later turns, admitted first
     histories: dict[int, list[dict[str, str]]] = {}
@@ -166,12 +186,12 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=remaining, unit="conv", dynamic_ncols=True)
+        bar = tqdm(total=total, initial=total - remaining, unit="conv", dynamic_ncols=True, smoothing=0.05)
     start = time.perf_counter()
 
     def flush():
-        if config.save_hidden and out_hidden:
-            write_hidden_batch(hidden_store_path(output), out_hidden)
+        if store is not None and out_hidden:
+            store.append(out_hidden)
         with open(output, "a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in out_lines))
             f.flush()
@@ -202,7 +222,8 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
         histories[i] += [{"role": "user", "content": users(i)[reply.turn]}, {"role": "assistant", "content": text}]
         stats["new_tokens"] += len(reply.tokens)
         if config.save_hidden:
-            saved.setdefault(i, []).append((records[i]["id"], reply.turn, reply.tokens, np.concatenate(reply.hidden)))
+            saved.setdefault(i, []).append((records[i]["id"], reply.turn, reply.prompt, reply.tokens,
+                                            np.concatenate(reply.hidden)))
         nxt = next_reply(i, reply.turn + 1) if reply.turn + 1 < len(users(i)) else None
         if nxt is None:
             complete(i)
@@ -281,3 +302,32 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
         bar.close()
     stats["seconds"] = time.perf_counter() - start
     return stats
+
+
+def _open_store(output: Path, finished: set[str], tokenizer, hidden_size: int, log):
+    """The Arrow store of `output`: npz batches of an earlier run converted, uncommitted shards dropped."""
+    from medusa_jax.training import distill_store, hidden_store
+
+    if hidden_store.store_for(str(output)) is not None:
+        hidden_store.convert_to_store(output, tokenizer, log=log)
+    store = distill_store.StoreWriter(distill_store.store_path(output), hidden_size)
+    dropped = store.drop_uncommitted(finished)
+    if dropped:
+        log(f"{store.folder}: dropped {len(dropped)} shard(s) whose conversations never reached {output} "
+            f"(they are generated again)")
+    return store
+
+
+def _on_mesh(spec: str, model_config, params, slots):
+    """Weights by PARAM_RULES, slot rows over (data, fsdp) of a mesh of this process's devices."""
+    import jax
+
+    from medusa_jax import sharding as shd
+    from medusa_jax.training.distill_decode import Slots
+
+    mesh = shd.MeshConfig.parse(spec).make_mesh(jax.local_devices())
+    shd.validate_model_mesh(model_config, mesh)
+    rows = shd.checked_sharding(mesh, shd.batch_sharding(mesh, 1).spec, slots.done_b.shape,
+                                "decode slots (--batch-size over the mesh's data x fsdp)")
+    return (jax.device_put(params, shd.param_shardings(params, mesh)),
+            jax.device_put(slots, Slots(shd.cache_shardings(mesh, slots.cache), rows, rows, rows)))

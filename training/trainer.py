@@ -8,8 +8,14 @@ weights stay in their stored dtype; with `compute_dtype="bfloat16"` the step run
 
 Two batch kinds:
   rows    {"tokens", "segment_ids", "positions", "loss_mask"} [B, T] packed rows: the backbone runs in the step
-  hidden  {"hidden" [N, D], "targets" [N, K]}: cached final hidden states (Medusa-1 CPU path, hidden_cache.py)
-          (+ "path" [N, K] for Hydra heads: the true tokens on each position's path, hydra_losses.py)
+  hidden  {"hidden" [N, D], "targets" [N, K]} (+ "teacher_hidden" [N, K, D] for distilled targets): cached final
+          hidden states (Medusa-1 CPU path, hidden_examples.py); teacher_hidden[:, i] is the hidden state at
+          t + 1 + i (+ "path" [N, K] for Hydra heads: the true tokens on each position's path, hydra_losses.py)
+Distilled head targets (`head_loss` kl or ce+kl, losses.distill_loss): head i's teacher at t is the base lm_head
+applied to the base's hidden state at t + 1 + i, shifted out of the rows' own forward or read from the cache:
+no second model. Its logits are recomputed per head inside the head's rematerialised block (only the token_map
+columns for a truncated head). In Medusa-2 the teacher is the current backbone (gradient stopped): the heads
+are verified against that backbone when decoding. Hydra heads take the same teachers (hydra_losses.py).
 The step is `jax.jit` with explicit in/out shardings from `medusa_jax.sharding` (parameters by PARAM_RULES,
 optimiser moments like their parameters, batches over (data, fsdp)).
 """
@@ -38,6 +44,7 @@ from medusa_jax.training.data import segment_mask
 
 ROW_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 HIDDEN_KEYS = ("hidden", "targets")
+HEAD_LOSSES = ("ce", "kl", "ce+kl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +61,30 @@ class TrainConfig:
     distill_kl: bool = False  # Medusa-2 on self-distilled data: KL to the frozen original instead of LM loss
     compute_dtype: str = "float32"
     freeze_head_lm_heads: bool = False  # train only the ResBlocks; each head's lm_head keeps its initial value
+    head_loss: str = "ce"  # ce (data tokens) | kl (the base's distribution, see losses.py) | ce+kl
+    ce_weight: float = 1.0  # weight of each head's CE in ce+kl
+    kl_weight: float = 1.0  # weight of each head's KL in kl and ce+kl
 
     def __post_init__(self):
         resolve_dtype(self.compute_dtype)
+        if self.head_loss not in HEAD_LOSSES:
+            raise ValueError(f"head_loss must be one of {HEAD_LOSSES}, got {self.head_loss!r}")
+        if self.ce_weight < 0 or self.kl_weight < 0 or self.head_loss_weights == (0.0, 0.0):
+            raise ValueError(f"ce_weight and kl_weight must be >= 0 and the used ones not all 0: {self}")
         if self.distill_kl and not self.medusa2:
             raise ValueError("distill_kl only applies to Medusa-2 (the backbone must be trained)")
         if self.max_steps < 1 or self.warmup_steps < 0 or self.learning_rate <= 0 or self.head_lr_multiplier <= 0:
             raise ValueError(f"bad schedule: {self}")
+
+    @property
+    def head_loss_weights(self) -> tuple[float, float]:
+        """(CE weight, KL weight) of each head's loss."""
+        return {"ce": (self.ce_weight, 0.0), "kl": (0.0, self.kl_weight),
+                "ce+kl": (self.ce_weight, self.kl_weight)}[self.head_loss]
+
+    @property
+    def uses_teacher(self) -> bool:
+        return self.head_loss != "ce"
 
 
 def schedule(peak: float, config: TrainConfig) -> optax.Schedule:
@@ -126,25 +150,39 @@ def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
     return hidden_btd
 
 
-def _one_head(graphdef, state, hidden, lm_w_dv, targets, inverse_v):
+def _one_head(graphdef, state, hidden, lm_w_dv, targets, inverse_v, teacher_hidden=None, teacher_w_dv=None):
     head = nnx.merge(graphdef, state)
     h = head(hidden)
     logits = jnp.dot(h, lm_w_dv.astype(h.dtype)) if head.lm_head is None else head.lm_head(h)
-    return losses.one_head_stats(logits, targets, inverse_v)
+    return losses.head_stats_with_teacher(logits, targets, inverse_v, teacher_hidden, teacher_w_dv)
 
 
-def all_head_stats(heads: MedusaHeads, base: CausalLM, hidden_xd, targets_kx) -> losses.HeadStats:
-    """Each head's logits are rematerialised in the backward pass, so only one [..., V] block is live."""
+def all_head_stats(heads: MedusaHeads, base: CausalLM, hidden_xd, targets_kx, teacher_hidden_kxd=None
+                   ) -> losses.HeadStats:
+    """Each head's logits (and its teacher's) are rematerialised in the backward pass, so only one [..., V]
+    block is live. With teacher_hidden_kxd (head i's teacher hidden states [..., D] at index i) the stats
+    include the distillation KL."""
     inverse = None
     if heads.token_map is not None:
         inverse = losses.inverse_token_map(heads.token_map[...], heads.config.vocab_size)
     lm_w_dv = base.lm_head_weight() if heads.config.lm_head == "shared" else None
+    teacher_w_dv = None
+    if teacher_hidden_kxd is not None:
+        teacher_w_dv = losses.teacher_lm_weight(base.lm_head_weight(),
+                                                None if heads.token_map is None else heads.token_map[...])
     per_head = []
     for i, head in enumerate(heads.heads):
         graphdef, state = nnx.split(head)
         fn = jax.checkpoint(partial(_one_head, graphdef))
-        per_head.append(fn(state, hidden_xd, lm_w_dv, targets_kx[i], inverse))
+        teacher = None if teacher_hidden_kxd is None else teacher_hidden_kxd[i]
+        per_head.append(fn(state, hidden_xd, lm_w_dv, targets_kx[i], inverse, teacher, teacher_w_dv))
     return losses.stack_stats(per_head)
+
+
+def shifted_hidden(hidden_btd, offset: int):
+    """[B, T, D]: the hidden state at t + offset (zeros past the row's end; those positions have no target)."""
+    pad = jnp.zeros_like(hidden_btd[:, :offset])
+    return jnp.concatenate([hidden_btd[:, offset:], pad], axis=1)
 
 
 class Trainer:
@@ -203,23 +241,32 @@ class Trainer:
     def _objective(self, params, frozen, batch):
         base, heads = self._modules(params, frozen)
         extras = {}
+        dtype = resolve_dtype(self.config.compute_dtype)
+        teacher = None
         if "hidden" in batch:
-            hidden = batch["hidden"].astype(resolve_dtype(self.config.compute_dtype))
+            hidden = batch["hidden"].astype(dtype)
             targets = jnp.moveaxis(batch["targets"], -1, 0)  # [K, N]
             path = batch.get("path")  # [N, K], Hydra only
+            if self.config.uses_teacher:
+                if "teacher_hidden" not in batch:
+                    raise ValueError(f"head_loss {self.config.head_loss!r} needs 'teacher_hidden' in cached batches")
+                teacher = jnp.moveaxis(batch["teacher_hidden"], 1, 0).astype(dtype)  # [K, N, D]
         else:
             hidden = backbone_hidden(base, batch)
             if not self.config.medusa2:
                 hidden = jax.lax.stop_gradient(hidden)
             targets = losses.head_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], self.num_heads)
             path = path_tokens(batch["tokens"], self.num_heads)
+            if self.config.uses_teacher:
+                frozen_hidden = jax.lax.stop_gradient(hidden)
+                teacher = [shifted_hidden(frozen_hidden, 1 + i) for i in range(self.num_heads)]
         if self.head_type == "hydra":
             if path is None:
                 raise ValueError("Hydra heads need the path tokens ('path') in cached batches")
-            stats = hydra_losses.hydra_head_stats(heads, base, hidden, path, targets)
+            stats = hydra_losses.hydra_head_stats(heads, base, hidden, path, targets, teacher)
         else:
-            stats = all_head_stats(heads, base, hidden, targets)
-        loss = losses.medusa_loss(stats, self.config.loss_decay)
+            stats = all_head_stats(heads, base, hidden, targets, teacher)
+        loss = losses.medusa_loss(stats, self.config.loss_decay, *self.config.head_loss_weights)
         if self.config.medusa2:
             next_bt = losses.shifted_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], 1)
             logits = base.logits(hidden)

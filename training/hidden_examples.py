@@ -1,0 +1,141 @@
+"""Cached Medusa-1 examples: each hidden state stored once, examples that point into them (the CPU path).
+
+An example is a position t: the row of the base's final hidden state at t, head i's target token t + 2 + i
+(targets [K] full-vocabulary ids, -1 = none) and the row of the hidden state at t + 1 + i, whose base
+distribution is head i's distilled target (teacher rows [K], -1 where head i has no target); for Hydra heads
+also the path tokens [K], t + 1 .. t + K (0 past the end; hydra_losses.py). Hidden states
+live in `HiddenRows`: one or more [M_c, D] float16 arrays (the memory-mapped Arrow buffers of a distilled
+store, or in-memory cache chunks). A batch reads only the rows it needs, so a store larger than memory streams
+from disk; the example index itself (about 40 bytes per position) stays in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from medusa_jax.training.data import EpochIterator
+
+HIDDEN_DTYPE = np.float16
+
+
+class HiddenRows:
+    """Rows [M, D] of one or more [M_c, D] arrays, gathered by global row index."""
+
+    def __init__(self, chunks: Sequence[np.ndarray], width: int | None = None):
+        self.chunks = [c for c in chunks if len(c)]
+        self.width = int(self.chunks[0].shape[1]) if self.chunks else int(width or 0)
+        self.starts = np.cumsum([0] + [len(c) for c in self.chunks]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        """rows [...] int -> [..., D] float16."""
+        rows = np.asarray(rows)
+        flat = rows.reshape(-1)
+        if len(self.chunks) == 1:
+            out = np.asarray(self.chunks[0][flat], HIDDEN_DTYPE)
+        else:
+            out = np.empty((len(flat), self.width), HIDDEN_DTYPE)
+            chunk = np.searchsorted(self.starts, flat, side="right") - 1
+            for c in np.unique(chunk):
+                sel = chunk == c
+                out[sel] = self.chunks[c][flat[sel] - self.starts[c]]
+        return out.reshape(rows.shape + (self.width,))
+
+
+@dataclasses.dataclass(frozen=True)
+class HiddenExamples:
+    hidden: HiddenRows
+    rows_n: np.ndarray  # int64: hidden row of each example
+    targets_nk: np.ndarray  # int32: head i's target token (-1 = none)
+    teacher_rows_nk: np.ndarray  # int64: row of the hidden state at t + 1 + i (-1 = none)
+    groups_n: np.ndarray | None = None  # conversation of each example (the held-out split is by conversation)
+    path_nk: np.ndarray | None = None  # int32: tokens t + 1 .. t + K (Hydra heads' teacher forcing; 0 = none)
+
+    def __len__(self) -> int:
+        return len(self.rows_n)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.targets_nk.shape[1])
+
+    def subset(self, index) -> "HiddenExamples":
+        g = None if self.groups_n is None else self.groups_n[index]
+        path = None if self.path_nk is None else self.path_nk[index]
+        return HiddenExamples(self.hidden, self.rows_n[index], self.targets_nk[index], self.teacher_rows_nk[index], g,
+                              path)
+
+    def batch(self, index, teacher: bool = False) -> dict[str, np.ndarray]:
+        """The trainer's "hidden" batch of examples `index` (+ "teacher_hidden" [n, K, D] with `teacher`,
+        + "path" [n, K] when the examples carry paths)."""
+        idx = np.asarray(index)
+        rows = self.rows_n[idx]
+        out = {"hidden": self.hidden.take(rows), "targets": self.targets_nk[idx]}
+        if self.path_nk is not None:
+            out["path"] = self.path_nk[idx]
+        if teacher:
+            t = self.teacher_rows_nk[idx]
+            out["teacher_hidden"] = self.hidden.take(np.where(t >= 0, t, rows[:, None]))  # masked where -1
+        return out
+
+    def filler(self, n: int, teacher: bool = False) -> dict[str, np.ndarray]:
+        """n target-free examples (completes the last held-out batch)."""
+        k, d = self.num_heads, self.hidden.width
+        out = {"hidden": np.zeros((n, d), HIDDEN_DTYPE), "targets": np.full((n, k), -1, np.int32)}
+        if self.path_nk is not None:
+            out["path"] = np.zeros((n, k), np.int32)
+        if teacher:
+            out["teacher_hidden"] = np.zeros((n, k, d), HIDDEN_DTYPE)
+        return out
+
+    def split(self, heldout_fraction: float, seed: int) -> tuple["HiddenExamples", "HiddenExamples", int, int]:
+        """(train, held-out, #train groups, #held-out groups): a seeded permutation of the groups, as data.py."""
+        groups = np.unique(self.groups_n)
+        held_groups = groups[heldout_groups(len(groups), heldout_fraction, seed)]
+        held = np.isin(self.groups_n, held_groups)
+        return self.subset(~held), self.subset(held), len(groups) - len(held_groups), len(held_groups)
+
+    def iterator(self, global_batch: int, seed: int, teacher: bool = False, **kw) -> EpochIterator:
+        """Batches in the same seeded (epoch, index) order scheme as packed rows."""
+        return EpochIterator(len(self), lambda idx: self.batch(idx, teacher), global_batch, seed, **kw)
+
+
+def heldout_groups(num_groups: int, heldout_fraction: float, seed: int) -> np.ndarray:
+    """Indices of the held-out groups (conversations): a seeded permutation's first share, at least one and
+    never all when heldout_fraction > 0 (the rule of data.load_chat_data)."""
+    order = np.random.default_rng(seed).permutation(num_groups)
+    n_held = int(round(heldout_fraction * num_groups))
+    if heldout_fraction > 0 and num_groups > 1:
+        n_held = min(max(n_held, 1), num_groups - 1)
+    return order[:n_held]
+
+
+def reply_examples(hidden: HiddenRows, lengths_r: np.ndarray, tokens_m: np.ndarray, num_heads: int,
+                   groups_r: np.ndarray | None = None, with_path: bool = False) -> HiddenExamples:
+    """Examples of generated replies stored back to back: reply r has lengths_r[r] tokens tokens_m[s:s+n] and
+    hidden rows s..s+n-1, row s+j being the state that produced token j. Example j < n - 1 has head i's target
+    token j + 1 + i and teacher row s + j + 1 + i while j + 1 + i < n. `with_path` (Hydra heads): also the path
+    tokens j + i, i = 0..K-1 (the root token j and the true drafts before head i's target; 0 past the end)."""
+    lengths_r = np.asarray(lengths_r, np.int64)
+    starts_r = np.concatenate([[0], np.cumsum(lengths_r)[:-1]]).astype(np.int64)
+    total = int(lengths_r.sum())
+    reply_m = np.repeat(np.arange(len(lengths_r)), lengths_r)
+    j_m = np.arange(total, dtype=np.int64) - starts_r[reply_m]
+    n_m = lengths_r[reply_m]
+    keep = j_m < n_m - 1
+    rows = np.nonzero(keep)[0].astype(np.int64)
+    offs = 1 + np.arange(num_heads)[None, :]
+    valid = (j_m[rows][:, None] + offs) < n_m[rows][:, None]
+    teacher = np.where(valid, rows[:, None] + offs, -1)
+    tokens_m = np.asarray(tokens_m)
+    targets = np.where(valid, tokens_m[np.where(valid, teacher, 0)], -1).astype(np.int32)
+    groups = None if groups_r is None else np.asarray(groups_r)[reply_m[rows]]
+    path = None
+    if with_path:  # token j + i is in the reply while j + i < n, i.e. where head i - 1 had a target (or i = 0)
+        on_path = np.concatenate([np.ones_like(valid[:, :1]), valid[:, :-1]], axis=1)
+        path = np.where(on_path, tokens_m[np.where(on_path, rows[:, None] + offs - 1, 0)], 0).astype(np.int32)
+    return HiddenExamples(hidden, rows, targets, teacher.astype(np.int64), groups, path)
