@@ -99,8 +99,9 @@ def test_llama3_8b_plans_compile_without_weights(tmp_path):
     # the CPU compiler's float32 copies of the bf16 weights are found and set apart
     upcast, params = decode["plan"]["cpu_upcast_bytes"], decode["plan"]["arguments"]["params"]
     assert 1.9 * params <= upcast <= 2.2 * params  # (a few weights are converted in two layouts)
-    # no weights allocated: the 8B weights alone are 32 GB in float32
-    assert report["max_rss_bytes"] < 4 * 2**30
+    # no weights allocated: the 8B weights alone are 32 GB in float32, 8 GB per fsdp shard on each of the 8
+    # devices; what the process holds is XLA's compiler (0.8-5.3 GiB seen, depending on the machine's load)
+    assert report["max_rss_bytes"] < 8 * 2**30
 
 
 def test_cli_plans_a_config_folder_as_json(tmp_path):
