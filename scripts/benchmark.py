@@ -95,54 +95,42 @@ def main(argv=None) -> int:
     if a.temperatures is not None:
         return sampling_main(a, argv)
 
-    from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
-    from medusa_jax.real_model import portable_path
-    from medusa_jax.tree import TreeError
-    from medusa_jax.inference.bench_inputs import git_revision, load_model, machine_description
     from medusa_jax.inference.bench_report import write_report
-    from medusa_jax.inference.benchmark import run_benchmark, select_questions
+    from medusa_jax.inference.benchmark import run_benchmark
 
-    machine = machine_description()
-    try:
-        questions = select_questions(load_mtbench_questions(a.question_file), a.questions)
-        loaded = load_model(a.model, a.heads, dtype=a.dtype)
-        results = run_benchmark(loaded, questions, config, progress=lambda m: print(m, flush=True))
-    except (FileNotFoundError, MTBenchError, TreeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    args = sys.argv[1:] if argv is None else list(argv)
-    results["meta"] = {"command": "python scripts/benchmark.py " + shlex.join(args), "machine": machine,
-                       "model": portable_path(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
-    paths = write_report(results, a.out)
-    print(paths["markdown"].read_text())
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    return _run_and_report(a, argv, run_benchmark, write_report, config)
 
 
 def sampling_main(a: argparse.Namespace, argv) -> int:
     """--temperatures: the sampling benchmark (inference/sampling_benchmark.py)."""
-    from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
-    from medusa_jax.real_model import portable_path
-    from medusa_jax.tree import TreeError
-    from medusa_jax.inference.bench_inputs import git_revision, load_model, machine_description
-    from medusa_jax.inference.benchmark import select_questions
     from medusa_jax.inference.sampling_benchmark import (SamplingBenchConfig, run_sampling_benchmark,
                                                          write_sampling_report)
 
     config = SamplingBenchConfig(temperatures=a.temperatures, max_new_tokens=a.max_new_tokens,
                                  batch_size=a.batch_size, tree=a.tree, seed=a.seed)
+    return _run_and_report(a, argv, run_sampling_benchmark, write_sampling_report, config)
+
+
+def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
+    """Loads the model and questions, runs `run(loaded, questions, config)`, writes its report with `write`."""
+    from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
+    from medusa_jax.real_model import portable_path
+    from medusa_jax.tree import TreeError
+    from medusa_jax.inference.bench_inputs import git_revision, load_model, machine_description
+    from medusa_jax.inference.benchmark import select_questions
+
     machine = machine_description()
     try:
         questions = select_questions(load_mtbench_questions(a.question_file), a.questions)
         loaded = load_model(a.model, a.heads, dtype=a.dtype)
-        results = run_sampling_benchmark(loaded, questions, config, progress=lambda m: print(m, flush=True))
+        results = run(loaded, questions, config, progress=lambda m: print(m, flush=True))
     except (FileNotFoundError, MTBenchError, TreeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args = sys.argv[1:] if argv is None else list(argv)
     results["meta"] = {"command": "python scripts/benchmark.py " + shlex.join(args), "machine": machine,
                        "model": portable_path(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
-    paths = write_sampling_report(results, a.out)
+    paths = write(results, a.out)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
