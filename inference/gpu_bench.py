@@ -25,7 +25,7 @@ from medusa_jax.config import ModelConfig
 from medusa_jax.heads import HeadsConfig, init_heads
 from medusa_jax.hf_import import fill_state
 from medusa_jax.tree import build_tree
-from medusa_jax.inference import step_cost
+from medusa_jax.bench import step_cost
 
 # P(head d's rank-r guess is right): top-1 0.6/0.4/0.3/0.22 decaying with rank, roughly Vicuna-7B's heads.
 REFERENCE_ACCURACY = np.array([[0.60, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01, 0.008, 0.006],

@@ -21,7 +21,7 @@ from medusa_jax.cli_args import parse_int_list, parse_positive_int_list
 
 
 def main(argv=None) -> int:
-    from medusa_jax.inference.tree_builder import BuildTreeConfig
+    from medusa_jax.bench.tree_builder import BuildTreeConfig
 
     d = BuildTreeConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from medusa_jax.atomic import write_text_atomic
     from medusa_jax.tree import TreeError
     from medusa_jax.inference.bench_inputs import load_model, resolve_heads
-    from medusa_jax.inference.tree_builder import build, summary_lines
+    from medusa_jax.bench.tree_builder import build, summary_lines
 
     try:
         heads_dir = resolve_heads(a.heads)

@@ -167,8 +167,8 @@ def test_generate_batch_resolves_the_heads_tree_per_batch_size(tiny_heads, tiny_
 # ---- build_tree's per-batch pick and the shipped trees -------------------------------------------------
 
 def test_pick_for_batch_keeps_the_best_tree_only_when_it_beats_plain():
-    from medusa_jax.inference.step_cost import StepCostTable
-    from medusa_jax.inference.tree_builder import pick_for_batch
+    from medusa_jax.bench.step_cost import StepCostTable
+    from medusa_jax.bench.tree_builder import pick_for_batch
 
     acc = np.array([[0.6, 0.2], [0.4, 0.1]])
     cheap = StepCostTable(1, 64, 128, 1.0, (2, 4, 8), (1.05, 1.1, 1.6))

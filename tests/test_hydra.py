@@ -244,7 +244,7 @@ def test_hydra_heads_take_the_distilled_kl_loss(base):
 
 
 def test_step_cost_times_a_hydra_step(base):
-    from medusa_jax.inference import step_cost
+    from medusa_jax.bench import step_cost
 
     heads, tree = hydra(base, seed=7), load_tree("mc_sim_7b_8")
     pieces = step_cost.piece_seconds(base, heads, tree, 1, 20, 64, repeats=1)
