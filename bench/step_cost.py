@@ -9,9 +9,10 @@ Pieces of one step (B rows, T tree tokens, S cache slots of which `context` are 
                       depth-many drafting rounds)
     cache_compaction  moves the accepted path's K/V to consecutive slots (all layers)
 The pieces are the decoder's own functions (`acceptance.accept_tree`, `medusa.compact_accepted`, ...).
-The whole step is the decode loop's own step function, `medusa.medusa_step` (what a loop iteration costs,
-XLA fusing across pieces), jitted alone; the plain step is `autoregressive.plain_step` (T = 1 forward +
-lm_head + argmax), the plain loop's own. Caches are donated so writes are in place, as in the decode loops.
+The whole step is the function the decode loop runs as its `while_loop` body, `medusa.medusa_step` (a
+MedusaState in, a MedusaState out: what a loop iteration costs, XLA fusing across pieces, token bookkeeping
+included), jitted alone; the plain step is likewise the plain loop's body, `autoregressive.plain_step`
+(t = 1 forward + lm_head + argmax). States are donated so writes are in place, as in the decode loops.
 Values do not matter for cost, so weights are used as given (random or real) and the cache holds zeros.
 """
 
@@ -34,8 +35,8 @@ from medusa_jax.hydra_heads import HydraHeads
 from medusa_jax.kv_cache import KVCache, attention_mask
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree
-from medusa_jax.inference.autoregressive import plain_step
-from medusa_jax.inference.medusa import ProposeInputs, compact_accepted, heads_proposer, medusa_step
+from medusa_jax.inference.autoregressive import PlainState, plain_step
+from medusa_jax.inference.medusa import MedusaState, compact_accepted, medusa_step
 from medusa_jax.inference.sampling import SamplingConfig, greedy_tokens
 
 PIECES = ("verify_forward", "base_logits", "acceptance", "heads_top_k", "cache_compaction")
@@ -89,26 +90,20 @@ def _heads_top_k(graphdef, params, hidden_bd, *, tree: TreeBuffers):
 
 
 @partial(jax.jit, donate_argnames=("cache",))
-def _compaction(cache, nodes_bj):
-    return compact_accepted(cache, nodes_bj)
+def _compaction(cache, nodes_be):
+    return compact_accepted(cache, nodes_be)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tree"), donate_argnames=("cache",))
-def _medusa_step(graphdef, params, cache, root_b, hidden_bd, key, *, tree: TreeBuffers):
-    """`medusa.medusa_step`, the decode loop's own step (greedy, the heads' proposal), then the length update."""
-    model: MedusaModel = nnx.merge(graphdef, params)
-    b = root_b.shape[0]
-    inputs = ProposeInputs(model, hidden_bd, root_b, jnp.ones((b,), jnp.int32), jnp.zeros((), jnp.int32), tree, None)
-    out = medusa_step(inputs, cache, key, acceptance=AcceptanceConfig(), proposer=heads_proposer)
-    return out.bonus_b, out.cache.replace(lengths_b=out.cache.lengths_b + out.accept_b + 1)
+@partial(jax.jit, static_argnames=("graphdef", "tree"), donate_argnames=("state",))
+def _medusa_step(graphdef, params, state: MedusaState, *, tree: TreeBuffers) -> MedusaState:
+    """`medusa.medusa_step`, the Medusa decode loop's body (greedy, the heads' proposal), jitted alone."""
+    return medusa_step(nnx.merge(graphdef, params), state, tree=tree, acceptance=AcceptanceConfig(), eos_ids=())
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _plain_step(graphdef, params, cache, tokens_b, key):
-    """`autoregressive.plain_step`, the plain decode loop's own step (greedy), then the length update."""
-    base: CausalLM = nnx.merge(graphdef, params)
-    next_b, cache = plain_step(base, cache, tokens_b, key, SamplingConfig())
-    return next_b, cache.replace(lengths_b=cache.lengths_b + 1)
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
+def _plain_step(graphdef, params, state: PlainState) -> PlainState:
+    """`autoregressive.plain_step`, the plain decode loop's body (greedy), jitted alone."""
+    return plain_step(nnx.merge(graphdef, params), state, sampling=SamplingConfig(), eos_ids=())
 
 
 class _Donating:
@@ -125,29 +120,48 @@ class _Donating:
         return out
 
 
+class _SteppedState:
+    """Calls step(state) repeatedly, feeding each call's returned (donated) state into the next, reset to the
+    same committed context and an empty output so that every call does the same work."""
+
+    def __init__(self, step: Callable, state, context: int):
+        self.step, self.state, self.context = step, state, context
+
+    def __call__(self):
+        s = self.state
+        fresh = dataclasses.replace(s, cache=s.cache.replace(lengths_b=jnp.full_like(s.cache.lengths_b, self.context)),
+                                    num_out_b=jnp.zeros_like(s.num_out_b))
+        if isinstance(fresh, MedusaState):
+            fresh = dataclasses.replace(fresh, steps_b=jnp.zeros_like(fresh.steps_b))
+        self.state = self.step(fresh)
+        return self.state.out_bo
+
+
 def make_cache(base: CausalLM, batch: int, cache_size: int, context: int) -> KVCache:
     cache = KVCache.zeros(base.config, batch, cache_size)
     return cache.replace(lengths_b=jnp.full((batch,), context, jnp.int32))
 
 
 def plain_step_call(base: CausalLM, batch: int, context: int, cache_size: int) -> Callable[[], object]:
-    """A zero-argument call that runs one plain step over its own (donated, reused) cache."""
+    """A zero-argument call that runs one plain step over its own (donated, reused) state."""
     graphdef, params = nnx.split(base)
-    runner = _Donating(make_cache(base, batch, cache_size, context), context)
-    tokens_b, key = jnp.zeros((batch,), jnp.int32), jax.random.key(0)
-    return lambda: runner.run(lambda c, *a: _plain_step(graphdef, params, c, *a), tokens_b, key)
+    b = batch
+    state = PlainState(make_cache(base, b, cache_size, context), jnp.zeros((b,), jnp.int32), jnp.zeros((b, 1), jnp.int32),
+                       jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.int32), jnp.zeros((b,), bool), jax.random.key(0))
+    return _SteppedState(lambda s: _plain_step(graphdef, params, s), state, context)
 
 
 def medusa_step_call(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: int, context: int,
                      cache_size: int) -> Callable[[], object]:
     """A zero-argument call that runs one whole Medusa step (all pieces in one jitted call)."""
     graphdef, params = nnx.split(MedusaModel(base, heads))
-    runner = _Donating(make_cache(base, batch, cache_size, context), context)
-    root_b = jnp.zeros((batch,), jnp.int32)
-    hidden_bd = jax.random.normal(jax.random.key(1), (batch, base.config.hidden_size), base.config.jnp_dtype)
-    key = jax.random.key(0)
-    step = lambda c, *a: _medusa_step(graphdef, params, c, *a, tree=tree)  # noqa: E731
-    return lambda: runner.run(step, root_b, hidden_bd, key)
+    b, e = batch, tree.depth + 1  # an output buffer that holds one step's tokens
+    hidden_bd = jax.random.normal(jax.random.key(1), (b, base.config.hidden_size), base.config.jnp_dtype)
+    zeros_b = jnp.zeros((b,), jnp.int32)
+    state = MedusaState(make_cache(base, b, cache_size, context), zeros_b, hidden_bd, jnp.zeros((b, e), jnp.int32),
+                        zeros_b, jnp.zeros((b,), bool), zeros_b, jnp.zeros((b, e), jnp.int32),
+                        jnp.zeros((), jnp.int32), jax.random.key(0))
+    return _SteppedState(lambda s: _medusa_step(graphdef, params, s, tree=tree), state, context)
 
 
 def plain_step_seconds(base: CausalLM, batch: int, context: int, cache_size: int, repeats: int = 5) -> float:
@@ -191,9 +205,9 @@ def piece_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: 
     out["acceptance"] = time_call(lambda: _acceptance(tokens_bt, logits_btv, key, tree=tree), repeats)
     out["heads_top_k"] = time_call(lambda: _heads_top_k(both_def, both_params, hidden_btd[:, 0], tree=tree),
                                    repeats)
-    nodes_bj = jnp.broadcast_to(jnp.asarray(tree.retrieve_lj[0]), (batch, tree.depth + 1))
+    nodes_be = jnp.broadcast_to(jnp.asarray(tree.retrieve_lj[0]), (batch, tree.depth + 1))
     compact = lambda c, n: (None, _compaction(c, n))  # noqa: E731
-    out["cache_compaction"] = time_call(lambda: runner.run(compact, nodes_bj), repeats)
+    out["cache_compaction"] = time_call(lambda: runner.run(compact, nodes_be), repeats)
     return out
 
 

@@ -14,7 +14,7 @@ import json
 from typing import Callable, Sequence
 
 from medusa_jax.tree import DEFAULT_TREE, load_tree
-from medusa_jax.inference.batch import BatchSettings, generate_batch
+from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.sharded import ShardedModel
 
 METHODS = ("plain", "medusa")

@@ -2,8 +2,8 @@
 `generate`), greedy, interleaved question by question so machine load hits every method alike.
 
 Timing: each method's first call for a new (prompt bucket, batch size, tree) compiles, so it runs once
-untimed first; timed figures are wall-clock seconds of the public API call (`engine.generate`,
-`medusa.generate_medusa`, `model.generate`), prefill included. Steps count the prefill as one step for both
+untimed first; timed figures are wall-clock seconds of the public API call (`api.generate`,
+`api.generate_medusa`, `model.generate`), prefill included. Steps count the prefill as one step for both
 decoders, so plain decoding makes exactly 1 token per step.
     acceleration rate = Medusa tokens / Medusa steps
     step overhead     = (Medusa seconds / Medusa steps) / (plain seconds / plain steps)
@@ -31,8 +31,9 @@ from medusa_jax.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build
 from medusa_jax.tree_search import greedy_order_of
 from medusa_jax.bench import step_cost
 from medusa_jax.inference.bench_inputs import LoadedModel
-from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
-from medusa_jax.inference.medusa import ChosenTree, choose_tree, generate_medusa
+from medusa_jax.inference.api import generate, generate_medusa
+from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
+from medusa_jax.inference.medusa import ChosenTree, choose_tree
 
 METHODS = ("plain", "medusa", "hf")
 

@@ -23,8 +23,9 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.backbone import CausalLM
-from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
-from medusa_jax.inference.text_generation import compile_seconds as compile_events
+from medusa_jax.compile_cache import CompileCounter
+from medusa_jax.inference.api import generate
+from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 
 
 def weight_bytes(model: CausalLM) -> int:
@@ -133,10 +134,10 @@ def run_decode_benchmark(model: CausalLM, folder, prompts: Sequence[Sequence[int
         for i, prompt in enumerate(prompts):
             width = round_up(len(prompt), PROMPT_BUCKET)
             if width not in compile_seconds:
-                with compile_events() as ev:
+                with CompileCounter() as compiled:
                     ours(prompt, max_new_tokens)
                     ours(prompt, 1)
-                compile_seconds[width] = sum(ev)
+                compile_seconds[width] = compiled.compile_seconds
             calls = {"ours": lambda: ours(prompt, max_new_tokens), "ours_first": lambda: ours(prompt, 1)}
             for threads in torch_threads:
                 calls[f"hf{threads}"] = lambda threads=threads: hf(prompt, max_new_tokens, threads)

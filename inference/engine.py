@@ -1,20 +1,15 @@
-"""Python-level generation API: pads and buckets prompts, sizes the cache, calls one jitted decode per batch."""
+"""The shapes of a generation call: prompts right-padded to a short ladder of bucketed widths, cache sizes
+that follow them, and the checks that a prompt plus its budget fits (positions, cache slots). The generation
+front-end (`inference.api`) builds every batch with these."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from medusa_jax.backbone import CausalLM
-from medusa_jax.kv_cache import KVCache
-from medusa_jax.inference import autoregressive
-from medusa_jax.inference.sampling import SamplingConfig
 
 PROMPT_BUCKET = 64  # the smallest padded prompt width; wider prompts double it (see bucket_length)
 
@@ -44,26 +39,6 @@ def check_positions(max_positions: int, prompt_lengths: Sequence[int], max_new_t
                          f"{longest + max_new_tokens} positions, but the model has max_position_embeddings="
                          f"{max_positions}: shorten the prompt to at most {max_positions - max_new_tokens} tokens "
                          f"or lower max_new_tokens")
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    token_ids: list[int]  # the new tokens, EOS included when one was produced
-    steps: int  # forward passes that produced them, prefill included (plain decoding: one per token)
-    text: str | None = None
-    accept_lengths: list[int] | None = None  # Medusa: candidates accepted at each verify step (0..tree depth)
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.new_tokens / max(self.steps, 1)
-
-    def accept_histogram(self, depth: int) -> list[int]:
-        """Medusa: how many verify steps accepted 0, 1, ..., depth candidates."""
-        return np.bincount(np.asarray(self.accept_lengths or [], int), minlength=depth + 1).tolist()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,25 +89,3 @@ def check_fits(batch: PaddedBatch, max_new_tokens: int, extra: int, cache_size: 
 
 def resolve_eos(model: CausalLM, eos_ids: Sequence[int] | None) -> tuple[int, ...]:
     return tuple(int(t) for t in (model.config.eos_token_ids if eos_ids is None else eos_ids))
-
-
-def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
-             sampling: SamplingConfig = SamplingConfig(), seed: int = 0, eos_ids: Sequence[int] | None = None,
-             pad_id: int = 0, batch_size: int | None = None, cache_size: int | None = None,
-             timings: dict | None = None) -> list[GenerationResult]:
-    """Plain decoding of one batch of token-id prompts (ragged lengths are fine)."""
-    batch = pad_prompts(prompts, pad_id, batch_size)
-    check_positions(model.config.max_position_embeddings, batch.lengths_b.tolist(), max_new_tokens)
-    size = check_fits(batch, max_new_tokens, 0, cache_size)
-    graphdef, params = nnx.split(model)
-    cache = KVCache.zeros(model.config, batch.tokens_bp.shape[0], size)
-    start = time.perf_counter()
-    out_bn, num_b, _ = autoregressive.decode(
-        graphdef, params, cache, jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b),
-        jax.random.key(seed), max_new_tokens=max_new_tokens, sampling=sampling,
-        eos_ids=resolve_eos(model, eos_ids), pad_id=pad_id)
-    out_bn, num_b = np.asarray(out_bn), np.asarray(num_b)
-    if timings is not None:
-        timings["seconds"] = time.perf_counter() - start
-    return [GenerationResult(out_bn[i, : num_b[i]].tolist(), steps=int(num_b[i]))
-            for i in range(batch.num_real)]

@@ -21,7 +21,8 @@ from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads
 from medusa_jax.hydra_heads import HydraHeads, path_tokens
 from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
-from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
+from medusa_jax.inference.api import generate
+from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,44 +1,42 @@
-"""Medusa decoding: prefill + a `jax.lax.while_loop` of tree steps, one jitted call per batch.
+"""Medusa decoding: prefill + a `jax.lax.while_loop` whose body is `medusa_step`, one jitted call per batch.
 
-Shapes: B rows, P padded prompt length, N = max_new_tokens, S cache slots (S >= P + N + T), T tree tokens,
-D tree depth, k top-k per head. Each step, per row:
-  1. the proposer gives [B, D, k] candidates per (head, rank) from the hidden state that produced the root
-     (the last emitted token, not yet in the cache); the tree picks its T tokens from [root, candidates]
-     (or, for Hydra heads, the proposer drafts the T tree tokens itself, depth by depth);
-  2. ONE verify forward of the T tokens at positions length + depth under the tree mask writes their K/V to
-     slots [length, length + T);
+Shapes (axis letters as in the package legend): b rows, t tree tokens (node 0 = the root), o =
+max_new_tokens, s cache slots (s >= prompt width + o + t), m heads used = tree depth, r top-k ranks,
+e = m + 1 nodes along a path (depth 0 = the root). Each step, per row:
+  1. the proposer gives [b, m, r] candidates per (head, rank) from the hidden state that produced the root
+     (the last emitted token, not yet in the cache); the tree picks its t tokens from [root, candidates]
+     (or, for Hydra heads, the proposer drafts the t tree tokens itself, depth by depth);
+  2. ONE verify forward of the t tokens at positions length + depth under the tree mask writes their K/V to
+     slots [length, length + t);
   3. acceptance picks a path and its accept length a, plus the base model's next token after it (bonus);
   4. the K/V of the root and the a accepted nodes move to slots [length, length + a + 1) (a gather and a
-     scatter of D + 1 slots per row; the rest of the tree block is scratch) and the row advances by a + 1.
+     scatter of e slots per row; the rest of the tree block is scratch) and the row advances by a + 1.
 Rows finish independently: tokens after an EOS inside the accepted path are dropped, the last step is cut
 to max_new_tokens, and a finished row stops advancing (it keeps computing, writing scratch slots only).
+
+`medusa_step` (a MedusaState in, a MedusaState out) is THE tree step: the decode loop's body (here and under
+a mesh, inference/sharded.py) and what the step-cost timing jits (medusa_jax.bench.step_cost).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.heads import HeadsConfig, MedusaHeads, MedusaModel
-from medusa_jax.heads_trees import HeadsTrees, resolve_tree, trees_of
+from medusa_jax.heads import HeadsConfig, MedusaModel
+from medusa_jax.heads_trees import HeadsTrees, resolve_tree
 from medusa_jax.hydra_heads import HydraHeads
 from medusa_jax.kv_cache import KVCache, attention_mask
 from medusa_jax.sharding import map_cache_rows
 from medusa_jax.tree import TreeBuffers, build_tree, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
 from medusa_jax.inference.autoregressive import is_eos, prefill
-from medusa_jax.inference.engine import (GenerationResult, check_fits, check_positions, generate, pad_prompts,
-                                         resolve_eos)
-from medusa_jax.inference.sampling import SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,38 +52,30 @@ class ProposeInputs:
     data: Any  # the proposer_data pytree given to generate_medusa
 
 
-# A proposer returns either [B, tree.depth, tree.top_k] int32 candidate ids ([b, h, r] fills every tree node
-# (head h, rank r)), or [B, T] int32 tree tokens (node 0 is root_b) when a node's children depend on its own
-# path (Hydra heads). Verification, acceptance and cache compaction are the same for both.
+# A proposer returns either [b, m, r] int32 candidate ids (m = tree.depth heads, r = tree.top_k ranks: entry
+# [i, h, k] fills tree node (head h, rank k) of row i), or [b, t] int32 tree tokens (node 0 is root_b) when a
+# node's children depend on its own path (Hydra heads). Verification, acceptance and compaction are the same.
 Proposer = Callable[[ProposeInputs], jax.Array]
 
 
 def heads_proposer(inputs: ProposeInputs) -> jax.Array:
-    """The heads' proposal: Medusa heads' top-k tokens from the last accepted hidden state ([B, D, k]), or
-    Hydra heads' tree drafted depth by depth along each node's path ([B, T])."""
+    """The heads' proposal: Medusa heads' top-k tokens from the last accepted hidden state ([b, m, r]), or
+    Hydra heads' tree drafted depth by depth along each node's path ([b, t])."""
     tree = inputs.tree
     if isinstance(inputs.model.heads, HydraHeads):
         return inputs.model.heads.tree_tokens(inputs.hidden_bd, inputs.root_b, inputs.model.base, tree)
-    top_kbk = inputs.model.heads.top_k(inputs.hidden_bd, inputs.model.base, tree.top_k, num_heads=tree.depth)
-    return top_kbk.transpose(1, 0, 2)
+    ids_mbr = inputs.model.heads.top_k(inputs.hidden_bd, inputs.model.base, tree.top_k, num_heads=tree.depth)
+    return ids_mbr.transpose(1, 0, 2)
 
 
-def tree_tokens(root_b: jax.Array, candidates_bhk: jax.Array, tree: TreeBuffers) -> jax.Array:
-    """[B] roots + [B, D, k] candidates -> [B, T] tree tokens (flat list [root, head0 top-k, head1 top-k, ...])."""
-    flat_bf = jnp.concatenate([root_b[:, None], candidates_bhk.reshape(root_b.shape[0], -1)], axis=1)
-    return flat_bf[:, jnp.asarray(tree.candidate_index_t)].astype(jnp.int32)
-
-
-def draft_tree(heads, base: CausalLM, hidden_bd: jax.Array, root_b: jax.Array, tree: TreeBuffers) -> jax.Array:
-    """[B, T] tree tokens the heads propose (Medusa or Hydra): what `heads_proposer` gives, placed in the tree."""
-    if isinstance(heads, HydraHeads):
-        return heads.tree_tokens(hidden_bd, root_b, base, tree)
-    return tree_tokens(root_b, heads.top_k(hidden_bd, base, tree.top_k, num_heads=tree.depth).transpose(1, 0, 2),
-                       tree)
+def tree_tokens(root_b: jax.Array, candidates_bmr: jax.Array, tree: TreeBuffers) -> jax.Array:
+    """[b] roots + [b, m, r] candidates -> [b, t] tree tokens (flat list [root, head0 top-k, head1 top-k, ...])."""
+    flat_bx = jnp.concatenate([root_b[:, None], candidates_bmr.reshape(root_b.shape[0], -1)], axis=1)
+    return flat_bx[:, jnp.asarray(tree.candidate_index_t)].astype(jnp.int32)
 
 
 def proposal_tokens(root_b: jax.Array, proposal: jax.Array, tree: TreeBuffers) -> jax.Array:
-    """A proposer's output ([B, D, k] candidates or [B, T] tokens) -> [B, T] tree tokens, node 0 = root_b."""
+    """A proposer's output ([b, m, r] candidates or [b, t] tokens) -> [b, t] tree tokens, node 0 = root_b."""
     if proposal.ndim == 2:
         if proposal.shape[1] != tree.num_tokens:
             raise ValueError(f"a proposer returned {proposal.shape[1]} tree tokens; the tree has {tree.num_tokens}")
@@ -93,119 +83,106 @@ def proposal_tokens(root_b: jax.Array, proposal: jax.Array, tree: TreeBuffers) -
     return tree_tokens(root_b, proposal, tree)
 
 
-def compact_accepted(cache: KVCache, nodes_bj: jax.Array) -> KVCache:
-    """Moves the K/V of tree nodes nodes_bj (slots lengths + node) to slots lengths + j, j = 0..D, in every
-    layer. Only D + 1 slots per row are read and written; lengths are unchanged. Under a mesh each device
-    moves its own rows (`sharding.map_cache_rows`), with no collectives."""
-    return map_cache_rows(_compact_rows, cache, nodes_bj)
+def compact_accepted(cache: KVCache, nodes_be: jax.Array) -> KVCache:
+    """Moves the K/V of tree nodes nodes_be (slots lengths + node) to slots lengths + j, j = 0..e-1, in every
+    layer. Only e slots per row are read and written; lengths are unchanged. Under a mesh each device moves
+    its own rows (`sharding.map_cache_rows`), with no collectives."""
+    return map_cache_rows(_compact_rows, cache, nodes_be)
 
 
-def _compact_rows(cache: KVCache, nodes_bj: jax.Array) -> KVCache:
+def _compact_rows(cache: KVCache, nodes_be: jax.Array) -> KVCache:
     rows_b1 = jnp.arange(cache.batch_size)[:, None]
-    src_bj = cache.lengths_b[:, None] + nodes_bj
-    dst_bj = cache.lengths_b[:, None] + jnp.arange(nodes_bj.shape[1])[None, :]
+    src_be = cache.lengths_b[:, None] + nodes_be
+    dst_be = cache.lengths_b[:, None] + jnp.arange(nodes_be.shape[1])[None, :]
 
-    def move(buf_lbshd):
-        return buf_lbshd.at[:, rows_b1, dst_bj].set(buf_lbshd[:, rows_b1, src_bj])
+    def move(buf_lbskh):
+        return buf_lbskh.at[:, rows_b1, dst_be].set(buf_lbskh[:, rows_b1, src_be])
 
     return cache.replace(k_lbshd=move(cache.k_lbshd), v_lbshd=move(cache.v_lbshd))
 
 
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    cache: KVCache  # tree K/V written, the accepted path's moved to slots [length, length + D]; same lengths
-    tokens_bt: jax.Array  # the verified tree tokens
-    accept_b: jax.Array  # accepted candidates (0..D)
-    nodes_bj: jax.Array  # the chosen path's nodes, root first (the first accept_b + 1 are accepted)
-    bonus_b: jax.Array  # the base model's token after the accepted path
-    hidden_bd: jax.Array  # hidden state of the last accepted node (its logits gave bonus_b)
-
-
-def medusa_step(inputs: ProposeInputs, cache: KVCache, key: jax.Array, *, acceptance: AcceptanceConfig,
-                proposer: Proposer = heads_proposer) -> StepOutput:
-    """One tree step, items 1-4 of the module docstring but the length update: propose, verify, accept,
-    compact. The decode loop runs exactly this each iteration, and build_tree's step timing does too."""
-    model, tree = inputs.model, inputs.tree
-    base = model.base
-    lengths_b = cache.lengths_b
-    tokens_bt = proposal_tokens(inputs.root_b, proposer(inputs), tree)
-    mask_bts = attention_mask(lengths_b, jnp.asarray(tree.ancestor_mask_tt), cache.cache_size)
-    positions_bt = lengths_b[:, None] + jnp.asarray(tree.depth_t)[None, :]
-    hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, cache)
-    accept_b, nodes_bj, bonus_b = accept_tree(tree, tokens_bt, base.logits(hidden_btd), key, acceptance)
-    cache = compact_accepted(cache, nodes_bj)
-    last_node_b = jnp.take_along_axis(nodes_bj, accept_b[:, None], axis=1)[:, 0]
-    hidden_bd = jnp.take_along_axis(hidden_btd, last_node_b[:, None, None], axis=1)[:, 0]
-    return StepOutput(cache, tokens_bt, accept_b, nodes_bj, bonus_b, hidden_bd)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _LoopState:
-    cache: KVCache
-    root_b: jax.Array  # the newest emitted token of each row, not yet in the cache
+class MedusaState:
+    """b decode rows over one KV cache, between two tree steps."""
+
+    cache: KVCache  # lengths_b: tokens of each row in the cache
+    root_b: jax.Array  # the newest emitted token of each row, not yet in the cache (the next tree's node 0)
     hidden_bd: jax.Array  # the hidden state whose logits gave root_b
-    out_bn: jax.Array  # emitted tokens, pad after a row's end
-    num_out_b: jax.Array
-    done_b: jax.Array
+    out_bo: jax.Array  # emitted tokens, pad after a row's end
+    num_out_b: jax.Array  # tokens of each row in out_bo
+    done_b: jax.Array  # finished: an EOS emitted
     steps_b: jax.Array  # verify steps each row took part in
-    accept_bn: jax.Array  # accept length of each of a row's verify steps
-    step: jax.Array
+    accept_bo: jax.Array  # accept length of each of a row's verify steps (the first steps_b are valid)
+    step: jax.Array  # verify steps run (scalar)
     key: jax.Array
+
+    @property
+    def active_b(self) -> jax.Array:
+        return ~self.done_b & (self.num_out_b < self.out_bo.shape[1])
+
+
+def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = None, *, tree: TreeBuffers,
+                acceptance: AcceptanceConfig, eos_ids: tuple[int, ...],
+                proposer: Proposer = heads_proposer) -> MedusaState:
+    """One tree step, items 1-4 of the module docstring: propose, verify, accept, compact, then emit the
+    accepted tokens and the bonus token (cut at an EOS and at the output buffer's end) and advance each
+    active row's cache length by their number; an inactive row changes nothing but scratch slots."""
+    base, (b, o), e = model.base, state.out_bo.shape, tree.depth + 1
+    active_b = state.active_b
+    lengths_b = state.cache.lengths_b
+    key, sub = jax.random.split(state.key)
+    inputs = ProposeInputs(model, state.hidden_bd, state.root_b, state.num_out_b, state.step, tree, proposer_data)
+    tokens_bt = proposal_tokens(state.root_b, proposer(inputs), tree)
+    mask_bts = attention_mask(lengths_b, jnp.asarray(tree.ancestor_mask_tt), state.cache.cache_size)
+    positions_bt = lengths_b[:, None] + jnp.asarray(tree.depth_t)[None, :]
+    hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, state.cache)
+    accept_b, nodes_be, bonus_b = accept_tree(tree, tokens_bt, base.logits(hidden_btd), sub, acceptance)
+    cache = compact_accepted(cache, nodes_be)
+    last_node_b = jnp.take_along_axis(nodes_be, accept_b[:, None], axis=1)[:, 0]
+    hidden_bd = jnp.take_along_axis(hidden_btd, last_node_b[:, None, None], axis=1)[:, 0]
+
+    # emitted this step: the accepted candidates (depth 1..a of the path), then the bonus token
+    rows_b1, e_1e = jnp.arange(b)[:, None], jnp.arange(e)[None, :]
+    path_tokens_be = jnp.take_along_axis(tokens_bt, nodes_be, axis=1)
+    shifted_be = jnp.concatenate([path_tokens_be[:, 1:], path_tokens_be[:, :1]], axis=1)
+    emitted_be = jnp.where(e_1e < accept_b[:, None], shifted_be, bonus_b[:, None])
+    eos_be = is_eos(emitted_be, eos_ids) & (e_1e <= accept_b[:, None])
+    until_eos_b = jnp.where(jnp.any(eos_be, axis=1), jnp.argmax(eos_be, axis=1) + 1, e)
+    count_b = jnp.minimum(jnp.minimum(accept_b + 1, until_eos_b), o - state.num_out_b)
+    count_b = jnp.where(active_b, count_b, 0)
+    keep_be = e_1e < count_b[:, None]
+    out_bo = state.out_bo.at[rows_b1, jnp.where(keep_be, state.num_out_b[:, None] + e_1e, o)].set(
+        emitted_be, mode="drop")
+    accept_bo = state.accept_bo.at[jnp.arange(b), jnp.where(active_b, state.steps_b, o)].set(accept_b, mode="drop")
+    return MedusaState(cache.replace(lengths_b=lengths_b + count_b), jnp.where(active_b, bonus_b, state.root_b),
+                       jnp.where(active_b[:, None], hidden_bd, state.hidden_bd), out_bo, state.num_out_b + count_b,
+                       state.done_b | jnp.any(eos_be & keep_be, axis=1), state.steps_b + active_b.astype(jnp.int32),
+                       accept_bo, state.step + 1, key)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree", "max_new_tokens", "acceptance", "eos_ids", "pad_id",
                                    "proposer"), donate_argnames=("cache",))
-def medusa_decode(graphdef, params, cache: KVCache, prompt_bp, prompt_lens_b, key, proposer_data=None, *,
+def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key, proposer_data=None, *,
                   tree: TreeBuffers, max_new_tokens: int, acceptance: AcceptanceConfig,
                   eos_ids: tuple[int, ...], pad_id: int, proposer: Proposer = heads_proposer):
-    """Prefill + Medusa decoding in one call. Returns (tokens [B, N], number of new tokens [B], verify steps
-    [B], accept lengths [B, N] (the first steps[b] are valid), cache)."""
+    """Prefill + Medusa decoding in one call: a `jax.lax.while_loop` whose body is `medusa_step`. Returns
+    (tokens [b, o], number of new tokens [b], verify steps [b], accept lengths [b, o] (the first steps[b]
+    are valid), cache)."""
     model: MedusaModel = nnx.merge(graphdef, params)
     base = model.base
-    b, n, depth = prompt_bp.shape[0], max_new_tokens, tree.depth
-    last_bd, cache = prefill(base, prompt_bp, prompt_lens_b, cache)
+    b, o = prompt_bt.shape[0], max_new_tokens
+    last_bd, cache = prefill(base, prompt_bt, prompt_lens_b, cache)
     key, sub = jax.random.split(key)
     first_b = sample_next(base.logits(last_bd), sub, acceptance)
-    out_bn = jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(first_b)
+    out_bo = jnp.full((b, o), pad_id, jnp.int32).at[:, 0].set(first_b)
     zeros_b = jnp.zeros((b,), jnp.int32)
-    state = _LoopState(cache, first_b, last_bd, out_bn, jnp.ones((b,), jnp.int32), is_eos(first_b, eos_ids),
-                       zeros_b, jnp.zeros((b, n), jnp.int32), jnp.zeros((), jnp.int32), key)
-    rows_b1 = jnp.arange(b)[:, None]
-    j_1j = jnp.arange(depth + 1)[None, :]
-
-    def cond(s: _LoopState):
-        return jnp.any(~s.done_b & (s.num_out_b < n))
-
-    def body(s: _LoopState):
-        active_b = ~s.done_b & (s.num_out_b < n)
-        lengths_b = s.cache.lengths_b
-        key, sub = jax.random.split(s.key)
-        step = medusa_step(ProposeInputs(model, s.hidden_bd, s.root_b, s.num_out_b, s.step, tree, proposer_data),
-                           s.cache, sub, acceptance=acceptance, proposer=proposer)
-        tokens_bt, accept_b, nodes_bj, bonus_b = step.tokens_bt, step.accept_b, step.nodes_bj, step.bonus_b
-
-        # emitted this step: the accepted candidates (depth 1..a of the path), then the bonus token
-        path_tokens_bj = jnp.take_along_axis(tokens_bt, nodes_bj, axis=1)
-        shifted_bj = jnp.concatenate([path_tokens_bj[:, 1:], path_tokens_bj[:, :1]], axis=1)
-        emitted_bj = jnp.where(j_1j < accept_b[:, None], shifted_bj, bonus_b[:, None])
-        eos_bj = is_eos(emitted_bj, eos_ids) & (j_1j <= accept_b[:, None])
-        until_eos_b = jnp.where(jnp.any(eos_bj, axis=1), jnp.argmax(eos_bj, axis=1) + 1, depth + 1)
-        count_b = jnp.minimum(jnp.minimum(accept_b + 1, until_eos_b), n - s.num_out_b)
-        count_b = jnp.where(active_b, count_b, 0)
-        keep_bj = j_1j < count_b[:, None]
-        out_bn = s.out_bn.at[rows_b1, jnp.where(keep_bj, s.num_out_b[:, None] + j_1j, n)].set(
-            emitted_bj, mode="drop")
-        accept_bn = s.accept_bn.at[jnp.arange(b), jnp.where(active_b, s.steps_b, n)].set(accept_b, mode="drop")
-
-        cache = step.cache.replace(lengths_b=lengths_b + count_b)
-        return _LoopState(cache, jnp.where(active_b, bonus_b, s.root_b),
-                          jnp.where(active_b[:, None], step.hidden_bd, s.hidden_bd), out_bn, s.num_out_b + count_b,
-                          s.done_b | jnp.any(eos_bj & keep_bj, axis=1), s.steps_b + active_b.astype(jnp.int32),
-                          accept_bn, s.step + 1, key)
-
-    state = jax.lax.while_loop(cond, body, state)
-    return state.out_bn, state.num_out_b, state.steps_b, state.accept_bn, state.cache
+    state = MedusaState(cache, first_b, last_bd, out_bo, jnp.ones((b,), jnp.int32), is_eos(first_b, eos_ids),
+                        zeros_b, jnp.zeros((b, o), jnp.int32), jnp.zeros((), jnp.int32), key)
+    step = partial(medusa_step, model, proposer_data=proposer_data, tree=tree, acceptance=acceptance,
+                   eos_ids=eos_ids, proposer=proposer)
+    state = jax.lax.while_loop(lambda s: jnp.any(s.active_b), step, state)
+    return state.out_bo, state.num_out_b, state.steps_b, state.accept_bo, state.cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,43 +207,3 @@ def choose_tree(heads_config: HeadsConfig, trees: HeadsTrees | None, batch_size:
         return ChosenTree(load_tree(resolution.preset, **limits), resolution.note)
     name = f"heads_{resolution.backend}_batch{resolution.batch}"
     return ChosenTree(build_tree(resolution.paths, name=name, **limits), resolution.note)
-
-
-def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequence[int]], *,
-                    tree: "str | TreeBuffers | None" = None, max_new_tokens: int = 128,
-                    acceptance: AcceptanceConfig = AcceptanceConfig(), seed: int = 0,
-                    eos_ids: Sequence[int] | None = None, pad_id: int = 0, batch_size: int | None = None,
-                    cache_size: int | None = None, proposer: Proposer | None = None, proposer_data: Any = None,
-                    timings: dict | None = None) -> list[GenerationResult]:
-    """Medusa decoding of one batch of token-id prompts (ragged lengths are fine). `tree` is a preset name,
-    a JSON file or TreeBuffers; None: the heads' own tree for this backend and batch size (`choose_tree`),
-    and plain decoding (`engine.generate`, same sampling) where their trees.json says no tree pays.
-    `proposer` replaces the heads' top-k proposal (it receives `proposer_data`). Each result's `steps` counts
-    the prefill and the verify steps; `accept_lengths` lists each step's. `timings` gets "seconds" and
-    "tree" (the tree's origin, or why decoding was plain)."""
-    chosen = choose_tree(heads.config, trees_of(heads), batch_size or len(prompts), tree)
-    if timings is not None:
-        timings["tree"] = chosen.note
-    if chosen.tree is None:
-        sampling = (SamplingConfig() if acceptance.kind == "greedy" else
-                    SamplingConfig(acceptance.temperature, acceptance.top_p, acceptance.top_k))
-        return generate(base, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                        eos_ids=eos_ids, pad_id=pad_id, batch_size=batch_size, cache_size=cache_size,
-                        timings=timings)
-    tree = chosen.tree
-    batch = pad_prompts(prompts, pad_id, batch_size)
-    check_positions(base.config.max_position_embeddings, batch.lengths_b.tolist(), max_new_tokens)
-    size = check_fits(batch, max_new_tokens, tree.num_tokens, cache_size)
-    graphdef, params = nnx.split(MedusaModel(base, heads))
-    cache = KVCache.zeros(base.config, batch.tokens_bp.shape[0], size)
-    start = time.perf_counter()
-    out_bn, num_b, steps_b, accept_bn, _ = medusa_decode(
-        graphdef, params, cache, jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b),
-        jax.random.key(seed), proposer_data, tree=tree, max_new_tokens=max_new_tokens, acceptance=acceptance,
-        eos_ids=resolve_eos(base, eos_ids), pad_id=pad_id, proposer=proposer or heads_proposer)
-    out_bn, num_b, steps_b, accept_bn = map(np.asarray, (out_bn, num_b, steps_b, accept_bn))
-    if timings is not None:
-        timings["seconds"] = time.perf_counter() - start
-    return [GenerationResult(out_bn[i, : num_b[i]].tolist(), steps=1 + int(steps_b[i]),
-                             accept_lengths=accept_bn[i, : steps_b[i]].tolist())
-            for i in range(batch.num_real)]

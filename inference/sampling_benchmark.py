@@ -1,7 +1,7 @@
 """MT-Bench sampling benchmark: plain sampling vs Medusa with exact acceptance vs Medusa with typical acceptance,
 at several temperatures, plus Medusa greedy on the same heads and tree as the tokens/step reference.
 
-Every method runs through its public API (`engine.generate`, `medusa.generate_medusa`), interleaved question
+Every method runs through its public API (`api.generate`, `api.generate_medusa`), interleaved question
 by question so machine load hits all alike; the first call of each (method, temperature, prompt bucket, batch)
 compiles and runs once untimed. Question i samples with seed + i for every method. Steps count the prefill,
 so plain decoding makes 1 token per step.
@@ -25,8 +25,9 @@ from medusa_jax.real_model import portable_path
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.bench_inputs import LoadedModel
-from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
-from medusa_jax.inference.medusa import choose_tree, generate_medusa
+from medusa_jax.inference.api import generate, generate_medusa
+from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
+from medusa_jax.inference.medusa import choose_tree
 from medusa_jax.inference.sampling import SamplingConfig
 
 SAMPLED = ("plain", "exact", "typical")  # methods timed at each temperature

@@ -21,6 +21,7 @@ outputs from all processes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable
 
@@ -97,9 +98,9 @@ class MeshHeadsProposer:
         tree, heads = inputs.tree, inputs.model.heads
         if isinstance(heads, HydraHeads):  # small per-round top-k: left to the compiler's collectives
             return medusa.heads_proposer(inputs)
-        logits_kbv = heads.logits(inputs.hidden_bd, inputs.model.base, num_heads=tree.depth)
-        ids_kbk = sharded_top_k(logits_kbv, tree.top_k, self.mesh).astype(jnp.int32)
-        return heads.to_full_vocab(ids_kbk).transpose(1, 0, 2)
+        logits_mbv = heads.logits(inputs.hidden_bd, inputs.model.base, num_heads=tree.depth)
+        ids_mbr = sharded_top_k(logits_mbv, tree.top_k, self.mesh).astype(jnp.int32)
+        return heads.to_full_vocab(ids_mbr).transpose(1, 0, 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,17 +124,17 @@ class MedusaStatics:
     acceptance: AcceptanceConfig
     eos_ids: tuple[int, ...]
     pad_id: int
-    proposer: MeshHeadsProposer
+    proposer: medusa.Proposer  # MeshHeadsProposer, or a caller's (it gets the proposer_data argument)
 
 
-def _plain_decode(statics: PlainStatics, params, cache, prompt_bp, prompt_lens_b, key):
-    return autoregressive.decode(statics.graphdef, params, cache, prompt_bp, prompt_lens_b, key,
+def _plain_decode(statics: PlainStatics, params, cache, prompt_bt, prompt_lens_b, key, _data):
+    return autoregressive.decode(statics.graphdef, params, cache, prompt_bt, prompt_lens_b, key,
                                  max_new_tokens=statics.max_new_tokens, sampling=statics.sampling,
                                  eos_ids=statics.eos_ids, pad_id=statics.pad_id)
 
 
-def _medusa_decode(statics: MedusaStatics, params, cache, prompt_bp, prompt_lens_b, key):
-    return medusa.medusa_decode(statics.graphdef, params, cache, prompt_bp, prompt_lens_b, key, None,
+def _medusa_decode(statics: MedusaStatics, params, cache, prompt_bt, prompt_lens_b, key, proposer_data):
+    return medusa.medusa_decode(statics.graphdef, params, cache, prompt_bt, prompt_lens_b, key, proposer_data,
                                 tree=statics.tree, max_new_tokens=statics.max_new_tokens,
                                 acceptance=statics.acceptance, eos_ids=statics.eos_ids, pad_id=statics.pad_id,
                                 proposer=statics.proposer)
@@ -180,8 +181,7 @@ class ShardedModel:
 
     # ---- placement -------------------------------------------------------------------------------------
     def cache_sharding(self, batch_size: int, cache_size: int) -> KVCache:
-        abstract = jax.eval_shape(lambda: KVCache.zeros(self.config, batch_size, cache_size))
-        return cache_shardings(self.mesh, abstract)
+        return _cache_sharding(self.mesh, self.config, batch_size, cache_size)
 
     def new_cache(self, batch_size: int, cache_size: int) -> KVCache:
         """A zeroed KV cache created directly in its sharded layout (never whole on one device)."""
@@ -189,7 +189,8 @@ class ShardedModel:
         if spare is not None and spare.k_lbshd.shape[1:3] == (batch_size, cache_size):
             return spare  # decoding resets lengths and masks every slot past them: stale contents are harmless
         shardings = self.cache_sharding(batch_size, cache_size)
-        return jax.jit(lambda: KVCache.zeros(self.config, batch_size, cache_size), out_shardings=shardings)()
+        return jax.jit(_zero_cache, static_argnums=(0, 1, 2), out_shardings=shardings)(self.config, batch_size,
+                                                                                       cache_size)
 
     @property
     def row_multiple(self) -> int:
@@ -206,8 +207,9 @@ class ShardedModel:
 
     def _jit(self, fn: Callable, params_shardings, batch_size: int, cache_size: int,
              out_batch_ndims: tuple[int, ...]) -> Callable:
-        """fn(statics, params, cache, prompt_bp, prompt_lens_b, key) with explicit shardings; it returns
-        batch-major arrays of `out_batch_ndims` and then the cache (donated in, returned out)."""
+        """fn(statics, params, cache, prompt_bt, prompt_lens_b, key, data) with explicit shardings (data: a
+        replicated pytree, e.g. a proposer's); it returns batch-major arrays of `out_batch_ndims` and then the
+        cache (donated in, returned out)."""
         memo = (fn, batch_size, cache_size, out_batch_ndims)
         if memo not in self._jits:
             cache_sh = self.cache_sharding(batch_size, cache_size)
@@ -215,12 +217,13 @@ class ShardedModel:
             outs = tuple(batch_sharding(self.mesh, nd) for nd in out_batch_ndims) + (cache_sh,)
             self._jits[memo] = jax.jit(
                 fn, static_argnums=(0,), donate_argnums=(2,),
-                in_shardings=(params_shardings, cache_sh, rows_2d, rows_1d, replicated(self.mesh)),
+                in_shardings=(params_shardings, cache_sh, rows_2d, rows_1d, replicated(self.mesh),
+                              replicated(self.mesh)),
                 out_shardings=outs)
         return self._jits[memo]
 
     def abstract_inputs(self, batch_size: int, prompt_len: int, cache_size: int) -> tuple:
-        """(cache, prompt_bp, prompt_lens_b, key) as jax.ShapeDtypeStructs in their mesh layouts: lowering a
+        """(cache, prompt_bt, prompt_lens_b, key) as jax.ShapeDtypeStructs in their mesh layouts: lowering a
         decode loop on them allocates nothing (medusa_jax.plan)."""
         rows_2d, rows_1d, rep = batch_sharding(self.mesh, 2), batch_sharding(self.mesh, 1), replicated(self.mesh)
         cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -231,44 +234,57 @@ class ShardedModel:
                 jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=rows_1d),
                 jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep))
 
-    def _run(self, fn, statics, params, params_shardings, prompt_bp, prompt_lens_b, cache_size, seed,
-             out_batch_ndims, lowered_only):
-        batch_size = prompt_bp.shape[0]
+    def _run(self, fn, statics, params, params_shardings, prompt_bt, prompt_lens_b, cache_size, seed,
+             out_batch_ndims, lowered_only, data=None):
+        batch_size = prompt_bt.shape[0]
         self.check_batch_size(batch_size)
         jitted = self._jit(fn, params_shardings, batch_size, cache_size, out_batch_ndims)
         if lowered_only:  # shapes suffice: no cache, prompt or key is allocated
             with jax.set_mesh(self.mesh):
-                return jitted.lower(statics, params, *self.abstract_inputs(batch_size, prompt_bp.shape[1],
-                                                                           cache_size))
-        args = (statics, params, self.new_cache(batch_size, cache_size), put_rows(self.mesh, prompt_bp),
-                put_rows(self.mesh, prompt_lens_b), self.key(seed))
+                return jitted.lower(statics, params, *self.abstract_inputs(batch_size, prompt_bt.shape[1],
+                                                                           cache_size), data)
+        args = (statics, params, self.new_cache(batch_size, cache_size), put_rows(self.mesh, prompt_bt),
+                put_rows(self.mesh, prompt_lens_b), self.key(seed), data)
         with jax.set_mesh(self.mesh):  # lets row-local steps run per shard (sharding.map_cache_rows)
             *outs, cache = jitted(*args)
         self._spare_cache = cache
         return tuple(fetch(o) for o in outs)
 
     # ---- decode loops ----------------------------------------------------------------------------------
-    def plain_decode(self, prompt_bp: np.ndarray, prompt_lens_b: np.ndarray, *, cache_size: int,
+    def plain_decode(self, prompt_bt: np.ndarray, prompt_lens_b: np.ndarray, *, cache_size: int,
                      max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                      eos_ids: tuple[int, ...] = (), pad_id: int = 0, lowered_only: bool = False):
-        """Prefill + plain decoding of one padded batch -> host (tokens [B, N], num_new [B]).
+        """Prefill + plain decoding of one padded batch -> host (tokens [b, o], num_new [b]).
         `lowered_only` returns the lowered computation instead (for HLO inspection and memory plans; only the
         prompts' shape is used)."""
         statics = PlainStatics(self.base_graphdef, max_new_tokens, sampling, tuple(eos_ids), pad_id)
-        return self._run(_plain_decode, statics, self.base_params, self.base_shardings, prompt_bp,
+        return self._run(_plain_decode, statics, self.base_params, self.base_shardings, prompt_bt,
                          prompt_lens_b, cache_size, seed, (2, 1), lowered_only)
 
-    def medusa_decode(self, prompt_bp: np.ndarray, prompt_lens_b: np.ndarray, *, tree: TreeBuffers,
+    def medusa_decode(self, prompt_bt: np.ndarray, prompt_lens_b: np.ndarray, *, tree: TreeBuffers,
                       cache_size: int, max_new_tokens: int, acceptance: AcceptanceConfig = AcceptanceConfig(),
-                      seed: int = 0, eos_ids: tuple[int, ...] = (), pad_id: int = 0, lowered_only: bool = False):
+                      seed: int = 0, eos_ids: tuple[int, ...] = (), pad_id: int = 0, lowered_only: bool = False,
+                      proposer: medusa.Proposer | None = None, proposer_data: Any = None):
         """Prefill + Medusa decoding of one padded batch (the cache needs tree.num_tokens scratch slots) ->
-        host (tokens [B, N], num_new [B], verify steps [B], accept lengths [B, N])."""
+        host (tokens [b, o], num_new [b], verify steps [b], accept lengths [b, o]). `proposer` (default: the
+        heads' top-k, computed per shard) receives `proposer_data`, replicated on every device."""
         if not self.has_heads:
             raise ValueError("this ShardedModel was built without Medusa heads")
         statics = MedusaStatics(self.medusa_graphdef, tree, max_new_tokens, acceptance, tuple(eos_ids), pad_id,
-                                MeshHeadsProposer(self.mesh))
-        return self._run(_medusa_decode, statics, self.medusa_params, self.medusa_shardings, prompt_bp,
-                         prompt_lens_b, cache_size, seed, (2, 1, 1, 2), lowered_only)
+                                proposer or MeshHeadsProposer(self.mesh))
+        return self._run(_medusa_decode, statics, self.medusa_params, self.medusa_shardings, prompt_bt,
+                         prompt_lens_b, cache_size, seed, (2, 1, 1, 2), lowered_only, proposer_data)
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_sharding(mesh: Mesh, config, batch_size: int, cache_size: int) -> KVCache:
+    """The KV cache's shardings (cached: tracing the cache's shapes costs more than a small decode call)."""
+    return cache_shardings(mesh, jax.eval_shape(functools.partial(_zero_cache, config, batch_size, cache_size)))
+
+
+def _zero_cache(config, batch_size: int, cache_size: int) -> KVCache:
+    """A module-level function, so that every ShardedModel's jitted copy hits the same compilation cache."""
+    return KVCache.zeros(config, batch_size, cache_size)
 
 
 def _placed(value: jax.Array, sharding: NamedSharding) -> jax.Array:

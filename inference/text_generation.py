@@ -1,112 +1,93 @@
-"""Text prompts in, text results and JSON rows out: tokenize (optionally with the chat template), run a decoder
-batch by batch, time each call with its compile time apart, decode the new tokens.
+"""Text in, JSON rows out, for `scripts/generate.py`: prompt files read, text prompts tokenized (optionally with
+the chat template) and generated on the mesh (`api.generate_batch`), new tokens decoded, one JSON row per
+prompt built and result files written.
 
-A decoder is any callable with `engine.generate`'s signature after the model:
-    decoder(prompts: list[list[int]], *, max_new_tokens, sampling, seed, eos_ids, pad_id, batch_size)
-        -> list[GenerationResult]
-`plain_decoder(model)` is plain decoding; Medusa decoding passes its own (see scripts/generate.py).
+Input JSONL: one prompt per line, either a JSON string or an object with "prompt" (text) and optionally
+"id" (any JSON value, echoed back; default: the line's 0-based index among the prompts). Blank lines are
+skipped. Output JSONL: one row per prompt (`result_row`), in input order, with the id, the generated text
+and per-row stats. The output file is written to a temporary sibling and renamed, so it is complete or absent.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import time
-from typing import Callable, Iterator, Sequence
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
 
-import jax
-
-from medusa_jax.backbone import CausalLM
 from medusa_jax.text import decode_tokens, encode_prompt
-from medusa_jax.inference.engine import GenerationResult, generate
-from medusa_jax.inference.sampling import SamplingConfig
-
-Decoder = Callable[..., list[GenerationResult]]
-
-_COMPILE_EVENT_PREFIX = "/jax/core/compile/"
-_active: list[list[float]] = []
+from medusa_jax.inference.api import BatchRun, BatchSettings, GenerationResult, generate_batch
+from medusa_jax.inference.sharded import ShardedModel
 
 
-def _on_event(name: str, seconds: float, **_) -> None:
-    if name.startswith(_COMPILE_EVENT_PREFIX):
-        for acc in _active:
-            acc.append(seconds)
+class PromptFileError(ValueError):
+    """A prompt file that is missing, empty or malformed (the message names the line)."""
 
 
-jax.monitoring.register_event_duration_secs_listener(_on_event)
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    id: Any
+    text: str
 
 
-@contextlib.contextmanager
-def compile_seconds() -> Iterator[list[float]]:
-    """Collects the seconds JAX spends tracing, lowering and compiling inside the block (`sum()` them)."""
-    acc: list[float] = []
-    _active.append(acc)
-    try:
-        yield acc
-    finally:
-        _active.remove(acc)
+def read_prompts(path: str | os.PathLike) -> list[PromptRecord]:
+    path = Path(path)
+    if not path.is_file():
+        raise PromptFileError(f"{path}: prompt file does not exist")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptFileError(f"{where}: not valid JSON ({e})") from None
+            if isinstance(row, str):
+                row = {"prompt": row}
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise PromptFileError(f'{where}: expected a JSON string or an object with a "prompt" string')
+            if not row["prompt"]:
+                raise PromptFileError(f"{where}: empty prompt")
+            records.append(PromptRecord(row.get("id", len(records)), row["prompt"]))
+    if not records:
+        raise PromptFileError(f"{path}: no prompts found")
+    return records
 
 
-def plain_decoder(model: CausalLM) -> Decoder:
-    def decode(prompts, **kwargs):
-        return generate(model, prompts, **kwargs)
-
-    return decode
-
-
-@dataclasses.dataclass
-class TextResult:
-    prompt: str
-    prompt_tokens: int
-    result: GenerationResult  # token_ids, steps, tokens_per_step; result.text is the decoded answer
-    seconds: float  # the batch call's wall time, its compile time subtracted (rows of a batch share it)
-    compile_seconds: float  # JAX tracing + compilation inside the call (0 once the shapes were seen)
-    batch: int  # index of the decoder call that produced it
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.result.new_tokens / self.seconds if self.seconds > 0 else float("nan")
-
-    def row(self) -> dict:
-        """The JSON object `scripts/generate.py` prints / writes for this prompt."""
-        r = self.result
-        return {"text": r.text, "token_ids": r.token_ids, "new_tokens": r.new_tokens, "steps": r.steps,
-                "tokens_per_step": round(r.tokens_per_step, 4), "prompt_tokens": self.prompt_tokens,
-                "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2),
-                "compile_seconds": round(self.compile_seconds, 3)}
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> None:
+    """Writes all rows to `path` atomically (temporary sibling, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
 
 
-def generate_texts(decoder: Decoder, tokenizer, texts: Sequence[str], *, chat: bool, max_new_tokens: int = 128,
-                   sampling: SamplingConfig = SamplingConfig(), seed: int = 0, eos_ids: Sequence[int] = (),
-                   pad_id: int = 0, batch_size: int = 1,
-                   progress: Callable[[int, int], None] | None = None) -> list[TextResult]:
-    """Generates an answer for every text, `batch_size` prompts per decoder call, results in input order.
-    Batch i samples with seed + i, so a run is reproducible and batches do not repeat each other's draws."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    encoded = [encode_prompt(tokenizer, t, chat=chat) for t in texts]
-    results: list[TextResult] = []
-    for i, start in enumerate(range(0, len(encoded), batch_size)):
-        chunk = encoded[start: start + batch_size]
-        with compile_seconds() as compiled:
-            begin = time.perf_counter()
-            out = decoder(chunk, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed + i,
-                          eos_ids=tuple(eos_ids), pad_id=pad_id, batch_size=batch_size)
-            wall = time.perf_counter() - begin
-        compile_s = min(sum(compiled), wall)
-        for j, res in enumerate(out):
-            res.text = decode_tokens(tokenizer, res.token_ids)
-            results.append(TextResult(texts[start + j], len(chunk[j]), res, wall - compile_s, compile_s, i))
-        if progress is not None:
-            progress(len(results), len(encoded))
-    return results
+def result_row(record: PromptRecord, result: GenerationResult) -> dict:
+    """One output row. `seconds` is the row's batch call without compilation (rows of a batch share it);
+    `accept_lengths` only for Medusa decoding."""
+    seconds = result.seconds
+    row = {"id": record.id, "prompt": record.text, "text": result.text, "token_ids": result.token_ids,
+           "new_tokens": result.new_tokens, "steps": result.steps,
+           "tokens_per_step": round(result.tokens_per_step, 4), "prompt_tokens": result.prompt_tokens,
+           "finish_reason": result.finish_reason, "batch": result.batch, "seconds": round(seconds, 4),
+           "tokens_per_s": round(result.new_tokens / seconds, 2) if seconds > 0 else None,
+           "compile_seconds": round(result.batch_compile_seconds, 3)}
+    if result.accept_lengths is not None:
+        row["accept_lengths"] = result.accept_lengths
+    return row
 
 
-def summary(results: Sequence[TextResult]) -> dict:
-    """Totals over all prompts: tokens, decode seconds (each batch once), tokens/s, compile seconds."""
-    calls = {r.batch: (r.seconds, r.compile_seconds) for r in results}  # rows of a batch share one call
-    seconds = sum(s for s, _ in calls.values())
-    tokens = sum(r.result.new_tokens for r in results)
-    return {"prompts": len(results), "new_tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
-            "compile_seconds": sum(c for _, c in calls.values())}
+def generate_rows(model: ShardedModel, tokenizer, records: Sequence[PromptRecord], settings: BatchSettings, *,
+                  chat: bool, progress: bool = True) -> tuple[list[dict], BatchRun]:
+    """Every prompt record -> (output rows in input order, the run with its totals)."""
+    prompts = [encode_prompt(tokenizer, r.text, chat=chat) for r in records]
+    run = generate_batch(model, prompts, settings, progress=progress)
+    for result in run.results:
+        result.text = decode_tokens(tokenizer, result.token_ids)
+    return [result_row(rec, res) for rec, res in zip(records, run.results)], run

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     from medusa_jax.inference.bench_inputs import load_model, machine_description
     from medusa_jax.inference.benchmark import select_questions
     from medusa_jax.inference.decode_benchmark import markdown, run_decode_benchmark
-    from medusa_jax.inference.engine import generate
+    from medusa_jax.inference.api import generate
     from medusa_jax.inference.op_profile import op_times
 
     machine = machine_description()

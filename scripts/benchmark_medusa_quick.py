@@ -64,8 +64,7 @@ def main(argv=None) -> None:
     from medusa_jax.real_model import prepare_smollm2
     from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
     from medusa_jax.tree import load_tree
-    from medusa_jax.inference.engine import generate
-    from medusa_jax.inference.medusa import generate_medusa
+    from medusa_jax.inference.api import generate, generate_medusa
     from medusa_jax.inference.oracle import planted_data, planted_over_heads_proposer
 
     folder = a.model or prepare_smollm2()

@@ -9,13 +9,14 @@ Examples:
   python scripts/generate.py --model DIR --input prompts.jsonl --output answers.jsonl --batch-size 4 --json
   python scripts/generate.py --model DIR --input prompts.jsonl --output answers.jsonl --batch-size 16 \
       --mesh data=2,tensor=4      (sharded; add --coordinator/--num-processes/--process-id for several hosts)
-With --input (or --mesh, or several processes) prompts go through batch generation: sorted by length into
-batches of --batch-size (bounding padding and recompiles), one jitted call per batch on the device mesh, a
-progress bar, results in input order; rows also hold finish_reason and batch.
+Every run goes through batch generation on a device mesh (one device unless --mesh): prompts that fit one
+batch keep their order, more are sorted by length into batches of --batch-size (bounding padding and
+recompiles), one jitted call per batch, results in input order (with --input, a progress bar).
 Input JSONL: one prompt per line, a JSON string or {"prompt": TEXT, "id": ...}. Each output row (and each
 --json line) holds the id, prompt, text, token_ids, new_tokens, steps, tokens_per_step, prompt_tokens,
-seconds, tokens_per_s and compile_seconds (seconds exclude JAX compilation, which is reported apart), the
-run's compiles / compile_cache_hits: executables XLA compiled afresh / read from the persistent compilation cache
+finish_reason ("eos" or "length"), batch, seconds, tokens_per_s and compile_seconds (seconds exclude JAX
+compilation, which is reported apart), accept_lengths with Medusa decoding, the run's compiles /
+compile_cache_hits: executables XLA compiled afresh / read from the persistent compilation cache
 ($MEDUSA_JAX_CACHE/jax_compile, see medusa_jax/compile_cache.py); with --heads also decoder ("medusa", or
 "plain" where the heads' trees.json says no tree pays at this batch size) and tree (where the tree came from).
 """
@@ -73,31 +74,6 @@ def acceptance_config(a: argparse.Namespace):
     from medusa_jax.inference.acceptance import acceptance_for
 
     return acceptance_for(a.acceptance, sampling_config(a))
-
-
-def build_decoder(args: argparse.Namespace, model):
-    """(the decoder the flags ask for (see medusa_jax.inference.text_generation.Decoder), the ChosenTree
-    with --heads: the tree and its origin, or None and why decoding is plain; None without --heads)."""
-    from medusa_jax.inference.text_generation import plain_decoder
-
-    if args.heads is None:
-        return plain_decoder(model), None
-    from medusa_jax.heads_import import load_heads
-    from medusa_jax.heads_trees import trees_of
-    from medusa_jax.inference.bench_inputs import resolve_heads
-    from medusa_jax.inference.medusa import choose_tree, generate_medusa
-
-    heads = load_heads(resolve_heads(args.heads), base=model, dtype=args.dtype)
-    chosen = choose_tree(heads.config, trees_of(heads), args.batch_size, args.tree)
-    if chosen.tree is None:
-        return plain_decoder(model), chosen
-    tree = chosen.tree
-    acceptance = acceptance_config(args)
-
-    def decode(prompts, *, sampling, **kwargs):  # sampling is carried by the acceptance config
-        return generate_medusa(model, heads, prompts, tree=tree, acceptance=acceptance, **kwargs)
-
-    return decode, chosen
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -158,31 +134,31 @@ def decoder_fields(chosen) -> dict:
     return {"decoder": "plain" if chosen.tree is None else "medusa", "tree": chosen.note}
 
 
-def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos, compiles) -> int:
-    """--input / --mesh / multi-host: batch generation on the mesh; process 0 prints and writes the output."""
+def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
+    """Generation on the mesh (a mesh of one device without --mesh); process 0 prints and writes the output."""
     import jax
 
+    from medusa_jax.assets import resolve_heads_dir
+    from medusa_jax.compile_cache import CompileCounter
     from medusa_jax.sharding import MeshConfig
     from medusa_jax.text import pad_token_id
     from medusa_jax.tree import load_tree
     from medusa_jax.inference.acceptance import AcceptanceConfig
-    from medusa_jax.inference.batch import HEADS_TREE, BatchSettings
-    from medusa_jax.inference.batch_text import generate_rows
-    from medusa_jax.inference.bench_inputs import resolve_heads
-    from medusa_jax.inference.prompts_jsonl import write_jsonl
+    from medusa_jax.inference.api import HEADS_TREE, BatchSettings
     from medusa_jax.inference.sharded import load_sharded
+    from medusa_jax.inference.text_generation import generate_rows, write_jsonl
 
-    model = load_sharded(folder, resolve_heads(a.heads) if a.heads else None, MeshConfig.parse(a.mesh), a.dtype)
+    model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads else None, MeshConfig.parse(a.mesh), a.dtype)
     tree, acceptance = None, AcceptanceConfig()
     if a.heads:
         hc = model.heads_config
         tree = load_tree(a.tree, num_heads=hc.num_heads, max_top_k=hc.head_vocab_size) if a.tree else HEADS_TREE
         acceptance = acceptance_config(a)
     settings = BatchSettings(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, tree=tree,
-                             acceptance=acceptance,
-                             sampling=sampling_config(a), seed=a.seed, eos_ids=tuple(eos),
+                             acceptance=acceptance, sampling=sampling_config(a), seed=a.seed, eos_ids=tuple(eos),
                              pad_id=pad_token_id(tokenizer, eos))
-    rows, run = generate_rows(model, tokenizer, records, settings, chat=a.chat)
+    with CompileCounter() as compiles:
+        rows, run = generate_rows(model, tokenizer, records, settings, chat=a.chat, progress=bool(a.input))
     rows = [{**row, **compiles.summary()} for row in rows]
     if jax.process_index() != 0:
         return 0
@@ -212,19 +188,17 @@ def main(argv=None) -> int:
     from medusa_jax import distributed
 
     try:  # before any other JAX call
-        multi_process = distributed.initialize(distributed.config_from_args(a))
+        distributed.initialize(distributed.config_from_args(a))
     except distributed.DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
+    from medusa_jax.compile_cache import enable_compile_cache
 
     enable_compile_cache()
     from medusa_jax.config import UnsupportedModelError
-    from medusa_jax.hf_import import load_pretrained
     from medusa_jax.tensor_files import CheckpointError
-    from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
-    from medusa_jax.inference.prompts_jsonl import PromptFileError, PromptRecord, read_prompts, write_jsonl
-    from medusa_jax.inference.text_generation import generate_texts, summary
+    from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer
+    from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, read_prompts
 
     try:
         if a.model == "default":
@@ -240,37 +214,10 @@ def main(argv=None) -> int:
                 raise FileNotFoundError(f"--model {folder}: model folder does not exist")
         records = read_prompts(a.input) if a.input else [PromptRecord(0, a.prompt)]
         tokenizer = load_tokenizer(folder)
-        eos = eos_token_ids(folder, tokenizer)
-        if a.input or a.mesh or multi_process:
-            with CompileCounter() as compiles:
-                return run_batched(a, folder, records, tokenizer, eos, compiles)
-        model = load_pretrained(folder, dtype=a.dtype)
-        decoder, chosen = build_decoder(a, model)
-        with CompileCounter() as compiles:
-            results = generate_texts(
-                decoder, tokenizer, [r.text for r in records], chat=a.chat,
-                max_new_tokens=a.max_new_tokens, sampling=sampling_config(a), seed=a.seed,
-                eos_ids=eos, pad_id=pad_token_id(tokenizer, eos), batch_size=a.batch_size)
+        return run(a, folder, records, tokenizer, eos_token_ids(folder, tokenizer))
     except (OSError, ValueError, CheckpointError, UnsupportedModelError, TokenizerError, PromptFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [{"id": rec.id, "prompt": rec.text, **res.row(), **compiles.summary(), **decoder_fields(chosen)}
-            for rec, res in zip(records, results)]
-    total = summary(results)
-    if a.output:
-        write_jsonl(a.output, rows)
-    for row in rows:
-        print(json.dumps(row, ensure_ascii=False) if a.json else row["text"])
-    if not a.json:
-        print(f"[{total['new_tokens']} new tokens for {total['prompts']} prompt(s) in {total['seconds']:.2f} s: "
-              f"{total['tokens_per_s']:.1f} tokens/s, {sum(r.result.steps for r in results)} steps; "
-              f"JIT compile {total['compile_seconds']:.1f} s apart, {compiles.compiles} compilation(s), "
-              f"{compiles.cache_hits} from the persistent cache]")
-        if chosen:
-            print(f"[tree: {chosen.note}]")
-        if a.output:
-            print(f"wrote {a.output}")
-    return 0
 
 
 if __name__ == "__main__":

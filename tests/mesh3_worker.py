@@ -20,8 +20,7 @@ from medusa_jax.heads import HeadsConfig, init_heads  # noqa: E402
 from medusa_jax.hf_import import load_pretrained  # noqa: E402
 from medusa_jax.sharding import MeshConfig, sharding_for  # noqa: E402
 from medusa_jax.tree import load_tree  # noqa: E402
-from medusa_jax.inference.batch import BatchSettings, generate_batch  # noqa: E402
-from medusa_jax.inference.medusa import generate_medusa  # noqa: E402
+from medusa_jax.inference.api import BatchSettings, generate_batch, generate_medusa  # noqa: E402
 from medusa_jax.inference.sharded import ShardedModel  # noqa: E402
 
 MAX_NEW, NUM_HEADS, HEAD_VOCAB = 12, 3, 64

@@ -1,7 +1,7 @@
 """Subprocess side of tests/test_sharded_decode.py (run as a script; the device count is set before JAX loads).
 
     python tests/sharded_worker.py meshes MODEL_DIR OUT.json
-        1-device references (engine.generate / generate_medusa) vs ShardedModel on meshes (data, tensor) in
+        1-device references (api.generate / generate_medusa) vs ShardedModel on meshes (data, tensor) in
         (1,1), (8,1), (2,4), (1,8) on 8 forced CPU devices; loop collectives; mesh errors; batch API order.
     python tests/sharded_worker.py multihost MODEL_DIR OUT.json
         one of 2 processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID set), 4 CPU devices
@@ -33,9 +33,7 @@ from medusa_jax.hlo_collectives import invariant_gathers, loop_collectives  # no
 from medusa_jax.sharding import MeshConfig, MeshError, sharding_for  # noqa: E402
 from medusa_jax.tree import load_tree  # noqa: E402
 from medusa_jax.inference.acceptance import AcceptanceConfig  # noqa: E402
-from medusa_jax.inference.batch import BatchSettings, generate_batch  # noqa: E402
-from medusa_jax.inference.engine import generate  # noqa: E402
-from medusa_jax.inference.medusa import generate_medusa  # noqa: E402
+from medusa_jax.inference.api import BatchSettings, generate, generate_batch, generate_medusa  # noqa: E402
 from medusa_jax.inference.sharded import ShardedModel  # noqa: E402
 
 MAX_NEW = 20

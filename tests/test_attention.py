@@ -71,7 +71,7 @@ def test_long_cache_decode_matches_transformers(tiny_model_dir):
 
 def test_generation_crossing_a_window_boundary_equals_transformers(tiny_model_dir):
     """Cache 384 slots = windows (192, 384): the decode loop switches window after ~180 tokens."""
-    from medusa_jax.inference.engine import generate
+    from medusa_jax.inference.api import generate
 
     folder, hf = tiny_model_dir("qwen2")
     prompt = np.random.RandomState(12).randint(1, 128, size=9).tolist()

@@ -125,8 +125,7 @@ def test_no_tree_decodes_plainly_and_a_batchs_tree_is_used(tiny_heads):
     import jax
 
     from medusa_jax.heads_import import load_heads
-    from medusa_jax.inference.engine import generate
-    from medusa_jax.inference.medusa import generate_medusa
+    from medusa_jax.inference.api import generate, generate_medusa
 
     base, folder = tiny_heads
     backend = jax.default_backend()
@@ -148,8 +147,7 @@ def test_generate_batch_resolves_the_heads_tree_per_batch_size(tiny_heads, tiny_
     import jax
 
     from medusa_jax.heads_import import load_heads
-    from medusa_jax.inference.batch import HEADS_TREE, BatchSettings, generate_batch
-    from medusa_jax.inference.engine import generate
+    from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate, generate_batch
     from medusa_jax.inference.sharded import ShardedModel
 
     base, folder = tiny_heads

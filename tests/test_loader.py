@@ -17,7 +17,8 @@ from medusa_jax.hf_import import load_pretrained
 from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
 from medusa_jax.inference.autoregressive import prefill
-from medusa_jax.inference.engine import generate, pad_prompts, check_fits
+from medusa_jax.inference.api import generate
+from medusa_jax.inference.engine import check_fits, pad_prompts
 
 KINDS = ["llama", "llama3", "mistral", "qwen2"]  # mistral: sliding window 16 < prompt + steps
 PROMPT_LEN, STEPS = 12, 14

@@ -19,8 +19,8 @@ from medusa_jax.hf_import import load_pretrained
 from medusa_jax.kv_cache import KVCache
 from medusa_jax.tree import PRESETS, TreeError, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, greedy_accept, typical_accept
-from medusa_jax.inference.engine import generate
-from medusa_jax.inference.medusa import compact_accepted, generate_medusa, heads_proposer, tree_tokens
+from medusa_jax.inference.api import generate, generate_medusa
+from medusa_jax.inference.medusa import compact_accepted, heads_proposer, tree_tokens
 from medusa_jax.inference.oracle import planted_data, planted_over_heads_proposer, planted_proposer
 
 N = 40  # max_new_tokens of the tiny-model runs (one compile per model, tree, batch and proposer)

@@ -70,7 +70,7 @@ def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
     from flax import nnx
 
     from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.inference.engine import generate
+    from medusa_jax.inference.api import generate
     from medusa_jax.inference.sampling import SamplingConfig
     from medusa_jax.training.distill_decode import Slots, admit, run_chunk
     from medusa_jax.training.trainer import backbone_hidden

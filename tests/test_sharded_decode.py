@@ -145,7 +145,7 @@ def test_generate_script_on_a_mesh_with_medusa_heads(mesh_report, tmp_path):
     from medusa_jax.heads_io import save_heads
     from medusa_jax.hf_import import load_pretrained
     from medusa_jax.text import encode_prompt, load_tokenizer
-    from medusa_jax.inference.engine import generate
+    from medusa_jax.inference.api import generate
 
     model_dir = with_word_tokenizer(mesh_report[0], tmp_path / "model")
     base = load_pretrained(model_dir)

@@ -2,10 +2,10 @@
 
 Chat replies differ wildly in length (a greeting: 10 tokens; a greedy small model: often the whole budget).
 A plain batch runs until its longest row ends, so on self-distillation data most rows sit idle for most
-steps. Here B decode slots run in jitted chunks of C steps; at each chunk boundary finished slots are given
-new prompts (prefilled into their rows of the shared KV cache), so the batch stays full. The building
-blocks are the engine's: `autoregressive.prefill`, the backbone forward over the static per-row cache,
-`sample_tokens`, `is_eos`.
+steps. Here b decode slots run in jitted chunks of c steps; at each chunk boundary finished slots are given
+new prompts (prefilled into their rows of the shared KV cache), so the batch stays full. A chunk is the
+plain decode loop's own `autoregressive.plain_step` run while any slot is live; admitting prompts uses its
+`prefill`.
 
 Generating the data already computes the backbone's final hidden state at every reply position; keeping it
 lets Medusa-1 train heads without a second pass over the backbone (on a CPU that pass costs about as much
@@ -24,15 +24,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from medusa_jax.backbone import CausalLM
-from medusa_jax.inference.autoregressive import is_eos, prefill
+from medusa_jax.inference.autoregressive import PlainState, is_eos, prefill, run_plain_steps
 from medusa_jax.inference.sampling import SamplingConfig, sample_tokens
-from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.kv_cache import KVCache
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Slots:
-    """B decode rows over one KV cache. A row is idle when done_b (finished, or never filled)."""
+    """b decode rows over one KV cache. A row is idle when done_b (finished, or never filled)."""
     cache: KVCache
     last_token_b: jax.Array  # newest token of each row, not yet in the cache
     num_out_b: jax.Array  # tokens emitted for the row's current reply
@@ -70,37 +70,16 @@ def admit(graphdef, params, slots: Slots, rows_n, prompt_np, prompt_lens_n, key,
          donate_argnames=("slots",))
 def run_chunk(graphdef, params, slots: Slots, key, *, steps: int, max_new_tokens: int, sampling: SamplingConfig,
               eos_ids: tuple[int, ...], pad_id: int):
-    """Up to `steps` decode steps of every live row. Returns (slots, tokens [B, C], hidden [B, C, D], emitted
-    [B]): row b's new tokens are tokens[b, :emitted[b]], each with the hidden state that produced it."""
+    """Up to `steps` decode steps (`autoregressive.plain_step`, the decode loop's own) of every live row.
+    Returns (slots, tokens [b, c], hidden [b, c, d], emitted [b]) with c = steps: row b's new tokens are
+    tokens[b, :emitted[b]], each with the hidden state that produced it."""
     model: CausalLM = nnx.merge(graphdef, params)
-    b = slots.last_token_b.shape[0]
-    d = model.config.hidden_size
-    single = causal_block(1)
-    rows = jnp.arange(b)
-
-    def body(i, carry):
-        s, tokens_bc, hidden_bcd, emitted_b, key = carry
-        active_b = ~s.done_b & (s.num_out_b < max_new_tokens)
-        lengths_b = s.cache.lengths_b
-        hidden_b1d, cache = model(s.last_token_b[:, None], lengths_b[:, None],
-                                  attention_mask(lengths_b, single, s.cache.cache_size), s.cache)
-        key, sub = jax.random.split(key)
-        token_b = jnp.where(active_b, sample_tokens(model.logits(hidden_b1d[:, 0]), sub, sampling), pad_id)
-        tokens_bc = tokens_bc.at[rows, emitted_b].set(token_b, mode="drop")
-        hidden_bcd = hidden_bcd.at[rows, emitted_b].set(hidden_b1d[:, 0].astype(hidden_bcd.dtype), mode="drop")
-        step_b = active_b.astype(jnp.int32)
-        s = Slots(cache.replace(lengths_b=lengths_b + step_b), jnp.where(active_b, token_b, s.last_token_b),
-                  s.num_out_b + step_b, s.done_b | ~active_b | is_eos(token_b, eos_ids))
-        # an inactive row writes at index `emitted` == its count, which the next active step overwrites or
-        # which lies past what the caller reads
-        return s, tokens_bc, hidden_bcd, emitted_b + step_b, key
-
-    def cond(carry):
-        i, (s, *_rest) = carry
-        return (i < steps) & jnp.any(~s.done_b & (s.num_out_b < max_new_tokens))
-
-    init = (slots, jnp.full((b, steps), pad_id, jnp.int32), jnp.zeros((b, steps, d), jnp.float32),
-            jnp.zeros((b,), jnp.int32), key)
-    _, (slots, tokens_bc, hidden_bcd, emitted_b, _) = jax.lax.while_loop(
-        cond, lambda carry: (carry[0] + 1, body(carry[0], carry[1])), (0, init))
-    return slots, tokens_bc, hidden_bcd, emitted_b
+    b, d = slots.last_token_b.shape[0], model.config.hidden_size
+    budget_b = jnp.clip(max_new_tokens - slots.num_out_b, 0, steps)  # what is left of each reply, this chunk
+    state = PlainState(slots.cache, slots.last_token_b, jnp.full((b, steps), pad_id, jnp.int32),
+                       jnp.zeros((b,), jnp.int32), budget_b, slots.done_b, key,
+                       jnp.zeros((b, steps, d), jnp.float32))
+    state = run_plain_steps(model, state, sampling=sampling, eos_ids=eos_ids)
+    num_out_b = slots.num_out_b + state.num_out_b
+    slots = Slots(state.cache, state.token_b, num_out_b, state.done_b | (num_out_b >= max_new_tokens))
+    return slots, state.out_bo, state.hidden_bod, state.num_out_b
