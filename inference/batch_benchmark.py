@@ -1,4 +1,4 @@
-"""Throughput of batch generation (`inference.batch.generate_batch`): MT-Bench first turns at several batch
+"""Throughput of batch generation (`inference.api.generate_batch`): MT-Bench first turns at several batch
 sizes, plain vs Medusa greedy decoding, in one run.
 
 For every batch size the methods run back to back on the same prompts, so machine load hits them alike.
