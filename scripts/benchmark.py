@@ -34,7 +34,7 @@ def parse_temperatures(text: str) -> tuple[float, ...]:
 
 
 def main(argv=None) -> int:
-    from medusa_jax.inference.benchmark import BenchmarkConfig
+    from medusa_jax.bench.benchmark import BenchmarkConfig
 
     d = BenchmarkConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,15 +95,15 @@ def main(argv=None) -> int:
     if a.temperatures is not None:
         return sampling_main(a, argv)
 
-    from medusa_jax.inference.bench_report import write_report
-    from medusa_jax.inference.benchmark import run_benchmark
+    from medusa_jax.bench.bench_report import write_report
+    from medusa_jax.bench.benchmark import run_benchmark
 
     return _run_and_report(a, argv, run_benchmark, write_report, config)
 
 
 def sampling_main(a: argparse.Namespace, argv) -> int:
-    """--temperatures: the sampling benchmark (inference/sampling_benchmark.py)."""
-    from medusa_jax.inference.sampling_benchmark import (SamplingBenchConfig, run_sampling_benchmark,
+    """--temperatures: the sampling benchmark (bench/sampling_benchmark.py)."""
+    from medusa_jax.bench.sampling_benchmark import (SamplingBenchConfig, run_sampling_benchmark,
                                                          write_sampling_report)
 
     config = SamplingBenchConfig(temperatures=a.temperatures, max_new_tokens=a.max_new_tokens,
@@ -116,8 +116,8 @@ def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
     from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
     from medusa_jax.real_model import portable_path
     from medusa_jax.tree import TreeError
-    from medusa_jax.inference.bench_inputs import git_revision, load_model, machine_description
-    from medusa_jax.inference.benchmark import select_questions
+    from medusa_jax.bench.bench_inputs import git_revision, load_model, machine_description
+    from medusa_jax.bench.benchmark import select_questions
 
     machine = machine_description()
     try:

@@ -24,7 +24,7 @@ def int_list(text: str) -> tuple[int, ...]:
 
 
 def main(argv=None) -> int:
-    from medusa_jax.inference.batch_benchmark import METHODS, BatchBenchConfig
+    from medusa_jax.bench.batch_benchmark import METHODS, BatchBenchConfig
     from medusa_jax.real_model import portable_path
 
     d = BatchBenchConfig()
@@ -60,9 +60,9 @@ def main(argv=None) -> int:
     from medusa_jax.mtbench import load_mtbench_questions
     from medusa_jax.sharding import MeshConfig
     from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
-    from medusa_jax.inference.batch_benchmark import markdown, run_batch_benchmark
-    from medusa_jax.inference.bench_inputs import machine_description, resolve_heads, resolve_model_dir
-    from medusa_jax.inference.benchmark import select_questions
+    from medusa_jax.bench.batch_benchmark import markdown, run_batch_benchmark
+    from medusa_jax.bench.bench_inputs import machine_description, resolve_heads, resolve_model_dir
+    from medusa_jax.bench.benchmark import select_questions
     from medusa_jax.inference.sharded import load_sharded
 
     try:

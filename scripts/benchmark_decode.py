@@ -46,11 +46,11 @@ def main(argv=None) -> int:
 
     from medusa_jax.atomic import write_text_atomic
     from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
-    from medusa_jax.inference.bench_inputs import load_model, machine_description
-    from medusa_jax.inference.benchmark import select_questions
-    from medusa_jax.inference.decode_benchmark import markdown, run_decode_benchmark
+    from medusa_jax.bench.bench_inputs import load_model, machine_description
+    from medusa_jax.bench.benchmark import select_questions
+    from medusa_jax.bench.decode_benchmark import markdown, run_decode_benchmark
     from medusa_jax.inference.engine import generate
-    from medusa_jax.inference.op_profile import op_times
+    from medusa_jax.bench.op_profile import op_times
 
     machine = machine_description()
     try:

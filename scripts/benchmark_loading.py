@@ -4,7 +4,7 @@ Example (the README's figures, SmolLM2-135M-Instruct in float32):
   python scripts/benchmark_loading.py --model smollm2 --out bench/loading
 Default runs: one device; 8 devices with fsdp=8, data=2,fsdp=4 and data=8 read in place (each device reads
 its own slice of the memory-mapped safetensors); fsdp=8 loaded on one device first and then moved (the
-naive way, for contrast). Writes OUT/loading.json and OUT/loading.md. See medusa_jax/load_memory.py for
+naive way, for contrast). Writes OUT/loading.json and OUT/loading.md. See bench/load_memory.py for
 what each column measures.
 """
 
@@ -41,9 +41,9 @@ def main(argv=None) -> int:
                    help="folder for loading.json and loading.md (default: %(default)s)")
     a = p.parse_args(argv)
 
-    from medusa_jax.load_memory import measure
+    from medusa_jax.bench.load_memory import measure
     from medusa_jax.real_model import portable_path
-    from medusa_jax.inference.bench_inputs import resolve_model_dir
+    from medusa_jax.bench.bench_inputs import resolve_model_dir
 
     folder = str(resolve_model_dir(a.model))
     rows = []

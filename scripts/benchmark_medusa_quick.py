@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     from medusa_jax.tree import load_tree
     from medusa_jax.inference.engine import generate
     from medusa_jax.inference.medusa import generate_medusa
-    from medusa_jax.inference.oracle import planted_data, planted_over_heads_proposer
+    from medusa_jax.bench.oracle import planted_data, planted_over_heads_proposer
 
     folder = a.model or prepare_smollm2()
     tokenizer = load_tokenizer(folder)

@@ -1,6 +1,6 @@
 """Decode-step scaling with the batch: plain and Medusa step time and tokens/s at several batch and cache
 sizes, against a floor measured in the same run (weights read once + batch x FLOPs at the measured GEMM
-rate). See medusa_jax/inference/scaling_benchmark.py for the method.
+rate). See medusa_jax/bench/scaling_benchmark.py for the method.
 
 Example:
   python scripts/benchmark_scaling.py --heads default --out bench/scaling
@@ -43,8 +43,8 @@ def main(argv=None) -> int:
 
     from medusa_jax.atomic import write_text_atomic
     from medusa_jax.tree import load_tree
-    from medusa_jax.inference.bench_inputs import load_model, machine_description
-    from medusa_jax.inference.scaling_benchmark import markdown, plot, run_scaling
+    from medusa_jax.bench.bench_inputs import load_model, machine_description
+    from medusa_jax.bench.scaling_benchmark import markdown, plot, run_scaling
 
     try:
         loaded = load_model(a.model, a.heads)

@@ -84,7 +84,7 @@ def build_decoder(args: argparse.Namespace, model):
         return plain_decoder(model), None
     from medusa_jax.heads_import import load_heads
     from medusa_jax.heads_trees import trees_of
-    from medusa_jax.inference.bench_inputs import resolve_heads
+    from medusa_jax.bench.bench_inputs import resolve_heads
     from medusa_jax.inference.medusa import choose_tree, generate_medusa
 
     heads = load_heads(resolve_heads(args.heads), base=model, dtype=args.dtype)
@@ -168,7 +168,7 @@ def run_batched(a: argparse.Namespace, folder, records, tokenizer, eos, compiles
     from medusa_jax.inference.acceptance import AcceptanceConfig
     from medusa_jax.inference.batch import HEADS_TREE, BatchSettings
     from medusa_jax.inference.batch_text import generate_rows
-    from medusa_jax.inference.bench_inputs import resolve_heads
+    from medusa_jax.bench.bench_inputs import resolve_heads
     from medusa_jax.inference.prompts_jsonl import write_jsonl
     from medusa_jax.inference.sharded import load_sharded
 

@@ -21,7 +21,7 @@ from medusa_jax.cli_args import parse_positive_int_list as parse_int_list
 
 
 def main(argv=None) -> int:
-    from medusa_jax.inference.gpu_bench import GpuBenchConfig
+    from medusa_jax.bench.gpu_bench import GpuBenchConfig
 
     d = GpuBenchConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                                 heads_lm_head=a.heads_lm_head,
                                 budget_seconds=a.budget_seconds if a.budget_seconds is not None else d.budget_seconds)
 
-    from medusa_jax.inference.gpu_bench import markdown, run_gpu_bench
+    from medusa_jax.bench.gpu_bench import markdown, run_gpu_bench
     from medusa_jax.tree_search import write_json_atomic
 
     try:

@@ -13,7 +13,7 @@ import pytest
 
 from medusa_jax import tree_search
 from medusa_jax.tree import build_tree, load_tree
-from medusa_jax.inference.head_accuracy import count_hits
+from medusa_jax.bench.head_accuracy import count_hits
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "write", "poem", "about", "why", "is", "sky", "blue",

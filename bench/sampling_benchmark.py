@@ -24,7 +24,7 @@ from medusa_jax.mtbench import MTBenchQuestion
 from medusa_jax.real_model import portable_path
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
-from medusa_jax.inference.bench_inputs import LoadedModel
+from medusa_jax.bench.bench_inputs import LoadedModel
 from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
 from medusa_jax.inference.medusa import choose_tree, generate_medusa
 from medusa_jax.inference.sampling import SamplingConfig

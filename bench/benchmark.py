@@ -30,7 +30,7 @@ from medusa_jax.heads_trees import HeadsTrees, resolve_tree, trees_of
 from medusa_jax.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
 from medusa_jax.tree_search import greedy_order_of
 from medusa_jax.inference import step_cost
-from medusa_jax.inference.bench_inputs import LoadedModel
+from medusa_jax.bench.bench_inputs import LoadedModel
 from medusa_jax.inference.engine import PROMPT_BUCKET, generate, round_up
 from medusa_jax.inference.medusa import ChosenTree, choose_tree, generate_medusa
 

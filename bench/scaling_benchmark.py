@@ -24,7 +24,7 @@ import numpy as np
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads
 from medusa_jax.tree import TreeBuffers
-from medusa_jax.inference.decode_benchmark import BandwidthProbe, weight_bytes
+from medusa_jax.bench.decode_benchmark import BandwidthProbe, weight_bytes
 from medusa_jax.inference.step_cost import medusa_step_call, plain_step_call, time_interleaved
 
 
