@@ -139,23 +139,6 @@ def _load_hf(folder: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
-def select_questions(questions: Sequence[MTBenchQuestion], n: int) -> list[MTBenchQuestion]:
-    """The first n questions taking categories in turn (MT-Bench's file is grouped by category), so a
-    small n still covers every category."""
-    by_category: dict[str, list[MTBenchQuestion]] = defaultdict(list)
-    for q in questions:
-        by_category[q.category].append(q)
-    queues = list(by_category.values())
-    out: list[MTBenchQuestion] = []
-    depth = 0
-    while len(out) < min(n, len(questions)):
-        for queue in queues:
-            if depth < len(queue) and len(out) < n:
-                out.append(queue[depth])
-        depth += 1
-    return out
-
-
 def summarize(records: list[dict], methods: Sequence[str]) -> dict:
     """Aggregate figures over per-question records (see `run_benchmark`)."""
     out: dict = {"questions": len(records), "tokens_per_s": {}, "tokens": {}, "seconds": {}, "steps": {}}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -43,7 +42,7 @@ def main(argv=None) -> int:
 
     from medusa_jax.bench.load_memory import measure
     from medusa_jax.real_model import portable_path
-    from medusa_jax.bench.bench_inputs import resolve_model_dir
+    from medusa_jax.bench.bench_inputs import resolve_model_dir, write_files
 
     folder = str(resolve_model_dir(a.model))
     rows = []
@@ -53,13 +52,8 @@ def main(argv=None) -> int:
             p.error(f"bad run {run!r}: expected DEVICES:MESH:MODE, e.g. 8:fsdp=8:sharded")
         rows.append(measure(folder, parts[1], int(parts[0]), parts[2]))
         print(json.dumps(rows[-1]), flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("loading.json", json.dumps({"model": portable_path(folder), "runs": rows}, indent=1)),
-                       ("loading.md", markdown(rows, Path(folder).name))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+    write_files(a.out, {"loading.json": json.dumps({"model": portable_path(folder), "runs": rows}, indent=1),
+                        "loading.md": markdown(rows, Path(folder).name)})
     print(markdown(rows, Path(folder).name))
     return 0
 
