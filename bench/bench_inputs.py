@@ -20,13 +20,13 @@ from typing import Sequence
 
 import jax
 
+from medusa_jax.atomic import write_text_atomic
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads
 from medusa_jax.heads_import import load_heads
-from medusa_jax.atomic import write_text_atomic
 from medusa_jax.hf_import import load_pretrained
-from medusa_jax.mtbench import MTBenchQuestion, load_mtbench_questions
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
+from medusa_jax.bench.mtbench import MTBenchQuestion, load_mtbench_questions
 
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:

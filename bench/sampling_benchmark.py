@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from medusa_jax.heads_trees import trees_of
-from medusa_jax.mtbench import MTBenchQuestion
 from medusa_jax.real_model import portable_path
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
@@ -28,6 +27,7 @@ from medusa_jax.inference.medusa import choose_tree, generate_medusa
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.bench.bench_inputs import LoadedModel, write_files
 from medusa_jax.bench.bench_report import fmt, machine_line
+from medusa_jax.bench.mtbench import MTBenchQuestion
 
 SAMPLED = ("plain", "exact", "typical")  # methods timed at each temperature
 RATIO_TARGET = {"temperature": 0.7, "min_ratio": 0.85}

@@ -132,7 +132,7 @@ def sampling_main(a: argparse.Namespace, argv) -> int:
 
 def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
     """Loads the model and questions, runs `run(loaded, questions, config)`, writes its report with `write`."""
-    from medusa_jax.mtbench import MTBenchError
+    from medusa_jax.bench.mtbench import MTBenchError
     from medusa_jax.real_model import portable_path
     from medusa_jax.tree import TreeError
     from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,

@@ -330,3 +330,32 @@ def test_teacher_mass_refuses_data_that_is_not_a_store(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         load_script("benchmark").main(["teacher-mass", "--model", "smollm2", "--data", str(tmp_path / "data.jsonl")])
     assert exit_info.value.code == 2 and "is not a self-distilled Arrow store" in capsys.readouterr().err
+
+
+def test_batch_decode_mode_matches_transformers_and_records_its_command(tiny_chat_model, tmp_path):
+    folder, _ = tiny_chat_model
+    out = tmp_path / "decode"
+    args = ["decode", "--model", str(folder), "--prompts", "2", "--rounds", "1", "--max-new-tokens", "4",
+            "--torch-threads", "1", "--bandwidth-mib", "1", "--out", str(out)]
+    assert load_script("benchmark_batch").main(args) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert len(res["records"]) == 2 and all(r["ours_tokens"] == 4 for r in res["records"])
+    assert res["same_tokens_prefix_min"] == 4  # greedy float32: transformers makes the same 4 tokens
+    assert set(res["tokens_per_s"]) == {"ours", "ours_decode_steps", "transformers", "floor"}
+    assert res["command"] == "python scripts/benchmark_batch.py decode " + " ".join(args[1:])
+    assert (out / "results.md").read_text()
+
+
+def test_batch_scaling_mode_times_plain_and_medusa_steps(tiny_chat_model, tmp_path):
+    folder, heads_dir = tiny_chat_model
+    out = tmp_path / "scaling"
+    args = ["scaling", "--model", str(folder), "--heads", str(heads_dir), "--tree", "mc_sim_7b_8",
+            "--batch-sizes", "1,2", "--cache-sizes", "32", "--rounds", "1", "--out", str(out)]
+    assert load_script("benchmark_batch").main(args) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [(r["cache"], r["batch"], r["context"]) for r in res["rows"]] == [(32, 1, 24), (32, 2, 24)]
+    for r in res["rows"]:
+        assert r["plain_ms"] > 0 and r["medusa_ms"] > 0
+        assert r["medusa_overhead"] == pytest.approx(r["medusa_ms"] / r["plain_ms"])
+    assert res["tree_tokens"] == 9 and res["command"].startswith("python scripts/benchmark_batch.py scaling ")
+    assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
