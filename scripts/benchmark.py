@@ -123,7 +123,7 @@ def mtbench_main(argv: list[str]) -> int:
 def sampling_main(a: argparse.Namespace, argv) -> int:
     """--temperatures: the sampling benchmark (bench/sampling_benchmark.py)."""
     from medusa_jax.bench.sampling_benchmark import (SamplingBenchConfig, run_sampling_benchmark,
-                                                         write_sampling_report)
+                                                     write_sampling_report)
 
     config = SamplingBenchConfig(temperatures=a.temperatures, max_new_tokens=a.max_new_tokens,
                                  batch_size=a.batch_size, tree=a.tree, seed=a.seed)
@@ -132,9 +132,9 @@ def sampling_main(a: argparse.Namespace, argv) -> int:
 
 def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
     """Loads the model and questions, runs `run(loaded, questions, config)`, writes its report with `write`."""
-    from medusa_jax.bench.mtbench import MTBenchError
     from medusa_jax.real_model import portable_path
     from medusa_jax.tree import TreeError
+    from medusa_jax.bench.mtbench import MTBenchError
     from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,
                                                mtbench_questions)
 

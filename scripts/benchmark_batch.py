@@ -187,8 +187,8 @@ def decode_main(argv: list[str]) -> int:
     if min(a.prompts, a.rounds, a.max_new_tokens, a.bandwidth_mib) < 1:
         p.error("--prompts, --rounds, --max-new-tokens and --bandwidth-mib must be >= 1")
 
-    from medusa_jax.bench.mtbench import MTBenchError
     from medusa_jax.inference.engine import generate
+    from medusa_jax.bench.mtbench import MTBenchError
     from medusa_jax.bench.bench_inputs import (command_line, load_model, machine_description, mtbench_questions,
                                                write_files)
     from medusa_jax.bench.op_profile import op_times
