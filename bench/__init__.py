@@ -1,5 +1,7 @@
-"""Measurement code, not the product: benchmarks, profilers, oracles and the tree-timing code that sizes the
-Medusa tree (`step_cost` times the decode loops' own `plain_step` / `medusa_step`). It installs as
-`medusa_jax.bench`; nothing in medusa_jax, inference or training imports it. Results of the runs (tables,
-JSON, plots) live in the subfolders beside this file (bench/medusa, bench/scaling, ...).
+"""Measurement, not the product: benchmarks (MT-Bench decoding speed, batch throughput, step scaling, load
+memory), profilers (op times, step pieces), the oracle proposer that bounds what a tree can accept, and the
+helpers they share (model and prompt loading, machine description, report files). The decoding package
+(`medusa_jax.inference`) never imports this one. Results live in the subfolders (bench/medusa, bench/sampling,
+bench/batch, bench/scaling, bench/loading), each with the command that made it; the entry points are
+scripts/benchmark.py, scripts/benchmark_batch.py and scripts/benchmark_loading.py.
 """

@@ -22,9 +22,8 @@ import numpy as np
 
 from medusa_jax import tree_search
 from medusa_jax.tree import build_tree
-from medusa_jax.bench import step_cost
-from medusa_jax.inference import head_accuracy
-from medusa_jax.inference.bench_inputs import LoadedModel, machine_description
+from medusa_jax.bench import head_accuracy, step_cost
+from medusa_jax.bench.bench_inputs import LoadedModel, machine_description
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,17 @@
-"""Text for memory plans (scripts/plan.py) and the README's "Will it fit?" table (scripts/plan_table.py)."""
+"""Text for memory plans (scripts/plan.py) and the README's "Will it fit?" table (scripts/plan.py table)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable
 
-from medusa_jax.plan import CompiledPlan, PlanConfig, compile_plan, fits
-from medusa_jax.plan_estimate import Estimate
+from medusa_jax.atomic import write_text_atomic
+
+from medusa_jax.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits
+from medusa_jax.plan_estimate import Estimate, estimate, lower_bound
 from medusa_jax.presets import model_config
 from medusa_jax.sharding import MeshConfig
 
@@ -119,3 +125,70 @@ def markdown_table(results: list[tuple[TableRow, dict[str, CompiledPlan | None]]
                              f"({row.meshes[mesh_key]}): {verdict}")
         lines.append(f"| {row.model} | {row.job} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+
+TABLE_COLUMNS = {"8x H100-80G": ("gpu", DEVICES["h100-80g"]), "8x H200-141G": ("gpu", DEVICES["h200-141g"]),
+                 "TPU v5e-16 (16 x 16 GB)": ("v5e", DEVICES["tpu-v5e-16g"])}
+
+
+def build_table(models: tuple[str, ...], out: str | Path, headroom: float, resume: bool = False,
+                saved_only: bool = False, log: Callable[[str], None] = print) -> str:
+    """Compiles the table's plans (one per row and mesh; the GPU hosts share the 8-device plan), saving each to
+    OUT/plans.json as it comes; a plan whose lower bound already exceeds every device it is planned for is not
+    compiled. `resume` keeps the plans already saved; `saved_only` compiles nothing. Writes OUT/table.md and
+    returns the table. Needs 16 host devices (XLA_FLAGS set before JAX starts)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "plans.json"
+    saved = json.loads(store.read_text()) if (resume or saved_only) and store.exists() else {}
+    rows = table_rows(models)
+    # cheapest compiles first (decode, then Medusa-1, then Medusa-2), so an interrupted run has the most rows
+    order = sorted(((r, k) for r in rows for k in ("gpu", "v5e")),
+                   key=lambda rk: (rk[0].config["job"] == "train", rk[0].config.get("medusa2", False)))
+    for row, mesh_key in order:
+        key = _key(row, mesh_key)
+        if key in saved:
+            continue
+        start = time.perf_counter()
+        least = lower_bound(row_config(row, mesh_key))
+        largest = max(capacity for key_, capacity in TABLE_COLUMNS.values() if key_ == mesh_key)
+        if least > largest * (1 - headroom):  # exact: no compile needed to say no
+            saved[key] = {"arguments_only": True, "device_bytes": least}
+        elif saved_only:
+            continue
+        else:
+            try:
+                saved[key] = plan_row(row, mesh_key).to_dict()
+            except ValueError as e:  # a mesh that does not divide the model
+                saved[key] = {"error": str(e)}
+        log(f"{key}: {saved[key].get('device_bytes', 0) / GIB:.1f} GiB ({time.perf_counter() - start:.0f} s)")
+        write_text_atomic(store, json.dumps(saved, indent=1))
+    results = []
+    for row in rows:
+        plans = {}
+        for mesh_key in ("gpu", "v5e"):
+            entry = saved.get(_key(row, mesh_key))
+            if entry is not None and "error" not in entry:
+                plans[mesh_key] = _Saved(entry, estimate(row_config(row, mesh_key)).total)
+        results.append((row, plans))
+    table = markdown_table(results, TABLE_COLUMNS, headroom)
+    write_text_atomic(out / "table.md", table + "\n")
+    return table
+
+
+def _key(row: TableRow, mesh_key: str) -> str:
+    return f"{row.model} | {row.job} | {row.meshes[mesh_key]}"
+
+
+class _Saved:
+    """A plan read back from plans.json: what the table needs of a CompiledPlan."""
+
+    def __init__(self, d: dict, analytic: int):
+        self.analytic_bytes = analytic
+        self.arguments_only = d.get("arguments_only", False)
+        if self.arguments_only:
+            self.device_bytes = d["device_bytes"]
+        else:  # recomputed as CompiledPlan.device_bytes does, from the saved parts
+            resident = max(d["argument_bytes"], sum(d["arguments"].values()))
+            self.device_bytes = resident + d["output_bytes"] - d["alias_bytes"] + d["device_temp_bytes"]

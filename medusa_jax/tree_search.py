@@ -1,6 +1,6 @@
 """Hardware-aware Medusa trees: greedy construction by expected accepted length, sized by measured step time.
 
-Inputs are two measurements (see `medusa_jax.inference.head_accuracy` and `medusa_jax.bench.step_cost`):
+Inputs are two measurements (see `medusa_jax.bench.head_accuracy` and `medusa_jax.bench.step_cost`):
     accuracy_dk [num_heads, top_k]  P(head d's rank-r guess equals the base model's greedy token at t+2+d)
     step time   seconds of one Medusa step as a function of T, the tree tokens verified (the root included)
 

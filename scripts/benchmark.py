@@ -1,5 +1,15 @@
-"""MT-Bench benchmark: our plain decode vs our Medusa decode (and transformers' generate with --hf), greedy,
-interleaved question by question; then total throughput at several batch sizes and a tree-size sweep.
+"""What Medusa heads buy on text: our Medusa decode vs our plain decode. One entry point, four modes:
+
+  benchmark.py [flags]                MT-Bench, greedy (below); with --temperatures, sampling (below)
+  benchmark.py quick [flags]          four fixed prompts, every tree preset, with the heads and with an oracle
+                                      that plants the true continuation (this tree's upper bound); no files
+  benchmark.py teacher-mass [flags]   how much of the base model's next-token mass a truncated head
+                                      (--lm-head truncated:N) cannot represent, on a self-distilled store
+`benchmark.py MODE --help` explains each mode's flags. Batch throughput, step scaling and the plain-decode
+floor: scripts/benchmark_batch.py; load memory: scripts/benchmark_loading.py.
+
+Greedy: plain vs Medusa (and transformers' generate with --hf), interleaved question by question; then total
+throughput at several batch sizes and a tree-size sweep.
 
 Example (the README's figures):
   python scripts/benchmark.py --model smollm2 --heads default --hf --out bench/medusa
@@ -9,18 +19,18 @@ category, batched, tree sweep, per question), OUT/results.md (tables) and PNG pl
 
 Sampling mode (--temperatures): plain sampling vs Medusa exact vs Medusa typical acceptance at each temperature,
 with Medusa greedy's tokens/step as reference; writes OUT/sampling.json and OUT/sampling.md:
-  python scripts/benchmark.py --model smollm2 --heads default --tree medusa_jax/trees/smollm2_cpu.json \
+  python scripts/benchmark.py --model smollm2 --heads default --questions 8 --max-new-tokens 128 \
       --temperatures 0.7,1.0 --out bench/sampling
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
+import json
 import sys
 from pathlib import Path
 
-from medusa_jax.cli_args import parse_int_list
+from medusa_jax.cli_args import parse_int_list, parse_positive_int_list
 
 
 def parse_temperatures(text: str) -> tuple[float, ...]:
@@ -34,10 +44,19 @@ def parse_temperatures(text: str) -> tuple[float, ...]:
 
 
 def main(argv=None) -> int:
-    from medusa_jax.inference.benchmark import BenchmarkConfig
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in MODES:
+        return MODES[argv[0]](argv[1:])
+    return mtbench_main(argv)
+
+
+def mtbench_main(argv: list[str]) -> int:
+    """The default mode: MT-Bench greedy (bench/benchmark.py), or sampling with --temperatures."""
+    from medusa_jax.bench.benchmark import BenchmarkConfig
 
     d = BenchmarkConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="benchmark.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2",
                    help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
     p.add_argument("--heads", default="default",
@@ -95,16 +114,16 @@ def main(argv=None) -> int:
     if a.temperatures is not None:
         return sampling_main(a, argv)
 
-    from medusa_jax.inference.bench_report import write_report
-    from medusa_jax.inference.benchmark import run_benchmark
+    from medusa_jax.bench.bench_report import write_report
+    from medusa_jax.bench.benchmark import run_benchmark
 
     return _run_and_report(a, argv, run_benchmark, write_report, config)
 
 
 def sampling_main(a: argparse.Namespace, argv) -> int:
-    """--temperatures: the sampling benchmark (inference/sampling_benchmark.py)."""
-    from medusa_jax.inference.sampling_benchmark import (SamplingBenchConfig, run_sampling_benchmark,
-                                                         write_sampling_report)
+    """--temperatures: the sampling benchmark (bench/sampling_benchmark.py)."""
+    from medusa_jax.bench.sampling_benchmark import (SamplingBenchConfig, run_sampling_benchmark,
+                                                     write_sampling_report)
 
     config = SamplingBenchConfig(temperatures=a.temperatures, max_new_tokens=a.max_new_tokens,
                                  batch_size=a.batch_size, tree=a.tree, seed=a.seed)
@@ -113,27 +132,119 @@ def sampling_main(a: argparse.Namespace, argv) -> int:
 
 def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
     """Loads the model and questions, runs `run(loaded, questions, config)`, writes its report with `write`."""
-    from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
     from medusa_jax.real_model import portable_path
     from medusa_jax.tree import TreeError
-    from medusa_jax.inference.bench_inputs import git_revision, load_model, machine_description
-    from medusa_jax.inference.benchmark import select_questions
+    from medusa_jax.bench.mtbench import MTBenchError
+    from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,
+                                               mtbench_questions)
 
     machine = machine_description()
     try:
-        questions = select_questions(load_mtbench_questions(a.question_file), a.questions)
+        questions = mtbench_questions(a.questions, a.question_file)
         loaded = load_model(a.model, a.heads, dtype=a.dtype)
         results = run(loaded, questions, config, progress=lambda m: print(m, flush=True))
     except (FileNotFoundError, MTBenchError, TreeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    args = sys.argv[1:] if argv is None else list(argv)
-    results["meta"] = {"command": "python scripts/benchmark.py " + shlex.join(args), "machine": machine,
+    results["meta"] = {"command": command_line("scripts/benchmark.py", argv), "machine": machine,
                        "model": portable_path(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
     paths = write(results, a.out)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def quick_main(argv: list[str]) -> int:
+    """`benchmark.py quick`: bench/quick.py."""
+    from medusa_jax.tree import PRESETS
+    from medusa_jax.bench import quick
+    from medusa_jax.bench.quick import PROMPTS, QuickConfig
+
+    p = argparse.ArgumentParser(prog="benchmark.py quick", description=quick.__doc__,
+                                epilog="Example:\n  python scripts/benchmark.py quick --max-new-tokens 64 --batch-sizes 1,4",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2",
+                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--heads", default=None, help="heads folder, or 'default' for the heads shipped with medusa-jax "
+                                                 "(default: fresh init_heads, 4 heads: the base lm_head copied)")
+    p.add_argument("--trees", default=",".join(PRESETS),
+                   help="comma-separated tree presets or JSON files (default: all presets)")
+    p.add_argument("--batch-sizes", type=parse_positive_int_list, default=(1, 4),
+                   help=f"comma-separated batch sizes, at most {len(PROMPTS)} (default: 1,4)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--stop-at-eos", action="store_true", help="end rows at the model's EOS ids (default: "
+                   "ignore them, so every row generates exactly --max-new-tokens)")
+    p.add_argument("--repeats", type=int, default=2, help="timed calls per configuration after the warm-up; "
+                                                          "the fastest counts (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per configuration")
+    a = p.parse_args(argv)
+    try:
+        config = QuickConfig(trees=tuple(t for t in a.trees.split(",") if t), batch_sizes=a.batch_sizes,
+                             max_new_tokens=a.max_new_tokens, stop_at_eos=a.stop_at_eos, repeats=a.repeats)
+    except ValueError as e:
+        p.error(str(e))
+
+    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.tree import TreeError
+    from medusa_jax.bench.bench_inputs import load_model
+    from medusa_jax.bench.quick import run_quick
+
+    try:
+        loaded = load_model(a.model, a.heads)
+        heads = loaded.heads or init_heads(
+            HeadsConfig(loaded.base.config.hidden_size, loaded.base.config.vocab_size, num_heads=4), loaded.base)
+        run_quick(loaded.base, heads, loaded.encode_chat(PROMPTS), config, eos_ids=loaded.eos_ids,
+                  pad_id=loaded.pad_id, as_json=a.json)
+    except (FileNotFoundError, TreeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def teacher_mass_main(argv: list[str]) -> int:
+    """`benchmark.py teacher-mass`: bench/teacher_mass.py."""
+    from medusa_jax.bench import teacher_mass
+    from medusa_jax.bench.teacher_mass import TeacherMassConfig
+
+    d = TeacherMassConfig()
+    p = argparse.ArgumentParser(prog="benchmark.py teacher-mass", description=teacher_mass.__doc__,
+                                epilog="Prints one JSON object. Example:\n  python scripts/benchmark.py teacher-mass "
+                                       "--model smollm2 --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="the HF model folder the store was generated with, or 'smollm2'")
+    p.add_argument("--data", required=True, help="self-distilled Arrow store (self_distill.py --save-hidden)")
+    p.add_argument("--sizes", type=parse_positive_int_list, default=d.sizes,
+                   help="token_map sizes N to measure, comma-separated (default: %s)" % ",".join(map(str, d.sizes)))
+    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
+                   help="share of conversations the mass is measured on; the map comes from the rest "
+                        "(default: %(default)s)")
+    p.add_argument("--max-positions", type=int, default=d.max_positions,
+                   help="held-out positions measured at most (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="held-out split seed (default: %(default)s)")
+    a = p.parse_args(argv)
+    try:
+        config = TeacherMassConfig(sizes=a.sizes, heldout_fraction=a.heldout_fraction,
+                                   max_positions=a.max_positions, seed=a.seed)
+    except ValueError as e:
+        p.error(str(e))
+
+    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.training.distill_store import is_store
+    from medusa_jax.bench.bench_inputs import resolve_model_dir
+    from medusa_jax.bench.teacher_mass import outside_mass
+
+    if not is_store(a.data):
+        p.error(f"--data {a.data} is not a self-distilled Arrow store")
+    try:
+        base = load_pretrained(resolve_model_dir(a.model))
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(outside_mass(base, a.data, config), indent=1))
+    return 0
+
+
+MODES = {"quick": quick_main, "teacher-mass": teacher_mass_main}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,16 @@
-"""Batch-generation throughput on MT-Bench prompts: batch sizes 1, 8, 32, plain vs Medusa greedy, one run.
+"""What decoding costs as the batch grows, against the hardware. One entry point, four modes:
 
-Example (the README's figures):
+  benchmark_batch.py [flags]           batch-generation throughput on MT-Bench prompts (below)
+  benchmark_batch.py scaling [flags]   plain and Medusa step time at several batch and cache sizes, against a
+                                       floor measured in the same run (weights read once + batch x FLOPs)
+  benchmark_batch.py decode [flags]    plain decode at batch 1: ours vs transformers' generate vs the memory
+                                       floor (weight bytes / measured bandwidth), with an optional op profile
+  benchmark_batch.py gpu [flags]       the whole jitted Medusa step vs a plain step, tree sizes x batch sizes,
+                                       on the real SmolLM2 and Llama-shaped 1B/7B models (--tiny: CPU smoke test)
+`benchmark_batch.py MODE --help` explains each mode's flags. Medusa vs plain on MT-Bench per question, sampling
+and the oracle bound: scripts/benchmark.py; load memory: scripts/benchmark_loading.py.
+
+Throughput: batch sizes 1, 8, 32, plain vs Medusa greedy, one run. Example (the README's figures):
   python scripts/benchmark_batch.py --model smollm2 --heads default --out bench/batch
 Writes OUT/batch.json (every run: tokens, seconds, compile seconds, tokens/s with and without compilation,
 tokens per step, rows where Medusa differs from plain) and OUT/batch.md (the table). Without trained heads
@@ -11,24 +21,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-
-def int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+from medusa_jax.cli_args import parse_int_list, parse_positive_int_list
 
 
 def main(argv=None) -> int:
-    from medusa_jax.inference.batch_benchmark import METHODS, BatchBenchConfig
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in MODES:
+        return MODES[argv[0]](argv[1:])
+    return throughput_main(argv)
+
+
+def throughput_main(argv: list[str]) -> int:
+    """The default mode: bench/batch_benchmark.py."""
+    from medusa_jax.bench.batch_benchmark import METHODS, BatchBenchConfig
     from medusa_jax.real_model import portable_path
 
     d = BatchBenchConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="benchmark_batch.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2",
                    help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
     p.add_argument("--heads", default="default",
@@ -40,7 +53,7 @@ def main(argv=None) -> int:
                    help="MT-Bench first turns to generate for, taking the categories in turn (default: %(default)s)")
     p.add_argument("--question-file", default=None,
                    help="JSONL of questions (question_id, category, turns) (default: the packaged MT-Bench file)")
-    p.add_argument("--batch-sizes", type=int_list, default=d.batch_sizes,
+    p.add_argument("--batch-sizes", type=parse_int_list, default=d.batch_sizes,
                    help="batch sizes, comma-separated (default: %s)" % ",".join(map(str, d.batch_sizes)))
     p.add_argument("--methods", default=",".join(d.methods),
                    help=f"comma-separated subset of {','.join(METHODS)} (default: %(default)s)")
@@ -57,13 +70,12 @@ def main(argv=None) -> int:
     from medusa_jax.compile_cache import enable_compile_cache
 
     enable_compile_cache()  # compile seconds stay reported; a rerun loads the executables instead
-    from medusa_jax.mtbench import load_mtbench_questions
     from medusa_jax.sharding import MeshConfig
     from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
-    from medusa_jax.inference.batch_benchmark import markdown, run_batch_benchmark
-    from medusa_jax.inference.bench_inputs import machine_description, resolve_heads, resolve_model_dir
-    from medusa_jax.inference.benchmark import select_questions
     from medusa_jax.inference.sharded import load_sharded
+    from medusa_jax.bench.batch_benchmark import markdown, run_batch_benchmark
+    from medusa_jax.bench.bench_inputs import (command_line, machine_description, mtbench_questions, resolve_heads,
+                                               resolve_model_dir, write_files)
 
     try:
         config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
@@ -77,25 +89,193 @@ def main(argv=None) -> int:
                          random_heads=a.random_heads if random else 0)
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(folder, tokenizer)
-    questions = select_questions(load_mtbench_questions(a.question_file), a.prompts)
+    questions = mtbench_questions(a.prompts, a.question_file)
     prompts = [encode_prompt(tokenizer, q.first_turn, chat=True) for q in questions]
     result = run_batch_benchmark(model, prompts, config, eos_ids=eos, pad_id=pad_token_id(tokenizer, eos),
                                  progress=not a.no_progress)
     heads_note = (f"{a.random_heads} random (untrained) heads sharing the base lm_head" if random
                   else str(heads_dir) if heads_dir else "none")
-    command = " ".join(["python", "scripts/benchmark_batch.py", *(argv or sys.argv[1:])])
+    command = command_line("scripts/benchmark_batch.py", argv)
     result.update(model=portable_path(folder), heads=heads_note, mesh=a.mesh or "single device", dtype=a.dtype,
                   prompts=len(prompts), command=command, machine=machine_description())
     title = (f"Batch generation, {len(prompts)} MT-Bench first turns, {config.max_new_tokens} new tokens max, "
              f"{Path(folder).name} {a.dtype}, heads: {heads_note}, tree {config.tree}, mesh {result['mesh']}")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("batch.json", json.dumps(result, indent=1)), ("batch.md", markdown(result, title))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+    write_files(a.out, {"batch.json": json.dumps(result, indent=1), "batch.md": markdown(result, title)})
     print(markdown(result, title))
     return 0
+
+
+def scaling_main(argv: list[str]) -> int:
+    """`benchmark_batch.py scaling`: bench/scaling_benchmark.py."""
+    from medusa_jax.bench import scaling_benchmark
+
+    p = argparse.ArgumentParser(prog="benchmark_batch.py scaling", description=scaling_benchmark.__doc__,
+                                epilog="Example:\n  python scripts/benchmark_batch.py scaling --heads default --out "
+                                       "bench/scaling\nWrites OUT/results.json, OUT/results.md and OUT/scaling.png.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2",
+                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--heads", default=None,
+                   help="heads folder or 'default' (the shipped SmolLM2 heads) to time the Medusa step too; "
+                        "omit for plain steps only")
+    p.add_argument("--tree", default="mc_sim_7b_16", help="tree for the Medusa step (default: %(default)s)")
+    p.add_argument("--batch-sizes", type=parse_positive_int_list, default=(1, 4, 8, 16, 32, 64),
+                   help="comma-separated batch sizes (default: 1,4,8,16,32,64)")
+    p.add_argument("--cache-sizes", type=parse_positive_int_list, default=(256, 1024),
+                   help="comma-separated cache sizes in slots (default: 256,1024)")
+    p.add_argument("--context-fraction", type=float, default=0.75,
+                   help="committed tokens per row as a fraction of the cache (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per point (default: %(default)s)")
+    p.add_argument("--out", default="artifacts/benchmark_scaling",
+                   help="folder for results.json, results.md and scaling.png (default: %(default)s)")
+    a = p.parse_args(argv)
+    if not 0.0 < a.context_fraction < 1.0:
+        p.error("--context-fraction must be in (0, 1)")
+    if a.rounds < 1:
+        p.error("--rounds must be >= 1")
+
+    from medusa_jax.tree import load_tree
+    from medusa_jax.bench.bench_inputs import command_line, load_model, machine_description, write_files
+
+    try:
+        loaded = load_model(a.model, a.heads)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    heads = loaded.heads
+    tree = None if heads is None else load_tree(a.tree, num_heads=heads.config.num_heads,
+                                                max_top_k=heads.config.head_vocab_size)
+    results = scaling_benchmark.run_scaling(loaded.base, heads, tree, batch_sizes=a.batch_sizes,
+                                            cache_sizes=a.cache_sizes, context_fraction=a.context_fraction,
+                                            rounds=a.rounds, progress=lambda m: print(m, flush=True))
+    machine = machine_description()
+    command = command_line("scripts/benchmark_batch.py scaling", argv)
+    text = scaling_benchmark.markdown(results, command, json.dumps(machine))
+    write_files(a.out, {"results.json": json.dumps({"machine": machine, "command": command, **results}, indent=1),
+                        "results.md": text})
+    scaling_benchmark.plot(results, Path(a.out) / "scaling.png")
+    print(text)
+    return 0
+
+
+def decode_main(argv: list[str]) -> int:
+    """`benchmark_batch.py decode`: bench/decode_benchmark.py."""
+    from medusa_jax.bench import decode_benchmark
+
+    p = argparse.ArgumentParser(prog="benchmark_batch.py decode", description=decode_benchmark.__doc__,
+                                epilog="Example:\n  python scripts/benchmark_batch.py decode --prompts 4 --out "
+                                       "artifacts/benchmark_decode/\nWrites OUT/results.json and OUT/results.md.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2",
+                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=4,
+                   help="MT-Bench first turns to use, taking the 8 categories in turn (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="passes over the prompts; every pass times each method once per prompt (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per call (default: %(default)s)")
+    p.add_argument("--torch-threads", type=parse_positive_int_list, default=(2, 1),
+                   help="torch.set_num_threads settings to time transformers with, comma-separated; the first is "
+                        "the reference for the speed-up (default: 2,1)")
+    p.add_argument("--bandwidth-mib", type=int, default=1024,
+                   help="size of the buffer read to measure memory bandwidth, MiB; keep it far above the CPU "
+                        "caches (default: %(default)s)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one of our decode calls and tabulate where a step's time goes")
+    p.add_argument("--out", default="artifacts/benchmark_decode",
+                   help="folder for results.json and results.md (default: %(default)s)")
+    a = p.parse_args(argv)
+    if min(a.prompts, a.rounds, a.max_new_tokens, a.bandwidth_mib) < 1:
+        p.error("--prompts, --rounds, --max-new-tokens and --bandwidth-mib must be >= 1")
+
+    from medusa_jax.inference.api import generate
+    from medusa_jax.bench.mtbench import MTBenchError
+    from medusa_jax.bench.bench_inputs import (command_line, load_model, machine_description, mtbench_questions,
+                                               write_files)
+    from medusa_jax.bench.op_profile import op_times
+
+    machine = machine_description()
+    try:
+        questions = mtbench_questions(a.prompts)
+        loaded = load_model(a.model, None)
+    except (FileNotFoundError, MTBenchError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompts = loaded.encode_chat([q.first_turn for q in questions])
+    results = decode_benchmark.run_decode_benchmark(
+        loaded.base, loaded.folder, prompts, max_new_tokens=a.max_new_tokens, torch_threads=a.torch_threads,
+        rounds=a.rounds, bandwidth_bytes=a.bandwidth_mib << 20, progress=lambda m: print(m, flush=True))
+    if a.profile:
+        results["profile"] = op_times(
+            lambda: generate(loaded.base, [prompts[0]], max_new_tokens=a.max_new_tokens, eos_ids=()),
+            per=a.max_new_tokens)
+    results["questions"] = [{"question_id": q.question_id, "category": q.category} for q in questions]
+    command = command_line("scripts/benchmark_batch.py decode", argv)
+    text = decode_benchmark.markdown(results, machine, command)
+    paths = write_files(a.out, {"results.json": json.dumps({"machine": machine, "command": command, **results},
+                                                           indent=1), "results.md": text})
+    print(text)
+    print("wrote " + " and ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def gpu_main(argv: list[str]) -> int:
+    """`benchmark_batch.py gpu`: bench/gpu_bench.py."""
+    from medusa_jax.bench import gpu_bench
+
+    d = gpu_bench.GpuBenchConfig()
+    p = argparse.ArgumentParser(prog="benchmark_batch.py gpu", description=gpu_bench.__doc__,
+                                epilog="Stops starting new measurements after --budget-seconds, so it finishes in "
+                                       "about 5 minutes on one H200. Example:\n  python scripts/benchmark_batch.py gpu "
+                                       "--out gpu_bench/\nWrites OUT/gpu_bench.json and OUT/gpu_bench.md. For real "
+                                       "MT-Bench speedups with trained heads on a GPU, run\nscripts/benchmark.py "
+                                       "--dtype bfloat16.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny float32 models, trees of 4 and 8 tokens, batches 1 and 2: a CPU smoke test "
+                        "(the other size flags are ignored)")
+    p.add_argument("--models", default=",".join(d.models),
+                   help="comma-separated: smollm2 (real weights if they can be prepared, else random of its "
+                        "shape), llama-1b, llama-7b, smollm2-shape, tiny-a, tiny-b (default: %(default)s)")
+    p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float32"),
+                   help="parameter and compute dtype (default: %(default)s)")
+    p.add_argument("--tree-tokens", type=parse_positive_int_list, default=d.tree_tokens,
+                   help="tree sizes T (root included), comma-separated (default: %s)" % ",".join(map(str, d.tree_tokens)))
+    p.add_argument("--batches", type=parse_positive_int_list, default=d.batches,
+                   help="batch sizes, comma-separated (default: %s)" % ",".join(map(str, d.batches)))
+    p.add_argument("--context", type=int, default=d.context,
+                   help="committed tokens in the KV cache during the timed steps (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="timed calls per point, median (default: %(default)s)")
+    p.add_argument("--heads-lm-head", default=d.heads_lm_head, choices=("shared", "own"),
+                   help="random heads' lm_head: shared with the base, or own [D, V] per head (default: %(default)s)")
+    p.add_argument("--budget-seconds", type=float, default=None,
+                   help="no new measurement starts after this many seconds (default: %.0f; 120 with --tiny)"
+                        % d.budget_seconds)
+    p.add_argument("--out", default="gpu_bench", help="output folder (default: %(default)s)")
+    a = p.parse_args(argv)
+    if a.tiny:
+        config = gpu_bench.GpuBenchConfig.tiny(a.budget_seconds if a.budget_seconds is not None else 120.0)
+    else:
+        if min(a.tree_tokens) < 2:
+            p.error("--tree-tokens must be >= 2 (the root and at least one node)")
+        config = gpu_bench.GpuBenchConfig(
+            models=tuple(m for m in a.models.split(",") if m), dtype=a.dtype, tree_tokens=a.tree_tokens,
+            batches=a.batches, context=a.context, repeats=a.repeats, heads_lm_head=a.heads_lm_head,
+            budget_seconds=a.budget_seconds if a.budget_seconds is not None else d.budget_seconds)
+
+    from medusa_jax.bench.bench_inputs import write_files
+
+    try:
+        results = gpu_bench.run_gpu_bench(config, progress=lambda m: print(m, flush=True))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = gpu_bench.markdown(results)
+    write_files(a.out, {"gpu_bench.json": json.dumps(results, indent=1, default=float) + "\n", "gpu_bench.md": text})
+    print(text)
+    return 0
+
+
+MODES = {"scaling": scaling_main, "decode": decode_main, "gpu": gpu_main}
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Example (the README's figures, SmolLM2-135M-Instruct in float32):
   python scripts/benchmark_loading.py --model smollm2 --out bench/loading
 Default runs: one device; 8 devices with fsdp=8, data=2,fsdp=4 and data=8 read in place (each device reads
 its own slice of the memory-mapped safetensors); fsdp=8 loaded on one device first and then moved (the
-naive way, for contrast). Writes OUT/loading.json and OUT/loading.md. See medusa_jax/load_memory.py for
+naive way, for contrast). Writes OUT/loading.json and OUT/loading.md. See bench/load_memory.py for
 what each column measures.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -41,9 +40,9 @@ def main(argv=None) -> int:
                    help="folder for loading.json and loading.md (default: %(default)s)")
     a = p.parse_args(argv)
 
-    from medusa_jax.load_memory import measure
+    from medusa_jax.bench.load_memory import measure
     from medusa_jax.real_model import portable_path
-    from medusa_jax.inference.bench_inputs import resolve_model_dir
+    from medusa_jax.bench.bench_inputs import resolve_model_dir, write_files
 
     folder = str(resolve_model_dir(a.model))
     rows = []
@@ -53,13 +52,8 @@ def main(argv=None) -> int:
             p.error(f"bad run {run!r}: expected DEVICES:MESH:MODE, e.g. 8:fsdp=8:sharded")
         rows.append(measure(folder, parts[1], int(parts[0]), parts[2]))
         print(json.dumps(rows[-1]), flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("loading.json", json.dumps({"model": portable_path(folder), "runs": rows}, indent=1)),
-                       ("loading.md", markdown(rows, Path(folder).name))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+    write_files(a.out, {"loading.json": json.dumps({"model": portable_path(folder), "runs": rows}, indent=1),
+                        "loading.md": markdown(rows, Path(folder).name)})
     print(markdown(rows, Path(folder).name))
     return 0
 

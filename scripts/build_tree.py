@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     from medusa_jax import heads_trees
     from medusa_jax.atomic import write_text_atomic
     from medusa_jax.tree import TreeError
-    from medusa_jax.inference.bench_inputs import load_model, resolve_heads
+    from medusa_jax.bench.bench_inputs import load_model, resolve_heads
     from medusa_jax.bench.tree_builder import build, summary_lines
 
     try:

@@ -7,6 +7,10 @@ Examples:
   python scripts/plan.py --model path/to/hf_folder --mesh data=2,tensor=4 --job decode --json
 The mesh runs on forced host CPU devices (the script sets XLA_FLAGS). Temporaries come from XLA's CPU compiler:
 argument bytes are exact, temporaries approximate what a GPU/TPU compiler would need.
+
+Two more modes (`plan.py MODE --help` explains their flags):
+  plan.py table --out DIR   the README's "Will it fit?" table: Llama-3-8B/70B plans on 8x H100, 8x H200, v5e-16
+  plan.py vs-device [flags] one decode call's plan next to the peak memory a real GPU/TPU used for it
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="plan.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
                    help="a preset (llama3-8b, llama3-70b, mistral-7b, qwen2-7b) or a folder with a HF config.json")
     p.add_argument("--mesh", default="", help="mesh axes, e.g. data=2,fsdp=4,tensor=1 (default: one device)")
@@ -52,6 +59,22 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in MODES:
+        return MODES[argv[0]](argv[1:])
+    return plan_main(argv)
+
+
+def force_host_devices(count: int) -> None:
+    """Host CPU devices for a mesh: fixed when JAX's CPU backend starts, so before any JAX computation."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={count}").strip()
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
+def plan_main(argv: list[str]) -> int:
     args = parse_args(argv)
     from medusa_jax.plan import PlanConfig, device_capacity
     from medusa_jax.presets import model_config
@@ -70,12 +93,7 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # host devices for the mesh: fixed when JAX's CPU backend starts, so before any JAX computation
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={max(mesh.size, 1)}").strip()
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
+    force_host_devices(max(mesh.size, 1))
     from medusa_jax.plan import compile_plan, largest_batch
     from medusa_jax.plan_estimate import estimate
     from medusa_jax.plan_report import describe, warnings
@@ -100,6 +118,112 @@ def main(argv=None) -> int:
     else:
         print(describe(plan, est, device, capacity, args.headroom, largest))
     return 0
+
+
+TABLE_DOC = """The README's "Will it fit?" table: compiled memory plans of Llama-3-8B and 70B, Medusa-1/2 training and
+Medusa decoding (tree mc_sim_7b_63, batch 1/8/64), for one 8x H100-80G host, one 8x H200 host and a TPU v5e-16
+slice. Each row is one compile per mesh (the two GPU hosts share the 8-device plan); a plan whose parameters,
+optimiser state, KV cache and gradients alone (`plan_estimate.lower_bound`, exact) exceed every device it is
+planned for is not compiled ("> N GiB" in the table). Results are saved to OUT/plans.json as they come;
+--resume continues an interrupted run.
+
+Example:
+  nice -n 15 python scripts/plan.py table --out artifacts/plan_table
+Writes OUT/plans.json and OUT/table.md.
+"""
+
+
+def table_main(argv: list[str]) -> int:
+    """`plan.py table`: medusa_jax.plan_report.build_table."""
+    p = argparse.ArgumentParser(prog="plan.py table", description=TABLE_DOC,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output folder for plans.json and table.md")
+    p.add_argument("--models", default="llama3-8b,llama3-70b", help="comma-separated presets (default: %(default)s)")
+    p.add_argument("--headroom", type=float, default=0.1, help="fraction of memory kept free (default: %(default)s)")
+    p.add_argument("--resume", action="store_true", help="keep the plans already in OUT/plans.json")
+    p.add_argument("--saved-only", action="store_true",
+                   help="compile nothing: the table from OUT/plans.json (and the exact lower bounds), missing plans "
+                        "shown as 'not planned'")
+    args = p.parse_args(argv)
+    from medusa_jax.presets import PRESETS
+
+    models = tuple(m for m in args.models.split(",") if m)
+    unknown = [m for m in models if m not in PRESETS]
+    if unknown or not models:
+        print(f"error: unknown presets {unknown}; choose from {', '.join(PRESETS)}", file=sys.stderr)
+        return 2
+    force_host_devices(16)
+    from medusa_jax.plan_report import build_table
+
+    print(build_table(models, args.out, args.headroom, resume=args.resume, saved_only=args.saved_only,
+                      log=lambda m: print(m, flush=True)))
+    return 0
+
+
+VS_DEVICE_DOC = """The compiled memory plan of one Medusa decode call next to what a real accelerator used for it.
+
+Runs `plan.py` (forced CPU devices, abstract inputs) in a subprocess, then loads the model on this machine's first
+accelerator with random heads (shared lm_head), runs the same decode call once and reads the device's peak memory
+(`memory_stats()["peak_bytes_in_use"]`, GPU and TPU runtimes report it).
+
+Example (on a GPU machine):
+  python scripts/plan.py vs-device --model smollm2 --batch 8 --seq 128 --cache 512
+"""
+
+
+def vs_device_main(argv: list[str]) -> int:
+    """`plan.py vs-device`: the plan of one decode call vs the device's measured peak memory."""
+    p = argparse.ArgumentParser(prog="plan.py vs-device", description=VS_DEVICE_DOC,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="HF model folder, or 'smollm2' (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=8, help="prompts per call (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=128, help="padded prompt length (default: %(default)s)")
+    p.add_argument("--cache", type=int, default=512, help="KV cache slots (default: %(default)s)")
+    p.add_argument("--tree", default="mc_sim_7b_63", help="tree preset (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=4, help="random Medusa heads (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights (default: bf16)")
+    args = p.parse_args(argv)
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform == "cpu" or not (device.memory_stats() or {}).get("peak_bytes_in_use"):
+        print(f"error: {device.platform} device reports no peak memory; run this on a GPU or TPU", file=sys.stderr)
+        return 2
+    folder = args.model
+    if folder == "smollm2":
+        from medusa_jax.real_model import prepare_smollm2
+        folder = str(prepare_smollm2())
+    plan_cmd = [sys.executable, str(Path(__file__).resolve()), "--model", folder, "--job", "decode",
+                "--lm-head", "shared", "--batch", str(args.batch), "--seq", str(args.seq), "--cache",
+                str(args.cache), "--tree", args.tree, "--heads", str(args.heads), "--dtype", args.dtype, "--json"]
+    proc = subprocess.run(plan_cmd, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stderr, file=sys.stderr)
+        return proc.returncode
+    plan = json.loads(proc.stdout)
+
+    import numpy as np
+
+    from medusa_jax.inference.sharded import load_sharded
+    from medusa_jax.tree import load_tree
+
+    model = load_sharded(folder, dtype=args.dtype, random_heads=args.heads)
+    tree = load_tree(args.tree, num_heads=args.heads)
+    before = device.memory_stats()["bytes_in_use"]
+    prompts = np.ones((args.batch, args.seq), np.int32)
+    model.medusa_decode(prompts, np.full((args.batch,), args.seq, np.int32), tree=tree, cache_size=args.cache,
+                        max_new_tokens=args.cache - args.seq - tree.num_tokens)
+    peak = device.memory_stats()["peak_bytes_in_use"]
+    mib = 2**20
+    print(f"{device.device_kind}: weights resident before the call {before / mib:.1f} MiB, peak {peak / mib:.1f} MiB")
+    print(f"plan (CPU compile): total {plan['device_bytes'] / mib:.1f} MiB (parameters "
+          f"{plan['arguments']['params'] / mib:.1f}, KV cache {plan['arguments']['kv_cache'] / mib:.1f}, "
+          f"temporaries {plan['device_temp_bytes'] / mib:.1f}); analytic {plan['analytic']['total'] / mib:.1f} MiB")
+    print(f"plan / measured peak = {plan['device_bytes'] / peak:.2f}")
+    return 0
+
+
+MODES = {"table": table_main, "vs-device": vs_device_main}
 
 
 if __name__ == "__main__":

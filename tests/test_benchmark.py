@@ -1,5 +1,6 @@
-"""Benchmark plumbing (scripts/benchmark.py), tree construction (medusa_jax.tree_search, scripts/build_tree.py)
-and the GPU step-cost script's CPU mode (scripts/gpu_bench.py --tiny), on tiny models."""
+"""Benchmark plumbing (scripts/benchmark.py and its quick mode), tree construction (medusa_jax.tree_search,
+scripts/build_tree.py) and the GPU step-cost mode's CPU smoke test (scripts/benchmark_batch.py gpu --tiny), on
+tiny models."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from medusa_jax import tree_search
 from medusa_jax.tree import build_tree, load_tree
-from medusa_jax.inference.head_accuracy import count_hits
+from medusa_jax.bench.head_accuracy import count_hits
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "write", "poem", "about", "why", "is", "sky", "blue",
@@ -281,7 +282,7 @@ def test_benchmark_uses_the_heads_trees_per_batch_size(tiny_chat_model, tmp_path
 
 
 def test_gpu_bench_tiny_mode_on_cpu(tmp_path):
-    rc = load_script("gpu_bench").main(["--tiny", "--out", str(tmp_path)])
+    rc = load_script("benchmark_batch").main(["gpu", "--tiny", "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "gpu_bench.json").read_text())
     (entry,) = res["models"]
@@ -292,5 +293,69 @@ def test_gpu_bench_tiny_mode_on_cpu(tmp_path):
         assert entry["overhead"][key] == pytest.approx(ms / entry["plain_ms"][batch])
     assert "| batch | plain ms/step |" in (tmp_path / "gpu_bench.md").read_text()
     # a spent budget skips everything and still writes a report
-    rc = load_script("gpu_bench").main(["--tiny", "--budget-seconds", "0", "--out", str(tmp_path / "none")])
+    rc = load_script("benchmark_batch").main(["gpu", "--tiny", "--budget-seconds", "0", "--out",
+                                              str(tmp_path / "none")])
     assert rc == 0 and json.loads((tmp_path / "none" / "gpu_bench.json").read_text())["models"] == []
+
+
+def test_benchmark_quick_mode_reports_plain_heads_and_oracle(tiny_chat_model, capsys):
+    folder, heads_dir = tiny_chat_model
+    args = ["quick", "--model", str(folder), "--heads", str(heads_dir), "--trees", "mc_sim_7b_8",
+            "--batch-sizes", "1,2", "--max-new-tokens", "6", "--repeats", "1", "--json"]
+    assert load_script("benchmark").main(args) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["batch"], r["config"]) for r in rows] == [
+        (b, c) for b in (1, 2) for c in ("plain", "medusa mc_sim_7b_8 heads", "medusa mc_sim_7b_8 oracle")]
+    for r in rows:  # EOS ignored: every row makes exactly --max-new-tokens
+        assert r["tokens"] == 6 * r["batch"] and r["tokens_per_s"] > 0
+    plain, oracle = rows[0], rows[2]
+    assert plain["tokens_per_step"] == pytest.approx(6 / 6)  # the prefill is a step too
+    assert oracle["tokens_per_step"] > plain["tokens_per_step"]  # the planted continuation is accepted
+    with pytest.raises(SystemExit):  # more rows than the four fixed prompts
+        load_script("benchmark").main(args[:7] + ["--batch-sizes", "5"])
+
+
+@pytest.mark.parametrize("script, mode", [("benchmark", "quick"), ("benchmark", "teacher-mass"),
+                                          ("benchmark_batch", "scaling"), ("benchmark_batch", "decode"),
+                                          ("benchmark_batch", "gpu")])
+def test_every_benchmark_mode_has_its_own_help(script, mode, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script(script).main([mode, "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: {script}.py {mode} ")
+
+
+def test_teacher_mass_refuses_data_that_is_not_a_store(tmp_path, capsys):
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("benchmark").main(["teacher-mass", "--model", "smollm2", "--data", str(tmp_path / "data.jsonl")])
+    assert exit_info.value.code == 2 and "is not a self-distilled Arrow store" in capsys.readouterr().err
+
+
+def test_batch_decode_mode_matches_transformers_and_records_its_command(tiny_chat_model, tmp_path):
+    folder, _ = tiny_chat_model
+    out = tmp_path / "decode"
+    args = ["decode", "--model", str(folder), "--prompts", "2", "--rounds", "1", "--max-new-tokens", "4",
+            "--torch-threads", "1", "--bandwidth-mib", "1", "--out", str(out)]
+    assert load_script("benchmark_batch").main(args) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert len(res["records"]) == 2 and all(r["ours_tokens"] == 4 for r in res["records"])
+    assert res["same_tokens_prefix_min"] == 4  # greedy float32: transformers makes the same 4 tokens
+    assert set(res["tokens_per_s"]) == {"ours", "ours_decode_steps", "transformers", "floor"}
+    assert res["command"] == "python scripts/benchmark_batch.py decode " + " ".join(args[1:])
+    assert (out / "results.md").read_text()
+
+
+def test_batch_scaling_mode_times_plain_and_medusa_steps(tiny_chat_model, tmp_path):
+    folder, heads_dir = tiny_chat_model
+    out = tmp_path / "scaling"
+    args = ["scaling", "--model", str(folder), "--heads", str(heads_dir), "--tree", "mc_sim_7b_8",
+            "--batch-sizes", "1,2", "--cache-sizes", "32", "--rounds", "1", "--out", str(out)]
+    assert load_script("benchmark_batch").main(args) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [(r["cache"], r["batch"], r["context"]) for r in res["rows"]] == [(32, 1, 24), (32, 2, 24)]
+    for r in res["rows"]:
+        assert r["plain_ms"] > 0 and r["medusa_ms"] > 0
+        assert r["medusa_overhead"] == pytest.approx(r["medusa_ms"] / r["plain_ms"])
+    assert res["tree_tokens"] == 9 and res["command"].startswith("python scripts/benchmark_batch.py scaling ")
+    assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -89,7 +89,7 @@ def test_prompt_widths_and_caches_come_from_a_short_ladder():
 
 @pytest.mark.slow
 def test_mtbench_at_batch_8_needs_three_shapes(smollm2_dir):
-    from medusa_jax.mtbench import load_mtbench_questions
+    from medusa_jax.bench.mtbench import load_mtbench_questions
     from medusa_jax.text import encode_prompt, load_tokenizer
     from medusa_jax.inference.api import BatchSettings, plan_batches
     from medusa_jax.inference.engine import cache_size_for, pad_prompts

@@ -192,10 +192,10 @@ def test_hydra_with_medusa2_is_a_clear_cli_error(chat, tmp_path, monkeypatch, ca
 
 
 def test_head_accuracy_and_training_stats_agree_on_teacher_forced_top1(base):
-    """inference/head_accuracy (the benchmarks' held-out top-k) and the trainer's statistics score the same
+    """bench/head_accuracy (the benchmarks' held-out top-k) and the trainer's statistics score the same
     teacher-forced Hydra predictions."""
     from medusa_jax.hydra_heads import path_tokens
-    from medusa_jax.inference.head_accuracy import measure_head_accuracy
+    from medusa_jax.bench.head_accuracy import measure_head_accuracy
     from medusa_jax.training.hydra_losses import hydra_head_stats
     from medusa_jax.training.losses import head_targets
     from medusa_jax.training.trainer import backbone_hidden

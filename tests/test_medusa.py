@@ -2,7 +2,7 @@
 max_new_tokens, typical acceptance, capacity errors; tiny Llama/Qwen2 and SmolLM2. The losslessness tests run
 for Medusa heads and for Hydra heads (which draft the tree themselves, depth by depth).
 
-The planted proposer (`inference/oracle.py`) knows the true continuation (from a plain greedy run) and puts
+The planted proposer (`bench/oracle.py`) knows the true continuation (from a plain greedy run) and puts
 it at chosen (head, rank) slots so that step s of row b accepts exactly targets_bs[b, s] candidates: every
 accept length is exercised.
 """
@@ -21,7 +21,7 @@ from medusa_jax.tree import PRESETS, TreeError, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, greedy_accept, typical_accept
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.medusa import compact_accepted, heads_proposer, tree_tokens
-from medusa_jax.inference.oracle import planted_data, planted_over_heads_proposer, planted_proposer
+from medusa_jax.bench.oracle import planted_data, planted_over_heads_proposer, planted_proposer
 
 N = 40  # max_new_tokens of the tiny-model runs (one compile per model, tree, batch and proposer)
 PROMPTS = {

@@ -132,6 +132,29 @@ def test_cli_bad_input_is_one_clear_error(args, message):
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and message in proc.stderr, proc.stderr
 
 
+def test_cli_table_mode_from_lower_bounds_only(tmp_path):
+    """`plan.py table --saved-only` compiles nothing: the rows whose exact lower bound exceeds every device say
+    no, the rest are 'not planned'; a bad preset is one clear error."""
+    run = lambda *args: subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "table", *args],
+                                       capture_output=True, text=True, timeout=300,
+                                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = run("--out", str(tmp_path), "--models", "llama3-70b", "--saved-only")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "table.md").read_text()
+    assert table.startswith("| model | job | 8x H100-80G | 8x H200-141G | TPU v5e-16 (16 x 16 GB) |")
+    assert ": **no**" in table and "not planned" in table and "fits" not in table
+    saved = json.loads((tmp_path / "plans.json").read_text())
+    assert saved and all(entry["arguments_only"] for entry in saved.values())
+    proc = run("--out", str(tmp_path), "--models", "llama9-1b")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: unknown presets")
+
+
+def test_cli_vs_device_needs_an_accelerator():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "vs-device"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2 and proc.stderr.startswith("error: cpu device reports no peak memory"), proc.stderr
+
+
 def test_hlo_helpers():
     assert shape_bytes("bf16[8,64]{1,0}") == 8 * 64 * 2
     assert shape_bytes("(f32[4]{0}, s32[2,2]{1,0})") == 16 + 16

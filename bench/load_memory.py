@@ -95,7 +95,7 @@ def measure(model_dir: str, mesh_spec: str, devices: int, mode: str = "sharded",
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    proc = subprocess.run([sys.executable, "-m", "medusa_jax.load_memory", model_dir, mesh_spec, mode],
+    proc = subprocess.run([sys.executable, "-m", "medusa_jax.bench.load_memory", model_dir, mesh_spec, mode],
                           env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"loading with mesh {mesh_spec!r} ({mode}) failed:\n{proc.stderr[-3000:]}")
@@ -103,7 +103,7 @@ def measure(model_dir: str, mesh_spec: str, devices: int, mode: str = "sharded",
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="child process of medusa_jax.load_memory.measure")
+    parser = argparse.ArgumentParser(description="child process of medusa_jax.bench.load_memory.measure")
     parser.add_argument("model_dir")
     parser.add_argument("mesh", help="mesh spec, e.g. fsdp=8 ('' for one device)")
     parser.add_argument("mode", choices=MODES)

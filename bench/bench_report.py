@@ -11,19 +11,20 @@ import os
 from pathlib import Path
 
 from medusa_jax.atomic import atomic_path
+from medusa_jax.bench.bench_inputs import write_files
 
 TARGETS = {"acceleration_rate": 3.0, "speedup_batch1": 2.5, "speedup_batch8": 1.5}
 PLOTS = ("speedup_by_category.png", "accept_lengths.png", "speedup_vs_tree_size.png", "batched_throughput.png")
 _METHOD_NAMES = {"plain": "plain decode (ours)", "medusa": "Medusa (ours)", "hf": "transformers generate"}
 
 
-def _atomic_write(path: Path, write) -> None:
-    """`write(tmp_path)` fills a temp file (e.g. matplotlib's savefig); it is renamed into place on success."""
-    with atomic_path(path) as tmp:
-        write(str(tmp))
+def machine_line(machine: dict) -> str:
+    """Date, CPU, devices and load of a run (`bench_inputs.machine_description`), one sentence."""
+    return (f"Date: {machine['date']}. Machine: {machine['cpu']}, {machine['cpu_count']} cores ({machine['devices']}, "
+            f"JAX {machine['jax']}, load average {fmt(machine['load_average_1m'], 1)} at start).")
 
 
-def _fmt(x: float, digits: int = 2) -> str:
+def fmt(x: float, digits: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
@@ -39,9 +40,7 @@ def target_status(results: dict) -> dict:
 def markdown(results: dict) -> str:
     meta, ov, tree = results["meta"], results["overall"], results["tree"]
     lines = [
-        f"Date: {meta['machine']['date']}. Machine: {meta['machine']['cpu']}, {meta['machine']['cpu_count']} cores "
-        f"({meta['machine']['devices']}, JAX {meta['machine']['jax']}, load average {_fmt(meta['machine']['load_average_1m'], 1)} "
-        f"at start).",
+        machine_line(meta["machine"]),
         f"Command: `{meta['command']}`",
         f"Model: {meta['model']}; heads: {results['heads']['folder']} ({results['heads']['num_heads']} heads, "
         f"lm_head={results['heads']['lm_head']}); tree: {tree.get('origin', tree['spec'])} "
@@ -54,46 +53,46 @@ def markdown(results: dict) -> str:
     for m, tps in ov["tokens_per_s"].items():
         per_step = ov["tokens"][m] / ov["steps"][m]
         ms = 1e3 * ov["seconds"][m] / ov["steps"][m]
-        lines.append(f"| {_METHOD_NAMES[m]} | {_fmt(tps, 1)} | {_fmt(per_step)} | {_fmt(ms, 1)} | "
-                     f"{_fmt(tps / ov['tokens_per_s']['plain'])}x |")
-    lines += ["", f"Acceleration rate {_fmt(results['acceleration_rate'])} tokens/step; step overhead "
-              f"{_fmt(results['step_overhead'])}x; speedup {_fmt(results['speedup'])}x; Medusa/plain mismatches: "
+        lines.append(f"| {_METHOD_NAMES[m]} | {fmt(tps, 1)} | {fmt(per_step)} | {fmt(ms, 1)} | "
+                     f"{fmt(tps / ov['tokens_per_s']['plain'])}x |")
+    lines += ["", f"Acceleration rate {fmt(results['acceleration_rate'])} tokens/step; step overhead "
+              f"{fmt(results['step_overhead'])}x; speedup {fmt(results['speedup'])}x; Medusa/plain mismatches: "
               f"{results['mismatches']} of {ov['questions']}."
-              + (f" Predicted by build_tree: {_fmt(tree['predicted_tokens_per_step'])} tokens/step."
+              + (f" Predicted by build_tree: {fmt(tree['predicted_tokens_per_step'])} tokens/step."
                  if "predicted_tokens_per_step" in tree else "")
               + (f" transformers vs our plain: {ov['hf_mismatches']} outputs differ (fp32 rounding can flip a "
                  f"near-tie argmax)." if "hf_mismatches" in ov else "")]
     lines += ["", "| category | questions | plain tok/s | Medusa tok/s | speedup | tokens/step | step overhead |",
               "|---|---|---|---|---|---|---|"]
     for c, s in results["per_category"].items():
-        lines.append(f"| {c} | {s['questions']} | {_fmt(s['tokens_per_s']['plain'], 1)} | "
-                     f"{_fmt(s['tokens_per_s']['medusa'], 1)} | {_fmt(s['speedup'])}x | {_fmt(s['acceleration_rate'])} | "
-                     f"{_fmt(s['step_overhead'])}x |")
+        lines.append(f"| {c} | {s['questions']} | {fmt(s['tokens_per_s']['plain'], 1)} | "
+                     f"{fmt(s['tokens_per_s']['medusa'], 1)} | {fmt(s['speedup'])}x | {fmt(s['acceleration_rate'])} | "
+                     f"{fmt(s['step_overhead'])}x |")
     if results.get("batched"):
         lines += ["", "| batch | questions | plain tok/s (total) | Medusa tok/s (total) | speedup | tokens/step | "
                       "mismatches |", "|---|---|---|---|---|---|---|"]
         for row in results["batched"]:
-            lines.append(f"| {row['batch_size']} | {row['questions']} | {_fmt(row['tokens_per_s']['plain'], 1)} | "
-                         f"{_fmt(row['tokens_per_s']['medusa'], 1)} | {_fmt(row['speedup'])}x | "
-                         f"{_fmt(row['acceleration_rate'])} | {row['mismatches']} |")
+            lines.append(f"| {row['batch_size']} | {row['questions']} | {fmt(row['tokens_per_s']['plain'], 1)} | "
+                         f"{fmt(row['tokens_per_s']['medusa'], 1)} | {fmt(row['speedup'])}x | "
+                         f"{fmt(row['acceleration_rate'])} | {row['mismatches']} |")
     if results.get("tree_sweep"):
         lines += ["", "| tree nodes | tokens/step | Medusa tok/s | plain tok/s (same questions, timed alongside) | "
                       "speedup |", "|---|---|---|---|---|"]
         for row in results["tree_sweep"]:
             mark = " (main)" if row["is_main_tree"] else ""
-            lines.append(f"| {row['num_nodes']}{mark} | {_fmt(row['acceleration_rate'])} | "
-                         f"{_fmt(row['tokens_per_s'], 1)} | {_fmt(row['plain_tokens_per_s'], 1)} | "
-                         f"{_fmt(row['speedup'])}x |")
+            lines.append(f"| {row['num_nodes']}{mark} | {fmt(row['acceleration_rate'])} | "
+                         f"{fmt(row['tokens_per_s'], 1)} | {fmt(row['plain_tokens_per_s'], 1)} | "
+                         f"{fmt(row['speedup'])}x |")
     prof = results.get("step_profile")
     if prof:
         lines += ["", f"Where a Medusa step's time goes (batch 1, {prof['context']} tokens of context, each piece "
-                      f"jitted alone, ms): " + ", ".join(f"{k.replace('_', ' ')} {_fmt(v, 1)}"
+                      f"jitted alone, ms): " + ", ".join(f"{k.replace('_', ' ')} {fmt(v, 1)}"
                                                           for k, v in prof["pieces_ms"].items())
-                  + f"; the whole step in one jitted call {_fmt(prof['medusa_step_ms'], 1)}; a plain step "
-                    f"{_fmt(prof['plain_step_ms'], 1)}."]
+                  + f"; the whole step in one jitted call {fmt(prof['medusa_step_ms'], 1)}; a plain step "
+                    f"{fmt(prof['plain_step_ms'], 1)}."]
     lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
     for name, t in target_status(results).items():
-        lines.append(f"| {name} | >= {t['target']} | {_fmt(t['measured'])} | {'yes' if t['met'] else 'no'} |")
+        lines.append(f"| {name} | >= {t['target']} | {fmt(t['measured'])} | {'yes' if t['met'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -106,7 +105,8 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     written = []
 
     def save(fig, name):
-        _atomic_write(out / name, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png"))
+        with atomic_path(out / name) as tmp:
+            fig.savefig(str(tmp), dpi=110, bbox_inches="tight", format="png")
         plt.close(fig)
         written.append(out / name)
 
@@ -167,18 +167,10 @@ def plot_all(results: dict, out: Path) -> list[Path]:
 
 def write_report(results: dict, out: str | os.PathLike) -> dict[str, Path]:
     """Writes results.json, results.md and the plots into `out`; returns their paths."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     results = {**results, "targets": target_status(results)}
-    paths = {"json": out / "results.json", "markdown": out / "results.md"}
-
-    def dump(tmp):
-        with open(tmp, "w") as f:
-            json.dump(results, f, indent=1, default=float)
-            f.write("\n")
-
-    _atomic_write(paths["json"], dump)
-    _atomic_write(paths["markdown"], lambda tmp: Path(tmp).write_text(markdown(results)))
-    for p in plot_all(results, out):
+    files = write_files(out, {"results.json": json.dumps(results, indent=1, default=float) + "\n",
+                              "results.md": markdown(results)})
+    paths = {"json": files["results.json"], "markdown": files["results.md"]}
+    for p in plot_all(results, Path(out)):
         paths[p.stem] = p
     return paths

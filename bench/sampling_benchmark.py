@@ -18,17 +18,17 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from medusa_jax.atomic import write_text_atomic
 from medusa_jax.heads_trees import trees_of
-from medusa_jax.mtbench import MTBenchQuestion
 from medusa_jax.real_model import portable_path
 from medusa_jax.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
-from medusa_jax.inference.bench_inputs import LoadedModel
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 from medusa_jax.inference.medusa import choose_tree
 from medusa_jax.inference.sampling import SamplingConfig
+from medusa_jax.bench.bench_inputs import LoadedModel, write_files
+from medusa_jax.bench.bench_report import fmt, machine_line
+from medusa_jax.bench.mtbench import MTBenchQuestion
 
 SAMPLED = ("plain", "exact", "typical")  # methods timed at each temperature
 RATIO_TARGET = {"temperature": 0.7, "min_ratio": 0.85}
@@ -122,28 +122,23 @@ def run_sampling_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuest
             "heads": {"folder": portable_path(loaded.heads_folder), **dataclasses.asdict(hc)}}
 
 
-def _fmt(x: float, digits: int = 2) -> str:
-    return f"{x:.{digits}f}"
-
-
 def sampling_markdown(results: dict) -> str:
     meta, cfg, greedy = results["meta"], results["config"], results["greedy_medusa"]
-    lines = [f"Date: {meta['machine']['date']}. Machine: {meta['machine']['cpu']}, {meta['machine']['cpu_count']} "
-             f"cores, load average {_fmt(meta['machine']['load_average_1m'], 1)} at start.",
+    lines = [machine_line(meta["machine"]),
              f"Command: `{meta['command']}`",
              f"Model: {meta['model']}; heads: {results['heads']['folder']}; tree: {results['tree']['spec']} "
              f"({results['tree']['num_nodes']} nodes); {results['questions']} MT-Bench first turns, max "
              f"{cfg['max_new_tokens']} new tokens, batch {cfg['batch_size']}, top-p 1, no top-k.",
-             f"Medusa greedy (same heads and tree): {_fmt(greedy['tokens_per_step'])} tokens/step, "
-             f"{_fmt(greedy['tokens_per_s'], 1)} tokens/s.", ""]
+             f"Medusa greedy (same heads and tree): {fmt(greedy['tokens_per_step'])} tokens/step, "
+             f"{fmt(greedy['tokens_per_s'], 1)} tokens/s.", ""]
     names = {"plain": "plain sampling", "exact": "Medusa, exact acceptance", "typical": "Medusa, typical acceptance"}
     for t, row in results["by_temperature"].items():
         lines += [f"### Temperature {t}", "", "| method | tokens/s | tokens/step | speedup vs plain sampling |",
                   "|---|---|---|---|"]
         for m in SAMPLED:
-            lines.append(f"| {names[m]} | {_fmt(row[m]['tokens_per_s'], 1)} | {_fmt(row[m]['tokens_per_step'])} | "
-                         f"{_fmt(row[m]['speedup_vs_plain'])}x |")
-        lines += ["", f"Exact tokens/step / greedy tokens/step: {_fmt(row['exact_over_greedy_tokens_per_step'])}"
+            lines.append(f"| {names[m]} | {fmt(row[m]['tokens_per_s'], 1)} | {fmt(row[m]['tokens_per_step'])} | "
+                         f"{fmt(row[m]['speedup_vs_plain'])}x |")
+        lines += ["", f"Exact tokens/step / greedy tokens/step: {fmt(row['exact_over_greedy_tokens_per_step'])}"
                   + (f" (target >= {RATIO_TARGET['min_ratio']})" if float(t) == RATIO_TARGET["temperature"] else ""),
                   ""]
     return "\n".join(lines)
@@ -151,9 +146,6 @@ def sampling_markdown(results: dict) -> str:
 
 def write_sampling_report(results: dict, out: str | Path) -> dict[str, Path]:
     """OUT/sampling.json and OUT/sampling.md, each written atomically."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "sampling.json", "markdown": out / "sampling.md"}
-    write_text_atomic(paths["json"], json.dumps(results, indent=1, default=float) + "\n")
-    write_text_atomic(paths["markdown"], sampling_markdown(results))
-    return paths
+    files = write_files(out, {"sampling.json": json.dumps(results, indent=1, default=float) + "\n",
+                              "sampling.md": sampling_markdown(results)})
+    return {"json": files["sampling.json"], "markdown": files["sampling.md"]}

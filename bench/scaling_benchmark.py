@@ -24,8 +24,8 @@ import numpy as np
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads
 from medusa_jax.tree import TreeBuffers
-from medusa_jax.inference.decode_benchmark import BandwidthProbe, weight_bytes
 from medusa_jax.bench.step_cost import medusa_step_call, plain_step_call, time_interleaved
+from medusa_jax.bench.decode_benchmark import BandwidthProbe, weight_bytes
 
 
 def gemm_rate(rows: int, d_in: int, d_out: int, repeats: int = 5) -> float:

@@ -1,0 +1,101 @@
+"""Quick Medusa vs plain decoding figures on one machine: tokens per step and wall-clock tokens/s.
+
+For each batch size: plain greedy decoding, then for each tree Medusa greedy with the given heads (by default
+freshly initialised ones: the base lm_head copied into 4 heads) and with the oracle proposer (`bench.oracle`)
+that plants the true continuation along the deepest path every step (heads still computed: the upper bound of
+this tree on this machine). Each configuration is compiled by a warm-up call, then timed over `repeats` calls;
+the fastest counts. Four fixed chat prompts, no report files: one line (or one JSON object) per configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.heads import MedusaHeads
+from medusa_jax.tree import load_tree
+from medusa_jax.inference.api import generate, generate_medusa
+from medusa_jax.bench.oracle import planted_data, planted_over_heads_proposer
+
+PROMPTS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is to a beginner.",
+    "Give me three tips for learning to cook.",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuickConfig:
+    trees: tuple[str, ...]  # tree presets or JSON files
+    batch_sizes: tuple[int, ...] = (1, 4)
+    max_new_tokens: int = 64
+    stop_at_eos: bool = False  # False: every row generates exactly max_new_tokens
+    repeats: int = 2
+
+    def __post_init__(self):
+        if not self.batch_sizes or min(self.batch_sizes) < 1 or max(self.batch_sizes) > len(PROMPTS):
+            raise ValueError(f"batch sizes must be in 1..{len(PROMPTS)}, got {self.batch_sizes}")
+        if self.max_new_tokens < 1 or self.repeats < 1 or not self.trees:
+            raise ValueError(f"need max_new_tokens >= 1, repeats >= 1 and at least one tree: {self}")
+
+
+def timed(fn: Callable[[], object], repeats: int):
+    """(results of the last call, fastest wall-clock seconds over `repeats` calls after one warm-up call)."""
+    results, best = fn(), float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        results = fn()
+        best = min(best, time.perf_counter() - start)
+    return results, best
+
+
+def _row(batch: int, name: str, results, seconds: float) -> dict:
+    tokens = sum(r.new_tokens for r in results)
+    return {"batch": batch, "config": name, "tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1),
+            "tokens_per_step": round(float(np.mean([r.tokens_per_step for r in results])), 3),
+            "ms_per_step": round(1000 * seconds / max(r.steps for r in results), 1)}
+
+
+def line(row: dict) -> str:
+    return (f"B={row['batch']} {row['config']:34s} tokens/step {row['tokens_per_step']:5.2f}   "
+            f"{row['tokens_per_s']:7.1f} tokens/s  {row['ms_per_step']:7.1f} ms/step  ({row['tokens']} tokens in "
+            f"{row['seconds']:.2f} s)")
+
+
+def run_quick(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequence[int]], config: QuickConfig, *,
+              eos_ids: tuple[int, ...], pad_id: int, as_json: bool = False,
+              log: Callable[[str], None] = lambda m: print(m, flush=True)) -> list[dict]:
+    """Plain, Medusa with the heads and Medusa with the oracle, per batch size and tree; logs each row as it
+    comes and returns them. Raises AssertionError if the oracle's output differs from plain greedy."""
+    n = config.max_new_tokens
+    common = dict(max_new_tokens=n, eos_ids=eos_ids if config.stop_at_eos else (), pad_id=pad_id)
+    rows = []
+
+    def report(batch, name, results, seconds):
+        rows.append(_row(batch, name, results, seconds))
+        log(json.dumps(rows[-1]) if as_json else line(rows[-1]))
+
+    for batch in config.batch_sizes:
+        chunk = list(prompts[:batch])
+        plain, seconds = timed(lambda: generate(base, chunk, **common), config.repeats)
+        report(batch, "plain", plain, seconds)
+        for tree_name in config.trees:
+            tree = load_tree(tree_name, num_heads=heads.config.num_heads)
+            results, seconds = timed(lambda: generate_medusa(base, heads, chunk, tree=tree, **common),
+                                     config.repeats)
+            report(batch, f"medusa {tree.name} heads", results, seconds)
+            data = planted_data(tree, [r.token_ids for r in plain], np.full((batch, n), tree.depth), n)
+            results, seconds = timed(lambda: generate_medusa(
+                base, heads, chunk, tree=tree, proposer=planted_over_heads_proposer, proposer_data=data,
+                **common), config.repeats)
+            if [r.token_ids for r in results] != [r.token_ids for r in plain]:
+                raise AssertionError(f"{tree.name}: oracle Medusa output differs from plain greedy")
+            report(batch, f"medusa {tree.name} oracle", results, seconds)
+    return rows

@@ -1,0 +1,54 @@
+"""How much of the base model's next-token mass a truncated lm_head cannot represent.
+
+A truncated head (`train_heads.py --lm-head truncated:N`) learns the base distribution renormalised over its
+token_map (the N most frequent training tokens). This measures, on a self-distilled Arrow store
+(`self_distill.py --save-hidden`), the average teacher mass outside the map: the token_map is built from the
+training conversations' generated tokens (as train_heads.py builds it) and the mass is averaged over the
+held-out conversations' reply positions (the teacher at every position: the base lm_head on the stored hidden
+state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.backbone import CausalLM
+from medusa_jax.training.data import top_token_ids
+from medusa_jax.training.distill_store import load_store_examples
+
+CHUNK = 256  # held-out positions per jitted softmax
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherMassConfig:
+    sizes: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)  # token_map sizes N
+    heldout_fraction: float = 0.2  # share of conversations measured; the map comes from the rest
+    max_positions: int = 20000  # held-out positions measured at most
+    seed: int = 0  # held-out split and position sample
+
+    def __post_init__(self):
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"--heldout-fraction must be in (0, 1), got {self.heldout_fraction}")
+        if not self.sizes or min(self.sizes) < 1 or self.max_positions < 1:
+            raise ValueError(f"need sizes >= 1 and max_positions >= 1: {self}")
+
+
+def outside_mass(base: CausalLM, store: str | os.PathLike, config: TeacherMassConfig) -> dict:
+    """{"positions", "train_tokens", "mean_outside_mass": {str(N): mean teacher mass outside the top-N map}}."""
+    train, held, _, _ = load_store_examples(store, 1).split(config.heldout_fraction, config.seed)
+    train_tokens = train.targets_nk[:, 0][train.targets_nk[:, 0] >= 0]
+    maps = {n: top_token_ids(train_tokens, n, base.config.vocab_size) for n in config.sizes}
+    probs = jax.jit(lambda h: jax.nn.softmax(base.logits(h.astype(jnp.float32)), axis=-1))
+    rows = held.rows_n[np.random.default_rng(config.seed).permutation(len(held))[: config.max_positions]]
+    inside = {n: 0.0 for n in config.sizes}
+    for start in range(0, len(rows), CHUNK):
+        p_xv = np.asarray(probs(jnp.asarray(held.hidden.take(np.sort(rows[start:start + CHUNK])))))
+        for n, token_map in maps.items():
+            inside[n] += float(p_xv[:, token_map].sum())
+    return {"positions": int(len(rows)), "train_tokens": int(len(train_tokens)),
+            "mean_outside_mass": {str(n): 1.0 - inside[n] / max(len(rows), 1) for n in config.sizes}}
