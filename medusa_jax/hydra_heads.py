@@ -26,7 +26,7 @@ from flax import nnx
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import HeadsConfig, ResBlock, TokenMap
+from medusa_jax.heads import HeadsBase, HeadsConfig, ResBlock, head_lm_head, head_logits
 from medusa_jax.tree import TreeBuffers
 
 
@@ -47,8 +47,7 @@ class HydraHead(nnx.Module):
         else:
             self.input_proj = nnx.Linear(path_len * d, d, use_bias=False, kernel_init=nnx.initializers.zeros, **kw)
         self.blocks = nnx.List([ResBlock(d, dtype, rngs) for _ in range(config.num_layers)])
-        self.lm_head = None if config.lm_head == "shared" else nnx.Linear(
-            d, config.head_vocab_size, use_bias=False, **kw)
+        self.lm_head = head_lm_head(config, dtype, rngs)
 
     def __call__(self, hidden_xd, path_embeds_xjd):
         """[..., D] hidden states and [..., j, D] path-token embeddings -> [..., D] (before the lm_head)."""
@@ -62,31 +61,17 @@ class HydraHead(nnx.Module):
         return x
 
 
-class HydraHeads(nnx.Module):
-    def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
-        if config.head_type != "hydra":
-            raise ValueError(f"HydraHeads needs head_type='hydra', got {config.head_type!r}")
-        self.config = config
-        self.heads = nnx.List([HydraHead(config, i, rngs) for i in range(config.num_heads)])
-        if config.lm_head == "truncated":
-            ids = np.arange(config.truncated_vocab_size) if token_map is None else np.asarray(token_map)
-            if ids.shape != (config.truncated_vocab_size,):
-                raise ValueError(f"token_map has shape {ids.shape}, expected ({config.truncated_vocab_size},)")
-            self.token_map = TokenMap(jnp.asarray(ids, jnp.int32))
-        else:
-            self.token_map = None
+class HydraHeads(HeadsBase):
+    head_type = "hydra"
 
-    def to_full_vocab(self, head_token_ids: jax.Array) -> jax.Array:
-        if self.token_map is None:
-            return head_token_ids
-        return self.token_map[...][head_token_ids]
+    def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
+        super().__init__(config, [HydraHead(config, i, rngs) for i in range(config.num_heads)], token_map)
 
     def head_logits(self, index: int, hidden_xd: jax.Array, path_tokens_xj: jax.Array, base: CausalLM) -> jax.Array:
         """Head `index`'s fp32 logits [..., V_head] from hidden states [..., D] and the index + 1 path tokens
         [..., index + 1] (root first)."""
         head = self.heads[index]
-        h = head(hidden_xd, base.embed_tokens(path_tokens_xj))
-        return base.logits(h) if head.lm_head is None else head.lm_head(h).astype(jnp.float32)
+        return head_logits(head, head(hidden_xd, base.embed_tokens(path_tokens_xj)), base)
 
     def tree_tokens(self, hidden_bd: jax.Array, root_b: jax.Array, base: CausalLM, tree: TreeBuffers) -> jax.Array:
         """[B, T] tokens of every tree node (node 0 = root_b), drafted depth by depth along each node's path."""

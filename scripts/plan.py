@@ -53,7 +53,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from medusa_jax.plan import PlanConfig, device_capacity
+    from medusa_jax.bench.plan import PlanConfig, device_capacity
     from medusa_jax.presets import model_config
     from medusa_jax.sharding import MeshConfig
 
@@ -76,9 +76,9 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    from medusa_jax.plan import compile_plan, largest_batch
-    from medusa_jax.plan_estimate import estimate
-    from medusa_jax.plan_report import describe, warnings
+    from medusa_jax.bench.plan import compile_plan, largest_batch
+    from medusa_jax.bench.plan_estimate import estimate
+    from medusa_jax.bench.plan_report import describe, warnings
 
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     try:

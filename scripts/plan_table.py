@@ -41,9 +41,9 @@ def main(argv=None) -> int:
 
     jax.config.update("jax_platforms", "cpu")
     from medusa_jax.atomic import write_text_atomic
-    from medusa_jax.plan import DEVICES
-    from medusa_jax.plan_estimate import estimate, lower_bound
-    from medusa_jax.plan_report import markdown_table, plan_row, row_config, table_rows
+    from medusa_jax.bench.plan import DEVICES
+    from medusa_jax.bench.plan_estimate import estimate, lower_bound
+    from medusa_jax.bench.plan_report import markdown_table, plan_row, row_config, table_rows
 
     columns = {"8x H100-80G": ("gpu", DEVICES["h100-80g"]), "8x H200-141G": ("gpu", DEVICES["h200-141g"]),
                "TPU v5e-16 (16 x 16 GB)": ("v5e", DEVICES["tpu-v5e-16g"])}

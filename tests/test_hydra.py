@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.heads import HeadsConfig, init_heads
+from medusa_jax.heads import HeadsConfig
+from medusa_jax.heads_init import init_heads
 from medusa_jax.hf_import import load_pretrained
 from medusa_jax.hydra_heads import HydraHeads
 from medusa_jax.tree import load_tree

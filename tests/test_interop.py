@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from medusa_jax.heads import HeadsConfig, init_heads
+from medusa_jax.heads import HeadsConfig
+from medusa_jax.heads_init import init_heads
 from medusa_jax.heads_import import detect_layout, load_heads
 from medusa_jax.heads_interop import ExportError, export_heads, serving_notes
 from medusa_jax.heads_io import heads_tensors, save_heads

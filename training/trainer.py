@@ -36,7 +36,8 @@ from jax.sharding import Mesh
 from medusa_jax import sharding as shd
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import MedusaHeads, heads_class
+from medusa_jax.heads import MedusaHeads
+from medusa_jax.heads_init import heads_class
 from medusa_jax.hydra_heads import path_tokens
 from medusa_jax.kv_cache import KVCache
 from medusa_jax.training import hydra_losses, losses
@@ -190,7 +191,8 @@ class Trainer:
 
     def __init__(self, base: CausalLM, heads: MedusaHeads, config: TrainConfig, mesh: Mesh, abstract: bool = False):
         """`abstract`: base and heads come from `nnx.eval_shape`; the state is shapes and shardings only
-        (jax.ShapeDtypeStruct), nothing is allocated, and only `jitted_step(...).lower` is usable (medusa_jax.plan)."""
+        (jax.ShapeDtypeStruct), nothing is allocated, and only `jitted_step(...).lower` is usable
+        (medusa_jax.bench.plan)."""
         self.config, self.mesh = config, mesh
         shd.validate_model_mesh(base.config, mesh)
         if heads.config.head_type == "hydra" and config.medusa2:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from medusa_jax.plan import CompiledPlan, PlanConfig, compile_plan, fits
-from medusa_jax.plan_estimate import Estimate
+from medusa_jax.bench.plan import CompiledPlan, PlanConfig, compile_plan, fits
+from medusa_jax.bench.plan_estimate import Estimate
 from medusa_jax.presets import model_config
 from medusa_jax.sharding import MeshConfig
 
