@@ -393,6 +393,7 @@ def smollm2(smollm2_dir):
     return base, hf, hf_hidden_1pd, jax_hidden_1pd
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["shipped", "random-shared"])
 def test_smollm2_exported_heads_predict_like_jax(smollm2, tmp_path, source):
     base, hf, hf_hidden, jax_hidden = smollm2

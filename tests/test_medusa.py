@@ -249,6 +249,7 @@ def test_compact_accepted_moves_only_the_path():
     assert out.lengths_b.tolist() == [3, 5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
 def test_smollm2_medusa_equals_plain_greedy(smollm2_dir, head_type):
     from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer
