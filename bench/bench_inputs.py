@@ -23,35 +23,11 @@ import jax
 from medusa_jax.atomic import write_text_atomic
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads
+from medusa_jax.assets import resolve_heads_dir, resolve_model_dir
 from medusa_jax.heads_import import load_heads
 from medusa_jax.hf_import import load_pretrained
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
 from medusa_jax.bench.mtbench import MTBenchQuestion, load_mtbench_questions
-
-
-def resolve_model_dir(model: str | os.PathLike) -> Path:
-    if str(model) == "smollm2":
-        from medusa_jax.real_model import prepare_smollm2
-
-        return prepare_smollm2()
-    folder = Path(model)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: not a model folder (no config.json); pass a HF folder or 'smollm2'")
-    return folder
-
-
-def resolve_heads(heads: str | os.PathLike) -> Path:
-    if str(heads) == "default":
-        try:
-            from medusa_jax.assets import resolve_heads_dir
-        except ImportError as e:
-            raise FileNotFoundError("--heads default: this installation ships no heads "
-                                    "(medusa_jax.assets is missing); pass a heads folder") from e
-        return Path(resolve_heads_dir("default"))
-    folder = Path(heads)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: heads folder does not exist")
-    return folder
 
 
 @dataclasses.dataclass
@@ -72,7 +48,7 @@ class LoadedModel:
 def load_model(model: str | os.PathLike, heads: str | os.PathLike | None, dtype: str = "float32") -> LoadedModel:
     folder = resolve_model_dir(model)
     base = load_pretrained(folder, dtype=dtype)
-    heads_folder = resolve_heads(heads) if heads is not None else None
+    heads_folder = resolve_heads_dir(heads) if heads is not None else None
     loaded_heads = load_heads(heads_folder, base=base, dtype=dtype) if heads_folder is not None else None
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(folder, tokenizer)

@@ -22,8 +22,9 @@ from flax import nnx
 from medusa_jax import tree_search
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import ModelConfig
-from medusa_jax.heads import HeadsConfig, init_heads
-from medusa_jax.hf_import import fill_state
+from medusa_jax.heads import HeadsConfig
+from medusa_jax.heads_init import init_heads
+from medusa_jax.nnx_paths import fill_state
 from medusa_jax.tree import build_tree
 from medusa_jax.bench import step_cost
 

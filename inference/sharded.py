@@ -224,7 +224,7 @@ class ShardedModel:
 
     def abstract_inputs(self, batch_size: int, prompt_len: int, cache_size: int) -> tuple:
         """(cache, prompt_bt, prompt_lens_b, key) as jax.ShapeDtypeStructs in their mesh layouts: lowering a
-        decode loop on them allocates nothing (medusa_jax.plan)."""
+        decode loop on them allocates nothing (medusa_jax.bench.plan)."""
         rows_2d, rows_1d, rep = batch_sharding(self.mesh, 2), batch_sharding(self.mesh, 1), replicated(self.mesh)
         cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                              jax.eval_shape(lambda: KVCache.zeros(self.config, batch_size, cache_size)),
@@ -306,7 +306,8 @@ def load_sharded(model_dir, heads_dir=None, mesh: MeshConfig | Mesh | None = Non
     """A HF model folder read straight into its mesh layout (each device reads its own slice), plus heads
     from a folder in any layout `heads_import.load_heads` reads, as a ShardedModel. `random_heads` = K > 0
     instead adds K untrained heads sharing the base lm_head (for timing runs before trained heads exist)."""
-    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.heads import HeadsConfig
+    from medusa_jax.heads_init import init_heads
     from medusa_jax.heads_import import load_heads
     from medusa_jax.hf_import import load_pretrained
     from medusa_jax.sharding import sharding_for

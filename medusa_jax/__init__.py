@@ -1,0 +1,95 @@
+"""medusa-jax: MEDUSA speculative decoding in pure JAX / Flax NNX.
+
+Public API (imported lazily, so `import medusa_jax` stays cheap and core modules never pull in the decoders):
+
+    from medusa_jax import load_pretrained, load_heads, generate, generate_medusa
+    model = load_pretrained(folder)                     # a Flax NNX CausalLM from a local HF folder
+    heads = load_heads("heads/", base=model)            # native, FasterDecoding/TGI or vLLM layout
+    out = generate_medusa(model, heads, [prompt_ids], max_new_tokens=64)
+
+Layers (enforced by tests/test_layers.py; arrows point at what a layer may import):
+
+    scripts/  ->  bench/  ->  training/  ->  inference/  ->  medusa_jax/*.py (core)
+
+Core (config, backbone, KV cache, heads, trees, sharding, HF and heads import/export, text) imports none of
+the others; inference/ (the decoders) imports only core; training/ imports core and inference; bench/
+(benchmarks, profilers, oracles, tree timing) imports anything but scripts/; scripts/ are thin command lines.
+No module imports itself back through a cycle, at module level or inside a function. This file's lazy table
+below is the one exemption: it names the user-facing entry points of every layer.
+
+Axis legend: an array's name ends in one letter per axis, outermost first (`k_lbskh` is indexed
+[layer, batch, slot, kv_head, head_width]). One letter means one axis everywhere in the project.
+
+    b  batch rows                       t  query tokens of one call (prompt positions, verify-tree nodes,
+    s  KV-cache slots (key positions)      training positions)
+    d  model width (hidden size)        f  MLP width (intermediate size)
+    n  query heads                      k  KV heads
+    g  query heads per KV head          h  head width (head_dim)
+    v  vocabulary                       u  a truncated head vocabulary (token_map)
+    l  layers                           o  generated output tokens per row
+    x  any flattened leading axes
+  Medusa:
+    m  Medusa / Hydra heads             r  top-k ranks of a head
+    c  candidate paths (tree leaves, rows of the retrieve table)
+    e  depth along a path (0 = the root)
+
+Examples: the KV cache k_lbskh / v_lbskh; hidden states hidden_btd; logits logits_btv; the heads' top-k ids
+ids_mbr; a head's lm_head weight lm_head_dv; generated tokens out_bo; the retrieve table retrieve_ce (for
+each candidate path, its node at each depth); an attention mask over the cache mask_bts.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# name -> module that defines it. Every entry is a user-facing name; tests/test_api.py resolves them all.
+_API = {
+    # models and heads
+    "ModelConfig": "medusa_jax.config",
+    "CausalLM": "medusa_jax.backbone",
+    "KVCache": "medusa_jax.kv_cache",
+    "HeadsConfig": "medusa_jax.heads",
+    "MedusaHeads": "medusa_jax.heads",
+    "init_heads": "medusa_jax.heads_init",
+    "MeshConfig": "medusa_jax.sharding",
+    # loading and saving (HF folders, heads in every layout, trees)
+    "load_pretrained": "medusa_jax.hf_import",
+    "save_pretrained": "medusa_jax.hf_export",
+    "load_heads": "medusa_jax.heads_import",
+    "save_heads": "medusa_jax.heads_io",
+    "export_heads": "medusa_jax.heads_interop",
+    "load_tree": "medusa_jax.tree",
+    "build_tree": "medusa_jax.tree",
+    "TreeBuffers": "medusa_jax.tree",
+    "prepare_smollm2": "medusa_jax.real_model",
+    "resolve_model_dir": "medusa_jax.assets",
+    "resolve_heads_dir": "medusa_jax.assets",
+    # text
+    "load_tokenizer": "medusa_jax.text",
+    "encode_prompt": "medusa_jax.text",
+    "eos_token_ids": "medusa_jax.text",
+    # decoding: one front-end (inference/api.py); a single device is a mesh of one
+    "generate": "medusa_jax.inference.api",
+    "generate_medusa": "medusa_jax.inference.api",
+    "generate_batch": "medusa_jax.inference.api",
+    "BatchSettings": "medusa_jax.inference.api",
+    "GenerationResult": "medusa_jax.inference.api",
+    "load_sharded": "medusa_jax.inference.sharded",
+    "SamplingConfig": "medusa_jax.inference.sampling",
+    "AcceptanceConfig": "medusa_jax.inference.acceptance",
+}
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    module = _API.get(name)
+    if module is None:
+        raise AttributeError(f"module 'medusa_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -64,23 +64,23 @@ def window_index(mask_bts: jax.Array, windows: tuple[int, ...],
     return jnp.sum(bounds[None, :] < reach_g[:, None], axis=1).astype(jnp.int32)
 
 
-def grouped_attention(q_btkgd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(d), masked) v over the given slots; q heads grouped per KV head. Softmax in fp32."""
-    d = q_btkgd.shape[-1]
-    scores_bkgts = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_bskd.astype(q_btkgd.dtype))
-    scores_bkgts = scores_bkgts.astype(jnp.float32) * (d ** -0.5)
+def grouped_attention(q_btkgh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(h), masked) v over the given slots; q heads grouped per KV head. Softmax in fp32."""
+    h = q_btkgh.shape[-1]
+    scores_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh.astype(q_btkgh.dtype))
+    scores_bkgts = scores_bkgts.astype(jnp.float32) * (h ** -0.5)
     scores_bkgts = jnp.where(mask_bts[:, None, None, :, :], scores_bkgts, _NEG_INF)
-    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(q_btkgd.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs_bkgts, v_bskd.astype(q_btkgd.dtype))
+    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(q_btkgh.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh.astype(q_btkgh.dtype))
 
 
-def cached_attention(q_btkgd: jax.Array, k_lbshd: jax.Array, v_lbshd: jax.Array, layer: int, mask_bts: jax.Array,
+def cached_attention(q_btkgh: jax.Array, k_lbshd: jax.Array, v_lbshd: jax.Array, layer: int, mask_bts: jax.Array,
                      index: jax.Array | None, groups: tuple[tuple[int, int], ...] | None = None) -> jax.Array:
     """Attention of q over layer `layer` of the stacked cache, reading only window `index` of
     `attention_windows(S)` (None: the whole cache). With `groups` (see `row_groups`), `index` is [G] and
     rows [start, stop) of group g read window index[g]."""
     windows = attention_windows(k_lbshd.shape[2])
-    b = q_btkgd.shape[0]
+    b = q_btkgh.shape[0]
     if index is None or len(windows) == 1:
         index, groups = None, ((0, b),)
     elif groups is None:
@@ -95,8 +95,8 @@ def cached_attention(q_btkgd: jax.Array, k_lbshd: jax.Array, v_lbshd: jax.Array,
     outs = []
     for g, (start, stop) in enumerate(groups):
         if index is None:
-            outs.append(over(windows[-1], start, stop)(q_btkgd, k_lbshd, v_lbshd, mask_bts))
+            outs.append(over(windows[-1], start, stop)(q_btkgh, k_lbshd, v_lbshd, mask_bts))
         else:
             outs.append(jax.lax.switch(index[g], [over(w, start, stop) for w in windows],
-                                       q_btkgd, k_lbshd, v_lbshd, mask_bts))
+                                       q_btkgh, k_lbshd, v_lbshd, mask_bts))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)

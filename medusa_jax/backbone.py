@@ -52,14 +52,14 @@ class Attention(nnx.Module):
         cfg = self.config
         b, t, _ = x_btd.shape
         kv, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-        q_bthd = apply_rope(self.q_proj(x_btd).reshape(b, t, cfg.num_heads, d), positions_bt, inv_freq)
-        k_btkd = apply_rope(self.k_proj(x_btd).reshape(b, t, kv, d), positions_bt, inv_freq)
-        v_btkd = self.v_proj(x_btd).reshape(b, t, kv, d)
-        k_lbshd = write_layer_rows(k_lbshd, layer, k_btkd, lengths_b)
-        v_lbshd = write_layer_rows(v_lbshd, layer, v_btkd, lengths_b)
-        out_btkgd = cached_attention(q_bthd.reshape(b, t, kv, group, d), k_lbshd, v_lbshd, layer, mask_bts, window,
+        q_btnh = apply_rope(self.q_proj(x_btd).reshape(b, t, cfg.num_heads, d), positions_bt, inv_freq)
+        k_btkh = apply_rope(self.k_proj(x_btd).reshape(b, t, kv, d), positions_bt, inv_freq)
+        v_btkh = self.v_proj(x_btd).reshape(b, t, kv, d)
+        k_lbshd = write_layer_rows(k_lbshd, layer, k_btkh, lengths_b)
+        v_lbshd = write_layer_rows(v_lbshd, layer, v_btkh, lengths_b)
+        out_btkgh = cached_attention(q_btnh.reshape(b, t, kv, group, d), k_lbshd, v_lbshd, layer, mask_bts, window,
                                      groups)
-        return self.o_proj(out_btkgd.reshape(b, t, cfg.num_heads * d)), k_lbshd, v_lbshd
+        return self.o_proj(out_btkgh.reshape(b, t, cfg.num_heads * d)), k_lbshd, v_lbshd
 
 
 class MLP(nnx.Module):

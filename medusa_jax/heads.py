@@ -24,7 +24,8 @@ from medusa_jax.config import resolve_dtype
 from medusa_jax.kv_cache import KVCache
 
 LM_HEAD_MODES = ("own", "shared", "truncated")
-HEAD_TYPES = ("medusa", "hydra")  # hydra: heads that also see the drafted tokens (medusa_jax.hydra_heads)
+HEAD_TYPES = ("medusa", "hydra")  # hydra: heads that also see the drafted tokens (medusa_jax.hydra_heads);
+# medusa_jax.heads_init builds either kind
 HYDRA_INPUTS = ("concat", "add")
 
 
@@ -90,49 +91,36 @@ class ResBlock(nnx.Module):
         return x + jax.nn.silu(self.linear(x))
 
 
-class MedusaHead(nnx.Module):
-    def __init__(self, config: HeadsConfig, rngs: nnx.Rngs):
-        dtype = resolve_dtype(config.dtype)
-        self.blocks = nnx.List([ResBlock(config.hidden_size, dtype, rngs) for _ in range(config.num_layers)])
-        self.lm_head = None if config.lm_head == "shared" else nnx.Linear(
-            config.hidden_size, config.head_vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
-
-    def __call__(self, hidden):
-        for block in self.blocks:
-            hidden = block(hidden)
-        return hidden
+def head_lm_head(config: HeadsConfig, dtype, rngs: nnx.Rngs) -> nnx.Linear | None:
+    """A head's own [D, V_head] projection, or None in "shared" mode (the base lm_head is used)."""
+    if config.lm_head == "shared":
+        return None
+    return nnx.Linear(config.hidden_size, config.head_vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+                      rngs=rngs)
 
 
-class MedusaHeads(nnx.Module):
-    def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
-        if config.head_type != "medusa":
-            raise ValueError(f"MedusaHeads needs head_type='medusa', got {config.head_type!r}")
+def head_logits(head: nnx.Module, hidden_xd: jax.Array, base: CausalLM) -> jax.Array:
+    """[..., D] states after a head's blocks -> [..., V_head] fp32 logits through its lm_head (or the base's)."""
+    return base.logits(hidden_xd) if head.lm_head is None else head.lm_head(hidden_xd).astype(jnp.float32)
+
+
+class HeadsBase(nnx.Module):
+    """What Medusa and Hydra heads share: the config, the list of heads and the truncated-vocab token map."""
+
+    head_type = ""  # the HeadsConfig.head_type a subclass implements
+
+    def __init__(self, config: HeadsConfig, heads: list[nnx.Module], token_map: np.ndarray | None):
+        if config.head_type != self.head_type:
+            raise ValueError(f"{type(self).__name__} needs head_type={self.head_type!r}, got {config.head_type!r}")
         self.config = config
-        self.heads = nnx.List([MedusaHead(config, rngs) for _ in range(config.num_heads)])
+        self.heads = nnx.List(heads)
         if config.lm_head == "truncated":
-            ids = np.arange(config.truncated_vocab_size) if token_map is None else np.asarray(token_map)
-            if ids.shape != (config.truncated_vocab_size,):
-                raise ValueError(f"token_map has shape {ids.shape}, expected ({config.truncated_vocab_size},)")
-            self.token_map = TokenMap(jnp.asarray(ids, jnp.int32))
+            ids_u = np.arange(config.truncated_vocab_size) if token_map is None else np.asarray(token_map)
+            if ids_u.shape != (config.truncated_vocab_size,):
+                raise ValueError(f"token_map has shape {ids_u.shape}, expected ({config.truncated_vocab_size},)")
+            self.token_map = TokenMap(jnp.asarray(ids_u, jnp.int32))
         else:
             self.token_map = None
-
-    def head_hidden(self, hidden_xd: jax.Array) -> jax.Array:
-        """[..., D] base hidden states -> [K, ..., D] per-head states (after the ResBlocks)."""
-        return jnp.stack([head(hidden_xd) for head in self.heads])
-
-    def logits(self, hidden_xd: jax.Array, base: CausalLM, num_heads: int | None = None) -> jax.Array:
-        """[..., D] -> [K, ..., V_head] fp32 logits (V_head = truncated_vocab_size in truncated mode) of the
-        first num_heads heads (all by default)."""
-        if self.config.lm_head == "shared":
-            # one matmul for all heads: the base lm_head is read once, not once per head (~30 -> 20 ms for
-            # 4 SmolLM2 heads on 2 CPU cores)
-            return base.logits(jnp.stack([head(hidden_xd) for head in self.heads[:num_heads]]))
-        outs = []
-        for head in self.heads[:num_heads]:
-            h = head(hidden_xd)
-            outs.append(base.logits(h) if head.lm_head is None else head.lm_head(h).astype(jnp.float32))
-        return jnp.stack(outs)
 
     def to_full_vocab(self, head_token_ids: jax.Array) -> jax.Array:
         """Maps ids in the head's vocabulary (truncated or not) to full-vocabulary ids."""
@@ -140,37 +128,43 @@ class MedusaHeads(nnx.Module):
             return head_token_ids
         return self.token_map[...][head_token_ids]
 
+
+class MedusaHead(nnx.Module):
+    def __init__(self, config: HeadsConfig, rngs: nnx.Rngs):
+        dtype = resolve_dtype(config.dtype)
+        self.blocks = nnx.List([ResBlock(config.hidden_size, dtype, rngs) for _ in range(config.num_layers)])
+        self.lm_head = head_lm_head(config, dtype, rngs)
+
+    def __call__(self, hidden_xd):
+        for block in self.blocks:
+            hidden_xd = block(hidden_xd)
+        return hidden_xd
+
+
+class MedusaHeads(HeadsBase):
+    head_type = "medusa"
+
+    def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
+        super().__init__(config, [MedusaHead(config, rngs) for _ in range(config.num_heads)], token_map)
+
+    def head_hidden(self, hidden_xd: jax.Array) -> jax.Array:
+        """[..., D] base hidden states -> [M, ..., D] per-head states (after the ResBlocks)."""
+        return jnp.stack([head(hidden_xd) for head in self.heads])
+
+    def logits(self, hidden_xd: jax.Array, base: CausalLM, num_heads: int | None = None) -> jax.Array:
+        """[..., D] -> [M, ..., V_head] fp32 logits (V_head = truncated_vocab_size in truncated mode) of the
+        first num_heads heads (all by default)."""
+        if self.config.lm_head == "shared":
+            # one matmul for all heads: the base lm_head is read once, not once per head (~30 -> 20 ms for
+            # 4 SmolLM2 heads on 2 CPU cores)
+            return base.logits(jnp.stack([head(hidden_xd) for head in self.heads[:num_heads]]))
+        return jnp.stack([head_logits(head, head(hidden_xd), base) for head in self.heads[:num_heads]])
+
     def top_k(self, hidden_xd: jax.Array, base: CausalLM, k: int, num_heads: int | None = None) -> jax.Array:
-        """[..., D] -> [K, ..., k] int32 full-vocab ids of each head's k best tokens, best first (first
+        """[..., D] -> [M, ..., r] int32 full-vocab ids of each head's k best tokens, best first (first
         num_heads heads only when given)."""
-        _, ids = jax.lax.top_k(self.logits(hidden_xd, base, num_heads), k)
-        return self.to_full_vocab(ids.astype(jnp.int32))
-
-
-def heads_class(config: HeadsConfig) -> type:
-    """MedusaHeads or HydraHeads, by config.head_type (both take (config, rngs, token_map=None))."""
-    if config.head_type == "hydra":
-        from medusa_jax.hydra_heads import HydraHeads
-
-        return HydraHeads
-    return MedusaHeads
-
-
-def init_heads(config: HeadsConfig, base: CausalLM, seed: int = 0,
-               token_map: np.ndarray | None = None) -> MedusaHeads:
-    """Fresh heads (Medusa or Hydra, by config.head_type): identity ResBlocks; own lm_heads copy the base
-    lm_head (rows of token_map if truncated)."""
-    if config.hidden_size != base.config.hidden_size or config.vocab_size != base.config.vocab_size:
-        raise ValueError(f"heads (hidden {config.hidden_size}, vocab {config.vocab_size}) do not match the base "
-                         f"model (hidden {base.config.hidden_size}, vocab {base.config.vocab_size})")
-    heads = heads_class(config)(config, nnx.Rngs(seed), token_map=token_map)
-    if config.lm_head != "shared":
-        base_w_dv = base.lm_head_weight()
-        if config.lm_head == "truncated":
-            base_w_dv = base_w_dv[:, heads.token_map[...]]
-        for head in heads.heads:
-            head.lm_head.kernel[...] = base_w_dv.astype(head.lm_head.kernel[...].dtype)
-    return heads
+        _, ids_mxr = jax.lax.top_k(self.logits(hidden_xd, base, num_heads), k)
+        return self.to_full_vocab(ids_mxr.astype(jnp.int32))
 
 
 class MedusaModel(nnx.Module):

@@ -26,7 +26,9 @@ import numpy as np
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import HeadsConfig, MedusaHeads
-from medusa_jax.heads_interop import ExportError, MEDUSA_WEIGHTS, MEDUSA_WEIGHTS_PT, check_token_map
+from medusa_jax.heads_interop import ExportError, check_token_map
+from medusa_jax.heads_layouts import (MEDUSA, MEDUSA_WEIGHTS, MEDUSA_WEIGHTS_PT, NATIVE, VLLM,
+                                      VLLM_SHARED_LM_HEAD)
 from medusa_jax.heads_trees import attach_trees, read_trees
 from medusa_jax.heads_io import FORMAT, heads_from_tensors, heads_tensors, load_native_heads
 from medusa_jax.tensor_files import (CheckpointError, SafetensorsFile, TensorSource, find_model_weights,
@@ -129,12 +131,12 @@ def _assemble(blocks, lms, token_map, *, hidden, vocab, base_vd, raw, dtype, ori
     native: dict[str, np.ndarray] = {}
     for h, (head_blocks, lm) in enumerate(zip(blocks, lms)):
         for l, (w, b) in enumerate(head_blocks):
-            native[f"heads.{h}.blocks.{l}.linear.kernel"] = np.asarray(w).T
-            native[f"heads.{h}.blocks.{l}.linear.bias"] = np.asarray(b)
+            native[NATIVE.weight(h, l)] = np.asarray(w).T
+            native[NATIVE.bias(h, l)] = np.asarray(b)
         if mode != "shared":
-            native[f"heads.{h}.lm_head.kernel"] = np.asarray(lm).T
+            native[NATIVE.lm(h)] = np.asarray(lm).T
     if token_map is not None:
-        native["token_map"] = token_map.astype(np.int32)
+        native[NATIVE.token_map] = token_map.astype(np.int32)
     return heads_from_tensors(config, native, origin)
 
 
@@ -149,21 +151,22 @@ def _load_medusa(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> M
     origin = str(path)
     heads = num_heads if num_heads is not None else _field(raw, origin, "medusa_num_heads")
     layers = _field(raw, origin, "medusa_num_layers")
-    lm_keys = sorted((n for n in tensors if re.fullmatch(rf"\d+\.{layers}\.weight", n)), key=_natural)
+    lm_keys = sorted((n for n in tensors if re.fullmatch(MEDUSA.lm_re(layers), n)), key=_natural)
     v1 = bool(lm_keys)
     if layers == 0 and not v1:
         raise CheckpointError(f"{origin}: medusa_num_layers is 0 and there is no lm_head tensor: nothing to load")
-    some_w = tensors.get("0.0.linear.weight") if layers else tensors.get(f"0.{layers}.weight")
+    first = MEDUSA.weight(0, 0) if layers else MEDUSA.lm(0, layers)
+    some_w = tensors.get(first)
     if some_w is None:
-        raise CheckpointError(f"{origin}: missing tensor {'0.0.linear.weight' if layers else '0.0.weight'}")
+        raise CheckpointError(f"{origin}: missing tensor {first}")
     hidden = int(some_w.shape[-1])
     if v1:
         vocab = int(tensors[lm_keys[0]].shape[0])
     else:
         vocab = (raw or {}).get("vocab_size") or (base_config.vocab_size if base_config is not None else None)
     if vocab is None:
-        raise CheckpointError(f"{origin}: cannot tell the vocabulary size (no lm_head tensor 0.{layers}.weight, "
-                              f"no vocab_size in config.json, no base model config given)")
+        raise CheckpointError(f"{origin}: cannot tell the vocabulary size (no lm_head tensor "
+                              f"{MEDUSA.lm(0, layers)}, no vocab_size in config.json, no base model config given)")
     vocab = int(vocab)
     if str((raw or {}).get("version", "")) == "2" and v1:
         raise CheckpointError(f"{origin}: config.json says version 2 (no per-head lm_head) but the file holds "
@@ -171,15 +174,15 @@ def _load_medusa(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> M
     expected = {}
     for h in range(heads):
         for l in range(layers):
-            expected[f"{h}.{l}.linear.weight"] = (hidden, hidden)
-            expected[f"{h}.{l}.linear.bias"] = (hidden,)
+            expected[MEDUSA.weight(h, l)] = (hidden, hidden)
+            expected[MEDUSA.bias(h, l)] = (hidden,)
         if v1:
-            expected[f"{h}.{layers}.weight"] = (vocab, hidden)
-    _check_names(origin, tensors, expected, r"(\d+)\.", heads, "medusa_num_heads")
+            expected[MEDUSA.lm(h, layers)] = (vocab, hidden)
+    _check_names(origin, tensors, expected, MEDUSA.head_index_re, heads, "medusa_num_heads")
     _check_sizes(origin, hidden, vocab, raw, base_config)
-    blocks = [[(tensors[f"{h}.{l}.linear.weight"], tensors[f"{h}.{l}.linear.bias"]) for l in range(layers)]
+    blocks = [[(tensors[MEDUSA.weight(h, l)], tensors[MEDUSA.bias(h, l)]) for l in range(layers)]
               for h in range(heads)]
-    lms = [tensors[f"{h}.{layers}.weight"] if v1 else None for h in range(heads)]
+    lms = [tensors[MEDUSA.lm(h, layers)] if v1 else None for h in range(heads)]
     return _assemble(blocks, lms, None, hidden=hidden, vocab=vocab, base_vd=base_vd, raw=raw, dtype=dtype,
                      origin=origin)
 
@@ -194,11 +197,11 @@ def _load_vllm(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> Med
     head_vocab = int(raw.get("truncated_vocab_size") or vocab)
     bias, original = bool(raw.get("medusa_fc_bias", False)), bool(raw.get("original_lm_head", False))
     token_map = None
-    if "token_map" in tensors:
+    if VLLM.token_map in tensors:
         if head_vocab == vocab:
             raise CheckpointError(f"{origin}: has a token_map but truncated_vocab_size == vocab_size ({vocab}); "
                                   f"vLLM ignores the map then: remove it or set truncated_vocab_size")
-        token_map = np.asarray(tensors["token_map"])
+        token_map = np.asarray(tensors[VLLM.token_map])
         try:
             check_token_map(token_map, head_vocab, vocab, origin)
         except ExportError as e:
@@ -206,24 +209,24 @@ def _load_vllm(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> Med
     elif head_vocab < vocab:
         raise CheckpointError(f"{origin}: truncated_vocab_size {head_vocab} < vocab_size {vocab} needs a "
                               f"token_map tensor, which is missing")
-    lm_names = [f"lm_heads.{h}.weight" for h in range(heads)]
+    lm_names = [VLLM.lm(h) for h in range(heads)]
     if original:  # vLLM reads the shared lm_head as `lm_heads.0.weight` (or directly as `lm_head.weight`)
-        lm_names = ["lm_head.weight" if "lm_head.weight" in tensors else "lm_heads.0.weight"]
+        lm_names = [VLLM_SHARED_LM_HEAD if VLLM_SHARED_LM_HEAD in tensors else VLLM.lm(0)]
     lm_rows = {n: (vocab if token_map is not None and n in tensors and tensors[n].shape[0] == vocab
                    else head_vocab) for n in lm_names}  # vLLM slices full-vocab rows by token_map
     expected = {n: (lm_rows[n], hidden) for n in lm_names}
     for h in range(heads):
         for l in range(layers):
-            expected[f"blocks.{h}.layers.{l}.weight"] = (hidden, hidden)
+            expected[VLLM.weight(h, l)] = (hidden, hidden)
             if bias:
-                expected[f"blocks.{h}.layers.{l}.bias"] = (hidden,)
+                expected[VLLM.bias(h, l)] = (hidden,)
     if token_map is not None:
-        expected["token_map"] = (head_vocab,)
-    _check_names(origin, tensors, expected, r"(?:blocks|lm_heads)\.(\d+)\.", heads, "num_heads")
+        expected[VLLM.token_map] = (head_vocab,)
+    _check_names(origin, tensors, expected, VLLM.head_index_re, heads, "num_heads")
     _check_sizes(origin, hidden, vocab, None, base_config)
     zeros = np.zeros((hidden,), np.float32)
-    blocks = [[(tensors[f"blocks.{h}.layers.{l}.weight"], tensors[f"blocks.{h}.layers.{l}.bias"] if bias else zeros)
-               for l in range(layers)] for h in range(heads)]
+    blocks = [[(tensors[VLLM.weight(h, l)], tensors[VLLM.bias(h, l)] if bias else zeros) for l in range(layers)]
+              for h in range(heads)]
     lms = [tensors[lm_names[0 if original else h]] for h in range(heads)]
     if token_map is not None:
         lms = [lm[token_map] if lm.shape[0] == vocab else lm for lm in lms]

@@ -34,12 +34,10 @@ from medusa_jax.atomic import atomic_folder
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import resolve_dtype
 from medusa_jax.heads import MedusaHeads
+from medusa_jax.heads_layouts import MEDUSA, MEDUSA_WEIGHTS, VLLM, VLLM_WEIGHTS
 from medusa_jax.tensor_files import write_safetensors
 
 FORMATS = ("medusa", "vllm")
-MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
-MEDUSA_WEIGHTS_PT = "medusa_lm_head.pt"
-VLLM_WEIGHTS = "model.safetensors"
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -119,16 +117,16 @@ def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "
     if format == "medusa":
         for h, (blocks, lm) in enumerate(per_head):
             for l, (w, b) in enumerate(blocks):
-                tensors[f"{h}.{l}.linear.weight"] = cast(w)
-                tensors[f"{h}.{l}.linear.bias"] = cast(b)
+                tensors[MEDUSA.weight(h, l)] = cast(w)
+                tensors[MEDUSA.bias(h, l)] = cast(b)
             if cfg.lm_head == "truncated":
                 full = np.zeros((cfg.vocab_size, cfg.hidden_size), np_dtype)
                 full[token_map] = cast(lm)
-                tensors[f"{h}.{cfg.num_layers}.weight"] = full
+                tensors[MEDUSA.lm(h, cfg.num_layers)] = full
             elif lm is not None:
-                tensors[f"{h}.{cfg.num_layers}.weight"] = cast(lm)
+                tensors[MEDUSA.lm(h, cfg.num_layers)] = cast(lm)
             elif materialize_lm_head:
-                tensors[f"{h}.{cfg.num_layers}.weight"] = base_vd
+                tensors[MEDUSA.lm(h, cfg.num_layers)] = base_vd
         config = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
                   "base_model_name_or_path": name, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
         if cfg.lm_head == "shared" and not materialize_lm_head:
@@ -137,14 +135,14 @@ def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "
         original_lm_head = cfg.lm_head == "shared" and not materialize_lm_head
         for h, (blocks, lm) in enumerate(per_head):
             for l, (w, b) in enumerate(blocks):
-                tensors[f"blocks.{h}.layers.{l}.weight"] = cast(w)
-                tensors[f"blocks.{h}.layers.{l}.bias"] = cast(b)
+                tensors[VLLM.weight(h, l)] = cast(w)
+                tensors[VLLM.bias(h, l)] = cast(b)
             if lm is not None:
-                tensors[f"lm_heads.{h}.weight"] = cast(lm)
+                tensors[VLLM.lm(h)] = cast(lm)
             elif materialize_lm_head or h == 0:
-                tensors[f"lm_heads.{h}.weight"] = base_vd
+                tensors[VLLM.lm(h)] = base_vd
         if token_map is not None:
-            tensors["token_map"] = token_map.astype(np.int64)
+            tensors[VLLM.token_map] = token_map.astype(np.int64)
         config = {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": cfg.num_heads,
                   "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
                   "vocab_size": cfg.vocab_size, "truncated_vocab_size": cfg.head_vocab_size,

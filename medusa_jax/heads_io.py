@@ -20,8 +20,9 @@ from flax import nnx
 
 from medusa_jax.atomic import atomic_folder
 from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import HeadsConfig, MedusaHeads, heads_class
-from medusa_jax.hf_import import fill_state, param_paths
+from medusa_jax.heads import HeadsConfig, MedusaHeads
+from medusa_jax.heads_init import heads_class
+from medusa_jax.nnx_paths import fill_state, param_paths
 from medusa_jax.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
 
 FORMAT = "medusa-jax"

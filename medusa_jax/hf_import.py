@@ -1,4 +1,5 @@
-"""Load a local HF Llama/Mistral/Qwen2 folder (config.json + weights) into the NNX backbone.
+"""Load a local HF Llama/Mistral/Qwen2 folder (config.json + weights) into the NNX backbone (its inverse,
+`save_pretrained`, is the neighbour `medusa_jax.hf_export`; both name tensors with `hf_param_name`).
 
 Every parameter is built with `jax.make_array_from_callback`, so under a mesh each device reads only its
 own slice from the memory-mapped file: pass `sharding_for(param_path, shape) -> Sharding` (see
@@ -18,6 +19,7 @@ from flax import nnx
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import ModelConfig
+from medusa_jax.nnx_paths import fill_state, param_paths
 from medusa_jax.tensor_files import CheckpointError, TensorSource, find_model_weights
 
 ShardingFn = Callable[[tuple[str, ...], tuple[int, ...]], "jax.sharding.Sharding | None"]
@@ -43,29 +45,6 @@ def hf_param_name(path: tuple[str, ...]) -> tuple[str, bool]:
     if path[-1] == "kernel":
         return "model." + ".".join(path[:-1]) + ".weight", True
     return "model." + ".".join(path), False
-
-
-def _key_str(key) -> str | None:
-    if isinstance(key, jax.tree_util.DictKey):
-        return str(key.key)
-    if isinstance(key, jax.tree_util.SequenceKey):
-        return str(key.idx)
-    return None  # the Variable's `.value` attribute
-
-
-def param_paths(state) -> list[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
-    out = []
-    for key_path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        out.append((tuple(k for k in map(_key_str, key_path) if k is not None), leaf))
-    return out
-
-
-def fill_state(state, values: Callable[[tuple[str, ...], jax.ShapeDtypeStruct], jax.Array]):
-    """Replaces every leaf of an (abstract) NNX state by values(path, leaf)."""
-    def one(key_path, leaf):
-        return values(tuple(k for k in map(_key_str, key_path) if k is not None), leaf)
-
-    return jax.tree_util.tree_map_with_path(one, state)
 
 
 def sliced_array(read_full: Callable[[], np.ndarray], shape, dtype, sharding, transpose: bool) -> jax.Array:

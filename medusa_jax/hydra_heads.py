@@ -14,7 +14,7 @@ block on h only adds capacity to overfit; add keeps h's path through the head fi
 Drafting runs inside the jitted decode loop on the same static tree buffers as Medusa heads, in tree.depth
 rounds: round d runs head d - 1 once per tree node at depth d - 1 that has children, on that node's own path
 tokens, and its top-k tokens fill the node's children (node (a, b) = head 1's rank-b token given head 0's
-rank-a token on its path). Axes: p parent nodes of a round, c their children, j path positions.
+rank-a token on its path). Axes: p parent nodes of a round, c their children (local to this file), e positions along a path.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from flax import nnx
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import HeadsConfig, ResBlock, TokenMap
+from medusa_jax.heads import HeadsBase, HeadsConfig, ResBlock, head_lm_head, head_logits
 from medusa_jax.tree import TreeBuffers
 
 
@@ -47,12 +47,11 @@ class HydraHead(nnx.Module):
         else:
             self.input_proj = nnx.Linear(path_len * d, d, use_bias=False, kernel_init=nnx.initializers.zeros, **kw)
         self.blocks = nnx.List([ResBlock(d, dtype, rngs) for _ in range(config.num_layers)])
-        self.lm_head = None if config.lm_head == "shared" else nnx.Linear(
-            d, config.head_vocab_size, use_bias=False, **kw)
+        self.lm_head = head_lm_head(config, dtype, rngs)
 
-    def __call__(self, hidden_xd, path_embeds_xjd):
-        """[..., D] hidden states and [..., j, D] path-token embeddings -> [..., D] (before the lm_head)."""
-        path_xf = path_embeds_xjd.reshape(*path_embeds_xjd.shape[:-2], -1).astype(hidden_xd.dtype)
+    def __call__(self, hidden_xd, path_embeds_xed):
+        """[..., D] hidden states and [..., e, D] path-token embeddings -> [..., D] (before the lm_head)."""
+        path_xf = path_embeds_xed.reshape(*path_embeds_xed.shape[:-2], -1).astype(hidden_xd.dtype)
         if self.hydra_input == "concat":
             x = self.input_proj(jnp.concatenate([hidden_xd, path_xf], axis=-1))
         else:
@@ -62,42 +61,28 @@ class HydraHead(nnx.Module):
         return x
 
 
-class HydraHeads(nnx.Module):
+class HydraHeads(HeadsBase):
+    head_type = "hydra"
+
     def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
-        if config.head_type != "hydra":
-            raise ValueError(f"HydraHeads needs head_type='hydra', got {config.head_type!r}")
-        self.config = config
-        self.heads = nnx.List([HydraHead(config, i, rngs) for i in range(config.num_heads)])
-        if config.lm_head == "truncated":
-            ids = np.arange(config.truncated_vocab_size) if token_map is None else np.asarray(token_map)
-            if ids.shape != (config.truncated_vocab_size,):
-                raise ValueError(f"token_map has shape {ids.shape}, expected ({config.truncated_vocab_size},)")
-            self.token_map = TokenMap(jnp.asarray(ids, jnp.int32))
-        else:
-            self.token_map = None
+        super().__init__(config, [HydraHead(config, i, rngs) for i in range(config.num_heads)], token_map)
 
-    def to_full_vocab(self, head_token_ids: jax.Array) -> jax.Array:
-        if self.token_map is None:
-            return head_token_ids
-        return self.token_map[...][head_token_ids]
-
-    def head_logits(self, index: int, hidden_xd: jax.Array, path_tokens_xj: jax.Array, base: CausalLM) -> jax.Array:
+    def head_logits(self, index: int, hidden_xd: jax.Array, path_tokens_xe: jax.Array, base: CausalLM) -> jax.Array:
         """Head `index`'s fp32 logits [..., V_head] from hidden states [..., D] and the index + 1 path tokens
         [..., index + 1] (root first)."""
         head = self.heads[index]
-        h = head(hidden_xd, base.embed_tokens(path_tokens_xj))
-        return base.logits(h) if head.lm_head is None else head.lm_head(h).astype(jnp.float32)
+        return head_logits(head, head(hidden_xd, base.embed_tokens(path_tokens_xe)), base)
 
     def tree_tokens(self, hidden_bd: jax.Array, root_b: jax.Array, base: CausalLM, tree: TreeBuffers) -> jax.Array:
         """[B, T] tokens of every tree node (node 0 = root_b), drafted depth by depth along each node's path."""
         b = root_b.shape[0]
         tokens_bt = jnp.zeros((b, tree.num_tokens), jnp.int32).at[:, 0].set(root_b.astype(jnp.int32))
         for depth, r in enumerate(draft_rounds(tree), start=1):
-            path_tokens_bpj = tokens_bt[:, r.paths_pj]
+            path_tokens_bpe = tokens_bt[:, r.paths_pe]
             hidden_bpd = jnp.broadcast_to(hidden_bd[:, None, :], (b, len(r.parents_p), hidden_bd.shape[-1]))
-            _, ids_bpk = jax.lax.top_k(self.head_logits(depth - 1, hidden_bpd, path_tokens_bpj, base), r.top_k)
-            ids_bpk = self.to_full_vocab(ids_bpk.astype(jnp.int32))
-            tokens_bt = tokens_bt.at[:, r.children_c].set(ids_bpk[:, r.parent_slot_c, r.rank_c])
+            _, ids_bpr = jax.lax.top_k(self.head_logits(depth - 1, hidden_bpd, path_tokens_bpe, base), r.top_k)
+            ids_bpr = self.to_full_vocab(ids_bpr.astype(jnp.int32))
+            tokens_bt = tokens_bt.at[:, r.children_c].set(ids_bpr[:, r.parent_slot_c, r.rank_c])
         return tokens_bt
 
 
@@ -111,7 +96,7 @@ class DraftRound:
         self.rank_c = tree.rank_t[self.children_c]
         self.top_k = int(self.rank_c.max()) + 1
         # a node's ancestors (itself included) in node order are its path, root first: nodes sort by length
-        self.paths_pj = np.stack([np.nonzero(tree.ancestor_mask_tt[p])[0] for p in self.parents_p])
+        self.paths_pe = np.stack([np.nonzero(tree.ancestor_mask_tt[p])[0] for p in self.parents_p])
 
 
 def draft_rounds(tree: TreeBuffers) -> list[DraftRound]:

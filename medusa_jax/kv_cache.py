@@ -44,28 +44,28 @@ class KVCache:
         return dataclasses.replace(self, **changes)
 
 
-def write_rows(cache_bshd: jax.Array, new_bthd: jax.Array, offsets_b: jax.Array) -> jax.Array:
-    """Writes new_bthd[b] into cache_bshd[b, offsets_b[b] : offsets_b[b] + T] (in place under jit)."""
-    def one_row(cache_shd, new_thd, offset):
-        return jax.lax.dynamic_update_slice(cache_shd, new_thd.astype(cache_shd.dtype), (offset, 0, 0))
+def write_rows(cache_bskh: jax.Array, new_btkh: jax.Array, offsets_b: jax.Array) -> jax.Array:
+    """Writes new_btkh[b] into cache_bskh[b, offsets_b[b] : offsets_b[b] + T] (in place under jit)."""
+    def one_row(cache_skh, new_tkh, offset):
+        return jax.lax.dynamic_update_slice(cache_skh, new_tkh.astype(cache_skh.dtype), (offset, 0, 0))
 
-    return jax.vmap(one_row)(cache_bshd, new_bthd, offsets_b)
+    return jax.vmap(one_row)(cache_bskh, new_btkh, offsets_b)
 
 
-def write_layer_rows(cache_lbshd: jax.Array, layer: int, new_bthd: jax.Array, offsets_b: jax.Array) -> jax.Array:
-    """Writes new_bthd[b] into cache_lbshd[layer, b, offsets_b[b] : offsets_b[b] + T] of the stacked buffer.
+def write_layer_rows(cache_lbskh: jax.Array, layer: int, new_btkh: jax.Array, offsets_b: jax.Array) -> jax.Array:
+    """Writes new_btkh[b] into cache_lbskh[layer, b, offsets_b[b] : offsets_b[b] + T] of the stacked buffer.
 
     One scatter with the batch as an explicit batching dimension: XLA updates the stacked buffer in place
     (slicing a layer out, updating it and setting it back copied the whole cache on every layer) and GSPMD
     keeps a batch-sharded cache local. Slots past the cache end are dropped, never clamped onto earlier slots;
     callers size the cache so that this does not happen (`engine.check_fits`)."""
-    b, t = new_bthd.shape[:2]
+    b, t = new_btkh.shape[:2]
     slots_bt = offsets_b[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
     index_bt2 = jnp.stack([jnp.full((b, t), layer, jnp.int32), slots_bt], axis=-1)  # (layer, slot) per update
     dims = jax.lax.ScatterDimensionNumbers(
         update_window_dims=(2, 3), inserted_window_dims=(0, 2), scatter_dims_to_operand_dims=(0, 2),
         operand_batching_dims=(1,), scatter_indices_batching_dims=(0,))
-    return jax.lax.scatter(cache_lbshd, index_bt2, new_bthd.astype(cache_lbshd.dtype), dims,
+    return jax.lax.scatter(cache_lbskh, index_bt2, new_btkh.astype(cache_lbskh.dtype), dims,
                            indices_are_sorted=True, unique_indices=True,
                            mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from medusa_jax.config import ModelConfig
 from medusa_jax.kv_cache import KVCache
+from medusa_jax.nnx_paths import fill_state
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
@@ -141,8 +142,6 @@ def sharding_for(mesh: Mesh):
 
 def param_shardings(state, mesh: Mesh):
     """A pytree (same structure as the NNX state) of NamedShardings from PARAM_RULES."""
-    from medusa_jax.hf_import import fill_state
-
     place = sharding_for(mesh)
     return fill_state(state, lambda path, leaf: place(path, tuple(leaf.shape)))
 

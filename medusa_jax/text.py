@@ -43,6 +43,13 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     return [int(i) for i in ids]
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a whole conversation (`[{"role", "content"}, ...]`) with the chat template and the
+    assistant generation prompt: the prompt of the reply that comes next."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
 def decode_tokens(tokenizer, token_ids: Iterable[int]) -> str:
     """Text of generated ids, special tokens (EOS) dropped."""
     return tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -1,13 +1,13 @@
 """Hardware-aware Medusa trees: greedy construction by expected accepted length, sized by measured step time.
 
 Inputs are two measurements (see `medusa_jax.bench.head_accuracy` and `medusa_jax.bench.step_cost`):
-    accuracy_dk [num_heads, top_k]  P(head d's rank-r guess equals the base model's greedy token at t+2+d)
+    accuracy_mr [num_heads, top_k]  P(head m's rank-r guess equals the base model's greedy token at t+2+m)
     step time   seconds of one Medusa step as a function of T, the tree tokens verified (the root included)
 
 Under greedy acceptance at most one node per depth can be accepted (siblings hold different tokens, and only
 one prefix is the base model's continuation), so the accepted length is the number of accepted nodes and its
 expectation is the sum over nodes of P(every node on the path is right). Taking the heads as independent, a
-node's value is the product of its path's accuracies, `prod_d accuracy_dk[d, path[d]]` (the Medusa paper's
+node's value is the product of its path's accuracies, `prod_m accuracy_mr[m, path[m]]` (the Medusa paper's
 construction). A node is worth at most its parent, so adding the most valuable frontier node one at a time
 gives a sequence in which every prefix is a valid tree and the tree of n nodes maximises the expected accepted
 length among trees of n nodes. Tokens per step = 1 + expected accepted length (the base model's own token).
@@ -29,8 +29,8 @@ from medusa_jax.atomic import write_text_atomic
 Path_ = tuple[int, ...]
 
 
-def check_accuracy_table(accuracy_dk) -> np.ndarray:
-    acc = np.asarray(accuracy_dk, np.float64)
+def check_accuracy_table(accuracy_mr) -> np.ndarray:
+    acc = np.asarray(accuracy_mr, np.float64)
     if acc.ndim != 2 or acc.shape[0] < 1 or acc.shape[1] < 1:
         raise ValueError(f"accuracy table must be [num_heads, top_k] with both >= 1, got shape {acc.shape}")
     if not np.all(np.isfinite(acc)) or acc.min() < 0 or acc.max() > 1:
@@ -38,25 +38,25 @@ def check_accuracy_table(accuracy_dk) -> np.ndarray:
     return acc
 
 
-def path_value(path: Sequence[int], accuracy_dk) -> float:
+def path_value(path: Sequence[int], accuracy_mr) -> float:
     """P(every node on the path is the base model's greedy token), heads taken as independent."""
-    acc = np.asarray(accuracy_dk, np.float64)
+    acc = np.asarray(accuracy_mr, np.float64)
     return float(np.prod([acc[d, r] for d, r in enumerate(path)]))
 
 
-def expected_tokens_per_step(paths: Sequence[Sequence[int]], accuracy_dk) -> float:
+def expected_tokens_per_step(paths: Sequence[Sequence[int]], accuracy_mr) -> float:
     """1 (the base model's token) + the expected number of accepted tree nodes."""
-    acc = check_accuracy_table(accuracy_dk)
+    acc = check_accuracy_table(accuracy_mr)
     for p in paths:
         if len(p) > acc.shape[0] or max(p) >= acc.shape[1]:
             raise ValueError(f"path {list(p)} is outside the {acc.shape[0]} heads x top-{acc.shape[1]} table")
     return 1.0 + sum(path_value(p, acc) for p in paths)
 
 
-def greedy_tree(accuracy_dk, max_nodes: int) -> list[tuple[Path_, float]]:
+def greedy_tree(accuracy_mr, max_nodes: int) -> list[tuple[Path_, float]]:
     """The first `max_nodes` nodes in greedy order, each with its value; every prefix is a valid tree and the
     values never increase. Ties go to the shorter, then lexicographically smaller path (deterministic)."""
-    acc = check_accuracy_table(accuracy_dk)
+    acc = check_accuracy_table(accuracy_mr)
     num_heads, top_k = acc.shape
     if max_nodes < 1:
         raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
@@ -136,10 +136,10 @@ class TreeChoice:
         return self.tokens_per_second[self.best_num_nodes - 1]
 
 
-def choose_tree(accuracy_dk, step_cost: Callable[[int], float] | StepCost, max_nodes: int) -> TreeChoice:
+def choose_tree(accuracy_mr, step_cost: Callable[[int], float] | StepCost, max_nodes: int) -> TreeChoice:
     """Greedy trees of 1..max_nodes nodes; keeps the size with the most expected tokens per second. With a
     measured `StepCost`, sizes outside its measured range get NaN tokens/s and are never chosen."""
-    order = greedy_tree(accuracy_dk, max_nodes)
+    order = greedy_tree(accuracy_mr, max_nodes)
     values = np.array([v for _, v in order])
     per_step = 1.0 + np.cumsum(values)
     low, high = (step_cost.tokens[0], step_cost.max_tokens) if isinstance(step_cost, StepCost) else (1, None)
@@ -154,7 +154,7 @@ def choose_tree(accuracy_dk, step_cost: Callable[[int], float] | StepCost, max_n
                       best_num_nodes=best)
 
 
-def tree_document(choice: TreeChoice, accuracy_dk, step_cost: StepCost, provenance: dict) -> dict:
+def tree_document(choice: TreeChoice, accuracy_mr, step_cost: StepCost, provenance: dict) -> dict:
     """The JSON written by build_tree: `medusa_choices` (what `medusa_jax.tree.load_tree` reads) plus the
     measurements and predictions that chose it. `greedy_order` lists the paths in the order they were
     added, so any prefix is a valid tree (the benchmark's tree-size sweep uses it)."""
@@ -167,7 +167,7 @@ def tree_document(choice: TreeChoice, accuracy_dk, step_cost: StepCost, provenan
         "greedy_order": [list(p) for p in choice.order],
         "expected_tokens_per_step_by_size": list(choice.tokens_per_step),
         "expected_tokens_per_second_by_size": list(choice.tokens_per_second),
-        "head_accuracy": np.asarray(accuracy_dk).tolist(),
+        "head_accuracy": np.asarray(accuracy_mr).tolist(),
         "step_seconds": {"tree_tokens": list(step_cost.tokens), "seconds": list(step_cost.seconds)},
         **provenance,
     }

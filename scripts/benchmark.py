@@ -184,7 +184,8 @@ def quick_main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.heads import HeadsConfig
+    from medusa_jax.heads_init import init_heads
     from medusa_jax.tree import TreeError
     from medusa_jax.bench.bench_inputs import load_model
     from medusa_jax.bench.quick import run_quick
@@ -230,7 +231,7 @@ def teacher_mass_main(argv: list[str]) -> int:
 
     from medusa_jax.hf_import import load_pretrained
     from medusa_jax.training.distill_store import is_store
-    from medusa_jax.bench.bench_inputs import resolve_model_dir
+    from medusa_jax.assets import resolve_model_dir
     from medusa_jax.bench.teacher_mass import outside_mass
 
     if not is_store(a.data):

@@ -74,8 +74,8 @@ def throughput_main(argv: list[str]) -> int:
     from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
     from medusa_jax.inference.sharded import load_sharded
     from medusa_jax.bench.batch_benchmark import markdown, run_batch_benchmark
-    from medusa_jax.bench.bench_inputs import (command_line, machine_description, mtbench_questions, resolve_heads,
-                                               resolve_model_dir, write_files)
+    from medusa_jax.bench.bench_inputs import (command_line, machine_description, mtbench_questions, write_files)
+    from medusa_jax.assets import resolve_heads_dir, resolve_model_dir
 
     try:
         config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
@@ -84,7 +84,7 @@ def throughput_main(argv: list[str]) -> int:
         p.error(str(e))
     folder = resolve_model_dir(a.model)
     random = a.heads == "random" and "medusa" in config.methods
-    heads_dir = None if a.heads == "random" or "medusa" not in config.methods else resolve_heads(a.heads)
+    heads_dir = None if a.heads == "random" or "medusa" not in config.methods else resolve_heads_dir(a.heads)
     model = load_sharded(folder, heads_dir, MeshConfig.parse(a.mesh), a.dtype,
                          random_heads=a.random_heads if random else 0)
     tokenizer = load_tokenizer(folder)

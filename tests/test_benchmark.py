@@ -124,7 +124,8 @@ def tiny_chat_model(tiny_model_dir, tmp_path_factory):
     import tokenizers
     import transformers
 
-    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.heads import HeadsConfig
+    from medusa_jax.heads_init import init_heads
     from medusa_jax.heads_io import save_heads
     from medusa_jax.hf_import import load_pretrained
 

@@ -112,6 +112,7 @@ def test_generate_errors(tiny_with_tokenizer, tmp_path, capsys):
         run_generate(capsys, "--model", str(tiny_with_tokenizer), "--input", str(bad))  # no --output
 
 
+@pytest.mark.slow
 def test_prepare_model_prints_the_folder_last(smollm2_dir):
     proc = subprocess.run([sys.executable, str(SCRIPTS / "prepare_model.py")], capture_output=True, text=True,
                           timeout=600)

@@ -37,7 +37,8 @@ from scipy import stats
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import ModelConfig
-from medusa_jax.heads import HeadsConfig, MedusaModel, init_heads
+from medusa_jax.heads import HeadsConfig, MedusaModel
+from medusa_jax.heads_init import init_heads
 from medusa_jax.kv_cache import KVCache
 from medusa_jax.tree import build_tree
 from medusa_jax.inference import exact_acceptance

@@ -15,7 +15,8 @@ from medusa_jax.atomic import atomic_folder
 
 @pytest.fixture(scope="module")
 def heads_dir(tiny_model_dir, tmp_path_factory):
-    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.heads import HeadsConfig
+    from medusa_jax.heads_init import init_heads
     from medusa_jax.heads_io import save_heads
     from medusa_jax.hf_import import load_pretrained
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from medusa_jax import heads_trees
-from medusa_jax.heads import HeadsConfig, init_heads
+from medusa_jax.heads import HeadsConfig
+from medusa_jax.heads_init import init_heads
 from medusa_jax.heads_io import save_heads
 from medusa_jax.heads_trees import TreesFileError, parse_trees, read_trees, resolve_tree
 from medusa_jax.tree import DEFAULT_TREE

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.heads import HeadsConfig, init_heads
+from medusa_jax.heads import HeadsConfig
+from medusa_jax.heads_init import init_heads
 from medusa_jax.hf_import import load_pretrained
 from medusa_jax.hydra_heads import HydraHeads
 from medusa_jax.tree import load_tree
@@ -196,7 +197,7 @@ def test_head_accuracy_and_training_stats_agree_on_teacher_forced_top1(base):
     teacher-forced Hydra predictions."""
     from medusa_jax.hydra_heads import path_tokens
     from medusa_jax.bench.head_accuracy import measure_head_accuracy
-    from medusa_jax.training.hydra_losses import hydra_head_stats
+    from medusa_jax.training.losses import hydra_head_stats
     from medusa_jax.training.losses import head_targets
     from medusa_jax.training.trainer import backbone_hidden
 
@@ -217,7 +218,7 @@ def test_hydra_heads_take_the_distilled_kl_loss(base):
     """Hydra head i's KL is to the base's distribution at t + 1 + i (as Medusa head i's): the stats equal a direct
     computation, and a few KL-only steps on cached hidden states bring each head's KL down."""
     from medusa_jax.sharding import MeshConfig
-    from medusa_jax.training.hydra_losses import hydra_head_stats
+    from medusa_jax.training.losses import hydra_head_stats
     from medusa_jax.training.losses import distill_loss
     from medusa_jax.training.trainer import TrainConfig, Trainer
 

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from medusa_jax.heads import HeadsConfig, init_heads
+from medusa_jax.heads import HeadsConfig
+from medusa_jax.heads_init import init_heads
 from medusa_jax.heads_import import detect_layout, load_heads
 from medusa_jax.heads_interop import ExportError, export_heads, serving_notes
 from medusa_jax.heads_io import heads_tensors, save_heads
@@ -392,6 +393,7 @@ def smollm2(smollm2_dir):
     return base, hf, hf_hidden_1pd, jax_hidden_1pd
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["shipped", "random-shared"])
 def test_smollm2_exported_heads_predict_like_jax(smollm2, tmp_path, source):
     base, hf, hf_hidden, jax_hidden = smollm2

@@ -241,3 +241,27 @@ def test_prompt_plus_budget_over_cache_capacity_is_a_clear_error(tiny_model_dir)
     with pytest.raises(ValueError, match="cache_size is 80"):
         generate(model, [prompt_ids(9, 40)], max_new_tokens=32, cache_size=80)
     assert check_fits(batch, max_new_tokens=16, extra=0, cache_size=80) == 80
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied and tied lm_head
+def test_save_pretrained_round_trips_through_our_loader_and_transformers(tiny_model_dir, tmp_path, kind):
+    import transformers
+    from flax import nnx
+
+    from medusa_jax.hf_export import save_pretrained
+    from medusa_jax.nnx_paths import param_paths
+
+    folder, hf = tiny_model_dir(kind)
+    model = load_pretrained(folder)
+    out = save_pretrained(model, tmp_path / "saved", folder)
+    assert (out / "config.json").read_text() == (folder / "config.json").read_text()
+    again = load_pretrained(out)
+    saved = dict(param_paths(nnx.state(model, nnx.Param)))
+    loaded = dict(param_paths(nnx.state(again, nnx.Param)))
+    assert saved.keys() == loaded.keys() and ("layers", "0", "mlp", "down_proj", "kernel") in saved
+    for path, value in saved.items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(loaded[path]), err_msg=str(path))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids(3, PROMPT_LEN)])
+    with torch.no_grad():
+        np.testing.assert_allclose(reloaded(ids).logits.numpy(), hf(ids).logits.numpy(), atol=1e-6)

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.heads import HeadsConfig, init_heads
+from medusa_jax.heads import HeadsConfig
+from medusa_jax.heads_init import init_heads
 from medusa_jax.hf_import import load_pretrained
 from medusa_jax.kv_cache import KVCache
 from medusa_jax.tree import PRESETS, TreeError, load_tree
@@ -248,6 +249,7 @@ def test_compact_accepted_moves_only_the_path():
     assert out.lengths_b.tolist() == [3, 5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
 def test_smollm2_medusa_equals_plain_greedy(smollm2_dir, head_type):
     from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer

@@ -1,4 +1,4 @@
-"""Memory plans (medusa_jax.plan): compiled on abstract inputs over 8 forced CPU devices, they match the real
+"""Memory plans (medusa_jax.bench.plan): compiled on abstract inputs over 8 forced CPU devices, they match the real
 Trainer's device buffers and the analytic estimate; the Llama-3-8B plans compile without allocating weights.
 
 The JAX work runs in subprocesses (tests/plan_worker.py, scripts/plan.py): the device count is fixed before JAX
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from medusa_jax.hlo_collectives import entry_upcast_bytes, shape_bytes
-from medusa_jax.plan import device_capacity
-from medusa_jax.plan_estimate import backbone_params
+from medusa_jax.bench.plan import device_capacity
+from medusa_jax.bench.plan_estimate import backbone_params
 from medusa_jax.presets import PRESETS, model_config
 
 ROOT = Path(__file__).parents[1]
@@ -185,7 +185,7 @@ def test_presets_and_devices():
 def test_markdown_table_verdicts():
     from types import SimpleNamespace
 
-    from medusa_jax.plan_report import markdown_table, table_rows
+    from medusa_jax.bench.plan_report import markdown_table, table_rows
 
     row = table_rows(("llama3-8b",))[0]
     small = SimpleNamespace(device_bytes=50 * 2**30, analytic_bytes=40 * 2**30)

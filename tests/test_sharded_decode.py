@@ -141,7 +141,8 @@ def with_word_tokenizer(folder: Path, dst: Path) -> Path:
 
 
 def test_generate_script_on_a_mesh_with_medusa_heads(mesh_report, tmp_path):
-    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.heads import HeadsConfig
+    from medusa_jax.heads_init import init_heads
     from medusa_jax.heads_io import save_heads
     from medusa_jax.hf_import import load_pretrained
     from medusa_jax.text import encode_prompt, load_tokenizer

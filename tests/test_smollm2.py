@@ -14,6 +14,8 @@ from medusa_jax.bench.mtbench import load_mtbench_questions
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer
 from medusa_jax.inference.api import generate
 
+pytestmark = pytest.mark.slow  # every test here runs the real model
+
 NEW_TOKENS = 64
 
 
@@ -64,7 +66,6 @@ def test_logits_and_cached_steps_match_transformers(smollm2):
             token = int(out.logits[0, -1].argmax())
 
 
-@pytest.mark.slow
 def test_64_greedy_tokens_equal_transformers_alone_and_batched(smollm2):
     model, hf, tok, prompts = smollm2
     theirs = []

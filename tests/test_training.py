@@ -273,7 +273,8 @@ def _tiny_batch(vocab, b=4, t=24, seed=0):
 
 
 def _trainer(chat_model, lm_head="own", **train):
-    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.heads import HeadsConfig
+    from medusa_jax.heads_init import init_heads
     from medusa_jax.hf_import import load_pretrained
     from medusa_jax.sharding import MeshConfig
     from medusa_jax.training.trainer import TrainConfig, Trainer

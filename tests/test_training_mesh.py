@@ -26,7 +26,8 @@ CHILD = textwrap.dedent("""
     import jax, numpy as np
     from flax import nnx
     from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.heads import HeadsConfig, init_heads
+    from medusa_jax.heads import HeadsConfig
+    from medusa_jax.heads_init import init_heads
     from medusa_jax.sharding import MeshConfig
     from medusa_jax.training.trainer import TrainConfig, Trainer
 

@@ -3,7 +3,7 @@
 An example is a position t: the row of the base's final hidden state at t, head i's target token t + 2 + i
 (targets [K] full-vocabulary ids, -1 = none) and the row of the hidden state at t + 1 + i, whose base
 distribution is head i's distilled target (teacher rows [K], -1 where head i has no target); for Hydra heads
-also the path tokens [K], t + 1 .. t + K (0 past the end; hydra_losses.py). Hidden states
+also the path tokens [K], t + 1 .. t + K (0 past the end; losses.hydra_head_stats). Hidden states
 live in `HiddenRows`: one or more [M_c, D] float16 arrays (the memory-mapped Arrow buffers of a distilled
 store, or in-memory cache chunks). A batch reads only the rows it needs, so a store larger than memory streams
 from disk; the example index itself (about 40 bytes per position) stays in memory.

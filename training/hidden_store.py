@@ -17,9 +17,9 @@ from typing import Callable
 
 import numpy as np
 
+from medusa_jax.text import chat_prompt_ids
 from medusa_jax.training.distill_store import META_FILE, StoreWriter, is_store, store_path
 from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows, reply_examples
-from medusa_jax.training.self_distill import chat_prompt_ids
 from medusa_jax.training.sharegpt import DataError, read_conversation_file
 
 

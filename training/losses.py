@@ -18,16 +18,25 @@ Medusa-2 adds either the base model's own next-token loss or, when training on s
 divergence from the frozen original model's next-token distribution (which keeps the base model's outputs,
 and so the decoder's results, close to the original).
 
+Hydra heads train by teacher forcing: at position t head i sees the embeddings of the true tokens
+x_{t+1}..x_{t+1+i} (the root and the drafts an ideal head 0..i-1 would have made) and is trained on x_{t+2+i},
+the same targets and the same teacher as Medusa head i. The path tokens of a position are path[..., j] =
+x_{t+1+j}, j = 0..M-1 (`hydra_heads.path_tokens`; 0 past the end of a row, where there is no target). Cached
+batches ({"hidden", "targets", "path"}) carry them; packed rows derive them in the step.
+
 Statistics are sums and counts (not means), so they add up over batches and devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 NO_TARGET = -1
 
@@ -35,7 +44,7 @@ NO_TARGET = -1
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HeadStats:
-    """Per-head sums, each [K]."""
+    """Per-head sums, each [M]."""
     loss_sum: jax.Array  # summed cross-entropy over in-vocabulary targets
     count: jax.Array  # targets inside the head's vocabulary (the loss denominator)
     total: jax.Array  # all targets (the accuracy denominator)
@@ -77,7 +86,7 @@ def shifted_targets(tokens_bt, loss_mask_bt, segment_ids_bt, offset: int) -> jax
 
 
 def head_targets(tokens_bt, loss_mask_bt, segment_ids_bt, num_heads: int) -> jax.Array:
-    """[K, B, T]: head i's target at each position (token t + 2 + i), -1 where there is none."""
+    """[M, B, T]: head i's target at each position (token t + 2 + i), -1 where there is none."""
     return jnp.stack([shifted_targets(tokens_bt, loss_mask_bt, segment_ids_bt, 2 + i) for i in range(num_heads)])
 
 
@@ -113,10 +122,10 @@ def stack_stats(per_head: list[tuple]) -> HeadStats:
     return HeadStats(*(jnp.stack(col) for col in zip(*per_head)))
 
 
-def head_stats(logits_kxv, targets_kx, inverse_map_v=None) -> HeadStats:
+def head_stats(logits_mxv, targets_mx, inverse_map_v=None) -> HeadStats:
     """All heads at once (fine for small vocabularies; the trainer computes heads one by one)."""
-    return stack_stats([one_head_stats(logits_kxv[i], targets_kx[i], inverse_map_v)
-                        for i in range(logits_kxv.shape[0])])
+    return stack_stats([one_head_stats(logits_mxv[i], targets_mx[i], inverse_map_v)
+                        for i in range(logits_mxv.shape[0])])
 
 
 def head_weights(num_heads: int, decay: float) -> jax.Array:
@@ -168,3 +177,43 @@ def head_stats_with_teacher(logits_xv, targets_x, inverse_map_v=None, teacher_hi
 def kl_to_reference(logits_btv, reference_logits_btv, valid_bt) -> tuple[jax.Array, jax.Array]:
     """Medusa-2: KL(reference || model) of the backbone's next-token distributions. Returns (sum, count)."""
     return distill_loss(logits_btv, reference_logits_btv, valid_bt)
+
+
+def _one_head(graphdef, state, inputs: tuple, lm_w_dv, targets_x, inverse_v, teacher_hidden_xd=None,
+              teacher_w_dv=None):
+    head = nnx.merge(graphdef, state)
+    h_xd = head(*inputs)
+    logits_xv = jnp.dot(h_xd, lm_w_dv.astype(h_xd.dtype)) if head.lm_head is None else head.lm_head(h_xd)
+    return head_stats_with_teacher(logits_xv, targets_x, inverse_v, teacher_hidden_xd, teacher_w_dv)
+
+
+def checkpointed_head_stats(heads, base, head_inputs: Callable[[int], tuple], targets_mx,
+                            teacher_hidden_mxd=None) -> HeadStats:
+    """Per-head sums of Medusa or Hydra heads: head i runs on `head_inputs(i)` (its call's arguments) and is
+    scored on targets_mx[i]. Each head's logits (and its teacher's) are rematerialised in the backward pass, so
+    only one [..., V] block is live. With teacher_hidden_mxd (head i's teacher hidden states [..., D] at index
+    i) the stats include the distillation KL."""
+    inverse_v = None
+    if heads.token_map is not None:
+        inverse_v = inverse_token_map(heads.token_map[...], heads.config.vocab_size)
+    lm_w_dv = base.lm_head_weight() if heads.config.lm_head == "shared" else None
+    teacher_w_dv = None
+    if teacher_hidden_mxd is not None:
+        token_map_u = None if heads.token_map is None else heads.token_map[...]
+        teacher_w_dv = teacher_lm_weight(base.lm_head_weight(), token_map_u)
+    per_head = []
+    for i, head in enumerate(heads.heads):
+        graphdef, state = nnx.split(head)
+        fn = jax.checkpoint(partial(_one_head, graphdef))
+        teacher_xd = None if teacher_hidden_mxd is None else teacher_hidden_mxd[i]
+        per_head.append(fn(state, head_inputs(i), lm_w_dv, targets_mx[i], inverse_v, teacher_xd, teacher_w_dv))
+    return stack_stats(per_head)
+
+
+def hydra_head_stats(heads, base, hidden_xd, path_xm, targets_mx, teacher_hidden_mxd=None) -> HeadStats:
+    """Per-head sums of M Hydra heads. hidden [..., D], path tokens [..., M], targets [M, ...], optional teacher
+    hidden states for the KL. Head i reads the embeddings of path[..., :i + 1] in the base's input table
+    (frozen and shared: no gradient flows into it)."""
+    embeds_xmd = jax.lax.stop_gradient(base.embed_tokens(path_xm))
+    return checkpointed_head_stats(heads, base, lambda i: (hidden_xd, embeds_xmd[..., : i + 1, :]), targets_mx,
+                                   teacher_hidden_mxd)

@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from medusa_jax import sharding as shd
-from medusa_jax.heads import HeadsConfig, MedusaHeads, init_heads
+from medusa_jax.heads import HeadsConfig, MedusaHeads
+from medusa_jax.heads_init import init_heads
 from medusa_jax.heads_io import save_heads
 from medusa_jax.training import losses, memory_plan, output_folder
 from medusa_jax.training.checkpointing import Checkpoints
@@ -286,8 +287,8 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
             (output / "_heads_tmp" / name).replace(output / name)
         shutil.rmtree(output / "_heads_tmp")
         if cfg.train.medusa2:
-            from medusa_jax.training.export import save_backbone
-            save_backbone(trainer.base(), cfg.model, output / "base_model")
+            from medusa_jax.hf_export import save_pretrained
+            save_pretrained(trainer.base(), output / "base_model", cfg.model)
     return {"steps": trainer.step, "heldout": result, "output": str(output)}
 
 

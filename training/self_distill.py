@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from medusa_jax.text import chat_prompt_ids
 from medusa_jax.training.sharegpt import DataError, read_conversations
 
 _SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -105,12 +106,6 @@ def shard_output(output: str | os.PathLike, shard_index: int, num_shards: int) -
     if num_shards == 1:
         return output
     return output.with_name(f"{output.stem}.shard-{shard_index}-of-{num_shards}{output.suffix}")
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` with the chat template and the assistant generation prompt."""
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=True)["input_ids"])
 
 
 @dataclasses.dataclass

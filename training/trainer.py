@@ -8,14 +8,14 @@ weights stay in their stored dtype; with `compute_dtype="bfloat16"` the step run
 
 Two batch kinds:
   rows    {"tokens", "segment_ids", "positions", "loss_mask"} [B, T] packed rows: the backbone runs in the step
-  hidden  {"hidden" [N, D], "targets" [N, K]} (+ "teacher_hidden" [N, K, D] for distilled targets): cached final
+  hidden  {"hidden" [N, D], "targets" [N, M]} (+ "teacher_hidden" [N, M, D] for distilled targets): cached final
           hidden states (Medusa-1 CPU path, hidden_examples.py); teacher_hidden[:, i] is the hidden state at
-          t + 1 + i (+ "path" [N, K] for Hydra heads: the true tokens on each position's path, hydra_losses.py)
+          t + 1 + i (+ "path" [N, M] for Hydra heads: the true tokens on each position's path, losses.py)
 Distilled head targets (`head_loss` kl or ce+kl, losses.distill_loss): head i's teacher at t is the base lm_head
 applied to the base's hidden state at t + 1 + i, shifted out of the rows' own forward or read from the cache:
 no second model. Its logits are recomputed per head inside the head's rematerialised block (only the token_map
 columns for a truncated head). In Medusa-2 the teacher is the current backbone (gradient stopped): the heads
-are verified against that backbone when decoding. Hydra heads take the same teachers (hydra_losses.py).
+are verified against that backbone when decoding. Hydra heads take the same teachers (losses.hydra_head_stats).
 The step is `jax.jit` with explicit in/out shardings from `medusa_jax.sharding` (parameters by PARAM_RULES,
 optimiser moments like their parameters, batches over (data, fsdp)).
 """
@@ -36,10 +36,11 @@ from jax.sharding import Mesh
 from medusa_jax import sharding as shd
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import MedusaHeads, heads_class
+from medusa_jax.heads import MedusaHeads
+from medusa_jax.heads_init import heads_class
 from medusa_jax.hydra_heads import path_tokens
 from medusa_jax.kv_cache import KVCache
-from medusa_jax.training import hydra_losses, losses
+from medusa_jax.training import losses
 from medusa_jax.training.data import segment_mask
 
 ROW_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -150,35 +151,6 @@ def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
     return hidden_btd
 
 
-def _one_head(graphdef, state, hidden, lm_w_dv, targets, inverse_v, teacher_hidden=None, teacher_w_dv=None):
-    head = nnx.merge(graphdef, state)
-    h = head(hidden)
-    logits = jnp.dot(h, lm_w_dv.astype(h.dtype)) if head.lm_head is None else head.lm_head(h)
-    return losses.head_stats_with_teacher(logits, targets, inverse_v, teacher_hidden, teacher_w_dv)
-
-
-def all_head_stats(heads: MedusaHeads, base: CausalLM, hidden_xd, targets_kx, teacher_hidden_kxd=None
-                   ) -> losses.HeadStats:
-    """Each head's logits (and its teacher's) are rematerialised in the backward pass, so only one [..., V]
-    block is live. With teacher_hidden_kxd (head i's teacher hidden states [..., D] at index i) the stats
-    include the distillation KL."""
-    inverse = None
-    if heads.token_map is not None:
-        inverse = losses.inverse_token_map(heads.token_map[...], heads.config.vocab_size)
-    lm_w_dv = base.lm_head_weight() if heads.config.lm_head == "shared" else None
-    teacher_w_dv = None
-    if teacher_hidden_kxd is not None:
-        teacher_w_dv = losses.teacher_lm_weight(base.lm_head_weight(),
-                                                None if heads.token_map is None else heads.token_map[...])
-    per_head = []
-    for i, head in enumerate(heads.heads):
-        graphdef, state = nnx.split(head)
-        fn = jax.checkpoint(partial(_one_head, graphdef))
-        teacher = None if teacher_hidden_kxd is None else teacher_hidden_kxd[i]
-        per_head.append(fn(state, hidden_xd, lm_w_dv, targets_kx[i], inverse, teacher, teacher_w_dv))
-    return losses.stack_stats(per_head)
-
-
 def shifted_hidden(hidden_btd, offset: int):
     """[B, T, D]: the hidden state at t + offset (zeros past the row's end; those positions have no target)."""
     pad = jnp.zeros_like(hidden_btd[:, :offset])
@@ -190,7 +162,8 @@ class Trainer:
 
     def __init__(self, base: CausalLM, heads: MedusaHeads, config: TrainConfig, mesh: Mesh, abstract: bool = False):
         """`abstract`: base and heads come from `nnx.eval_shape`; the state is shapes and shardings only
-        (jax.ShapeDtypeStruct), nothing is allocated, and only `jitted_step(...).lower` is usable (medusa_jax.plan)."""
+        (jax.ShapeDtypeStruct), nothing is allocated, and only `jitted_step(...).lower` is usable
+        (medusa_jax.bench.plan)."""
         self.config, self.mesh = config, mesh
         shd.validate_model_mesh(base.config, mesh)
         if heads.config.head_type == "hydra" and config.medusa2:
@@ -245,12 +218,12 @@ class Trainer:
         teacher = None
         if "hidden" in batch:
             hidden = batch["hidden"].astype(dtype)
-            targets = jnp.moveaxis(batch["targets"], -1, 0)  # [K, N]
-            path = batch.get("path")  # [N, K], Hydra only
+            targets = jnp.moveaxis(batch["targets"], -1, 0)  # [M, N]
+            path = batch.get("path")  # [N, M], Hydra only
             if self.config.uses_teacher:
                 if "teacher_hidden" not in batch:
                     raise ValueError(f"head_loss {self.config.head_loss!r} needs 'teacher_hidden' in cached batches")
-                teacher = jnp.moveaxis(batch["teacher_hidden"], 1, 0).astype(dtype)  # [K, N, D]
+                teacher = jnp.moveaxis(batch["teacher_hidden"], 1, 0).astype(dtype)  # [M, N, D]
         else:
             hidden = backbone_hidden(base, batch)
             if not self.config.medusa2:
@@ -263,9 +236,9 @@ class Trainer:
         if self.head_type == "hydra":
             if path is None:
                 raise ValueError("Hydra heads need the path tokens ('path') in cached batches")
-            stats = hydra_losses.hydra_head_stats(heads, base, hidden, path, targets, teacher)
+            stats = losses.hydra_head_stats(heads, base, hidden, path, targets, teacher)
         else:
-            stats = all_head_stats(heads, base, hidden, targets, teacher)
+            stats = losses.checkpointed_head_stats(heads, base, lambda i: (hidden,), targets, teacher)
         loss = losses.medusa_loss(stats, self.config.loss_decay, *self.config.head_loss_weights)
         if self.config.medusa2:
             next_bt = losses.shifted_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], 1)

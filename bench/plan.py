@@ -25,7 +25,9 @@ from medusa_jax import hlo_collectives as hc
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import HeadsConfig, MedusaHeads
+from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.sharding import MeshConfig, MeshError
+from medusa_jax.training.trainer import TrainConfig, Trainer
 from medusa_jax.tree import load_tree
 
 JOBS = ("train", "decode")
@@ -162,8 +164,6 @@ def abstract_models(config: PlanConfig) -> tuple[CausalLM, MedusaHeads]:
 
 def lower_train(config: PlanConfig):
     """(lowered train step, argument groups) of `Trainer.jitted_step` on abstract state and batch."""
-    from medusa_jax.training.trainer import TrainConfig, Trainer
-
     mesh = _mesh(config)
     base, heads = abstract_models(config)
     train = TrainConfig(medusa2=config.medusa2, compute_dtype=config.compute_dtype, head_lr_multiplier=4.0
@@ -182,8 +182,6 @@ def lower_train(config: PlanConfig):
 
 def lower_decode(config: PlanConfig):
     """(lowered Medusa decode loop, argument groups) of `ShardedModel.medusa_decode` on abstract inputs."""
-    from medusa_jax.inference.sharded import ShardedModel
-
     mesh = _mesh(config)
     base, heads = abstract_models(config)
     model = ShardedModel(base, heads, mesh)

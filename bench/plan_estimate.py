@@ -1,4 +1,4 @@
-"""A closed-form estimate of per-device memory, beside the compiled plan (`medusa_jax.plan`).
+"""A closed-form estimate of per-device memory, beside the compiled plan (`medusa_jax.bench.plan`).
 
 Counts from the model's shapes and the mesh (data d, fsdp f, tensor t) alone, following the layouts of
 `medusa_jax.sharding`: weight matrices split over f x t, norms replicated, biases over t; the KV cache

@@ -10,8 +10,8 @@ from typing import Callable
 
 from medusa_jax.atomic import write_text_atomic
 
-from medusa_jax.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits
-from medusa_jax.plan_estimate import Estimate, estimate, lower_bound
+from medusa_jax.bench.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits
+from medusa_jax.bench.plan_estimate import Estimate, estimate, lower_bound
 from medusa_jax.presets import model_config
 from medusa_jax.sharding import MeshConfig
 

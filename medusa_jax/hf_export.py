@@ -1,0 +1,41 @@
+"""Write a backbone back as a local HF folder: the inverse of `medusa_jax.hf_import.load_pretrained`.
+
+Tensors get their HF names and PyTorch's [out, in] layout from the same `hf_param_name` table the loader
+reads with, so a saved folder loads back bit for bit (here and in transformers). config.json and the
+tokenizer files are copied from the folder the model was loaded from; the folder is written atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from medusa_jax.atomic import atomic_folder
+from medusa_jax.backbone import CausalLM
+from medusa_jax.hf_import import hf_param_name
+from medusa_jax.nnx_paths import param_paths
+from medusa_jax.tensor_files import write_safetensors
+
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def save_pretrained(model: CausalLM, folder: str | os.PathLike, source_folder: str | os.PathLike) -> Path:
+    """Writes `model`'s weights as `folder`/model.safetensors plus COPIED_FILES found in `source_folder`."""
+    folder, source = Path(folder), Path(source_folder)
+    tensors = {}
+    for path, leaf in param_paths(nnx.state(model, nnx.Param)):
+        name, transpose = hf_param_name(path)
+        arr = np.asarray(jax.device_get(leaf))
+        tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    with atomic_folder(folder) as tmp:
+        write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
+        for name in COPIED_FILES:
+            if (source / name).exists():
+                shutil.copy2(source / name, tmp / name)
+    return folder

@@ -1,0 +1,52 @@
+"""No committed text file names a path of a developer's machine (reports name paths relative to the repository
+or to $MEDUSA_JAX_CACHE; examples use ~/ or placeholders)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# an absolute path under a home, scratch or workspace folder: /root/x, /home/x, /work/x, /check/x, /tmp/x
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:root|home|work|check|tmp)/[\w.-]")
+THIS_FILE = Path(__file__).resolve().relative_to(ROOT).as_posix()  # spells the prefixes in its pattern
+
+
+def committed_text_files() -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [name for name in out.stdout.decode().split("\0") if name and name != THIS_FILE]
+
+
+def machine_paths(text: str) -> list[str]:
+    return [line.strip()[:160] for line in text.splitlines() if MACHINE_PATH.search(line)]
+
+
+def test_no_committed_file_names_a_machine_path():
+    found = []
+    for name in committed_text_files():
+        path = ROOT / name
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue  # binary (safetensors, PNG)
+        found += [f"{name}: {line}" for line in machine_paths(data.decode("utf-8", errors="replace"))]
+    assert not found, "absolute paths of a developer machine in committed files:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("line, bad", [
+    ("wrote /root/.cache/medusa_jax/x.json", True),
+    ('"model": "/work/main/heads"', True),
+    ("cp /tmp/a b", True),
+    ("folder: ~/.cache/medusa_jax/SmolLM2-135M-Instruct", False),
+    ("see docs/design.md and bench/medusa/results.md", False),
+    ("https://example.com/home/page", False),
+])
+def test_machine_path_pattern(line, bad):
+    assert bool(machine_paths(line)) == bad
