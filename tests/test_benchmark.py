@@ -360,3 +360,43 @@ def test_batch_scaling_mode_times_plain_and_medusa_steps(tiny_chat_model, tmp_pa
         assert r["medusa_overhead"] == pytest.approx(r["medusa_ms"] / r["plain_ms"])
     assert res["tree_tokens"] == 9 and res["command"].startswith("python scripts/benchmark_batch.py scaling ")
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_path):
+    from medusa_jax.heads import HeadsConfig
+    from medusa_jax.heads_init import init_heads
+    from medusa_jax.heads_io import save_heads
+    from medusa_jax.hf_import import load_pretrained
+
+    folder, heads_dir = tiny_chat_model
+    other = tmp_path / "other-heads"
+    save_heads(init_heads(HeadsConfig(64, 128, num_heads=2, lm_head="truncated", truncated_vocab_size=16),
+                          load_pretrained(folder), seed=5), other)
+    data = tmp_path / "conv.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "conversations": [
+        {"from": "human", "value": f"tell a short story about the {w}"}, {"from": "gpt", "value": "the cat"}]})
+        + "\n" for i, w in enumerate(["cat", "dog", "mat"])))
+    out = tmp_path / "cmp"
+    argv = ["heads", "--model", str(folder), "--heads", f"a={heads_dir}", "--heads", f"b={other}",
+            "--question-file", str(write_questions(tmp_path / "q.jsonl")), "--questions", "3",
+            "--max-new-tokens", "10", "--tree-sizes", "1,3", "--batch-sizes", "1", "--heldout", "2",
+            "--continuation-tokens", "8", "--data", str(data), "--out", str(out)]
+    assert load_script("benchmark").main(argv) == 0
+    doc = json.loads((out / "heads.json").read_text())
+    assert set(doc["heads"]) == {"a", "b"} and doc["questions"] == 3
+    for label, num_heads in (("a", 3), ("b", 2)):
+        h = doc["heads"][label]
+        assert len(h["heldout_top1"]) == num_heads and len(h["heldout_top5"]) == num_heads
+        assert all(0 <= t1 <= t5 <= 1 for t1, t5 in zip(h["heldout_top1"], h["heldout_top5"]))
+        assert [r["nodes"] for r in h["tree_sizes"]] == [1, 3]
+        assert all(r["tokens_per_step"] >= 1 and r["mismatches"] == 0 for r in h["tree_sizes"])  # lossless
+        assert [r["batch"] for r in h["timed"]] == [1] and h["timed"][0]["mismatches"] == 0
+    md = (out / "heads.md").read_text()
+    assert "tokens/step @3" in md and "| a |" in md and "| b |" in md
+    assert (out / "heads.png").stat().st_size > 0
+
+
+def test_benchmark_heads_mode_rejects_a_heads_flag_without_a_label(capsys):
+    with pytest.raises(SystemExit) as e:
+        load_script("benchmark").main(["heads", "--heads", "just-a-folder"])
+    assert e.value.code == 2 and "LABEL=FOLDER" in capsys.readouterr().err

@@ -1,0 +1,185 @@
+"""Several heads for one base model, side by side on the same text: what each set of heads buys.
+
+For every heads folder (the shipped heads, heads trained with another loss, Hydra heads, ...):
+1. held-out accuracy: each head's top-1 and top-5 on the base model's own greedy continuations of held-out
+   ShareGPT prompts (the last conversations of the file, `tree_builder.heldout_prompts`) — the same text
+   for every heads folder;
+2. acceleration: the greedy tree of N nodes built from that accuracy table (`tree_search.greedy_tree`), for
+   each N of `tree_sizes`, decoding the MT-Bench questions greedily; tokens/step = new tokens / forward
+   passes (prefill included), counted, not timed, and every Medusa answer checked token by token against
+   plain greedy decoding (`mismatches` must be 0);
+3. wall clock at each of `batch_sizes`: plain decoding, then Medusa with the heads' own tree for that batch
+   (their trees.json; the greedy `timed_nodes`-node tree for heads without one), over the same questions,
+   compilation excluded; speedup = Medusa tokens/s / plain tokens/s measured right before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+from medusa_jax import tree_search
+from medusa_jax.heads import MedusaHeads
+from medusa_jax.heads_trees import trees_of
+from medusa_jax.tree import build_tree
+from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate_batch
+from medusa_jax.inference.sharded import ShardedModel
+from medusa_jax.bench import head_accuracy
+from medusa_jax.bench.bench_inputs import LoadedModel
+from medusa_jax.bench.tree_builder import BuildTreeConfig, heldout_prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareConfig:
+    max_new_tokens: int = 128
+    tree_sizes: tuple[int, ...] = (4, 16, 64)  # nodes (root excluded) of the counted trees
+    batch_sizes: tuple[int, ...] = (1, 4)  # timed batch sizes
+    timed_nodes: int = 4  # tree for timing heads that carry no trees.json
+    heldout: int = 24
+    data: str | None = None  # held-out conversations (None: the packaged ShareGPT file)
+    continuation_tokens: int = 128
+    top_k: int = 10
+    count_batch: int = 16  # rows per call when counting tokens/step (untimed)
+
+    def __post_init__(self):
+        if min(self.tree_sizes, default=0) < 1 or min(self.batch_sizes, default=1) < 1:
+            raise ValueError(f"tree_sizes must be >= 1 and batch_sizes >= 1: {self}")
+        if self.max_new_tokens < 1 or self.timed_nodes < 1 or self.count_batch < 1:
+            raise ValueError(f"max_new_tokens, timed_nodes and count_batch must be >= 1: {self}")
+
+
+def _settings(loaded: LoadedModel, config: CompareConfig, batch: int, tree=None) -> BatchSettings:
+    return BatchSettings(batch_size=batch, max_new_tokens=config.max_new_tokens, tree=tree,
+                         eos_ids=loaded.eos_ids, pad_id=loaded.pad_id)
+
+
+def _tokens(run) -> list[list[int]]:
+    return [list(r.token_ids) for r in run.results]
+
+
+def heads_accuracy(loaded: LoadedModel, heads: MedusaHeads, text, config: CompareConfig):
+    sequences, starts = text
+    top_k = min(config.top_k, heads.config.head_vocab_size)
+    return head_accuracy.measure_head_accuracy(loaded.base, heads, sequences, starts, top_k=top_k)
+
+
+def count_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, reference,
+                          config: CompareConfig) -> list[dict]:
+    """Greedy Medusa decoding of `prompts` with the greedy tree of each size: tokens/step and mismatches."""
+    model = ShardedModel(loaded.base, heads)
+    rows = []
+    for nodes in config.tree_sizes:
+        order = tree_search.greedy_tree(accuracy_mr, nodes)
+        tree = build_tree([p for p, _ in order], name=f"greedy_{len(order)}")
+        run = generate_batch(model, prompts, _settings(loaded, config, min(config.count_batch, len(prompts)), tree),
+                             progress=False)
+        mismatches = sum(a != b for a, b in zip(_tokens(run), reference))
+        rows.append({"nodes": len(order), "tokens_per_step": run.tokens_per_step, "mismatches": mismatches,
+                     "predicted_tokens_per_step": tree_search.expected_tokens_per_step(
+                         [p for p, _ in order], accuracy_mr)})
+    return rows
+
+
+def time_speedup(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, config: CompareConfig) -> list[dict]:
+    """Plain then Medusa (the heads' own tree per batch size) over the same prompts, compilation excluded."""
+    plain, medusa = ShardedModel(loaded.base, None), ShardedModel(loaded.base, heads)
+    own = trees_of(heads) is not None
+    fallback = build_tree([p for p, _ in tree_search.greedy_tree(accuracy_mr, config.timed_nodes)],
+                          name=f"greedy_{config.timed_nodes}")
+    rows = []
+    for batch in config.batch_sizes:
+        p = generate_batch(plain, prompts, _settings(loaded, config, batch), progress=False)
+        m = generate_batch(medusa, prompts, _settings(loaded, config, batch, HEADS_TREE if own else fallback),
+                           progress=False)
+        choice = m.tree_choice
+        rows.append({"batch": batch, "plain_tokens_per_s": p.decode_tokens_per_second,
+                     "medusa_tokens_per_s": m.decode_tokens_per_second,
+                     "speedup": m.decode_tokens_per_second / p.decode_tokens_per_second,
+                     "tokens_per_step": m.tokens_per_step,
+                     "tree": choice.note if choice is not None else fallback.name,
+                     "mismatches": sum(a != b for a, b in zip(_tokens(m), _tokens(p)))})
+    return rows
+
+
+def compare(loaded: LoadedModel, heads_by_label: dict[str, tuple[MedusaHeads, str]], prompts: Sequence[Sequence[int]],
+            config: CompareConfig, progress: Callable[[str], None] = print) -> dict:
+    """Runs the comparison. heads_by_label: label -> (heads, where they came from, for the report)."""
+    held = BuildTreeConfig(data=config.data, heldout=config.heldout, continuation_tokens=config.continuation_tokens)
+    held_prompts, source = heldout_prompts(loaded, held)
+    progress(f"held-out text: greedy continuations of {len(held_prompts)} prompts ({source})")
+    text = head_accuracy.self_distill(loaded.base, held_prompts, max_new_tokens=config.continuation_tokens,
+                                      eos_ids=loaded.eos_ids, pad_id=loaded.pad_id)
+    reference = _tokens(generate_batch(ShardedModel(loaded.base, None), prompts,
+                                       _settings(loaded, config, min(config.count_batch, len(prompts))),
+                                       progress=False))
+    results = {"heldout": source, "questions": len(prompts), "config": dataclasses.asdict(config), "heads": {}}
+    for label, (heads, origin) in heads_by_label.items():
+        acc = heads_accuracy(loaded, heads, text, config)
+        top5 = acc.topk_cumulative()[:, min(4, acc.accuracy_dk.shape[1] - 1)]
+        progress(f"{label}: held-out top-1 " + ", ".join(f"{a:.3f}" for a in acc.top1_d))
+        counted = count_tokens_per_step(loaded, heads, acc.accuracy_dk, prompts, reference, config)
+        progress(f"{label}: tokens/step " + ", ".join(f"{r['nodes']} nodes {r['tokens_per_step']:.2f}"
+                                                      for r in counted))
+        timed = time_speedup(loaded, heads, acc.accuracy_dk, prompts, config) if config.batch_sizes else []
+        for r in timed:
+            progress(f"{label}: batch {r['batch']} speedup x{r['speedup']:.2f} ({r['tree']})")
+        results["heads"][label] = {
+            "origin": origin, "head_type": type(heads).__name__, "num_heads": heads.config.num_heads,
+            "heldout_top1": acc.top1_d.tolist(), "heldout_top5": top5.tolist(),
+            "positions_per_head": acc.positions_d.tolist(), "tree_sizes": counted, "timed": timed}
+    return results
+
+
+def markdown(results: dict, command: str, machine: str) -> str:
+    heads = results["heads"]
+    sizes = sorted({r["nodes"] for h in heads.values() for r in h["tree_sizes"]})
+    batches = sorted({r["batch"] for h in heads.values() for r in h["timed"]})
+    lines = [f"Command: `{command}`", machine,
+             f"{results['questions']} MT-Bench first turns, greedy, at most {results['config']['max_new_tokens']} "
+             f"new tokens; held-out accuracy on {results['heldout']}.", "",
+             "| heads | held-out top-1 per head | top-5 per head | "
+             + " | ".join(f"tokens/step @{n}" for n in sizes) + " | "
+             + " | ".join(f"speedup b{b}" for b in batches) + " | mismatches |",
+             "|---" * (4 + len(sizes) + len(batches)) + "|"]
+    for label, h in heads.items():
+        tps = {r["nodes"]: r["tokens_per_step"] for r in h["tree_sizes"]}
+        spd = {r["batch"]: r["speedup"] for r in h["timed"]}
+        bad = sum(r["mismatches"] for r in h["tree_sizes"]) + sum(r["mismatches"] for r in h["timed"])
+        lines.append(f"| {label} | " + " / ".join(f"{a:.2f}" for a in h["heldout_top1"]) + " | "
+                     + " / ".join(f"{a:.2f}" for a in h["heldout_top5"]) + " | "
+                     + " | ".join(f"{tps[n]:.2f}" if n in tps else "-" for n in sizes) + " | "
+                     + " | ".join(f"{spd[b]:.2f}x" if b in spd else "-" for b in batches) + f" | {bad} |")
+    lines += ["", "Timed runs (compilation excluded; plain measured right before each Medusa run):", "",
+              "| heads | batch | plain tok/s | Medusa tok/s | speedup | tokens/step | tree |", "|---" * 7 + "|"]
+    for label, h in heads.items():
+        for r in h["timed"]:
+            lines.append(f"| {label} | {r['batch']} | {r['plain_tokens_per_s']:.1f} | {r['medusa_tokens_per_s']:.1f} "
+                         f"| {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {r['tree']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, h in results["heads"].items():
+        rows = h["tree_sizes"]
+        ax.plot([r["nodes"] for r in rows], [r["tokens_per_step"] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tree nodes (root excluded)")
+    ax.set_ylabel("tokens per step (MT-Bench, greedy)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def report_json(results: dict, command: str, machine: dict) -> str:
+    return json.dumps({"command": command, "machine": machine, **results}, indent=1, default=float)
