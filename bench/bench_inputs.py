@@ -26,6 +26,7 @@ from medusa_jax.heads import MedusaHeads
 from medusa_jax.assets import resolve_heads_dir, resolve_model_dir
 from medusa_jax.heads_import import load_heads
 from medusa_jax.hf_import import load_pretrained
+from medusa_jax.real_model import portable_path
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
 from medusa_jax.bench.mtbench import MTBenchQuestion, load_mtbench_questions
 
@@ -87,10 +88,17 @@ def git_revision(folder: Path) -> str | None:
     return out.stdout.strip() or None
 
 
+def _portable_arg(arg: str) -> str:
+    """An absolute path inside `arg` (the whole argument or after `=`) as `real_model.portable_path` names it."""
+    head, sep, tail = arg.rpartition("=") if "=" in arg else ("", "", arg)
+    return head + sep + portable_path(tail) if os.path.isabs(tail) else arg
+
+
 def command_line(script: str, argv: Sequence[str] | None) -> str:
     """The command to record in a report: `python SCRIPT ARGS`, e.g. script 'scripts/benchmark_batch.py scaling'
-    (a subcommand rides along with the script); argv None means this process's own arguments."""
-    args = sys.argv[1:] if argv is None else list(argv)
+    (a subcommand rides along with the script); argv None means this process's own arguments. Absolute paths
+    are written relative to the repository or to $MEDUSA_JAX_CACHE (reports never name this machine's paths)."""
+    args = [_portable_arg(a) for a in (sys.argv[1:] if argv is None else list(argv))]
     return " ".join(["python", script, shlex.join(args)]) if args else f"python {script}"
 
 

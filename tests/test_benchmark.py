@@ -400,3 +400,13 @@ def test_benchmark_heads_mode_rejects_a_heads_flag_without_a_label(capsys):
     with pytest.raises(SystemExit) as e:
         load_script("benchmark").main(["heads", "--heads", "just-a-folder"])
     assert e.value.code == 2 and "LABEL=FOLDER" in capsys.readouterr().err
+
+
+def test_recorded_commands_name_no_absolute_path_of_this_machine(tmp_path, monkeypatch):
+    from medusa_jax.bench.bench_inputs import command_line
+
+    monkeypatch.setenv("MEDUSA_JAX_CACHE", str(tmp_path))
+    line = command_line("scripts/benchmark.py heads", ["--heads", f"kl={tmp_path}/heads/kl", "--out",
+                                                      str(ROOT / "bench" / "heads"), "--questions", "16"])
+    assert line == "python scripts/benchmark.py heads --heads 'kl=$MEDUSA_JAX_CACHE/heads/kl' --out bench/heads " \
+                   "--questions 16"
