@@ -48,9 +48,10 @@ def enable_compile_cache() -> Path | None:
     return folder
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity, not field equality: nested counters that read alike stay distinct
 class CompileCounter:
-    """`with CompileCounter() as c: ...` then c.compiles, c.cache_hits, c.requests, c.compile_seconds."""
+    """`with CompileCounter() as c: ...` then c.compiles, c.cache_hits, c.requests, c.compile_seconds; counters
+    nest (each counts what ran inside its own block)."""
 
     requests: int = 0
     cache_hits: int = 0

@@ -116,3 +116,16 @@ def test_second_process_hits_the_persistent_compile_cache(chat_model, tmp_path):
     assert rows[0]["compiles"] > 0 and rows[0]["compile_cache_hits"] == 0
     assert rows[1]["compiles"] == 0 and rows[1]["compile_cache_hits"] == rows[0]["compiles"]
     assert any((tmp_path / "jax_cache").iterdir())
+
+
+def test_nested_compile_counters_each_count_their_own_block():
+    import jax
+    import jax.numpy as jnp
+
+    from medusa_jax.compile_cache import CompileCounter
+
+    with CompileCounter() as outer:
+        with CompileCounter() as inner:  # equal fields on entry: must still leave as two distinct counters
+            pass
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0))
+    assert inner.requests == 0 and outer.requests >= 1
