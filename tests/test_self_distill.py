@@ -7,6 +7,7 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from medusa_jax.training import distill_store
 from medusa_jax.training.self_distill import DistillConfig, done_ids, self_distill
@@ -262,3 +263,12 @@ def test_store_examples_match_a_loop_and_the_npz_format(tmp_path):
     assert conversations == 4
     for key, value in legacy.batch(np.arange(len(legacy)), teacher=True).items():
         np.testing.assert_array_equal(value, batch[key])
+
+
+def test_an_empty_store_is_a_clear_data_error(tmp_path):
+    from medusa_jax.training.distill_store import StoreWriter, load_store_examples
+    from medusa_jax.training.sharegpt import DataError
+
+    StoreWriter(tmp_path / "d.jsonl.arrow", hidden_size=8)  # created by a run that has written no shard yet
+    with pytest.raises(DataError, match="no replies yet"):
+        load_store_examples(tmp_path / "d.jsonl.arrow", num_heads=2)

@@ -149,6 +149,9 @@ def open_store(folder: str | os.PathLike):
 
     if not is_store(folder):
         raise DataError(f"{folder}: not a self-distilled store (no {META_FILE})")
+    if not json.loads((Path(folder) / "state.json").read_text())["_data_files"]:
+        raise DataError(f"{folder}: the store holds no replies yet (self-distillation has not written its first "
+                        f"shard); let it run longer or pass another --data")
     return datasets.load_from_disk(str(folder), keep_in_memory=False)
 
 
