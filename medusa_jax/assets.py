@@ -13,7 +13,11 @@ import importlib.resources
 import os
 from pathlib import Path
 
-DEFAULT_HEADS = "smollm2"  # for SmolLM2-135M-Instruct
+# --heads values naming heads shipped in the package (all for SmolLM2-135M-Instruct): "default" = the heads that
+# accelerate most on the benchmark (bench/heads); "default-medusa" = the Medusa-1 heads, the ones PyTorch export
+# (vLLM, TGI, the official Medusa code) can take
+SHIPPED_HEADS = {"default": "smollm2-hydra", "default-medusa": "smollm2"}
+DEFAULT_HEADS = SHIPPED_HEADS["default"]
 DEFAULT_MODEL_NAMES = ("default", "smollm2")  # --model values meaning SmolLM2-135M-Instruct ("default" documented)
 
 
@@ -37,12 +41,13 @@ def shipped_heads_dir(name: str = DEFAULT_HEADS) -> Path:
 
 
 def resolve_heads_dir(arg: str | os.PathLike) -> Path:
-    """'default' -> the shipped SmolLM2 heads; anything else -> that folder. Raises FileNotFoundError."""
-    if str(arg) == "default":
-        folder = shipped_heads_dir()
+    """'default' / 'default-medusa' -> shipped SmolLM2 heads (SHIPPED_HEADS); anything else -> that folder.
+    Raises FileNotFoundError."""
+    if str(arg) in SHIPPED_HEADS:
+        folder = shipped_heads_dir(SHIPPED_HEADS[str(arg)])
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"--heads default: no shipped heads at {folder}; train them with the command "
-                                    f"in the README's Training section, or pass a heads folder")
+            raise FileNotFoundError(f"--heads {arg}: no shipped heads at {folder}; train them with the command "
+                                    f"in docs/training.md, or pass a heads folder")
         return folder
     folder = Path(arg)
     if not folder.is_dir():

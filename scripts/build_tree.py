@@ -88,9 +88,10 @@ def main(argv=None) -> int:
         return 2
     backend = jax.default_backend()
     batches, built = build(loaded, config, progress=lambda m: print(m, flush=True))
-    args = sys.argv[1:] if argv is None else list(argv)
+    from medusa_jax.bench.bench_inputs import command_line
+
     built = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-             "command": "python scripts/build_tree.py " + " ".join(args), **built}
+             "command": command_line("scripts/build_tree.py", argv), **built}  # no local paths
     document = heads_trees.trees_document(existing, backend, batches, built)
     write_text_atomic(out, json.dumps(document, indent=1) + "\n")
     for line in summary_lines(batches, built):

@@ -1,7 +1,7 @@
 """Export Medusa heads for PyTorch serving systems (official Medusa code, TGI, TensorRT-LLM, vLLM).
 
 Example:
-  python scripts/export_heads.py --heads default --out exported/medusa --model default
+  python scripts/export_heads.py --heads default-medusa --out exported/medusa --model default
   python scripts/export_heads.py --heads my_heads --out exported/vllm --format vllm --dtype bfloat16
 """
 
@@ -18,7 +18,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", required=True,
                    help="heads folder in any layout medusa-jax reads (ours, FasterDecoding/TGI/TensorRT-LLM, vLLM), "
-                        "or 'default' for the heads shipped with the package")
+                        "or 'default-medusa' for the shipped Medusa heads ('default' is the shipped Hydra heads, "
+                        "which no PyTorch layout describes)")
     p.add_argument("--out", required=True,
                    help="output folder (written atomically; must not exist or be empty; temp folders left by a "
                         "killed export are removed)")

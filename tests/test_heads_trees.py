@@ -179,10 +179,11 @@ def test_pick_for_batch_keeps_the_best_tree_only_when_it_beats_plain():
     assert paths == () and record["num_nodes"] == 0 and record["best_tree_predicted_speedup"] < 1
 
 
-def test_the_shipped_trees_fit_the_shipped_heads():
-    from medusa_jax.assets import shipped_heads_dir
+@pytest.mark.parametrize("name", ["default", "default-medusa"])
+def test_the_shipped_trees_fit_the_shipped_heads(name):
+    from medusa_jax.assets import SHIPPED_HEADS, shipped_heads_dir
 
-    folder = shipped_heads_dir()
+    folder = shipped_heads_dir(SHIPPED_HEADS[name])
     trees = read_trees(folder)
     config = HeadsConfig.from_dict(json.loads((folder / "config.json").read_text())["medusa_jax"])
     trees.check_heads(config.num_heads, config.head_vocab_size)

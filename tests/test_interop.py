@@ -364,7 +364,7 @@ def test_export_script(bases, tmp_path, capsys):
 def _smollm2_heads(source: str, base):
     if source == "shipped":
         assets = pytest.importorskip("medusa_jax.assets", reason="shipped heads not built yet")
-        return load_heads(assets.resolve_heads_dir("default"), base.config)
+        return load_heads(assets.resolve_heads_dir("default-medusa"), base.config)  # the exportable shipped heads
     heads = make_heads(base, "shared", num_layers=1, num_heads=4)  # tiny tensors; exercises the tied lm_head
     for head in heads.heads:  # ResBlocks scaled to the real hidden states' size
         head.blocks[0].linear.kernel[...] = head.blocks[0].linear.kernel[...] * 0.1
