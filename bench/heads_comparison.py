@@ -139,18 +139,21 @@ def markdown(results: dict, command: str, machine: str) -> str:
     lines = [f"Command: `{command}`", machine,
              f"{results['questions']} MT-Bench first turns, greedy, at most {results['config']['max_new_tokens']} "
              f"new tokens; held-out accuracy on {results['heldout']}.", "",
-             "| heads | held-out top-1 per head | top-5 per head | "
-             + " | ".join(f"tokens/step @{n}" for n in sizes) + " | "
-             + " | ".join(f"speedup b{b}" for b in batches) + " | mismatches |",
+             "| " + " | ".join(["heads", "held-out top-1 per head", "top-5 per head"]
+                               + [f"tokens/step @{n}" for n in sizes] + [f"speedup b{b}" for b in batches]
+                               + ["mismatches"]) + " |",
              "|---" * (4 + len(sizes) + len(batches)) + "|"]
     for label, h in heads.items():
         tps = {r["nodes"]: r["tokens_per_step"] for r in h["tree_sizes"]}
         spd = {r["batch"]: r["speedup"] for r in h["timed"]}
         bad = sum(r["mismatches"] for r in h["tree_sizes"]) + sum(r["mismatches"] for r in h["timed"])
-        lines.append(f"| {label} | " + " / ".join(f"{a:.2f}" for a in h["heldout_top1"]) + " | "
-                     + " / ".join(f"{a:.2f}" for a in h["heldout_top5"]) + " | "
-                     + " | ".join(f"{tps[n]:.2f}" if n in tps else "-" for n in sizes) + " | "
-                     + " | ".join(f"{spd[b]:.2f}x" if b in spd else "-" for b in batches) + f" | {bad} |")
+        cells = ([label, " / ".join(f"{a:.2f}" for a in h["heldout_top1"]),
+                  " / ".join(f"{a:.2f}" for a in h["heldout_top5"])]
+                 + [f"{tps[n]:.2f}" if n in tps else "-" for n in sizes]
+                 + [f"{spd[b]:.2f}x" if b in spd else "-" for b in batches] + [str(bad)])
+        lines.append("| " + " | ".join(cells) + " |")
+    if not batches:
+        return "\n".join(lines + ["", "(untimed run: --batch-sizes '')"]) + "\n"
     lines += ["", "Timed runs (compilation excluded; plain measured right before each Medusa run):", "",
               "| heads | batch | plain tok/s | Medusa tok/s | speedup | tokens/step | tree |", "|---" * 7 + "|"]
     for label, h in heads.items():
