@@ -2,8 +2,8 @@
 
 The text is self-distilled: the base model's own greedy continuation of held-out prompts, so a head's guess
 counts as right exactly when greedy acceptance would accept it. For a continuation position p (the last
-prompt token and after), head d's rank-r guess from the hidden state at p is right when it equals the token at
-p + 2 + d. accuracy_dk[d, r] = P(rank-r guess right) = hits / positions where p + 2 + d is still in the text.
+prompt token and after), head m's rank-r guess from the hidden state at p is right when it equals the token at
+p + 2 + m. accuracy_mr[m, r] = P(rank-r guess right) = hits / positions where p + 2 + m is still in the text.
 """
 
 from __future__ import annotations
@@ -27,50 +27,50 @@ from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 
 @dataclasses.dataclass(frozen=True)
 class HeadAccuracy:
-    accuracy_dk: np.ndarray  # [num_heads, top_k] P(head d's rank-r guess is right)
-    positions_d: np.ndarray  # [num_heads] positions counted per head
+    accuracy_mr: np.ndarray  # [num_heads, top_k] P(head m's rank-r guess is right)
+    positions_m: np.ndarray  # [num_heads] positions counted per head
     num_sequences: int
 
     @property
-    def top1_d(self) -> np.ndarray:
-        return self.accuracy_dk[:, 0]
+    def top1_m(self) -> np.ndarray:
+        return self.accuracy_mr[:, 0]
 
     def topk_cumulative(self) -> np.ndarray:
         """[num_heads, top_k] P(right token among the first r+1 guesses)."""
-        return np.cumsum(self.accuracy_dk, axis=1)
+        return np.cumsum(self.accuracy_mr, axis=1)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "top_k"))
 def _top_k_along(graphdef, params, tokens_bt, *, top_k: int):
-    """[K, B, T, k] every head's top-k at every position of full sequences (one causal forward)."""
+    """[M, B, T, R] every head's top-k at every position of full sequences (one causal forward)."""
     base, heads = nnx.merge(graphdef, params)
     b, t = tokens_bt.shape
     cache = KVCache.zeros(base.config, b, t)
     positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     hidden_btd, _ = base(tokens_bt, positions_bt, attention_mask(cache.lengths_b, causal_block(t), t), cache)
     if isinstance(heads, HydraHeads):  # teacher forcing: head i's path is the true tokens t + 1 .. t + 1 + i
-        path_btk = path_tokens(tokens_bt, heads.config.num_heads)
-        _, ids = jax.lax.top_k(jnp.stack([heads.head_logits(i, hidden_btd, path_btk[..., : i + 1], base)
+        path_bte = path_tokens(tokens_bt, heads.config.num_heads)
+        _, ids = jax.lax.top_k(jnp.stack([heads.head_logits(i, hidden_btd, path_bte[..., : i + 1], base)
                                           for i in range(heads.config.num_heads)]), top_k)
         return heads.to_full_vocab(ids.astype(jnp.int32))
     return heads.top_k(hidden_btd, base, top_k)
 
 
-def count_hits(top_k_kbtr: np.ndarray, sequences: Sequence[Sequence[int]], starts: Sequence[int]):
-    """(hits [K, k], positions [K]) over a batch: sequence b's positions from starts[b] on."""
-    num_heads, _, _, k = top_k_kbtr.shape
+def count_hits(top_k_mbtr: np.ndarray, sequences: Sequence[Sequence[int]], starts: Sequence[int]):
+    """(hits [M, R], positions [M]) over a batch: sequence b's positions from starts[b] on."""
+    num_heads, _, _, k = top_k_mbtr.shape
     hits = np.zeros((num_heads, k), np.int64)
     counted = np.zeros(num_heads, np.int64)
     for b, (seq, start) in enumerate(zip(sequences, starts)):
         seq = np.asarray(seq)
-        for d in range(num_heads):
-            last = len(seq) - 3 - d  # the last position p whose target p + 2 + d exists
+        for m in range(num_heads):
+            last = len(seq) - 3 - m  # the last position p whose target p + 2 + m exists
             if last < start:
                 continue
-            guesses_pr = top_k_kbtr[d, b, start: last + 1]
-            targets_p = seq[start + 2 + d: last + 3 + d]
-            hits[d] += (guesses_pr == targets_p[:, None]).sum(axis=0)
-            counted[d] += last + 1 - start
+            guesses_tr = top_k_mbtr[m, b, start: last + 1]
+            targets_t = seq[start + 2 + m: last + 3 + m]
+            hits[m] += (guesses_tr == targets_t[:, None]).sum(axis=0)
+            counted[m] += last + 1 - start
     return hits, counted
 
 

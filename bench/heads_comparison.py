@@ -117,18 +117,18 @@ def compare(loaded: LoadedModel, heads_by_label: dict[str, tuple[MedusaHeads, st
     results = {"heldout": source, "questions": len(prompts), "config": dataclasses.asdict(config), "heads": {}}
     for label, (heads, origin) in heads_by_label.items():
         acc = heads_accuracy(loaded, heads, text, config)
-        top5 = acc.topk_cumulative()[:, min(4, acc.accuracy_dk.shape[1] - 1)]
-        progress(f"{label}: held-out top-1 " + ", ".join(f"{a:.3f}" for a in acc.top1_d))
-        counted = count_tokens_per_step(loaded, heads, acc.accuracy_dk, prompts, reference, config)
+        top5 = acc.topk_cumulative()[:, min(4, acc.accuracy_mr.shape[1] - 1)]
+        progress(f"{label}: held-out top-1 " + ", ".join(f"{a:.3f}" for a in acc.top1_m))
+        counted = count_tokens_per_step(loaded, heads, acc.accuracy_mr, prompts, reference, config)
         progress(f"{label}: tokens/step " + ", ".join(f"{r['nodes']} nodes {r['tokens_per_step']:.2f}"
                                                       for r in counted))
-        timed = time_speedup(loaded, heads, acc.accuracy_dk, prompts, config) if config.batch_sizes else []
+        timed = time_speedup(loaded, heads, acc.accuracy_mr, prompts, config) if config.batch_sizes else []
         for r in timed:
             progress(f"{label}: batch {r['batch']} speedup x{r['speedup']:.2f} ({r['tree']})")
         results["heads"][label] = {
             "origin": origin, "head_type": type(heads).__name__, "num_heads": heads.config.num_heads,
-            "heldout_top1": acc.top1_d.tolist(), "heldout_top5": top5.tolist(),
-            "positions_per_head": acc.positions_d.tolist(), "tree_sizes": counted, "timed": timed}
+            "heldout_top1": acc.top1_m.tolist(), "heldout_top5": top5.tolist(),
+            "positions_per_head": acc.positions_m.tolist(), "tree_sizes": counted, "timed": timed}
     return results
 
 

@@ -2,7 +2,7 @@
 
 Counts from the model's shapes and the mesh (data d, fsdp f, tensor t) alone, following the layouts of
 `medusa_jax.sharding`: weight matrices split over f x t, norms replicated, biases over t; the KV cache
-[L, B, S, Hkv, D] split over rows (d x f) and KV heads (t); Adam's two moments like their parameters.
+[L, B, S, K, H] split over rows (d x f) and KV heads (t); Adam's two moments like their parameters.
 Activations are the largest working sets, not a full liveness analysis:
   decode  prefill: one layer's attention scores and probabilities (fp32) and MLP activations of the prompt;
           loop: the tree's base logits and the heads' logits (fp32)
@@ -59,29 +59,30 @@ def estimate(config) -> Estimate:
     """Per-device bytes for a `plan.PlanConfig`."""
     m, mesh = config.model, config.mesh
     split, t, rows = mesh.fsdp * mesh.tensor, mesh.tensor, mesh.data * mesh.fsdp
-    b_dev = config.batch / rows
+    dev_rows = config.batch / rows
     heads_dtype = config.heads_dtype if config.job == "train" else m.dtype
-    base_n = backbone_params(m, split, t)
-    heads_n = heads_params(m, config.num_heads, config.lm_head, split, t)
-    params = base_n * _bytes(m.dtype) + heads_n * _bytes(heads_dtype)
-    v_t, f_t, n_t = m.vocab_size / t, m.intermediate_size / t, m.num_heads / t
+    base_params = backbone_params(m, split, t)
+    head_params = heads_params(m, config.num_heads, config.lm_head, split, t)
+    params = base_params * _bytes(m.dtype) + head_params * _bytes(heads_dtype)
+    vocab_part, mlp_part, heads_part = m.vocab_size / t, m.intermediate_size / t, m.num_heads / t
     if config.job == "decode":
-        cache = 2 * m.num_layers * b_dev * config.cache * (m.num_kv_heads / t) * m.head_dim * _bytes(m.dtype)
+        cache = 2 * m.num_layers * dev_rows * config.cache * (m.num_kv_heads / t) * m.head_dim * _bytes(m.dtype)
         act = _bytes(m.dtype)
-        prefill = b_dev * (2 * n_t * config.seq * config.cache * 4 + config.seq * (4 * m.hidden_size + 3 * f_t) * act)
-        loop = b_dev * (config.tree_tokens * v_t * 4 + config.num_heads * v_t * 4)
+        prefill = dev_rows * (2 * heads_part * config.seq * config.cache * 4
+                              + config.seq * (4 * m.hidden_size + 3 * mlp_part) * act)
+        loop = dev_rows * (config.tree_tokens * vocab_part * 4 + config.num_heads * vocab_part * 4)
         return Estimate(int(params), 0, int(cache), int(max(prefill, loop)))
-    trainable = heads_n * _bytes(heads_dtype) + (base_n * _bytes(m.dtype) if config.medusa2 else 0)
+    trainable = head_params * _bytes(heads_dtype) + (base_params * _bytes(m.dtype) if config.medusa2 else 0)
     act = _bytes(config.compute_dtype)
-    tokens = b_dev * config.seq
-    scores = 2 * b_dev * n_t * config.seq * config.seq * 4  # fp32 scores and probabilities of one layer
-    layer = tokens * (4 * m.hidden_size + 3 * f_t) * act + scores
-    head_logits = 3 * tokens * v_t * 4  # logits, softmax and their gradient, one head at a time
+    tokens = dev_rows * config.seq
+    scores = 2 * dev_rows * heads_part * config.seq * config.seq * 4  # fp32 scores and probabilities of one layer
+    layer = tokens * (4 * m.hidden_size + 3 * mlp_part) * act + scores
+    head_logits = 3 * tokens * vocab_part * 4  # logits, softmax and their gradient, one head at a time
     if config.medusa2:  # saved for the backward pass, one layer's backward working set, the LM loss's logits
-        backbone = (m.num_layers + 1) * layer + 2 * tokens * v_t * 4
+        backbone = (m.num_layers + 1) * layer + 2 * tokens * vocab_part * 4
     else:
         backbone = layer
-    gathered = (base_n + heads_n) * (mesh.fsdp - 1) * act if mesh.fsdp > 1 else 0
+    gathered = (base_params + head_params) * (mesh.fsdp - 1) * act if mesh.fsdp > 1 else 0
     return Estimate(int(params), int(2 * trainable), 0, int(trainable + backbone + head_logits + gathered))
 
 

@@ -205,7 +205,7 @@ def piece_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: 
     out["acceptance"] = time_call(lambda: _acceptance(tokens_bt, logits_btv, key, tree=tree), repeats)
     out["heads_top_k"] = time_call(lambda: _heads_top_k(both_def, both_params, hidden_btd[:, 0], tree=tree),
                                    repeats)
-    nodes_be = jnp.broadcast_to(jnp.asarray(tree.retrieve_lj[0]), (batch, tree.depth + 1))
+    nodes_be = jnp.broadcast_to(jnp.asarray(tree.retrieve_ce[0]), (batch, tree.depth + 1))
     compact = lambda c, n: (None, _compaction(c, n))  # noqa: E731
     out["cache_compaction"] = time_call(lambda: runner.run(compact, nodes_be), repeats)
     return out

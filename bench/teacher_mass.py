@@ -41,10 +41,10 @@ class TeacherMassConfig:
 def outside_mass(base: CausalLM, store: str | os.PathLike, config: TeacherMassConfig) -> dict:
     """{"positions", "train_tokens", "mean_outside_mass": {str(N): mean teacher mass outside the top-N map}}."""
     train, held, _, _ = load_store_examples(store, 1).split(config.heldout_fraction, config.seed)
-    train_tokens = train.targets_nk[:, 0][train.targets_nk[:, 0] >= 0]
+    train_tokens = train.targets_xm[:, 0][train.targets_xm[:, 0] >= 0]
     maps = {n: top_token_ids(train_tokens, n, base.config.vocab_size) for n in config.sizes}
     probs = jax.jit(lambda h: jax.nn.softmax(base.logits(h.astype(jnp.float32)), axis=-1))
-    rows = held.rows_n[np.random.default_rng(config.seed).permutation(len(held))[: config.max_positions]]
+    rows = held.rows_x[np.random.default_rng(config.seed).permutation(len(held))[: config.max_positions]]
     inside = {n: 0.0 for n in config.sizes}
     for start in range(0, len(rows), CHUNK):
         p_xv = np.asarray(probs(jnp.asarray(held.hidden.take(np.sort(rows[start:start + CHUNK])))))

@@ -73,7 +73,7 @@ def heldout_prompts(loaded: LoadedModel, config: BuildTreeConfig) -> tuple[list[
     return prompts, f"last {len(prompts)} usable conversations of {name} ({report.kept} kept)"
 
 
-def pick_for_batch(accuracy_dk, costs: step_cost.StepCostTable, max_nodes: int,
+def pick_for_batch(accuracy_mr, costs: step_cost.StepCostTable, max_nodes: int,
                    min_speedup: float) -> tuple[tuple[tuple[int, ...], ...], dict]:
     """The tree for one batch size from its measured step costs: the greedy tree with the most expected tokens
     per second, or () ("decode plainly") when its predicted speedup over a plain step is below min_speedup.
@@ -81,7 +81,7 @@ def pick_for_batch(accuracy_dk, costs: step_cost.StepCostTable, max_nodes: int,
     # step time cannot fall as the tree grows: fit the measured (noisy) times with a non-decreasing curve
     fitted = tuple(tree_search.nondecreasing_fit(costs.medusa_seconds))
     cost = tree_search.StepCost(costs.num_tree_tokens, fitted)
-    choice = tree_search.choose_tree(accuracy_dk, cost, min(max_nodes, cost.max_tokens - 1))
+    choice = tree_search.choose_tree(accuracy_mr, cost, min(max_nodes, cost.max_tokens - 1))
     speedup_by_size = [tps * costs.plain_seconds for tps in choice.tokens_per_second]
     speedup = speedup_by_size[choice.best_num_nodes - 1]
     paths = choice.paths if speedup >= min_speedup else ()
@@ -114,16 +114,16 @@ def build(loaded: LoadedModel, config: BuildTreeConfig,
         pad_id=loaded.pad_id, batch_size=config.batch_size)
     accuracy = head_accuracy.measure_head_accuracy(loaded.base, loaded.heads, sequences, starts, top_k=top_k,
                                                    batch_size=config.batch_size, progress=progress)
-    progress("top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in accuracy.top1_d))
+    progress("top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in accuracy.top1_m))
 
-    order = tree_search.greedy_tree(accuracy.accuracy_dk, config.max_nodes)
+    order = tree_search.greedy_tree(accuracy.accuracy_mr, config.max_nodes)
     sizes = sorted({t for t in config.tree_tokens if t <= len(order) + 1})
     trees = [build_tree([p for p, _ in order[: t - 1]], name=f"greedy_{t - 1}") for t in sizes]
     chosen, records = {}, {}
     for batch in sorted(set(config.batch_sizes)):
         costs = step_cost.measure_step_costs(loaded.base, loaded.heads, trees, batch=batch, context=config.context,
                                              repeats=config.repeats, progress=progress)
-        chosen[batch], records[str(batch)] = pick_for_batch(accuracy.accuracy_dk, costs, len(order),
+        chosen[batch], records[str(batch)] = pick_for_batch(accuracy.accuracy_mr, costs, len(order),
                                                             config.min_speedup)
         r = records[str(batch)]
         progress(f"batch {batch}: " + (f"{r['num_nodes']} nodes, predicted {r['predicted_tokens_per_step']:.2f} "
@@ -138,9 +138,9 @@ def build(loaded: LoadedModel, config: BuildTreeConfig,
         "num_heads": loaded.heads.config.num_heads,
         "min_speedup": config.min_speedup,
         "heldout": {"source": source, "prompts": len(prompts), "continuation_tokens": config.continuation_tokens,
-                    "positions_per_head": accuracy.positions_d.tolist()},
-        "head_top1": accuracy.top1_d.tolist(),
-        "head_accuracy": accuracy.accuracy_dk.tolist(),
+                    "positions_per_head": accuracy.positions_m.tolist()},
+        "head_top1": accuracy.top1_m.tolist(),
+        "head_accuracy": accuracy.accuracy_mr.tolist(),
         "greedy_order": [list(p) for p, _ in order],
         "timing": {"context": config.context, "repeats": config.repeats, "tree_tokens": sizes},
         "batches": records,

@@ -3,8 +3,9 @@ functions. greedy emits what plain greedy decoding emits; exact (`exact_acceptan
 sampling at the same temperature / top-k / top-p samples; typical (the official Medusa's sampling mode) changes
 the distribution for longer accepts.
 
-Path-level arrays: B rows, L leaf paths, D = tree depth; index j of a [B, L, D] array is the candidate at
-depth j + 1 of path l (so its parent is the depth-j node). Padding past a leaf is masked by valid_ld.
+Path-level arrays: b rows, c candidate paths (tree leaves), e = tree depth; index e of a [B, C, E] array is
+the candidate at depth e + 1 of path c (so its parent is the depth-e node). Padding past a leaf is masked by
+valid_ce.
 `accept_tree` works on the T verified tree nodes: it turns the base logits of every node into these
 path-level arrays (per node first, so the [B, T, V] logits are never copied per path), picks the accepted
 path and the next token after it (the bonus token: the next step's root).
@@ -78,33 +79,33 @@ def acceptance_for(kind: str | None, sampling: SamplingConfig) -> AcceptanceConf
     return AcceptanceConfig(kind, temperature=sampling.temperature)
 
 
-def _longest(accept_bld: jax.Array, valid_ld: jax.Array) -> jax.Array:
-    """[B, L] number of leading accepted candidates of each path."""
-    ok_bld = (accept_bld & valid_ld[None]).astype(jnp.int32)
-    return jnp.sum(jnp.cumprod(ok_bld, axis=-1), axis=-1)
+def _longest(accept_bce: jax.Array, valid_ce: jax.Array) -> jax.Array:
+    """[B, C] number of leading accepted candidates of each path."""
+    ok_bce = (accept_bce & valid_ce[None]).astype(jnp.int32)
+    return jnp.sum(jnp.cumprod(ok_bce, axis=-1), axis=-1)
 
 
-def greedy_accept(candidates_bld: jax.Array, predictions_bld: jax.Array,
-                  valid_ld: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """candidates_bld: tokens at depth j+1; predictions_bld: the base argmax at each one's parent.
-    Returns (accept length [B] in 0..D, index of the chosen path [B]): the first longest path."""
-    length_bl = _longest(candidates_bld == predictions_bld, valid_ld)
-    best_b = jnp.argmax(length_bl, axis=-1).astype(jnp.int32)
-    return jnp.max(length_bl, axis=-1).astype(jnp.int32), best_b
+def greedy_accept(candidates_bce: jax.Array, predictions_bce: jax.Array,
+                  valid_ce: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """candidates_bce: tokens at depth e+1; predictions_bce: the base argmax at each one's parent.
+    Returns (accept length [B] in 0..E, index of the chosen path [B]): the first longest path."""
+    length_bc = _longest(candidates_bce == predictions_bce, valid_ce)
+    best_b = jnp.argmax(length_bc, axis=-1).astype(jnp.int32)
+    return jnp.max(length_bc, axis=-1).astype(jnp.int32), best_b
 
 
-def typical_accept(candidate_prob_bld: jax.Array, threshold_bld: jax.Array,
-                   valid_ld: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """candidate_prob_bld: p_parent(candidate) at the temperature; threshold_bld: the parent's typical
+def typical_accept(candidate_prob_bce: jax.Array, threshold_bce: jax.Array,
+                   valid_ce: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """candidate_prob_bce: p_parent(candidate) at the temperature; threshold_bce: the parent's typical
     threshold. Accepts candidates with p > threshold; among the longest paths picks the one with the highest
     log-likelihood of its accepted candidates. Returns (accept length [B], chosen path [B])."""
-    length_bl = _longest(candidate_prob_bld > threshold_bld, valid_ld)
-    longest_b = jnp.max(length_bl, axis=-1)
-    depth_d = jnp.arange(candidate_prob_bld.shape[-1])
-    counted_bld = depth_d[None, None, :] < length_bl[..., None]
-    loglik_bl = jnp.sum(jnp.where(counted_bld, jnp.log(candidate_prob_bld + 1e-30), 0.0), axis=-1)
-    loglik_bl = jnp.where(length_bl == longest_b[:, None], loglik_bl, -jnp.inf)
-    return longest_b.astype(jnp.int32), jnp.argmax(loglik_bl, axis=-1).astype(jnp.int32)
+    length_bc = _longest(candidate_prob_bce > threshold_bce, valid_ce)
+    longest_b = jnp.max(length_bc, axis=-1)
+    depth_e = jnp.arange(candidate_prob_bce.shape[-1])
+    counted_bce = depth_e[None, None, :] < length_bc[..., None]
+    loglik_bc = jnp.sum(jnp.where(counted_bce, jnp.log(candidate_prob_bce + 1e-30), 0.0), axis=-1)
+    loglik_bc = jnp.where(length_bc == longest_b[:, None], loglik_bc, -jnp.inf)
+    return longest_b.astype(jnp.int32), jnp.argmax(loglik_bc, axis=-1).astype(jnp.int32)
 
 
 def typical_threshold(probs_xv: jax.Array, config: AcceptanceConfig) -> jax.Array:
@@ -136,16 +137,16 @@ def sample_next(logits_bv: jax.Array, key: jax.Array, config: AcceptanceConfig) 
 def accept_tree(tree: TreeBuffers, tokens_bt: jax.Array, logits_btv: jax.Array, key: jax.Array,
                 config: AcceptanceConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """tokens_bt / logits_btv: the T tree tokens and the base logits at each. Returns (accept length [B],
-    accepted nodes [B, D + 1] root first (entries past the accept length are padding), bonus token [B])."""
+    accepted nodes [B, E + 1] root first (entries past the accept length are padding), bonus token [B])."""
     if config.kind == "exact":
         return exact_accept(tree, tokens_bt, logits_btv, key, config.sampling)
-    parent_nodes_ld = jnp.asarray(tree.retrieve_lj[:, :-1])
-    child_nodes_ld = jnp.asarray(tree.retrieve_lj[:, 1:])
-    valid_ld = jnp.asarray(tree.retrieve_valid_lj[:, 1:])
-    candidates_bld = tokens_bt[:, child_nodes_ld]
+    parent_nodes_ce = jnp.asarray(tree.retrieve_ce[:, :-1])
+    child_nodes_ce = jnp.asarray(tree.retrieve_ce[:, 1:])
+    valid_ce = jnp.asarray(tree.retrieve_valid_ce[:, 1:])
+    candidates_bce = tokens_bt[:, child_nodes_ce]
     if config.kind == "greedy":
         predictions_bt = greedy_tokens(logits_btv)
-        length_b, path_b = greedy_accept(candidates_bld, predictions_bt[:, parent_nodes_ld], valid_ld)
+        length_b, path_b = greedy_accept(candidates_bce, predictions_bt[:, parent_nodes_ce], valid_ce)
     else:
         probs_btv = jax.nn.softmax(logits_btv.astype(jnp.float32) / config.temperature, axis=-1)
         threshold_bt = typical_threshold(probs_btv, config)
@@ -153,9 +154,9 @@ def accept_tree(tree: TreeBuffers, tokens_bt: jax.Array, logits_btv: jax.Array, 
         # p_parent(token) of every node: the probability its parent's distribution gives it
         rows_b1 = jnp.arange(tokens_bt.shape[0])[:, None]
         node_prob_bt = probs_btv[rows_b1, parent_t[None, :], tokens_bt]
-        length_b, path_b = typical_accept(node_prob_bt[:, child_nodes_ld], threshold_bt[:, parent_nodes_ld],
-                                          valid_ld)
-    nodes_bj = jnp.asarray(tree.retrieve_lj)[path_b]
-    last_node_b = jnp.take_along_axis(nodes_bj, length_b[:, None], axis=1)[:, 0]
+        length_b, path_b = typical_accept(node_prob_bt[:, child_nodes_ce], threshold_bt[:, parent_nodes_ce],
+                                          valid_ce)
+    nodes_be = jnp.asarray(tree.retrieve_ce)[path_b]
+    last_node_b = jnp.take_along_axis(nodes_be, length_b[:, None], axis=1)[:, 0]
     last_logits_bv = jnp.take_along_axis(logits_btv, last_node_b[:, None, None], axis=1)[:, 0]
-    return length_b, nodes_bj, sample_typical(last_logits_bv, key, config)
+    return length_b, nodes_be, sample_typical(last_logits_bv, key, config)

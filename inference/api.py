@@ -184,13 +184,13 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
         for number, indices in enumerate(plan):
             batch = pad_prompts([prompts[i] for i in indices], settings.pad_id, settings.batch_size, settings.bucket)
             if settings.cache_size is None:
-                cache_size = cache_size_for(batch.tokens_bp.shape[1], settings.max_new_tokens, extra, settings.bucket)
+                cache_size = cache_size_for(batch.tokens_bt.shape[1], settings.max_new_tokens, extra, settings.bucket)
             else:
                 cache_size = check_fits(batch, settings.max_new_tokens, extra, settings.cache_size)
-            shapes.add((batch.tokens_bp.shape[1], cache_size))
+            shapes.add((batch.tokens_bt.shape[1], cache_size))
             t0 = time.perf_counter()
             with CompileCounter() as compiles:
-                rows = _decode(model, batch.tokens_bp, batch.lengths_b, cache_size, settings, settings.seed + number,
+                rows = _decode(model, batch.tokens_bt, batch.lengths_b, cache_size, settings, settings.seed + number,
                                proposer, proposer_data)
             seconds = time.perf_counter() - t0
             compiling = min(compiles.compile_seconds, seconds)

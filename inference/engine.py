@@ -43,7 +43,7 @@ def check_positions(max_positions: int, prompt_lengths: Sequence[int], max_new_t
 
 @dataclasses.dataclass(frozen=True)
 class PaddedBatch:
-    tokens_bp: np.ndarray  # int32, right-padded with pad_id
+    tokens_bt: np.ndarray  # int32, right-padded with pad_id
     lengths_b: np.ndarray  # int32
     num_real: int  # rows beyond this are filler (copies of row 0) that callers drop
 
@@ -76,13 +76,13 @@ def check_fits(batch: PaddedBatch, max_new_tokens: int, extra: int, cache_size: 
     """Returns the cache size to use; raises a clear error when a prompt plus its budget does not fit."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    needed = int(batch.tokens_bp.shape[1]) + max_new_tokens + extra
+    needed = int(batch.tokens_bt.shape[1]) + max_new_tokens + extra
     if cache_size is None:
-        return cache_size_for(batch.tokens_bp.shape[1], max_new_tokens, extra)
+        return cache_size_for(batch.tokens_bt.shape[1], max_new_tokens, extra)
     if needed > cache_size:
         longest = int(batch.lengths_b.max())
         raise ValueError(
-            f"prompt of {longest} tokens (padded to {batch.tokens_bp.shape[1]}) + max_new_tokens={max_new_tokens}"
+            f"prompt of {longest} tokens (padded to {batch.tokens_bt.shape[1]}) + max_new_tokens={max_new_tokens}"
             f" + {extra} scratch slots needs {needed} cache slots, but cache_size is {cache_size}")
     return cache_size
 

@@ -37,7 +37,7 @@ the walk above does, so the law stays exact.
 Vectorised. A node is tried at most once per step, so every node gets one uniform u_t up front and the
 event "x_t accepted when tried" is u_t * (1 - S_before(t)) < q_parent(x_t), with S_before(t) the mass of
 its earlier (distinct) siblings: a [B, T] computation from the [B, T, V] verified logits. The walk itself is
-D static rounds (D = tree depth) over a [T, C] table of each node's children (C = the most children of any
+E static rounds (E = tree depth) over a [T, J] table of each node's children (J = the most children of any
 node): each round moves every row to its first accepted child, or stops it. No Python runs per token.
 """
 
@@ -52,15 +52,15 @@ from medusa_jax.inference.sampling import SamplingConfig, target_logits
 
 
 def children_table(tree: TreeBuffers) -> np.ndarray:
-    """[T, C] int32: the children of each node in rank order (node order = rank order among siblings, as
-    paths are sorted by (length, ranks)), padded with -1; C >= 1."""
+    """[T, J] int32: the children of each node in rank order (node order = rank order among siblings, as
+    paths are sorted by (length, ranks)), padded with -1; J >= 1."""
     kids = [[] for _ in range(tree.num_tokens)]
     for t in range(1, tree.num_tokens):
         kids[int(tree.parent_t[t])].append(t)
-    table_tc = np.full((tree.num_tokens, max(1, max(len(k) for k in kids))), -1, np.int32)
+    table_tj = np.full((tree.num_tokens, max(1, max(len(k) for k in kids))), -1, np.int32)
     for u, k in enumerate(kids):
-        table_tc[u, : len(k)] = k
-    return table_tc
+        table_tj[u, : len(k)] = k
+    return table_tj
 
 
 def earlier_siblings(tree: TreeBuffers) -> np.ndarray:
@@ -85,7 +85,7 @@ def trial_outcomes(tokens_bt: jax.Array, node_prob_bt: jax.Array, uniform_bt: ja
 def exact_accept(tree: TreeBuffers, tokens_bt: jax.Array, logits_btv: jax.Array, key: jax.Array,
                  sampling: SamplingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """tokens_bt / logits_btv: the T tree tokens and the base logits at each. Returns (accept length [B],
-    accepted nodes [B, D + 1] root first (past the accept length: the last accepted node repeated), bonus
+    accepted nodes [B, E + 1] root first (past the accept length: the last accepted node repeated), bonus
     token [B]) with the plain sampler's law (module docstring)."""
     b = tokens_bt.shape[0]
     rows_b = jnp.arange(b)
@@ -96,28 +96,28 @@ def exact_accept(tree: TreeBuffers, tokens_bt: jax.Array, logits_btv: jax.Array,
     node_prob_bt = jnp.exp(log_q_btv[rows_b[:, None], parent_t[None, :], tokens_bt])  # q_parent(token_t)
     accept_bt = trial_outcomes(tokens_bt, node_prob_bt, jax.random.uniform(coin_key, tokens_bt.shape), tree)
 
-    children_tc = jnp.asarray(children_table(tree))
+    children_tj = jnp.asarray(children_table(tree))
     node_b = jnp.zeros((b,), jnp.int32)
     alive_b = jnp.ones((b,), bool)
     visited = [node_b]
     for _ in range(tree.depth):  # one round per depth: move to the first accepted child, or stop
-        kids_bc = children_tc[node_b]
-        ok_bc = (kids_bc >= 0) & jnp.take_along_axis(accept_bt, jnp.maximum(kids_bc, 0), axis=1)
-        move_b = alive_b & jnp.any(ok_bc, axis=1)
-        first_b = jnp.argmax(ok_bc, axis=1)
-        node_b = jnp.where(move_b, kids_bc[rows_b, first_b], node_b)
+        kids_bj = children_tj[node_b]
+        ok_bj = (kids_bj >= 0) & jnp.take_along_axis(accept_bt, jnp.maximum(kids_bj, 0), axis=1)
+        move_b = alive_b & jnp.any(ok_bj, axis=1)
+        first_b = jnp.argmax(ok_bj, axis=1)
+        node_b = jnp.where(move_b, kids_bj[rows_b, first_b], node_b)
         alive_b = move_b
         visited.append(node_b)
-    nodes_bj = jnp.stack(visited, axis=1)
-    length_b = jnp.sum(nodes_bj[:, 1:] != nodes_bj[:, :-1], axis=1).astype(jnp.int32)
+    nodes_be = jnp.stack(visited, axis=1)
+    length_b = jnp.sum(nodes_be[:, 1:] != nodes_be[:, :-1], axis=1).astype(jnp.int32)
 
     # bonus: the last accepted node's q without its (all rejected) children's tokens; a leaf keeps all of q
-    kids_bc = children_tc[node_b]
-    kid_tokens_bc = jnp.where(kids_bc >= 0, jnp.take_along_axis(tokens_bt, jnp.maximum(kids_bc, 0), axis=1),
+    kids_bj = children_tj[node_b]
+    kid_tokens_bj = jnp.where(kids_bj >= 0, jnp.take_along_axis(tokens_bt, jnp.maximum(kids_bj, 0), axis=1),
                               logits_btv.shape[-1])  # out of range: dropped by the scatter
     last_bv = target_btv[rows_b, node_b]
-    residual_bv = last_bv.at[rows_b[:, None], kid_tokens_bc].set(-jnp.inf, mode="drop")
+    residual_bv = last_bv.at[rows_b[:, None], kid_tokens_bj].set(-jnp.inf, mode="drop")
     # rounding can leave no mass outside children that were all rejected; then fall back to the full q
     residual_bv = jnp.where(jnp.any(residual_bv > -jnp.inf, axis=1, keepdims=True), residual_bv, last_bv)
     bonus_b = jax.random.categorical(bonus_key, residual_bv, axis=-1).astype(jnp.int32)
-    return length_b, nodes_bj, bonus_b
+    return length_b, nodes_be, bonus_b

@@ -53,7 +53,7 @@ class ProposeInputs:
 
 
 # A proposer returns either [b, m, r] int32 candidate ids (m = tree.depth heads, r = tree.top_k ranks: entry
-# [i, h, k] fills tree node (head h, rank k) of row i), or [b, t] int32 tree tokens (node 0 is root_b) when a
+# [b, m, r] fills tree node (head m, rank r) of row b), or [b, t] int32 tree tokens (node 0 is root_b) when a
 # node's children depend on its own path (Hydra heads). Verification, acceptance and compaction are the same.
 Proposer = Callable[[ProposeInputs], jax.Array]
 
@@ -70,8 +70,9 @@ def heads_proposer(inputs: ProposeInputs) -> jax.Array:
 
 def tree_tokens(root_b: jax.Array, candidates_bmr: jax.Array, tree: TreeBuffers) -> jax.Array:
     """[b] roots + [b, m, r] candidates -> [b, t] tree tokens (flat list [root, head0 top-k, head1 top-k, ...])."""
-    flat_bx = jnp.concatenate([root_b[:, None], candidates_bmr.reshape(root_b.shape[0], -1)], axis=1)
-    return flat_bx[:, jnp.asarray(tree.candidate_index_t)].astype(jnp.int32)
+    flat_candidates = jnp.concatenate(  # [b, 1 + m * r]
+        [root_b[:, None], candidates_bmr.reshape(root_b.shape[0], -1)], axis=1)
+    return flat_candidates[:, jnp.asarray(tree.candidate_index_t)].astype(jnp.int32)
 
 
 def proposal_tokens(root_b: jax.Array, proposal: jax.Array, tree: TreeBuffers) -> jax.Array:
@@ -84,7 +85,7 @@ def proposal_tokens(root_b: jax.Array, proposal: jax.Array, tree: TreeBuffers) -
 
 
 def compact_accepted(cache: KVCache, nodes_be: jax.Array) -> KVCache:
-    """Moves the K/V of tree nodes nodes_be (slots lengths + node) to slots lengths + j, j = 0..e-1, in every
+    """Moves the K/V of tree nodes nodes_be (slots lengths + node) to slots lengths + i, i = 0..e-1, in every
     layer. Only e slots per row are read and written; lengths are unchanged. Under a mesh each device moves
     its own rows (`sharding.map_cache_rows`), with no collectives."""
     return map_cache_rows(_compact_rows, cache, nodes_be)
@@ -98,7 +99,7 @@ def _compact_rows(cache: KVCache, nodes_be: jax.Array) -> KVCache:
     def move(buf_lbskh):
         return buf_lbskh.at[:, rows_b1, dst_be].set(buf_lbskh[:, rows_b1, src_be])
 
-    return cache.replace(k_lbshd=move(cache.k_lbshd), v_lbshd=move(cache.v_lbshd))
+    return cache.replace(k_lbskh=move(cache.k_lbskh), v_lbskh=move(cache.v_lbskh))
 
 
 @jax.tree_util.register_dataclass

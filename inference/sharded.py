@@ -2,7 +2,7 @@
 
 Layouts (mesh axes from `medusa_jax.sharding`):
     parameters        PARAM_RULES (attention heads, MLP width and vocabulary over `tensor`; hidden over `fsdp`)
-    KV cache          [L, B, S, Hkv, D]: rows over (data, fsdp), KV heads over `tensor`
+    KV cache          [L, B, S, K, H]: rows over (data, fsdp), KV heads over `tensor`
     prompts, outputs  [B, ...]: rows over (data, fsdp); the PRNG key is replicated
 With data x tensor meshes each decode step moves only activations: all-reduces after the row-parallel o_proj
 and down_proj and the vocabulary-parallel embedding, the k best candidates of each vocabulary shard for argmax
@@ -186,7 +186,7 @@ class ShardedModel:
     def new_cache(self, batch_size: int, cache_size: int) -> KVCache:
         """A zeroed KV cache created directly in its sharded layout (never whole on one device)."""
         spare, self._spare_cache = self._spare_cache, None
-        if spare is not None and spare.k_lbshd.shape[1:3] == (batch_size, cache_size):
+        if spare is not None and spare.k_lbskh.shape[1:3] == (batch_size, cache_size):
             return spare  # decoding resets lengths and masks every slot past them: stale contents are harmless
         shardings = self.cache_sharding(batch_size, cache_size)
         return jax.jit(_zero_cache, static_argnums=(0, 1, 2), out_shardings=shardings)(self.config, batch_size,
@@ -212,12 +212,12 @@ class ShardedModel:
         cache (donated in, returned out)."""
         memo = (fn, batch_size, cache_size, out_batch_ndims)
         if memo not in self._jits:
-            cache_sh = self.cache_sharding(batch_size, cache_size)
+            kv_shardings = self.cache_sharding(batch_size, cache_size)
             rows_2d, rows_1d = batch_sharding(self.mesh, 2), batch_sharding(self.mesh, 1)
-            outs = tuple(batch_sharding(self.mesh, nd) for nd in out_batch_ndims) + (cache_sh,)
+            outs = tuple(batch_sharding(self.mesh, nd) for nd in out_batch_ndims) + (kv_shardings,)
             self._jits[memo] = jax.jit(
                 fn, static_argnums=(0,), donate_argnums=(2,),
-                in_shardings=(params_shardings, cache_sh, rows_2d, rows_1d, replicated(self.mesh),
+                in_shardings=(params_shardings, kv_shardings, rows_2d, rows_1d, replicated(self.mesh),
                               replicated(self.mesh)),
                 out_shardings=outs)
         return self._jits[memo]

@@ -32,6 +32,7 @@ Axis legend: an array's name ends in one letter per axis, outermost first (`k_lb
     m  Medusa / Hydra heads             r  top-k ranks of a head
     c  candidate paths (tree leaves, rows of the retrieve table)
     e  depth along a path (0 = the root)
+    j  the children of one tree node, in rank order (columns of exact acceptance's children table)
 
 Examples: the KV cache k_lbskh / v_lbskh; hidden states hidden_btd; logits logits_btv; the heads' top-k ids
 ids_mbr; a head's lm_head weight lm_head_dv; generated tokens out_bo; the retrieve table retrieve_ce (for

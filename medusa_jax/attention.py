@@ -54,14 +54,14 @@ def row_groups(batch_size: int) -> tuple[tuple[int, int], ...]:
 def window_index(mask_bts: jax.Array, windows: tuple[int, ...],
                  groups: tuple[tuple[int, int], ...] | None = None) -> jax.Array:
     """Index of the smallest window that contains every allowed slot of the mask [B, T, S]: an int32 scalar
-    over all rows, or [G] int32, one per row group of `groups`."""
+    over all rows, or an int32 vector with one index per row group of `groups`."""
     slot_s = jnp.arange(mask_bts.shape[-1], dtype=jnp.int32)
     reach_b = jnp.max(jnp.where(mask_bts, slot_s + 1, 0), axis=(1, 2))  # one past the last allowed slot, per row
     bounds = jnp.asarray(windows[:-1], jnp.int32)
     if groups is None:
         return jnp.sum(bounds < jnp.max(reach_b)).astype(jnp.int32)
-    reach_g = jnp.stack([jnp.max(reach_b[start:stop]) for start, stop in groups])
-    return jnp.sum(bounds[None, :] < reach_g[:, None], axis=1).astype(jnp.int32)
+    group_reach = jnp.stack([jnp.max(reach_b[start:stop]) for start, stop in groups])
+    return jnp.sum(bounds[None, :] < group_reach[:, None], axis=1).astype(jnp.int32)
 
 
 def grouped_attention(q_btkgh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array) -> jax.Array:
@@ -74,12 +74,12 @@ def grouped_attention(q_btkgh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, 
     return jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh.astype(q_btkgh.dtype))
 
 
-def cached_attention(q_btkgh: jax.Array, k_lbshd: jax.Array, v_lbshd: jax.Array, layer: int, mask_bts: jax.Array,
+def cached_attention(q_btkgh: jax.Array, k_lbskh: jax.Array, v_lbskh: jax.Array, layer: int, mask_bts: jax.Array,
                      index: jax.Array | None, groups: tuple[tuple[int, int], ...] | None = None) -> jax.Array:
     """Attention of q over layer `layer` of the stacked cache, reading only window `index` of
-    `attention_windows(S)` (None: the whole cache). With `groups` (see `row_groups`), `index` is [G] and
-    rows [start, stop) of group g read window index[g]."""
-    windows = attention_windows(k_lbshd.shape[2])
+    `attention_windows(S)` (None: the whole cache). With `groups` (see `row_groups`), `index` holds one window
+    per row group and rows [start, stop) of group i read window index[i]."""
+    windows = attention_windows(k_lbskh.shape[2])
     b = q_btkgh.shape[0]
     if index is None or len(windows) == 1:
         index, groups = None, ((0, b),)
@@ -93,10 +93,10 @@ def cached_attention(q_btkgh: jax.Array, k_lbshd: jax.Array, v_lbshd: jax.Array,
         return attend
 
     outs = []
-    for g, (start, stop) in enumerate(groups):
+    for i, (start, stop) in enumerate(groups):
         if index is None:
-            outs.append(over(windows[-1], start, stop)(q_btkgh, k_lbshd, v_lbshd, mask_bts))
+            outs.append(over(windows[-1], start, stop)(q_btkgh, k_lbskh, v_lbskh, mask_bts))
         else:
-            outs.append(jax.lax.switch(index[g], [over(w, start, stop) for w in windows],
-                                       q_btkgh, k_lbshd, v_lbshd, mask_bts))
+            outs.append(jax.lax.switch(index[i], [over(w, start, stop) for w in windows],
+                                       q_btkgh, k_lbskh, v_lbskh, mask_bts))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)

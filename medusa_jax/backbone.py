@@ -38,36 +38,36 @@ def _linear(d_in: int, d_out: int, bias: bool, config: ModelConfig, rngs: nnx.Rn
 
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        h, d = config.hidden_size, config.head_dim
+        d, h = config.hidden_size, config.head_dim
         self.config = config
-        self.q_proj = _linear(h, config.num_heads * d, config.attention_bias, config, rngs)
-        self.k_proj = _linear(h, config.num_kv_heads * d, config.attention_bias, config, rngs)
-        self.v_proj = _linear(h, config.num_kv_heads * d, config.attention_bias, config, rngs)
-        self.o_proj = _linear(config.num_heads * d, h, False, config, rngs)
+        self.q_proj = _linear(d, config.num_heads * h, config.attention_bias, config, rngs)
+        self.k_proj = _linear(d, config.num_kv_heads * h, config.attention_bias, config, rngs)
+        self.v_proj = _linear(d, config.num_kv_heads * h, config.attention_bias, config, rngs)
+        self.o_proj = _linear(config.num_heads * h, d, False, config, rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq, window,
+    def __call__(self, x_btd, positions_bt, mask_bts, k_lbskh, v_lbskh, layer: int, lengths_b, inv_freq, window,
                  groups):
         """Writes this layer's new K/V into the stacked cache buffers and attends over layer `layer` of them,
-        rows of row group g reading only cache window window[g] (see medusa_jax.attention)."""
+        rows of row group i reading only cache window window[i] (see medusa_jax.attention)."""
         cfg = self.config
         b, t, _ = x_btd.shape
-        kv, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-        q_btnh = apply_rope(self.q_proj(x_btd).reshape(b, t, cfg.num_heads, d), positions_bt, inv_freq)
-        k_btkh = apply_rope(self.k_proj(x_btd).reshape(b, t, kv, d), positions_bt, inv_freq)
-        v_btkh = self.v_proj(x_btd).reshape(b, t, kv, d)
-        k_lbshd = write_layer_rows(k_lbshd, layer, k_btkh, lengths_b)
-        v_lbshd = write_layer_rows(v_lbshd, layer, v_btkh, lengths_b)
-        out_btkgh = cached_attention(q_btnh.reshape(b, t, kv, group, d), k_lbshd, v_lbshd, layer, mask_bts, window,
+        n, k, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        q_btnh = apply_rope(self.q_proj(x_btd).reshape(b, t, n, h), positions_bt, inv_freq)
+        k_btkh = apply_rope(self.k_proj(x_btd).reshape(b, t, k, h), positions_bt, inv_freq)
+        v_btkh = self.v_proj(x_btd).reshape(b, t, k, h)
+        k_lbskh = write_layer_rows(k_lbskh, layer, k_btkh, lengths_b)
+        v_lbskh = write_layer_rows(v_lbskh, layer, v_btkh, lengths_b)
+        out_btkgh = cached_attention(q_btnh.reshape(b, t, k, g, h), k_lbskh, v_lbskh, layer, mask_bts, window,
                                      groups)
-        return self.o_proj(out_btkgh.reshape(b, t, cfg.num_heads * d)), k_lbshd, v_lbshd
+        return self.o_proj(out_btkgh.reshape(b, t, n * h)), k_lbskh, v_lbskh
 
 
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        h, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = _linear(h, f, False, config, rngs)
-        self.up_proj = _linear(h, f, False, config, rngs)
-        self.down_proj = _linear(f, h, False, config, rngs)
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(d, f, False, config, rngs)
+        self.up_proj = _linear(d, f, False, config, rngs)
+        self.down_proj = _linear(f, d, False, config, rngs)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -80,13 +80,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.jnp_dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, positions_bt, mask_bts, k_lbshd, v_lbshd, layer: int, lengths_b, inv_freq, window, groups):
-        attn, k_lbshd, v_lbshd = self.self_attn(
-            self.input_layernorm(x), positions_bt, mask_bts, k_lbshd, v_lbshd, layer, lengths_b, inv_freq, window,
+    def __call__(self, x, positions_bt, mask_bts, k_lbskh, v_lbskh, layer: int, lengths_b, inv_freq, window, groups):
+        attn, k_lbskh, v_lbskh = self.self_attn(
+            self.input_layernorm(x), positions_bt, mask_bts, k_lbskh, v_lbskh, layer, lengths_b, inv_freq, window,
             groups)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k_lbshd, v_lbshd
+        return x, k_lbskh, v_lbskh
 
 
 class CausalLM(nnx.Module):
@@ -111,13 +111,13 @@ class CausalLM(nnx.Module):
         inv_freq = inverse_frequencies(cfg)
         x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
         groups = row_groups(tokens_bt.shape[0])  # contiguous row groups, each reading its own cache prefix
-        window_g = window_index(mask_bts, attention_windows(cache.cache_size), groups)
-        k_all, v_all = cache.k_lbshd, cache.v_lbshd
+        group_windows = window_index(mask_bts, attention_windows(cache.cache_size), groups)
+        k_all, v_all = cache.k_lbskh, cache.v_lbskh
         for i, layer in enumerate(self.layers):
-            x, k_all, v_all = layer(x, positions_bt, mask_bts, k_all, v_all, i, cache.lengths_b, inv_freq, window_g,
-                                   groups)
+            x, k_all, v_all = layer(x, positions_bt, mask_bts, k_all, v_all, i, cache.lengths_b, inv_freq,
+                                   group_windows, groups)
             x = constrain_rows(x)
-        return self.norm(x), cache.replace(k_lbshd=k_all, v_lbshd=v_all)
+        return self.norm(x), cache.replace(k_lbskh=k_all, v_lbskh=v_all)
 
     def logits(self, hidden):
         """hidden [..., D] -> logits [..., V] in fp32."""
@@ -125,9 +125,9 @@ class CausalLM(nnx.Module):
             # embedding [V, D] as the left operand: XLA CPU streams it as is, where `attend` (hidden @ E.T)
             # copied a transposed 113 MB embedding on every SmolLM2 decode step.
             embedding_vd = self.embed_tokens.embedding[...]
-            hidden_nd = hidden.reshape(-1, hidden.shape[-1]).astype(embedding_vd.dtype)
-            out_vn = jax.lax.dot_general(embedding_vd, hidden_nd, (((1,), (1,)), ((), ())))
-            out = out_vn.T.reshape(*hidden.shape[:-1], embedding_vd.shape[0])
+            hidden_xd = hidden.reshape(-1, hidden.shape[-1]).astype(embedding_vd.dtype)
+            out_vx = jax.lax.dot_general(embedding_vd, hidden_xd, (((1,), (1,)), ((), ())))
+            out = out_vx.T.reshape(*hidden.shape[:-1], embedding_vd.shape[0])
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)

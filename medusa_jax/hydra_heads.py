@@ -14,7 +14,8 @@ block on h only adds capacity to overfit; add keeps h's path through the head fi
 Drafting runs inside the jitted decode loop on the same static tree buffers as Medusa heads, in tree.depth
 rounds: round d runs head d - 1 once per tree node at depth d - 1 that has children, on that node's own path
 tokens, and its top-k tokens fill the node's children (node (a, b) = head 1's rank-b token given head 0's
-rank-a token on its path). Axes: p parent nodes of a round, c their children (local to this file), e positions along a path.
+rank-a token on its path). Axes: t tree nodes (in a round: its parent nodes, or the nodes it fills), e depth
+along a path, r the head's top-k ranks.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ class HydraHead(nnx.Module):
 
     def __call__(self, hidden_xd, path_embeds_xed):
         """[..., D] hidden states and [..., e, D] path-token embeddings -> [..., D] (before the lm_head)."""
-        path_xf = path_embeds_xed.reshape(*path_embeds_xed.shape[:-2], -1).astype(hidden_xd.dtype)
+        path_embeds_flat = path_embeds_xed.reshape(  # [..., e * D]
+            *path_embeds_xed.shape[:-2], -1).astype(hidden_xd.dtype)
         if self.hydra_input == "concat":
-            x = self.input_proj(jnp.concatenate([hidden_xd, path_xf], axis=-1))
+            x = self.input_proj(jnp.concatenate([hidden_xd, path_embeds_flat], axis=-1))
         else:
-            x = hidden_xd + self.input_proj(path_xf)
+            x = hidden_xd + self.input_proj(path_embeds_flat)
         for block in self.blocks:
             x = block(x)
         return x
@@ -74,29 +76,34 @@ class HydraHeads(HeadsBase):
         return head_logits(head, head(hidden_xd, base.embed_tokens(path_tokens_xe)), base)
 
     def tree_tokens(self, hidden_bd: jax.Array, root_b: jax.Array, base: CausalLM, tree: TreeBuffers) -> jax.Array:
-        """[B, T] tokens of every tree node (node 0 = root_b), drafted depth by depth along each node's path."""
+        """[B, T] tokens of every tree node (node 0 = root_b), drafted depth by depth along each node's path.
+        In a round, the t axis of hidden_btd / path_tokens_bte / ids_btr runs over the round's parents_t."""
         b = root_b.shape[0]
         tokens_bt = jnp.zeros((b, tree.num_tokens), jnp.int32).at[:, 0].set(root_b.astype(jnp.int32))
         for depth, r in enumerate(draft_rounds(tree), start=1):
-            path_tokens_bpe = tokens_bt[:, r.paths_pe]
-            hidden_bpd = jnp.broadcast_to(hidden_bd[:, None, :], (b, len(r.parents_p), hidden_bd.shape[-1]))
-            _, ids_bpr = jax.lax.top_k(self.head_logits(depth - 1, hidden_bpd, path_tokens_bpe, base), r.top_k)
-            ids_bpr = self.to_full_vocab(ids_bpr.astype(jnp.int32))
-            tokens_bt = tokens_bt.at[:, r.children_c].set(ids_bpr[:, r.parent_slot_c, r.rank_c])
+            path_tokens_bte = tokens_bt[:, r.paths_te]
+            hidden_btd = jnp.broadcast_to(hidden_bd[:, None, :], (b, len(r.parents_t), hidden_bd.shape[-1]))
+            _, ids_btr = jax.lax.top_k(self.head_logits(depth - 1, hidden_btd, path_tokens_bte, base), r.top_k)
+            ids_btr = self.to_full_vocab(ids_btr.astype(jnp.int32))
+            tokens_bt = tokens_bt.at[:, r.children_t].set(ids_btr[:, r.parent_slot_t, r.rank_t])
         return tokens_bt
 
 
 class DraftRound:
-    """Static indices of one drafting round (numpy): the parents whose children it fills."""
+    """Static indices of one drafting round (numpy): the parents whose children it fills.
+
+    children_t: the tree nodes at this depth; parents_t: their distinct parents (ascending); for each child,
+    parent_slot_t (its parent's index in parents_t) and rank_t (its rank among the parent's top-k);
+    paths_te: each parent's path, root first."""
 
     def __init__(self, tree: TreeBuffers, depth: int):
-        self.children_c = np.nonzero(tree.depth_t == depth)[0]
-        self.parents_p = np.unique(tree.parent_t[self.children_c])
-        self.parent_slot_c = np.searchsorted(self.parents_p, tree.parent_t[self.children_c])
-        self.rank_c = tree.rank_t[self.children_c]
-        self.top_k = int(self.rank_c.max()) + 1
+        self.children_t = np.nonzero(tree.depth_t == depth)[0]
+        self.parents_t = np.unique(tree.parent_t[self.children_t])
+        self.parent_slot_t = np.searchsorted(self.parents_t, tree.parent_t[self.children_t])
+        self.rank_t = tree.rank_t[self.children_t]
+        self.top_k = int(self.rank_t.max()) + 1
         # a node's ancestors (itself included) in node order are its path, root first: nodes sort by length
-        self.paths_pe = np.stack([np.nonzero(tree.ancestor_mask_tt[p])[0] for p in self.parents_p])
+        self.paths_te = np.stack([np.nonzero(tree.ancestor_mask_tt[p])[0] for p in self.parents_t])
 
 
 def draft_rounds(tree: TreeBuffers) -> list[DraftRound]:
@@ -104,9 +111,10 @@ def draft_rounds(tree: TreeBuffers) -> list[DraftRound]:
 
 
 def path_tokens(tokens_bt, num_heads: int):
-    """Teacher forcing's paths: [B, T, K] tokens t + 1 + j, j = 0..K-1, 0 past the row's end (NumPy in, NumPy
-    out; jax in, jax out). Head i at position t reads path[..., :i + 1]."""
+    """Teacher forcing's paths: [B, T, E] tokens t + 1 + e, e = 0..num_heads-1 (depth along the path, 0 = the
+    root), 0 past the row's end (NumPy in, NumPy out; jax in, jax out). Head i at position t reads
+    path[..., :i + 1]."""
     xp = np if isinstance(tokens_bt, np.ndarray) else jnp
     b, t = tokens_bt.shape
     padded = xp.concatenate([tokens_bt, xp.zeros((b, num_heads), tokens_bt.dtype)], axis=1)
-    return xp.stack([padded[:, 1 + j: 1 + j + t] for j in range(num_heads)], axis=-1).astype(xp.int32)
+    return xp.stack([padded[:, 1 + e: 1 + e + t] for e in range(num_heads)], axis=-1).astype(xp.int32)

@@ -1,7 +1,7 @@
 """The static KV cache and the attention masks over it.
 
 Layout (one buffer per K and V, all layers stacked):
-    k_lbshd, v_lbshd : [num_layers, batch, cache_size, num_kv_heads, head_dim]
+    k_lbskh, v_lbskh : [num_layers, batch, cache_size, num_kv_heads, head_dim] (l, b, s, k, h)
     lengths_b        : [batch] int32 — slots [0, lengths[b]) of row b hold its committed tokens, slot == position.
 A forward over T new tokens writes their K/V to slots [lengths[b], lengths[b] + T) of each row and does NOT
 advance `lengths`: the caller commits what it keeps (plain decode: +1; Medusa: the accepted path, after
@@ -22,17 +22,17 @@ from medusa_jax.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k_lbshd: jax.Array
-    v_lbshd: jax.Array
+    k_lbskh: jax.Array
+    v_lbskh: jax.Array
     lengths_b: jax.Array
 
     @property
     def batch_size(self) -> int:
-        return self.k_lbshd.shape[1]
+        return self.k_lbskh.shape[1]
 
     @property
     def cache_size(self) -> int:
-        return self.k_lbshd.shape[2]
+        return self.k_lbskh.shape[2]
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch_size: int, cache_size: int, dtype=None) -> "KVCache":

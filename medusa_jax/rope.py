@@ -29,12 +29,14 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq_f: np.ndarray) -> jax.Array:
-    """Rotates x [B, T, H, D] by the angles of positions [B, T]; computed in fp32, returned in x's dtype."""
-    angles_btf = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_f)[None, None, :]
-    angles_btd = jnp.concatenate([angles_btf, angles_btf], axis=-1)
-    cos = jnp.cos(angles_btd)[:, :, None, :].astype(x_bthd.dtype)
-    sin = jnp.sin(angles_btd)[:, :, None, :].astype(x_bthd.dtype)
-    half = x_bthd.shape[-1] // 2
-    rotated = jnp.concatenate([-x_bthd[..., half:], x_bthd[..., :half]], axis=-1)
-    return x_bthd * cos + rotated * sin
+def apply_rope(x: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates x [b, t, heads, h] (q with its n query heads or k with its k KV heads) by the angles of
+    positions [b, t]; inv_freq is [h / 2]. Computed in fp32, returned in x's dtype."""
+    # half_angles [b, t, h / 2] (one angle per rotated pair; no legend letter for half a head width)
+    half_angles = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)[None, None, :]
+    angles_bth = jnp.concatenate([half_angles, half_angles], axis=-1)
+    cos = jnp.cos(angles_bth)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles_bth)[:, :, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin

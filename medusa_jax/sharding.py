@@ -173,8 +173,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def cache_shardings(mesh: Mesh, cache: KVCache) -> KVCache:
-    """K/V [L, B, S, Hkv, D]: rows over (data, fsdp), KV heads over tensor; lengths [B] over (data, fsdp)."""
-    kv = checked_sharding(mesh, P(None, BATCH_AXES, None, "tensor", None), cache.k_lbshd.shape, "KV cache")
+    """K/V [L, B, S, K, H]: rows over (data, fsdp), KV heads over tensor; lengths [B] over (data, fsdp)."""
+    kv = checked_sharding(mesh, P(None, BATCH_AXES, None, "tensor", None), cache.k_lbskh.shape, "KV cache")
     lengths = checked_sharding(mesh, P(BATCH_AXES), cache.lengths_b.shape, "KV cache lengths (batch)")
     return KVCache(kv, kv, lengths)
 

@@ -8,8 +8,9 @@ token); nodes 1..n are the paths sorted by (length, ranks). With T = n + 1 tree 
     parent_t          [T] int32     parent node (the root is its own parent)
     head_t, rank_t    [T] int32     node t is head_t's top-(rank_t+1) token (root: -1, 0)
     candidate_index_t [T] int32     index into the flat candidate list [root, head0 top-k, head1 top-k, ...]
-    retrieve_lj       [L, depth+1]  nodes of leaf path l, root first, padded with 0 past the leaf
-    retrieve_valid_lj [L, depth+1]  bool, False on padding
+    retrieve_ce       [C, depth+1]  nodes of candidate path c (one per leaf) by depth e, root first, padded
+                                    with 0 past the leaf
+    retrieve_valid_ce [C, depth+1]  bool, False on padding
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class TreeBuffers:
     head_t: np.ndarray
     rank_t: np.ndarray
     candidate_index_t: np.ndarray
-    retrieve_lj: np.ndarray
-    retrieve_valid_lj: np.ndarray
+    retrieve_ce: np.ndarray
+    retrieve_valid_ce: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +74,7 @@ class TreeBuffers:
 
     @property
     def num_leaves(self) -> int:
-        return self.retrieve_lj.shape[0]
+        return self.retrieve_ce.shape[0]
 
     def nodes_per_depth(self) -> list[int]:
         """Number of nodes at depth 1, 2, ... (the root excluded)."""
@@ -135,21 +136,21 @@ def build_tree(choices: Sequence[Sequence[int]], *, name: str = "custom", num_he
     for path, t in node_of.items():
         depth_t[t], head_t[t], rank_t[t] = len(path), len(path) - 1, path[-1]
         parent_t[t] = node_of.get(path[:-1], 0)
-        for k in range(1, len(path) + 1):
-            mask_tt[t, node_of[path[:k]]] = True
+        for e in range(1, len(path) + 1):
+            mask_tt[t, node_of[path[:e]]] = True
     candidate_index_t = np.where(head_t >= 0, 1 + head_t * top_k + rank_t, 0).astype(np.int32)
 
     has_child = {p[:-1] for p in paths}
     leaves = [p for p in paths if p not in has_child]
-    retrieve_lj = np.zeros((len(leaves), depth + 1), np.int32)
-    valid_lj = np.zeros((len(leaves), depth + 1), bool)
-    valid_lj[:, 0] = True
-    for l, leaf in enumerate(leaves):
-        for k in range(1, len(leaf) + 1):
-            retrieve_lj[l, k] = node_of[leaf[:k]]
-            valid_lj[l, k] = True
+    retrieve_ce = np.zeros((len(leaves), depth + 1), np.int32)
+    valid_ce = np.zeros((len(leaves), depth + 1), bool)
+    valid_ce[:, 0] = True
+    for c, leaf in enumerate(leaves):
+        for e in range(1, len(leaf) + 1):
+            retrieve_ce[c, e] = node_of[leaf[:e]]
+            valid_ce[c, e] = True
     arrays = dict(ancestor_mask_tt=mask_tt, depth_t=depth_t, parent_t=parent_t, head_t=head_t, rank_t=rank_t,
-                  candidate_index_t=candidate_index_t, retrieve_lj=retrieve_lj, retrieve_valid_lj=valid_lj)
+                  candidate_index_t=candidate_index_t, retrieve_ce=retrieve_ce, retrieve_valid_ce=valid_ce)
     for a in arrays.values():
         a.setflags(write=False)
     return TreeBuffers(name=name, paths=tuple(paths), top_k=top_k, depth=depth, **arrays)

@@ -41,7 +41,7 @@ def check_accuracy_table(accuracy_mr) -> np.ndarray:
 def path_value(path: Sequence[int], accuracy_mr) -> float:
     """P(every node on the path is the base model's greedy token), heads taken as independent."""
     acc = np.asarray(accuracy_mr, np.float64)
-    return float(np.prod([acc[d, r] for d, r in enumerate(path)]))
+    return float(np.prod([acc[m, r] for m, r in enumerate(path)]))
 
 
 def expected_tokens_per_step(paths: Sequence[Sequence[int]], accuracy_mr) -> float:

@@ -84,7 +84,7 @@ def main_meshes(model_dir: str, out: str) -> None:
         plain = generate_batch(model, prompts, settings, progress=False)
         medusa = generate_batch(model, prompts, dataclasses.replace(settings, tree=tree), progress=False)
         entry = {"plain": rows(plain), "medusa": rows(medusa),
-                 "k_sharding": [list(a) if isinstance(a, tuple) else a for a in model.cache_sharding(8, 64).k_lbshd.spec],
+                 "k_sharding": [list(a) if isinstance(a, tuple) else a for a in model.cache_sharding(8, 64).k_lbskh.spec],
                  "q_proj_shards": len(base.layers[0].self_attn.q_proj.kernel[...].addressable_shards)}
         if (data, tensor) in ((8, 1), (2, 4)):  # Hydra heads on the same sharded loop
             entry["hydra"] = rows(generate_batch(ShardedModel(base, hydra, mesh), prompts,
@@ -102,10 +102,10 @@ def main_meshes(model_dir: str, out: str) -> None:
                 entry[f"{name}_invariant_gathers"] = [c.shape for c in invariant_gathers(hlo)]
         if (data, tensor) == (2, 4):  # exact sampling under the mesh: the same draws as on one device
             batch = np.asarray([p + [0] * (32 - len(p)) for p in prompts], np.int32)
-            tokens_bn, num_b, _, _ = model.medusa_decode(batch, np.asarray([len(p) for p in prompts], np.int32),
+            tokens_bo, num_b, _, _ = model.medusa_decode(batch, np.asarray([len(p) for p in prompts], np.int32),
                                                          tree=tree, cache_size=80, max_new_tokens=MAX_NEW,
                                                          acceptance=EXACT, seed=5, eos_ids=eos)
-            entry["exact"] = [tokens_bn[i, : num_b[i]].tolist() for i in range(len(prompts))]
+            entry["exact"] = [tokens_bo[i, : num_b[i]].tolist() for i in range(len(prompts))]
         report["meshes"][f"{data},{tensor}"] = entry
 
     errors = {}

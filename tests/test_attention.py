@@ -28,8 +28,8 @@ def test_window_attention_equals_full_attention(reach):
     b, t, s, kv, g, d = 2, 3, 1024, 2, 2, 8
     rs = np.random.RandomState(reach)
     q = jnp.asarray(rs.randn(b, t, kv, g, d), jnp.float32)
-    k_lbshd = jnp.asarray(rs.randn(2, b, s, kv, d), jnp.float32)
-    v_lbshd = jnp.asarray(rs.randn(2, b, s, kv, d), jnp.float32)
+    k_lbskh = jnp.asarray(rs.randn(2, b, s, kv, d), jnp.float32)
+    v_lbskh = jnp.asarray(rs.randn(2, b, s, kv, d), jnp.float32)
     mask = np.zeros((b, t, s), bool)
     mask[0, :, :reach] = True
     mask[1, :, : max(1, reach // 3)] = True
@@ -37,8 +37,8 @@ def test_window_attention_equals_full_attention(reach):
     index = window_index(mask, attention_windows(s))
     assert attention_windows(s)[int(index)] >= reach
     assert int(index) == 0 or attention_windows(s)[int(index) - 1] < reach
-    windowed = jax.jit(cached_attention, static_argnums=3)(q, k_lbshd, v_lbshd, 1, mask, index)
-    full = cached_attention(q, k_lbshd, v_lbshd, 1, mask, None)
+    windowed = jax.jit(cached_attention, static_argnums=3)(q, k_lbskh, v_lbskh, 1, mask, index)
+    full = cached_attention(q, k_lbskh, v_lbskh, 1, mask, None)
     np.testing.assert_allclose(windowed, full, atol=1e-6, rtol=1e-6)
 
 

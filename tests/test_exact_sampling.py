@@ -12,12 +12,13 @@ The enumeration runs a plain forward on every prompt + (x1) and prompt + (x1, x2
 Samples: medusa_decode vmapped over PRNG keys, jitted once per (batch, acceptance): 20,000 runs of one row
 (batch 1), and 5,000 runs of 4 ragged prompts (batch 4, 20,000 rows in all).
 
-The check (`law_check`). n samples, split in strata b (prompt rows) of n_b samples each with known law p_b.
-  chi-square: cells with expected count n_b p_bc >= 5 are kept, the rest of each stratum pooled into one
+The check (`law_check`). n samples, split in strata b (prompt rows) of n_b samples each with known law p_b
+over the V^3 cells x (the outcomes (x1, x2, x3), flattened).
+  chi-square: cells with expected count n_b p_bx >= 5 are kept, the rest of each stratum pooled into one
   cell; the statistic summed over strata has sum(cells - 1) degrees of freedom; require p-value > 1e-3.
   Any sample in a cell of probability 0 fails at once.
-  total variation: TV = 1/(2n) sum_bc |count_bc - n_b p_bc|. Since E|count - n_b p| <= sd =
-  sqrt(n_b p (1 - p)), E[TV] <= 1/(2n) sum_bc sqrt(n_b p_bc (1 - p_bc)) =: m. Changing one sample moves TV
+  total variation: TV = 1/(2n) sum_bx |count_bx - n_b p_bx|. Since E|count - n_b p| <= sd =
+  sqrt(n_b p (1 - p)), E[TV] <= 1/(2n) sum_bx sqrt(n_b p_bx (1 - p_bx)) =: m. Changing one sample moves TV
   by at most 1/n, so McDiarmid's inequality gives P(TV > m + t) <= exp(-2 n t^2); with t =
   sqrt(ln(1/delta) / (2n)) and delta = 1e-4 the bound m + t fails a correct sampler with probability <=
   1e-4. For these laws and n = 20,000: m ~ 0.05, t = 0.015.
@@ -71,12 +72,12 @@ def setup():
 
 
 @partial(jax.jit, static_argnames="graphdef")
-def target_probs(graphdef, params, tokens_np, lengths_n):
+def target_probs(graphdef, params, tokens_xt, lengths_x):
     """The plain sampler's next-token law after each of N right-padded sequences (one plain prefill)."""
     base = nnx.merge(graphdef, params).base
-    cache = KVCache.zeros(base.config, tokens_np.shape[0], tokens_np.shape[1])
-    last_nd, _ = prefill(base, tokens_np, lengths_n, cache)
-    return jax.nn.softmax(target_logits(base.logits(last_nd), SAMPLING), axis=-1)
+    cache = KVCache.zeros(base.config, tokens_xt.shape[0], tokens_xt.shape[1])
+    last_xd, _ = prefill(base, tokens_xt, lengths_x, cache)
+    return jax.nn.softmax(target_logits(base.logits(last_xd), SAMPLING), axis=-1)
 
 
 def enumerate_laws(graphdef, params, prompts):
@@ -89,37 +90,37 @@ def enumerate_laws(graphdef, params, prompts):
     for i, s in enumerate(seqs):
         tokens[i, : len(s)] = s
     lengths = jnp.asarray([len(s) for s in seqs], jnp.int32)
-    q_nv = np.asarray(target_probs(graphdef, params, jnp.asarray(tokens), lengths), np.float64)
-    q_bxv = q_nv.reshape(len(prompts), 1 + V + V * V, V)
-    return q_bxv[:, 0], q_bxv[:, 1: 1 + V], q_bxv[:, 1 + V:].reshape(len(prompts), V, V, V)
+    q_xv = np.asarray(target_probs(graphdef, params, jnp.asarray(tokens), lengths), np.float64)
+    q_by_context = q_xv.reshape(len(prompts), 1 + V + V * V, V)
+    return q_by_context[:, 0], q_by_context[:, 1: 1 + V], q_by_context[:, 1 + V:].reshape(len(prompts), V, V, V)
 
 
 def planted_table(q2_bvv, q3_bvvv) -> jnp.ndarray:
-    """[B, V, D=2, k=3] candidates per (row, root token): head 0 the top-3 of q2, head 1 the top-2 of q3 after
+    """[B, V, M=2, R=3] candidates per (row, root token): head 0 the top-3 of q2, head 1 the top-2 of q3 after
     the most likely x2 (rank 2 of head 1 is unused by the tree)."""
-    top2_bvk = np.argsort(-q2_bvv, axis=-1, kind="stable")[..., :3]
-    best_bv = top2_bvk[..., 0]
+    top2_bvr = np.argsort(-q2_bvv, axis=-1, kind="stable")[..., :3]
+    best_bv = top2_bvr[..., 0]
     b_idx, v_idx = np.meshgrid(np.arange(q2_bvv.shape[0]), np.arange(V), indexing="ij")
-    top3_bvk = np.argsort(-q3_bvvv[b_idx, v_idx, best_bv], axis=-1, kind="stable")[..., :3]
-    return jnp.asarray(np.stack([top2_bvk, top3_bvk], axis=2), jnp.int32)
+    top3_bvr = np.argsort(-q3_bvvv[b_idx, v_idx, best_bv], axis=-1, kind="stable")[..., :3]
+    return jnp.asarray(np.stack([top2_bvr, top3_bvr], axis=2), jnp.int32)
 
 
 def table_proposer(inputs):
-    table_bvdk = inputs.data
-    return table_bvdk[jnp.arange(inputs.root_b.shape[0]), inputs.root_b]
+    table_bvmr = inputs.data
+    return table_bvmr[jnp.arange(inputs.root_b.shape[0]), inputs.root_b]
 
 
 @partial(jax.jit, static_argnames=("graphdef", "acceptance", "pad_id"))
-def draw(graphdef, params, prompt_bp, lens_b, keys_r, table, *, acceptance, pad_id=0):
-    """[R, B, N_OUT] tokens and [R, B] first-step accept lengths of R independent runs (one per key)."""
+def draw(graphdef, params, prompt_bt, lens_b, keys_x, table, *, acceptance, pad_id=0):
+    """[X, B, N_OUT] tokens and [X, B] first-step accept lengths of X independent runs (one per key)."""
     def one(key):
-        cache = KVCache.zeros(graphdef_config(graphdef, params), prompt_bp.shape[0], 16)
-        out_bn, _, _, accept_bn, _ = medusa_decode(
-            graphdef, params, cache, prompt_bp, lens_b, key, table, tree=TREE, max_new_tokens=N_OUT,
+        cache = KVCache.zeros(graphdef_config(graphdef, params), prompt_bt.shape[0], 16)
+        out_bo, _, _, accept_bo, _ = medusa_decode(
+            graphdef, params, cache, prompt_bt, lens_b, key, table, tree=TREE, max_new_tokens=N_OUT,
             acceptance=acceptance, eos_ids=(), pad_id=pad_id, proposer=table_proposer)
-        return out_bn, accept_bn[:, 0]
+        return out_bo, accept_bo[:, 0]
 
-    return jax.vmap(one)(keys_r)
+    return jax.vmap(one)(keys_x)
 
 
 def graphdef_config(graphdef, params) -> ModelConfig:
@@ -129,31 +130,31 @@ def graphdef_config(graphdef, params) -> ModelConfig:
 def run(setup, prompts, runs, acceptance, seed=0, pad_id=0):
     graphdef, params, _, table = setup
     rows = [PROMPTS.index(p) for p in prompts]
-    prompt_bp = np.zeros((len(prompts), WIDTH), np.int32)
+    prompt_bt = np.zeros((len(prompts), WIDTH), np.int32)
     for i, p in enumerate(prompts):
-        prompt_bp[i, : len(p)] = p
-    keys_r = jax.random.split(jax.random.key(seed), runs)
-    out_rbn, accept_rb = draw(graphdef, params, jnp.asarray(prompt_bp), jnp.asarray([len(p) for p in prompts]),
-                              keys_r, table[jnp.asarray(rows)], acceptance=acceptance, pad_id=pad_id)
-    return np.asarray(out_rbn), np.asarray(accept_rb), rows
+        prompt_bt[i, : len(p)] = p
+    keys_x = jax.random.split(jax.random.key(seed), runs)
+    out_xbo, accept_xb = draw(graphdef, params, jnp.asarray(prompt_bt), jnp.asarray([len(p) for p in prompts]),
+                              keys_x, table[jnp.asarray(rows)], acceptance=acceptance, pad_id=pad_id)
+    return np.asarray(out_xbo), np.asarray(accept_xb), rows
 
 
-def law_check(out_rbn: np.ndarray, rows, laws) -> dict:
-    """chi-square p-value, TV and its bound (module docstring) of samples [R, B, 3] against the laws of rows."""
+def law_check(out_xbo: np.ndarray, rows, laws) -> dict:
+    """chi-square p-value, TV and its bound (module docstring) of samples [X, B, 3] against the laws of rows."""
     q1_bv, q2_bvv, q3_bvvv = laws
-    n = out_rbn.shape[0] * out_rbn.shape[1]
+    n = out_xbo.shape[0] * out_xbo.shape[1]
     chi2, dof, tv, mean_bound, impossible = 0.0, 0, 0.0, 0.0, 0
     for col, row in enumerate(rows):
-        p_c = (q1_bv[row][:, None, None] * q2_bvv[row][:, :, None] * q3_bvvv[row]).ravel()
-        cells = out_rbn[:, col, 0] * V * V + out_rbn[:, col, 1] * V + out_rbn[:, col, 2]
-        count_c = np.bincount(cells, minlength=V ** 3).astype(np.float64)
-        n_b = out_rbn.shape[0]
-        impossible += int(count_c[p_c == 0].sum())
-        tv += 0.5 * np.abs(count_c - n_b * p_c).sum() / n
-        mean_bound += 0.5 * np.sqrt(n_b * p_c * (1 - p_c)).sum() / n
-        big = n_b * p_c >= 5
-        observed = np.append(count_c[big], count_c[~big].sum())
-        expected = np.append(n_b * p_c[big], n_b * p_c[~big].sum())
+        p_x = (q1_bv[row][:, None, None] * q2_bvv[row][:, :, None] * q3_bvvv[row]).ravel()
+        cells = out_xbo[:, col, 0] * V * V + out_xbo[:, col, 1] * V + out_xbo[:, col, 2]
+        count_x = np.bincount(cells, minlength=V ** 3).astype(np.float64)
+        n_b = out_xbo.shape[0]
+        impossible += int(count_x[p_x == 0].sum())
+        tv += 0.5 * np.abs(count_x - n_b * p_x).sum() / n
+        mean_bound += 0.5 * np.sqrt(n_b * p_x * (1 - p_x)).sum() / n
+        big = n_b * p_x >= 5
+        observed = np.append(count_x[big], count_x[~big].sum())
+        expected = np.append(n_b * p_x[big], n_b * p_x[~big].sum())
         if expected[-1] < 5:  # pool a too small rest into the smallest kept cell
             smallest = np.argmin(expected[:-1])
             observed[smallest] += observed[-1]
@@ -176,20 +177,20 @@ EXACT = acceptance_for("exact", SAMPLING)
 @pytest.mark.parametrize("batch", [1, 4])
 def test_exact_medusa_has_the_plain_samplers_law(setup, batch):
     prompts = PROMPTS[:batch]
-    out_rbn, accept_rb, rows = run(setup, prompts, 20_000 // batch, EXACT, seed=batch)
-    check = law_check(out_rbn, rows, setup[2])
+    out_xbo, accept_xb, rows = run(setup, prompts, 20_000 // batch, EXACT, seed=batch)
+    check = law_check(out_xbo, rows, setup[2])
     assert check["n"] >= 20_000
     assert passes(check), check
     # the tree really is exercised: the first step accepts 0, 1 and 2 candidates, each often
-    share = np.bincount(accept_rb.ravel(), minlength=3) / accept_rb.size
+    share = np.bincount(accept_xb.ravel(), minlength=3) / accept_xb.size
     assert (share > 0.05).all(), share
 
 
 def test_the_check_rejects_typical_acceptance(setup):
     """Typical acceptance (a real, deliberately different sampler) on the same run: the check must fail."""
     typical = AcceptanceConfig("typical", temperature=SAMPLING.temperature)
-    out_rbn, _, rows = run(setup, PROMPTS[:1], 4_000, typical, seed=4)
-    check = law_check(out_rbn, rows, setup[2])
+    out_xbo, _, rows = run(setup, PROMPTS[:1], 4_000, typical, seed=4)
+    check = law_check(out_xbo, rows, setup[2])
     assert not passes(check), check
 
 
@@ -200,8 +201,8 @@ def test_the_check_rejects_exact_acceptance_without_renormalisation(setup, monke
         return uniform_bt < node_prob_bt
 
     monkeypatch.setattr(exact_acceptance, "trial_outcomes", no_renormalisation)
-    out_rbn, _, rows = run(setup, PROMPTS[:1], 20_000, EXACT, seed=1, pad_id=1)
-    check = law_check(out_rbn, rows, setup[2])
+    out_xbo, _, rows = run(setup, PROMPTS[:1], 20_000, EXACT, seed=1, pad_id=1)
+    check = law_check(out_xbo, rows, setup[2])
     assert not passes(check), check
 
 
@@ -234,8 +235,8 @@ def test_repeated_sibling_is_never_accepted_and_does_not_count_twice():
     assert accept.tolist() == [[False, False, False, True]]
     logits = jnp.zeros((1, 4, 8)).at[0, 0, 5].set(5.0)
     accept = jax.jit(exact_accept, static_argnums=(0, 4))
-    length_b, nodes_bj, bonus_b = accept(tree, tokens_bt, logits, jax.random.key(0), SamplingConfig(1.0))
-    assert int(length_b[0]) in (0, 1) and int(nodes_bj[0, 0]) == 0
+    length_b, nodes_be, bonus_b = accept(tree, tokens_bt, logits, jax.random.key(0), SamplingConfig(1.0))
+    assert int(length_b[0]) in (0, 1) and int(nodes_be[0, 0]) == 0
     if int(length_b[0]) == 0:
         assert int(bonus_b[0]) not in (5, 6)  # the rejected children's tokens are excluded from the bonus
 

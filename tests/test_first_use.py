@@ -83,7 +83,7 @@ def test_prompt_widths_and_caches_come_from_a_short_ladder():
 
     assert [bucket_length(n) for n in (1, 64, 65, 129, 300, 600)] == [64, 64, 128, 256, 512, 1024]
     assert bucket_length(17, 16) == 32
-    assert pad_prompts([[1] * 130, [2] * 3], pad_id=0).tokens_bp.shape == (2, 256)
+    assert pad_prompts([[1] * 130, [2] * 3], pad_id=0).tokens_bt.shape == (2, 256)
     assert cache_size_for(256, 100, 16) == 256 + 128  # the prompt width + budget and tree block, rounded
 
 
@@ -99,7 +99,7 @@ def test_mtbench_at_batch_8_needs_three_shapes(smollm2_dir):
     shapes = set()
     for indices in plan_batches([len(p) for p in prompts], 8):
         bucket = BatchSettings().bucket
-        width = pad_prompts([prompts[i] for i in indices], 0, 8, bucket).tokens_bp.shape[1]
+        width = pad_prompts([prompts[i] for i in indices], 0, 8, bucket).tokens_bt.shape[1]
         shapes.add((width, cache_size_for(width, 128, 64, bucket)))
     assert len(shapes) <= 3, shapes
 

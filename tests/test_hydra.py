@@ -107,12 +107,12 @@ def test_teacher_forcing_paths_of_rows_and_of_self_distilled_replies_agree():
     # (two replies back to back: the second's paths never reach into the first)
     both = np.concatenate([tokens, tokens + 100])
     examples = reply_examples(HiddenRows([np.zeros((20, 4), np.float16)]), [10, 10], both, 3, with_path=True)
-    assert reply_examples(examples.hidden, [10, 10], both, 3).path_nk is None  # only when asked
+    assert reply_examples(examples.hidden, [10, 10], both, 3).path_xe is None  # only when asked
     for r, ex in enumerate((examples.subset(slice(0, 9)), examples.subset(slice(9, 18)))):
-        assert ex.path_nk[0].tolist() == [10 + 100 * r, 11 + 100 * r, 12 + 100 * r]
-        np.testing.assert_array_equal(ex.path_nk[1:], path_tokens(tokens[None] + 100 * r, 3)[0][:8])
+        assert ex.path_xe[0].tolist() == [10 + 100 * r, 11 + 100 * r, 12 + 100 * r]
+        np.testing.assert_array_equal(ex.path_xe[1:], path_tokens(tokens[None] + 100 * r, 3)[0][:8])
         # each head's last path token is the previous head's target (teacher forcing)
-        np.testing.assert_array_equal(ex.path_nk[:7, 1:], ex.targets_nk[:7, :-1])
+        np.testing.assert_array_equal(ex.path_xe[:7, 1:], ex.targets_xm[:7, :-1])
         assert set(ex.batch(np.arange(3), teacher=True)) == {"hidden", "targets", "teacher_hidden", "path"}
 
 
@@ -209,8 +209,8 @@ def test_head_accuracy_and_training_stats_agree_on_teacher_forced_top1(base):
              "segment_ids": jnp.asarray(ones)}
     stats = hydra_head_stats(heads, base, backbone_hidden(base, batch), path_tokens(batch["tokens"], 3),
                              head_targets(batch["tokens"], jnp.asarray(ones, bool), batch["segment_ids"], 3))
-    assert table.positions_d.tolist() == np.asarray(stats.total).astype(int).tolist() == [66, 63, 60]
-    np.testing.assert_allclose(table.top1_d, np.asarray(stats.top1) / np.asarray(stats.total), atol=1e-6)
+    assert table.positions_m.tolist() == np.asarray(stats.total).astype(int).tolist() == [66, 63, 60]
+    np.testing.assert_allclose(table.top1_m, np.asarray(stats.top1) / np.asarray(stats.total), atol=1e-6)
     assert np.asarray(stats.top1).sum() > 0
 
 
@@ -225,18 +225,18 @@ def test_hydra_heads_take_the_distilled_kl_loss(base):
     heads, d, v = hydra(base, seed=8), base.config.hidden_size, base.config.vocab_size
     rng = np.random.RandomState(9)
     hidden_xd = jnp.asarray(rng.normal(size=(12, d)), jnp.float32)
-    path_xk = jnp.asarray(rng.randint(0, v, (12, 3)), jnp.int32)
-    targets_kx = jnp.asarray(rng.randint(-1, v, (3, 12)), jnp.int32)
-    teacher_kxd = jnp.asarray(rng.normal(size=(3, 12, d)), jnp.float32)
-    stats = hydra_head_stats(heads, base, hidden_xd, path_xk, targets_kx, teacher_kxd)
+    path_xe = jnp.asarray(rng.randint(0, v, (12, 3)), jnp.int32)
+    targets_mx = jnp.asarray(rng.randint(-1, v, (3, 12)), jnp.int32)
+    teacher_mxd = jnp.asarray(rng.normal(size=(3, 12, d)), jnp.float32)
+    stats = hydra_head_stats(heads, base, hidden_xd, path_xe, targets_mx, teacher_mxd)
     for i in range(3):
-        student = heads.head_logits(i, hidden_xd, path_xk[:, : i + 1], base)
-        kl, count = distill_loss(student, base.logits(teacher_kxd[i]), targets_kx[i] >= 0)
+        student = heads.head_logits(i, hidden_xd, path_xe[:, : i + 1], base)
+        kl, count = distill_loss(student, base.logits(teacher_mxd[i]), targets_mx[i] >= 0)
         np.testing.assert_allclose(stats.kl_sum[i], kl, rtol=1e-4)
-        assert stats.kl_count[i] == count == int((targets_kx[i] >= 0).sum()) and kl > 0
+        assert stats.kl_count[i] == count == int((targets_mx[i] >= 0).sum()) and kl > 0
 
-    batch = {"hidden": np.asarray(hidden_xd, np.float16), "targets": np.asarray(targets_kx).T,
-             "teacher_hidden": np.moveaxis(np.asarray(teacher_kxd, np.float16), 0, 1), "path": np.asarray(path_xk)}
+    batch = {"hidden": np.asarray(hidden_xd, np.float16), "targets": np.asarray(targets_mx).T,
+             "teacher_hidden": np.moveaxis(np.asarray(teacher_mxd, np.float16), 0, 1), "path": np.asarray(path_xe)}
     mesh = MeshConfig(1, 1, 1).make_mesh(jax.devices()[:1])
     trainer = Trainer(base, heads, TrainConfig(learning_rate=1e-2, warmup_steps=0, max_steps=20, head_loss="kl"),
                       mesh)

@@ -3,7 +3,7 @@ max_new_tokens, typical acceptance, capacity errors; tiny Llama/Qwen2 and SmolLM
 for Medusa heads and for Hydra heads (which draft the tree themselves, depth by depth).
 
 The planted proposer (`bench/oracle.py`) knows the true continuation (from a plain greedy run) and puts
-it at chosen (head, rank) slots so that step s of row b accepts exactly targets_bs[b, s] candidates: every
+it at chosen (head, rank) slots so that step i of row b accepts exactly accept_targets[b, i] candidates: every
 accept length is exercised.
 """
 
@@ -32,8 +32,8 @@ PROMPTS = {
 }
 
 
-def plant(tree, reference, targets_bs):
-    return planted_data(tree, [r.token_ids for r in reference], targets_bs, N)
+def plant(tree, reference, accept_targets):
+    return planted_data(tree, [r.token_ids for r in reference], accept_targets, N)
 
 
 def heads_or_planted(inputs):
@@ -109,8 +109,8 @@ def test_medusa_greedy_equals_plain_greedy(tiny, kind, tree_name, case, head_typ
     eos_ids, reference = refs[case]
     tree = load_tree(tree_name)
     prompts = PROMPTS[case]
-    targets_bs = cycling_targets(len(prompts), tree.depth)
-    data = plant(tree, reference, targets_bs)
+    accept_targets = cycling_targets(len(prompts), tree.depth)
+    data = plant(tree, reference, accept_targets)
     run = lambda use_planted: generate_medusa(  # noqa: E731
         base, heads, prompts, tree=tree, max_new_tokens=N, eos_ids=eos_ids, proposer=heads_or_planted,
         proposer_data={**data, "use_planted": jnp.asarray(use_planted)})
@@ -125,7 +125,7 @@ def test_medusa_greedy_equals_plain_greedy(tiny, kind, tree_name, case, head_typ
     histogram = np.zeros(tree.depth + 1, int)
     for b, r in enumerate(got):
         # every step but the last (which may run past the known continuation) accepts exactly its target
-        assert r.accept_lengths[:-1] == targets_bs[b, : len(r.accept_lengths) - 1].tolist()
+        assert r.accept_lengths[:-1] == accept_targets[b, : len(r.accept_lengths) - 1].tolist()
         histogram += r.accept_histogram(tree.depth)
     assert (histogram > 0).all(), histogram
     assert sum(r.new_tokens for r in got) / sum(r.steps for r in got) > 1.5
@@ -214,15 +214,15 @@ def test_prompt_plus_budget_over_capacity_is_a_clear_error(tiny):
 
 
 def test_greedy_and_typical_accept_on_hand_made_paths():
-    valid_ld = jnp.asarray([[True, True, True], [True, True, False]])
-    cand_bld = jnp.asarray([[[1, 2, 3], [1, 5, 0]], [[4, 2, 3], [7, 8, 0]]])
-    pred_bld = jnp.asarray([[[1, 2, 9], [1, 5, 0]], [[1, 2, 3], [7, 8, 0]]])
-    length_b, path_b = greedy_accept(cand_bld, pred_bld, valid_ld)
+    valid_ce = jnp.asarray([[True, True, True], [True, True, False]])
+    cand_bce = jnp.asarray([[[1, 2, 3], [1, 5, 0]], [[4, 2, 3], [7, 8, 0]]])
+    pred_bce = jnp.asarray([[[1, 2, 9], [1, 5, 0]], [[1, 2, 3], [7, 8, 0]]])
+    length_b, path_b = greedy_accept(cand_bce, pred_bce, valid_ce)
     assert length_b.tolist() == [2, 2] and path_b.tolist() == [0, 1]  # padding never counts as a match
 
-    prob_bld = jnp.asarray([[[0.5, 0.2, 0.01], [0.6, 0.3, 0.9]]])
-    thr_bld = jnp.full((1, 2, 3), 0.09)
-    length_b, path_b = typical_accept(prob_bld, thr_bld, valid_ld)
+    prob_bce = jnp.asarray([[[0.5, 0.2, 0.01], [0.6, 0.3, 0.9]]])
+    thr_bce = jnp.full((1, 2, 3), 0.09)
+    length_b, path_b = typical_accept(prob_bce, thr_bce, valid_ce)
     assert length_b.tolist() == [2] and path_b.tolist() == [1]  # tie at 2: path 1 is more likely
 
 
@@ -233,9 +233,9 @@ def test_accept_tree_bonus_is_the_argmax_after_the_accepted_path():
     logits_btv = np.zeros((1, 9, 32), np.float32)
     for t in range(9):
         logits_btv[0, t, best.get(t, 31)] = 1.0
-    length_b, nodes_bj, bonus_b = accept_tree(tree, tokens_bt, jnp.asarray(logits_btv), jax.random.key(0),
+    length_b, nodes_be, bonus_b = accept_tree(tree, tokens_bt, jnp.asarray(logits_btv), jax.random.key(0),
                                               AcceptanceConfig())
-    assert length_b.tolist() == [2] and nodes_bj[0, :3].tolist() == [0, 2, 7] and bonus_b.tolist() == [30]
+    assert length_b.tolist() == [2] and nodes_be[0, :3].tolist() == [0, 2, 7] and bonus_b.tolist() == [30]
 
 
 def test_compact_accepted_moves_only_the_path():
@@ -244,8 +244,8 @@ def test_compact_accepted_moves_only_the_path():
     out = compact_accepted(cache, jnp.asarray([[0, 4, 6], [0, 1, 2]]))
     expect = np.asarray(k).copy()
     expect[:, 0, 4], expect[:, 0, 5] = expect[:, 0, 7], expect[:, 0, 9]
-    np.testing.assert_array_equal(out.k_lbshd, expect)
-    np.testing.assert_array_equal(out.v_lbshd, -expect)
+    np.testing.assert_array_equal(out.k_lbskh, expect)
+    np.testing.assert_array_equal(out.v_lbskh, -expect)
     assert out.lengths_b.tolist() == [3, 5]
 
 
@@ -263,14 +263,14 @@ def test_smollm2_medusa_equals_plain_greedy(smollm2_dir, head_type):
     heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4,
                                    head_type=head_type), base)
     tree = load_tree("mc_sim_7b_16")
-    targets_bs = cycling_targets(3, tree.depth)
-    data = plant(tree, reference, targets_bs)
+    accept_targets = cycling_targets(3, tree.depth)
+    data = plant(tree, reference, accept_targets)
     for use_planted in (False, True):  # fresh heads, then the planted proposer (one compile)
         got = generate_medusa(base, heads, prompts, tree=tree, max_new_tokens=n, eos_ids=eos_ids,
                               proposer=heads_or_planted,
                               proposer_data={**data, "use_planted": jnp.asarray(use_planted)})
         assert ids(got) == ids(reference)
-    assert all(r.accept_lengths[:-1] == targets_bs[b, : len(r.accept_lengths) - 1].tolist()
+    assert all(r.accept_lengths[:-1] == accept_targets[b, : len(r.accept_lengths) - 1].tolist()
                for b, r in enumerate(got))
 
 

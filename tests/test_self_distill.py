@@ -45,7 +45,7 @@ def test_self_distill_writes_sharegpt_resumes_and_keeps_hidden_states(tmp_path):
     assert len(ds) == 16 and sorted(set(ds["id"])) == sorted(r["id"] for r in records)  # 8 conversations x 2 turns
     ex = distill_store.load_store_examples(store, num_heads=2)
     train, held, n_train, n_held = ex.split(0.25, seed=0)
-    assert (n_train, n_held) == (6, 2) and not set(train.groups_n) & set(held.groups_n)
+    assert (n_train, n_held) == (6, 2) and not set(train.groups_x) & set(held.groups_x)
     assert not ex.hidden.chunks[0].flags.owndata  # a view of the memory-mapped Arrow buffer, not a copy
     # each row is the exact sequence the model saw, and its hidden states are the backbone's at the positions
     # that produced the reply tokens: recompute them with a full forward

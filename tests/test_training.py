@@ -125,11 +125,11 @@ def test_pack_keeps_every_conversation_once_with_its_own_positions():
     rows = pack(seqs, 48, pad_id=0)
     found = []
     for r in range(rows.num_rows):
-        for s in range(1, rows.segment_ids_rl[r].max() + 1):
-            sel = rows.segment_ids_rl[r] == s
-            assert (rows.positions_rl[r][sel] == np.arange(sel.sum())).all()
-            found.append((tuple(rows.tokens_rl[r][sel]), tuple(rows.loss_mask_rl[r][sel])))
-        assert not rows.loss_mask_rl[r][rows.segment_ids_rl[r] == 0].any()
+        for s in range(1, rows.segment_ids_bt[r].max() + 1):
+            sel = rows.segment_ids_bt[r] == s
+            assert (rows.positions_bt[r][sel] == np.arange(sel.sum())).all()
+            found.append((tuple(rows.tokens_bt[r][sel]), tuple(rows.loss_mask_bt[r][sel])))
+        assert not rows.loss_mask_bt[r][rows.segment_ids_bt[r] == 0].any()
     assert sorted(found) == sorted((tuple(a), tuple(m.astype(bool))) for a, m in seqs)
     assert rows.num_rows <= 1 + sum(len(a) for a, _ in seqs) // 48 + 3  # first-fit packs densely
 
@@ -144,17 +144,17 @@ def test_load_chat_data_split_is_seeded_and_tokenisation_is_cached(tmp_path, tok
 
     monkeypatch.setattr(data_mod, "tokenize_messages", lambda *a, **k: pytest.fail("tokenised again"))
     b = load_chat_data(str(path), tokenizer, eos, cfg, log=lambda _: None)
-    np.testing.assert_array_equal(a.train.tokens_rl, b.train.tokens_rl)
-    np.testing.assert_array_equal(a.heldout.tokens_rl, b.heldout.tokens_rl)
+    np.testing.assert_array_equal(a.train.tokens_bt, b.train.tokens_bt)
+    np.testing.assert_array_equal(a.heldout.tokens_bt, b.heldout.tokens_bt)
     def conversations(rows):
-        return {tuple(r[s == k]) for r, s in zip(rows.tokens_rl, rows.segment_ids_rl) for k in range(1, s.max() + 1)}
+        return {tuple(r[s == k]) for r, s in zip(rows.tokens_bt, rows.segment_ids_bt) for k in range(1, s.max() + 1)}
 
     train_convs, held_convs = conversations(a.train), conversations(a.heldout)
     assert len(held_convs) == 6 and not train_convs & held_convs
     monkeypatch.undo()
     c = load_chat_data(str(path), tokenizer, eos, DataConfig(seq_len=128, heldout_fraction=0.1, seed=4,
                                                              cache_dir=str(tmp_path / "cache")), log=lambda _: None)
-    assert not np.array_equal(c.heldout.tokens_rl, a.heldout.tokens_rl)
+    assert not np.array_equal(c.heldout.tokens_bt, a.heldout.tokens_bt)
 
 
 def test_epoch_iterator_resumes_and_splits_over_processes():
@@ -173,7 +173,7 @@ def test_epoch_iterator_resumes_and_splits_over_processes():
 def test_top_token_ids_are_the_most_frequent_loss_tokens():
     tokens = np.array([1, 5, 5, 5, 7, 7, 9, 1, 1], np.int32)
     rows = pack([(tokens, np.array([0, 1, 1, 1, 1, 1, 1, 0, 0], np.int8))], 9, 0)
-    assert top_token_ids(rows.tokens_rl[rows.loss_mask_rl], 2, 16).tolist() == [5, 7]
+    assert top_token_ids(rows.tokens_bt[rows.loss_mask_bt], 2, 16).tolist() == [5, 7]
 
 
 # ---- losses against NumPy -----------------------------------------------------------------------------

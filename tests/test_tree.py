@@ -30,13 +30,13 @@ def _check_consistent(tree):
     assert tree.candidate_index_t[0] == 0
     leaves = {p for p in tree.paths if not any(len(q) > len(p) and _is_prefix(p, q) for q in tree.paths)}
     got = set()
-    for row, valid in zip(tree.retrieve_lj, tree.retrieve_valid_lj):
+    for row, valid in zip(tree.retrieve_ce, tree.retrieve_valid_ce):
         chain = [nodes[n] for n, v in zip(row, valid) if v]
         assert chain[0] == () and all(len(c) == k for k, c in enumerate(chain))
         assert all(_is_prefix(a, b) for a, b in zip(chain, chain[1:]))
         assert not valid[len(chain):].any() and (row[len(chain):] == 0).all()
         got.add(chain[-1])
-    assert got == leaves and len(tree.retrieve_lj) == len(leaves)
+    assert got == leaves and len(tree.retrieve_ce) == len(leaves)
 
 
 def test_mc_sim_7b_63_buffers_match_known_facts():

@@ -50,19 +50,19 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PackedRows:
-    """R rows of L tokens. segment_ids 0 marks padding; positions restart at 0 for each conversation."""
-    tokens_rl: np.ndarray  # int32
-    segment_ids_rl: np.ndarray  # int32
-    positions_rl: np.ndarray  # int32
-    loss_mask_rl: np.ndarray  # bool, True on assistant tokens
+    """B rows of T tokens. segment_ids 0 marks padding; positions restart at 0 for each conversation."""
+    tokens_bt: np.ndarray  # int32
+    segment_ids_bt: np.ndarray  # int32
+    positions_bt: np.ndarray  # int32
+    loss_mask_bt: np.ndarray  # bool, True on assistant tokens
 
     @property
     def num_rows(self) -> int:
-        return int(self.tokens_rl.shape[0])
+        return int(self.tokens_bt.shape[0])
 
     def rows(self, index) -> "PackedRows":
-        return PackedRows(self.tokens_rl[index], self.segment_ids_rl[index], self.positions_rl[index],
-                          self.loss_mask_rl[index])
+        return PackedRows(self.tokens_bt[index], self.segment_ids_bt[index], self.positions_bt[index],
+                          self.loss_mask_bt[index])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,8 +225,8 @@ def top_token_ids(loss_tokens: np.ndarray, n: int, vocab_size: int) -> np.ndarra
 
 def row_batch(rows: PackedRows) -> dict[str, np.ndarray]:
     """The trainer's "rows" batch."""
-    return {"tokens": rows.tokens_rl, "segment_ids": rows.segment_ids_rl, "positions": rows.positions_rl,
-            "loss_mask": rows.loss_mask_rl}
+    return {"tokens": rows.tokens_bt, "segment_ids": rows.segment_ids_bt, "positions": rows.positions_bt,
+            "loss_mask": rows.loss_mask_bt}
 
 
 class EpochIterator:

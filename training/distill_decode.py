@@ -46,24 +46,25 @@ class Slots:
 
 
 @partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_ids"), donate_argnames=("slots",))
-def admit(graphdef, params, slots: Slots, rows_n, prompt_np, prompt_lens_n, key, *, sampling: SamplingConfig,
+def admit(graphdef, params, slots: Slots, rows_b, prompt_bt, prompt_lens_b, key, *, sampling: SamplingConfig,
           eos_ids: tuple[int, ...]):
-    """Prefills n prompts (right-padded [n, P]) into rows `rows_n` (index >= B: filler, dropped).
-    Returns (slots, first token [n], hidden state that produced it [n, D])."""
+    """Prefills the n prompts of prompt_bt (right-padded [n, P]; b runs over them here) into the slots' rows
+    `rows_b` (index >= B: filler, dropped). Returns (slots, first token [n], hidden state that produced it
+    [n, D])."""
     model: CausalLM = nnx.merge(graphdef, params)
-    n, p = prompt_np.shape
-    fresh = KVCache.zeros(model.config, n, p, dtype=slots.cache.k_lbshd.dtype)
-    last_nd, fresh = prefill(model, prompt_np, prompt_lens_n, fresh)
-    first_n = sample_tokens(model.logits(last_nd), key, sampling)
+    n, p = prompt_bt.shape
+    fresh = KVCache.zeros(model.config, n, p, dtype=slots.cache.k_lbskh.dtype)
+    last_bd, fresh = prefill(model, prompt_bt, prompt_lens_b, fresh)
+    first_b = sample_tokens(model.logits(last_bd), key, sampling)
     cache = slots.cache
-    k = cache.k_lbshd.at[:, rows_n, :p].set(fresh.k_lbshd, mode="drop")
-    v = cache.v_lbshd.at[:, rows_n, :p].set(fresh.v_lbshd, mode="drop")
-    lengths = cache.lengths_b.at[rows_n].set(prompt_lens_n, mode="drop")
-    slots = Slots(cache.replace(k_lbshd=k, v_lbshd=v, lengths_b=lengths),
-                  slots.last_token_b.at[rows_n].set(first_n, mode="drop"),
-                  slots.num_out_b.at[rows_n].set(1, mode="drop"),
-                  slots.done_b.at[rows_n].set(is_eos(first_n, eos_ids), mode="drop"))
-    return slots, first_n, last_nd
+    k = cache.k_lbskh.at[:, rows_b, :p].set(fresh.k_lbskh, mode="drop")
+    v = cache.v_lbskh.at[:, rows_b, :p].set(fresh.v_lbskh, mode="drop")
+    lengths = cache.lengths_b.at[rows_b].set(prompt_lens_b, mode="drop")
+    slots = Slots(cache.replace(k_lbskh=k, v_lbskh=v, lengths_b=lengths),
+                  slots.last_token_b.at[rows_b].set(first_b, mode="drop"),
+                  slots.num_out_b.at[rows_b].set(1, mode="drop"),
+                  slots.done_b.at[rows_b].set(is_eos(first_b, eos_ids), mode="drop"))
+    return slots, first_b, last_bd
 
 
 @partial(jax.jit, static_argnames=("graphdef", "steps", "max_new_tokens", "sampling", "eos_ids", "pad_id"),
@@ -71,7 +72,7 @@ def admit(graphdef, params, slots: Slots, rows_n, prompt_np, prompt_lens_n, key,
 def run_chunk(graphdef, params, slots: Slots, key, *, steps: int, max_new_tokens: int, sampling: SamplingConfig,
               eos_ids: tuple[int, ...], pad_id: int):
     """Up to `steps` decode steps (`autoregressive.plain_step`, the decode loop's own) of every live row.
-    Returns (slots, tokens [b, c], hidden [b, c, d], emitted [b]) with c = steps: row b's new tokens are
+    Returns (slots, tokens [b, o], hidden [b, o, d], emitted [b]) with o = steps: row b's new tokens are
     tokens[b, :emitted[b]], each with the hidden state that produced it."""
     model: CausalLM = nnx.merge(graphdef, params)
     b, d = slots.last_token_b.shape[0], model.config.hidden_size

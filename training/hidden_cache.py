@@ -4,8 +4,8 @@ With the backbone frozen, every epoch would recompute the same hidden states; ca
 only the heads. Only the hidden states some example needs are kept (float16): those of positions with at
 least one head target (the examples, hidden_examples.py) and those of the positions t + 1 + i whose base
 distribution is head i's distilled target (the positions just before a loss token), so padding and
-prompt-only positions cost nothing afterwards. For Hydra heads each example also keeps its path [K], the
-tokens t + 1 .. t + K.
+prompt-only positions cost nothing afterwards. For Hydra heads each example also keeps its path [E], the
+tokens t + 1 .. t + M.
 
 The cache lives in a folder keyed by (backbone weights, data rows, number of heads, path or not) and is
 written in chunks (each written to a temp file and renamed): an interrupted build resumes at the first
@@ -41,7 +41,7 @@ STORE_DTYPE = np.float16
 
 def rows_fingerprint(rows: PackedRows) -> str:
     h = hashlib.sha256()
-    for a in (rows.tokens_rl, rows.segment_ids_rl, rows.loss_mask_rl):
+    for a in (rows.tokens_bt, rows.segment_ids_bt, rows.loss_mask_bt):
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()[:16]
 
@@ -80,7 +80,7 @@ class HiddenCache:
         path = np.concatenate([p["path"] for p in parts]) if "path" in parts[0] else None
         return HiddenExamples(hidden, np.concatenate([rows("rows", c) for c in range(len(parts))]),
                               np.concatenate([p["targets"] for p in parts]),
-                              np.concatenate([rows("teacher_rows", c) for c in range(len(parts))]), path_nk=path)
+                              np.concatenate([rows("teacher_rows", c) for c in range(len(parts))]), path_xe=path)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """All examples as one "hidden" batch (small caches, tests)."""
@@ -101,9 +101,9 @@ def build_hidden_cache(base: CausalLM, rows: PackedRows, num_heads: int, root: s
     if (folder / "meta.json").exists():
         return HiddenCache(folder)
     graphdef, state = nnx.split(base)
-    data = (jnp.asarray(rows.tokens_rl), jnp.asarray(rows.loss_mask_rl), jnp.asarray(rows.segment_ids_rl))
-    targets_krt = np.asarray(head_targets(*data, num_heads))
-    teacher_rt = np.asarray(shifted_targets(*data, 1)) >= 0  # positions t + 1 + i some head's teacher reads
+    data = (jnp.asarray(rows.tokens_bt), jnp.asarray(rows.loss_mask_bt), jnp.asarray(rows.segment_ids_bt))
+    targets_mbt = np.asarray(head_targets(*data, num_heads))
+    teacher_bt = np.asarray(shifted_targets(*data, 1)) >= 0  # positions t + 1 + i some head's teacher reads
     for c in range(chunks):
         path = folder / f"chunk_{c:05d}.npz"
         if path.exists():
@@ -113,26 +113,26 @@ def build_hidden_cache(base: CausalLM, rows: PackedRows, num_heads: int, root: s
         for b0 in range(lo, hi, batch_rows):
             idx = np.arange(b0, b0 + batch_rows) % rows.num_rows  # a short last batch repeats rows: one shape
             part = rows.rows(idx)
-            h_btd = np.asarray(_hidden_rows(graphdef, state, jnp.asarray(part.tokens_rl),
-                                            jnp.asarray(part.positions_rl),
-                                            jnp.asarray(part.segment_ids_rl)))
+            h_btd = np.asarray(_hidden_rows(graphdef, state, jnp.asarray(part.tokens_bt),
+                                            jnp.asarray(part.positions_bt),
+                                            jnp.asarray(part.segment_ids_bt)))
             keep = min(batch_rows, hi - b0)
-            t_kbt = targets_krt[:, b0:b0 + keep]
-            example_bt = (t_kbt >= 0).any(axis=0)
-            store_bt = example_bt | teacher_rt[b0:b0 + keep]
+            t_mbt = targets_mbt[:, b0:b0 + keep]
+            example_bt = (t_mbt >= 0).any(axis=0)
+            store_bt = example_bt | teacher_bt[b0:b0 + keep]
             if np.abs(h_btd[:keep][store_bt]).max(initial=0.0) > np.finfo(STORE_DTYPE).max:
                 raise OverflowError("hidden states exceed the float16 range; this backbone cannot use the cache")
             hidden.append(h_btd[:keep][store_bt].astype(STORE_DTYPE))
             row_bt = np.where(store_bt, stored + np.cumsum(store_bt.reshape(-1)).reshape(store_bt.shape) - 1, -1)
             stored += int(store_bt.sum())
             t = np.arange(row_bt.shape[1])
-            teacher_bkt = np.stack([np.where((t_kbt[i] >= 0) & (t + 1 + i < len(t)),
+            teacher_bmt = np.stack([np.where((t_mbt[i] >= 0) & (t + 1 + i < len(t)),
                                              row_bt[:, np.minimum(t + 1 + i, len(t) - 1)], -1)
                                     for i in range(num_heads)], axis=1)
             example_rows.append(row_bt[example_bt])
-            teacher_rows.append(np.moveaxis(teacher_bkt, 1, -1)[example_bt])
-            targets.append(np.moveaxis(t_kbt, 0, -1)[example_bt].astype(np.int32))
-            paths.append(path_tokens(rows.tokens_rl[b0:b0 + keep], num_heads)[example_bt])
+            teacher_rows.append(np.moveaxis(teacher_bmt, 1, -1)[example_bt])
+            targets.append(np.moveaxis(t_mbt, 0, -1)[example_bt].astype(np.int32))
+            paths.append(path_tokens(rows.tokens_bt[b0:b0 + keep], num_heads)[example_bt])
         tmp = folder / f".chunk_{c:05d}.tmp.npz"
         extra = {"path": np.concatenate(paths)} if with_path else {}
         np.savez(tmp, hidden=np.concatenate(hidden), targets=np.concatenate(targets),

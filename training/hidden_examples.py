@@ -1,10 +1,11 @@
 """Cached Medusa-1 examples: each hidden state stored once, examples that point into them (the CPU path).
 
 An example is a position t: the row of the base's final hidden state at t, head i's target token t + 2 + i
-(targets [K] full-vocabulary ids, -1 = none) and the row of the hidden state at t + 1 + i, whose base
-distribution is head i's distilled target (teacher rows [K], -1 where head i has no target); for Hydra heads
-also the path tokens [K], t + 1 .. t + K (0 past the end; losses.hydra_head_stats). Hidden states
-live in `HiddenRows`: one or more [M_c, D] float16 arrays (the memory-mapped Arrow buffers of a distilled
+(targets [M] full-vocabulary ids, -1 = none) and the row of the hidden state at t + 1 + i, whose base
+distribution is head i's distilled target (teacher rows [M], -1 where head i has no target); for Hydra heads
+also the path tokens [E], t + 1 .. t + M (0 past the end; losses.hydra_head_stats). Examples are the x axis
+of the arrays below (m: heads, e: depth along the path). Hidden states
+live in `HiddenRows`: one or more [X_c, D] float16 arrays (the memory-mapped Arrow buffers of a distilled
 store, or in-memory cache chunks). A batch reads only the rows it needs, so a store larger than memory streams
 from disk; the example index itself (about 40 bytes per position) stays in memory.
 """
@@ -22,7 +23,7 @@ HIDDEN_DTYPE = np.float16
 
 
 class HiddenRows:
-    """Rows [M, D] of one or more [M_c, D] arrays, gathered by global row index."""
+    """Rows [X, D] of one or more [X_c, D] arrays, gathered by global row index."""
 
     def __init__(self, chunks: Sequence[np.ndarray], width: int | None = None):
         self.chunks = [c for c in chunks if len(c)]
@@ -50,53 +51,53 @@ class HiddenRows:
 @dataclasses.dataclass(frozen=True)
 class HiddenExamples:
     hidden: HiddenRows
-    rows_n: np.ndarray  # int64: hidden row of each example
-    targets_nk: np.ndarray  # int32: head i's target token (-1 = none)
-    teacher_rows_nk: np.ndarray  # int64: row of the hidden state at t + 1 + i (-1 = none)
-    groups_n: np.ndarray | None = None  # conversation of each example (the held-out split is by conversation)
-    path_nk: np.ndarray | None = None  # int32: tokens t + 1 .. t + K (Hydra heads' teacher forcing; 0 = none)
+    rows_x: np.ndarray  # int64: hidden row of each example
+    targets_xm: np.ndarray  # int32: head i's target token (-1 = none)
+    teacher_rows_xm: np.ndarray  # int64: row of the hidden state at t + 1 + i (-1 = none)
+    groups_x: np.ndarray | None = None  # conversation of each example (the held-out split is by conversation)
+    path_xe: np.ndarray | None = None  # int32: tokens t + 1 .. t + M (Hydra heads' teacher forcing; 0 = none)
 
     def __len__(self) -> int:
-        return len(self.rows_n)
+        return len(self.rows_x)
 
     @property
     def num_heads(self) -> int:
-        return int(self.targets_nk.shape[1])
+        return int(self.targets_xm.shape[1])
 
     def subset(self, index) -> "HiddenExamples":
-        g = None if self.groups_n is None else self.groups_n[index]
-        path = None if self.path_nk is None else self.path_nk[index]
-        return HiddenExamples(self.hidden, self.rows_n[index], self.targets_nk[index], self.teacher_rows_nk[index], g,
+        g = None if self.groups_x is None else self.groups_x[index]
+        path = None if self.path_xe is None else self.path_xe[index]
+        return HiddenExamples(self.hidden, self.rows_x[index], self.targets_xm[index], self.teacher_rows_xm[index], g,
                               path)
 
     def batch(self, index, teacher: bool = False) -> dict[str, np.ndarray]:
-        """The trainer's "hidden" batch of examples `index` (+ "teacher_hidden" [n, K, D] with `teacher`,
-        + "path" [n, K] when the examples carry paths)."""
+        """The trainer's "hidden" batch of examples `index` (+ "teacher_hidden" [x, M, D] with `teacher`,
+        + "path" [x, E] when the examples carry paths)."""
         idx = np.asarray(index)
-        rows = self.rows_n[idx]
-        out = {"hidden": self.hidden.take(rows), "targets": self.targets_nk[idx]}
-        if self.path_nk is not None:
-            out["path"] = self.path_nk[idx]
+        rows = self.rows_x[idx]
+        out = {"hidden": self.hidden.take(rows), "targets": self.targets_xm[idx]}
+        if self.path_xe is not None:
+            out["path"] = self.path_xe[idx]
         if teacher:
-            t = self.teacher_rows_nk[idx]
+            t = self.teacher_rows_xm[idx]
             out["teacher_hidden"] = self.hidden.take(np.where(t >= 0, t, rows[:, None]))  # masked where -1
         return out
 
     def filler(self, n: int, teacher: bool = False) -> dict[str, np.ndarray]:
         """n target-free examples (completes the last held-out batch)."""
-        k, d = self.num_heads, self.hidden.width
-        out = {"hidden": np.zeros((n, d), HIDDEN_DTYPE), "targets": np.full((n, k), -1, np.int32)}
-        if self.path_nk is not None:
-            out["path"] = np.zeros((n, k), np.int32)
+        m, d = self.num_heads, self.hidden.width
+        out = {"hidden": np.zeros((n, d), HIDDEN_DTYPE), "targets": np.full((n, m), -1, np.int32)}
+        if self.path_xe is not None:
+            out["path"] = np.zeros((n, m), np.int32)
         if teacher:
-            out["teacher_hidden"] = np.zeros((n, k, d), HIDDEN_DTYPE)
+            out["teacher_hidden"] = np.zeros((n, m, d), HIDDEN_DTYPE)
         return out
 
     def split(self, heldout_fraction: float, seed: int) -> tuple["HiddenExamples", "HiddenExamples", int, int]:
         """(train, held-out, #train groups, #held-out groups): a seeded permutation of the groups, as data.py."""
-        groups = np.unique(self.groups_n)
+        groups = np.unique(self.groups_x)
         held_groups = groups[heldout_groups(len(groups), heldout_fraction, seed)]
-        held = np.isin(self.groups_n, held_groups)
+        held = np.isin(self.groups_x, held_groups)
         return self.subset(~held), self.subset(held), len(groups) - len(held_groups), len(held_groups)
 
     def iterator(self, global_batch: int, seed: int, teacher: bool = False, **kw) -> EpochIterator:
@@ -114,28 +115,28 @@ def heldout_groups(num_groups: int, heldout_fraction: float, seed: int) -> np.nd
     return order[:n_held]
 
 
-def reply_examples(hidden: HiddenRows, lengths_r: np.ndarray, tokens_m: np.ndarray, num_heads: int,
-                   groups_r: np.ndarray | None = None, with_path: bool = False) -> HiddenExamples:
-    """Examples of generated replies stored back to back: reply r has lengths_r[r] tokens tokens_m[s:s+n] and
+def reply_examples(hidden: HiddenRows, lengths_b: np.ndarray, tokens_x: np.ndarray, num_heads: int,
+                   groups_b: np.ndarray | None = None, with_path: bool = False) -> HiddenExamples:
+    """Examples of generated replies stored back to back: reply b has lengths_b[b] tokens tokens_x[s:s+n] and
     hidden rows s..s+n-1, row s+j being the state that produced token j. Example j < n - 1 has head i's target
     token j + 1 + i and teacher row s + j + 1 + i while j + 1 + i < n. `with_path` (Hydra heads): also the path
-    tokens j + i, i = 0..K-1 (the root token j and the true drafts before head i's target; 0 past the end)."""
-    lengths_r = np.asarray(lengths_r, np.int64)
-    starts_r = np.concatenate([[0], np.cumsum(lengths_r)[:-1]]).astype(np.int64)
-    total = int(lengths_r.sum())
-    reply_m = np.repeat(np.arange(len(lengths_r)), lengths_r)
-    j_m = np.arange(total, dtype=np.int64) - starts_r[reply_m]
-    n_m = lengths_r[reply_m]
-    keep = j_m < n_m - 1
+    tokens j + i, i = 0..M-1 (the root token j and the true drafts before head i's target; 0 past the end)."""
+    lengths_b = np.asarray(lengths_b, np.int64)
+    starts_b = np.concatenate([[0], np.cumsum(lengths_b)[:-1]]).astype(np.int64)
+    total = int(lengths_b.sum())
+    reply_x = np.repeat(np.arange(len(lengths_b)), lengths_b)
+    j_x = np.arange(total, dtype=np.int64) - starts_b[reply_x]
+    n_x = lengths_b[reply_x]
+    keep = j_x < n_x - 1
     rows = np.nonzero(keep)[0].astype(np.int64)
     offs = 1 + np.arange(num_heads)[None, :]
-    valid = (j_m[rows][:, None] + offs) < n_m[rows][:, None]
+    valid = (j_x[rows][:, None] + offs) < n_x[rows][:, None]
     teacher = np.where(valid, rows[:, None] + offs, -1)
-    tokens_m = np.asarray(tokens_m)
-    targets = np.where(valid, tokens_m[np.where(valid, teacher, 0)], -1).astype(np.int32)
-    groups = None if groups_r is None else np.asarray(groups_r)[reply_m[rows]]
+    tokens_x = np.asarray(tokens_x)
+    targets = np.where(valid, tokens_x[np.where(valid, teacher, 0)], -1).astype(np.int32)
+    groups = None if groups_b is None else np.asarray(groups_b)[reply_x[rows]]
     path = None
     if with_path:  # token j + i is in the reply while j + i < n, i.e. where head i - 1 had a target (or i = 0)
         on_path = np.concatenate([np.ones_like(valid[:, :1]), valid[:, :-1]], axis=1)
-        path = np.where(on_path, tokens_m[np.where(on_path, rows[:, None] + offs - 1, 0)], 0).astype(np.int32)
+        path = np.where(on_path, tokens_x[np.where(on_path, rows[:, None] + offs - 1, 0)], 0).astype(np.int32)
     return HiddenExamples(hidden, rows, targets, teacher.astype(np.int64), groups, path)

@@ -20,8 +20,8 @@ and so the decoder's results, close to the original).
 
 Hydra heads train by teacher forcing: at position t head i sees the embeddings of the true tokens
 x_{t+1}..x_{t+1+i} (the root and the drafts an ideal head 0..i-1 would have made) and is trained on x_{t+2+i},
-the same targets and the same teacher as Medusa head i. The path tokens of a position are path[..., j] =
-x_{t+1+j}, j = 0..M-1 (`hydra_heads.path_tokens`; 0 past the end of a row, where there is no target). Cached
+the same targets and the same teacher as Medusa head i. The path tokens of a position are path[..., e] =
+x_{t+1+e}, e = 0..M-1 (`hydra_heads.path_tokens`; 0 past the end of a row, where there is no target). Cached
 batches ({"hidden", "targets", "path"}) carry them; packed rows derive them in the step.
 
 Statistics are sums and counts (not means), so they add up over batches and devices.
@@ -90,10 +90,10 @@ def head_targets(tokens_bt, loss_mask_bt, segment_ids_bt, num_heads: int) -> jax
     return jnp.stack([shifted_targets(tokens_bt, loss_mask_bt, segment_ids_bt, 2 + i) for i in range(num_heads)])
 
 
-def inverse_token_map(token_map_n, vocab_size: int) -> jax.Array:
+def inverse_token_map(token_map_u, vocab_size: int) -> jax.Array:
     """[V]: position of each full-vocabulary id in token_map, -1 if absent."""
     inv = jnp.full((vocab_size,), NO_TARGET, jnp.int32)
-    return inv.at[token_map_n].set(jnp.arange(token_map_n.shape[0], dtype=jnp.int32))
+    return inv.at[token_map_u].set(jnp.arange(token_map_u.shape[0], dtype=jnp.int32))
 
 
 def one_head_stats(logits_xv, targets_x, inverse_map_v=None):
@@ -157,11 +157,11 @@ def distill_loss(student_logits_xv, teacher_logits_xv, mask_x) -> tuple[jax.Arra
     return jnp.sum(jnp.where(mask_x, kl_x, 0.0)), jnp.sum(mask_x, dtype=jnp.float32)
 
 
-def teacher_lm_weight(lm_w_dv, token_map_n=None) -> jax.Array:
-    """The base lm_head [D, V] a head's teacher applies (gradient stopped; only the token_map columns [D, N]
+def teacher_lm_weight(lm_w_dv, token_map_u=None) -> jax.Array:
+    """The base lm_head [D, V] a head's teacher applies (gradient stopped; only the token_map columns [D, U]
     for a truncated head, so its teacher is renormalised over the map)."""
     w_dv = jax.lax.stop_gradient(lm_w_dv)
-    return w_dv if token_map_n is None else jnp.take(w_dv, token_map_n, axis=1)
+    return w_dv if token_map_u is None else jnp.take(w_dv, token_map_u, axis=1)
 
 
 def head_stats_with_teacher(logits_xv, targets_x, inverse_map_v=None, teacher_hidden_xd=None, teacher_w_dv=None):
@@ -210,10 +210,10 @@ def checkpointed_head_stats(heads, base, head_inputs: Callable[[int], tuple], ta
     return stack_stats(per_head)
 
 
-def hydra_head_stats(heads, base, hidden_xd, path_xm, targets_mx, teacher_hidden_mxd=None) -> HeadStats:
+def hydra_head_stats(heads, base, hidden_xd, path_xe, targets_mx, teacher_hidden_mxd=None) -> HeadStats:
     """Per-head sums of M Hydra heads. hidden [..., D], path tokens [..., M], targets [M, ...], optional teacher
     hidden states for the KL. Head i reads the embeddings of path[..., :i + 1] in the base's input table
     (frozen and shared: no gradient flows into it)."""
-    embeds_xmd = jax.lax.stop_gradient(base.embed_tokens(path_xm))
-    return checkpointed_head_stats(heads, base, lambda i: (hidden_xd, embeds_xmd[..., : i + 1, :]), targets_mx,
+    embeds_xed = jax.lax.stop_gradient(base.embed_tokens(path_xe))
+    return checkpointed_head_stats(heads, base, lambda i: (hidden_xd, embeds_xed[..., : i + 1, :]), targets_mx,
                                    teacher_hidden_mxd)

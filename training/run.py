@@ -100,7 +100,7 @@ def _padded_batches(take: Callable[[np.ndarray], dict], num: int, global_batch: 
 
 def _empty_rows(like: PackedRows) -> Callable[[int], dict]:
     def make(n):
-        z = np.zeros((n, like.tokens_rl.shape[1]), np.int32)
+        z = np.zeros((n, like.tokens_bt.shape[1]), np.int32)
         return {"tokens": z, "segment_ids": z, "positions": z, "loss_mask": z.astype(bool)}
     return make
 
@@ -151,7 +151,7 @@ def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
         train_ex, held_ex, n_train, n_held = examples.split(cfg.data_config.heldout_fraction, cfg.seed)
         log(f"using the hidden states saved by self-distillation in {store or npz}: {n_train} training / {n_held} "
             f"held-out conversations, {len(train_ex)} / {len(held_ex)} positions")
-        loss_tokens = train_ex.targets_nk[:, 0][train_ex.targets_nk[:, 0] >= 0]
+        loss_tokens = train_ex.targets_xm[:, 0][train_ex.targets_xm[:, 0] >= 0]
     else:
         if store:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
@@ -160,11 +160,11 @@ def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
             data = load_chat_data(cfg.data, tokenizer, eos, cfg.data_config, log=log)
         log(f"packed {data.num_conversations[0]} training / {data.num_conversations[1]} held-out conversations "
             f"into {data.train.num_rows} / {data.heldout.num_rows} rows of {cfg.data_config.seq_len} tokens "
-            f"({int(data.train.loss_mask_rl.sum())} training loss tokens; {data.dropped_no_loss_tokens} "
+            f"({int(data.train.loss_mask_bt.sum())} training loss tokens; {data.dropped_no_loss_tokens} "
             f"conversations without loss tokens dropped)")
-        loss_tokens = data.train.tokens_rl[data.train.loss_mask_rl]
+        loss_tokens = data.train.tokens_bt[data.train.loss_mask_bt]
         if cfg.cache_hidden:  # the cached hidden states are held in memory: check them before computing them
-            positions = int(data.train.loss_mask_rl.sum() + data.heldout.loss_mask_rl.sum())
+            positions = int(data.train.loss_mask_bt.sum() + data.heldout.loss_mask_bt.sum())
             per_position = 2 * base.config.hidden_size + 8 + (16 if with_path else 12) * k  # + rows, targets, path
             memory_plan.check_cache_fits(positions * per_position, cfg.memory_limit_gib)
         if not cfg.cache_hidden:

@@ -250,14 +250,14 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
         if admitted:
             n = _bucket(len(admitted), b)
             width = -(-max(len(r.prompt) for _, r in admitted) // PROMPT_BUCKET) * PROMPT_BUCKET
-            prompt_np = np.full((n, width), pad_id, np.int32)
+            prompt_bt = np.full((n, width), pad_id, np.int32)
             lens = np.ones((n,), np.int32)
             row_idx = np.full((n,), b, np.int32)  # filler rows point past the batch: dropped
             for j, (r, reply) in enumerate(admitted):
-                prompt_np[j, : len(reply.prompt)] = reply.prompt
+                prompt_bt[j, : len(reply.prompt)] = reply.prompt
                 lens[j], row_idx[j] = len(reply.prompt), r
             key, sub = jax.random.split(key)
-            slots, first, first_hidden = admit(graphdef, params, slots, jnp.asarray(row_idx), jnp.asarray(prompt_np),
+            slots, first, first_hidden = admit(graphdef, params, slots, jnp.asarray(row_idx), jnp.asarray(prompt_bt),
                                                jnp.asarray(lens), sub, sampling=sampling, eos_ids=eos)
             first, first_hidden = np.asarray(first), np.asarray(first_hidden)
             for j, (r, reply) in enumerate(admitted):
@@ -273,18 +273,18 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
                 break
             continue
         key, sub = jax.random.split(key)
-        slots, tokens_bc, hidden_bcd, emitted_b = run_chunk(
+        slots, tokens_bo, hidden_bod, emitted_b = run_chunk(
             graphdef, params, slots, sub, steps=config.chunk_steps, max_new_tokens=config.max_new_tokens,
             sampling=sampling, eos_ids=eos, pad_id=pad_id)
-        tokens_bc, emitted_b = np.asarray(tokens_bc), np.asarray(emitted_b)
-        hidden_bcd = np.asarray(hidden_bcd) if config.save_hidden else None
+        tokens_bo, emitted_b = np.asarray(tokens_bo), np.asarray(emitted_b)
+        hidden_bod = np.asarray(hidden_bod) if config.save_hidden else None
         for r, reply in enumerate(rows):
             if reply is None:
                 continue
             e = int(emitted_b[r])
-            reply.tokens.extend(tokens_bc[r, :e].tolist())
-            if hidden_bcd is not None:
-                reply.hidden.append(hidden_bcd[r, :e])
+            reply.tokens.extend(tokens_bo[r, :e].tolist())
+            if hidden_bod is not None:
+                reply.hidden.append(hidden_bod[r, :e])
             if is_finished(reply):
                 rows[r] = None
                 finish(reply)
