@@ -1,10 +1,13 @@
 """Throughput of batch generation (`inference.api.generate_batch`): MT-Bench first turns at several batch
-sizes, plain vs Medusa greedy decoding, in one run.
+sizes, plain vs Medusa greedy decoding, in one run; and plain decoding with finished rows refilled
+(`refill`: bench/refill.py, continuous batching) against the front-end's length-sorted batches (`plain`).
 
 For every batch size the methods run back to back on the same prompts, so machine load hits them alike.
 Per run: new tokens, wall seconds, the part of them spent tracing and compiling (JAX's compile events;
 each new batch shape compiles once), tokens/s with and without that part, tokens per step, and for Medusa
-the number of rows whose output differs from plain greedy at the same batch size (must be 0).
+the number of rows whose output differs from plain greedy at the same batch size (must be 0). `refill`
+rows add the fraction of slot-steps that produced a token (`slot_use`) and their rows differing from plain
+(greedy either way; float summation order differs with the batch composition, so a rare near-tie may flip).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from medusa_jax.tree import DEFAULT_TREE, load_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.sharded import ShardedModel
 
-METHODS = ("plain", "medusa")
+METHODS = ("plain", "medusa", "refill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +28,13 @@ class BatchBenchConfig:
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     max_new_tokens: int = 128
     tree: str = DEFAULT_TREE  # preset name or tree JSON file
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = ("plain", "medusa")
+    chunk_steps: int = 32  # refill: decode steps between refills
 
     def __post_init__(self):
-        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes) or self.max_new_tokens < 1:
-            raise ValueError(f"need batch sizes >= 1 and max_new_tokens >= 1: {self}")
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes) or min(self.max_new_tokens,
+                                                                                  self.chunk_steps) < 1:
+            raise ValueError(f"need batch sizes >= 1, max_new_tokens >= 1 and chunk_steps >= 1: {self}")
         unknown = sorted(set(self.methods) - set(METHODS))
         if unknown or not self.methods:
             raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {self.methods}")
@@ -49,6 +54,10 @@ def run_batch_benchmark(model: ShardedModel, prompts: Sequence[Sequence[int]], c
     for batch_size in config.batch_sizes:
         outputs = {}
         for method in config.methods:
+            if method == "refill":
+                rows.append(_refill_row(model, prompts, config, batch_size, eos_ids, pad_id, outputs.get("plain")))
+                log(json.dumps(rows[-1]))
+                continue
             settings = BatchSettings(batch_size=batch_size, max_new_tokens=config.max_new_tokens,
                                      tree=tree if method == "medusa" else None, eos_ids=eos_ids, pad_id=pad_id)
             run = generate_batch(model, prompts, settings, progress=progress)
@@ -68,6 +77,28 @@ def run_batch_benchmark(model: ShardedModel, prompts: Sequence[Sequence[int]], c
             "rows": rows}
 
 
+def _refill_row(model: ShardedModel, prompts, config: BatchBenchConfig, batch_size: int, eos_ids, pad_id,
+                plain_outputs) -> dict:
+    from flax import nnx
+
+    from medusa_jax.bench.refill import refill_generate
+
+    if model.mesh.size > 1:
+        raise ValueError("the refill runs use one device (run them without --mesh)")
+    base = nnx.merge(model.base_graphdef, model.base_params)
+    run = refill_generate(base, prompts, batch_size=batch_size, max_new_tokens=config.max_new_tokens,
+                          eos_ids=eos_ids, pad_id=pad_id, chunk_steps=config.chunk_steps)
+    decode_s = max(run.seconds - run.compile_seconds, 1e-9)
+    row = {"batch_size": batch_size, "method": "refill", "prompts": len(prompts), "new_tokens": run.new_tokens,
+           "seconds": round(run.seconds, 2), "compile_seconds": round(run.compile_seconds, 2),
+           "tokens_per_s": round(run.new_tokens / max(run.seconds, 1e-9), 2),
+           "tokens_per_s_excl_compile": round(run.new_tokens / decode_s, 2), "tokens_per_step": 1.0,
+           "chunks": run.chunks, "slot_use": round(run.slot_use, 3)}
+    if plain_outputs is not None:
+        row["rows_differing_from_plain"] = sum(a != b for a, b in zip(plain_outputs, run.token_ids))
+    return row
+
+
 def markdown(result: dict, title: str) -> str:
     rows = result["rows"]
     lines = [title, "", "| batch | method | new tokens | tokens/step | tokens/s | tokens/s excl. compile | seconds "
@@ -79,8 +110,13 @@ def markdown(result: dict, title: str) -> str:
     by_size = {}
     for r in rows:
         by_size.setdefault(r["batch_size"], {})[r["method"]] = r
-    if all(len(v) == 2 for v in by_size.values()):
-        lines += ["", "Medusa / plain tokens/s (excl. compile): " + ", ".join(
-            f"batch {b}: {v['medusa']['tokens_per_s_excl_compile'] / v['plain']['tokens_per_s_excl_compile']:.2f}x"
-            for b, v in by_size.items())]
+    for other, label in (("medusa", "Medusa"), ("refill", "Refill")):
+        pairs = {b: v for b, v in by_size.items() if other in v and "plain" in v}
+        if pairs:
+            lines += ["", f"{label} / plain tokens/s (excl. compile): " + ", ".join(
+                f"batch {b}: {v[other]['tokens_per_s_excl_compile'] / v['plain']['tokens_per_s_excl_compile']:.2f}x"
+                for b, v in pairs.items())]
+    use = [f"batch {r['batch_size']}: {r['slot_use']:.0%}" for r in rows if "slot_use" in r]
+    if use:
+        lines += ["", "Refill slot-steps that produced a token: " + ", ".join(use)]
     return "\n".join(lines) + "\n"

@@ -12,6 +12,8 @@ and the oracle bound: scripts/benchmark.py; load memory: scripts/benchmark_loadi
 
 Throughput: batch sizes 1, 8, 32, plain vs Medusa greedy, one run. Example (the README's figures):
   python scripts/benchmark_batch.py --model smollm2 --heads default --out bench/batch
+Length-sorted batches vs refilled rows (continuous batching), plain greedy:
+  python scripts/benchmark_batch.py --methods plain,refill --batch-sizes 16,32,64 --out bench/refill
 Writes OUT/batch.json (every run: tokens, seconds, compile seconds, tokens/s with and without compilation,
 tokens per step, rows where Medusa differs from plain) and OUT/batch.md (the table). Without trained heads
 (`--heads random`) Medusa accepts almost nothing, so its figures show the cost of the tree, not a speedup.
@@ -59,6 +61,8 @@ def throughput_main(argv: list[str]) -> int:
                    help=f"comma-separated subset of {','.join(METHODS)} (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                    help="new tokens per answer at most (default: %(default)s)")
+    p.add_argument("--chunk-steps", type=int, default=d.chunk_steps,
+                   help="method refill: decode steps between refills of finished rows (default: %(default)s)")
     p.add_argument("--mesh", default="",
                    help="device mesh, e.g. data=2,tensor=4; batch sizes must divide by data*fsdp (default: one device)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -79,7 +83,7 @@ def throughput_main(argv: list[str]) -> int:
 
     try:
         config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
-                                  methods=tuple(m for m in a.methods.split(",") if m))
+                                  methods=tuple(m for m in a.methods.split(",") if m), chunk_steps=a.chunk_steps)
     except ValueError as e:
         p.error(str(e))
     folder = resolve_model_dir(a.model)

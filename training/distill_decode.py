@@ -21,10 +21,12 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.inference.autoregressive import PlainState, is_eos, prefill, run_plain_steps
+from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 from medusa_jax.inference.sampling import SamplingConfig, sample_tokens
 from medusa_jax.kv_cache import KVCache
 
@@ -65,6 +67,33 @@ def admit(graphdef, params, slots: Slots, rows_b, prompt_bt, prompt_lens_b, key,
                   slots.num_out_b.at[rows_b].set(1, mode="drop"),
                   slots.done_b.at[rows_b].set(is_eos(first_b, eos_ids), mode="drop"))
     return slots, first_b, last_bd
+
+
+def _row_bucket(n: int, cap: int) -> int:
+    """Admission batches come in a few sizes (4, 8, 16, ... up to the slots), not one compile per count."""
+    size = 4
+    while size < n:
+        size *= 2
+    return min(size, cap)
+
+
+def admit_prompts(graphdef, params, slots: Slots, rows: list[int], prompts: list[list[int]], key, *, pad_id: int,
+                  sampling: SamplingConfig, eos_ids: tuple[int, ...]):
+    """Prefills `prompts` into slot rows `rows` (`admit`, padded to a few static shapes: rows to a power of two
+    with filler rows that are dropped, prompt width to a multiple of PROMPT_BUCKET). Returns (slots, each
+    prompt's first token [n] and the hidden state behind it [n, d], as NumPy)."""
+    b = slots.done_b.shape[0]
+    n = _row_bucket(len(prompts), b)
+    width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
+    prompt_bt = np.full((n, width), pad_id, np.int32)
+    lens_b = np.ones((n,), np.int32)
+    rows_b = np.full((n,), b, np.int32)  # filler rows point past the batch: dropped
+    for j, (row, prompt) in enumerate(zip(rows, prompts)):
+        prompt_bt[j, : len(prompt)] = prompt
+        lens_b[j], rows_b[j] = len(prompt), row
+    slots, first_b, first_bd = admit(graphdef, params, slots, jnp.asarray(rows_b), jnp.asarray(prompt_bt),
+                                     jnp.asarray(lens_b), key, sampling=sampling, eos_ids=eos_ids)
+    return slots, np.asarray(first_b)[: len(prompts)], np.asarray(first_bd)[: len(prompts)]
 
 
 @partial(jax.jit, static_argnames=("graphdef", "steps", "max_new_tokens", "sampling", "eos_ids", "pad_id"),

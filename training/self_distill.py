@@ -40,7 +40,6 @@ from medusa_jax.text import chat_prompt_ids
 from medusa_jax.training.sharegpt import DataError, read_conversations
 
 _SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
-PROMPT_BUCKET = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +74,9 @@ class DistillConfig:
     @property
     def cache_size(self) -> int:
         """Slots per row: the longest admissible prompt of the last turn plus its reply."""
-        longest = self.turns * (self.max_prompt_tokens + self.max_new_tokens)
-        return -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+        from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
+
+        return round_up(self.turns * (self.max_prompt_tokens + self.max_new_tokens), PROMPT_BUCKET)
 
 
 def done_ids(output: Path) -> set[str]:
@@ -118,25 +118,17 @@ class _Reply:
     hidden: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
-def _bucket(n: int, cap: int) -> int:
-    size = 4
-    while size < n:
-        size *= 2
-    return min(size, cap)
-
-
 def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | os.PathLike,
                  config: DistillConfig = DistillConfig(), progress: bool = True,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Regenerates the assistant turns of `data` into `output` (JSONL, resumable). Returns run statistics."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
     from transformers import AutoTokenizer
 
     from medusa_jax.hf_import import load_pretrained
     from medusa_jax.inference.sampling import SamplingConfig
-    from medusa_jax.training.distill_decode import Slots, admit, run_chunk
+    from medusa_jax.training.distill_decode import Slots, admit_prompts, run_chunk
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -248,18 +240,10 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
                 break
             admitted.append((free[len(admitted)], reply))
         if admitted:
-            n = _bucket(len(admitted), b)
-            width = -(-max(len(r.prompt) for _, r in admitted) // PROMPT_BUCKET) * PROMPT_BUCKET
-            prompt_bt = np.full((n, width), pad_id, np.int32)
-            lens = np.ones((n,), np.int32)
-            row_idx = np.full((n,), b, np.int32)  # filler rows point past the batch: dropped
-            for j, (r, reply) in enumerate(admitted):
-                prompt_bt[j, : len(reply.prompt)] = reply.prompt
-                lens[j], row_idx[j] = len(reply.prompt), r
             key, sub = jax.random.split(key)
-            slots, first, first_hidden = admit(graphdef, params, slots, jnp.asarray(row_idx), jnp.asarray(prompt_bt),
-                                               jnp.asarray(lens), sub, sampling=sampling, eos_ids=eos)
-            first, first_hidden = np.asarray(first), np.asarray(first_hidden)
+            slots, first, first_hidden = admit_prompts(
+                graphdef, params, slots, [r for r, _ in admitted], [reply.prompt for _, reply in admitted], sub,
+                pad_id=pad_id, sampling=sampling, eos_ids=eos)
             for j, (r, reply) in enumerate(admitted):
                 reply.tokens.append(int(first[j]))
                 reply.hidden.append(first_hidden[j: j + 1])
