@@ -103,7 +103,8 @@ def throughput_main(argv: list[str]) -> int:
     result.update(model=portable_path(folder), heads=heads_note, mesh=a.mesh or "single device", dtype=a.dtype,
                   prompts=len(prompts), command=command, machine=machine_description())
     title = (f"Batch generation, {len(prompts)} MT-Bench first turns, {config.max_new_tokens} new tokens max, "
-             f"{Path(folder).name} {a.dtype}, heads: {heads_note}, tree {config.tree}, mesh {result['mesh']}")
+             f"{Path(folder).name} {a.dtype}, heads: {heads_note}, tree {config.tree}, mesh {result['mesh']}\n\n"
+             f"Command: `{command}`")
     write_files(a.out, {"batch.json": json.dumps(result, indent=1), "batch.md": markdown(result, title)})
     print(markdown(result, title))
     return 0
