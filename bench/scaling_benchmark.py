@@ -10,7 +10,9 @@ of a plain step at batch B is
 with the read bandwidth (`BandwidthProbe`) and the matrix-multiply rate (`gemm_rate`: the best of [R, D] x [D, F]
 products of the model's own MLP shape, R = 64, 256, 1024) measured in the same run, and flops_per_token = 2 x the
 matmul parameters + the attention over the context (4 x layers x query heads x head width x context).
-`of_floor` = floor_s / step_s: 1.0 is a step that does only the unavoidable work.
+`of_floor` = floor_s / step_s: 1.0 is a step that does only the unavoidable work. That floor leaves out the
+read of the rows' K/V; `floor_kv_s` adds it (B x context slots x 2 x layers x KV heads x head width x bytes,
+at the read bandwidth), which at large batch and context is the larger part of a step.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def flops_per_token(base: CausalLM, context: int) -> float:
     return 2.0 * matmul_params + 4.0 * c.num_layers * c.num_heads * c.head_dim * context
 
 
+def kv_bytes_per_row(base: CausalLM, context: int) -> float:
+    """Bytes of K and V one row reads over `context` committed slots in one step (all layers)."""
+    c = base.config
+    return 2.0 * c.num_layers * c.num_kv_heads * c.head_dim * context * jnp.dtype(c.jnp_dtype).itemsize
+
+
 def run_scaling(base: CausalLM, heads: MedusaHeads | None, tree: TreeBuffers | None, *,
                 batch_sizes: tuple[int, ...], cache_sizes: tuple[int, ...], context_fraction: float = 0.75,
                 rounds: int = 3, progress=print) -> dict:
@@ -71,9 +79,10 @@ def run_scaling(base: CausalLM, heads: MedusaHeads | None, tree: TreeBuffers | N
                 calls.append(medusa_step_call(base, heads, tree, b, context, size))
             secs = time_interleaved(calls, rounds)
             floor = nbytes / bandwidth + b * flops_per_token(base, context) / rate
+            floor_kv = floor + b * kv_bytes_per_row(base, context) / bandwidth
             row = {"cache": size, "batch": b, "context": context, "plain_ms": secs[0] * 1e3,
                    "plain_tok_s": b / secs[0], "floor_ms": floor * 1e3, "floor_tok_s": b / floor,
-                   "of_floor": floor / secs[0]}
+                   "of_floor": floor / secs[0], "floor_kv_ms": floor_kv * 1e3, "of_floor_kv": floor_kv / secs[0]}
             if len(secs) > 1:
                 row.update(medusa_ms=secs[1] * 1e3, medusa_overhead=secs[1] / secs[0])
             rows.append(row)
@@ -86,16 +95,18 @@ def markdown(results: dict, command: str, machine: str) -> str:
     lines = ["# Decode-step scaling with the batch", "", f"Command: `{command}`", "", f"Machine: {machine}", "",
              f"Measured in the same run: read bandwidth {results['read_bandwidth_gb_s']:.1f} GB/s, fp32 GEMM "
              f"{results['gemm_gflop_s']:.1f} GFLOP/s, weights {results['weight_mb']:.0f} MB. Floor = weights / "
-             f"bandwidth + batch x FLOPs per token / GEMM rate. Medusa step: tree of {results['tree_tokens']} tokens.",
-             "", "| cache | batch | plain ms/step | plain tok/s | floor ms | floor tok/s | % of floor | tok/s vs batch 1 "
-             "| Medusa ms/step | Medusa / plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"bandwidth + batch x FLOPs per token / GEMM rate; + K/V adds each row's read of its context's K and V at "
+             f"the read bandwidth. Medusa step: tree of {results['tree_tokens']} tokens.",
+             "", "| cache | batch | plain ms/step | plain tok/s | floor ms | floor tok/s | % of floor | "
+             "% of floor + K/V | tok/s vs batch 1 | Medusa ms/step | Medusa / plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     first = {}
     for r in results["rows"]:
         first.setdefault(r["cache"], r["plain_tok_s"])
         med = (f"{r['medusa_ms']:.1f} | {r['medusa_overhead']:.2f}x" if "medusa_ms" in r else "- | -")
         lines.append(f"| {r['cache']} | {r['batch']} | {r['plain_ms']:.1f} | {r['plain_tok_s']:.0f} | "
                      f"{r['floor_ms']:.1f} | {r['floor_tok_s']:.0f} | {100 * r['of_floor']:.0f}% | "
-                     f"{r['plain_tok_s'] / first[r['cache']]:.1f}x | {med} |")
+                     f"{100 * r['of_floor_kv']:.0f}% | {r['plain_tok_s'] / first[r['cache']]:.1f}x | {med} |")
     return "\n".join(lines) + "\n"
 
 

@@ -32,7 +32,7 @@ from flax import nnx
 from medusa_jax.heads import HeadsConfig, MedusaModel
 from medusa_jax.heads_trees import HeadsTrees, resolve_tree
 from medusa_jax.hydra_heads import HydraHeads
-from medusa_jax.kv_cache import KVCache, attention_mask
+from medusa_jax.kv_cache import KVCache, attention_mask, move_slots
 from medusa_jax.sharding import map_cache_rows
 from medusa_jax.tree import TreeBuffers, build_tree, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
@@ -92,14 +92,9 @@ def compact_accepted(cache: KVCache, nodes_be: jax.Array) -> KVCache:
 
 
 def _compact_rows(cache: KVCache, nodes_be: jax.Array) -> KVCache:
-    rows_b1 = jnp.arange(cache.batch_size)[:, None]
     src_be = cache.lengths_b[:, None] + nodes_be
     dst_be = cache.lengths_b[:, None] + jnp.arange(nodes_be.shape[1])[None, :]
-
-    def move(buf_lbskh):
-        return buf_lbskh.at[:, rows_b1, dst_be].set(buf_lbskh[:, rows_b1, src_be])
-
-    return cache.replace(k_lbskh=move(cache.k_lbskh), v_lbskh=move(cache.v_lbskh))
+    return move_slots(cache, src_be, dst_be)
 
 
 @jax.tree_util.register_dataclass

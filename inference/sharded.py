@@ -186,7 +186,7 @@ class ShardedModel:
     def new_cache(self, batch_size: int, cache_size: int) -> KVCache:
         """A zeroed KV cache created directly in its sharded layout (never whole on one device)."""
         spare, self._spare_cache = self._spare_cache, None
-        if spare is not None and spare.k_lbskh.shape[1:3] == (batch_size, cache_size):
+        if spare is not None and (spare.batch_size, spare.cache_size) == (batch_size, cache_size):
             return spare  # decoding resets lengths and masks every slot past them: stale contents are harmless
         shardings = self.cache_sharding(batch_size, cache_size)
         return jax.jit(_zero_cache, static_argnums=(0, 1, 2), out_shardings=shardings)(self.config, batch_size,

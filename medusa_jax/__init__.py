@@ -17,8 +17,8 @@ the others; inference/ (the decoders) imports only core; training/ imports core 
 No module imports itself back through a cycle, at module level or inside a function. This file's lazy table
 below is the one exemption: it names the user-facing entry points of every layer.
 
-Axis legend: an array's name ends in one letter per axis, outermost first (`k_lbskh` is indexed
-[layer, batch, slot, kv_head, head_width]). One letter means one axis everywhere in the project.
+Axis legend: an array's name ends in one letter per axis, outermost first (`v_bksh` is indexed
+[batch, kv_head, slot, head_width]). One letter means one axis everywhere in the project.
 
     b  batch rows                       t  query tokens of one call (prompt positions, verify-tree nodes,
     s  KV-cache slots (key positions)      training positions)
@@ -34,7 +34,7 @@ Axis legend: an array's name ends in one letter per axis, outermost first (`k_lb
     e  depth along a path (0 = the root)
     j  the children of one tree node, in rank order (columns of exact acceptance's children table)
 
-Examples: the KV cache k_lbskh / v_lbskh; hidden states hidden_btd; logits logits_btv; the heads' top-k ids
+Examples: one layer of the KV cache k_bkhs / v_bksh; hidden states hidden_btd; logits logits_btv; the heads' top-k ids
 ids_mbr; a head's lm_head weight lm_head_dv; generated tokens out_bo; the retrieve table retrieve_ce (for
 each candidate path, its node at each depth); an attention mask over the cache mask_bts.
 """

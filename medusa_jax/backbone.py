@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from medusa_jax.config import ModelConfig
-from medusa_jax.attention import attention_windows, cached_attention, row_groups, window_index
-from medusa_jax.kv_cache import KVCache, write_layer_rows
+from medusa_jax.attention import grouped_attention
+from medusa_jax.kv_cache import KVCache, write_layer
 from medusa_jax.sharding import constrain_rows
 from medusa_jax.rope import apply_rope, inverse_frequencies
 
@@ -45,21 +45,17 @@ class Attention(nnx.Module):
         self.v_proj = _linear(d, config.num_kv_heads * h, config.attention_bias, config, rngs)
         self.o_proj = _linear(config.num_heads * h, d, False, config, rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_bts, k_lbskh, v_lbskh, layer: int, lengths_b, inv_freq, window,
-                 groups):
-        """Writes this layer's new K/V into the stacked cache buffers and attends over layer `layer` of them,
-        rows of row group i reading only cache window window[i] (see medusa_jax.attention)."""
+    def __call__(self, x_btd, positions_bt, mask_bts, k_bkhs, v_bksh, lengths_b, inv_freq):
+        """Writes this layer's new K/V into its cache buffers and attends over them; returns (out, K, V)."""
         cfg = self.config
         b, t, _ = x_btd.shape
         n, k, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         q_btnh = apply_rope(self.q_proj(x_btd).reshape(b, t, n, h), positions_bt, inv_freq)
         k_btkh = apply_rope(self.k_proj(x_btd).reshape(b, t, k, h), positions_bt, inv_freq)
         v_btkh = self.v_proj(x_btd).reshape(b, t, k, h)
-        k_lbskh = write_layer_rows(k_lbskh, layer, k_btkh, lengths_b)
-        v_lbskh = write_layer_rows(v_lbskh, layer, v_btkh, lengths_b)
-        out_btkgh = cached_attention(q_btnh.reshape(b, t, k, g, h), k_lbskh, v_lbskh, layer, mask_bts, window,
-                                     groups)
-        return self.o_proj(out_btkgh.reshape(b, t, n * h)), k_lbskh, v_lbskh
+        k_bkhs, v_bksh = write_layer(k_bkhs, v_bksh, k_btkh, v_btkh, lengths_b)
+        out_btkgh = grouped_attention(q_btnh.reshape(b, t, k, g, h), k_bkhs, v_bksh, mask_bts)
+        return self.o_proj(out_btkgh.reshape(b, t, n * h)), k_bkhs, v_bksh
 
 
 class MLP(nnx.Module):
@@ -80,13 +76,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.jnp_dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, positions_bt, mask_bts, k_lbskh, v_lbskh, layer: int, lengths_b, inv_freq, window, groups):
-        attn, k_lbskh, v_lbskh = self.self_attn(
-            self.input_layernorm(x), positions_bt, mask_bts, k_lbskh, v_lbskh, layer, lengths_b, inv_freq, window,
-            groups)
+    def __call__(self, x, positions_bt, mask_bts, k_bkhs, v_bksh, lengths_b, inv_freq):
+        attn, k_bkhs, v_bksh = self.self_attn(self.input_layernorm(x), positions_bt, mask_bts, k_bkhs, v_bksh,
+                                              lengths_b, inv_freq)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k_lbskh, v_lbskh
+        return x, k_bkhs, v_bksh
 
 
 class CausalLM(nnx.Module):
@@ -105,19 +100,20 @@ class CausalLM(nnx.Module):
     def __call__(self, tokens_bt, positions_bt, mask_bts, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Returns (final-norm hidden states [B, T, D], cache with the new K/V written; lengths unchanged)."""
         cfg = self.config
+        if cache.num_layers != cfg.num_layers:
+            raise ValueError(f"the KV cache has {cache.num_layers} layers; the model has {cfg.num_layers}")
         if cfg.sliding_window is not None:
             slot_s = jnp.arange(cache.cache_size, dtype=jnp.int32)
             mask_bts = mask_bts & ((positions_bt[:, :, None] - slot_s[None, None, :]) < cfg.sliding_window)
         inv_freq = inverse_frequencies(cfg)
         x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
-        groups = row_groups(tokens_bt.shape[0])  # contiguous row groups, each reading its own cache prefix
-        group_windows = window_index(mask_bts, attention_windows(cache.cache_size), groups)
-        k_all, v_all = cache.k_lbskh, cache.v_lbskh
-        for i, layer in enumerate(self.layers):
-            x, k_all, v_all = layer(x, positions_bt, mask_bts, k_all, v_all, i, cache.lengths_b, inv_freq,
-                                   group_windows, groups)
+        k_layers, v_layers = [], []
+        for layer, k_bkhs, v_bksh in zip(self.layers, cache.k_bkhs, cache.v_bksh):
+            x, k_bkhs, v_bksh = layer(x, positions_bt, mask_bts, k_bkhs, v_bksh, cache.lengths_b, inv_freq)
             x = constrain_rows(x)
-        return self.norm(x), cache.replace(k_lbskh=k_all, v_lbskh=v_all)
+            k_layers.append(k_bkhs)
+            v_layers.append(v_bksh)
+        return self.norm(x), cache.replace(k_bkhs=tuple(k_layers), v_bksh=tuple(v_layers))
 
     def logits(self, hidden):
         """hidden [..., D] -> logits [..., V] in fp32."""

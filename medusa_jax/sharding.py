@@ -22,6 +22,7 @@ from medusa_jax.nnx_paths import fill_state
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
+_KV_SPEC = P(BATCH_AXES, "tensor", None, None)  # a K [B, K, H, S] or V [B, K, S, H] buffer of the KV cache
 
 # (regex over the dotted parameter path, axis per dimension). Kernels are [in, out].
 PARAM_RULES: tuple[tuple[str, tuple[Any, ...]], ...] = (
@@ -173,10 +174,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def cache_shardings(mesh: Mesh, cache: KVCache) -> KVCache:
-    """K/V [L, B, S, K, H]: rows over (data, fsdp), KV heads over tensor; lengths [B] over (data, fsdp)."""
-    kv = checked_sharding(mesh, P(None, BATCH_AXES, None, "tensor", None), cache.k_lbskh.shape, "KV cache")
+    """Per-layer K [B, K, H, S] and V [B, K, S, H]: rows over (data, fsdp), KV heads over tensor; lengths [B]
+    over (data, fsdp)."""
+    kv = checked_sharding(mesh, _KV_SPEC, cache.k_bkhs[0].shape, "KV cache")
     lengths = checked_sharding(mesh, P(BATCH_AXES), cache.lengths_b.shape, "KV cache lengths (batch)")
-    return KVCache(kv, kv, lengths)
+    return KVCache((kv,) * cache.num_layers, (kv,) * cache.num_layers, lengths)
 
 
 def map_cache_rows(fn, cache: KVCache, *rows):
@@ -188,8 +190,7 @@ def map_cache_rows(fn, cache: KVCache, *rows):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(AXES) <= set(mesh.axis_names) or all(mesh.shape[a] == 1 for a in AXES):
         return fn(cache, *rows)
-    kv = P(None, BATCH_AXES, None, "tensor", None)
-    cache_spec = KVCache(kv, kv, P(BATCH_AXES))
+    cache_spec = KVCache((_KV_SPEC,) * cache.num_layers, (_KV_SPEC,) * cache.num_layers, P(BATCH_AXES))
     row_specs = tuple(P(BATCH_AXES, *([None] * (r.ndim - 1))) for r in rows)
     return jax.shard_map(fn, in_specs=(cache_spec, *row_specs), out_specs=cache_spec)(cache, *rows)
 

@@ -84,7 +84,8 @@ def main_meshes(model_dir: str, out: str) -> None:
         plain = generate_batch(model, prompts, settings, progress=False)
         medusa = generate_batch(model, prompts, dataclasses.replace(settings, tree=tree), progress=False)
         entry = {"plain": rows(plain), "medusa": rows(medusa),
-                 "k_sharding": [list(a) if isinstance(a, tuple) else a for a in model.cache_sharding(8, 64).k_lbskh.spec],
+                 "k_sharding": [list(a) if isinstance(a, tuple) else a
+                                for a in model.cache_sharding(8, 64).k_bkhs[0].spec],
                  "q_proj_shards": len(base.layers[0].self_attn.q_proj.kernel[...].addressable_shards)}
         if (data, tensor) in ((8, 1), (2, 4)):  # Hydra heads on the same sharded loop
             entry["hydra"] = rows(generate_batch(ShardedModel(base, hydra, mesh), prompts,

@@ -359,6 +359,7 @@ def test_batch_scaling_mode_times_plain_and_medusa_steps(tiny_chat_model, tmp_pa
     for r in res["rows"]:
         assert r["plain_ms"] > 0 and r["medusa_ms"] > 0
         assert r["medusa_overhead"] == pytest.approx(r["medusa_ms"] / r["plain_ms"])
+        assert r["floor_kv_ms"] > r["floor_ms"] and r["of_floor_kv"] == pytest.approx(r["floor_kv_ms"] / r["plain_ms"])
     assert res["tree_tokens"] == 9 and res["command"].startswith("python scripts/benchmark_batch.py scaling ")
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -239,13 +239,15 @@ def test_accept_tree_bonus_is_the_argmax_after_the_accepted_path():
 
 
 def test_compact_accepted_moves_only_the_path():
-    k = jnp.arange(2 * 2 * 16, dtype=jnp.float32).reshape(2, 2, 16, 1, 1)
-    cache = KVCache(k, -k, jnp.asarray([3, 5], jnp.int32))
+    k = jnp.arange(2 * 16, dtype=jnp.float32).reshape(2, 1, 1, 16)  # one layer, [B, K, H, S]
+    cache = KVCache((k, 2 * k), (k.transpose(0, 1, 3, 2), -k.transpose(0, 1, 3, 2)), jnp.asarray([3, 5], jnp.int32))
     out = compact_accepted(cache, jnp.asarray([[0, 4, 6], [0, 1, 2]]))
     expect = np.asarray(k).copy()
-    expect[:, 0, 4], expect[:, 0, 5] = expect[:, 0, 7], expect[:, 0, 9]
-    np.testing.assert_array_equal(out.k_lbskh, expect)
-    np.testing.assert_array_equal(out.v_lbskh, -expect)
+    expect[0, ..., 4], expect[0, ..., 5] = expect[0, ..., 7], expect[0, ..., 9]
+    np.testing.assert_array_equal(out.k_bkhs[0], expect)
+    np.testing.assert_array_equal(out.k_bkhs[1], 2 * expect)
+    np.testing.assert_array_equal(out.v_bksh[0], expect.transpose(0, 1, 3, 2))
+    np.testing.assert_array_equal(out.v_bksh[1], -expect.transpose(0, 1, 3, 2))
     assert out.lengths_b.tolist() == [3, 5]
 
 
