@@ -77,7 +77,14 @@ def write_slots(buf: jax.Array, slot_axis: int, new_btkh: jax.Array, slots_bt: j
     dims = jax.lax.ScatterDimensionNumbers(
         update_window_dims=(2, 3), inserted_window_dims=(slot_axis,), scatter_dims_to_operand_dims=(slot_axis,),
         operand_batching_dims=(0,), scatter_indices_batching_dims=(0,))
-    return jax.lax.scatter(buf, slots_bt[..., None].astype(jnp.int32), new_btkh.astype(buf.dtype), dims,
+    new_btkh = new_btkh.astype(buf.dtype)
+    if slots_bt.shape[1] == 1:
+        # XLA rewrites a scatter of a single update (one row, one token) into a dynamic update slice guarded by
+        # a select, and then copied the layer's whole K/V buffer 4 times per decode step (no copy with two or
+        # more updates). A second update, always past the end and so dropped, keeps it a scatter.
+        slots_bt = jnp.concatenate([slots_bt, jnp.full_like(slots_bt, buf.shape[slot_axis])], axis=1)
+        new_btkh = jnp.concatenate([new_btkh, new_btkh], axis=1)
+    return jax.lax.scatter(buf, slots_bt[..., None].astype(jnp.int32), new_btkh, dims,
                            indices_are_sorted=True, unique_indices=True,
                            mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 

@@ -50,7 +50,7 @@ def _cache_copies(hlo: str, slots: int, batch: int) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("batch, slots", [(4, 256), (12, 1024)])
+@pytest.mark.parametrize("batch, slots", [(1, 512), (4, 256), (12, 1024)])
 def test_decode_loops_hold_no_copy_of_the_whole_cache(batch, slots):
     model = CausalLM(CFG, nnx.Rngs(0))
     cache = KVCache.zeros(CFG, batch, slots)
