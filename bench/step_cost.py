@@ -42,10 +42,15 @@ from medusa_jax.inference.sampling import SamplingConfig, greedy_tokens
 PIECES = ("verify_forward", "base_logits", "acceptance", "heads_top_k", "cache_compaction")
 
 
+# Untimed calls before timing a jitted call: the second call compiles again when the first call's inputs were
+# fresh, uncommitted arrays, and the third still ran ~0.5 s slower than the rest (SmolLM2 steps, 8 rows x 1,024
+# slots: 636 ms, then 121-140 ms), which a median of 2 rounds does not remove.
+WARM_UP_CALLS = 3
+
+
 def time_call(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of `fn()` after two untimed warm-up calls (the second compiles again when the first
-    call's inputs were fresh, uncommitted arrays and the next ones are outputs of a jitted call)."""
-    for _ in range(2):
+    """Median seconds of `fn()` after `WARM_UP_CALLS` untimed calls."""
+    for _ in range(WARM_UP_CALLS):
         jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
@@ -175,10 +180,10 @@ def medusa_step_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, b
 
 
 def time_interleaved(calls: Sequence[Callable[[], object]], rounds: int) -> list[float]:
-    """Median seconds of each call, timing them in turn round after round (after two warm-up calls each),
+    """Median seconds of each call, timing them in turn round after round (after `WARM_UP_CALLS` calls each),
     so that a change in machine load affects every call alike."""
     for fn in calls:
-        for _ in range(2):
+        for _ in range(WARM_UP_CALLS):
             jax.block_until_ready(fn())
     times: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):

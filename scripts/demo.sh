@@ -8,7 +8,7 @@ PYTHON="${PYTHON:-python}"
 bash scripts/setup.sh
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 MODEL="$("$PYTHON" scripts/prepare_model.py | tail -n 1)"
-QUESTION="$("$PYTHON" -c 'from medusa_jax.mtbench import load_mtbench_questions as q; print(q(limit=1)[0].first_turn)')"
+QUESTION="$("$PYTHON" -c 'from medusa_jax.bench.mtbench import load_mtbench_questions as q; print(q(limit=1)[0].first_turn)')"
 echo "MT-Bench question: $QUESTION"
 echo "== plain greedy decoding =="
 "$PYTHON" scripts/generate.py --model "$MODEL" --chat --prompt "$QUESTION" --max-new-tokens 128 "$@"

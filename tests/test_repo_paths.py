@@ -50,3 +50,38 @@ def test_no_committed_file_names_a_machine_path():
 ])
 def test_machine_path_pattern(line, bad):
     assert bool(machine_paths(line)) == bad
+
+
+def _named_modules() -> dict[str, set[str]]:
+    """`medusa_jax.x.y` names in the README, docs and shell scripts -> the files naming them."""
+    found: dict[str, set[str]] = {}
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "scripts").glob("*.sh"))]:
+        for name in re.findall(r"\bmedusa_jax(?:\.[A-Za-z_]\w*)+", path.read_text()):
+            found.setdefault(name, set()).add(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_modules_named_in_docs_and_scripts_exist():
+    """A module or name that moved breaks the commands users copy (demo.sh imported medusa_jax.mtbench after
+    it had moved to medusa_jax.bench.mtbench)."""
+    import importlib
+
+    named = _named_modules()
+    assert "medusa_jax.bench.mtbench" in named  # the demo's question loader is among them
+    missing = []
+    for name, files in sorted(named.items()):
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable prefix, the rest are attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ModuleNotFoundError:
+                continue
+            try:
+                for attr in parts[cut:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                missing.append(f"{name} ({', '.join(sorted(files))})")
+            break
+        else:
+            missing.append(f"{name} ({', '.join(sorted(files))})")
+    assert missing == []
