@@ -119,6 +119,52 @@ def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
                                    atol=1e-4)
 
 
+def test_admission_groups_cut_prompts_by_length():
+    """A 5-token prompt is not padded to the width of a 380-token one: admission splits by length, covers
+    every prompt once, never costs more than one call, and keeps similar prompts in one call."""
+    from medusa_jax.training.distill_decode import _admit_cost, admission_groups
+
+    lengths = [60, 380, 62, 370, 5]
+    groups = admission_groups(lengths, 64)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert [sorted(g) for g in groups] == [[4], [0, 1, 2, 3]]  # rows come in buckets of >= 4: 5 waits alone
+    assert admission_groups([60, 380, 62, 370, 5, 58, 375, 61], 64) == [[4, 5, 0, 7], [2, 3, 6, 1]]
+    assert sum(_admit_cost(len(g), max(lengths[i] for i in g), 64) for g in groups) < _admit_cost(5, 380, 64)
+    assert admission_groups([100] * 9, 64) == [list(range(9))]
+    assert all(len(g) <= 4 for g in admission_groups(list(range(10, 210, 20)), 4))
+    assert admission_groups([], 8) == []
+
+
+def test_grouped_admission_matches_admitting_each_prompt_alone(tmp_path):
+    import jax
+    from flax import nnx
+
+    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.inference.sampling import SamplingConfig
+    from medusa_jax.training.distill_decode import Slots, admission_groups, admit_prompts
+
+    base = load_pretrained(build_tiny_chat_model(tmp_path / "m", seed=3))
+    graphdef, params = nnx.split(base)
+    rng = np.random.default_rng(1)
+    lengths = (5, 250, 7, 240, 6, 245, 9, 230)
+    prompts = [rng.integers(3, 300, n).tolist() for n in lengths]
+    assert len(admission_groups(list(lengths), 8)) == 2
+    rows = [7, 0, 5, 2, 1, 3, 6, 4]
+    kw = dict(pad_id=0, sampling=SamplingConfig(), eos_ids=())
+    slots, first, hidden = admit_prompts(graphdef, params, Slots.empty(base.config, 8, 256), rows, prompts,
+                                         jax.random.key(0), **kw)
+    np.testing.assert_array_equal(np.asarray(slots.cache.lengths_b)[rows], lengths)
+    for j in (0, 1, 6):
+        row = rows[j]
+        alone, f1, h1 = admit_prompts(graphdef, params, Slots.empty(base.config, 8, 256), [row], [prompts[j]],
+                                      jax.random.key(0), **kw)
+        assert first[j] == f1[0]
+        np.testing.assert_allclose(hidden[j], h1[0], atol=1e-5)
+        n = len(prompts[j])
+        np.testing.assert_allclose(np.asarray(slots.cache.k_bkhs[0][row, :, :, :n]),
+                                   np.asarray(alone.cache.k_bkhs[0][row, :, :, :n]), atol=1e-5)
+
+
 def test_resume_drops_a_shard_whose_conversations_never_reached_the_jsonl(tmp_path):
     model = build_tiny_chat_model(tmp_path / "m")
     source = write_json(tmp_path / "src.json", chat_records(10, seed=4))

@@ -69,31 +69,77 @@ def admit(graphdef, params, slots: Slots, rows_b, prompt_bt, prompt_lens_b, key,
     return slots, first_b, last_bd
 
 
+ROW_BUCKETS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # admission batch sizes; larger ones double
+ADMIT_CALL_TOKENS = 512  # what one more admission call costs, in padded prompt positions (dispatch, scatter)
+
+
 def _row_bucket(n: int, cap: int) -> int:
-    """Admission batches come in a few sizes (4, 8, 16, ... up to the slots), not one compile per count."""
-    size = 4
-    while size < n:
-        size *= 2
+    """Admission batches come in a few sizes (ROW_BUCKETS, then doubling, at most the slots), not one compile
+    per count; the steps are ~1.5x so filler rows stay under a third of a call."""
+    size = next((s for s in ROW_BUCKETS if s >= n), None)
+    if size is None:
+        size = ROW_BUCKETS[-1]
+        while size < n:
+            size *= 2
     return min(size, cap)
+
+
+def _admit_cost(n: int, longest: int, cap: int) -> int:
+    """Padded prompt positions one admission call computes: its row bucket x its padded width."""
+    return _row_bucket(n, cap) * round_up(longest, PROMPT_BUCKET) + ADMIT_CALL_TOKENS
+
+
+def admission_groups(lengths: list[int], cap: int) -> list[list[int]]:
+    """Splits prompts (by index) into admission calls so the padded positions computed stay close to the
+    prompts' own: a prompt of 60 tokens admitted beside one of 380 costs a 384-wide row. Sorted by length,
+    the prompts are cut into runs by dynamic programming over the padded cost (`_admit_cost`, which
+    charges each call ADMIT_CALL_TOKENS, so similar prompts stay in one call). Returns the groups, each a list
+    of indices into `lengths`, shortest prompts first."""
+    if not lengths:
+        return []
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best = [0] + [None] * n  # best[j]: cheapest cost of admitting order[:j]
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(max(0, j - cap), j):  # last group order[i:j]; its longest prompt is order[j - 1]
+            cost = best[i] + _admit_cost(j - i, lengths[order[j - 1]], cap)
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]: j])
+        j = cut[j]
+    return groups[::-1]
 
 
 def admit_prompts(graphdef, params, slots: Slots, rows: list[int], prompts: list[list[int]], key, *, pad_id: int,
                   sampling: SamplingConfig, eos_ids: tuple[int, ...]):
-    """Prefills `prompts` into slot rows `rows` (`admit`, padded to a few static shapes: rows to a power of two
-    with filler rows that are dropped, prompt width to a multiple of PROMPT_BUCKET). Returns (slots, each
-    prompt's first token [n] and the hidden state behind it [n, d], as NumPy)."""
+    """Prefills `prompts` into slot rows `rows`, in length groups (`admission_groups`), each one `admit` call
+    padded to a few static shapes: rows to a ROW_BUCKETS size with filler rows that are dropped, prompt width
+    to a multiple of PROMPT_BUCKET. Returns (slots, each prompt's first token [n] and the hidden state behind
+    it [n, d], as NumPy)."""
     b = slots.done_b.shape[0]
-    n = _row_bucket(len(prompts), b)
-    width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
-    prompt_bt = np.full((n, width), pad_id, np.int32)
-    lens_b = np.ones((n,), np.int32)
-    rows_b = np.full((n,), b, np.int32)  # filler rows point past the batch: dropped
-    for j, (row, prompt) in enumerate(zip(rows, prompts)):
-        prompt_bt[j, : len(prompt)] = prompt
-        lens_b[j], rows_b[j] = len(prompt), row
-    slots, first_b, first_bd = admit(graphdef, params, slots, jnp.asarray(rows_b), jnp.asarray(prompt_bt),
-                                     jnp.asarray(lens_b), key, sampling=sampling, eos_ids=eos_ids)
-    return slots, np.asarray(first_b)[: len(prompts)], np.asarray(first_bd)[: len(prompts)]
+    first = np.zeros((len(prompts),), np.int32)
+    first_hidden = None
+    for g, group in enumerate(admission_groups([len(p) for p in prompts], b)):
+        n = _row_bucket(len(group), b)
+        width = round_up(max(len(prompts[j]) for j in group), PROMPT_BUCKET)
+        prompt_bt = np.full((n, width), pad_id, np.int32)
+        lens_b = np.ones((n,), np.int32)
+        rows_b = np.full((n,), b, np.int32)  # filler rows point past the batch: dropped
+        for k, j in enumerate(group):
+            prompt_bt[k, : len(prompts[j])] = prompts[j]
+            lens_b[k], rows_b[k] = len(prompts[j]), rows[j]
+        slots, first_b, first_bd = admit(graphdef, params, slots, jnp.asarray(rows_b), jnp.asarray(prompt_bt),
+                                         jnp.asarray(lens_b), jax.random.fold_in(key, g), sampling=sampling,
+                                         eos_ids=eos_ids)
+        first_bd = np.asarray(first_bd)
+        if first_hidden is None:
+            first_hidden = np.zeros((len(prompts), first_bd.shape[1]), first_bd.dtype)
+        first[group] = np.asarray(first_b)[: len(group)]
+        first_hidden[group] = first_bd[: len(group)]
+    return slots, first, first_hidden
 
 
 @partial(jax.jit, static_argnames=("graphdef", "steps", "max_new_tokens", "sampling", "eos_ids", "pad_id"),

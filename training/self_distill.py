@@ -169,7 +169,8 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     histories: dict[int, list[dict[str, str]]] = {}
     saved: dict[int, list] = {}
     out_lines, out_hidden = [], []
-    stats = {"conversations": 0, "new_tokens": 0, "seconds": 0.0, "skipped_long_prompt": 0}
+    stats = {"conversations": 0, "new_tokens": 0, "seconds": 0.0, "skipped_long_prompt": 0,
+             "admit_seconds": 0.0, "decode_seconds": 0.0}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -241,9 +242,11 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
             admitted.append((free[len(admitted)], reply))
         if admitted:
             key, sub = jax.random.split(key)
+            tick = time.perf_counter()
             slots, first, first_hidden = admit_prompts(
                 graphdef, params, slots, [r for r, _ in admitted], [reply.prompt for _, reply in admitted], sub,
                 pad_id=pad_id, sampling=sampling, eos_ids=eos)
+            stats["admit_seconds"] += time.perf_counter() - tick
             for j, (r, reply) in enumerate(admitted):
                 reply.tokens.append(int(first[j]))
                 reply.hidden.append(first_hidden[j: j + 1])
@@ -257,11 +260,13 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
                 break
             continue
         key, sub = jax.random.split(key)
+        tick = time.perf_counter()
         slots, tokens_bo, hidden_bod, emitted_b = run_chunk(
             graphdef, params, slots, sub, steps=config.chunk_steps, max_new_tokens=config.max_new_tokens,
             sampling=sampling, eos_ids=eos, pad_id=pad_id)
         tokens_bo, emitted_b = np.asarray(tokens_bo), np.asarray(emitted_b)
         hidden_bod = np.asarray(hidden_bod) if config.save_hidden else None
+        stats["decode_seconds"] += time.perf_counter() - tick
         for r, reply in enumerate(rows):
             if reply is None:
                 continue
@@ -274,7 +279,8 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
                 finish(reply)
         stats["seconds"] = time.perf_counter() - start
         if bar is not None:
-            bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.0f}")
+            bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.0f}",
+                            prefill=f"{stats['admit_seconds'] / max(stats['seconds'], 1e-9):.0%}")
     if out_lines:
         flush()
     if bar is not None:
