@@ -37,6 +37,65 @@ def prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array,
     return last_bd, cache.replace(lengths_b=prompt_lens_b.astype(jnp.int32))
 
 
+def prefill_widths(width: int, smallest: int = 64) -> tuple[int, ...]:
+    """The prompt widths a prefill group may run at: smallest * 2**k below width, then width itself."""
+    widths = []
+    while smallest < width:
+        widths.append(smallest)
+        smallest *= 2
+    return tuple(widths) + (width,)
+
+
+def grouped_prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array, cache: KVCache,
+                    groups: int) -> tuple[jax.Array, KVCache]:
+    """`prefill`, in `groups` groups of rows of similar length: a batch padded to its longest prompt computes
+    every row at that width (64 MT-Bench first turns in one batch: 6,349 prompt tokens, 32,768 positions at
+    the padded width 512). Rows are sorted by length (inside the jitted call, so any row order works) and cut
+    into `groups` equal groups; a `fori_loop` prefills each group into a fresh cache at the narrowest of
+    `prefill_widths(t)` that holds its longest prompt (a `lax.switch` over those few static widths, so one
+    compilation serves every batch of this shape) and scatters it into its rows of `cache`. Returns what
+    `prefill` returns. groups == 1, or a batch it does not divide, is `prefill` itself."""
+    b, t = prompt_bt.shape
+    if groups <= 1 or b % groups:
+        return prefill(model, prompt_bt, prompt_lens_b, cache)
+    n, widths = b // groups, prefill_widths(t)
+    lens_b = prompt_lens_b.astype(jnp.int32)
+    order_b = jnp.argsort(-lens_b, stable=True).astype(jnp.int32)
+    sorted_bt, sorted_lens_b = prompt_bt[order_b], lens_b[order_b]
+
+    def group(g, carry):
+        cache, last_bd = carry
+        rows_n = jax.lax.dynamic_slice_in_dim(order_b, g * n, n)
+        lens_n = jax.lax.dynamic_slice_in_dim(sorted_lens_b, g * n, n)
+        tokens_nt = jax.lax.dynamic_slice_in_dim(sorted_bt, g * n, n)
+
+        def at_width(w):
+            def run(cache, last_bd):
+                fresh = KVCache.zeros(model.config, n, w, dtype=cache.dtype)
+                h_nd, fresh = prefill(model, tokens_nt[:, :w], lens_n, fresh)
+                return cache.put_rows(rows_n, fresh), last_bd.at[rows_n].set(h_nd.astype(last_bd.dtype))
+            return run
+
+        branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(lens_n))  # the narrowest width >= the longest
+        return jax.lax.switch(branch, [at_width(w) for w in widths], cache, last_bd)
+
+    last_bd = jnp.zeros((b, model.config.hidden_size), model.config.jnp_dtype)
+    cache, last_bd = jax.lax.fori_loop(0, groups, group, (cache, last_bd))
+    return last_bd, cache.replace(lengths_b=lens_b)
+
+
+def prefill_groups(batch_size: int, row_multiple: int = 1) -> int:
+    """How many length groups `grouped_prefill` cuts a batch into: groups of at least 4 rows, at most 8
+    groups; 1 (the whole batch at once) on a mesh that splits rows (row_multiple > 1: its rows are spread
+    over devices, and moving them into groups would cost collectives)."""
+    if row_multiple > 1 or batch_size < 8:
+        return 1
+    groups = min(8, batch_size // 4)
+    while batch_size % groups:
+        groups -= 1
+    return groups
+
+
 def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     if not eos_ids:
         return jnp.zeros(tokens.shape, bool)
@@ -91,14 +150,15 @@ def run_plain_steps(model: CausalLM, state: PlainState, *, sampling: SamplingCon
                               partial(plain_step, model, sampling=sampling, eos_ids=eos_ids), state)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids", "pad_id"),
-         donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids", "pad_id",
+                                   "prefill_groups"), donate_argnames=("cache",))
 def decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key, *, max_new_tokens: int,
-           sampling: SamplingConfig, eos_ids: tuple[int, ...], pad_id: int):
-    """Prefill + plain decoding in one call. Returns (tokens [b, o], number of new tokens [b], cache)."""
+           sampling: SamplingConfig, eos_ids: tuple[int, ...], pad_id: int, prefill_groups: int = 1):
+    """Prefill (`grouped_prefill` in prefill_groups length groups) + plain decoding in one call. Returns
+    (tokens [b, o], number of new tokens [b], cache)."""
     model: CausalLM = nnx.merge(graphdef, params)
     b = prompt_bt.shape[0]
-    last_bd, cache = prefill(model, prompt_bt, prompt_lens_b, cache)
+    last_bd, cache = grouped_prefill(model, prompt_bt, prompt_lens_b, cache, prefill_groups)
     key, sub = jax.random.split(key)
     first_b = sample_tokens(model.logits(last_bd), sub, sampling)
     out_bo = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_b)

@@ -36,7 +36,7 @@ from medusa_jax.kv_cache import KVCache, attention_mask, move_slots
 from medusa_jax.sharding import map_cache_rows
 from medusa_jax.tree import TreeBuffers, build_tree, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
-from medusa_jax.inference.autoregressive import is_eos, prefill
+from medusa_jax.inference.autoregressive import grouped_prefill, is_eos
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,17 +158,18 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree", "max_new_tokens", "acceptance", "eos_ids", "pad_id",
-                                   "proposer"), donate_argnames=("cache",))
+                                   "proposer", "prefill_groups"), donate_argnames=("cache",))
 def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key, proposer_data=None, *,
                   tree: TreeBuffers, max_new_tokens: int, acceptance: AcceptanceConfig,
-                  eos_ids: tuple[int, ...], pad_id: int, proposer: Proposer = heads_proposer):
-    """Prefill + Medusa decoding in one call: a `jax.lax.while_loop` whose body is `medusa_step`. Returns
+                  eos_ids: tuple[int, ...], pad_id: int, proposer: Proposer = heads_proposer,
+                  prefill_groups: int = 1):
+    """Prefill (`autoregressive.grouped_prefill`) + Medusa decoding in one call: a `jax.lax.while_loop` whose body is `medusa_step`. Returns
     (tokens [b, o], number of new tokens [b], verify steps [b], accept lengths [b, o] (the first steps[b]
     are valid), cache)."""
     model: MedusaModel = nnx.merge(graphdef, params)
     base = model.base
     b, o = prompt_bt.shape[0], max_new_tokens
-    last_bd, cache = prefill(base, prompt_bt, prompt_lens_b, cache)
+    last_bd, cache = grouped_prefill(base, prompt_bt, prompt_lens_b, cache, prefill_groups)
     key, sub = jax.random.split(key)
     first_b = sample_next(base.logits(last_bd), sub, acceptance)
     out_bo = jnp.full((b, o), pad_id, jnp.int32).at[:, 0].set(first_b)

@@ -112,6 +112,7 @@ class PlainStatics:
     sampling: SamplingConfig
     eos_ids: tuple[int, ...]
     pad_id: int
+    prefill_groups: int = 1  # autoregressive.grouped_prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,19 +126,21 @@ class MedusaStatics:
     eos_ids: tuple[int, ...]
     pad_id: int
     proposer: medusa.Proposer  # MeshHeadsProposer, or a caller's (it gets the proposer_data argument)
+    prefill_groups: int = 1
 
 
 def _plain_decode(statics: PlainStatics, params, cache, prompt_bt, prompt_lens_b, key, _data):
     return autoregressive.decode(statics.graphdef, params, cache, prompt_bt, prompt_lens_b, key,
                                  max_new_tokens=statics.max_new_tokens, sampling=statics.sampling,
-                                 eos_ids=statics.eos_ids, pad_id=statics.pad_id)
+                                 eos_ids=statics.eos_ids, pad_id=statics.pad_id,
+                                 prefill_groups=statics.prefill_groups)
 
 
 def _medusa_decode(statics: MedusaStatics, params, cache, prompt_bt, prompt_lens_b, key, proposer_data):
     return medusa.medusa_decode(statics.graphdef, params, cache, prompt_bt, prompt_lens_b, key, proposer_data,
                                 tree=statics.tree, max_new_tokens=statics.max_new_tokens,
                                 acceptance=statics.acceptance, eos_ids=statics.eos_ids, pad_id=statics.pad_id,
-                                proposer=statics.proposer)
+                                proposer=statics.proposer, prefill_groups=statics.prefill_groups)
 
 
 class ShardedModel:
@@ -257,7 +260,8 @@ class ShardedModel:
         """Prefill + plain decoding of one padded batch -> host (tokens [b, o], num_new [b]).
         `lowered_only` returns the lowered computation instead (for HLO inspection and memory plans; only the
         prompts' shape is used)."""
-        statics = PlainStatics(self.base_graphdef, max_new_tokens, sampling, tuple(eos_ids), pad_id)
+        statics = PlainStatics(self.base_graphdef, max_new_tokens, sampling, tuple(eos_ids), pad_id,
+                               autoregressive.prefill_groups(prompt_bt.shape[0], self.row_multiple))
         return self._run(_plain_decode, statics, self.base_params, self.base_shardings, prompt_bt,
                          prompt_lens_b, cache_size, seed, (2, 1), lowered_only)
 
@@ -271,7 +275,8 @@ class ShardedModel:
         if not self.has_heads:
             raise ValueError("this ShardedModel was built without Medusa heads")
         statics = MedusaStatics(self.medusa_graphdef, tree, max_new_tokens, acceptance, tuple(eos_ids), pad_id,
-                                proposer or MeshHeadsProposer(self.mesh))
+                                proposer or MeshHeadsProposer(self.mesh),
+                                autoregressive.prefill_groups(prompt_bt.shape[0], self.row_multiple))
         return self._run(_medusa_decode, statics, self.medusa_params, self.medusa_shardings, prompt_bt,
                          prompt_lens_b, cache_size, seed, (2, 1, 1, 2), lowered_only, proposer_data)
 

@@ -62,6 +62,16 @@ class KVCache:
     def replace(self, **changes) -> "KVCache":
         return dataclasses.replace(self, **changes)
 
+    def put_rows(self, rows_n: jax.Array, fresh: "KVCache") -> "KVCache":
+        """This cache with rows rows_n[i] (index >= batch: dropped) holding fresh's row i in slots
+        [0, fresh.cache_size) and its length; one in-place scatter per layer buffer."""
+        w = fresh.cache_size
+        k = tuple(buf.at[rows_n, :, :, :w].set(new.astype(buf.dtype), mode="drop")
+                  for buf, new in zip(self.k_bkhs, fresh.k_bkhs))
+        v = tuple(buf.at[rows_n, :, :w].set(new.astype(buf.dtype), mode="drop")
+                  for buf, new in zip(self.v_bksh, fresh.v_bksh))
+        return self.replace(k_bkhs=k, v_bksh=v, lengths_b=self.lengths_b.at[rows_n].set(fresh.lengths_b, mode="drop"))
+
     def map_layers(self, k_fn, v_fn) -> "KVCache":
         """A cache with k_fn applied to every K buffer and v_fn to every V buffer (lengths unchanged)."""
         return self.replace(k_bkhs=tuple(k_fn(x) for x in self.k_bkhs), v_bksh=tuple(v_fn(x) for x in self.v_bksh))

@@ -58,11 +58,7 @@ def admit(graphdef, params, slots: Slots, rows_b, prompt_bt, prompt_lens_b, key,
     fresh = KVCache.zeros(model.config, n, p, dtype=slots.cache.dtype)
     last_bd, fresh = prefill(model, prompt_bt, prompt_lens_b, fresh)
     first_b = sample_tokens(model.logits(last_bd), key, sampling)
-    cache = slots.cache
-    k = tuple(buf.at[rows_b, :, :, :p].set(new, mode="drop") for buf, new in zip(cache.k_bkhs, fresh.k_bkhs))
-    v = tuple(buf.at[rows_b, :, :p].set(new, mode="drop") for buf, new in zip(cache.v_bksh, fresh.v_bksh))
-    lengths = cache.lengths_b.at[rows_b].set(prompt_lens_b, mode="drop")
-    slots = Slots(cache.replace(k_bkhs=k, v_bksh=v, lengths_b=lengths),
+    slots = Slots(slots.cache.put_rows(rows_b, fresh),
                   slots.last_token_b.at[rows_b].set(first_b, mode="drop"),
                   slots.num_out_b.at[rows_b].set(1, mode="drop"),
                   slots.done_b.at[rows_b].set(is_eos(first_b, eos_ids), mode="drop"))
