@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from medusa_jax.backbone import CausalLM
-from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, attention_mask, causal_block
 from medusa_jax.inference.sampling import SamplingConfig, sample_tokens
 
 
@@ -70,14 +70,20 @@ def grouped_prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Ar
         tokens_nt = jax.lax.dynamic_slice_in_dim(sorted_bt, g * n, n)
 
         def at_width(w):
-            def run(cache, last_bd):
+            def run(tokens_nt, lens_n):
                 fresh = KVCache.zeros(model.config, n, w, dtype=cache.dtype)
                 h_nd, fresh = prefill(model, tokens_nt[:, :w], lens_n, fresh)
-                return cache.put_rows(rows_n, fresh), last_bd.at[rows_n].set(h_nd.astype(last_bd.dtype))
+                if w < t:  # every branch returns K/V t slots wide (the switch's result has one shape)
+                    fresh = fresh.map_layers(lambda k: jnp.pad(k, ((0, 0),) * K_SLOT_AXIS + ((0, t - w),)),
+                                             lambda v: jnp.pad(v, ((0, 0),) * V_SLOT_AXIS + ((0, t - w), (0, 0))))
+                return fresh, h_nd
             return run
 
-        branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(lens_n))  # the narrowest width >= the longest
-        return jax.lax.switch(branch, [at_width(w) for w in widths], cache, last_bd)
+        # the narrowest width that holds the group's longest prompt; the cache stays outside the switch (a
+        # cache passed through its branches was copied whole per group)
+        branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(lens_n))
+        fresh, h_nd = jax.lax.switch(branch, [at_width(w) for w in widths], tokens_nt, lens_n)
+        return cache.put_rows(rows_n, fresh), last_bd.at[rows_n].set(h_nd.astype(last_bd.dtype))
 
     last_bd = jnp.zeros((b, model.config.hidden_size), model.config.jnp_dtype)
     cache, last_bd = jax.lax.fori_loop(0, groups, group, (cache, last_bd))

@@ -50,15 +50,17 @@ def _cache_copies(hlo: str, slots: int, batch: int) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("batch, slots", [(1, 512), (4, 256), (12, 1024)])
-def test_decode_loops_hold_no_copy_of_the_whole_cache(batch, slots):
+@pytest.mark.parametrize("batch, slots, groups", [(1, 512, 1), (4, 256, 1), (12, 1024, 3)])
+def test_decode_loops_hold_no_copy_of_the_whole_cache(batch, slots, groups):
+    """... with the prefill in length groups too (groups > 1: a fori_loop that scatters each group's fresh
+    K/V into its rows of the carried cache)."""
     model = CausalLM(CFG, nnx.Rngs(0))
     cache = KVCache.zeros(CFG, batch, slots)
-    prompts = jnp.zeros((batch, 64), jnp.int32)
+    prompts = jnp.zeros((batch, 64 * groups), jnp.int32)
     lengths = jnp.full((batch,), 10, jnp.int32)
     graphdef, params = nnx.split(model)
     plain = decode.lower(graphdef, params, cache, prompts, lengths, jax.random.key(0), max_new_tokens=8,
-                         sampling=SamplingConfig(), eos_ids=(), pad_id=0).compile().as_text()
+                         sampling=SamplingConfig(), eos_ids=(), pad_id=0, prefill_groups=groups).compile().as_text()
     assert _cache_copies(plain, slots, batch) == []
     heads = MedusaHeads(HeadsConfig(num_heads=4, num_layers=1, hidden_size=CFG.hidden_size,
                                     vocab_size=CFG.vocab_size), nnx.Rngs(1))
@@ -66,7 +68,7 @@ def test_decode_loops_hold_no_copy_of_the_whole_cache(batch, slots):
     tree = load_tree("mc_sim_7b_8", num_heads=4)
     medusa = medusa_decode.lower(graphdef, params, cache, prompts, lengths, jax.random.key(0), None, tree=tree,
                                  max_new_tokens=8, acceptance=AcceptanceConfig(), eos_ids=(), pad_id=0,
-                                 proposer=heads_proposer).compile().as_text()
+                                 proposer=heads_proposer, prefill_groups=groups).compile().as_text()
     assert _cache_copies(medusa, slots, batch) == []
 
 
