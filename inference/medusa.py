@@ -163,9 +163,9 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, ke
                   tree: TreeBuffers, max_new_tokens: int, acceptance: AcceptanceConfig,
                   eos_ids: tuple[int, ...], pad_id: int, proposer: Proposer = heads_proposer,
                   prefill_groups: int = 1):
-    """Prefill (`autoregressive.grouped_prefill`) + Medusa decoding in one call: a `jax.lax.while_loop` whose body is `medusa_step`. Returns
-    (tokens [b, o], number of new tokens [b], verify steps [b], accept lengths [b, o] (the first steps[b]
-    are valid), cache)."""
+    """Prefill (`autoregressive.grouped_prefill`) + Medusa decoding in one call: a `jax.lax.while_loop`
+    whose body is `medusa_step`. Returns (tokens [b, o], number of new tokens [b], verify steps [b], accept
+    lengths [b, o] (the first steps[b] are valid), cache)."""
     model: MedusaModel = nnx.merge(graphdef, params)
     base = model.base
     b, o = prompt_bt.shape[0], max_new_tokens

@@ -70,7 +70,8 @@ class KVCache:
                   for buf, new in zip(self.k_bkhs, fresh.k_bkhs))
         v = tuple(buf.at[rows_n, :, :w].set(new.astype(buf.dtype), mode="drop")
                   for buf, new in zip(self.v_bksh, fresh.v_bksh))
-        return self.replace(k_bkhs=k, v_bksh=v, lengths_b=self.lengths_b.at[rows_n].set(fresh.lengths_b, mode="drop"))
+        lengths_b = self.lengths_b.at[rows_n].set(fresh.lengths_b, mode="drop")
+        return self.replace(k_bkhs=k, v_bksh=v, lengths_b=lengths_b)
 
     def map_layers(self, k_fn, v_fn) -> "KVCache":
         """A cache with k_fn applied to every K buffer and v_fn to every V buffer (lengths unchanged)."""
