@@ -163,9 +163,11 @@ def medusa_step_call(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batc
     b, e = batch, tree.depth + 1  # an output buffer that holds one step's tokens
     hidden_bd = jax.random.normal(jax.random.key(1), (b, base.config.hidden_size), base.config.jnp_dtype)
     zeros_b = jnp.zeros((b,), jnp.int32)
+    moves_be = jnp.broadcast_to(context + jnp.arange(e, dtype=jnp.int32), (b, e))  # a pending move of e slots
     state = MedusaState(make_cache(base, b, cache_size, context), zeros_b, hidden_bd, jnp.zeros((b, e), jnp.int32),
                         zeros_b, jnp.zeros((b,), bool), zeros_b, jnp.zeros((b, e), jnp.int32),
-                        jnp.zeros((), jnp.int32), jax.random.key(0))
+                        jnp.zeros((), jnp.int32), jax.random.key(0), moves_be,
+                        jnp.array(moves_be, copy=True))  # src and dst: two buffers, both donated
     return _SteppedState(lambda s: _medusa_step(graphdef, params, s, tree=tree), state, context)
 
 

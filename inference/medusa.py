@@ -11,6 +11,10 @@ e = m + 1 nodes along a path (depth 0 = the root). Each step, per row:
   3. acceptance picks a path and its accept length a, plus the base model's next token after it (bonus);
   4. the K/V of the root and the a accepted nodes move to slots [length, length + a + 1) (a gather and a
      scatter of e slots per row; the rest of the tree block is scratch) and the row advances by a + 1.
+     The move is deferred to the start of the next step (and done once more after the loop): made after the
+     verify's own scatter and the attention reads of the same layer buffer, XLA copied every layer's whole
+     K and V once per step (SmolLM2, batch 1: 120 copies, ~3 ms of a ~50 ms step); made before the verify
+     writes, both scatters update the carried buffers in place (tests/test_decode_hlo.py).
 Rows finish independently: tokens after an EOS inside the accepted path are dropped, the last step is cut
 to max_new_tokens, and a finished row stops advancing (it keeps computing, writing scratch slots only).
 
@@ -84,17 +88,22 @@ def proposal_tokens(root_b: jax.Array, proposal: jax.Array, tree: TreeBuffers) -
     return tree_tokens(root_b, proposal, tree)
 
 
+def accepted_moves(lengths_b: jax.Array, nodes_be: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Source and destination slots ([b, e] each) that compact the tree nodes nodes_be of a tree block written
+    at slots lengths_b + node: node nodes_be[b, i] goes to slot lengths_b[b] + i."""
+    return lengths_b[:, None] + nodes_be, lengths_b[:, None] + jnp.arange(nodes_be.shape[1])[None, :]
+
+
+def move_cache_slots(cache: KVCache, src_be: jax.Array, dst_be: jax.Array) -> KVCache:
+    """`kv_cache.move_slots` in every layer; only these e slots per row are read and written. Under a mesh each
+    device moves its own rows (`sharding.map_cache_rows`), with no collectives."""
+    return map_cache_rows(move_slots, cache, src_be, dst_be)
+
+
 def compact_accepted(cache: KVCache, nodes_be: jax.Array) -> KVCache:
     """Moves the K/V of tree nodes nodes_be (slots lengths + node) to slots lengths + i, i = 0..e-1, in every
-    layer. Only e slots per row are read and written; lengths are unchanged. Under a mesh each device moves
-    its own rows (`sharding.map_cache_rows`), with no collectives."""
-    return map_cache_rows(_compact_rows, cache, nodes_be)
-
-
-def _compact_rows(cache: KVCache, nodes_be: jax.Array) -> KVCache:
-    src_be = cache.lengths_b[:, None] + nodes_be
-    dst_be = cache.lengths_b[:, None] + jnp.arange(nodes_be.shape[1])[None, :]
-    return move_slots(cache, src_be, dst_be)
+    layer; lengths are unchanged."""
+    return move_cache_slots(cache, *accepted_moves(cache.lengths_b, nodes_be))
 
 
 @jax.tree_util.register_dataclass
@@ -112,6 +121,14 @@ class MedusaState:
     accept_bo: jax.Array  # accept length of each of a row's verify steps (the first steps_b are valid)
     step: jax.Array  # verify steps run (scalar)
     key: jax.Array
+    # the previous step's accepted path, still in its tree block: slot move_src_be[b, i] -> move_dst_be[b, i],
+    # made at the start of the next step (`finish_moves` after the loop); no-op moves (src == dst) at first
+    move_src_be: jax.Array
+    move_dst_be: jax.Array
+
+    def finish_moves(self) -> KVCache:
+        """The cache with the pending move made: every committed slot holds its token's K/V."""
+        return move_cache_slots(self.cache, self.move_src_be, self.move_dst_be)
 
     @property
     def active_b(self) -> jax.Array:
@@ -121,9 +138,10 @@ class MedusaState:
 def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = None, *, tree: TreeBuffers,
                 acceptance: AcceptanceConfig, eos_ids: tuple[int, ...],
                 proposer: Proposer = heads_proposer) -> MedusaState:
-    """One tree step, items 1-4 of the module docstring: propose, verify, accept, compact, then emit the
-    accepted tokens and the bonus token (cut at an EOS and at the output buffer's end) and advance each
-    active row's cache length by their number; an inactive row changes nothing but scratch slots."""
+    """One tree step, items 1-4 of the module docstring: make the previous step's pending move (item 4), propose,
+    verify, accept and record this step's move, then emit the accepted tokens and the bonus token (cut at an
+    EOS and at the output buffer's end) and advance each active row's cache length by their number; an
+    inactive row changes nothing but scratch slots."""
     base, (b, o), e = model.base, state.out_bo.shape, tree.depth + 1
     active_b = state.active_b
     lengths_b = state.cache.lengths_b
@@ -132,9 +150,9 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
     tokens_bt = proposal_tokens(state.root_b, proposer(inputs), tree)
     mask_bts = attention_mask(lengths_b, jnp.asarray(tree.ancestor_mask_tt), state.cache.cache_size)
     positions_bt = lengths_b[:, None] + jnp.asarray(tree.depth_t)[None, :]
-    hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, state.cache)
+    hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, state.finish_moves())
     accept_b, nodes_be, bonus_b = accept_tree(tree, tokens_bt, base.logits(hidden_btd), sub, acceptance)
-    cache = compact_accepted(cache, nodes_be)
+    move_src_be, move_dst_be = accepted_moves(lengths_b, nodes_be)  # made by the next step (docstring, item 4)
     last_node_b = jnp.take_along_axis(nodes_be, accept_b[:, None], axis=1)[:, 0]
     hidden_bd = jnp.take_along_axis(hidden_btd, last_node_b[:, None, None], axis=1)[:, 0]
 
@@ -154,7 +172,7 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
     return MedusaState(cache.replace(lengths_b=lengths_b + count_b), jnp.where(active_b, bonus_b, state.root_b),
                        jnp.where(active_b[:, None], hidden_bd, state.hidden_bd), out_bo, state.num_out_b + count_b,
                        state.done_b | jnp.any(eos_be & keep_be, axis=1), state.steps_b + active_b.astype(jnp.int32),
-                       accept_bo, state.step + 1, key)
+                       accept_bo, state.step + 1, key, move_src_be, move_dst_be)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree", "max_new_tokens", "acceptance", "eos_ids", "pad_id",
@@ -174,12 +192,13 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, ke
     first_b = sample_next(base.logits(last_bd), sub, acceptance)
     out_bo = jnp.full((b, o), pad_id, jnp.int32).at[:, 0].set(first_b)
     zeros_b = jnp.zeros((b,), jnp.int32)
+    no_move_be = cache.lengths_b[:, None] + jnp.arange(tree.depth + 1)[None, :]
     state = MedusaState(cache, first_b, last_bd, out_bo, jnp.ones((b,), jnp.int32), is_eos(first_b, eos_ids),
-                        zeros_b, jnp.zeros((b, o), jnp.int32), jnp.zeros((), jnp.int32), key)
+                        zeros_b, jnp.zeros((b, o), jnp.int32), jnp.zeros((), jnp.int32), key, no_move_be, no_move_be)
     step = partial(medusa_step, model, proposer_data=proposer_data, tree=tree, acceptance=acceptance,
                    eos_ids=eos_ids, proposer=proposer)
     state = jax.lax.while_loop(lambda s: jnp.any(s.active_b), step, state)
-    return state.out_bo, state.num_out_b, state.steps_b, state.accept_bo, state.cache
+    return state.out_bo, state.num_out_b, state.steps_b, state.accept_bo, state.finish_moves()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,15 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from medusa_jax.heads import HeadsConfig
+from medusa_jax.heads import HeadsConfig, MedusaModel
 from medusa_jax.heads_init import init_heads
 from medusa_jax.hf_import import load_pretrained
 from medusa_jax.kv_cache import KVCache
 from medusa_jax.tree import PRESETS, TreeError, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, greedy_accept, typical_accept
 from medusa_jax.inference.api import generate, generate_medusa
-from medusa_jax.inference.medusa import compact_accepted, heads_proposer, tree_tokens
+from medusa_jax.inference.autoregressive import prefill
+from medusa_jax.inference.medusa import compact_accepted, heads_proposer, medusa_decode, tree_tokens
 from medusa_jax.bench.oracle import planted_data, planted_over_heads_proposer, planted_proposer
 
 N = 40  # max_new_tokens of the tiny-model runs (one compile per model, tree, batch and proposer)
@@ -290,6 +292,39 @@ def test_compact_accepted_moves_only_the_path():
     np.testing.assert_array_equal(out.v_bksh[0], expect.transpose(0, 1, 3, 2))
     np.testing.assert_array_equal(out.v_bksh[1], -expect.transpose(0, 1, 3, 2))
     assert out.lengths_b.tolist() == [3, 5]
+
+
+def test_returned_cache_holds_the_emitted_tokens(tiny):
+    """The accepted path's K/V move is made at the start of the next step (and once after the loop): the cache
+    medusa_decode returns holds, in each row's committed slots, the K/V a plain prefill of the prompt and the
+    emitted tokens (all but the newest, the next root) computes. Ragged rows, every accept length, an EOS."""
+    base, heads, refs = tiny("llama")
+    eos_ids, reference = refs["ragged4"]
+    prompts, tree = PROMPTS["ragged4"], load_tree("mc_sim_7b_8")
+    targets = cycling_targets(len(prompts), tree.depth)
+    width, size = 16, 80
+    prompt_bt = np.zeros((len(prompts), width), np.int32)
+    for i, prompt in enumerate(prompts):
+        prompt_bt[i, : len(prompt)] = prompt
+    graphdef, params = nnx.split(MedusaModel(base, heads))
+    out_bo, num_b, _, accept_bo, cache = medusa_decode(
+        graphdef, params, KVCache.zeros(base.config, len(prompts), size), jnp.asarray(prompt_bt),
+        jnp.asarray([len(p) for p in prompts], jnp.int32), jax.random.key(0), plant(tree, reference, targets),
+        tree=tree, max_new_tokens=N, acceptance=AcceptanceConfig(), eos_ids=eos_ids, pad_id=0,
+        proposer=planted_proposer)
+    assert np.asarray(accept_bo).max() == tree.depth
+    for b, prompt in enumerate(prompts):
+        emitted = np.asarray(out_bo[b, : int(num_b[b])]).tolist()
+        assert emitted == reference[b].token_ids
+        length = int(cache.lengths_b[b])
+        tokens = prompt + emitted[: length - len(prompt)]
+        assert len(prompt) + len(emitted) - 1 <= length == len(tokens)
+        fresh = KVCache.zeros(base.config, 1, size)
+        _, expect = prefill(base, jnp.asarray([tokens]), jnp.asarray([len(tokens)]), fresh)
+        for got, want in zip(cache.k_bkhs, expect.k_bkhs):  # [B, K, H, S]
+            np.testing.assert_allclose(got[b, ..., :length], want[0, ..., :length], rtol=1e-4, atol=1e-4)
+        for got, want in zip(cache.v_bksh, expect.v_bksh):  # [B, K, S, H]
+            np.testing.assert_allclose(got[b, :, :length], want[0, :, :length], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
