@@ -30,6 +30,9 @@ class HeadAccuracy:
     accuracy_mr: np.ndarray  # [num_heads, top_k] P(head m's rank-r guess is right)
     positions_m: np.ndarray  # [num_heads] positions counted per head
     num_sequences: int
+    # [sequences, num_heads, top_k]: each sequence's own table (a head with no position in a sequence gets the
+    # pooled row), for predictions over a batch of rows (`tree_search.batch_tokens_per_step`)
+    per_sequence_smr: np.ndarray | None = None
 
     @property
     def top1_m(self) -> np.ndarray:
@@ -56,11 +59,12 @@ def _top_k_along(graphdef, params, tokens_bt, *, top_k: int):
     return heads.top_k(hidden_btd, base, top_k)
 
 
-def count_hits(top_k_mbtr: np.ndarray, sequences: Sequence[Sequence[int]], starts: Sequence[int]):
-    """(hits [M, R], positions [M]) over a batch: sequence b's positions from starts[b] on."""
+def count_hits_by_sequence(top_k_mbtr: np.ndarray, sequences: Sequence[Sequence[int]], starts: Sequence[int]):
+    """(hits [B, M, R], positions [B, M]) of each sequence of a batch: sequence b's positions from starts[b]
+    on."""
     num_heads, _, _, k = top_k_mbtr.shape
-    hits = np.zeros((num_heads, k), np.int64)
-    counted = np.zeros(num_heads, np.int64)
+    hits = np.zeros((len(sequences), num_heads, k), np.int64)
+    counted = np.zeros((len(sequences), num_heads), np.int64)
     for b, (seq, start) in enumerate(zip(sequences, starts)):
         seq = np.asarray(seq)
         for m in range(num_heads):
@@ -69,9 +73,15 @@ def count_hits(top_k_mbtr: np.ndarray, sequences: Sequence[Sequence[int]], start
                 continue
             guesses_tr = top_k_mbtr[m, b, start: last + 1]
             targets_t = seq[start + 2 + m: last + 3 + m]
-            hits[m] += (guesses_tr == targets_t[:, None]).sum(axis=0)
-            counted[m] += last + 1 - start
+            hits[b, m] = (guesses_tr == targets_t[:, None]).sum(axis=0)
+            counted[b, m] = last + 1 - start
     return hits, counted
+
+
+def count_hits(top_k_mbtr: np.ndarray, sequences: Sequence[Sequence[int]], starts: Sequence[int]):
+    """(hits [M, R], positions [M]) over a batch: sequence b's positions from starts[b] on."""
+    hits, counted = count_hits_by_sequence(top_k_mbtr, sequences, starts)
+    return hits.sum(axis=0), counted.sum(axis=0)
 
 
 def measure_head_accuracy(base: CausalLM, heads: MedusaHeads, sequences: Sequence[Sequence[int]],
@@ -83,8 +93,7 @@ def measure_head_accuracy(base: CausalLM, heads: MedusaHeads, sequences: Sequenc
         raise ValueError("need one start index per sequence, and at least one sequence")
     graphdef, params = nnx.split((base, heads))
     num_heads = heads.config.num_heads
-    hits = np.zeros((num_heads, top_k), np.int64)
-    counted = np.zeros(num_heads, np.int64)
+    hits, counted = [], []
     for i in range(0, len(sequences), batch_size):
         chunk, chunk_starts = list(sequences[i: i + batch_size]), list(starts[i: i + batch_size])
         width = round_up(max(len(s) for s in chunk), PROMPT_BUCKET)
@@ -92,14 +101,20 @@ def measure_head_accuracy(base: CausalLM, heads: MedusaHeads, sequences: Sequenc
         for b, s in enumerate(chunk):
             tokens[b, : len(s)] = s
         top = np.asarray(_top_k_along(graphdef, params, jnp.asarray(tokens), top_k=top_k))
-        h, c = count_hits(top, chunk, chunk_starts)
-        hits, counted = hits + h, counted + c
+        h, c = count_hits_by_sequence(top, chunk, chunk_starts)
+        hits.append(h)
+        counted.append(c)
         if progress:
             progress(f"head accuracy: {min(i + batch_size, len(sequences))}/{len(sequences)} sequences")
-    if counted.min() == 0:
+    hits_smr, counted_sm = np.concatenate(hits), np.concatenate(counted)
+    total_mr, total_m = hits_smr.sum(axis=0), counted_sm.sum(axis=0)
+    if total_m.min() == 0:
         raise ValueError("the held-out text is too short: some head has no position to score; use longer "
                          "continuations or more prompts")
-    return HeadAccuracy(hits / counted[:, None], counted, len(sequences))
+    pooled_mr = total_mr / total_m[:, None]
+    per_sequence = np.where(counted_sm[..., None] > 0, hits_smr / np.maximum(counted_sm, 1)[..., None],
+                            pooled_mr[None])
+    return HeadAccuracy(pooled_mr, total_m, len(sequences), per_sequence)
 
 
 def self_distill(base: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids,

@@ -154,6 +154,44 @@ def choose_tree(accuracy_mr, step_cost: Callable[[int], float] | StepCost, max_n
                       best_num_nodes=best)
 
 
+def batch_tokens_per_step(order: Sequence[Sequence[int]], per_sequence_smr, batch: int) -> np.ndarray:
+    """[n - 1]: tokens per step of the first n nodes of `order` for a batch of `batch` rows, from each held-out
+    sequence's own accuracy table ([S, num_heads, top_k]; a sequence is one row's text).
+
+    A batch decodes until its slowest row is done: N tokens per row take max_b N / tau_b steps, tau_b a row's
+    own tokens per step. With rows drawn from the held-out sequences, the batch makes 1 / E[max of `batch`
+    draws of 1 / tau_s] tokens per row and step (the order statistic over the S sequences, in closed form).
+    Batch 1 gives the harmonic mean of the tau_s: long stretches of hard text cost more steps than easy ones
+    save. Rows of a plain batch all take N steps, so the plain side has no such loss."""
+    acc_smr = np.asarray(per_sequence_smr, np.float64)
+    if acc_smr.ndim != 3 or acc_smr.shape[0] < 1:
+        raise ValueError(f"per-sequence accuracy must be [sequences, num_heads, top_k], got shape {acc_smr.shape}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    for table in acc_smr:
+        check_accuracy_table(table)
+    values_sn = np.array([[path_value(p, table) for p in order] for table in acc_smr])
+    steps_sn = 1.0 / (1.0 + np.cumsum(values_sn, axis=1))  # steps per token of each sequence, first n nodes
+    count = acc_smr.shape[0]
+    ranks = np.arange(1, count + 1)
+    weights = (ranks / count) ** batch - ((ranks - 1) / count) ** batch  # P(the max is the k-th smallest)
+    return 1.0 / (weights @ np.sort(steps_sn, axis=0))
+
+
+def rescore_for_batch(choice: TreeChoice, per_sequence_smr, batch: int,
+                      step_cost: Callable[[int], float] | StepCost) -> TreeChoice:
+    """`choice` (same greedy order) re-sized with `batch_tokens_per_step` in place of the pooled prediction."""
+    per_step = batch_tokens_per_step(choice.order, per_sequence_smr, batch)
+    low, high = (step_cost.tokens[0], step_cost.max_tokens) if isinstance(step_cost, StepCost) else (1, None)
+    per_second = np.array([per_step[n - 1] / step_cost(n + 1) if low <= n + 1 <= (high or n + 1) else np.nan
+                           for n in range(1, len(per_step) + 1)])
+    if np.all(np.isnan(per_second)):
+        raise ValueError("no tree size has a measured step time")
+    return dataclasses.replace(choice, tokens_per_step=tuple(per_step.tolist()),
+                               tokens_per_second=tuple(per_second.tolist()),
+                               best_num_nodes=int(np.nanargmax(per_second)) + 1)
+
+
 def tree_document(choice: TreeChoice, accuracy_mr, step_cost: StepCost, provenance: dict) -> dict:
     """The JSON written by build_tree: `medusa_choices` (what `medusa_jax.tree.load_tree` reads) plus the
     measurements and predictions that chose it. `greedy_order` lists the paths in the order they were

@@ -14,7 +14,7 @@ import pytest
 
 from medusa_jax import tree_search
 from medusa_jax.tree import build_tree, load_tree
-from medusa_jax.bench.head_accuracy import count_hits
+from medusa_jax.bench.head_accuracy import count_hits, count_hits_by_sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "write", "poem", "about", "why", "is", "sky", "blue",
@@ -112,6 +112,12 @@ def test_count_hits_scores_head_d_against_the_token_at_p_plus_2_plus_d():
     hits, counted = count_hits(top, [seq], [start])
     assert counted.tolist() == [4, 3]  # head 0: p = 1..4 (target p+2 <= 6); head 1: p = 1..3
     assert hits.tolist() == [[4, 0], [0, 2]]
+    # two sequences: per-sequence counts, and their sums are the pooled ones
+    top2 = np.concatenate([top, np.full_like(top, 99)], axis=1)  # the second sequence: every guess wrong
+    hits_b, counted_b = count_hits_by_sequence(top2, [seq, seq[:5]], [start, start])
+    assert counted_b.tolist() == [[4, 3], [2, 1]] and hits_b[1].sum() == 0
+    assert hits_b[0].tolist() == [[4, 0], [0, 2]]
+    assert [x.tolist() for x in count_hits(top2, [seq, seq[:5]], [start, start])] == [[[4, 0], [0, 2]], [6, 4]]
 
 
 # ---- tiny model with a tokenizer -----------------------------------------------------------------------
@@ -237,7 +243,12 @@ def test_build_tree_cli_writes_the_heads_trees_per_batch_size(tiny_chat_model, t
     for batch, paths in trees.batches("cpu").items():
         record = built["batches"][str(batch)]
         assert 1 <= len(paths) == record["num_nodes"] <= 7  # min_speedup 0.01: a tree every time
-        assert record["predicted_tokens_per_step"] == pytest.approx(tree_search.expected_tokens_per_step(paths, acc))
+        # each sequence's own accuracy, discounted per drafted token, a batch waiting for its slowest row
+        per_sequence = np.asarray(built["head_accuracy_per_sequence"]) * built["accuracy_scale"]
+        assert per_sequence.shape == (2, 3, 3) and built["accuracy_scale"] == 0.72
+        predicted = tree_search.batch_tokens_per_step(paths, per_sequence, batch)[-1]
+        assert record["predicted_tokens_per_step"] == pytest.approx(predicted)
+        assert predicted <= tree_search.expected_tokens_per_step(paths, acc) + 1e-9
         fitted = record["step_seconds"]["fitted"]
         assert record["step_seconds"]["tree_tokens"] == [2, 4, 8] and fitted == sorted(fitted) and min(fitted) > 0
         assert record["plain_step_seconds"] > 0

@@ -179,6 +179,42 @@ def test_pick_for_batch_keeps_the_best_tree_only_when_it_beats_plain():
     assert paths == () and record["num_nodes"] == 0 and record["best_tree_predicted_speedup"] < 1
 
 
+def test_batch_tokens_per_step_waits_for_the_slowest_row():
+    from medusa_jax.tree_search import batch_tokens_per_step
+
+    easy, hard = [[0.8, 0.1], [0.5, 0.1]], [[0.2, 0.1], [0.5, 0.1]]
+    order = [(0,), (0, 0)]
+    tau = {"easy": np.array([1.8, 2.2]), "hard": np.array([1.2, 1.3])}  # 1 + cumulative path values
+    one = batch_tokens_per_step(order, [easy, hard], 1)
+    np.testing.assert_allclose(one, 2 / (1 / tau["easy"] + 1 / tau["hard"]))  # batch 1: harmonic mean
+    # batch 8 from two equally likely sequences: the max of 8 draws is the hard one unless all 8 are easy
+    p_all_easy = 0.5 ** 8
+    np.testing.assert_allclose(batch_tokens_per_step(order, [easy, hard], 8),
+                               1 / ((1 - p_all_easy) / tau["hard"] + p_all_easy / tau["easy"]))
+    np.testing.assert_allclose(batch_tokens_per_step(order, [easy, easy], 64), tau["easy"])  # no spread, no loss
+    sizes = [batch_tokens_per_step(order, [easy, hard, easy], b)[0] for b in (1, 2, 4, 8, 64)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] >= tau["hard"][0] - 1e-9
+    with pytest.raises(ValueError, match="per-sequence"):
+        batch_tokens_per_step(order, easy, 1)
+
+
+def test_pick_for_batch_sizes_a_batch_on_its_slowest_rows():
+    """Two held-out sequences, one easy and one hard: at batch 1 the tree pays, at batch 8 the same pooled
+    accuracy and the same step cost ratio predict no gain, since each batch waits for a hard row."""
+    from medusa_jax.bench.step_cost import StepCostTable
+    from medusa_jax.bench.tree_builder import pick_for_batch
+
+    per_sequence = np.array([[[0.95, 0.0], [0.9, 0.0]], [[0.05, 0.0], [0.1, 0.0]]])
+    pooled = per_sequence.mean(axis=0)
+    times = (1.15, 1.25, 1.6)
+    paths, record = pick_for_batch(pooled, StepCostTable(1, 64, 128, 1.0, (2, 4, 8), times), 3, 1.05, per_sequence)
+    assert paths and record["predicted_speedup_vs_plain"] >= 1.05
+    paths8, record8 = pick_for_batch(pooled, StepCostTable(8, 64, 128, 1.0, (2, 4, 8), times), 3, 1.05,
+                                     per_sequence)
+    assert paths8 == () and record8["best_tree_predicted_speedup"] < 1.0
+    assert pick_for_batch(pooled, StepCostTable(8, 64, 128, 1.0, (2, 4, 8), times), 3, 1.05)[0]  # pooled: a tree
+
+
 @pytest.mark.parametrize("name", ["default", "default-medusa"])
 def test_the_shipped_trees_fit_the_shipped_heads(name):
     from medusa_jax.assets import SHIPPED_HEADS, shipped_heads_dir
