@@ -92,7 +92,6 @@ def measure_head_accuracy(base: CausalLM, heads: MedusaHeads, sequences: Sequenc
     if len(sequences) != len(starts) or not sequences:
         raise ValueError("need one start index per sequence, and at least one sequence")
     graphdef, params = nnx.split((base, heads))
-    num_heads = heads.config.num_heads
     hits, counted = [], []
     for i in range(0, len(sequences), batch_size):
         chunk, chunk_starts = list(sequences[i: i + batch_size]), list(starts[i: i + batch_size])

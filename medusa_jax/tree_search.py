@@ -136,18 +136,25 @@ class TreeChoice:
         return self.tokens_per_second[self.best_num_nodes - 1]
 
 
+def _tokens_per_second(per_step: np.ndarray, step_cost: Callable[[int], float] | StepCost) -> np.ndarray:
+    """[n - 1]: per_step[n - 1] / step_cost(n + 1) for trees of n nodes; NaN where a measured `StepCost` has no
+    time for that size."""
+    low, high = (step_cost.tokens[0], step_cost.max_tokens) if isinstance(step_cost, StepCost) else (1, None)
+    per_second = np.array([per_step[n - 1] / step_cost(n + 1) if low <= n + 1 <= (high or n + 1) else np.nan
+                           for n in range(1, len(per_step) + 1)])
+    if np.all(np.isnan(per_second)):
+        raise ValueError(f"no tree size between 1 and {len(per_step)} nodes has a measured step time "
+                         f"(measured T = {low}..{high})")
+    return per_second
+
+
 def choose_tree(accuracy_mr, step_cost: Callable[[int], float] | StepCost, max_nodes: int) -> TreeChoice:
     """Greedy trees of 1..max_nodes nodes; keeps the size with the most expected tokens per second. With a
     measured `StepCost`, sizes outside its measured range get NaN tokens/s and are never chosen."""
     order = greedy_tree(accuracy_mr, max_nodes)
     values = np.array([v for _, v in order])
     per_step = 1.0 + np.cumsum(values)
-    low, high = (step_cost.tokens[0], step_cost.max_tokens) if isinstance(step_cost, StepCost) else (1, None)
-    per_second = np.array([per_step[n - 1] / step_cost(n + 1) if low <= n + 1 <= (high or n + 1) else np.nan
-                           for n in range(1, len(order) + 1)])
-    if np.all(np.isnan(per_second)):
-        raise ValueError(f"no tree size between 1 and {len(order)} nodes has a measured step time "
-                         f"(measured T = {low}..{high})")
+    per_second = _tokens_per_second(per_step, step_cost)
     best = int(np.nanargmax(per_second)) + 1
     return TreeChoice(order=tuple(p for p, _ in order), node_values=tuple(values.tolist()),
                       tokens_per_step=tuple(per_step.tolist()), tokens_per_second=tuple(per_second.tolist()),
@@ -182,11 +189,7 @@ def rescore_for_batch(choice: TreeChoice, per_sequence_smr, batch: int,
                       step_cost: Callable[[int], float] | StepCost) -> TreeChoice:
     """`choice` (same greedy order) re-sized with `batch_tokens_per_step` in place of the pooled prediction."""
     per_step = batch_tokens_per_step(choice.order, per_sequence_smr, batch)
-    low, high = (step_cost.tokens[0], step_cost.max_tokens) if isinstance(step_cost, StepCost) else (1, None)
-    per_second = np.array([per_step[n - 1] / step_cost(n + 1) if low <= n + 1 <= (high or n + 1) else np.nan
-                           for n in range(1, len(per_step) + 1)])
-    if np.all(np.isnan(per_second)):
-        raise ValueError("no tree size has a measured step time")
+    per_second = _tokens_per_second(per_step, step_cost)
     return dataclasses.replace(choice, tokens_per_step=tuple(per_step.tolist()),
                                tokens_per_second=tuple(per_second.tolist()),
                                best_num_nodes=int(np.nanargmax(per_second)) + 1)
