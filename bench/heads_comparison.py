@@ -8,9 +8,9 @@ For every heads folder (the shipped heads, heads trained with another loss, Hydr
    each N of `tree_sizes`, decoding the MT-Bench questions greedily; tokens/step = new tokens / forward
    passes (prefill included), counted, not timed, and every Medusa answer checked token by token against
    plain greedy decoding (`mismatches` must be 0);
-3. wall clock at each of `batch_sizes`: plain decoding, then Medusa with the heads' own tree for that batch
+3. wall clock at each of `batch_sizes`: plain decoding and Medusa with the heads' own tree for that batch
    (their trees.json; the greedy `timed_nodes`-node tree for heads without one), over the same questions,
-   compilation excluded; speedup = Medusa tokens/s / plain tokens/s measured right before it.
+   compilation excluded, the two interleaved batch by batch; speedup = Medusa tokens/s / plain tokens/s.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from medusa_jax import tree_search
 from medusa_jax.heads import MedusaHeads
 from medusa_jax.heads_trees import trees_of
 from medusa_jax.tree import build_tree
-from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate_batch
+from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate_batch, plan_batches
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.bench import head_accuracy
 from medusa_jax.bench.bench_inputs import LoadedModel
@@ -83,23 +83,35 @@ def count_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, 
 
 
 def time_speedup(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, config: CompareConfig) -> list[dict]:
-    """Plain then Medusa (the heads' own tree per batch size) over the same prompts, compilation excluded."""
+    """Plain and Medusa (the heads' own tree per batch size) over the same prompts, compilation excluded,
+    interleaved batch by batch (plain first in even batches, Medusa first in odd ones) so that a drift in the
+    machine's speed falls on both alike."""
     plain, medusa = ShardedModel(loaded.base, None), ShardedModel(loaded.base, heads)
     own = trees_of(heads) is not None
     fallback = build_tree([p for p, _ in tree_search.greedy_tree(accuracy_mr, config.timed_nodes)],
                           name=f"greedy_{config.timed_nodes}")
     rows = []
     for batch in config.batch_sizes:
-        p = generate_batch(plain, prompts, _settings(loaded, config, batch), progress=False)
-        m = generate_batch(medusa, prompts, _settings(loaded, config, batch, HEADS_TREE if own else fallback),
-                           progress=False)
-        choice = m.tree_choice
-        rows.append({"batch": batch, "plain_tokens_per_s": p.decode_tokens_per_second,
-                     "medusa_tokens_per_s": m.decode_tokens_per_second,
-                     "speedup": m.decode_tokens_per_second / p.decode_tokens_per_second,
-                     "tokens_per_step": m.tokens_per_step,
+        settings = {"plain": (plain, _settings(loaded, config, batch)),
+                    "medusa": (medusa, _settings(loaded, config, batch, HEADS_TREE if own else fallback))}
+        tokens = {"plain": [None] * len(prompts), "medusa": [None] * len(prompts)}
+        seconds, steps, choice = {"plain": 0.0, "medusa": 0.0}, 0, None
+        for number, indices in enumerate(plan_batches([len(p) for p in prompts], batch)):
+            for name in (("plain", "medusa") if number % 2 == 0 else ("medusa", "plain")):
+                model, s = settings[name]
+                run = generate_batch(model, [prompts[i] for i in indices], s, progress=False)
+                seconds[name] += run.seconds - run.compile_seconds
+                for i, r in zip(indices, run.results):
+                    tokens[name][i] = list(r.token_ids)
+                if name == "medusa":
+                    steps += sum(r.steps for r in run.results)
+                    choice = run.tree_choice
+        new = {name: sum(len(t) for t in tokens[name]) for name in tokens}
+        rate = {name: new[name] / max(seconds[name], 1e-9) for name in tokens}
+        rows.append({"batch": batch, "plain_tokens_per_s": rate["plain"], "medusa_tokens_per_s": rate["medusa"],
+                     "speedup": rate["medusa"] / rate["plain"], "tokens_per_step": new["medusa"] / max(steps, 1),
                      "tree": choice.note if choice is not None else fallback.name,
-                     "mismatches": sum(a != b for a, b in zip(_tokens(m), _tokens(p)))})
+                     "mismatches": sum(a != b for a, b in zip(tokens["medusa"], tokens["plain"]))})
     return rows
 
 
@@ -154,7 +166,7 @@ def markdown(results: dict, command: str, machine: str) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if not batches:
         return "\n".join(lines + ["", "(untimed run: --batch-sizes '')"]) + "\n"
-    lines += ["", "Timed runs (compilation excluded; plain measured right before each Medusa run):", "",
+    lines += ["", "Timed runs (compilation excluded; plain and Medusa interleaved batch by batch):", "",
               "| heads | batch | plain tok/s | Medusa tok/s | speedup | tokens/step | tree |", "|---" * 7 + "|"]
     for label, h in heads.items():
         for r in h["timed"]:

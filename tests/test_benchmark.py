@@ -375,7 +375,8 @@ def test_batch_scaling_mode_times_plain_and_medusa_steps(tiny_chat_model, tmp_pa
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_path):
+def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_path, monkeypatch):
+    from medusa_jax.bench import heads_comparison
     from medusa_jax.heads import HeadsConfig
     from medusa_jax.heads_init import init_heads
     from medusa_jax.heads_io import save_heads
@@ -394,7 +395,17 @@ def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_p
             "--question-file", str(write_questions(tmp_path / "q.jsonl")), "--questions", "3",
             "--max-new-tokens", "10", "--tree-sizes", "1,3", "--batch-sizes", "1", "--heldout", "2",
             "--continuation-tokens", "8", "--data", str(data), "--out", str(out)]
+    calls, real = [], heads_comparison.generate_batch
+
+    def recording(model, prompts, settings, **kw):
+        calls.append(("medusa" if settings.tree is not None else "plain", len(prompts)))
+        return real(model, prompts, settings, **kw)
+
+    monkeypatch.setattr(heads_comparison, "generate_batch", recording)
     assert load_script("benchmark").main(argv) == 0
+    # per heads: the plain reference (once), the counted trees, then the timed runs interleaved batch by batch
+    timed = [c for c in calls if c[1] == 1]
+    assert timed == [("plain", 1), ("medusa", 1), ("medusa", 1), ("plain", 1), ("plain", 1), ("medusa", 1)] * 2
     doc = json.loads((out / "heads.json").read_text())
     assert set(doc["heads"]) == {"a", "b"} and doc["questions"] == 3
     for label, num_heads in (("a", 3), ("b", 2)):
