@@ -53,7 +53,10 @@ class Attention(nnx.Module):
         q_btnh = apply_rope(self.q_proj(x_btd).reshape(b, t, n, h), positions_bt, inv_freq)
         k_btkh = apply_rope(self.k_proj(x_btd).reshape(b, t, k, h), positions_bt, inv_freq)
         v_btkh = self.v_proj(x_btd).reshape(b, t, k, h)
-        k_bkhs, v_bksh = write_layer(k_bkhs, v_bksh, k_btkh, v_btkh, lengths_b)
+        if k_bkhs is None:  # no cache: attend over this call's own K/V (mask [B, T, T])
+            k_bkhs, v_bksh = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
+        else:
+            k_bkhs, v_bksh = write_layer(k_bkhs, v_bksh, k_btkh, v_btkh, lengths_b)
         out_btkgh = grouped_attention(q_btnh.reshape(b, t, k, g, h), k_bkhs, v_bksh, mask_bts)
         return self.o_proj(out_btkgh.reshape(b, t, n * h)), k_bkhs, v_bksh
 
@@ -97,23 +100,36 @@ class CausalLM(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else _linear(
             config.hidden_size, config.vocab_size, False, config, rngs)
 
-    def __call__(self, tokens_bt, positions_bt, mask_bts, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Returns (final-norm hidden states [B, T, D], cache with the new K/V written; lengths unchanged)."""
+    def __call__(self, tokens_bt, positions_bt, mask_bts, cache: KVCache | None) -> tuple[jax.Array, KVCache | None]:
+        """Returns (final-norm hidden states [B, T, D], cache with the new K/V written; lengths unchanged).
+        cache None: a forward without a KV cache (training, feature extraction); mask_bts is then [B, T, T] over
+        the call's own tokens, and None comes back."""
         cfg = self.config
+        if cache is None:
+            return self._forward(tokens_bt, positions_bt, mask_bts, [(None, None)] * cfg.num_layers, None)[0], None
         if cache.num_layers != cfg.num_layers:
             raise ValueError(f"the KV cache has {cache.num_layers} layers; the model has {cfg.num_layers}")
+        hidden_btd, k_layers, v_layers = self._forward(tokens_bt, positions_bt, mask_bts,
+                                                       list(zip(cache.k_bkhs, cache.v_bksh)), cache.lengths_b)
+        return hidden_btd, cache.replace(k_bkhs=tuple(k_layers), v_bksh=tuple(v_layers))
+
+    def _forward(self, tokens_bt, positions_bt, mask_bts, kv_layers, lengths_b):
+        """Embeddings, layers (each with its (K, V) cache buffers, or (None, None)), final norm."""
+        cfg = self.config
         if cfg.sliding_window is not None:
-            slot_s = jnp.arange(cache.cache_size, dtype=jnp.int32)
-            mask_bts = mask_bts & ((positions_bt[:, :, None] - slot_s[None, None, :]) < cfg.sliding_window)
+            # key slot s holds position s with a cache; without one, key j is the call's token j
+            key_pos = (jnp.arange(mask_bts.shape[-1], dtype=jnp.int32)[None, None, :] if lengths_b is not None
+                       else positions_bt[:, None, :])
+            mask_bts = mask_bts & ((positions_bt[:, :, None] - key_pos) < cfg.sliding_window)
         inv_freq = inverse_frequencies(cfg)
         x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
         k_layers, v_layers = [], []
-        for layer, k_bkhs, v_bksh in zip(self.layers, cache.k_bkhs, cache.v_bksh):
-            x, k_bkhs, v_bksh = layer(x, positions_bt, mask_bts, k_bkhs, v_bksh, cache.lengths_b, inv_freq)
+        for layer, (k_bkhs, v_bksh) in zip(self.layers, kv_layers):
+            x, k_bkhs, v_bksh = layer(x, positions_bt, mask_bts, k_bkhs, v_bksh, lengths_b, inv_freq)
             x = constrain_rows(x)
             k_layers.append(k_bkhs)
             v_layers.append(v_bksh)
-        return self.norm(x), cache.replace(k_bkhs=tuple(k_layers), v_bksh=tuple(v_layers))
+        return self.norm(x), k_layers, v_layers
 
     def logits(self, hidden):
         """hidden [..., D] -> logits [..., V] in fp32."""

@@ -39,7 +39,7 @@ from medusa_jax.config import resolve_dtype
 from medusa_jax.heads import MedusaHeads
 from medusa_jax.heads_init import heads_class
 from medusa_jax.hydra_heads import path_tokens
-from medusa_jax.kv_cache import KVCache
+
 from medusa_jax.training import losses
 from medusa_jax.training.data import segment_mask
 
@@ -145,9 +145,7 @@ def _compute_graphdef(module: nnx.Module, make, dtype: str):
 
 def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
     """[B, T, D] final-norm hidden states of packed rows (attention stays inside each conversation)."""
-    b, t = batch["tokens"].shape
-    cache = KVCache.zeros(base.config, b, t)
-    hidden_btd, _ = base(batch["tokens"], batch["positions"], segment_mask(batch["segment_ids"]), cache)
+    hidden_btd, _ = base(batch["tokens"], batch["positions"], segment_mask(batch["segment_ids"]), None)
     return hidden_btd
 
 
