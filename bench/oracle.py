@@ -9,7 +9,7 @@ the heads' cost.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ def planted_data(tree: TreeBuffers, continuations: Sequence[Sequence[int]], acce
             "ranks_em": jnp.asarray(ranks_em)}
 
 
-def planted_proposer(inputs: ProposeInputs) -> jax.Array:
+def planted_proposer(inputs: ProposeInputs) -> tuple[jax.Array, Any]:
     """[B, M, R] candidates: head m < target holds the true token at rank ranks_em[target, m]."""
     data, tree = inputs.data, inputs.tree
     truth_bo, accept_targets, ranks_em = data["truth_bo"], data["accept_targets"], data["ranks_em"]
@@ -53,14 +53,14 @@ def planted_proposer(inputs: ProposeInputs) -> jax.Array:
     wrong_bmr = (true_bm[..., None] + 1 + jnp.arange(r)) % inputs.model.base.config.vocab_size
     planted_bmr = ((jnp.arange(m)[None, :, None] < target_b[:, None, None])
                    & (jnp.arange(r)[None, None, :] == ranks_em[target_b][:, :, None]))
-    return jnp.where(planted_bmr, true_bm[..., None], wrong_bmr).astype(jnp.int32)
+    return jnp.where(planted_bmr, true_bm[..., None], wrong_bmr).astype(jnp.int32), inputs.draft
 
 
-def planted_over_heads_proposer(inputs: ProposeInputs) -> jax.Array:
+def planted_over_heads_proposer(inputs: ProposeInputs) -> tuple[jax.Array, Any]:
     """planted_proposer's candidates, after running the heads as the Medusa proposal would (their ids are
     never negative, so the select keeps the planted ones; the compiler cannot drop the heads)."""
-    from_heads = heads_proposer(inputs)  # [B, M, R], or [B, T] tree tokens for Hydra heads
-    planted = planted_proposer(inputs)
+    from_heads, draft = heads_proposer(inputs)  # [B, M, R], or [B, T] tree tokens (Hydra, EAGLE)
+    planted, _ = planted_proposer(inputs)
     if from_heads.ndim == 2:
         planted = tree_tokens(inputs.root_b, planted, inputs.tree)
-    return jnp.where(from_heads < 0, from_heads, planted)
+    return jnp.where(from_heads < 0, from_heads, planted), draft

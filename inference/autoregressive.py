@@ -28,13 +28,20 @@ def prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array,
             cache: KVCache) -> tuple[jax.Array, KVCache]:
     """Runs the right-padded prompts from slot 0. Returns (hidden state of each row's last prompt token
     [b, d], cache with lengths = prompt_lens)."""
+    last_bd, cache, _ = prefill_states(model, prompt_bt, prompt_lens_b, cache)
+    return last_bd, cache
+
+
+def prefill_states(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array,
+                   cache: KVCache) -> tuple[jax.Array, KVCache, jax.Array]:
+    """`prefill`, also returning the hidden state of every prompt position [b, t, d] (a drafter's prefill)."""
     b, t = prompt_bt.shape
     cache = cache.replace(lengths_b=jnp.zeros((b,), jnp.int32))
     positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask_bts = attention_mask(cache.lengths_b, causal_block(t), cache.cache_size)
     hidden_btd, cache = model(prompt_bt, positions_bt, mask_bts, cache)
     last_bd = jnp.take_along_axis(hidden_btd, (prompt_lens_b - 1)[:, None, None], axis=1)[:, 0]
-    return last_bd, cache.replace(lengths_b=prompt_lens_b.astype(jnp.int32))
+    return last_bd, cache.replace(lengths_b=prompt_lens_b.astype(jnp.int32)), hidden_btd
 
 
 def prefill_widths(width: int, smallest: int = 64) -> tuple[int, ...]:
@@ -48,23 +55,32 @@ def prefill_widths(width: int, smallest: int = 64) -> tuple[int, ...]:
 
 def grouped_prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array, cache: KVCache,
                     groups: int) -> tuple[jax.Array, KVCache]:
+    """`grouped_prefill_states` without the per-position hidden states."""
+    last_bd, cache, _ = grouped_prefill_states(model, prompt_bt, prompt_lens_b, cache, groups)
+    return last_bd, cache
+
+
+def grouped_prefill_states(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array, cache: KVCache,
+                           groups: int, all_hidden: bool = False) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """`prefill`, in `groups` groups of rows of similar length: a batch padded to its longest prompt computes
     every row at that width (64 MT-Bench first turns in one batch: 6,349 prompt tokens, 32,768 positions at
     the padded width 512). Rows are sorted by length (inside the jitted call, so any row order works) and cut
     into `groups` equal groups; a `fori_loop` prefills each group into a fresh cache at the narrowest of
     `prefill_widths(t)` that holds its longest prompt (a `lax.switch` over those few static widths, so one
     compilation serves every batch of this shape) and scatters it into its rows of `cache`. Returns what
-    `prefill` returns. groups == 1, or a batch it does not divide, is `prefill` itself."""
+    `prefill` returns, and with all_hidden the hidden state of every prompt position [b, t, d] (else None).
+    groups == 1, or a batch it does not divide, is `prefill` itself."""
     b, t = prompt_bt.shape
     if groups <= 1 or b % groups:
-        return prefill(model, prompt_bt, prompt_lens_b, cache)
+        last_bd, cache, hidden_btd = prefill_states(model, prompt_bt, prompt_lens_b, cache)
+        return last_bd, cache, hidden_btd if all_hidden else None
     n, widths = b // groups, prefill_widths(t)
     lens_b = prompt_lens_b.astype(jnp.int32)
     order_b = jnp.argsort(-lens_b, stable=True).astype(jnp.int32)
     sorted_bt, sorted_lens_b = prompt_bt[order_b], lens_b[order_b]
 
     def group(g, carry):
-        cache, last_bd = carry
+        cache, last_bd, hidden_btd = carry
         rows_n = jax.lax.dynamic_slice_in_dim(order_b, g * n, n)
         lens_n = jax.lax.dynamic_slice_in_dim(sorted_lens_b, g * n, n)
         tokens_nt = jax.lax.dynamic_slice_in_dim(sorted_bt, g * n, n)
@@ -72,22 +88,27 @@ def grouped_prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Ar
         def at_width(w):
             def run(tokens_nt, lens_n):
                 fresh = KVCache.zeros(model.config, n, w, dtype=cache.dtype)
-                h_nd, fresh = prefill(model, tokens_nt[:, :w], lens_n, fresh)
+                h_nd, fresh, h_nwd = prefill_states(model, tokens_nt[:, :w], lens_n, fresh)
                 if w < t:  # every branch returns K/V t slots wide (the switch's result has one shape)
                     fresh = fresh.map_layers(lambda k: jnp.pad(k, ((0, 0),) * K_SLOT_AXIS + ((0, t - w),)),
                                              lambda v: jnp.pad(v, ((0, 0),) * V_SLOT_AXIS + ((0, t - w), (0, 0))))
-                return fresh, h_nd
+                    h_nwd = jnp.pad(h_nwd, ((0, 0), (0, t - w), (0, 0)))
+                return fresh, h_nd, (h_nwd if all_hidden else None)
             return run
 
         # the narrowest width that holds the group's longest prompt; the cache stays outside the switch (a
         # cache passed through its branches was copied whole per group)
         branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(lens_n))
-        fresh, h_nd = jax.lax.switch(branch, [at_width(w) for w in widths], tokens_nt, lens_n)
-        return cache.put_rows(rows_n, fresh), last_bd.at[rows_n].set(h_nd.astype(last_bd.dtype))
+        fresh, h_nd, h_ntd = jax.lax.switch(branch, [at_width(w) for w in widths], tokens_nt, lens_n)
+        if all_hidden:
+            hidden_btd = hidden_btd.at[rows_n].set(h_ntd.astype(hidden_btd.dtype))
+        return cache.put_rows(rows_n, fresh), last_bd.at[rows_n].set(h_nd.astype(last_bd.dtype)), hidden_btd
 
-    last_bd = jnp.zeros((b, model.config.hidden_size), model.config.jnp_dtype)
-    cache, last_bd = jax.lax.fori_loop(0, groups, group, (cache, last_bd))
-    return last_bd, cache.replace(lengths_b=lens_b)
+    d, dtype = model.config.hidden_size, model.config.jnp_dtype
+    last_bd = jnp.zeros((b, d), dtype)
+    hidden_btd = jnp.zeros((b, t, d), dtype) if all_hidden else None
+    cache, last_bd, hidden_btd = jax.lax.fori_loop(0, groups, group, (cache, last_bd, hidden_btd))
+    return last_bd, cache.replace(lengths_b=lens_b), hidden_btd
 
 
 def prefill_groups(batch_size: int, row_multiple: int = 1) -> int:

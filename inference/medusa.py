@@ -35,12 +35,11 @@ from flax import nnx
 
 from medusa_jax.heads import HeadsConfig, MedusaModel
 from medusa_jax.heads_trees import HeadsTrees, resolve_tree
-from medusa_jax.hydra_heads import HydraHeads
 from medusa_jax.kv_cache import KVCache, attention_mask, move_slots
 from medusa_jax.sharding import map_cache_rows
 from medusa_jax.tree import TreeBuffers, build_tree, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
-from medusa_jax.inference.autoregressive import grouped_prefill, is_eos
+from medusa_jax.inference.autoregressive import grouped_prefill_states, is_eos
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,22 +53,25 @@ class ProposeInputs:
     step: jax.Array  # verify steps done so far (scalar)
     tree: TreeBuffers
     data: Any  # the proposer_data pytree given to generate_medusa
+    draft: Any = None  # the drafter state carried from step to step (heads.init_draft; None: none kept)
+    active_b: jax.Array | None = None  # rows still decoding
 
 
-# A proposer returns either [b, m, r] int32 candidate ids (m = tree.depth heads, r = tree.top_k ranks: entry
-# [b, m, r] fills tree node (head m, rank r) of row b), or [b, t] int32 tree tokens (node 0 is root_b) when a
-# node's children depend on its own path (Hydra heads). Verification, acceptance and compaction are the same.
-Proposer = Callable[[ProposeInputs], jax.Array]
+# A proposer returns (proposal, draft): the proposal is either [b, m, r] int32 candidate ids (m = tree.depth
+# heads, r = tree.top_k ranks: entry [b, m, r] fills tree node (head m, rank r) of row b), or [b, t] int32 tree
+# tokens (node 0 is root_b) when a node's children depend on its own path (Hydra heads, the EAGLE drafter);
+# draft is the drafter state for the rest of the step (inputs.draft when it keeps none). Verification,
+# acceptance and compaction are the same for every proposer.
+Proposer = Callable[[ProposeInputs], tuple[jax.Array, Any]]
 
 
-def heads_proposer(inputs: ProposeInputs) -> jax.Array:
-    """The heads' proposal: Medusa heads' top-k tokens from the last accepted hidden state ([b, m, r]), or
-    Hydra heads' tree drafted depth by depth along each node's path ([b, t])."""
-    tree = inputs.tree
-    if isinstance(inputs.model.heads, HydraHeads):
-        return inputs.model.heads.tree_tokens(inputs.hidden_bd, inputs.root_b, inputs.model.base, tree)
-    ids_mbr = inputs.model.heads.top_k(inputs.hidden_bd, inputs.model.base, tree.top_k, num_heads=tree.depth)
-    return ids_mbr.transpose(1, 0, 2)
+def heads_proposer(inputs: ProposeInputs) -> tuple[jax.Array, Any]:
+    """The heads' proposal (HeadsBase.propose): Medusa heads' top-k tokens from the last accepted hidden state
+    ([b, m, r]), Hydra heads' or the EAGLE drafter's tree drafted depth by depth along each node's path
+    ([b, t])."""
+    model = inputs.model
+    return model.heads.propose(inputs.hidden_bd, inputs.root_b, model.base, inputs.tree, inputs.draft,
+                               inputs.active_b)
 
 
 def tree_tokens(root_b: jax.Array, candidates_bmr: jax.Array, tree: TreeBuffers) -> jax.Array:
@@ -125,6 +127,7 @@ class MedusaState:
     # made at the start of the next step (`finish_moves` after the loop); no-op moves (src == dst) at first
     move_src_be: jax.Array
     move_dst_be: jax.Array
+    draft: Any = None  # the proposer's drafter state (heads.init_draft), None for heads that keep none
 
     def finish_moves(self) -> KVCache:
         """The cache with the pending move made: every committed slot holds its token's K/V."""
@@ -146,12 +149,15 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
     active_b = state.active_b
     lengths_b = state.cache.lengths_b
     key, sub = jax.random.split(state.key)
-    inputs = ProposeInputs(model, state.hidden_bd, state.root_b, state.num_out_b, state.step, tree, proposer_data)
-    tokens_bt = proposal_tokens(state.root_b, proposer(inputs), tree)
+    inputs = ProposeInputs(model, state.hidden_bd, state.root_b, state.num_out_b, state.step, tree, proposer_data,
+                           state.draft, active_b)
+    proposal, draft = proposer(inputs)
+    tokens_bt = proposal_tokens(state.root_b, proposal, tree)
     mask_bts = attention_mask(lengths_b, jnp.asarray(tree.ancestor_mask_tt), state.cache.cache_size)
     positions_bt = lengths_b[:, None] + jnp.asarray(tree.depth_t)[None, :]
     hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, state.finish_moves())
     accept_b, nodes_be, bonus_b = accept_tree(tree, tokens_bt, base.logits(hidden_btd), sub, acceptance)
+    draft = model.heads.accepted(draft, hidden_btd, tokens_bt, nodes_be, accept_b, active_b)
     move_src_be, move_dst_be = accepted_moves(lengths_b, nodes_be)  # made by the next step (docstring, item 4)
     last_node_b = jnp.take_along_axis(nodes_be, accept_b[:, None], axis=1)[:, 0]
     hidden_bd = jnp.take_along_axis(hidden_btd, last_node_b[:, None, None], axis=1)[:, 0]
@@ -172,7 +178,7 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
     return MedusaState(cache.replace(lengths_b=lengths_b + count_b), jnp.where(active_b, bonus_b, state.root_b),
                        jnp.where(active_b[:, None], hidden_bd, state.hidden_bd), out_bo, state.num_out_b + count_b,
                        state.done_b | jnp.any(eos_be & keep_be, axis=1), state.steps_b + active_b.astype(jnp.int32),
-                       accept_bo, state.step + 1, key, move_src_be, move_dst_be)
+                       accept_bo, state.step + 1, key, move_src_be, move_dst_be, draft)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree", "max_new_tokens", "acceptance", "eos_ids", "pad_id",
@@ -181,20 +187,24 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, ke
                   tree: TreeBuffers, max_new_tokens: int, acceptance: AcceptanceConfig,
                   eos_ids: tuple[int, ...], pad_id: int, proposer: Proposer = heads_proposer,
                   prefill_groups: int = 1):
-    """Prefill (`autoregressive.grouped_prefill`) + Medusa decoding in one call: a `jax.lax.while_loop`
+    """Prefill (`autoregressive.grouped_prefill_states`; the heads' drafter state from it) + Medusa decoding in one call: a `jax.lax.while_loop`
     whose body is `medusa_step`. Returns (tokens [b, o], number of new tokens [b], verify steps [b], accept
     lengths [b, o] (the first steps[b] are valid), cache)."""
     model: MedusaModel = nnx.merge(graphdef, params)
     base = model.base
     b, o = prompt_bt.shape[0], max_new_tokens
-    last_bd, cache = grouped_prefill(base, prompt_bt, prompt_lens_b, cache, prefill_groups)
+    heads = model.heads
+    last_bd, cache, hidden_btd = grouped_prefill_states(base, prompt_bt, prompt_lens_b, cache, prefill_groups,
+                                                        all_hidden=heads.needs_prompt_hidden)
+    draft = heads.init_draft(base, prompt_bt, prompt_lens_b, hidden_btd, cache.cache_size, tree.depth)
     key, sub = jax.random.split(key)
     first_b = sample_next(base.logits(last_bd), sub, acceptance)
     out_bo = jnp.full((b, o), pad_id, jnp.int32).at[:, 0].set(first_b)
     zeros_b = jnp.zeros((b,), jnp.int32)
     no_move_be = cache.lengths_b[:, None] + jnp.arange(tree.depth + 1)[None, :]
     state = MedusaState(cache, first_b, last_bd, out_bo, jnp.ones((b,), jnp.int32), is_eos(first_b, eos_ids),
-                        zeros_b, jnp.zeros((b, o), jnp.int32), jnp.zeros((), jnp.int32), key, no_move_be, no_move_be)
+                        zeros_b, jnp.zeros((b, o), jnp.int32), jnp.zeros((), jnp.int32), key, no_move_be, no_move_be,
+                        draft)
     step = partial(medusa_step, model, proposer_data=proposer_data, tree=tree, acceptance=acceptance,
                    eos_ids=eos_ids, proposer=proposer)
     state = jax.lax.while_loop(lambda s: jnp.any(s.active_b), step, state)

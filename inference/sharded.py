@@ -33,7 +33,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.heads import MedusaHeads, MedusaModel
-from medusa_jax.hydra_heads import HydraHeads
 from medusa_jax.kv_cache import KVCache
 from medusa_jax.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_sharding, cache_shardings,
                                  checked_sharding, param_shardings, replicated, validate_model_mesh)
@@ -94,13 +93,13 @@ class MeshHeadsProposer:
 
     mesh: Mesh
 
-    def __call__(self, inputs: medusa.ProposeInputs) -> jax.Array:
+    def __call__(self, inputs: medusa.ProposeInputs) -> tuple[jax.Array, Any]:
         tree, heads = inputs.tree, inputs.model.heads
-        if isinstance(heads, HydraHeads):  # small per-round top-k: left to the compiler's collectives
+        if not isinstance(heads, MedusaHeads):  # Hydra, EAGLE: small per-round top-k, left to the compiler
             return medusa.heads_proposer(inputs)
         logits_mbv = heads.logits(inputs.hidden_bd, inputs.model.base, num_heads=tree.depth)
         ids_mbr = sharded_top_k(logits_mbv, tree.top_k, self.mesh).astype(jnp.int32)
-        return heads.to_full_vocab(ids_mbr).transpose(1, 0, 2)
+        return heads.to_full_vocab(ids_mbr).transpose(1, 0, 2), inputs.draft
 
 
 @dataclasses.dataclass(frozen=True)

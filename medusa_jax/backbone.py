@@ -73,14 +73,19 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.jnp_dtype)
+    """Pre-norm attention and MLP blocks with residuals. input_norm=False leaves out the input RMSNorm (the first
+    layer of an EAGLE drafter, whose input is already a mix of normed features and embeddings)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, input_norm: bool = True):
+        self.input_layernorm = (RMSNorm(config.hidden_size, config.rms_norm_eps, config.jnp_dtype) if input_norm
+                                else None)
         self.self_attn = Attention(config, rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.jnp_dtype)
         self.mlp = MLP(config, rngs)
 
     def __call__(self, x, positions_bt, mask_bts, k_bkhs, v_bksh, lengths_b, inv_freq):
-        attn, k_bkhs, v_bksh = self.self_attn(self.input_layernorm(x), positions_bt, mask_bts, k_bkhs, v_bksh,
+        normed = x if self.input_layernorm is None else self.input_layernorm(x)
+        attn, k_bkhs, v_bksh = self.self_attn(normed, positions_bt, mask_bts, k_bkhs, v_bksh,
                                               lengths_b, inv_freq)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))

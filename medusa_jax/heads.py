@@ -20,12 +20,13 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.backbone import CausalLM
-from medusa_jax.config import resolve_dtype
+from medusa_jax.config import ModelConfig, resolve_dtype
 from medusa_jax.kv_cache import KVCache
 
 LM_HEAD_MODES = ("own", "shared", "truncated")
-HEAD_TYPES = ("medusa", "hydra")  # hydra: heads that also see the drafted tokens (medusa_jax.hydra_heads);
-# medusa_jax.heads_init builds either kind
+# hydra: heads that also see the drafted tokens (medusa_jax.hydra_heads); eagle: a feature-level drafter of
+# one or more decoder layers (medusa_jax.eagle). medusa_jax.heads_init builds every kind.
+HEAD_TYPES = ("medusa", "hydra", "eagle")
 HYDRA_INPUTS = ("concat", "add")
 
 
@@ -41,6 +42,10 @@ class HeadsConfig:
     base_model_name_or_path: str = ""
     head_type: str = "medusa"  # one of HEAD_TYPES
     hydra_input: str = "add"  # hydra only: how a head combines h and its path embeddings (hydra_heads.py)
+    # eagle only: the drafter's decoder layers (the base's architecture; num_layers of them; heads_init fills it
+    # from the base when None). For an EAGLE drafter num_heads is the deepest tree it drafts for (it drafts
+    # autoregressively: any depth works).
+    decoder: ModelConfig | None = None
 
     def __post_init__(self):
         if self.head_type not in HEAD_TYPES:
@@ -57,6 +62,8 @@ class HeadsConfig:
                                  f"got {self.truncated_vocab_size}")
         elif self.truncated_vocab_size is not None:
             raise ValueError("truncated_vocab_size is only meaningful with lm_head='truncated'")
+        if self.decoder is not None and self.head_type != "eagle":
+            raise ValueError("only an eagle drafter has a decoder config")
         resolve_dtype(self.dtype)
 
     @property
@@ -65,8 +72,11 @@ class HeadsConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        del d["decoder"]
         if self.head_type == "medusa":  # Medusa configs (and run signatures) stay as they were before Hydra
             del d["head_type"], d["hydra_input"]
+        if self.decoder is not None:
+            d["decoder"] = self.decoder.to_hf_config()
         return d
 
     @classmethod
@@ -75,6 +85,9 @@ class HeadsConfig:
         unknown = sorted(set(d) - fields)
         if unknown:
             raise ValueError(f"unknown heads config fields {unknown}")
+        d = dict(d)
+        if d.get("decoder") is not None:
+            d["decoder"] = ModelConfig.from_hf_config(d["decoder"], dtype=d.get("dtype", "float32"))
         return cls(**d)
 
 
@@ -128,6 +141,19 @@ class HeadsBase(nnx.Module):
             return head_token_ids
         return self.token_map[...][head_token_ids]
 
+    # ---- the tree step's proposer contract (inference/medusa.py) ------------------------------------------
+    # propose(hidden_bd, root_b, base, tree, draft, active_b) -> (proposal, draft): a proposal is [b, m, r]
+    # candidates per (head, rank) or [b, t] tree tokens; `draft` is a drafter state carried from step to step
+    # (None for heads that keep none). init_draft makes it after the prefill (given every prompt position's
+    # hidden state when needs_prompt_hidden); accepted() updates it with the verified path.
+    needs_prompt_hidden = False
+
+    def init_draft(self, base: CausalLM, prompt_bt, prompt_lens_b, hidden_btd, cache_size: int, max_depth: int):
+        return None
+
+    def accepted(self, draft, hidden_btd, tokens_bt, nodes_be, accept_b, active_b):
+        return draft
+
 
 class MedusaHead(nnx.Module):
     def __init__(self, config: HeadsConfig, rngs: nnx.Rngs):
@@ -147,10 +173,6 @@ class MedusaHeads(HeadsBase):
     def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
         super().__init__(config, [MedusaHead(config, rngs) for _ in range(config.num_heads)], token_map)
 
-    def head_hidden(self, hidden_xd: jax.Array) -> jax.Array:
-        """[..., D] base hidden states -> [M, ..., D] per-head states (after the ResBlocks)."""
-        return jnp.stack([head(hidden_xd) for head in self.heads])
-
     def logits(self, hidden_xd: jax.Array, base: CausalLM, num_heads: int | None = None) -> jax.Array:
         """[..., D] -> [M, ..., V_head] fp32 logits (V_head = truncated_vocab_size in truncated mode) of the
         first num_heads heads (all by default)."""
@@ -165,6 +187,10 @@ class MedusaHeads(HeadsBase):
         num_heads heads only when given)."""
         _, ids_mxr = jax.lax.top_k(self.logits(hidden_xd, base, num_heads), k)
         return self.to_full_vocab(ids_mxr.astype(jnp.int32))
+
+    def propose(self, hidden_bd, root_b, base: CausalLM, tree, draft, active_b):
+        """[b, m, r] candidates: head m's rank-r token from the last accepted hidden state (HeadsBase)."""
+        return self.top_k(hidden_bd, base, tree.top_k, num_heads=tree.depth).transpose(1, 0, 2), draft
 
 
 class MedusaModel(nnx.Module):

@@ -6,6 +6,8 @@
               "v1" when every head has `{h}.{L}.weight`, else the ResBlock-only "v2" (shared base lm_head).
               When both files exist the .safetensors one is read.
   vllm        config.json with model_type "medusa" + model.safetensors (or pytorch_model.bin)
+  eagle       an EAGLE drafter in the EAGLE authors' layout (`medusa_jax.eagle_interop`): a Llama config.json
+              and weights with fc.weight; loads as an EAGLE drafter over the base's lm_head
 
 Every tensor the layout names must be present with the right shape and no other tensor may be there;
 errors list the missing and unexpected names. Hidden size and vocabulary are checked against config.json
@@ -25,6 +27,7 @@ import numpy as np
 
 from medusa_jax.backbone import CausalLM
 from medusa_jax.config import ModelConfig
+from medusa_jax.eagle_interop import is_eagle_folder, load_eagle
 from medusa_jax.heads import HeadsConfig, MedusaHeads
 from medusa_jax.heads_interop import ExportError, check_token_map
 from medusa_jax.heads_layouts import (MEDUSA, MEDUSA_WEIGHTS, MEDUSA_WEIGHTS_PT, NATIVE, VLLM,
@@ -34,7 +37,7 @@ from medusa_jax.heads_io import FORMAT, heads_from_tensors, heads_tensors, load_
 from medusa_jax.tensor_files import (CheckpointError, SafetensorsFile, TensorSource, find_model_weights,
                                      load_torch_bin)
 
-LAYOUTS = ("medusa-jax", "medusa", "vllm")
+LAYOUTS = ("medusa-jax", "medusa", "vllm", "eagle")
 
 
 def _read_config(folder: Path) -> dict | None:
@@ -59,10 +62,12 @@ def detect_layout(folder: str | os.PathLike) -> str:
         return "medusa"
     if raw is not None and raw.get("model_type") == "medusa":
         return "vllm"
+    if is_eagle_folder(folder, raw):
+        return "eagle"
     raise CheckpointError(
         f"{folder}: not a Medusa heads folder: expected config.json with \"format\": \"{FORMAT}\" (medusa-jax), "
         f"{MEDUSA_WEIGHTS} or {MEDUSA_WEIGHTS_PT} (FasterDecoding/TGI/TensorRT-LLM), or config.json with "
-        f"model_type \"medusa\" (vLLM)")
+        f"model_type \"medusa\" (vLLM), or an EAGLE drafter (config.json and weights with fc.weight)")
 
 
 def _field(raw: dict | None, origin: str, *names: str) -> int:
@@ -267,5 +272,7 @@ def _load_heads(folder: Path, base_config: ModelConfig | None, base: CausalLM | 
             heads = heads_from_tensors(dataclasses.replace(cfg, dtype=dtype), heads_tensors(heads), str(folder))
         return heads
     raw = _read_config(folder)
+    if layout == "eagle":
+        return load_eagle(folder, raw, base_config, dtype or "float32", num_heads)
     load = _load_medusa if layout == "medusa" else _load_vllm
     return load(folder, raw, base_config, _base_lm_head_vd(base), dtype or "float32", num_heads)

@@ -75,6 +75,10 @@ class HydraHeads(HeadsBase):
         head = self.heads[index]
         return head_logits(head, head(hidden_xd, base.embed_tokens(path_tokens_xe)), base)
 
+    def propose(self, hidden_bd, root_b, base: CausalLM, tree: TreeBuffers, draft, active_b):
+        """The [b, t] tree tokens (`tree_tokens`); no drafter state (HeadsBase)."""
+        return self.tree_tokens(hidden_bd, root_b, base, tree), draft
+
     def tree_tokens(self, hidden_bd: jax.Array, root_b: jax.Array, base: CausalLM, tree: TreeBuffers) -> jax.Array:
         """[B, T] tokens of every tree node (node 0 = root_b), drafted depth by depth along each node's path.
         In a round, the t axis of hidden_btd / path_tokens_bte / ids_btr runs over the round's parents_t."""

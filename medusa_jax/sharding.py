@@ -41,6 +41,8 @@ PARAM_RULES: tuple[tuple[str, tuple[Any, ...]], ...] = (
     (r"heads\.\d+\.lm_head\.kernel$", ("fsdp", "tensor")),  # [D, V_head]
     (r"heads\.\d+\.input_proj\.kernel$", ("fsdp", "tensor")),  # Hydra: [(path tokens [+ 1]) * D, D]
     (r"heads\.\d+\.input_proj\.bias$", ("tensor",)),
+    (r"(^|heads\.)fc\.kernel$", ("fsdp", "tensor")),  # EAGLE drafter: [2D, D]
+    (r"^(heads\.)?lm_head\.kernel$", ("fsdp", "tensor")),  # EAGLE drafter's draft vocabulary [D, V_head]
     (r"token_map$", (None,)),
 )
 
@@ -48,7 +50,7 @@ PARAM_RULES: tuple[tuple[str, tuple[Any, ...]], ...] = (
 # Medusa head parameters whose dimensions need not divide the mesh: an axis that does not divide its dimension
 # (e.g. a truncated lm_head of 3,584 tokens on tensor=3) is replicated instead; the rest stays sharded. The
 # backbone's dimensions must divide (validate_model_mesh): a mesh that suits the model suits its heads.
-REPLICATE_IF_INDIVISIBLE = re.compile(r"(blocks\.\d+\.linear\.(kernel|bias)|heads\.\d+\.lm_head\.kernel)$")
+REPLICATE_IF_INDIVISIBLE = re.compile(r"(blocks\.\d+\.linear\.(kernel|bias)|(^|heads\.)(\d+\.)?lm_head\.kernel)$")
 
 
 class MeshError(ValueError):

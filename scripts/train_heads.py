@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--heldout-fraction", "fraction of conversations held out for evaluation", type=float,
         default=d.heldout_fraction)
     add(g, "--max-conversations", "use only the first N usable conversations of --data (default: all)", type=int)
+    add(g, "--max-tokens", "a feature store as --data: use its first conversations holding this many tokens "
+        "(the 1M-token prefix of a 5M store is the 1M store of the same settings) (default: all)", type=int)
     add(g, "--num-proc", "processes for tokenisation (datasets.map); cached after the first run", type=int,
         default=d.num_proc)
     g = p.add_argument_group("heads")
@@ -55,8 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--num-layers", "ResBlocks per head", type=int, default=r.num_layers)
     add(g, "--head-type", "'medusa': every head reads only the base hidden state; 'hydra': head i also reads the "
         "embeddings of the tokens already drafted on its path (the base's next token and heads 0..i-1's picks), "
-        "trained by teacher forcing; Medusa-1 (frozen backbone) only", default=r.head_type,
-        choices=("medusa", "hydra"))
+        "trained by teacher forcing; 'eagle': a feature-level drafter (one decoder layer of the base's "
+        "architecture over the base's hidden states, drafting autoregressively: medusa_jax/eagle.py), trained "
+        "on a feature store (scripts/build_features.py) or on packed rows; hydra and eagle: Medusa-1 (frozen "
+        "backbone) only. For eagle, --num-heads is the deepest tree it drafts and --num-layers its decoder "
+        "layers", default=r.head_type, choices=("medusa", "hydra", "eagle"))
     add(g, "--hydra-input", "how a Hydra head combines the hidden state h and its path embeddings e_0..e_i: 'add' "
         "(h + a projection of [e_0..e_i]) or 'concat' (a projection of [h, e_0..e_i]); see medusa_jax/hydra_heads.py",
         default=r.hydra_input, choices=("add", "concat"))
@@ -90,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--ce-weight", "weight of each head's cross-entropy in --head-loss ce+kl", type=float,
         default=t.ce_weight)
     add(g, "--kl-weight", "weight of each head's KL in --head-loss kl and ce+kl", type=float, default=t.kl_weight)
+    add(g, "--eagle-noise", "eagle: uniform noise U(-x, x) added to the input features while training",
+        type=float, default=t.eagle_noise)
+    add(g, "--eagle-feature-weight", "eagle: weight of the SmoothL1 regression of the next feature", type=float,
+        default=t.eagle_feature_weight)
+    add(g, "--eagle-ce-weight", "eagle: weight of the cross-entropy against the base's next-token distribution",
+        type=float, default=t.eagle_ce_weight)
     add(g, "--compute-dtype", "dtype the step computes in; weights and optimiser state stay float32 (use "
         "bfloat16 on GPU)", default=t.compute_dtype, choices=("float32", "bfloat16"))
     add(g, "--seed", "data split/order and head initialisation seed", type=int, default=r.seed)
@@ -139,8 +150,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--warmup-steps and --num-layers must be >= 0 and --learning-rate > 0")
     if not 0 <= args.heldout_fraction < 1:
         raise ValueError(f"--heldout-fraction must be in [0, 1), got {args.heldout_fraction}")
-    if args.head_type == "hydra" and args.medusa2:
-        raise ValueError("--head-type hydra trains with a frozen backbone (Medusa-1) only; drop --medusa2")
+    if args.head_type != "medusa" and args.medusa2:
+        raise ValueError(f"--head-type {args.head_type} trains with a frozen backbone (Medusa-1) only; drop --medusa2")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    for flag in ("eagle_noise", "eagle_feature_weight", "eagle_ce_weight"):
+        value = getattr(args, flag)
+        if not value >= 0:  # also refuses NaN
+            raise ValueError(f"--{flag.replace('_', '-')} must be a number >= 0, got {value}")
+    if args.eagle_feature_weight + args.eagle_ce_weight == 0:
+        raise ValueError("--eagle-feature-weight and --eagle-ce-weight are both 0: nothing to train")
     weights = {"ce": (args.ce_weight,), "kl": (args.kl_weight,), "ce+kl": (args.ce_weight, args.kl_weight)}
     if min(args.ce_weight, args.kl_weight) < 0 or not any(weights[args.head_loss]):
         raise ValueError(f"--ce-weight and --kl-weight must be >= 0 and the ones --head-loss {args.head_loss} uses "
@@ -195,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         heads_dtype=args.heads_dtype, base_model_name=args.base_model_name, seed=args.seed,
         progress=not args.no_progress, force_output=args.force_output,
         memory_limit_gib=args.memory_limit if args.memory_limit is not None or jax.default_backend() == "cpu" else 0,
+        max_tokens=args.max_tokens,
         data_config=DataConfig(seq_len=args.seq_len, heldout_fraction=args.heldout_fraction, seed=args.seed,
                                num_proc=args.num_proc, limit=args.max_conversations),
         train=TrainConfig(learning_rate=args.learning_rate, head_lr_multiplier=multiplier,
@@ -202,7 +222,9 @@ def run(args: argparse.Namespace) -> int:
                           clip_norm=args.clip_norm, loss_decay=args.loss_decay, medusa2=args.medusa2,
                           lm_loss_weight=args.lm_loss_weight, distill_kl=args.distill_kl,
                           compute_dtype=args.compute_dtype, freeze_head_lm_heads=args.freeze_lm_heads,
-                          head_loss=args.head_loss, ce_weight=args.ce_weight, kl_weight=args.kl_weight))
+                          head_loss=args.head_loss, ce_weight=args.ce_weight, kl_weight=args.kl_weight,
+                          eagle_noise=args.eagle_noise, eagle_feature_weight=args.eagle_feature_weight,
+                          eagle_ce_weight=args.eagle_ce_weight))
     with CompileCounter() as compiles:
         result = train_heads(config)
     print(json.dumps({**result, **compiles.summary()}))

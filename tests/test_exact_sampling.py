@@ -107,7 +107,7 @@ def planted_table(q2_bvv, q3_bvvv) -> jnp.ndarray:
 
 def table_proposer(inputs):
     table_bvmr = inputs.data
-    return table_bvmr[jnp.arange(inputs.root_b.shape[0]), inputs.root_b]
+    return table_bvmr[jnp.arange(inputs.root_b.shape[0]), inputs.root_b], inputs.draft
 
 
 @partial(jax.jit, static_argnames=("graphdef", "acceptance", "pad_id"))

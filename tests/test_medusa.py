@@ -41,10 +41,10 @@ def plant(tree, reference, accept_targets):
 def heads_or_planted(inputs):
     """The heads' proposal or the planted one, chosen by data (one compile serves both runs of a test)."""
     use_planted = inputs.data["use_planted"]
-    from_heads, planted = heads_proposer(inputs), planted_proposer(inputs)
-    if from_heads.ndim == 2:  # Hydra heads propose the [B, T] tree tokens
+    (from_heads, draft), (planted, _) = heads_proposer(inputs), planted_proposer(inputs)
+    if from_heads.ndim == 2:  # Hydra heads and the EAGLE drafter propose the [B, T] tree tokens
         planted = tree_tokens(inputs.root_b, planted, inputs.tree)
-    return jnp.where(use_planted, planted, from_heads)
+    return jnp.where(use_planted, planted, from_heads), draft
 
 
 def cycling_targets(batch: int, depth: int) -> np.ndarray:
@@ -99,7 +99,7 @@ def ids(results):
     return [r.token_ids for r in results]
 
 
-HEAD_TYPES = ["medusa", "hydra"]
+HEAD_TYPES = ["medusa", "hydra", "eagle"]
 
 
 @pytest.mark.parametrize("head_type", HEAD_TYPES)

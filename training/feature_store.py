@@ -139,15 +139,16 @@ def _append_shard(folder: Path, name: str, rows, hidden_size: int) -> None:
 
 
 def chunks_of(lengths: list[int], chunk_tokens: int, max_tokens: int) -> list[list[int]]:
-    """Consecutive index ranges of about chunk_tokens tokens each, until max_tokens tokens are covered."""
+    """Consecutive index ranges of about chunk_tokens tokens each (cut by chunk_tokens alone, so chunk c is the
+    same whatever max_tokens is), as many as cover max_tokens tokens."""
     out, current, in_chunk, total = [], [], 0, 0
     for i, n in enumerate(lengths):
-        if total >= max_tokens:
+        if total >= max_tokens and not current:
             break
         current.append(i)
         in_chunk += n
         total += n
-        if in_chunk >= chunk_tokens or total >= max_tokens:
+        if in_chunk >= chunk_tokens:
             out.append(current)
             current, in_chunk = [], 0
     if current:

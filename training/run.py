@@ -28,7 +28,7 @@ from medusa_jax import sharding as shd
 from medusa_jax.heads import HeadsConfig, MedusaHeads
 from medusa_jax.heads_init import init_heads
 from medusa_jax.heads_io import save_heads
-from medusa_jax.training import losses, memory_plan, output_folder
+from medusa_jax.training import feature_batches, feature_store, losses, memory_plan, output_folder
 from medusa_jax.training.checkpointing import Checkpoints
 from medusa_jax.training.data import DataConfig, PackedRows, load_chat_data, row_batch, row_iterator, top_token_ids
 from medusa_jax.training.trainer import TrainConfig, Trainer, schedule
@@ -46,7 +46,8 @@ class RunConfig:
     num_heads: int = 4
     num_layers: int = 1
     lm_head: str = "truncated:3072"  # own | shared | truncated:N (3,072 divides tensor degrees 2, 3, 4, 6, 8)
-    head_type: str = "medusa"  # medusa | hydra (heads that also see the drafted tokens; Medusa-1 only)
+    head_type: str = "medusa"  # medusa | hydra (heads that also see the drafted tokens) | eagle (a feature
+    # drafter, medusa_jax/eagle.py); hydra and eagle: Medusa-1 only
     hydra_input: str = HeadsConfig.hydra_input  # hydra: add | concat (medusa_jax.hydra_heads)
     batch_size: int = 8  # global packed rows per step
     cached_batch_size: int = 4096  # global positions per step with cache_hidden
@@ -65,6 +66,7 @@ class RunConfig:
     progress: bool = True
     force_output: bool = False  # write into an existing folder the trainer did not make (never a model folder)
     memory_limit_gib: float | None = None  # None: MemAvailable; 0: no check (training.memory_plan)
+    max_tokens: int | None = None  # a feature store as --data: train on its first conversations of this many tokens
     data_config: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
 
@@ -137,6 +139,8 @@ def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
     from medusa_jax.training import distill_store, hidden_cache, hidden_store
 
     pos = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    if feature_store.is_feature_store(cfg.data):
+        return _feature_feed(cfg, log, pos)
     k, n_proc, teacher = cfg.num_heads, jax.process_count(), cfg.train.uses_teacher
     with_path = cfg.head_type == "hydra"  # Hydra heads also read the true tokens on each position's path
     store = cfg.data if distill_store.is_store(cfg.data) else None
@@ -187,6 +191,26 @@ def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
                  loss_tokens, lambda b: len(b["targets"]) * n_proc)
 
 
+def _feature_feed(cfg: RunConfig, log, pos) -> _Feed:
+    """Packed rows of a teacher-forced feature store with their features (the EAGLE drafter's data)."""
+    if cfg.head_type != "eagle":
+        raise ValueError(f"--data {cfg.data} is a feature store: it trains the EAGLE drafter (--head-type eagle)")
+    store = feature_store.open_feature_store(cfg.data, cfg.max_tokens)
+    dc = cfg.data_config
+    train, held = feature_batches.split_store(store, dc.heldout_fraction, dc.seq_len, cfg.seed)
+    log(f"feature store {cfg.data}: {len(store.ids)} conversations, {store.num_tokens} tokens; {train.num_rows} "
+        f"training / {held.num_rows} held-out rows of {dc.seq_len} ({train.num_tokens} / {held.num_tokens} tokens)")
+
+    def empty(n):
+        out = held.batch(np.zeros((0,), np.int64))
+        return {k: np.zeros((n,) + v.shape[1:], v.dtype) for k, v in out.items()}
+
+    n_proc = jax.process_count()
+    return _Feed(train.iterator(cfg.batch_size, cfg.seed, **pos),
+                 _padded_batches(held.batch, held.num_rows, cfg.batch_size, cfg.eval_batches, empty),
+                 train.loss_tokens(), lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
+
+
 def plan_memory(cfg: RunConfig) -> memory_plan.MemoryEstimate:
     """The run's peak-memory estimate from the model's config.json (no weights loaded)."""
     mode, n_trunc = parse_lm_head(cfg.lm_head)
@@ -209,8 +233,8 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
     """Checks the output folder and the memory plan, takes the folder's lock, then runs (see output_folder)."""
     if cfg.cache_hidden and cfg.train.medusa2:
         raise ValueError("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
-    if cfg.head_type == "hydra" and cfg.train.medusa2:
-        raise ValueError("--head-type hydra trains with a frozen backbone (Medusa-1) only; drop --medusa2")
+    if cfg.head_type != "medusa" and cfg.train.medusa2:
+        raise ValueError(f"--head-type {cfg.head_type} trains with a frozen backbone (Medusa-1) only; drop --medusa2")
     parse_lm_head(cfg.lm_head)
     output_folder.check_output(cfg.output, cfg.force_output)
     plan = plan_memory(cfg)
@@ -241,7 +265,8 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     feed = _prepare_data(cfg, base, tokenizer, eos, log)
     heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
                                mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model),
-                               head_type=cfg.head_type, hydra_input=cfg.hydra_input)
+                               head_type=cfg.head_type, hydra_input=cfg.hydra_input,
+                               decoder=base.config if cfg.head_type == "eagle" else None)
     token_map = top_token_ids(feed.loss_tokens, n_trunc, base.config.vocab_size) if mode == "truncated" else None
     heads = init_heads(heads_config, base, cfg.seed, token_map)
     trainer = Trainer(base, heads, cfg.train, mesh)
@@ -319,7 +344,7 @@ def _loop(cfg: RunConfig, trainer: Trainer, it, ckpt: Checkpoints, signature, wr
             write_log({"kind": "train", "step": trainer.step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                        "head_lr": float(head_lr(trainer.step - 1)), "tokens_per_s": tokens_done / elapsed,
                        "elapsed_s": elapsed, "epoch": it.epoch, **metrics["stats"].summary(),
-                       **({"base_loss": float(metrics["base_loss"])} if "base_loss" in metrics else {})})
+                       **{k: float(v) for k, v in metrics.items() if k not in ("loss", "grad_norm", "stats")}})
         ckpt.save(trainer, it.position, signature)
         if trainer.step % cfg.eval_every == 0 or trainer.step == cfg.train.max_steps:
             result = evaluate(trainer, eval_batches)

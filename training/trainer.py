@@ -6,11 +6,13 @@ the heads' lm_heads with `freeze_head_lm_heads`, the original backbone for Medus
 weights stay in their stored dtype; with `compute_dtype="bfloat16"` the step runs the modules in bf16
 (norms, softmax and losses stay fp32).
 
-Two batch kinds:
+Three batch kinds:
   rows    {"tokens", "segment_ids", "positions", "loss_mask"} [B, T] packed rows: the backbone runs in the step
   hidden  {"hidden" [N, D], "targets" [N, M]} (+ "teacher_hidden" [N, M, D] for distilled targets): cached final
           hidden states (Medusa-1 CPU path, hidden_examples.py); teacher_hidden[:, i] is the hidden state at
           t + 1 + i (+ "path" [N, M] for Hydra heads: the true tokens on each position's path, losses.py)
+  features {"feat" [B, T, D], "tokens", "segment_ids", "positions", "loss_mask", "noise_seed" [B]}: packed rows
+          with the base's hidden state at every position (a feature store; the EAGLE drafter, eagle_loss.py)
 Distilled head targets (`head_loss` kl or ce+kl, losses.distill_loss): head i's teacher at t is the base lm_head
 applied to the base's hidden state at t + 1 + i, shifted out of the rows' own forward or read from the cache:
 no second model. Its logits are recomputed per head inside the head's rematerialised block (only the token_map
@@ -42,6 +44,7 @@ from medusa_jax.hydra_heads import path_tokens
 
 from medusa_jax.training import losses
 from medusa_jax.training.data import segment_mask
+from medusa_jax.training.eagle_loss import eagle_stats
 
 ROW_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 HIDDEN_KEYS = ("hidden", "targets")
@@ -65,6 +68,11 @@ class TrainConfig:
     head_loss: str = "ce"  # ce (data tokens) | kl (the base's distribution, see losses.py) | ce+kl
     ce_weight: float = 1.0  # weight of each head's CE in ce+kl
     kl_weight: float = 1.0  # weight of each head's KL in kl and ce+kl
+    # EAGLE drafter (training/eagle_loss.py): uniform noise on the input features, and the weights of the
+    # feature regression and of the cross-entropy against the base's distribution
+    eagle_noise: float = 0.1
+    eagle_feature_weight: float = 1.0
+    eagle_ce_weight: float = 0.1
 
     def __post_init__(self):
         resolve_dtype(self.compute_dtype)
@@ -76,6 +84,9 @@ class TrainConfig:
             raise ValueError("distill_kl only applies to Medusa-2 (the backbone must be trained)")
         if self.max_steps < 1 or self.warmup_steps < 0 or self.learning_rate <= 0 or self.head_lr_multiplier <= 0:
             raise ValueError(f"bad schedule: {self}")
+        if self.eagle_noise < 0 or self.eagle_feature_weight < 0 or self.eagle_ce_weight < 0 or \
+                self.eagle_feature_weight + self.eagle_ce_weight == 0:
+            raise ValueError(f"EAGLE noise and loss weights must be >= 0, the weights not both 0: {self}")
 
     @property
     def head_loss_weights(self) -> tuple[float, float]:
@@ -164,8 +175,9 @@ class Trainer:
         (medusa_jax.bench.plan)."""
         self.config, self.mesh = config, mesh
         shd.validate_model_mesh(base.config, mesh)
-        if heads.config.head_type == "hydra" and config.medusa2:
-            raise ValueError("Hydra heads train with a frozen backbone (Medusa-1) only; drop --medusa2")
+        if heads.config.head_type != "medusa" and config.medusa2:
+            raise ValueError(f"{heads.config.head_type} heads train with a frozen backbone (Medusa-1) only; drop "
+                             f"--medusa2")
         self.num_heads, self.head_type = heads.config.num_heads, heads.config.head_type
         dtype = config.compute_dtype
         self._base_def = _compute_graphdef(base, lambda c: CausalLM(c, nnx.Rngs(0)), dtype)
@@ -209,8 +221,18 @@ class Trainer:
                           cast_floating(frozen["heads_rest"], dtype))
         return base, heads
 
-    def _objective(self, params, frozen, batch):
+    def _objective(self, params, frozen, batch, full_vocab_targets: bool = False):
+        """The loss and its statistics; full_vocab_targets (evaluation): an EAGLE drafter is scored against the
+        base's greedy token over the full vocabulary, without input noise."""
         base, heads = self._modules(params, frozen)
+        if self.head_type == "eagle":
+            if "feat" not in batch:  # packed rows: the frozen backbone gives the features in the step
+                batch = {**batch, "feat": jax.lax.stop_gradient(backbone_hidden(base, batch))}
+            cfg = self.config
+            noise = 0.0 if full_vocab_targets else cfg.eagle_noise
+            loss, stats, extras = eagle_stats(heads, base, batch, noise=noise, feature_weight=cfg.eagle_feature_weight,
+                                              ce_weight=cfg.eagle_ce_weight, full_vocab_targets=full_vocab_targets)
+            return loss, (stats, extras)
         extras = {}
         dtype = resolve_dtype(self.config.compute_dtype)
         teacher = None
@@ -261,7 +283,7 @@ class Trainer:
         return params, opt_state, metrics
 
     def _eval_step(self, params, frozen, batch):
-        _, (stats, extras) = self._objective(params, frozen, batch)
+        _, (stats, extras) = self._objective(params, frozen, batch, full_vocab_targets=True)
         return stats, extras
 
     # ---- sharded entry points ---------------------------------------------------------------------
@@ -283,7 +305,7 @@ class Trainer:
     def jitted_step(self, batch) -> Any:
         """The jitted train step (params, opt_state, frozen, batch) for batches shaped like `batch` (arrays or
         jax.ShapeDtypeStructs: this process's rows)."""
-        kind = "hidden" if "hidden" in batch else "rows"
+        kind = batch_kind(batch)
         rep = shd.replicated(self.mesh)
         return self._compiled(self._steps, kind, batch, lambda bsh: jax.jit(
             self._train_step, in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings, bsh),
@@ -297,7 +319,7 @@ class Trainer:
         return jax.device_get(metrics)
 
     def eval_stats(self, batch: dict[str, np.ndarray]) -> tuple[losses.HeadStats, dict]:
-        kind = "hidden" if "hidden" in batch else "rows"
+        kind = batch_kind(batch)
         rep = shd.replicated(self.mesh)
         fn = self._compiled(self._evals, kind, batch, lambda bsh: jax.jit(
             self._eval_step, in_shardings=(self.param_shardings, self.frozen_shardings, bsh), out_shardings=rep))
@@ -313,6 +335,11 @@ class Trainer:
         """The backbone (trained in Medusa-2, the original in Medusa-1) on the host's default device."""
         state = jax.device_get(self.params["base"] if self.config.medusa2 else self.frozen["base"])
         return nnx.merge(self._stored_base_def, _to_device(state))
+
+
+def batch_kind(batch) -> str:
+    """"hidden" (cached hidden states), "features" (packed rows with their features) or "rows"."""
+    return "hidden" if "hidden" in batch else "features" if "feat" in batch else "rows"
 
 
 def _global_shape(local_shape) -> tuple[int, ...]:

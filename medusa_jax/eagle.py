@@ -1,0 +1,196 @@
+"""An EAGLE-style feature drafter (Li et al., 2024): one decoder layer of the base's own architecture that predicts
+the base's next final hidden state, drafted autoregressively over the tree inside the jitted tree step.
+
+At position t the drafter reads the pair (f_t, x_{t+1}): the base's final-norm hidden state at t and the embedding
+of the token after it (the one-token shift of EAGLE), x = fc([emb(x_{t+1}); f_t]) (2D -> D, no bias), then
+`num_layers` decoder layers (the first without its input norm, as EAGLE's) and no final norm; its output g_t
+predicts f_{t+1}, and the lm_head (the base's, or a draft vocabulary of the most frequent tokens: `token_map`)
+turns it into the draft distribution of x_{t+2}. The token embeddings are the base's (frozen, never copied).
+
+The drafter keeps its own KV cache (one buffer pair per drafter layer, the layout of kv_cache.py), carried
+between tree steps in `DraftState`; slot p holds the pair of position p. Per tree step, for a row whose base
+cache holds L tokens, root x_L and last feature f_{L-1}:
+  1. catch-up: ONE drafter forward over E + 1 entries: the n pairs of the previous step's accepted path, whose
+     true features the verify produced (positions P..P+n-1), then the root pair (f_{L-1}, x_L) at P + n = L - 1;
+     all are committed (P becomes L). The root pair's output gives the depth-1 draft.
+  2. tree rounds, depth d = 2..D: one forward over the tree nodes of depth d - 1 that have children; node u's
+     pair is (g of u's parent, x_u) at position L - 1 + depth(u), written to the tree block after the committed
+     slots and attending to the committed slots and its own ancestors' block entries. Its top-k fill u's
+     children. Block entries are scratch: the next step recomputes the accepted ones from true features.
+  3. after the verify (`accepted`): the accepted path's pairs (f at path node j, token of node j + 1) become the
+     next step's catch-up entries.
+Axes as in the package legend; here t runs over a call's drafter entries and `i` over the tree's internal nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from medusa_jax.backbone import CausalLM, DecoderLayer
+from medusa_jax.config import resolve_dtype
+from medusa_jax.heads import HeadsBase, HeadsConfig, head_lm_head, head_logits
+from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.rope import inverse_frequencies
+from medusa_jax.tree import TreeBuffers
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftState:
+    """The drafter's state between tree steps: its KV cache (lengths_b = P committed pairs) and the pairs of the
+    last accepted path not yet in it (the first pending_n_b of pending_*)."""
+
+    cache: KVCache
+    pending_feat_bed: jax.Array  # [b, E, D] true features f_{P..P+E-1}
+    pending_tok_be: jax.Array  # [b, E] the token after each
+    pending_n_b: jax.Array  # [b] how many are valid
+
+
+class DrafterRounds:
+    """Static indices of a tree's drafting rounds (numpy). Internal nodes (non-root nodes with children), in node
+    order, own the tree block's entries: internal node internal_t[i] is block entry i. Round d (d = 2..depth)
+    runs block entries start[d] .. start[d + 1] - 1 (the internal nodes at depth d - 1)."""
+
+    def __init__(self, tree: TreeBuffers):
+        has_children = np.zeros(tree.num_tokens, bool)
+        has_children[tree.parent_t[1:]] = True
+        self.internal_i = np.nonzero(has_children & (np.arange(tree.num_tokens) > 0))[0]
+        entry_of = np.full(tree.num_tokens, -1)
+        entry_of[self.internal_i] = np.arange(len(self.internal_i))
+        depth_i = tree.depth_t[self.internal_i]
+        self.starts = {d: int(np.searchsorted(depth_i, d - 1)) for d in range(2, tree.depth + 2)}
+        # block entry j is visible to entry i when node internal_i[j] is an ancestor of (or is) internal_i[i]
+        self.visible_ii = tree.ancestor_mask_tt[np.ix_(self.internal_i, self.internal_i)]
+        self.entry_of_t = entry_of
+        self.depth_i = depth_i
+
+
+class EagleDrafter(HeadsBase):
+    head_type = "eagle"
+
+    def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
+        super().__init__(config, [], token_map)
+        if config.decoder is None:
+            raise ValueError("an EAGLE drafter needs HeadsConfig.decoder (init_heads fills it from the base model)")
+        dtype = resolve_dtype(config.dtype)
+        decoder = config.decoder.replace(num_layers=config.num_layers, dtype=config.dtype)
+        d = config.hidden_size
+        self.decoder = decoder
+        self.fc = nnx.Linear(2 * d, d, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                             kernel_init=nnx.initializers.normal(0.02))
+        self.layers = nnx.List([DecoderLayer(decoder, rngs, input_norm=i > 0) for i in range(config.num_layers)])
+        self.lm_head = head_lm_head(config, dtype, rngs)
+
+    # ---- the drafter's forward ---------------------------------------------------------------------------
+    def __call__(self, feats_btd, tokens_bt, positions_bt, mask_bts, cache: KVCache | None, base: CausalLM,
+                 offsets_b=None) -> tuple[jax.Array, KVCache | None]:
+        """Outputs g [B, T, D] of the pairs (feats_btd[t], tokens_bt[t]) and the cache with their K/V written at
+        slots offsets_b + t (default: cache.lengths_b); mask_bts is over the cache slots (or, cache None, over
+        the call's own entries: training)."""
+        dtype = self.fc.kernel[...].dtype
+        x = self.fc(jnp.concatenate([base.embed_tokens(tokens_bt).astype(dtype), feats_btd.astype(dtype)], -1))
+        cfg = self.decoder
+        if cfg.sliding_window is not None:
+            key_pos = positions_bt[:, None, :] if cache is None else jnp.arange(mask_bts.shape[-1])[None, None, :]
+            mask_bts = mask_bts & ((positions_bt[:, :, None] - key_pos) < cfg.sliding_window)
+        inv_freq = inverse_frequencies(cfg)
+        if cache is None:
+            for layer in self.layers:
+                x, _, _ = layer(x, positions_bt, mask_bts, None, None, None, inv_freq)
+            return x, None
+        offsets_b = cache.lengths_b if offsets_b is None else offsets_b
+        k_layers, v_layers = [], []
+        for layer, k_bkhs, v_bksh in zip(self.layers, cache.k_bkhs, cache.v_bksh):
+            x, k_bkhs, v_bksh = layer(x, positions_bt, mask_bts, k_bkhs, v_bksh, offsets_b, inv_freq)
+            k_layers.append(k_bkhs)
+            v_layers.append(v_bksh)
+        return x, cache.replace(k_bkhs=tuple(k_layers), v_bksh=tuple(v_layers))
+
+    def logits(self, out_xd: jax.Array, base: CausalLM) -> jax.Array:
+        """[..., D] drafter outputs -> [..., V_head] fp32 draft logits."""
+        return head_logits(self, out_xd, base)
+
+    def top_k(self, out_xd: jax.Array, base: CausalLM, k: int) -> jax.Array:
+        """[..., D] -> [..., k] full-vocabulary ids of the k most likely draft tokens, best first."""
+        _, ids = jax.lax.top_k(self.logits(out_xd, base), k)
+        return self.to_full_vocab(ids.astype(jnp.int32))
+
+    # ---- the tree step's proposer contract ---------------------------------------------------------------
+    needs_prompt_hidden = True
+
+    def init_draft(self, base: CausalLM, prompt_bt, prompt_lens_b, hidden_btd, cache_size: int,
+                   max_depth: int) -> DraftState:
+        """After the base prefill: the pairs (f_i, x_{i+1}) of every prompt position i < len - 1 in the drafter
+        cache (one forward over the padded prompt); nothing pending."""
+        b, t = prompt_bt.shape
+        cache = KVCache.zeros(self.decoder, b, cache_size, dtype=self.fc.kernel[...].dtype)
+        next_bt = jnp.concatenate([prompt_bt[:, 1:], prompt_bt[:, -1:]], axis=1)
+        positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask_bts = attention_mask(cache.lengths_b, causal_block(t), cache_size)
+        _, cache = self(hidden_btd, next_bt, positions_bt, mask_bts, cache, base)
+        e, d = max_depth + 1, hidden_btd.shape[-1]
+        return DraftState(cache.replace(lengths_b=(prompt_lens_b - 1).astype(jnp.int32)),
+                          jnp.zeros((b, e, d), hidden_btd.dtype), jnp.zeros((b, e), jnp.int32),
+                          jnp.zeros((b,), jnp.int32))
+
+    def propose(self, hidden_bd, root_b, base: CausalLM, tree: TreeBuffers, draft: DraftState,
+                active_b) -> tuple[jax.Array, DraftState]:
+        """The [B, T] tokens of every tree node (node 0 = root_b), and the state with the catch-up committed."""
+        b, e = draft.pending_tok_be.shape
+        cache, p_b, n_b = draft.cache, draft.cache.lengths_b, draft.pending_n_b
+        # 1. catch-up: pending pairs 0..n-1, then the root pair at n (entries past n are masked padding)
+        slot_e = jnp.arange(e + 1)
+        feats = jnp.concatenate([draft.pending_feat_bed, hidden_bd[:, None].astype(draft.pending_feat_bed.dtype)], 1)
+        toks = jnp.concatenate([draft.pending_tok_be, root_b[:, None].astype(jnp.int32)], 1)
+        is_root_be = slot_e[None, :] == n_b[:, None]
+        feats = jnp.where(is_root_be[..., None], hidden_bd[:, None].astype(feats.dtype), feats)
+        toks = jnp.where(is_root_be, root_b[:, None], toks)
+        positions_be = p_b[:, None] + slot_e[None, :]
+        mask = attention_mask(p_b, causal_block(e + 1), cache.cache_size)
+        out_bed, cache = self(feats, toks, positions_be, mask, cache, base)
+        g_root_bd = jnp.take_along_axis(out_bed, n_b[:, None, None], axis=1)[:, 0]
+        committed_b = jnp.where(active_b, p_b + n_b + 1, p_b)  # = L for an active row
+        # 2. the tree: depth 1 from the root's output, deeper rounds from the drafted nodes' own pairs
+        tokens_bt = jnp.zeros((b, tree.num_tokens), jnp.int32).at[:, 0].set(root_b.astype(jnp.int32))
+        out_btd = jnp.zeros((b, tree.num_tokens, hidden_bd.shape[-1]), out_bed.dtype).at[:, 0].set(g_root_bd)
+        rounds = DrafterRounds(tree)
+        for depth in range(1, tree.depth + 1):
+            children = np.nonzero(tree.depth_t == depth)[0]
+            parents = np.unique(tree.parent_t[children])
+            if depth > 1:  # run the parents' own pairs (they are internal nodes at depth - 1)
+                lo, hi = rounds.starts[depth], rounds.starts[depth + 1]
+                nodes = rounds.internal_i[lo:hi]
+                feats_btd = out_btd[:, tree.parent_t[nodes]]
+                positions_bt = committed_b[:, None] - 1 + jnp.asarray(tree.depth_t[nodes])[None, :]
+                slot_s = jnp.arange(cache.cache_size)
+                rel_bs = slot_s[None, :] - committed_b[:, None]
+                visible_ts = jnp.asarray(rounds.visible_ii[lo:hi])  # [t, internal entries]
+                in_block_bts = jnp.take(visible_ts, jnp.clip(rel_bs, 0, visible_ts.shape[1] - 1), axis=1
+                                        ).transpose(1, 0, 2) & ((rel_bs >= 0) & (rel_bs < visible_ts.shape[1]))[:, None]
+                mask_bts = (rel_bs < 0)[:, None, :] | in_block_bts
+                out_b_d, cache = self(feats_btd, tokens_bt[:, nodes], positions_bt, mask_bts, cache, base,
+                                      offsets_b=committed_b + lo)
+                out_btd = out_btd.at[:, nodes].set(out_b_d)
+            ranks = tree.rank_t[children]
+            ids_bpr = self.top_k(out_btd[:, parents], base, int(ranks.max()) + 1)
+            slot_of_parent = np.searchsorted(parents, tree.parent_t[children])
+            tokens_bt = tokens_bt.at[:, children].set(ids_bpr[:, slot_of_parent, ranks])
+        return tokens_bt, dataclasses.replace(draft, cache=cache.replace(lengths_b=committed_b))
+
+    def accepted(self, draft: DraftState, hidden_btd, tokens_bt, nodes_be, accept_b, active_b) -> DraftState:
+        """The accepted path's pairs (f at path node j, token of node j + 1), j < accept length, become the next
+        step's catch-up entries (none for an inactive row)."""
+        e = draft.pending_tok_be.shape[1]
+        n = min(e, nodes_be.shape[1] - 1)
+        feat_bed = jnp.take_along_axis(hidden_btd, nodes_be[:, :n, None], axis=1).astype(draft.pending_feat_bed.dtype)
+        tok_be = jnp.take_along_axis(tokens_bt, nodes_be[:, 1:n + 1], axis=1)
+        pad = e - n
+        feat_bed = jnp.pad(feat_bed, ((0, 0), (0, pad), (0, 0)))
+        tok_be = jnp.pad(tok_be, ((0, 0), (0, pad)))
+        return dataclasses.replace(draft, pending_feat_bed=feat_bed, pending_tok_be=tok_be.astype(jnp.int32),
+                                   pending_n_b=jnp.where(active_b, accept_b, 0).astype(jnp.int32))
