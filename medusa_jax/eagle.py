@@ -111,6 +111,34 @@ class EagleDrafter(HeadsBase):
             v_layers.append(v_bksh)
         return x, cache.replace(k_bkhs=tuple(k_layers), v_bksh=tuple(v_layers))
 
+    def unrolled(self, feats_btd, tokens_bt, base: CausalLM, depth: int, segments_bt=None) -> jax.Array:
+        """[depth, B, T, D] outputs of chains drafted from every position of whole sequences at once: depth k's
+        output at t drafts x_{t+k+1} from the true context up to t (pairs (f_i, x_{i+1}), i <= t) and the TRUE
+        tokens x_{t+2}..x_{t+k} with the drafter's own features along the chain (what a tree step sees on an
+        accepted path). Entries of depth k live at slots (k - 1) T .. k T - 1 of one scratch cache and attend
+        to the true entries up to t and their own chain (held-out acceptance per depth; training-time tests)."""
+        b, t = tokens_bt.shape
+        seg_bt = jnp.ones((b, t), jnp.int32) if segments_bt is None else segments_bt
+        positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segments_bt is not None:  # positions restart with each packed conversation
+            first_bt = jnp.concatenate([jnp.ones((b, 1), bool), seg_bt[:, 1:] != seg_bt[:, :-1]], axis=1)
+            start_bt = jax.lax.cummax(jnp.where(first_bt, positions_bt, 0), axis=1)
+            positions_bt = positions_bt - start_bt
+        causal_btt = (seg_bt[:, :, None] == seg_bt[:, None, :]) & jnp.tril(jnp.ones((t, t), bool))[None]
+        eye_btt = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+        cache = KVCache.zeros(self.decoder, b, depth * t, dtype=self.fc.kernel[...].dtype)
+        outs, feats = [], feats_btd
+        for k in range(1, depth + 1):
+            toks = jnp.concatenate([tokens_bt[:, k:], jnp.zeros((b, k), tokens_bt.dtype)], axis=1)
+            # true entries up to t (block 0), then the query's own chain entries of depths 2..k (blocks 1..k-1)
+            mask = jnp.concatenate([causal_btt] + [eye_btt] * (k - 1) + [jnp.zeros_like(eye_btt)] * (depth - k),
+                                   axis=2)
+            out, cache = self(feats, toks, positions_bt + k - 1, mask, cache, base,
+                              offsets_b=jnp.full((b,), (k - 1) * t, jnp.int32))
+            outs.append(out)
+            feats = out
+        return jnp.stack(outs)
+
     def logits(self, out_xd: jax.Array, base: CausalLM) -> jax.Array:
         """[..., D] drafter outputs -> [..., V_head] fp32 draft logits."""
         return head_logits(self, out_xd, base)

@@ -1,8 +1,10 @@
-"""Export Medusa heads for PyTorch serving systems (official Medusa code, TGI, TensorRT-LLM, vLLM).
+"""Export Medusa heads for PyTorch serving systems (official Medusa code, TGI, TensorRT-LLM, vLLM), and EAGLE
+drafters in the EAGLE authors' layout (vLLM's and SGLang's EAGLE loaders, EAGLE's own code).
 
 Example:
   python scripts/export_heads.py --heads default-medusa --out exported/medusa --model default
   python scripts/export_heads.py --heads my_heads --out exported/vllm --format vllm --dtype bfloat16
+  python scripts/export_heads.py --heads my_drafter --out exported/eagle --format eagle --model default
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True,
                    help="output folder (written atomically; must not exist or be empty; temp folders left by a "
                         "killed export are removed)")
-    p.add_argument("--format", choices=("medusa", "vllm"), default="medusa",
+    p.add_argument("--format", choices=("medusa", "vllm", "eagle", "eagle-sglang"), default="medusa",
                    help="'medusa': medusa_lm_head.safetensors + config.json for the official Medusa code, TGI and "
-                        "TensorRT-LLM (default); 'vllm': model.safetensors + config.json for vLLM")
+                        "TensorRT-LLM (default); 'vllm': model.safetensors + config.json for vLLM; for an EAGLE "
+                        "drafter: 'eagle' (the EAGLE authors' layout, no fc bias: vLLM, EAGLE's own code) or "
+                        "'eagle-sglang' (the same with a zero fc.bias and SGLang's architecture name); both need "
+                        "--model (the drafter's file carries the base's input embedding)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype of the written tensors (default float32; serve in the base model's dtype)")
     p.add_argument("--materialize-lm-head", action="store_true",
@@ -53,7 +58,7 @@ def main(argv=None) -> int:
 
     try:
         return run(args)
-    except (CheckpointError, ExportError) as e:
+    except (CheckpointError, ExportError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -66,17 +71,20 @@ def run(args: argparse.Namespace) -> int:
     from medusa_jax.heads_interop import ExportError, export_heads, serving_notes
     from medusa_jax.hf_import import load_pretrained
 
-    heads_dir = args.heads
-    if heads_dir == "default":
-        from medusa_jax.assets import resolve_heads_dir
+    from medusa_jax.assets import resolve_heads_dir
 
-        heads_dir = resolve_heads_dir("default")
+    heads_dir = resolve_heads_dir(args.heads)  # 'default' / 'default-medusa': the shipped heads
     if Path(args.out).resolve() == Path(heads_dir).resolve():
         raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
                           f"checkpoints); choose another --out")
     model_dir = resolve_model_dir(args.model) if args.model else None
     base = load_pretrained(model_dir, dtype="float32") if model_dir else None
     heads = load_heads(heads_dir, base_config=base.config if base is not None else None)
+    if (heads.config.head_type == "eagle") != args.format.startswith("eagle"):
+        raise ExportError(f"--format {args.format} does not fit {heads.config.head_type} heads: EAGLE drafters export "
+                          f"with --format eagle or eagle-sglang, Medusa heads with medusa or vllm")
+    if args.format.startswith("eagle"):
+        return _export_eagle(args, heads, base)
     name = args.base_model_name_or_path
     if name is None and not heads.config.base_model_name_or_path and args.model:
         name = str(model_dir.resolve())
@@ -89,6 +97,23 @@ def run(args: argparse.Namespace) -> int:
           f"{cfg.num_layers} ResBlocks, lm_head={cfg.lm_head}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
     for note in serving_notes(heads, args.format, args.materialize_lm_head,
                               name if name is not None else cfg.base_model_name_or_path):
+        print(f"  - {note}")
+    return 0
+
+
+def _export_eagle(args: argparse.Namespace, drafter, base) -> int:
+    from medusa_jax.eagle_interop import eagle_serving_notes, export_eagle
+    from medusa_jax.heads_interop import ExportError
+
+    if base is None:
+        raise ExportError("--format eagle needs --model: the drafter's file carries the base's input embedding")
+    sglang = args.format == "eagle-sglang"
+    out = export_eagle(drafter, base, args.out, dtype=args.dtype, sglang=sglang, overwrite=args.overwrite)
+    size_mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
+    cfg = drafter.config
+    print(f"wrote {out} ({args.format} layout, {args.dtype}, {size_mb:.1f} MiB): EAGLE drafter of {cfg.num_layers} "
+          f"decoder layer(s), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    for note in eagle_serving_notes(drafter, sglang):
         print(f"  - {note}")
     return 0
 

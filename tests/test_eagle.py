@@ -132,6 +132,23 @@ def test_drafts_after_an_accepted_path_equal_plain_forwards(base, accept):
     np.testing.assert_array_equal(np.asarray(tokens[0]), reference_tree(d, base, committed, tree))
 
 
+def test_unrolled_chains_equal_plain_forwards(base):
+    d = drafter(base, seed=4)
+    rng = np.random.RandomState(1)
+    tokens = rng.randint(0, base.config.vocab_size, size=12)
+    n = len(tokens)
+    feats = np.asarray(base(jnp.asarray(tokens)[None], jnp.arange(n)[None], segment_mask(np.ones((1, n), np.int32)),
+                            None)[0][0])
+    outs = np.asarray(d.unrolled(jnp.asarray(feats)[None], jnp.asarray(tokens, jnp.int32)[None], base, 3)[:, 0])
+    for t in (0, 4, 8):
+        f_list, x_list = list(feats[: t + 1]), list(tokens[1: t + 2])
+        for k in range(1, 4):  # depth k: the chain's pairs (previous output, the true token x_{t+k})
+            got = plain_outputs(d, base, np.stack(f_list), x_list)[-1]
+            np.testing.assert_allclose(outs[k - 1, t], np.asarray(got), atol=2e-4, rtol=1e-4)
+            f_list.append(np.asarray(got))
+            x_list.append(tokens[min(t + k + 1, n - 1)])
+
+
 def test_export_loads_back_and_matches_a_pytorch_forward(base, tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors.numpy import load_file
