@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=t.eagle_feature_weight)
     add(g, "--eagle-ce-weight", "eagle: weight of the cross-entropy against the base's next-token distribution",
         type=float, default=t.eagle_ce_weight)
+    add(g, "--eagle-train-depth", "eagle: depths trained; above 1, depths 2..N learn from the drafter's own "
+        "outputs along the true tokens (the chain a tree step drafts), weighted --loss-decay**(k-1)", type=int,
+        default=t.eagle_train_depth)
     add(g, "--compute-dtype", "dtype the step computes in; weights and optimiser state stay float32 (use "
         "bfloat16 on GPU)", default=t.compute_dtype, choices=("float32", "bfloat16"))
     add(g, "--seed", "data split/order and head initialisation seed", type=int, default=r.seed)
@@ -158,6 +161,8 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if not value >= 0:  # also refuses NaN
             raise ValueError(f"--{flag.replace('_', '-')} must be a number >= 0, got {value}")
+    if args.eagle_train_depth < 1:
+        raise ValueError(f"--eagle-train-depth must be >= 1, got {args.eagle_train_depth}")
     if args.eagle_feature_weight + args.eagle_ce_weight == 0:
         raise ValueError("--eagle-feature-weight and --eagle-ce-weight are both 0: nothing to train")
     weights = {"ce": (args.ce_weight,), "kl": (args.kl_weight,), "ce+kl": (args.ce_weight, args.kl_weight)}
@@ -224,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
                           compute_dtype=args.compute_dtype, freeze_head_lm_heads=args.freeze_lm_heads,
                           head_loss=args.head_loss, ce_weight=args.ce_weight, kl_weight=args.kl_weight,
                           eagle_noise=args.eagle_noise, eagle_feature_weight=args.eagle_feature_weight,
-                          eagle_ce_weight=args.eagle_ce_weight))
+                          eagle_ce_weight=args.eagle_ce_weight, eagle_train_depth=args.eagle_train_depth))
     with CompileCounter() as compiles:
         result = train_heads(config)
     print(json.dumps({**result, **compiles.summary()}))

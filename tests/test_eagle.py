@@ -326,3 +326,13 @@ def test_eagle_training_lowers_the_loss_and_resumes_exactly(chat, tmp_path, monk
     assert [r["step"] for r in resumed] == list(range(1, 15))
     for r in resumed[5:]:
         assert r["loss"] == pytest.approx(losses[r["step"] - 1], rel=1e-4), r["step"]
+
+
+def test_training_depth_two_trains_and_scores_both_depths(chat, tmp_path, monkeypatch):
+    store = tmp_path / "store"
+    assert _build(chat, store, monkeypatch, tmp_path, 2000) == 0
+    log = _train(chat, store, tmp_path / "a", monkeypatch, tmp_path, "--max-steps", "4", "--eval-every", "4",
+                 "--eagle-train-depth", "2")
+    train = [r for r in log if r["kind"] == "train"]
+    assert all(len(r["top1"]) == 2 and np.isfinite(r["loss"]) for r in train)
+    assert len([r for r in log if r["kind"] == "eval"][-1]["top1"]) == 2

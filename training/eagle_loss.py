@@ -6,7 +6,9 @@ the pair (f_t + noise, x_{t+1}) (uniform noise on the input features only), atte
 conversation, and its output g_t is trained towards f_{t+1}:
     loss = feature_weight * SmoothL1(g_t, f_{t+1})  (mean over D)
          + ce_weight * CE(softmax(lm_head(f_{t+1})), lm_head(g_t))  (the base's distribution of x_{t+2})
-averaged over the positions where t + 1 is an assistant (loss) token of the same conversation. The lm_head of
+averaged over the positions where t + 1 is an assistant (loss) token of the same conversation. With a training
+depth N > 1 the drafter is also trained as it drafts: depth k's pair at t is (its own depth k-1 output, x_{t+k})
+and its output is trained towards f_{t+k} (EAGLE-3's training-time test, with EAGLE-1's feature loss kept). The lm_head of
 both sides is the drafter's vocabulary (the base's own, or its draft vocabulary's columns, whose teacher is the
 base distribution renormalised over them). Accuracy counts the drafter's top-1 against the base's greedy token
 (over the draft vocabulary while training; over the full vocabulary in evaluation, which is what greedy
@@ -51,37 +53,54 @@ def base_greedy(base: CausalLM, hidden_btd: jax.Array, chunk: int = 256) -> jax.
     return ids.reshape(-1)[:n].reshape(b, t)
 
 
+def _shift_by(x_btx, k: int, fill=0):
+    """x at t + k along axis 1 (fill past the row's end)."""
+    pad = jnp.full((x_btx.shape[0], k) + x_btx.shape[2:], fill, x_btx.dtype)
+    return jnp.concatenate([x_btx[:, k:], pad], axis=1)
+
+
 def eagle_stats(drafter: EagleDrafter, base: CausalLM, batch: dict, *, noise: float, feature_weight: float,
-                ce_weight: float, full_vocab_targets: bool = False) -> tuple[jax.Array, losses.HeadStats, dict]:
-    """(loss, HeadStats with one "head" (depth 1), {"feature_loss", "ce_loss"}) of one batch."""
-    feat_btd = batch["feat"].astype(jnp.float32)
-    tokens_bt, seg_bt = batch["tokens"], batch["segment_ids"]
-    next_bt = _shift(tokens_bt)
-    target_btd = jax.lax.stop_gradient(jnp.concatenate([feat_btd[:, 1:], jnp.zeros_like(feat_btd[:, :1])], 1))
-    valid_bt = (seg_bt > 0) & (_shift(seg_bt) == seg_bt) & _shift(batch["loss_mask"].astype(bool), False)
-    inputs_btd = feat_btd + feature_noise(batch["noise_seed"], feat_btd.shape[1:], noise, feat_btd.dtype)
-    out_btd, _ = drafter(inputs_btd, next_bt, batch["positions"], segment_mask(seg_bt), None, base)
+                ce_weight: float, depth: int = 1, decay: float = 1.0,
+                full_vocab_targets: bool = False) -> tuple[jax.Array, losses.HeadStats, dict]:
+    """(loss, HeadStats with one row per drafted depth, {"feature_loss", "ce_loss"}) of one batch. depth > 1
+    also trains depths 2..depth on the drafter's own outputs along the true tokens (`EagleDrafter.unrolled`, the
+    chain a tree step drafts; EAGLE-3's training-time test), depth k weighted decay**(k - 1)."""
     f = jnp.float32
-    count = jnp.sum(valid_bt, dtype=f)
-    diff = jnp.abs(out_btd.astype(f) - target_btd)
-    smooth_l1_bt = jnp.mean(jnp.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5), axis=-1)
-    feature_sum = jnp.sum(jnp.where(valid_bt, smooth_l1_bt, 0.0))
-    # the teacher: the base's distribution over the drafter's vocabulary at f_{t+1}
+    feat_btd = batch["feat"].astype(f)
+    tokens_bt, seg_bt, loss_bt = batch["tokens"], batch["segment_ids"], batch["loss_mask"].astype(bool)
+    inputs_btd = feat_btd + feature_noise(batch["noise_seed"], feat_btd.shape[1:], noise, feat_btd.dtype)
+    if depth == 1:
+        out_btd, _ = drafter(inputs_btd, _shift(tokens_bt), batch["positions"], segment_mask(seg_bt), None, base)
+        outs = [out_btd]
+    else:
+        outs = list(drafter.unrolled(inputs_btd, tokens_bt, base, depth, seg_bt))
     token_map = None if drafter.token_map is None else drafter.token_map[...]
     teacher_w_du = losses.teacher_lm_weight(base.lm_head_weight(), token_map)
-    teacher_btu = jnp.dot(target_btd.astype(teacher_w_du.dtype), teacher_w_du).astype(f)
-    student_btu = drafter.logits(out_btd, base)
-    teacher_p_btu = jax.nn.softmax(teacher_btu, axis=-1)
-    ce_bt = -jnp.sum(teacher_p_btu * jax.nn.log_softmax(student_btu, axis=-1), axis=-1)
-    ce_sum = jnp.sum(jnp.where(valid_bt, ce_bt, 0.0))
-    if full_vocab_targets:  # the base's own greedy token (full vocabulary)
-        greedy_bt = base_greedy(base, target_btd)
-    else:
-        greedy_bt = drafter.to_full_vocab(jnp.argmax(teacher_btu, axis=-1).astype(jnp.int32))
-    targets_bt = jnp.where(valid_bt, greedy_bt, losses.NO_TARGET)
     inverse = None if token_map is None else losses.inverse_token_map(token_map, base.config.vocab_size)
-    _, in_vocab, total, top1, top5 = losses.one_head_stats(student_btu, targets_bt, inverse)
-    stats = losses.stack_stats([(ce_sum, count, total, top1, top5)])
-    denom = jnp.maximum(count, 1.0)
-    loss = (feature_weight * feature_sum + ce_weight * ce_sum) / denom
-    return loss, stats, {"feature_loss": feature_sum / denom, "ce_loss": ce_sum / denom}
+    per_depth, loss, feature_total, ce_total = [], 0.0, 0.0, 0.0
+    for k, out_btd in enumerate(outs, start=1):
+        # depth k at t drafts x_{t+k+1}: its target feature is f_{t+k}, present while t + k is in the conversation
+        target_btd = jax.lax.stop_gradient(_shift_by(feat_btd, k))
+        valid_bt = (seg_bt > 0) & (_shift_by(seg_bt, k) == seg_bt) & _shift_by(loss_bt, k, False)
+        count = jnp.sum(valid_bt, dtype=f)
+        diff = jnp.abs(out_btd.astype(f) - target_btd)
+        smooth_l1_bt = jnp.mean(jnp.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5), axis=-1)
+        feature_sum = jnp.sum(jnp.where(valid_bt, smooth_l1_bt, 0.0))
+        # the teacher: the base's distribution over the drafter's vocabulary at f_{t+k}
+        teacher_btu = jnp.dot(target_btd.astype(teacher_w_du.dtype), teacher_w_du).astype(f)
+        student_btu = drafter.logits(out_btd, base)
+        ce_bt = -jnp.sum(jax.nn.softmax(teacher_btu, axis=-1) * jax.nn.log_softmax(student_btu, axis=-1), axis=-1)
+        ce_sum = jnp.sum(jnp.where(valid_bt, ce_bt, 0.0))
+        if full_vocab_targets:  # the base's own greedy token (full vocabulary)
+            greedy_bt = base_greedy(base, target_btd)
+        else:
+            greedy_bt = drafter.to_full_vocab(jnp.argmax(teacher_btu, axis=-1).astype(jnp.int32))
+        targets_bt = jnp.where(valid_bt, greedy_bt, losses.NO_TARGET)
+        _, _, total, top1, top5 = losses.one_head_stats(student_btu, targets_bt, inverse)
+        per_depth.append((ce_sum, count, total, top1, top5))
+        denom = jnp.maximum(count, 1.0)
+        weight = decay ** (k - 1)
+        loss = loss + weight * (feature_weight * feature_sum + ce_weight * ce_sum) / denom
+        feature_total, ce_total = feature_total + feature_sum / denom, ce_total + ce_sum / denom
+    extras = {"feature_loss": feature_total / depth, "ce_loss": ce_total / depth}
+    return loss, losses.stack_stats(per_depth), extras

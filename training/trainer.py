@@ -73,6 +73,7 @@ class TrainConfig:
     eagle_noise: float = 0.1
     eagle_feature_weight: float = 1.0
     eagle_ce_weight: float = 0.1
+    eagle_train_depth: int = 1  # > 1: also train depths 2..N on the drafter's own outputs (loss_decay**(k-1))
 
     def __post_init__(self):
         resolve_dtype(self.compute_dtype)
@@ -85,7 +86,7 @@ class TrainConfig:
         if self.max_steps < 1 or self.warmup_steps < 0 or self.learning_rate <= 0 or self.head_lr_multiplier <= 0:
             raise ValueError(f"bad schedule: {self}")
         if self.eagle_noise < 0 or self.eagle_feature_weight < 0 or self.eagle_ce_weight < 0 or \
-                self.eagle_feature_weight + self.eagle_ce_weight == 0:
+                self.eagle_feature_weight + self.eagle_ce_weight == 0 or self.eagle_train_depth < 1:
             raise ValueError(f"EAGLE noise and loss weights must be >= 0, the weights not both 0: {self}")
 
     @property
@@ -231,7 +232,8 @@ class Trainer:
             cfg = self.config
             noise = 0.0 if full_vocab_targets else cfg.eagle_noise
             loss, stats, extras = eagle_stats(heads, base, batch, noise=noise, feature_weight=cfg.eagle_feature_weight,
-                                              ce_weight=cfg.eagle_ce_weight, full_vocab_targets=full_vocab_targets)
+                                              ce_weight=cfg.eagle_ce_weight, depth=cfg.eagle_train_depth,
+                                              decay=cfg.loss_decay, full_vocab_targets=full_vocab_targets)
             return loss, (stats, extras)
         extras = {}
         dtype = resolve_dtype(self.config.compute_dtype)
