@@ -16,7 +16,7 @@ import dataclasses
 import json
 from typing import Callable, Sequence
 
-from medusa_jax.tree import DEFAULT_TREE, load_tree
+from medusa_jax.heads.tree import DEFAULT_TREE, load_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.sharded import ShardedModel
 

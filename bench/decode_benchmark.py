@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
 from medusa_jax.compile_cache import CompileCounter
+from medusa_jax.model.backbone import CausalLM
 from medusa_jax.inference.api import generate
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 

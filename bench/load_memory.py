@@ -56,8 +56,8 @@ class _AnonPeak:
 def _child(model_dir: str, mesh_spec: str, mode: str) -> dict:
     import jax
 
-    from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.sharding import MeshConfig, param_shardings, sharding_for
+    from medusa_jax.hf.load import load_pretrained
+    from medusa_jax.model.sharding import MeshConfig, param_shardings, sharding_for
     from flax import nnx
 
     jax.devices()  # start the backend before the baseline

@@ -1,7 +1,7 @@
 """A closed-form estimate of per-device memory, beside the compiled plan (`medusa_jax.bench.plan`).
 
 Counts from the model's shapes and the mesh (data d, fsdp f, tensor t) alone, following the layouts of
-`medusa_jax.sharding`: weight matrices split over f x t, norms replicated, biases over t; the KV cache
+`medusa_jax.model.sharding`: weight matrices split over f x t, norms replicated, biases over t; the KV cache
 [L, B, S, K, H] split over rows (d x f) and KV heads (t); Adam's two moments like their parameters.
 Activations are the largest working sets, not a full liveness analysis:
   decode  prefill: one layer's attention scores and probabilities (fp32) and MLP activations of the prompt;
@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from medusa_jax.config import resolve_dtype
+from medusa_jax.model.config import resolve_dtype
 
 
 @dataclasses.dataclass(frozen=True)

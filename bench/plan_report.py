@@ -10,10 +10,10 @@ from typing import Callable
 
 from medusa_jax.atomic import write_text_atomic
 
+from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.bench.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits
 from medusa_jax.bench.plan_estimate import Estimate, estimate, lower_bound
-from medusa_jax.presets import model_config
-from medusa_jax.sharding import MeshConfig
+from medusa_jax.bench.presets import model_config
 
 GIB = 2**30
 

@@ -19,8 +19,8 @@ from typing import Sequence
 import jax
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
 from medusa_jax.compile_cache import CompileCounter
+from medusa_jax.model.backbone import CausalLM
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.training.distill_decode import Slots, admit_prompts, run_chunk

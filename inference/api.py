@@ -33,11 +33,11 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from medusa_jax.backbone import CausalLM
 from medusa_jax.compile_cache import CompileCounter
-from medusa_jax.heads import MedusaHeads
-from medusa_jax.sharding import MeshConfig
-from medusa_jax.tree import TreeBuffers, load_tree
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.heads.tree import TreeBuffers, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_positions, pad_prompts,
                                          resolve_eos)

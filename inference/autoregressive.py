@@ -7,7 +7,7 @@ matmul) but never advances its cache length again, so it writes only to scratch 
 
 `plain_step` (a PlainState in, a PlainState out) is THE plain step: the decode loop's body, the step that
 self-distillation runs between slot refills (training/distill_decode.py) and the one the step-cost timing
-jits (medusa_jax.bench.step_cost).
+jits (inference/step_cost.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, attention_mask, causal_block
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, attention_mask, causal_block
 from medusa_jax.inference.sampling import SamplingConfig, sample_tokens
 
 

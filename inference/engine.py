@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from medusa_jax.backbone import CausalLM
+from medusa_jax.model.backbone import CausalLM
 
 PROMPT_BUCKET = 64  # the smallest padded prompt width; wider prompts double it (see bucket_length)
 

@@ -1,6 +1,6 @@
 """Decoding under a device mesh: the plain and Medusa decode loops jitted with explicit in/out shardings.
 
-Layouts (mesh axes from `medusa_jax.sharding`):
+Layouts (mesh axes from `medusa_jax.model.sharding`):
     parameters        PARAM_RULES (attention heads, MLP width and vocabulary over `tensor`; hidden over `fsdp`)
     KV cache          [L, B, S, K, H]: rows over (data, fsdp), KV heads over `tensor`
     prompts, outputs  [B, ...]: rows over (data, fsdp); the PRNG key is replicated
@@ -10,7 +10,7 @@ and top-k (`sharded_top_k`); `data` alone needs no collective but the loop's "an
 `fsdp` > 1 stores weights split over hidden_size: the prefill all-gathers them layer by layer (once per
 batch), and the decode loop needs extra activation collectives over fsdp per layer (XLA's choice on the
 meshes we compiled; it could as well gather weights). It saves memory, not time: for decoding prefer
-data x tensor, and fsdp only when the weights do not fit. `medusa_jax.hlo_collectives` checks a compiled
+data x tensor, and fsdp only when the weights do not fit. `medusa_jax.bench.hlo_collectives` checks a compiled
 loop (`invariant_gathers` lists weights re-gathered at every step).
 
 Multi-host: every process holds the same (small) host batch of token ids; `put_rows` builds each process's
@@ -31,14 +31,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.heads import MedusaHeads, MedusaModel
-from medusa_jax.hydra_heads import HydraHeads
-from medusa_jax.kv_cache import KVCache
-from medusa_jax.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_sharding, cache_shardings,
-                                 checked_sharding, param_shardings, replicated, validate_model_mesh)
-from medusa_jax.heads_trees import trees_of
-from medusa_jax.tree import TreeBuffers
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.model.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_sharding, cache_shardings,
+                                       checked_sharding, param_shardings, replicated, validate_model_mesh)
+from medusa_jax.heads.hydra import HydraHeads
+from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
+from medusa_jax.heads.tree import TreeBuffers
+from medusa_jax.heads.trees_file import trees_of
 from medusa_jax.inference import autoregressive, medusa
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.sampling import SamplingConfig
@@ -309,13 +309,13 @@ def _placed(value: jax.Array, sharding: NamedSharding) -> jax.Array:
 def load_sharded(model_dir, heads_dir=None, mesh: MeshConfig | Mesh | None = None, dtype: str = "float32",
                  random_heads: int = 0) -> ShardedModel:
     """A HF model folder read straight into its mesh layout (each device reads its own slice), plus heads
-    from a folder in any layout `heads_import.load_heads` reads, as a ShardedModel. `random_heads` = K > 0
+    from a folder in any layout `heads.load.load_heads` reads, as a ShardedModel. `random_heads` = K > 0
     instead adds K untrained heads sharing the base lm_head (for timing runs before trained heads exist)."""
-    from medusa_jax.heads import HeadsConfig
-    from medusa_jax.heads_init import init_heads
-    from medusa_jax.heads_import import load_heads
-    from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.sharding import sharding_for
+    from medusa_jax.heads.config import HeadsConfig
+    from medusa_jax.heads.init import init_heads
+    from medusa_jax.heads.load import load_heads
+    from medusa_jax.hf.load import load_pretrained
+    from medusa_jax.model.sharding import sharding_for
 
     if mesh is None or isinstance(mesh, MeshConfig):
         mesh = (mesh or MeshConfig()).make_mesh()

@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from medusa_jax.cli_args import parse_int_list, parse_positive_int_list
+from medusa_jax.scripts.cli_args import parse_int_list, parse_positive_int_list
 
 
 def parse_temperatures(text: str) -> tuple[float, ...]:
@@ -134,8 +134,8 @@ def sampling_main(a: argparse.Namespace, argv) -> int:
 
 def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
     """Loads the model and questions, runs `run(loaded, questions, config)`, writes its report with `write`."""
-    from medusa_jax.real_model import portable_path
-    from medusa_jax.tree import TreeError
+    from medusa_jax.paths import portable_path
+    from medusa_jax.heads.tree import TreeError
     from medusa_jax.bench.mtbench import MTBenchError
     from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,
                                                mtbench_questions)
@@ -158,7 +158,7 @@ def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
 
 def quick_main(argv: list[str]) -> int:
     """`benchmark.py quick`: bench/quick.py."""
-    from medusa_jax.tree import PRESETS
+    from medusa_jax.heads.tree import PRESETS
     from medusa_jax.bench import quick
     from medusa_jax.bench.quick import PROMPTS, QuickConfig
 
@@ -186,9 +186,9 @@ def quick_main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    from medusa_jax.heads import HeadsConfig
-    from medusa_jax.heads_init import init_heads
-    from medusa_jax.tree import TreeError
+    from medusa_jax.heads.config import HeadsConfig
+    from medusa_jax.heads.init import init_heads
+    from medusa_jax.heads.tree import TreeError
     from medusa_jax.bench.bench_inputs import load_model
     from medusa_jax.bench.quick import run_quick
 
@@ -231,9 +231,9 @@ def teacher_mass_main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.hf.load import load_pretrained
     from medusa_jax.training.distill_store import is_store
-    from medusa_jax.assets import resolve_model_dir
+    from medusa_jax.bench.demo_model import resolve_model_dir
     from medusa_jax.bench.teacher_mass import outside_mass
 
     if not is_store(a.data):
@@ -300,8 +300,8 @@ def heads_main(argv: list[str]) -> int:
         p.error("--questions must be >= 1")
 
     from medusa_jax.assets import resolve_heads_dir
-    from medusa_jax.heads_import import load_heads
-    from medusa_jax.real_model import portable_path
+    from medusa_jax.heads.load import load_heads
+    from medusa_jax.paths import portable_path
     from medusa_jax.bench.bench_inputs import (command_line, load_model, machine_description, mtbench_questions,
                                                write_files)
     from medusa_jax.bench.bench_report import machine_line

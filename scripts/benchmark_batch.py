@@ -26,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from medusa_jax.cli_args import parse_int_list, parse_positive_int_list
+from medusa_jax.scripts.cli_args import parse_int_list, parse_positive_int_list
 
 
 def main(argv=None) -> int:
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 def throughput_main(argv: list[str]) -> int:
     """The default mode: bench/batch_benchmark.py."""
     from medusa_jax.bench.batch_benchmark import METHODS, BatchBenchConfig
-    from medusa_jax.real_model import portable_path
+    from medusa_jax.paths import portable_path
 
     d = BatchBenchConfig()
     p = argparse.ArgumentParser(prog="benchmark_batch.py", description=__doc__,
@@ -74,12 +74,13 @@ def throughput_main(argv: list[str]) -> int:
     from medusa_jax.compile_cache import enable_compile_cache
 
     enable_compile_cache()  # compile seconds stay reported; a rerun loads the executables instead
-    from medusa_jax.sharding import MeshConfig
+    from medusa_jax.model.sharding import MeshConfig
     from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
     from medusa_jax.inference.sharded import load_sharded
     from medusa_jax.bench.batch_benchmark import markdown, run_batch_benchmark
     from medusa_jax.bench.bench_inputs import (command_line, machine_description, mtbench_questions, write_files)
-    from medusa_jax.assets import resolve_heads_dir, resolve_model_dir
+    from medusa_jax.assets import resolve_heads_dir
+    from medusa_jax.bench.demo_model import resolve_model_dir
 
     try:
         config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
@@ -139,7 +140,7 @@ def scaling_main(argv: list[str]) -> int:
     if a.rounds < 1:
         p.error("--rounds must be >= 1")
 
-    from medusa_jax.tree import load_tree
+    from medusa_jax.heads.tree import load_tree
     from medusa_jax.bench.bench_inputs import command_line, load_model, machine_description, write_files
 
     try:

@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from medusa_jax.bench.load_memory import measure
-    from medusa_jax.real_model import portable_path
-    from medusa_jax.assets import resolve_model_dir
+    from medusa_jax.paths import portable_path
+    from medusa_jax.bench.demo_model import resolve_model_dir
     from medusa_jax.bench.bench_inputs import write_files
 
     folder = str(resolve_model_dir(a.model))

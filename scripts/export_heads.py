@@ -48,8 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from medusa_jax.heads_interop import ExportError
-    from medusa_jax.tensor_files import CheckpointError
+    from medusa_jax.heads.export import ExportError
+    from medusa_jax.hf.tensor_files import CheckpointError
 
     try:
         return run(args)
@@ -61,10 +61,10 @@ def main(argv=None) -> int:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from medusa_jax.assets import resolve_model_dir
-    from medusa_jax.heads_import import load_heads
-    from medusa_jax.heads_interop import ExportError, export_heads, serving_notes
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.bench.demo_model import resolve_model_dir
+    from medusa_jax.heads.load import load_heads
+    from medusa_jax.heads.export import ExportError, export_heads, serving_notes
+    from medusa_jax.hf.load import load_pretrained
 
     heads_dir = args.heads
     if heads_dir == "default":

@@ -31,7 +31,7 @@ import sys
 
 def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that choose the decoder: plain decoding, or Medusa decoding with --heads."""
-    from medusa_jax.tree import DEFAULT_TREE, PRESETS
+    from medusa_jax.heads.tree import DEFAULT_TREE, PRESETS
 
     p.add_argument("--heads", default=None,
                    help="Medusa heads folder (medusa-jax, FasterDecoding/TGI/TensorRT-LLM or vLLM layout), or "
@@ -108,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="device mesh for sharded decoding, e.g. data=2,tensor=4 (axes data, fsdp, tensor; missing "
                         "axes are 1; --batch-size must divide by data*fsdp; for decoding prefer data x tensor) "
                         "(default: one device)")
-    from medusa_jax.distributed import add_distributed_args
+    from medusa_jax.scripts.distributed import add_distributed_args
 
     add_distributed_args(p)
     a = p.parse_args(argv)
@@ -140,9 +140,9 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
 
     from medusa_jax.assets import resolve_heads_dir
     from medusa_jax.compile_cache import CompileCounter
-    from medusa_jax.sharding import MeshConfig
+    from medusa_jax.model.sharding import MeshConfig
     from medusa_jax.text import pad_token_id
-    from medusa_jax.tree import load_tree
+    from medusa_jax.heads.tree import load_tree
     from medusa_jax.inference.acceptance import AcceptanceConfig
     from medusa_jax.inference.api import HEADS_TREE, BatchSettings
     from medusa_jax.inference.sharded import load_sharded
@@ -185,7 +185,7 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from medusa_jax import distributed
+    from medusa_jax.scripts import distributed
 
     try:  # before any other JAX call
         distributed.initialize(distributed.config_from_args(a))
@@ -195,14 +195,14 @@ def main(argv=None) -> int:
     from medusa_jax.compile_cache import enable_compile_cache
 
     enable_compile_cache()
-    from medusa_jax.config import UnsupportedModelError
-    from medusa_jax.tensor_files import CheckpointError
+    from medusa_jax.model.config import UnsupportedModelError
+    from medusa_jax.hf.tensor_files import CheckpointError
     from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer
     from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, read_prompts
 
     try:
         if a.model == "default":
-            from medusa_jax.real_model import prepare_smollm2
+            from medusa_jax.bench.demo_model import prepare_smollm2
 
             folder = prepare_smollm2()
         else:

@@ -77,8 +77,8 @@ def force_host_devices(count: int) -> None:
 def plan_main(argv: list[str]) -> int:
     args = parse_args(argv)
     from medusa_jax.bench.plan import PlanConfig, device_capacity
-    from medusa_jax.presets import model_config
-    from medusa_jax.sharding import MeshConfig
+    from medusa_jax.bench.presets import model_config
+    from medusa_jax.model.sharding import MeshConfig
 
     try:
         mesh = MeshConfig.parse(args.mesh)
@@ -145,7 +145,7 @@ def table_main(argv: list[str]) -> int:
                    help="compile nothing: the table from OUT/plans.json (and the exact lower bounds), missing plans "
                         "shown as 'not planned'")
     args = p.parse_args(argv)
-    from medusa_jax.presets import PRESETS
+    from medusa_jax.bench.presets import PRESETS
 
     models = tuple(m for m in args.models.split(",") if m)
     unknown = [m for m in models if m not in PRESETS]
@@ -191,7 +191,7 @@ def vs_device_main(argv: list[str]) -> int:
         return 2
     folder = args.model
     if folder == "smollm2":
-        from medusa_jax.real_model import prepare_smollm2
+        from medusa_jax.bench.demo_model import prepare_smollm2
         folder = str(prepare_smollm2())
     plan_cmd = [sys.executable, str(Path(__file__).resolve()), "--model", folder, "--job", "decode",
                 "--lm-head", "shared", "--batch", str(args.batch), "--seq", str(args.seq), "--cache",
@@ -205,7 +205,7 @@ def vs_device_main(argv: list[str]) -> int:
     import numpy as np
 
     from medusa_jax.inference.sharded import load_sharded
-    from medusa_jax.tree import load_tree
+    from medusa_jax.heads.tree import load_tree
 
     model = load_sharded(folder, dtype=args.dtype, random_heads=args.heads)
     tree = load_tree(args.tree, num_heads=args.heads)

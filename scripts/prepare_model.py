@@ -18,7 +18,7 @@ def main(argv=None) -> int:
                    help="folder to create (default: the cache folder above); must be absent, empty, or already "
                         "prepared")
     a = p.parse_args(argv)
-    from medusa_jax.real_model import ModelPreparationError, prepare_smollm2
+    from medusa_jax.bench.demo_model import ModelPreparationError, prepare_smollm2
 
     try:
         folder = prepare_smollm2(a.out)

@@ -19,8 +19,8 @@ import argparse
 import json
 import sys
 
-from medusa_jax.assets import resolve_model_dir
 from medusa_jax.training.self_distill import DistillConfig, self_distill, shard_output
+from medusa_jax.bench.demo_model import resolve_model_dir
 
 
 def main(argv=None) -> int:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                    help="this process's devices for the decode slots, e.g. data=8 (slots over data x fsdp, weights "
                         "over tensor; --batch-size must divide) (default: one device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
-    from medusa_jax.distributed import add_distributed_args
+    from medusa_jax.scripts.distributed import add_distributed_args
 
     add_distributed_args(p)
     a = p.parse_args(argv)
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             sys.exit(2)
         print(json.dumps({"store": str(store)}))
         return 0
-    from medusa_jax.distributed import DistributedError, config_from_args, initialize
+    from medusa_jax.scripts.distributed import DistributedError, config_from_args, initialize
 
     try:
         if initialize(config_from_args(a)):  # the shard is this process's place in the job

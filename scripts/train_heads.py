@@ -7,7 +7,7 @@ Examples:
   # a GPU pod slice: 8 devices, batch over data x fsdp, weights over fsdp x tensor
   python scripts/train_heads.py --model DIR --data sharegpt --output heads/x --mesh data=2,fsdp=2,tensor=2
 Rerun with --resume to continue from the latest checkpoint. The output folder is a heads folder
-(`medusa_jax.heads_io.load_native_heads`), with train_log.jsonl (plot it: scripts/plot_training.py).
+(`medusa_jax.heads.folder.load_native_heads`), with train_log.jsonl (plot it: scripts/plot_training.py).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from medusa_jax.assets import is_default_model, resolve_model_dir
+from medusa_jax.assets import is_default_model
+from medusa_jax.bench.demo_model import resolve_model_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from medusa_jax.distributed import add_distributed_args
+    from medusa_jax.scripts.distributed import add_distributed_args
     from medusa_jax.training.data import DataConfig
     from medusa_jax.training.run import RunConfig
     from medusa_jax.training.trainer import TrainConfig
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "trained by teacher forcing; Medusa-1 (frozen backbone) only", default=r.head_type,
         choices=("medusa", "hydra"))
     add(g, "--hydra-input", "how a Hydra head combines the hidden state h and its path embeddings e_0..e_i: 'add' "
-        "(h + a projection of [e_0..e_i]) or 'concat' (a projection of [h, e_0..e_i]); see medusa_jax/hydra_heads.py",
+        "(h + a projection of [e_0..e_i]) or 'concat' (a projection of [h, e_0..e_i]); see medusa_jax/heads/hydra.py",
         default=r.hydra_input, choices=("add", "concat"))
     add(g, "--lm-head", "each head's output layer: 'truncated:N' (own [D, N] over the N most frequent training "
         "tokens; targets outside them count as misses; fast and small), 'own' (a full [D, V] copy per head, "
@@ -156,8 +157,8 @@ def main(argv=None) -> int:
     import sys
 
     args = build_parser().parse_args(argv)
-    from medusa_jax.distributed import DistributedError, config_from_args, initialize
-    from medusa_jax.sharding import MeshError
+    from medusa_jax.scripts.distributed import DistributedError, config_from_args, initialize
+    from medusa_jax.model.sharding import MeshError
     from medusa_jax.training.checkpointing import CheckpointMismatch
     from medusa_jax.training.memory_plan import MemoryPlanError
     from medusa_jax.training.output_folder import OutputFolderError

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import medusa_jax
-from medusa_jax.assets import is_default_model, resolve_model_dir
+from medusa_jax.assets import is_default_model
+from medusa_jax.bench.demo_model import resolve_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_FACING = ("load_pretrained", "save_pretrained", "load_heads", "save_heads", "export_heads", "generate",

@@ -1,4 +1,4 @@
-"""Cache attention (medusa_jax/attention.py) against a NumPy reference, and long caches against transformers."""
+"""Cache attention (medusa_jax/model/attention.py) against a NumPy reference, and long caches against transformers."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_jax.attention import grouped_attention
-from medusa_jax.hf_import import load_pretrained
-from medusa_jax.kv_cache import KVCache, attention_mask, causal_block, move_slots, write_layer
+from medusa_jax.model.attention import grouped_attention
+from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block, move_slots, write_layer
+from medusa_jax.hf.load import load_pretrained
 
 
 def _reference(q_btkgh, k_bskh, v_bskh, mask_bts):

@@ -15,7 +15,7 @@ from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 
 def test_self_distill_writes_sharegpt_resumes_and_keeps_hidden_states(tmp_path):
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.hf.load import load_pretrained
     from medusa_jax.training.sharegpt import read_conversation_file
     from medusa_jax.training.trainer import backbone_hidden
     from transformers import AutoTokenizer
@@ -70,7 +70,7 @@ def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
     import jax
     from flax import nnx
 
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.hf.load import load_pretrained
     from medusa_jax.inference.api import generate
     from medusa_jax.inference.sampling import SamplingConfig
     from medusa_jax.training.distill_decode import Slots, admit, run_chunk
@@ -139,7 +139,7 @@ def test_grouped_admission_matches_admitting_each_prompt_alone(tmp_path):
     import jax
     from flax import nnx
 
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.hf.load import load_pretrained
     from medusa_jax.inference.sampling import SamplingConfig
     from medusa_jax.training.distill_decode import Slots, admission_groups, admit_prompts
 

@@ -119,7 +119,7 @@ def _source_fingerprint(source: str | None) -> str:
 def cache_root(config: DataConfig) -> Path:
     if config.cache_dir:
         return Path(config.cache_dir)
-    from medusa_jax.real_model import cache_root as root
+    from medusa_jax.paths import cache_root as root
     return root() / "tokenized"
 
 

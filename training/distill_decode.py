@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.inference.autoregressive import PlainState, is_eos, prefill, run_plain_steps
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 from medusa_jax.inference.sampling import SamplingConfig, sample_tokens
-from medusa_jax.kv_cache import KVCache
 
 
 @jax.tree_util.register_dataclass

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.hydra_heads import path_tokens
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.heads.hydra import path_tokens
 from medusa_jax.training.data import PackedRows
 from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows
 from medusa_jax.training.losses import head_targets, shifted_targets

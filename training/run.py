@@ -1,7 +1,7 @@
 """A whole head-training run: data, heads, trainer, checkpoints, logs, held-out evaluation, the heads folder.
 
 `train_heads(RunConfig)` is what scripts/train_heads.py calls. Outputs (written by process 0):
-  OUTPUT/config.json + heads.safetensors   the heads (medusa_jax.heads_io.load_native_heads reads them)
+  OUTPUT/config.json + heads.safetensors   the heads (medusa_jax.heads.folder.load_native_heads reads them)
   OUTPUT/base_model/                       Medusa-2 only: the jointly trained backbone as a HF folder
   OUTPUT/train_log.jsonl                   one JSON object per logged step ("train") and evaluation ("eval")
   OUTPUT/checkpoints/                      Orbax checkpoints (unless --checkpoint-dir points elsewhere)
@@ -24,10 +24,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from medusa_jax import sharding as shd
-from medusa_jax.heads import HeadsConfig, MedusaHeads
-from medusa_jax.heads_init import init_heads
-from medusa_jax.heads_io import save_heads
+from medusa_jax.model import sharding as shd
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.folder import save_heads
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.training import losses, memory_plan, output_folder
 from medusa_jax.training.checkpointing import Checkpoints
 from medusa_jax.training.data import DataConfig, PackedRows, load_chat_data, row_batch, row_iterator, top_token_ids
@@ -47,7 +48,7 @@ class RunConfig:
     num_layers: int = 1
     lm_head: str = "truncated:3072"  # own | shared | truncated:N (3,072 divides tensor degrees 2, 3, 4, 6, 8)
     head_type: str = "medusa"  # medusa | hydra (heads that also see the drafted tokens; Medusa-1 only)
-    hydra_input: str = HeadsConfig.hydra_input  # hydra: add | concat (medusa_jax.hydra_heads)
+    hydra_input: str = HeadsConfig.hydra_input  # hydra: add | concat (medusa_jax.heads.hydra)
     batch_size: int = 8  # global packed rows per step
     cached_batch_size: int = 4096  # global positions per step with cache_hidden
     cache_hidden: bool = False
@@ -226,7 +227,7 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
 def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.hf.load import load_pretrained
 
     is_main = jax.process_index() == 0
     output = Path(cfg.output)
@@ -287,7 +288,7 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
             (output / "_heads_tmp" / name).replace(output / name)
         shutil.rmtree(output / "_heads_tmp")
         if cfg.train.medusa2:
-            from medusa_jax.hf_export import save_pretrained
+            from medusa_jax.hf.save import save_pretrained
             save_pretrained(trainer.base(), output / "base_model", cfg.model)
     return {"steps": trainer.step, "heldout": result, "output": str(output)}
 

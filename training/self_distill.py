@@ -20,7 +20,7 @@ without another pass over the backbone.
 Sharding on a pod: `num_shards`/`shard_index` give each process (a host) its own slice of the conversations
 (every num_shards-th of the seeded order) and of `limit`; each writes its own OUTPUT (shard_output) and needs
 no collective. Within a process, `mesh` (e.g. data=8) splits the decode slots over the local devices' data
-axis (the KV cache rows, as medusa_jax.sharding lays them out; tensor=N splits the weights), one jitted call
+axis (the KV cache rows, as medusa_jax.model.sharding lays them out; tensor=N splits the weights), one jitted call
 for all of them.
 """
 
@@ -126,7 +126,7 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     from flax import nnx
     from transformers import AutoTokenizer
 
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.hf.load import load_pretrained
     from medusa_jax.inference.sampling import SamplingConfig
     from medusa_jax.training.distill_decode import Slots, admit_prompts, run_chunk
 
@@ -307,7 +307,7 @@ def _on_mesh(spec: str, model_config, params, slots):
     """Weights by PARAM_RULES, slot rows over (data, fsdp) of a mesh of this process's devices."""
     import jax
 
-    from medusa_jax import sharding as shd
+    from medusa_jax.model import sharding as shd
     from medusa_jax.training.distill_decode import Slots
 
     mesh = shd.MeshConfig.parse(spec).make_mesh(jax.local_devices())

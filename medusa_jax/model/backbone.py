@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from medusa_jax.config import ModelConfig
-from medusa_jax.attention import grouped_attention
-from medusa_jax.kv_cache import KVCache, write_layer
-from medusa_jax.sharding import constrain_rows
-from medusa_jax.rope import apply_rope, inverse_frequencies
+from medusa_jax.model.attention import grouped_attention
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.kv_cache import KVCache, write_layer
+from medusa_jax.model.rope import apply_rope, inverse_frequencies
+from medusa_jax.model.sharding import constrain_rows
 
 
 class RMSNorm(nnx.Module):

@@ -5,7 +5,7 @@ Tensor names are the NNX parameter paths joined by dots (`heads.0.blocks.0.linea
 "hydra") add `heads.{i}.input_proj.kernel` (+ `.bias` with hydra_input "concat") and leave out the
 `medusa_num_*` fields, so Medusa tools do not take them for Medusa heads. Writes go to a temp folder renamed
 into place, so an interrupted save never leaves a half-written heads folder. Other projects' layouts:
-`medusa_jax.heads_interop`.
+`medusa_jax.heads.export`.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.atomic import atomic_folder
-from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import HeadsConfig, MedusaHeads
-from medusa_jax.heads_init import heads_class
-from medusa_jax.nnx_paths import fill_state, param_paths
-from medusa_jax.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
+from medusa_jax.model.config import resolve_dtype
+from medusa_jax.model.param_paths import fill_state, param_paths
+from medusa_jax.hf.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import heads_class
+from medusa_jax.heads.medusa import MedusaHeads
 
 FORMAT = "medusa-jax"
 WEIGHTS = "heads.safetensors"
