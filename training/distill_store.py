@@ -23,6 +23,7 @@ from typing import Iterable
 
 import numpy as np
 
+from medusa_jax.atomic import atomic_path, write_text_atomic
 from medusa_jax.training.data import ChatData, DataConfig, pack
 from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows, heldout_groups, reply_examples
 from medusa_jax.training.sharegpt import DataError, ReadReport
@@ -50,9 +51,7 @@ def store_path(output: str | os.PathLike) -> Path:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
 
 
 def replies_table(replies: Iterable[tuple[str, int, list[int], list[int], np.ndarray]], hidden_size: int):
@@ -113,12 +112,11 @@ class StoreWriter:
         k = len(shards)
         while name is None or name in shards:
             name, k = f"part-{k:06d}.arrow", k + 1
-        tmp = self.folder / f".{name}.tmp"
-        writer = ArrowWriter(features=features(self.hidden_size), path=str(tmp))
-        writer.write_table(replies_table(replies, self.hidden_size))
-        writer.finalize()
-        writer.close()
-        os.replace(tmp, self.folder / name)
+        with atomic_path(self.folder / name) as tmp:
+            writer = ArrowWriter(features=features(self.hidden_size), path=str(tmp))
+            writer.write_table(replies_table(replies, self.hidden_size))
+            writer.finalize()
+            writer.close()
         self._write_state(shards + [name])
         return name
 

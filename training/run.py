@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +25,7 @@ import numpy as np
 
 from medusa_jax.model import sharding as shd
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.folder import save_heads
+from medusa_jax.heads.folder import write_heads_files
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.training import losses, memory_plan, output_folder
@@ -282,11 +281,8 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     if is_main:
         summary = {"steps": trainer.step, "heldout": result, "lm_head": cfg.lm_head, "medusa2": cfg.train.medusa2,
                    "head_type": cfg.head_type}
-        save_heads(trainer.heads(), output / "_heads_tmp", extra_config={"training": summary},
-                   storage_dtype=None if cfg.heads_dtype == "float32" else cfg.heads_dtype)
-        for name in ("config.json", "heads.safetensors"):
-            (output / "_heads_tmp" / name).replace(output / name)
-        shutil.rmtree(output / "_heads_tmp")
+        write_heads_files(trainer.heads(), output, extra_config={"training": summary},
+                          storage_dtype=None if cfg.heads_dtype == "float32" else cfg.heads_dtype)
         if cfg.train.medusa2:
             from medusa_jax.hf.save import save_pretrained
             save_pretrained(trainer.base(), output / "base_model", cfg.model)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from medusa_jax.atomic import atomic_folder
+from medusa_jax.atomic import atomic_folder, write_text_atomic
 from medusa_jax.model.config import resolve_dtype
 from medusa_jax.model.param_paths import fill_state, param_paths
 from medusa_jax.hf.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
@@ -38,8 +38,19 @@ def heads_tensors(heads: MedusaHeads) -> dict[str, np.ndarray]:
 
 def save_heads(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict | None = None,
                storage_dtype: str | None = None) -> Path:
-    """`storage_dtype` ('float16', 'bfloat16'): store floating tensors in it; loading casts them back to the
-    config's dtype (a half-size file, computed as before)."""
+    """Writes the heads folder `folder` (replaced as a whole). `storage_dtype` ('float16', 'bfloat16'): store
+    floating tensors in it; loading casts them back to the config's dtype (a half-size file, computed as
+    before)."""
+    folder = Path(folder)
+    with atomic_folder(folder) as tmp:
+        write_heads_files(heads, tmp, extra_config, storage_dtype)
+    return folder
+
+
+def write_heads_files(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict | None = None,
+                      storage_dtype: str | None = None) -> None:
+    """Writes config.json and heads.safetensors into the existing `folder`, each file atomically, the weights
+    first (a training output folder also holds the run's log and checkpoints, so it is not replaced whole)."""
     cfg = heads.config
     config = {
         "format": FORMAT,
@@ -57,10 +68,8 @@ def save_heads(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict
         store = np.dtype(resolve_dtype(storage_dtype))
         tensors = {k: v.astype(store) if np.issubdtype(v.dtype, np.floating) else v for k, v in tensors.items()}
     folder = Path(folder)
-    with atomic_folder(folder) as tmp:
-        write_safetensors(tmp / WEIGHTS, tensors, metadata={"format": FORMAT})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return folder
+    write_safetensors(folder / WEIGHTS, tensors, metadata={"format": FORMAT})
+    write_text_atomic(folder / "config.json", json.dumps(config, indent=2) + "\n")
 
 
 def heads_from_tensors(config: HeadsConfig, tensors: dict[str, np.ndarray], origin: str) -> MedusaHeads:
