@@ -30,6 +30,7 @@ from medusa_jax.training.sharegpt import DataError, ReadReport
 
 FORMAT = "medusa-jax-distilled-v1"
 META_FILE = "distill_store.json"
+FIRST_FORMAT_GLOB = "batch-*.npz"  # the retired first format: OUTPUT.hidden/batch-*.npz (now refused)
 
 
 def features(hidden_size: int):
@@ -48,6 +49,41 @@ def is_store(path: str | os.PathLike | None) -> bool:
 def store_path(output: str | os.PathLike) -> Path:
     """Where self-distillation writes the store of its JSONL output `output`."""
     return Path(str(output) + ".arrow")
+
+
+def find_store(data: str | os.PathLike | None) -> Path | None:
+    """The store `data` names: the store folder itself, or a self-distillation JSONL output with its store
+    beside it (OUTPUT.arrow); None otherwise."""
+    if is_store(data):
+        return Path(data)
+    if data and is_store(store_path(data)):
+        return store_path(data)
+    return None
+
+
+def first_format_folder(data: str | os.PathLike | None) -> Path | None:
+    """The folder of hidden states in the first, retired format of `self_distill --save-hidden`
+    (OUTPUT.hidden/batch-*.npz) that `data` names, itself or beside the JSONL OUTPUT; None if there is none."""
+    if not data:
+        return None
+    for folder in (Path(data), Path(str(data) + ".hidden")):
+        if folder.is_dir() and any(folder.glob(FIRST_FORMAT_GLOB)):
+            return folder
+    return None
+
+
+def first_format_error(folder: Path) -> DataError:
+    return DataError(f"{folder}: hidden states in the first self-distillation format ({FIRST_FORMAT_GLOB}), which is "
+                     f"no longer read; regenerate them with the current scripts/self_distill.py --save-hidden into a "
+                     f"new --output (it writes the Arrow store OUTPUT.arrow) and train with --data OUTPUT.arrow")
+
+
+def refuse_first_format(data: str | os.PathLike | None, cache_hidden: bool) -> None:
+    """Raises `first_format_error` when training would have read the first format: `data` is such a folder, or
+    a JSONL output with one beside it, no store, and hidden states asked for (--cache-hidden)."""
+    folder = first_format_folder(data)
+    if folder is not None and (folder == Path(data) or (cache_hidden and find_store(data) is None)):
+        raise first_format_error(folder)
 
 
 def _write_json(path: Path, obj) -> None:

@@ -28,9 +28,9 @@ from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import write_heads_files
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.training import losses, memory_plan, output_folder
+from medusa_jax.training import losses, memory_plan, output_folder, sources
 from medusa_jax.training.checkpointing import Checkpoints
-from medusa_jax.training.data import DataConfig, PackedRows, load_chat_data, row_batch, row_iterator, top_token_ids
+from medusa_jax.training.data import DataConfig, top_token_ids
 from medusa_jax.training.trainer import TrainConfig, Trainer, schedule
 
 
@@ -81,30 +81,6 @@ def parse_lm_head(spec: str) -> tuple[str, int | None]:
     raise ValueError(f"--lm-head must be own, shared or truncated:N, got {spec!r}")
 
 
-def _padded_batches(take: Callable[[np.ndarray], dict], num: int, global_batch: int, max_batches: int,
-                    empty: Callable[[int], dict]) -> list[dict[str, np.ndarray]]:
-    """Held-out batches of this process; the last one is completed with target-free filler."""
-    out = []
-    p, n_proc = jax.process_index(), jax.process_count()
-    local = global_batch // n_proc
-    for start in range(0, min(num, max_batches * global_batch), global_batch):
-        idx = np.arange(start + p * local, start + (p + 1) * local)
-        real = idx[idx < num]
-        part = take(real)
-        if len(real) < local:
-            fill = empty(local - len(real))
-            part = {k: np.concatenate([part[k], fill[k]]) for k in part}
-        out.append(part)
-    return out
-
-
-def _empty_rows(like: PackedRows) -> Callable[[int], dict]:
-    def make(n):
-        z = np.zeros((n, like.tokens_bt.shape[1]), np.int32)
-        return {"tokens": z, "segment_ids": z, "positions": z, "loss_mask": z.astype(bool)}
-    return make
-
-
 def _signature(cfg: RunConfig, base, heads: MedusaHeads) -> dict[str, Any]:
     token_map = "" if heads.token_map is None else hashlib.sha256(
         np.asarray(heads.token_map[...]).tobytes()).hexdigest()[:16]
@@ -123,68 +99,12 @@ def evaluate(trainer: Trainer, batches: list[dict]) -> dict[str, Any]:
     return losses.HeadStats.summary(total) if total is not None else {}
 
 
-@dataclasses.dataclass
-class _Feed:
-    iterator: Any  # EpochIterator
-    eval_batches: list[dict[str, np.ndarray]]
-    loss_tokens: np.ndarray  # training target tokens (for a truncated token_map)
-    tokens_per_step: Callable[[dict], int]
-
-
-def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
-    """Packed rows (backbone in the step), cached hidden states, or self-distillation's saved hidden states
-    (the Arrow store, memory-mapped, or the first npz format, in memory)."""
-    from medusa_jax.training import distill_store, hidden_cache, hidden_store
-
-    pos = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    k, n_proc, teacher = cfg.num_heads, jax.process_count(), cfg.train.uses_teacher
-    with_path = cfg.head_type == "hydra"  # Hydra heads also read the true tokens on each position's path
-    store = cfg.data if distill_store.is_store(cfg.data) else None
-    if store is None and cfg.data and distill_store.is_store(distill_store.store_path(cfg.data)):
-        store = str(distill_store.store_path(cfg.data))
-    npz = hidden_store.store_for(cfg.data) if cfg.cache_hidden and store is None else None
-    if cfg.cache_hidden and (store or npz):
-        if store:
-            examples = distill_store.load_store_examples(store, k, with_path)
-        else:
-            examples, _ = hidden_store.load_distilled_examples(cfg.data, k, with_path)
-        train_ex, held_ex, n_train, n_held = examples.split(cfg.data_config.heldout_fraction, cfg.seed)
-        log(f"using the hidden states saved by self-distillation in {store or npz}: {n_train} training / {n_held} "
-            f"held-out conversations, {len(train_ex)} / {len(held_ex)} positions")
-        loss_tokens = train_ex.targets_xm[:, 0][train_ex.targets_xm[:, 0] >= 0]
-    else:
-        if store:
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-            data = distill_store.store_chat_data(store, cfg.data_config, pad)
-        else:
-            data = load_chat_data(cfg.data, tokenizer, eos, cfg.data_config, log=log)
-        log(f"packed {data.num_conversations[0]} training / {data.num_conversations[1]} held-out conversations "
-            f"into {data.train.num_rows} / {data.heldout.num_rows} rows of {cfg.data_config.seq_len} tokens "
-            f"({int(data.train.loss_mask_bt.sum())} training loss tokens; {data.dropped_no_loss_tokens} "
-            f"conversations without loss tokens dropped)")
-        loss_tokens = data.train.tokens_bt[data.train.loss_mask_bt]
-        if cfg.cache_hidden:  # the cached hidden states are held in memory: check them before computing them
-            positions = int(data.train.loss_mask_bt.sum() + data.heldout.loss_mask_bt.sum())
-            per_position = 2 * base.config.hidden_size + 8 + (16 if with_path else 12) * k  # + rows, targets, path
-            memory_plan.check_cache_fits(positions * per_position, cfg.memory_limit_gib)
-        if not cfg.cache_hidden:
-            return _Feed(row_iterator(data.train, cfg.batch_size, cfg.seed, **pos),
-                         _padded_batches(lambda i: row_batch(data.heldout.rows(i)), data.heldout.num_rows,
-                                         cfg.batch_size, cfg.eval_batches, _empty_rows(data.heldout)),
-                         loss_tokens, lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
-        cached = []
-        for name, rows in (("train", data.train), ("held-out", data.heldout)):
-            t0 = time.perf_counter()
-            cache = hidden_cache.build_hidden_cache(
-                base, rows, k, Path(cfg.output) / "hidden_cache", with_path=with_path,
-                progress=lambda d, n, name=name, t0=t0: log(f"hidden cache ({name}): {d}/{n} rows, "
-                                                            f"{time.perf_counter() - t0:.0f} s"))
-            cached.append(cache.examples())
-        train_ex, held_ex = cached
-    return _Feed(train_ex.iterator(cfg.cached_batch_size, cfg.seed, teacher, **pos),
-                 _padded_batches(lambda i: held_ex.batch(i, teacher), len(held_ex), cfg.cached_batch_size,
-                                 cfg.eval_batches, lambda n: held_ex.filler(n, teacher)),
-                 loss_tokens, lambda b: len(b["targets"]) * n_proc)
+def feed_settings(cfg: RunConfig) -> sources.FeedSettings:
+    return sources.FeedSettings(
+        num_heads=cfg.num_heads, with_path=cfg.head_type == "hydra", teacher=cfg.train.uses_teacher,
+        batch_size=cfg.batch_size, cached_batch_size=cfg.cached_batch_size, eval_batches=cfg.eval_batches,
+        seed=cfg.seed, data=cfg.data_config, memory_limit_gib=cfg.memory_limit_gib,
+        hidden_cache_dir=Path(cfg.output) / "hidden_cache")
 
 
 def plan_memory(cfg: RunConfig) -> memory_plan.MemoryEstimate:
@@ -238,7 +158,8 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     if n_trunc is not None and n_trunc > base.config.vocab_size:  # e.g. the default truncated:3072, tiny vocab
         log(f"--lm-head {cfg.lm_head}: the vocabulary has only {base.config.vocab_size} tokens; using all of them")
         n_trunc = base.config.vocab_size
-    feed = _prepare_data(cfg, base, tokenizer, eos, log)
+    source = sources.open_source(cfg.data, cfg.cache_hidden)
+    feed = source.feed(feed_settings(cfg), sources.RunInputs(base, tokenizer, eos, log))
     heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
                                mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model),
                                head_type=cfg.head_type, hydra_input=cfg.hydra_input)

@@ -12,8 +12,8 @@ interrupted run resumes where it stopped; a half-written last line (killed mid-w
 With `save_hidden`, each flush first appends one shard to the Arrow store `OUTPUT.arrow/` (distill_store.py:
 prompt + reply token ids, loss mask, and the backbone's hidden state behind every generated token), then its
 JSONL lines. A rerun drops the store's shards whose conversations never reached the JSONL (a run stopped in
-between) and regenerates them; the hidden states of an earlier run in the first format (`OUTPUT.hidden/*.npz`,
-hidden_store.py) are converted into the store first, so such a run resumes into the new format.
+between) and regenerates them. An output whose hidden states are in the retired first format
+(`OUTPUT.hidden/*.npz`) is refused with how to regenerate it.
 `train_heads.py --data OUTPUT.arrow --cache-hidden` trains Medusa-1 heads from the store, memory-mapped,
 without another pass over the backbone.
 
@@ -151,7 +151,7 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     order = np.random.default_rng(config.seed).permutation(len(records)).tolist()
     order = [i for i in order if users(i)[0].strip()][config.shard_index::config.num_shards]
     finished = done_ids(output)
-    store = _open_store(output, finished, tokenizer, model.config.hidden_size, log) if config.save_hidden else None
+    store = _open_store(output, finished, model.config.hidden_size, log) if config.save_hidden else None
     todo = collections.deque(i for i in order if records[i]["id"] not in finished)
     total = len(order) if config.shard_limit is None else min(config.shard_limit, len(order))
     remaining = max(0, total - len(finished & {records[i]["id"] for i in order}))
@@ -289,12 +289,13 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     return stats
 
 
-def _open_store(output: Path, finished: set[str], tokenizer, hidden_size: int, log):
-    """The Arrow store of `output`: npz batches of an earlier run converted, uncommitted shards dropped."""
-    from medusa_jax.training import distill_store, hidden_store
+def _open_store(output: Path, finished: set[str], hidden_size: int, log):
+    """The Arrow store of `output`, its uncommitted shards dropped (the first npz format is refused)."""
+    from medusa_jax.training import distill_store
 
-    if hidden_store.store_for(str(output)) is not None:
-        hidden_store.convert_to_store(output, tokenizer, log=log)
+    old = distill_store.first_format_folder(output)
+    if old is not None:
+        raise distill_store.first_format_error(old)
     store = distill_store.StoreWriter(distill_store.store_path(output), hidden_size)
     dropped = store.drop_uncommitted(finished)
     if dropped:

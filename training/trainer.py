@@ -36,7 +36,6 @@ from jax.sharding import Mesh
 from medusa_jax.model import sharding as shd
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import resolve_dtype
-from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.hydra import path_tokens
 from medusa_jax.heads.init import heads_class
 from medusa_jax.heads.medusa import MedusaHeads
@@ -144,10 +143,9 @@ def _compute_graphdef(module: nnx.Module, make, dtype: str):
 
 
 def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
-    """[B, T, D] final-norm hidden states of packed rows (attention stays inside each conversation)."""
-    b, t = batch["tokens"].shape
-    cache = KVCache.zeros(base.config, b, t)
-    hidden_btd, _ = base(batch["tokens"], batch["positions"], segment_mask(batch["segment_ids"]), cache)
+    """[B, T, D] final-norm hidden states of packed rows (attention stays inside each conversation; the
+    cache-free forward: no KV cache is built)."""
+    hidden_btd, _ = base(batch["tokens"], batch["positions"], segment_mask(batch["segment_ids"]))
     return hidden_btd
 
 
