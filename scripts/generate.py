@@ -171,8 +171,10 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
         elif not a.input:
             print(row["text"])
     if not a.json:
-        print(f"[{run.new_tokens} new tokens for {len(rows)} prompt(s) in {run.num_batches} batch(es) of "
-              f"{a.batch_size} on mesh {dict(model.mesh.shape)}: {run.seconds:.2f} s, "
+        how = (f"{a.batch_size} refilled slots ({run.num_batches} decode chunks)" if run.engine == "refill" else
+               f"{run.num_batches} batch(es) of {a.batch_size}")
+        print(f"[{run.new_tokens} new tokens for {len(rows)} prompt(s) in {how} on mesh {dict(model.mesh.shape)}: "
+              f"{run.seconds:.2f} s, "
               f"{run.decode_tokens_per_second:.1f} tokens/s without the {run.compile_seconds:.1f} s of JIT "
               f"compilation ({run.num_shapes} shape(s); {compiles.compiles} XLA compilation(s), "
               f"{compiles.cache_hits} from the persistent cache), {run.tokens_per_step:.2f} tokens/step]")

@@ -438,38 +438,6 @@ def test_recorded_commands_name_no_absolute_path_of_this_machine(tmp_path, monke
                    "--questions 16"
 
 
-def test_refill_generation_matches_length_sorted_batches(tiny_model_dir):
-    """Continuous batching (bench/refill.py) admits prompts into rows freed mid-run and still makes every
-    prompt's greedy tokens, EOS included, as generate_batch does; bad settings are one clear error."""
-    from medusa_jax.bench.refill import refill_generate
-    from medusa_jax.hf.load import load_pretrained
-    from medusa_jax.inference.api import BatchSettings, generate_batch
-    from medusa_jax.inference.sharded import ShardedModel
-
-    folder, _ = tiny_model_dir("llama", seed=1)
-    model = load_pretrained(folder)
-    rng = np.random.RandomState(3)
-    prompts = [rng.randint(3, 128, size=n).tolist() for n in (5, 70, 9, 2, 33, 17, 4)]
-    sharded = ShardedModel(model)
-
-    def plain(eos_ids):
-        return [r.token_ids for r in generate_batch(sharded, prompts, BatchSettings(
-            batch_size=1, max_new_tokens=11, eos_ids=eos_ids, pad_id=0), progress=False).results]
-
-    eos = (plain(())[0][4],)  # a token the first answer makes: it ends early there, others may run to 11
-    want = plain(eos)
-    assert any(t[-1] in eos and len(t) < 11 for t in want) and any(len(t) == 11 for t in want)  # both endings
-    run = refill_generate(model, prompts, batch_size=3, max_new_tokens=11, eos_ids=eos, pad_id=0, chunk_steps=4)
-    assert run.token_ids == want
-    assert run.new_tokens == sum(map(len, want)) and run.chunks >= 3
-    assert 0 < run.slot_use <= 1.0 + len(prompts) / run.slot_steps  # prefill tokens are the only excess
-    for bad in (dict(batch_size=0), dict(chunk_steps=0), dict(max_new_tokens=0)):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            refill_generate(model, prompts, **{**dict(batch_size=2, max_new_tokens=4, eos_ids=eos, pad_id=0), **bad})
-    with pytest.raises(ValueError, match="empty prompt"):
-        refill_generate(model, [[1, 2], []], batch_size=2, max_new_tokens=4, eos_ids=eos, pad_id=0)
-
-
 def test_batch_throughput_mode_compares_refill_with_sorted_batches(tiny_chat_model, tmp_path):
     folder, _ = tiny_chat_model
     out = tmp_path / "refill"
