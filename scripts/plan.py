@@ -95,7 +95,7 @@ def plan_main(argv: list[str]) -> int:
         return 2
     force_host_devices(max(mesh.size, 1))
     from medusa_jax.bench.plan import compile_plan, largest_batch
-    from medusa_jax.bench.plan_estimate import estimate
+    from medusa_jax.training.memory_plan import estimate_per_device
     from medusa_jax.bench.plan_report import describe, warnings
 
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
@@ -107,7 +107,7 @@ def plan_main(argv: list[str]) -> int:
     largest = None
     if args.search:
         largest, _ = largest_batch(config, capacity, args.headroom, first=plan, log=log)
-    est = estimate(config)
+    est = estimate_per_device(config)
     if args.json:
         out = plan.to_dict()
         out.update(device=device, capacity_bytes=capacity, headroom=args.headroom,
@@ -123,7 +123,7 @@ def plan_main(argv: list[str]) -> int:
 TABLE_DOC = """The README's "Will it fit?" table: compiled memory plans of Llama-3-8B and 70B, Medusa-1/2 training and
 Medusa decoding (tree mc_sim_7b_63, batch 1/8/64), for one 8x H100-80G host, one 8x H200 host and a TPU v5e-16
 slice. Each row is one compile per mesh (the two GPU hosts share the 8-device plan); a plan whose parameters,
-optimiser state, KV cache and gradients alone (`plan_estimate.lower_bound`, exact) exceed every device it is
+optimiser state, KV cache and gradients alone (`training.memory_plan.lower_bound`, exact) exceed every device it is
 planned for is not compiled ("> N GiB" in the table). Results are saved to OUT/plans.json as they come;
 --resume continues an interrupted run.
 

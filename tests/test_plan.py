@@ -17,7 +17,7 @@ import pytest
 
 from medusa_jax.bench.hlo_collectives import entry_upcast_bytes, shape_bytes
 from medusa_jax.bench.plan import device_capacity
-from medusa_jax.bench.plan_estimate import backbone_params
+from medusa_jax.training.memory_plan import backbone_params
 from medusa_jax.bench.presets import PRESETS, model_config
 
 ROOT = Path(__file__).parents[1]

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from medusa_jax.model import sharding as shd
+from medusa_jax.model.config import ModelConfig
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import write_heads_files
 from medusa_jax.heads.init import init_heads
@@ -117,8 +118,8 @@ def plan_memory(cfg: RunConfig) -> memory_plan.MemoryEstimate:
     missing = [key for key in memory_plan.CONFIG_KEYS if key not in hf]
     if missing:
         raise ValueError(f"--model {cfg.model}: config.json lacks {missing}; not a Llama-family model")
-    return memory_plan.estimate(
-        hf, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+    return memory_plan.estimate_run(
+        ModelConfig.from_hf_config(hf), num_heads=cfg.num_heads, num_layers=cfg.num_layers,
         head_vocab=None if mode == "shared" else min(n_trunc or hf["vocab_size"], hf["vocab_size"]),
         batch_size=cfg.batch_size,
         seq_len=cfg.data_config.seq_len, cached_batch_size=cfg.cached_batch_size, cache_hidden=cfg.cache_hidden,
