@@ -2,7 +2,7 @@
 
 Layouts (mesh axes from `medusa_jax.model.sharding`):
     parameters        PARAM_RULES (attention heads, MLP width and vocabulary over `tensor`; hidden over `fsdp`)
-    KV cache          [L, B, S, K, H]: rows over (data, fsdp), KV heads over `tensor`
+    KV cache          per layer, K [B, K, H, S] and V [B, K, S, H]: rows over (data, fsdp), KV heads over `tensor`
     prompts, outputs  [B, ...]: rows over (data, fsdp); the PRNG key is replicated
 With data x tensor meshes each decode step moves only activations: all-reduces after the row-parallel o_proj
 and down_proj and the vocabulary-parallel embedding, the k best candidates of each vocabulary shard for argmax
@@ -10,8 +10,8 @@ and top-k (`sharded_top_k`); `data` alone needs no collective but the loop's "an
 `fsdp` > 1 stores weights split over hidden_size: the prefill all-gathers them layer by layer (once per
 batch), and the decode loop needs extra activation collectives over fsdp per layer (XLA's choice on the
 meshes we compiled; it could as well gather weights). It saves memory, not time: for decoding prefer
-data x tensor, and fsdp only when the weights do not fit. `medusa_jax.bench.hlo_collectives` checks a compiled
-loop (`invariant_gathers` lists weights re-gathered at every step).
+data x tensor, and fsdp only when the weights do not fit. The tests check the compiled loops with
+`medusa_jax.bench.hlo_collectives` (`invariant_gathers` lists weights re-gathered at every step).
 
 Multi-host: every process holds the same (small) host batch of token ids; `put_rows` builds each process's
 addressable shards from it, so each process feeds only the rows its devices hold, and `fetch` gathers the
@@ -68,9 +68,9 @@ def sharded_top_k(logits_xbv: jax.Array, k: int, mesh: Mesh) -> jax.Array:
     XLA's partitioner replicates a TopK (it all-gathers the whole [..., B, V] logits, even over the batch).
     Here each device takes the top-k of its rows and vocabulary slice, the k candidates of every vocabulary
     shard are all-gathered over `tensor` and reduced again. Ties resolve to the lower index, as in lax.top_k."""
-    t = mesh.shape["tensor"]
+    tensor = mesh.shape["tensor"]
     vocab = logits_xbv.shape[-1]
-    vocab_axis = "tensor" if t > 1 and vocab % t == 0 and vocab // t >= k else None
+    vocab_axis = "tensor" if tensor > 1 and vocab % tensor == 0 and vocab // tensor >= k else None
     lead = (None,) * (logits_xbv.ndim - 2)
 
     def local(x):
@@ -78,7 +78,7 @@ def sharded_top_k(logits_xbv: jax.Array, k: int, mesh: Mesh) -> jax.Array:
         if vocab_axis is None:
             return ids
         ids = ids + jax.lax.axis_index("tensor") * x.shape[-1]
-        values = jax.lax.all_gather(values, "tensor", axis=x.ndim - 1, tiled=True)  # [..., b, t*k]
+        values = jax.lax.all_gather(values, "tensor", axis=x.ndim - 1, tiled=True)  # [..., b, tensor * k]
         ids = jax.lax.all_gather(ids, "tensor", axis=x.ndim - 1, tiled=True)
         _, best = jax.lax.top_k(values, k)  # candidates are ordered by vocabulary shard, so ties keep order
         return jnp.take_along_axis(ids, best, axis=-1)

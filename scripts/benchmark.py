@@ -14,14 +14,14 @@ Greedy: plain vs Medusa (and transformers' generate with --hf), interleaved ques
 throughput at several batch sizes and a tree-size sweep.
 
 Example (the README's figures):
-  python scripts/benchmark.py --model smollm2 --heads default --hf --out bench/medusa
+  python scripts/benchmark.py --model default --heads default --hf --out bench/medusa
 (the shipped heads decode with their own trees: medusa_jax/assets/heads/smollm2/trees.json)
 Writes OUT/results.json (speedup, acceleration_rate, step_overhead, mismatches, tokens_per_s per method, per
 category, batched, tree sweep, per question), OUT/results.md (tables) and PNG plots.
 
 Sampling mode (--temperatures): plain sampling vs Medusa exact vs Medusa typical acceptance at each temperature,
 with Medusa greedy's tokens/step as reference; writes OUT/sampling.json and OUT/sampling.md:
-  python scripts/benchmark.py --model smollm2 --heads default --questions 8 --max-new-tokens 128 \
+  python scripts/benchmark.py --model default --heads default --questions 8 --max-new-tokens 128 \
       --temperatures 0.7,1.0 --out bench/sampling
 """
 
@@ -59,8 +59,9 @@ def mtbench_main(argv: list[str]) -> int:
     d = BenchmarkConfig()
     p = argparse.ArgumentParser(prog="benchmark.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--heads", default="default",
                    help="heads folder, or 'default' for the heads shipped with medusa-jax (default: %(default)s)")
     p.add_argument("--tree", default=d.tree,
@@ -165,8 +166,9 @@ def quick_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="benchmark.py quick", description=quick.__doc__,
                                 epilog="Example:\n  python scripts/benchmark.py quick --max-new-tokens 64 --batch-sizes 1,4",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--heads", default=None, help="heads folder, or 'default' for the heads shipped with medusa-jax "
                                                  "(default: fresh init_heads, 4 heads: the base lm_head copied)")
     p.add_argument("--trees", default=",".join(PRESETS),
@@ -212,9 +214,9 @@ def teacher_mass_main(argv: list[str]) -> int:
     d = TeacherMassConfig()
     p = argparse.ArgumentParser(prog="benchmark.py teacher-mass", description=teacher_mass.__doc__,
                                 epilog="Prints one JSON object. Example:\n  python scripts/benchmark.py teacher-mass "
-                                       "--model smollm2 --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192",
+                                       "--model default --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="the HF model folder the store was generated with, or 'smollm2'")
+    p.add_argument("--model", required=True, help="the HF model folder the store was generated with, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--data", required=True, help="self-distilled Arrow store (self_distill.py --save-hidden)")
     p.add_argument("--sizes", type=parse_positive_int_list, default=d.sizes,
                    help="token_map sizes N to measure, comma-separated (default: %s)" % ",".join(map(str, d.sizes)))

@@ -11,7 +11,7 @@
 and the oracle bound: scripts/benchmark.py; load memory: scripts/benchmark_loading.py.
 
 Throughput: batch sizes 1, 8, 32, plain vs Medusa greedy, one run. Example (the README's figures):
-  python scripts/benchmark_batch.py --model smollm2 --heads default --out bench/batch
+  python scripts/benchmark_batch.py --model default --heads default --out bench/batch
 Length-sorted batches vs refilled rows (continuous batching), plain greedy:
   python scripts/benchmark_batch.py --methods plain,refill --batch-sizes 16,32,64 --out bench/refill
 Writes OUT/batch.json (every run: tokens, seconds, compile seconds, tokens/s with and without compilation,
@@ -44,8 +44,9 @@ def throughput_main(argv: list[str]) -> int:
     d = BatchBenchConfig()
     p = argparse.ArgumentParser(prog="benchmark_batch.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--heads", default="default",
                    help="heads folder; 'default' for the heads shipped with medusa-jax; 'random' for untrained "
                         "heads sharing the base lm_head (default: %(default)s)")
@@ -119,8 +120,9 @@ def scaling_main(argv: list[str]) -> int:
                                 epilog="Example:\n  python scripts/benchmark_batch.py scaling --heads default --out "
                                        "bench/scaling\nWrites OUT/results.json, OUT/results.md and OUT/scaling.png.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--heads", default=None,
                    help="heads folder or 'default' (the shipped SmolLM2 heads) to time the Medusa step too; "
                         "omit for plain steps only")
@@ -172,8 +174,9 @@ def decode_main(argv: list[str]) -> int:
                                 epilog="Example:\n  python scripts/benchmark_batch.py decode --prompts 4 --out "
                                        "artifacts/benchmark_decode/\nWrites OUT/results.json and OUT/results.md.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--prompts", type=int, default=4,
                    help="MT-Bench first turns to use, taking the 8 categories in turn (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=2,

@@ -1,7 +1,7 @@
 """Peak host memory of loading a model on 1 vs N forced CPU devices (each load in a fresh process).
 
 Example (the README's figures, SmolLM2-135M-Instruct in float32):
-  python scripts/benchmark_loading.py --model smollm2 --out bench/loading
+  python scripts/benchmark_loading.py --model default --out bench/loading
 Default runs: one device; 8 devices with fsdp=8, data=2,fsdp=4 and data=8 read in place (each device reads
 its own slice of the memory-mapped safetensors); fsdp=8 loaded on one device first and then moved (the
 naive way, for contrast). Writes OUT/loading.json and OUT/loading.md. See bench/load_memory.py for
@@ -31,8 +31,9 @@ def markdown(rows: list[dict], model: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), metavar="DEVICES:MESH:MODE",
                    help="loads to measure: forced CPU device count, mesh spec ('' = one device) and mode "
                         "(sharded | via_one) (default: %(default)s)")

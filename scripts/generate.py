@@ -28,6 +28,9 @@ import json
 import os
 import sys
 
+from medusa_jax.assets import is_default_model
+from medusa_jax.bench.demo_model import resolve_model_dir
+
 
 def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that choose the decoder: plain decoding, or Medusa decoding with --heads."""
@@ -203,10 +206,8 @@ def main(argv=None) -> int:
     from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, read_prompts
 
     try:
-        if a.model == "default":
-            from medusa_jax.bench.demo_model import prepare_smollm2
-
-            folder = prepare_smollm2()
+        if is_default_model(a.model):
+            folder = resolve_model_dir(a.model)
         else:
             folder = a.model
             if os.path.isfile(folder):

@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from medusa_jax.bench.demo_model import resolve_model_dir
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="plan.py", description=__doc__,
@@ -167,7 +169,7 @@ accelerator with random heads (shared lm_head), runs the same decode call once a
 (`memory_stats()["peak_bytes_in_use"]`, GPU and TPU runtimes report it).
 
 Example (on a GPU machine):
-  python scripts/plan.py vs-device --model smollm2 --batch 8 --seq 128 --cache 512
+  python scripts/plan.py vs-device --model default --batch 8 --seq 128 --cache 512
 """
 
 
@@ -175,7 +177,8 @@ def vs_device_main(argv: list[str]) -> int:
     """`plan.py vs-device`: the plan of one decode call vs the device's measured peak memory."""
     p = argparse.ArgumentParser(prog="plan.py vs-device", description=VS_DEVICE_DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="HF model folder, or 'smollm2' (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for SmolLM2-135M-Instruct (default: %(default)s)")
     p.add_argument("--batch", type=int, default=8, help="prompts per call (default: %(default)s)")
     p.add_argument("--seq", type=int, default=128, help="padded prompt length (default: %(default)s)")
     p.add_argument("--cache", type=int, default=512, help="KV cache slots (default: %(default)s)")
@@ -189,10 +192,7 @@ def vs_device_main(argv: list[str]) -> int:
     if device.platform == "cpu" or not (device.memory_stats() or {}).get("peak_bytes_in_use"):
         print(f"error: {device.platform} device reports no peak memory; run this on a GPU or TPU", file=sys.stderr)
         return 2
-    folder = args.model
-    if folder == "smollm2":
-        from medusa_jax.bench.demo_model import prepare_smollm2
-        folder = str(prepare_smollm2())
+    folder = str(resolve_model_dir(args.model))
     plan_cmd = [sys.executable, str(Path(__file__).resolve()), "--model", folder, "--job", "decode",
                 "--lm-head", "shared", "--batch", str(args.batch), "--seq", str(args.seq), "--cache",
                 str(args.cache), "--tree", args.tree, "--heads", str(args.heads), "--dtype", args.dtype, "--json"]

@@ -21,10 +21,10 @@ optimiser state):
 Checked against measured peaks (VmHWM) on SmolLM2-135M at 8 x 1,024 positions: own lm_heads over 49,152
 tokens peaked at 23.9 GB (22.3 GiB; estimate 22.2 GiB), the default truncated:3072 at 3.3 GiB (estimate 3.7).
 
-One device of a mesh (`estimate_per_device`, for a `bench.plan.PlanConfig`; data d, fsdp f, tensor t), following
-the layouts of `medusa_jax.model.sharding`: weight matrices split over f x t, norms replicated, biases over t;
-each layer's K and V cache buffers split over rows (d x f) and KV heads (t); Adam's two moments like their
-parameters. Activations are the largest working sets, not a full liveness analysis:
+One device of a mesh (`estimate_per_device`, for a `bench.plan.PlanConfig`), following the layouts of
+`medusa_jax.model.sharding`: weight matrices split over fsdp x tensor, norms replicated, biases over tensor;
+each layer's K and V cache buffers split over rows (data x fsdp) and KV heads (tensor); Adam's two moments
+like their parameters. Activations are the largest working sets, not a full liveness analysis:
   decode  prefill: one layer's attention scores and probabilities (fp32) and MLP activations of the prompt;
           loop: the tree's base logits and the heads' logits (fp32)
   train   each head's logits, rematerialised one head at a time (forward + gradient, fp32); the backbone's
@@ -177,15 +177,17 @@ def _bytes(dtype: str) -> int:
 def estimate_per_device(config) -> DeviceEstimate:
     """Per-device bytes of a `bench.plan.PlanConfig` (module docstring)."""
     m, mesh = config.model, config.mesh
-    split, t, rows = mesh.fsdp * mesh.tensor, mesh.tensor, mesh.data * mesh.fsdp
+    split, tensor, rows = mesh.fsdp * mesh.tensor, mesh.tensor, mesh.data * mesh.fsdp
     dev_rows = config.batch / rows
     heads_dtype = config.heads_dtype if config.job == "train" else m.dtype
-    base_params = backbone_params(m, split, t)
-    head_params = heads_params(m, config.num_heads, 1, m.vocab_size if config.lm_head == "own" else None, split, t)
+    base_params = backbone_params(m, split, tensor)
+    own_vocab = m.vocab_size if config.lm_head == "own" else None
+    head_params = heads_params(m, config.num_heads, 1, own_vocab, split, tensor)
     params = base_params * _bytes(m.dtype) + head_params * _bytes(heads_dtype)
-    vocab_part, mlp_part, heads_part = m.vocab_size / t, m.intermediate_size / t, m.num_heads / t
+    vocab_part, mlp_part, heads_part = m.vocab_size / tensor, m.intermediate_size / tensor, m.num_heads / tensor
     if config.job == "decode":
-        cache = 2 * m.num_layers * dev_rows * config.cache * (m.num_kv_heads / t) * m.head_dim * _bytes(m.dtype)
+        kv_heads = m.num_kv_heads / tensor
+        cache = 2 * m.num_layers * dev_rows * config.cache * kv_heads * m.head_dim * _bytes(m.dtype)
         act = _bytes(m.dtype)
         prefill = dev_rows * (2 * heads_part * config.seq * config.cache * 4
                               + config.seq * (4 * m.hidden_size + 3 * mlp_part) * act)

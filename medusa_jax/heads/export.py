@@ -94,7 +94,8 @@ def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "
         raise ExportError(f"these are {cfg.head_type} heads (each head also reads the embeddings of the tokens "
                           f"drafted on its path); the PyTorch layouts (FasterDecoding/TGI/TensorRT-LLM, vLLM) only "
                           f"describe Medusa heads, so they cannot be exported. Use them with medusa-jax's own "
-                          f"format (medusa_jax.heads.folder); the shipped Medusa heads export as --heads default-medusa")
+                          f"format (medusa_jax.heads.folder); the shipped Medusa heads export as "
+                          f"--heads default-medusa")
     np_dtype = np.dtype(resolve_dtype(dtype))
     # own/truncated heads already carry an lm_head per head: materialize_lm_head is a no-op for them
     materialize_lm_head = materialize_lm_head and cfg.lm_head == "shared"

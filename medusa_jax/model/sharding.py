@@ -149,14 +149,15 @@ def param_shardings(state, mesh: Mesh):
 
 def validate_model_mesh(config: ModelConfig, mesh: Mesh) -> None:
     """Tensor parallelism splits whole attention heads: both head counts must divide by the tensor axis."""
-    t = mesh.shape["tensor"]
+    tensor = mesh.shape["tensor"]
     for name, count in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
                         ("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)):
-        if count % t:
-            raise MeshError(f"mesh axis 'tensor' of size {t} does not divide the model's {name} ({count})")
-    f = mesh.shape["fsdp"]
-    if config.hidden_size % f:
-        raise MeshError(f"mesh axis 'fsdp' of size {f} does not divide the model's hidden_size ({config.hidden_size})")
+        if count % tensor:
+            raise MeshError(f"mesh axis 'tensor' of size {tensor} does not divide the model's {name} ({count})")
+    fsdp = mesh.shape["fsdp"]
+    if config.hidden_size % fsdp:
+        raise MeshError(f"mesh axis 'fsdp' of size {fsdp} does not divide the model's hidden_size "
+                        f"({config.hidden_size})")
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
