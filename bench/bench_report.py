@@ -97,7 +97,7 @@ def markdown(results: dict) -> str:
 
 
 def plot_all(results: dict, out: Path) -> list[Path]:
-    import matplotlib
+    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -81,7 +81,7 @@ class TorchGenerate:
     compares our decoding with)."""
 
     def __init__(self, folder):
-        import torch
+        import torch  # optional (the [torch] extra) and heavy: only the comparison with transformers needs them
         import transformers
 
         self.torch = torch

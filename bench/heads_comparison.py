@@ -177,7 +177,7 @@ def markdown(results: dict, command: str, machine: str) -> str:
 
 
 def plot(results: dict, path: Path) -> Path:
-    import matplotlib
+    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -112,7 +112,7 @@ def markdown(results: dict, command: str, machine: str) -> str:
 
 
 def plot(results: dict, path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

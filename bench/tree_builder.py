@@ -25,6 +25,7 @@ import numpy as np
 
 from medusa_jax.heads.tree import build_tree
 from medusa_jax.inference import step_cost, tree_choice
+from medusa_jax.training.sharegpt import read_conversations
 from medusa_jax.bench import head_accuracy
 from medusa_jax.bench.bench_inputs import LoadedModel, machine_description
 
@@ -69,8 +70,6 @@ class BuildTreeConfig:
 
 def heldout_prompts(loaded: LoadedModel, config: BuildTreeConfig) -> tuple[list[list[int]], str]:
     """Token ids of `heldout` first user turns from the end of the data, and a note saying where from."""
-    from medusa_jax.training.sharegpt import read_conversations
-
     conversations, report = read_conversations(config.data)
     prompts = []
     for conv in reversed(conversations):

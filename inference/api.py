@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.model.backbone import CausalLM
@@ -155,7 +156,6 @@ def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 def _progress(total: int, enabled: bool):
     if not enabled or jax.process_index() != 0:
         return None
-    from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="prompt", desc="generate", dynamic_ncols=True)
 

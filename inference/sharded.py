@@ -29,13 +29,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.model.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_sharding, cache_shardings,
-                                       checked_sharding, param_shardings, replicated, validate_model_mesh)
+                                       checked_sharding, param_shardings, replicated, sharding_for, validate_model_mesh)
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.hydra import HydraHeads
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.heads.tree import TreeBuffers
 from medusa_jax.heads.trees_file import trees_of
@@ -58,8 +63,6 @@ def fetch(array: jax.Array) -> np.ndarray:
     """A (possibly multi-process) global array -> the full host array on every process."""
     if jax.process_count() == 1:
         return np.asarray(array)
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
@@ -311,12 +314,6 @@ def load_sharded(model_dir, heads_dir=None, mesh: MeshConfig | Mesh | None = Non
     """A HF model folder read straight into its mesh layout (each device reads its own slice), plus heads
     from a folder in any layout `heads.load.load_heads` reads, as a ShardedModel. `random_heads` = K > 0
     instead adds K untrained heads sharing the base lm_head (for timing runs before trained heads exist)."""
-    from medusa_jax.heads.config import HeadsConfig
-    from medusa_jax.heads.init import init_heads
-    from medusa_jax.heads.load import load_heads
-    from medusa_jax.hf.load import load_pretrained
-    from medusa_jax.model.sharding import sharding_for
-
     if mesh is None or isinstance(mesh, MeshConfig):
         mesh = (mesh or MeshConfig()).make_mesh()
     base = load_pretrained(model_dir, dtype=dtype, sharding_for=sharding_for(mesh))

@@ -102,8 +102,9 @@ def plain_step_call(base: CausalLM, batch: int, context: int, cache_size: int) -
     """A zero-argument call that runs one plain step over its own (donated, reused) state."""
     graphdef, params = nnx.split(base)
     b = batch
-    state = PlainState(make_cache(base, b, cache_size, context), jnp.zeros((b,), jnp.int32), jnp.zeros((b, 1), jnp.int32),
-                       jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.int32), jnp.zeros((b,), bool), jax.random.key(0))
+    state = PlainState(make_cache(base, b, cache_size, context), jnp.zeros((b,), jnp.int32),
+                       jnp.zeros((b, 1), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.int32),
+                       jnp.zeros((b,), bool), jax.random.key(0))
     return _SteppedState(lambda s: _plain_step(graphdef, params, s), state, context)
 
 

@@ -32,6 +32,25 @@ import json
 import sys
 from pathlib import Path
 
+from medusa_jax.assets import resolve_heads_dir
+from medusa_jax.paths import portable_path
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.load import load_heads
+from medusa_jax.heads.tree import PRESETS, TreeError
+from medusa_jax.training.distill_store import is_store
+from medusa_jax.bench import heads_comparison, quick, teacher_mass
+from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,
+                                           mtbench_questions, write_files)
+from medusa_jax.bench.bench_report import machine_line, write_report
+from medusa_jax.bench.benchmark import BenchmarkConfig, run_benchmark
+from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.bench.heads_comparison import CompareConfig
+from medusa_jax.bench.mtbench import MTBenchError
+from medusa_jax.bench.quick import PROMPTS, QuickConfig, run_quick
+from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_sampling_benchmark, write_sampling_report
+from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
 from medusa_jax.scripts.cli_args import parse_int_list, parse_positive_int_list
 
 
@@ -54,8 +73,6 @@ def main(argv=None) -> int:
 
 def mtbench_main(argv: list[str]) -> int:
     """The default mode: MT-Bench greedy (bench/benchmark.py), or sampling with --temperatures."""
-    from medusa_jax.bench.benchmark import BenchmarkConfig
-
     d = BenchmarkConfig()
     p = argparse.ArgumentParser(prog="benchmark.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,17 +134,11 @@ def mtbench_main(argv: list[str]) -> int:
     if a.temperatures is not None:
         return sampling_main(a, argv)
 
-    from medusa_jax.bench.bench_report import write_report
-    from medusa_jax.bench.benchmark import run_benchmark
-
     return _run_and_report(a, argv, run_benchmark, write_report, config)
 
 
 def sampling_main(a: argparse.Namespace, argv) -> int:
     """--temperatures: the sampling benchmark (bench/sampling_benchmark.py)."""
-    from medusa_jax.bench.sampling_benchmark import (SamplingBenchConfig, run_sampling_benchmark,
-                                                     write_sampling_report)
-
     config = SamplingBenchConfig(temperatures=a.temperatures, max_new_tokens=a.max_new_tokens,
                                  batch_size=a.batch_size, tree=a.tree, seed=a.seed)
     return _run_and_report(a, argv, run_sampling_benchmark, write_sampling_report, config)
@@ -135,12 +146,6 @@ def sampling_main(a: argparse.Namespace, argv) -> int:
 
 def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
     """Loads the model and questions, runs `run(loaded, questions, config)`, writes its report with `write`."""
-    from medusa_jax.paths import portable_path
-    from medusa_jax.heads.tree import TreeError
-    from medusa_jax.bench.mtbench import MTBenchError
-    from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,
-                                               mtbench_questions)
-
     machine = machine_description()
     try:
         questions = mtbench_questions(a.questions, a.question_file)
@@ -159,10 +164,6 @@ def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
 
 def quick_main(argv: list[str]) -> int:
     """`benchmark.py quick`: bench/quick.py."""
-    from medusa_jax.heads.tree import PRESETS
-    from medusa_jax.bench import quick
-    from medusa_jax.bench.quick import PROMPTS, QuickConfig
-
     p = argparse.ArgumentParser(prog="benchmark.py quick", description=quick.__doc__,
                                 epilog="Example:\n  python scripts/benchmark.py quick --max-new-tokens 64 --batch-sizes 1,4",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,12 +189,6 @@ def quick_main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    from medusa_jax.heads.config import HeadsConfig
-    from medusa_jax.heads.init import init_heads
-    from medusa_jax.heads.tree import TreeError
-    from medusa_jax.bench.bench_inputs import load_model
-    from medusa_jax.bench.quick import run_quick
-
     try:
         loaded = load_model(a.model, a.heads)
         heads = loaded.heads or init_heads(
@@ -208,9 +203,6 @@ def quick_main(argv: list[str]) -> int:
 
 def teacher_mass_main(argv: list[str]) -> int:
     """`benchmark.py teacher-mass`: bench/teacher_mass.py."""
-    from medusa_jax.bench import teacher_mass
-    from medusa_jax.bench.teacher_mass import TeacherMassConfig
-
     d = TeacherMassConfig()
     p = argparse.ArgumentParser(prog="benchmark.py teacher-mass", description=teacher_mass.__doc__,
                                 epilog="Prints one JSON object. Example:\n  python scripts/benchmark.py teacher-mass "
@@ -233,11 +225,6 @@ def teacher_mass_main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    from medusa_jax.hf.load import load_pretrained
-    from medusa_jax.training.distill_store import is_store
-    from medusa_jax.bench.demo_model import resolve_model_dir
-    from medusa_jax.bench.teacher_mass import outside_mass
-
     if not is_store(a.data):
         p.error(f"--data {a.data} is not a self-distilled Arrow store")
     try:
@@ -251,9 +238,6 @@ def teacher_mass_main(argv: list[str]) -> int:
 
 def heads_main(argv: list[str]) -> int:
     """`benchmark.py heads`: bench/heads_comparison.py."""
-    from medusa_jax.bench import heads_comparison
-    from medusa_jax.bench.heads_comparison import CompareConfig
-
     d = CompareConfig()
     p = argparse.ArgumentParser(prog="benchmark.py heads", description=heads_comparison.__doc__,
                                 epilog="Example (bench/heads):\n  python scripts/benchmark.py heads --model default "
@@ -300,13 +284,6 @@ def heads_main(argv: list[str]) -> int:
         p.error(str(e))
     if a.questions < 1:
         p.error("--questions must be >= 1")
-
-    from medusa_jax.assets import resolve_heads_dir
-    from medusa_jax.heads.load import load_heads
-    from medusa_jax.paths import portable_path
-    from medusa_jax.bench.bench_inputs import (command_line, load_model, machine_description, mtbench_questions,
-                                               write_files)
-    from medusa_jax.bench.bench_report import machine_line
 
     try:
         folders = {label: resolve_heads_dir(f) for label, f in labels.items()}

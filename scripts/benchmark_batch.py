@@ -26,6 +26,20 @@ import json
 import sys
 from pathlib import Path
 
+from medusa_jax.assets import resolve_heads_dir
+from medusa_jax.compile_cache import enable_compile_cache
+from medusa_jax.paths import portable_path
+from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.heads.tree import load_tree
+from medusa_jax.inference.api import generate
+from medusa_jax.inference.sharded import load_sharded
+from medusa_jax.bench import decode_benchmark, gpu_bench, scaling_benchmark
+from medusa_jax.bench.batch_benchmark import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
+from medusa_jax.bench.bench_inputs import command_line, load_model, machine_description, mtbench_questions, write_files
+from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.bench.mtbench import MTBenchError
+from medusa_jax.bench.op_profile import op_times
 from medusa_jax.scripts.cli_args import parse_int_list, parse_positive_int_list
 
 
@@ -38,9 +52,6 @@ def main(argv=None) -> int:
 
 def throughput_main(argv: list[str]) -> int:
     """The default mode: bench/batch_benchmark.py."""
-    from medusa_jax.bench.batch_benchmark import METHODS, BatchBenchConfig
-    from medusa_jax.paths import portable_path
-
     d = BatchBenchConfig()
     p = argparse.ArgumentParser(prog="benchmark_batch.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,16 +83,7 @@ def throughput_main(argv: list[str]) -> int:
     p.add_argument("--out", default="bench/batch", help="folder for batch.json and batch.md (default: %(default)s)")
     a = p.parse_args(argv)
 
-    from medusa_jax.compile_cache import enable_compile_cache
-
     enable_compile_cache()  # compile seconds stay reported; a rerun loads the executables instead
-    from medusa_jax.model.sharding import MeshConfig
-    from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
-    from medusa_jax.inference.sharded import load_sharded
-    from medusa_jax.bench.batch_benchmark import markdown, run_batch_benchmark
-    from medusa_jax.bench.bench_inputs import (command_line, machine_description, mtbench_questions, write_files)
-    from medusa_jax.assets import resolve_heads_dir
-    from medusa_jax.bench.demo_model import resolve_model_dir
 
     try:
         config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
@@ -114,8 +116,6 @@ def throughput_main(argv: list[str]) -> int:
 
 def scaling_main(argv: list[str]) -> int:
     """`benchmark_batch.py scaling`: bench/scaling_benchmark.py."""
-    from medusa_jax.bench import scaling_benchmark
-
     p = argparse.ArgumentParser(prog="benchmark_batch.py scaling", description=scaling_benchmark.__doc__,
                                 epilog="Example:\n  python scripts/benchmark_batch.py scaling --heads default --out "
                                        "bench/scaling\nWrites OUT/results.json, OUT/results.md and OUT/scaling.png.",
@@ -142,9 +142,6 @@ def scaling_main(argv: list[str]) -> int:
     if a.rounds < 1:
         p.error("--rounds must be >= 1")
 
-    from medusa_jax.heads.tree import load_tree
-    from medusa_jax.bench.bench_inputs import command_line, load_model, machine_description, write_files
-
     try:
         loaded = load_model(a.model, a.heads)
     except FileNotFoundError as e:
@@ -168,8 +165,6 @@ def scaling_main(argv: list[str]) -> int:
 
 def decode_main(argv: list[str]) -> int:
     """`benchmark_batch.py decode`: bench/decode_benchmark.py."""
-    from medusa_jax.bench import decode_benchmark
-
     p = argparse.ArgumentParser(prog="benchmark_batch.py decode", description=decode_benchmark.__doc__,
                                 epilog="Example:\n  python scripts/benchmark_batch.py decode --prompts 4 --out "
                                        "artifacts/benchmark_decode/\nWrites OUT/results.json and OUT/results.md.",
@@ -195,12 +190,6 @@ def decode_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if min(a.prompts, a.rounds, a.max_new_tokens, a.bandwidth_mib) < 1:
         p.error("--prompts, --rounds, --max-new-tokens and --bandwidth-mib must be >= 1")
-
-    from medusa_jax.inference.api import generate
-    from medusa_jax.bench.mtbench import MTBenchError
-    from medusa_jax.bench.bench_inputs import (command_line, load_model, machine_description, mtbench_questions,
-                                               write_files)
-    from medusa_jax.bench.op_profile import op_times
 
     machine = machine_description()
     try:
@@ -229,8 +218,6 @@ def decode_main(argv: list[str]) -> int:
 
 def gpu_main(argv: list[str]) -> int:
     """`benchmark_batch.py gpu`: bench/gpu_bench.py."""
-    from medusa_jax.bench import gpu_bench
-
     d = gpu_bench.GpuBenchConfig()
     p = argparse.ArgumentParser(prog="benchmark_batch.py gpu", description=gpu_bench.__doc__,
                                 epilog="Stops starting new measurements after --budget-seconds, so it finishes in "
@@ -270,8 +257,6 @@ def gpu_main(argv: list[str]) -> int:
             models=tuple(m for m in a.models.split(",") if m), dtype=a.dtype, tree_tokens=a.tree_tokens,
             batches=a.batches, context=a.context, repeats=a.repeats, heads_lm_head=a.heads_lm_head,
             budget_seconds=a.budget_seconds if a.budget_seconds is not None else d.budget_seconds)
-
-    from medusa_jax.bench.bench_inputs import write_files
 
     try:
         results = gpu_bench.run_gpu_bench(config, progress=lambda m: print(m, flush=True))

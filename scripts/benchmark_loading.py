@@ -15,6 +15,11 @@ import json
 import sys
 from pathlib import Path
 
+from medusa_jax.paths import portable_path
+from medusa_jax.bench.bench_inputs import write_files
+from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.bench.load_memory import measure
+
 DEFAULT_RUNS = ("1::sharded", "8:fsdp=8:sharded", "8:data=2,fsdp=4:sharded", "8:data=8:sharded",
                 "8:fsdp=8:via_one")
 
@@ -40,11 +45,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/loading",
                    help="folder for loading.json and loading.md (default: %(default)s)")
     a = p.parse_args(argv)
-
-    from medusa_jax.bench.load_memory import measure
-    from medusa_jax.paths import portable_path
-    from medusa_jax.bench.demo_model import resolve_model_dir
-    from medusa_jax.bench.bench_inputs import write_files
 
     folder = str(resolve_model_dir(a.model))
     rows = []

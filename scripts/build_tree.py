@@ -17,12 +17,19 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import jax
+
+from medusa_jax.assets import resolve_heads_dir
+from medusa_jax.atomic import write_text_atomic
+from medusa_jax.heads import trees_file
+from medusa_jax.heads.tree import TreeError
+from medusa_jax.bench.bench_inputs import command_line, load_model
+from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.bench.tree_builder import BuildTreeConfig, build, summary_lines
 from medusa_jax.scripts.cli_args import parse_int_list, parse_positive_int_list
 
 
 def main(argv=None) -> int:
-    from medusa_jax.bench.tree_builder import BuildTreeConfig
-
     d = BuildTreeConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF model folder, or 'default' for SmolLM2-135M-Instruct (built "
@@ -72,16 +79,6 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    import jax
-
-    from medusa_jax.heads import trees_file
-    from medusa_jax.bench.demo_model import resolve_model_dir
-    from medusa_jax.atomic import write_text_atomic
-    from medusa_jax.heads.tree import TreeError
-    from medusa_jax.assets import resolve_heads_dir
-    from medusa_jax.bench.bench_inputs import load_model
-    from medusa_jax.bench.tree_builder import build, summary_lines
-
     try:
         heads_dir = resolve_heads_dir(a.heads)
         out = Path(a.out) if a.out else heads_dir / trees_file.FILE_NAME
@@ -93,7 +90,6 @@ def main(argv=None) -> int:
         return 2
     backend = jax.default_backend()
     batches, built = build(loaded, config, progress=lambda m: print(m, flush=True))
-    from medusa_jax.bench.bench_inputs import command_line
 
     built = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
              "command": command_line("scripts/build_tree.py", argv), **built}  # no local paths

@@ -10,6 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+from medusa_jax.assets import resolve_heads_dir
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.hf.tensor_files import CheckpointError
+from medusa_jax.heads.export import ExportError, export_heads, serving_notes
+from medusa_jax.heads.load import load_heads
+from medusa_jax.bench.demo_model import resolve_model_dir
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # exporting is host work; never grab an accelerator for it
 
@@ -48,8 +56,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from medusa_jax.heads.export import ExportError
-    from medusa_jax.hf.tensor_files import CheckpointError
 
     try:
         return run(args)
@@ -59,17 +65,8 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from medusa_jax.bench.demo_model import resolve_model_dir
-    from medusa_jax.heads.load import load_heads
-    from medusa_jax.heads.export import ExportError, export_heads, serving_notes
-    from medusa_jax.hf.load import load_pretrained
-
     heads_dir = args.heads
     if heads_dir == "default":
-        from medusa_jax.assets import resolve_heads_dir
-
         heads_dir = resolve_heads_dir("default")
     if Path(args.out).resolve() == Path(heads_dir).resolve():
         raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "

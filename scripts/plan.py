@@ -22,7 +22,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
+
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.heads.tree import load_tree
+from medusa_jax.inference.sharded import load_sharded
+from medusa_jax.training.memory_plan import estimate_per_device
 from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.bench.plan import PlanConfig, compile_plan, device_capacity, largest_batch
+from medusa_jax.bench.plan_report import build_table, describe, warnings
+from medusa_jax.bench.presets import PRESETS, model_config
 
 
 def parse_args(argv):
@@ -71,16 +81,12 @@ def force_host_devices(count: int) -> None:
     """Host CPU devices for a mesh: fixed when JAX's CPU backend starts, so before any JAX computation."""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={count}").strip()
-    import jax
 
     jax.config.update("jax_platforms", "cpu")
 
 
 def plan_main(argv: list[str]) -> int:
     args = parse_args(argv)
-    from medusa_jax.bench.plan import PlanConfig, device_capacity
-    from medusa_jax.bench.presets import model_config
-    from medusa_jax.model.sharding import MeshConfig
 
     try:
         mesh = MeshConfig.parse(args.mesh)
@@ -96,9 +102,6 @@ def plan_main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     force_host_devices(max(mesh.size, 1))
-    from medusa_jax.bench.plan import compile_plan, largest_batch
-    from medusa_jax.training.memory_plan import estimate_per_device
-    from medusa_jax.bench.plan_report import describe, warnings
 
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     try:
@@ -147,7 +150,6 @@ def table_main(argv: list[str]) -> int:
                    help="compile nothing: the table from OUT/plans.json (and the exact lower bounds), missing plans "
                         "shown as 'not planned'")
     args = p.parse_args(argv)
-    from medusa_jax.bench.presets import PRESETS
 
     models = tuple(m for m in args.models.split(",") if m)
     unknown = [m for m in models if m not in PRESETS]
@@ -155,7 +157,6 @@ def table_main(argv: list[str]) -> int:
         print(f"error: unknown presets {unknown}; choose from {', '.join(PRESETS)}", file=sys.stderr)
         return 2
     force_host_devices(16)
-    from medusa_jax.bench.plan_report import build_table
 
     print(build_table(models, args.out, args.headroom, resume=args.resume, saved_only=args.saved_only,
                       log=lambda m: print(m, flush=True)))
@@ -186,7 +187,6 @@ def vs_device_main(argv: list[str]) -> int:
     p.add_argument("--heads", type=int, default=4, help="random Medusa heads (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights (default: bf16)")
     args = p.parse_args(argv)
-    import jax
 
     device = jax.devices()[0]
     if device.platform == "cpu" or not (device.memory_stats() or {}).get("peak_bytes_in_use"):
@@ -201,11 +201,6 @@ def vs_device_main(argv: list[str]) -> int:
         print(proc.stderr, file=sys.stderr)
         return proc.returncode
     plan = json.loads(proc.stdout)
-
-    import numpy as np
-
-    from medusa_jax.inference.sharded import load_sharded
-    from medusa_jax.heads.tree import load_tree
 
     model = load_sharded(folder, dtype=args.dtype, random_heads=args.heads)
     tree = load_tree(args.tree, num_heads=args.heads)

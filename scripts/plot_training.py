@@ -30,7 +30,7 @@ def read_log(path: Path) -> tuple[list[dict], list[dict]]:
 
 
 def plot(train: list[dict], evals: list[dict], output: Path, title: str) -> Path:
-    import matplotlib
+    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -17,9 +17,13 @@ import argparse
 import json
 import sys
 
+import jax
+
+from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.training.self_distill import DistillConfig, self_distill, shard_output
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
 
 def main(argv=None) -> int:
@@ -67,22 +71,17 @@ def main(argv=None) -> int:
                    help="this process's devices for the decode slots, e.g. data=8 (slots over data x fsdp, weights "
                         "over tensor; --batch-size must divide) (default: one device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
-    from medusa_jax.scripts.distributed import add_distributed_args
 
     add_distributed_args(p)
     a = p.parse_args(argv)
-    from medusa_jax.scripts.distributed import DistributedError, config_from_args, initialize
 
     try:
         if initialize(config_from_args(a)):  # the shard is this process's place in the job
-            import jax
-
             a.num_shards, a.shard_index = jax.process_count(), jax.process_index()
     except DistributedError as e:
         p.error(str(e))
     if not 0 <= a.shard_index < a.num_shards:
         p.error(f"--shard-index must be in [0, --num-shards), got {a.shard_index} of {a.num_shards}")
-    from medusa_jax.compile_cache import enable_compile_cache
 
     enable_compile_cache()
     config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, chunk_steps=a.chunk_steps,

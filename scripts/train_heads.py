@@ -14,17 +14,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+
+import jax
 
 from medusa_jax.assets import is_default_model
+from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
+from medusa_jax.model.sharding import MeshError
+from medusa_jax.training.checkpointing import CheckpointMismatch
+from medusa_jax.training.data import DataConfig
+from medusa_jax.training.memory_plan import MemoryPlanError
+from medusa_jax.training.output_folder import OutputFolderError
+from medusa_jax.training.run import RunConfig, train_heads
+from medusa_jax.training.sharegpt import DataError
+from medusa_jax.training.trainer import TrainConfig
 from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from medusa_jax.scripts.distributed import add_distributed_args
-    from medusa_jax.training.data import DataConfig
-    from medusa_jax.training.run import RunConfig
-    from medusa_jax.training.trainer import TrainConfig
-
     r, d, t = RunConfig("", ""), DataConfig(), TrainConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -128,8 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Flag values that cannot work, named before anything is loaded (ValueError -> one error line)."""
-    import os
-
     for flag in ("max_steps", "batch_size", "cached_batch_size", "save_every", "keep_checkpoints", "eval_every",
                  "eval_batches", "log_every", "num_heads", "num_proc"):
         if getattr(args, flag) < 1:
@@ -154,15 +161,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> int:
-    import sys
-
     args = build_parser().parse_args(argv)
-    from medusa_jax.scripts.distributed import DistributedError, config_from_args, initialize
-    from medusa_jax.model.sharding import MeshError
-    from medusa_jax.training.checkpointing import CheckpointMismatch
-    from medusa_jax.training.memory_plan import MemoryPlanError
-    from medusa_jax.training.output_folder import OutputFolderError
-    from medusa_jax.training.sharegpt import DataError
 
     try:
         check_args(args)
@@ -175,15 +174,7 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import jax
-
-    from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
-
     enable_compile_cache()
-
-    from medusa_jax.training.data import DataConfig
-    from medusa_jax.training.run import RunConfig, train_heads
-    from medusa_jax.training.trainer import TrainConfig
 
     multiplier = args.head_lr_multiplier if args.head_lr_multiplier is not None else (4.0 if args.medusa2 else 1.0)
     config = RunConfig(

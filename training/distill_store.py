@@ -16,6 +16,7 @@ a batch reads only its rows, the store is never loaded whole.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -34,7 +35,7 @@ FIRST_FORMAT_GLOB = "batch-*.npz"  # the retired first format: OUTPUT.hidden/bat
 
 
 def features(hidden_size: int):
-    import datasets
+    import datasets  # lazy (here and below): seconds to import, needed only when a store is written or read
 
     return datasets.Features({
         "id": datasets.Value("string"), "turn": datasets.Value("int32"),
@@ -92,7 +93,7 @@ def _write_json(path: Path, obj) -> None:
 
 def replies_table(replies: Iterable[tuple[str, int, list[int], list[int], np.ndarray]], hidden_size: int):
     """(id, turn, prompt ids, reply ids, hidden [len(reply), D]) tuples -> a pyarrow table of the store's schema."""
-    import pyarrow as pa
+    import pyarrow as pa  # lazy, with datasets (above)
 
     replies = list(replies)
     ids = [list(p) + list(r) for _, _, p, r, _ in replies]
@@ -133,8 +134,6 @@ class StoreWriter:
         return [f["filename"] for f in json.loads((self.folder / "state.json").read_text())["_data_files"]]
 
     def _write_state(self, shards: list[str]) -> None:
-        import hashlib
-
         state = {"_data_files": [{"filename": s} for s in shards], "_format_columns": None, "_format_kwargs": {},
                  "_format_type": None, "_output_all_columns": False, "_split": None,
                  "_fingerprint": hashlib.sha256("|".join(shards).encode()).hexdigest()[:16]}
@@ -142,7 +141,7 @@ class StoreWriter:
 
     def append(self, replies, name: str | None = None) -> str:
         """Writes one shard of `replies` (see replies_table) and lists it. Returns its file name."""
-        from datasets.arrow_writer import ArrowWriter
+        from datasets.arrow_writer import ArrowWriter  # lazy, as in features()
 
         shards = self.shards()
         k = len(shards)
@@ -157,7 +156,7 @@ class StoreWriter:
         return name
 
     def shard_ids(self, name: str) -> list[tuple[str, int]]:
-        import pyarrow as pa
+        import pyarrow as pa  # lazy, as in features()
 
         with pa.memory_map(str(self.folder / name)) as source:
             table = pa.ipc.open_stream(source).read_all().select(["id", "turn"])
@@ -179,7 +178,7 @@ class StoreWriter:
 
 def open_store(folder: str | os.PathLike):
     """The store as a memory-mapped `datasets.Dataset`."""
-    import datasets
+    import datasets  # lazy, as in features()
 
     if not is_store(folder):
         raise DataError(f"{folder}: not a self-distilled store (no {META_FILE})")

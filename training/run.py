@@ -22,9 +22,13 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
+from medusa_jax.text import load_tokenizer
 from medusa_jax.model import sharding as shd
 from medusa_jax.model.config import ModelConfig
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.hf.save import save_pretrained
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import write_heads_files
 from medusa_jax.heads.init import init_heads
@@ -145,14 +149,10 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
 
 
 def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    from medusa_jax.hf.load import load_pretrained
-
     is_main = jax.process_index() == 0
     output = Path(cfg.output)
     mesh = shd.MeshConfig.parse(cfg.mesh).make_mesh()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
     base = load_pretrained(cfg.model, sharding_for=shd.sharding_for(mesh) if mesh.size > 1 else None)
     eos = tuple(base.config.eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     mode, n_trunc = parse_lm_head(cfg.lm_head)
@@ -206,7 +206,6 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
         write_heads_files(trainer.heads(), output, extra_config={"training": summary},
                           storage_dtype=None if cfg.heads_dtype == "float32" else cfg.heads_dtype)
         if cfg.train.medusa2:
-            from medusa_jax.hf.save import save_pretrained
             save_pretrained(trainer.base(), output / "base_model", cfg.model)
     return {"steps": trainer.step, "heldout": result, "output": str(output)}
 
@@ -216,7 +215,6 @@ def _loop(cfg: RunConfig, trainer: Trainer, it, ckpt: Checkpoints, signature, wr
     """Steps until max_steps: NaN check, progress bar, JSONL log, checkpoints, held-out evaluation."""
     bar = None
     if cfg.progress and jax.process_index() == 0:
-        from tqdm import tqdm
         bar = tqdm(total=cfg.train.max_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
     head_lr = schedule(cfg.train.learning_rate * cfg.train.head_lr_multiplier, cfg.train)
     t_start, tokens_done, result = time.perf_counter(), 0, {}

@@ -34,9 +34,18 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import numpy as np
+from flax import nnx
+from tqdm import tqdm
 
-from medusa_jax.text import chat_prompt_ids
+from medusa_jax.text import chat_prompt_ids, load_tokenizer
+from medusa_jax.model import sharding as shd
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
+from medusa_jax.inference.refill import Slots, admit_prompts, run_chunk
+from medusa_jax.inference.sampling import SamplingConfig
+from medusa_jax.training import distill_store
 from medusa_jax.training.sharegpt import DataError, read_conversations
 
 _SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -74,8 +83,6 @@ class DistillConfig:
     @property
     def cache_size(self) -> int:
         """Slots per row: the longest admissible prompt of the last turn plus its reply."""
-        from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
-
         return round_up(self.turns * (self.max_prompt_tokens + self.max_new_tokens), PROMPT_BUCKET)
 
 
@@ -122,19 +129,11 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
                  config: DistillConfig = DistillConfig(), progress: bool = True,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Regenerates the assistant turns of `data` into `output` (JSONL, resumable). Returns run statistics."""
-    import jax
-    from flax import nnx
-    from transformers import AutoTokenizer
-
-    from medusa_jax.hf.load import load_pretrained
-    from medusa_jax.inference.sampling import SamplingConfig
-    from medusa_jax.inference.refill import Slots, admit_prompts, run_chunk
-
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     records, report = read_conversations(data)
     log(report.summary())
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     model = load_pretrained(model_dir)
     eos = tuple(model.config.eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
@@ -173,7 +172,6 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
              "admit_seconds": 0.0, "decode_seconds": 0.0}
     bar = None
     if progress:
-        from tqdm import tqdm
         bar = tqdm(total=total, initial=total - remaining, unit="conv", dynamic_ncols=True, smoothing=0.05)
     start = time.perf_counter()
 
@@ -291,8 +289,6 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
 
 def _open_store(output: Path, finished: set[str], hidden_size: int, log):
     """The Arrow store of `output`, its uncommitted shards dropped (the first npz format is refused)."""
-    from medusa_jax.training import distill_store
-
     old = distill_store.first_format_folder(output)
     if old is not None:
         raise distill_store.first_format_error(old)
@@ -306,11 +302,6 @@ def _open_store(output: Path, finished: set[str], hidden_size: int, log):
 
 def _on_mesh(spec: str, model_config, params, slots):
     """Weights by PARAM_RULES, slot rows over (data, fsdp) of a mesh of this process's devices."""
-    import jax
-
-    from medusa_jax.model import sharding as shd
-    from medusa_jax.inference.refill import Slots
-
     mesh = shd.MeshConfig.parse(spec).make_mesh(jax.local_devices())
     shd.validate_model_mesh(model_config, mesh)
     rows = shd.checked_sharding(mesh, shd.batch_sharding(mesh, 1).spec, slots.done_b.shape,
