@@ -21,7 +21,7 @@ from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, attention_mask, causal_block
-from medusa_jax.inference.sampling import SamplingConfig, sample_tokens
+from medusa_jax.inference.sampling import SamplingConfig, is_eos, sample_tokens
 
 
 def prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array,
@@ -100,12 +100,6 @@ def prefill_groups(batch_size: int, row_multiple: int = 1) -> int:
     while batch_size % groups:
         groups -= 1
     return groups
-
-
-def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-    if not eos_ids:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
 @jax.tree_util.register_dataclass

@@ -41,7 +41,8 @@ from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.heads.tree import TreeBuffers, build_tree, load_tree
 from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
-from medusa_jax.inference.autoregressive import grouped_prefill, is_eos
+from medusa_jax.inference.autoregressive import grouped_prefill
+from medusa_jax.inference.sampling import is_eos
 
 
 @dataclasses.dataclass(frozen=True)

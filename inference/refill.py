@@ -30,9 +30,9 @@ from flax import nnx
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.kv_cache import KVCache
-from medusa_jax.inference.autoregressive import PlainState, is_eos, prefill, run_plain_steps
+from medusa_jax.inference.autoregressive import PlainState, prefill, run_plain_steps
 from medusa_jax.inference.engine import PROMPT_BUCKET, check_prompts, round_up
-from medusa_jax.inference.sampling import SamplingConfig, sample_tokens
+from medusa_jax.inference.sampling import SamplingConfig, is_eos, sample_tokens
 
 
 @jax.tree_util.register_dataclass
