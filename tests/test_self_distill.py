@@ -73,7 +73,7 @@ def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
     from medusa_jax.hf.load import load_pretrained
     from medusa_jax.inference.api import generate
     from medusa_jax.inference.sampling import SamplingConfig
-    from medusa_jax.training.distill_decode import Slots, admit, run_chunk
+    from medusa_jax.inference.refill import Slots, admit, run_chunk
     from medusa_jax.training.trainer import backbone_hidden
 
     base = load_pretrained(build_tiny_chat_model(tmp_path / "m", seed=3))
@@ -122,7 +122,7 @@ def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
 def test_admission_groups_cut_prompts_by_length():
     """A 5-token prompt is not padded to the width of a 380-token one: admission splits by length, covers
     every prompt once, never costs more than one call, and keeps similar prompts in one call."""
-    from medusa_jax.training.distill_decode import _admit_cost, admission_groups
+    from medusa_jax.inference.refill import _admit_cost, admission_groups
 
     lengths = [60, 380, 62, 370, 5]
     groups = admission_groups(lengths, 64)
@@ -141,7 +141,7 @@ def test_grouped_admission_matches_admitting_each_prompt_alone(tmp_path):
 
     from medusa_jax.hf.load import load_pretrained
     from medusa_jax.inference.sampling import SamplingConfig
-    from medusa_jax.training.distill_decode import Slots, admission_groups, admit_prompts
+    from medusa_jax.inference.refill import Slots, admission_groups, admit_prompts
 
     base = load_pretrained(build_tiny_chat_model(tmp_path / "m", seed=3))
     graphdef, params = nnx.split(base)
