@@ -9,13 +9,16 @@ Public API (imported lazily, so `import medusa_jax` stays cheap and core modules
 
 Layers (enforced by tests/test_layers.py; arrows point at what a layer may import):
 
-    scripts/  ->  bench/  ->  training/  ->  inference/  ->  medusa_jax/*.py (core)
+    scripts/ -> bench/ -> training/ -> inference/ -> medusa_jax/heads/ -> medusa_jax/hf/ -> medusa_jax/model/
+      -> medusa_jax/*.py (the core's cross-cutting modules: atomic, paths, text, assets, compile_cache)
 
-Core (config, backbone, KV cache, heads, trees, sharding, HF and heads import/export, text) imports none of
-the others; inference/ (the decoders) imports only core; training/ imports core and inference; bench/
-(benchmarks, profilers, oracles, tree timing) imports anything but scripts/; scripts/ are thin command lines.
-No module imports itself back through a cycle, at module level or inside a function. This file's lazy table
-below is the one exemption: it names the user-facing entry points of every layer.
+The core is medusa_jax/: model/ (config, backbone, attention, rope, KV cache, sharding rules), hf/ (HF folders
+and tensor files), heads/ (Medusa and Hydra heads, their files, layouts and trees) and the root modules; it
+imports none of the other layers. inference/ (the decoders) imports only the core; training/ the core and
+inference; bench/ (benchmarks, profilers, tree building, memory plans, the demo model) anything but scripts/;
+scripts/ are thin command lines. No module imports itself back through a cycle, at module level or inside a
+function. This file's lazy table below is the one exemption: it names the user-facing entry points of every
+layer.
 
 Axis legend: an array's name ends in one letter per axis, outermost first (`v_bksh` is indexed
 [batch, kv_head, slot, head_width]). One letter means one axis everywhere in the project.

@@ -28,6 +28,7 @@ from typing import Callable, Protocol
 import jax
 import numpy as np
 
+from medusa_jax.model.backbone import CausalLM
 from medusa_jax.training import distill_store, hidden_cache, memory_plan
 from medusa_jax.training.data import (ChatData, DataConfig, EpochIterator, PackedRows, load_chat_data, row_batch,
                                       row_iterator)
@@ -67,7 +68,7 @@ class FeedSettings:
 class RunInputs:
     """What a source may use to build its feed: the loaded backbone and tokenizer, the EOS ids, the log."""
 
-    base: object  # the frozen CausalLM (CachedHidden runs it once over the rows)
+    base: CausalLM  # the frozen backbone (CachedHidden runs it once over the rows)
     tokenizer: object
     eos_ids: tuple[int, ...]
     log: Callable[[str], None] = print
