@@ -1,6 +1,7 @@
 """Throughput of batch generation (`inference.api.generate_batch`): MT-Bench first turns at several batch
 sizes, plain vs Medusa greedy decoding, in one run; and plain decoding with finished rows refilled
-(`refill`: bench/refill.py, continuous batching) against the front-end's length-sorted batches (`plain`).
+(`refill`: inference/refill.py, continuous batching) against length-sorted batches (`plain`: generate_batch with
+engine="batches", so the comparison holds at the batch sizes where "auto" itself refills).
 
 For every batch size the methods run back to back on the same prompts, so machine load hits them alike.
 Per run: new tokens, wall seconds, the part of them spent tracing and compiling (JAX's compile events;
@@ -16,8 +17,11 @@ import dataclasses
 import json
 from typing import Callable, Sequence
 
-from medusa_jax.tree import DEFAULT_TREE, load_tree
+from flax import nnx
+
+from medusa_jax.heads.tree import DEFAULT_TREE, load_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch
+from medusa_jax.inference.refill import refill_generate
 from medusa_jax.inference.sharded import ShardedModel
 
 METHODS = ("plain", "medusa", "refill")
@@ -59,7 +63,8 @@ def run_batch_benchmark(model: ShardedModel, prompts: Sequence[Sequence[int]], c
                 log(json.dumps(rows[-1]))
                 continue
             settings = BatchSettings(batch_size=batch_size, max_new_tokens=config.max_new_tokens,
-                                     tree=tree if method == "medusa" else None, eos_ids=eos_ids, pad_id=pad_id)
+                                     tree=tree if method == "medusa" else None, eos_ids=eos_ids, pad_id=pad_id,
+                                     engine="batches")
             run = generate_batch(model, prompts, settings, progress=progress)
             outputs[method] = [r.token_ids for r in run.results]
             row = {"batch_size": batch_size, "method": method, "prompts": len(prompts),
@@ -79,10 +84,6 @@ def run_batch_benchmark(model: ShardedModel, prompts: Sequence[Sequence[int]], c
 
 def _refill_row(model: ShardedModel, prompts, config: BatchBenchConfig, batch_size: int, eos_ids, pad_id,
                 plain_outputs) -> dict:
-    from flax import nnx
-
-    from medusa_jax.bench.refill import refill_generate
-
     if model.mesh.size > 1:
         raise ValueError("the refill runs use one device (run them without --mesh)")
     base = nnx.merge(model.base_graphdef, model.base_params)

@@ -1,7 +1,7 @@
 """What every benchmark shares: the model folder, heads, tokenizer and MT-Bench prompts it loads, where it ran
 (machine, git revision, the command line) and how it writes its report files.
 
-`--model smollm2` means the real SmolLM2-135M-Instruct (`medusa_jax.real_model.prepare_smollm2`); `--heads
+`--model smollm2` means the real SmolLM2-135M-Instruct (`medusa_jax.bench.demo_model.prepare_smollm2`); `--heads
 default` means the heads shipped in the package (`medusa_jax.assets.resolve_heads_dir`).
 """
 
@@ -20,14 +20,15 @@ from typing import Sequence
 
 import jax
 
+from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.atomic import write_text_atomic
-from medusa_jax.backbone import CausalLM
-from medusa_jax.heads import MedusaHeads
-from medusa_jax.assets import resolve_heads_dir, resolve_model_dir
-from medusa_jax.heads_import import load_heads
-from medusa_jax.hf_import import load_pretrained
-from medusa_jax.real_model import portable_path
+from medusa_jax.paths import portable_path
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.load import load_heads
+from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.bench.demo_model import resolve_model_dir
 from medusa_jax.bench.mtbench import MTBenchQuestion, load_mtbench_questions
 
 
@@ -89,7 +90,7 @@ def git_revision(folder: Path) -> str | None:
 
 
 def _portable_arg(arg: str) -> str:
-    """An absolute path inside `arg` (the whole argument or after `=`) as `real_model.portable_path` names it."""
+    """An absolute path inside `arg` (the whole argument or after `=`) as `medusa_jax.paths.portable_path` names it."""
     head, sep, tail = arg.rpartition("=") if "=" in arg else ("", "", arg)
     return head + sep + portable_path(tail) if os.path.isabs(tail) else arg
 

@@ -10,7 +10,7 @@ import math
 import os
 from pathlib import Path
 
-from medusa_jax.atomic import atomic_path
+from medusa_jax.atomic import save_figure_atomic
 from medusa_jax.bench.bench_inputs import write_files
 
 TARGETS = {"acceleration_rate": 3.0, "speedup_batch1": 2.5, "speedup_batch8": 1.5}
@@ -97,7 +97,7 @@ def markdown(results: dict) -> str:
 
 
 def plot_all(results: dict, out: Path) -> list[Path]:
-    import matplotlib
+    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -105,8 +105,7 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     written = []
 
     def save(fig, name):
-        with atomic_path(out / name) as tmp:
-            fig.savefig(str(tmp), dpi=110, bbox_inches="tight", format="png")
+        save_figure_atomic(fig, out / name, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(out / name)
 

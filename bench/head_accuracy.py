@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.eagle import EagleDrafter
-from medusa_jax.heads import MedusaHeads
-from medusa_jax.hydra_heads import HydraHeads, path_tokens
-from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.heads.eagle import EagleDrafter
+from medusa_jax.heads.hydra import HydraHeads, path_tokens
+from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.inference.api import generate
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 
@@ -33,7 +33,7 @@ class HeadAccuracy:
     positions_m: np.ndarray  # [num_heads] positions counted per head
     num_sequences: int
     # [sequences, num_heads, top_k]: each sequence's own table (a head with no position in a sequence gets the
-    # pooled row), for predictions over a batch of rows (`tree_search.batch_tokens_per_step`)
+    # pooled row), for predictions over a batch of rows (`tree_choice.batch_tokens_per_step`)
     per_sequence_smr: np.ndarray | None = None
 
     @property

@@ -4,7 +4,7 @@ For every heads folder (the shipped heads, heads trained with another loss, Hydr
 1. held-out accuracy: each head's top-1 and top-5 on the base model's own greedy continuations of held-out
    ShareGPT prompts (the last conversations of the file, `tree_builder.heldout_prompts`) — the same text
    for every heads folder;
-2. acceleration: the greedy tree of N nodes built from that accuracy table (`tree_search.greedy_tree`), for
+2. acceleration: the greedy tree of N nodes built from that accuracy table (`tree_choice.greedy_tree`), for
    each N of `tree_sizes`, decoding the MT-Bench questions greedily; tokens/step = new tokens / forward
    passes (prefill included), counted, not timed, and every Medusa answer checked token by token against
    plain greedy decoding (`mismatches` must be 0);
@@ -20,10 +20,11 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
-from medusa_jax import tree_search
-from medusa_jax.heads import MedusaHeads
-from medusa_jax.heads_trees import trees_of
-from medusa_jax.tree import build_tree
+from medusa_jax.atomic import save_figure_atomic
+from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.heads.tree import build_tree
+from medusa_jax.heads.trees_file import trees_of
+from medusa_jax.inference import tree_choice
 from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate_batch, plan_batches
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.bench import head_accuracy
@@ -71,13 +72,13 @@ def count_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, 
     model = ShardedModel(loaded.base, heads)
     rows = []
     for nodes in config.tree_sizes:
-        order = tree_search.greedy_tree(accuracy_mr, nodes)
+        order = tree_choice.greedy_tree(accuracy_mr, nodes)
         tree = build_tree([p for p, _ in order], name=f"greedy_{len(order)}")
         run = generate_batch(model, prompts, _settings(loaded, config, min(config.count_batch, len(prompts)), tree),
                              progress=False)
         mismatches = sum(a != b for a, b in zip(_tokens(run), reference))
         rows.append({"nodes": len(order), "tokens_per_step": run.tokens_per_step, "mismatches": mismatches,
-                     "predicted_tokens_per_step": tree_search.expected_tokens_per_step(
+                     "predicted_tokens_per_step": tree_choice.expected_tokens_per_step(
                          [p for p, _ in order], accuracy_mr)})
     return rows
 
@@ -88,7 +89,7 @@ def time_speedup(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, 
     machine's speed falls on both alike."""
     plain, medusa = ShardedModel(loaded.base, None), ShardedModel(loaded.base, heads)
     own = trees_of(heads) is not None
-    fallback = build_tree([p for p, _ in tree_search.greedy_tree(accuracy_mr, config.timed_nodes)],
+    fallback = build_tree([p for p, _ in tree_choice.greedy_tree(accuracy_mr, config.timed_nodes)],
                           name=f"greedy_{config.timed_nodes}")
     rows = []
     for batch in config.batch_sizes:
@@ -176,7 +177,7 @@ def markdown(results: dict, command: str, machine: str) -> str:
 
 
 def plot(results: dict, path: Path) -> Path:
-    import matplotlib
+    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -191,7 +192,7 @@ def plot(results: dict, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomic(fig, path, dpi=120)
     plt.close(fig)
     return path
 

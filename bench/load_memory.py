@@ -21,6 +21,12 @@ import sys
 import threading
 import time
 
+import jax
+from flax import nnx
+
+from medusa_jax.model.sharding import MeshConfig, param_shardings, sharding_for
+from medusa_jax.hf.load import load_pretrained
+
 MODES = ("sharded", "via_one")
 
 
@@ -54,12 +60,6 @@ class _AnonPeak:
 
 
 def _child(model_dir: str, mesh_spec: str, mode: str) -> dict:
-    import jax
-
-    from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.sharding import MeshConfig, param_shardings, sharding_for
-    from flax import nnx
-
     jax.devices()  # start the backend before the baseline
     mesh = MeshConfig.parse(mesh_spec).make_mesh()
     baseline_kib, anon_base_kib = _status_kib("VmRSS"), _status_kib("RssAnon")

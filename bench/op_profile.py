@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+from jax.profiler import ProfileData
 
 _SKIP = ("ThunkExecutor", "end: ")
 
@@ -21,8 +22,6 @@ _SKIP = ("ThunkExecutor", "end: ")
 def op_times(fn: Callable[[], object], per: int = 1, top: int = 12) -> list[dict]:
     """Runs fn() once under the profiler; returns the `top` op kinds by time, each with calls and ms divided
     by `per` (e.g. the number of decode steps)."""
-    from jax.profiler import ProfileData
-
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             jax.block_until_ready(fn())

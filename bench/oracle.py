@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.tree import TreeBuffers
+from medusa_jax.heads.tree import TreeBuffers
 from medusa_jax.inference.medusa import ProposeInputs, heads_proposer, tree_tokens
 
 

@@ -1,7 +1,7 @@
 """AOT memory plans: compile the project's real train step or Medusa decode loop on abstract inputs.
 
 The model is built with `nnx.eval_shape` (no weights), its state becomes `jax.ShapeDtypeStruct`s carrying the
-shardings of `medusa_jax.sharding`, and the jitted function the project runs (`Trainer.jitted_step`,
+shardings of `medusa_jax.model.sharding`, and the jitted function the project runs (`Trainer.jitted_step`,
 `ShardedModel.medusa_decode`) is lowered and compiled for a mesh of (forced host) devices. XLA's own
 `memory_analysis()` then gives the bytes per device, and the optimised HLO the collectives. Nothing of the
 model's size is ever allocated, so 70B models plan on a laptop. The CPU compiler's temporaries approximate a
@@ -21,14 +21,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from medusa_jax import hlo_collectives as hc
-from medusa_jax.backbone import CausalLM
-from medusa_jax.config import ModelConfig
-from medusa_jax.heads import HeadsConfig, MedusaHeads
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.sharding import MeshConfig, MeshError
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.heads.tree import load_tree
 from medusa_jax.inference.sharded import ShardedModel
-from medusa_jax.sharding import MeshConfig, MeshError
 from medusa_jax.training.trainer import TrainConfig, Trainer
-from medusa_jax.tree import load_tree
+from medusa_jax.bench import hlo_collectives as hc
 
 JOBS = ("train", "decode")
 

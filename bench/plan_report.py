@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Callable
 
 from medusa_jax.atomic import write_text_atomic
-
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.training.memory_plan import DeviceEstimate, estimate_per_device, lower_bound
 from medusa_jax.bench.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits
-from medusa_jax.bench.plan_estimate import Estimate, estimate, lower_bound
-from medusa_jax.presets import model_config
-from medusa_jax.sharding import MeshConfig
+from medusa_jax.bench.presets import model_config
 
 GIB = 2**30
 
@@ -32,7 +31,7 @@ def warnings(plan: CompiledPlan) -> list[str]:
     return out
 
 
-def describe(plan: CompiledPlan, est: Estimate, device: str, capacity: int, headroom: float,
+def describe(plan: CompiledPlan, est: DeviceEstimate, device: str, capacity: int, headroom: float,
              largest: int | None = None) -> str:
     c = plan.config
     head = (f"{c.job} plan: {c.model.model_type} {c.model.num_layers} layers, hidden {c.model.hidden_size}, "
@@ -170,7 +169,7 @@ def build_table(models: tuple[str, ...], out: str | Path, headroom: float, resum
         for mesh_key in ("gpu", "v5e"):
             entry = saved.get(_key(row, mesh_key))
             if entry is not None and "error" not in entry:
-                plans[mesh_key] = _Saved(entry, estimate(row_config(row, mesh_key)).total)
+                plans[mesh_key] = _Saved(entry, estimate_per_device(row_config(row, mesh_key)).total)
         results.append((row, plans))
     table = markdown_table(results, TABLE_COLUMNS, headroom)
     write_text_atomic(out / "table.md", table + "\n")

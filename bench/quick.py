@@ -16,9 +16,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.heads import MedusaHeads
-from medusa_jax.tree import load_tree
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.heads.tree import load_tree
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.bench.oracle import planted_data, planted_over_heads_proposer
 

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from medusa_jax.heads_trees import trees_of
-from medusa_jax.real_model import portable_path
-from medusa_jax.tree import TreeBuffers
+from medusa_jax.paths import portable_path
+from medusa_jax.heads.tree import TreeBuffers
+from medusa_jax.heads.trees_file import trees_of
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up

@@ -2,7 +2,7 @@
 a floor measured in the same run.
 
 For each (cache size S, batch B) every row holds `context_fraction * S` committed tokens, and one plain step
-and one whole Medusa step (the jitted calls of `step_cost`, timed interleaved) run over that cache. The floor
+and one whole Medusa step (the jitted calls of `inference.step_cost`, timed interleaved) run over that cache. The floor
 of a plain step at batch B is
 
     floor_s = weight_bytes / read_bandwidth + B * flops_per_token / gemm_rate
@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.heads import MedusaHeads
-from medusa_jax.tree import TreeBuffers
-from medusa_jax.bench.step_cost import medusa_step_call, plain_step_call, time_interleaved
+from medusa_jax.atomic import save_figure_atomic
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.heads.tree import TreeBuffers
+from medusa_jax.inference.step_cost import medusa_step_call, plain_step_call, time_interleaved
 from medusa_jax.bench.decode_benchmark import BandwidthProbe, weight_bytes
 
 
@@ -111,7 +112,7 @@ def markdown(results: dict, command: str, machine: str) -> str:
 
 
 def plot(results: dict, path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -129,5 +130,5 @@ def plot(results: dict, path) -> None:
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
     plt.close(fig)

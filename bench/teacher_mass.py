@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.backbone import CausalLM
+from medusa_jax.model.backbone import CausalLM
 from medusa_jax.training.data import top_token_ids
 from medusa_jax.training.distill_store import load_store_examples
 

@@ -1,4 +1,4 @@
-"""build_tree: measure head accuracy and step time on this machine, then pick the tree (see tree_search).
+"""build_tree: measure head accuracy and step time on this machine, then pick the tree (see inference/tree_choice.py).
 
 1. held-out prompts (the LAST conversations of the ShareGPT data, first user turn, chat template), continued
    greedily by the base model itself (self-distilled text);
@@ -10,7 +10,7 @@
 4. per B, the size with the most expected tokens per second = tokens per step / step time, or no tree
    (plain decoding) when even that one is predicted under `min_speedup` x plain. Tokens per step come from
    each held-out sequence's own accuracy, discounted by `accuracy_scale` per drafted token, and account for
-   a batch waiting on its slowest row (`tree_search.batch_tokens_per_step`). Verify cost grows with B x T
+   a batch waiting on its slowest row (`tree_choice.batch_tokens_per_step`). Verify cost grows with B x T
    and the slowest of B rows accepts less than the average one, so the tree shrinks as the batch grows,
    down to none.
 """
@@ -23,9 +23,10 @@ from typing import Callable
 
 import numpy as np
 
-from medusa_jax import tree_search
-from medusa_jax.tree import build_tree
-from medusa_jax.bench import head_accuracy, step_cost
+from medusa_jax.heads.tree import build_tree
+from medusa_jax.inference import step_cost, tree_choice
+from medusa_jax.training.sharegpt import read_conversations
+from medusa_jax.bench import head_accuracy
 from medusa_jax.bench.bench_inputs import LoadedModel, machine_description
 
 
@@ -69,8 +70,6 @@ class BuildTreeConfig:
 
 def heldout_prompts(loaded: LoadedModel, config: BuildTreeConfig) -> tuple[list[list[int]], str]:
     """Token ids of `heldout` first user turns from the end of the data, and a note saying where from."""
-    from medusa_jax.training.sharegpt import read_conversations
-
     conversations, report = read_conversations(config.data)
     prompts = []
     for conv in reversed(conversations):
@@ -94,11 +93,11 @@ def pick_for_batch(accuracy_mr, costs: step_cost.StepCostTable, max_nodes: int, 
     per second, or () ("decode plainly") when its predicted speedup over a plain step is below min_speedup.
     Returns (paths, the record build_tree stores for that batch)."""
     # step time cannot fall as the tree grows: fit the measured (noisy) times with a non-decreasing curve
-    fitted = tuple(tree_search.nondecreasing_fit(costs.medusa_seconds))
-    cost = tree_search.StepCost(costs.num_tree_tokens, fitted)
-    choice = tree_search.choose_tree(accuracy_mr, cost, min(max_nodes, cost.max_tokens - 1))
+    fitted = tuple(tree_choice.nondecreasing_fit(costs.medusa_seconds))
+    cost = tree_choice.StepCost(costs.num_tree_tokens, fitted)
+    choice = tree_choice.choose_tree(accuracy_mr, cost, min(max_nodes, cost.max_tokens - 1))
     if per_sequence_smr is not None:  # a batch waits for its slowest row: sized on per-sequence predictions
-        choice = tree_search.rescore_for_batch(choice, per_sequence_smr, costs.batch, cost)
+        choice = tree_choice.rescore_for_batch(choice, per_sequence_smr, costs.batch, cost)
     speedup_by_size = [tps * costs.plain_seconds for tps in choice.tokens_per_second]
     speedup = speedup_by_size[choice.best_num_nodes - 1]
     paths = choice.paths if speedup >= min_speedup else ()
@@ -134,7 +133,7 @@ def build(loaded: LoadedModel, config: BuildTreeConfig,
     progress("top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in accuracy.top1_m))
 
     scaled_mr = accuracy.accuracy_mr * config.accuracy_scale  # what sizes and predicts the trees
-    order = tree_search.greedy_tree(scaled_mr, config.max_nodes)
+    order = tree_choice.greedy_tree(scaled_mr, config.max_nodes)
     sizes = sorted({t for t in config.tree_tokens if t <= len(order) + 1})
     trees = [build_tree([p for p, _ in order[: t - 1]], name=f"greedy_{t - 1}") for t in sizes]
     chosen, records = {}, {}

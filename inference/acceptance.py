@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from medusa_jax.tree import TreeBuffers
+from medusa_jax.heads.tree import TreeBuffers
 from medusa_jax.inference.exact_acceptance import exact_accept
 from medusa_jax.inference.sampling import SamplingConfig, greedy_tokens, sample_tokens
 

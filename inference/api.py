@@ -1,24 +1,22 @@
 """The generation front-end: token-id prompts in, one `GenerationResult` per prompt out, on a device mesh
 (`sharded.ShardedModel`; a single device is a mesh of one). `generate` (plain decoding) and `generate_medusa`
 (Medusa decoding) are thin entry points for one batch on one device; `generate_batch` runs any number of
-prompts on any mesh, and scripts/generate.py runs every request through it.
+prompts on any mesh, and scripts/generate.py runs every request through it. Every path checks its prompts
+with `engine.check_prompts`.
 
-Plan. Prompts are sorted by token length (longest first) and cut into batches of exactly `batch_size` rows
-(the last one padded with filler rows that are dropped); prompts that fit one batch keep their input order.
-Each batch's prompts are right-padded to `bucket` times a power of two (`engine.bucket_length`) and its cache
-size follows the width, so the number of compilations is bounded by the number of distinct prompt buckets (3
-for 64 MT-Bench prompts at batch 8), not the number of prompts; sorting makes a batch's rows share a bucket,
-so little compute goes to padding.
-
-Why batches formed this way and not rows refilled. Each batch is one jitted call whose `while_loop` runs
-until every row has finished (EOS or `max_new_tokens`), so a long answer holds only the rows of its own
-batch, never the rest of the prompts, and costs at most `max_new_tokens` steps. Refilling a finished row
-mid-loop (continuous batching) would need a prefill of the new prompt inside the loop: a second shape in the
-loop body for plain decoding and for the Medusa tree step alike, and a loop that must return to Python to
-fetch prompts, which is what makes one call per batch fast. On GPUs a decode step costs about the same for
-any batch size up to the memory-bandwidth limit, so idle rows waste little time; on CPUs a smaller
-`batch_size` bounds the waste. (Self-distillation, which generates until a data set is done, does refill
-slots between chunks of steps: training/distill_decode.py.)
+Two engines. Sorted batches (`BatchSettings.engine="batches"`): prompts are sorted by token length (longest
+first) and cut into batches of exactly `batch_size` rows (the last one padded with filler rows that are
+dropped); prompts that fit one batch keep their input order. Each batch's prompts are right-padded to `bucket`
+times a power of two (`engine.bucket_length`) and its cache size follows the width, so the number of
+compilations is bounded by the number of distinct prompt buckets (3 for 64 MT-Bench prompts at batch 8). Each
+batch is one jitted call whose `while_loop` runs until every row has finished, so a long answer holds only
+the rows of its own batch, and at most for `max_new_tokens` steps; Medusa trees decode this way.
+Refilled slots (`engine="refill"`, `inference.refill`): `batch_size` slots run plain steps in jitted chunks and
+a finished slot takes the next prompt between chunks (continuous batching). On a 2-core CPU it measured faster
+at batch 64 and slower at 16 and 32 (bench/refill: 113 vs 97.8, 93 vs 102 and 69 vs 90 tokens/s), so
+`engine="auto"` (the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and
+there are at least batch_size prompts, and forms sorted batches otherwise. Greedy outputs are the same tokens
+either way.
 
 Results come back in input order with per-row stats. Under several processes every process passes the same
 prompts; each feeds only the rows its devices hold (`sharded.put_rows`) and all processes get all results.
@@ -32,20 +30,26 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
 
-from medusa_jax.backbone import CausalLM
 from medusa_jax.compile_cache import CompileCounter
-from medusa_jax.heads import MedusaHeads
-from medusa_jax.sharding import MeshConfig
-from medusa_jax.tree import TreeBuffers, load_tree
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.heads.tree import TreeBuffers, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
-from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_positions, pad_prompts,
+from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_prompts, pad_prompts,
                                          resolve_eos)
 from medusa_jax.inference.medusa import ChosenTree, Proposer, choose_tree
+from medusa_jax.inference.refill import refill_generate
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
 HEADS_TREE = "heads"  # BatchSettings.tree: the heads' own tree for the backend and batch size
+ENGINES = ("auto", "batches", "refill")
+REFILL_MIN_BATCH = 64  # engine "auto" refills slots from this batch size on (bench/refill, module docstring)
+REFILL_CHUNK_STEPS = 32  # decode steps between refills (bench/refill's setting)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +66,13 @@ class BatchSettings:
     pad_id: int = 0
     bucket: int = 2 * PROMPT_BUCKET  # prompt widths are bucket * 2**k (engine.bucket_length)
     cache_size: int | None = None  # KV cache slots per row; None: sized per prompt width (engine.cache_size_for)
+    engine: str = "auto"  # "batches" (sorted), "refill" (plain decoding on one device) or "auto" (`uses_refill`)
 
     def __post_init__(self):
         if isinstance(self.tree, str) and self.tree != HEADS_TREE:
             raise ValueError(f"tree must be TreeBuffers, None (plain) or {HEADS_TREE!r}, got {self.tree!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1 or self.bucket < 1:
             raise ValueError(f"batch_size, max_new_tokens and bucket must be >= 1, got {self.batch_size}, "
                              f"{self.max_new_tokens}, {self.bucket}")
@@ -113,10 +120,11 @@ class BatchRun:
     results: list[GenerationResult]  # in input order
     seconds: float  # wall-clock time of all batches, compilation included
     compile_seconds: float  # of which tracing and compiling (`compile_cache.CompileCounter`)
-    num_batches: int
-    num_shapes: int  # distinct (prompt width, cache size) pairs = compilations of the decode loop
+    num_batches: int  # sorted batches; refill: decode chunks
+    num_shapes: int  # distinct jitted call shapes (sorted batches: (prompt width, cache size) pairs)
     tree_choice: ChosenTree | None = None  # Medusa: the tree used (None: plain) and its origin / why plain
     compiles: CompileCounter | None = None  # executables compiled afresh / read from the persistent cache
+    engine: str = "batches"  # which engine ran: "batches" or "refill"
 
     @property
     def new_tokens(self) -> int:
@@ -148,7 +156,6 @@ def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 def _progress(total: int, enabled: bool):
     if not enabled or jax.process_index() != 0:
         return None
-    from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="prompt", desc="generate", dynamic_ncols=True)
 
@@ -157,13 +164,10 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
                    *, progress: bool = True, on_batch: Callable[[list[GenerationResult]], None] | None = None,
                    proposer: Proposer | None = None, proposer_data: Any = None) -> BatchRun:
     """Generates a reply for every token-id prompt; returns the results in input order. `on_batch` is
-    called with each finished batch's results (e.g. to stream them to a file). `proposer` replaces the heads'
-    top-k proposal in Medusa decoding (it receives `proposer_data`, whose rows are the batch's rows)."""
-    if not prompts:
-        raise ValueError("no prompts given")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    called with each finished batch's results (e.g. to stream them to a file; refilled slots: once, with
+    all). `proposer` replaces the heads' top-k proposal in Medusa decoding (it receives `proposer_data`, whose
+    rows are the batch's rows)."""
+    check_prompts(prompts)
     if settings.tree is not None and not model.has_heads:
         raise ValueError("Medusa decoding (a tree was given) needs a ShardedModel built with heads")
     chosen = None
@@ -172,7 +176,9 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
                              None if settings.tree == HEADS_TREE else settings.tree)
         settings = dataclasses.replace(settings, tree=chosen.tree)
     model.check_batch_size(settings.batch_size)
-    check_positions(model.config.max_position_embeddings, [len(p) for p in prompts], settings.max_new_tokens)
+    check_prompts(prompts, model.config.max_position_embeddings, settings.max_new_tokens)
+    if uses_refill(model, settings, len(prompts), proposer):
+        return _refill(model, prompts, settings, progress, on_batch)
     extra = 0 if settings.tree is None else settings.tree.num_tokens
     plan = plan_batches([len(p) for p in prompts], settings.batch_size)
     results: list[GenerationResult | None] = [None] * len(prompts)
@@ -216,6 +222,43 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
                     run_compiles)
 
 
+def uses_refill(model: ShardedModel, settings: BatchSettings, num_prompts: int, proposer: Proposer | None = None
+                ) -> bool:
+    """Whether `generate_batch` refills slots: engine "refill", or "auto" with plain decoding on one device in
+    one process, batch_size >= REFILL_MIN_BATCH, at least batch_size prompts and no fixed cache size (the
+    rule of the module docstring)."""
+    plain_on_one_device = (settings.tree is None and proposer is None and model.mesh.size == 1
+                           and jax.process_count() == 1)
+    if settings.engine == "refill":
+        if not plain_on_one_device:
+            raise ValueError("engine='refill' decodes plainly on one device: no tree, no proposer, no mesh")
+        return True
+    return (settings.engine == "auto" and plain_on_one_device and settings.cache_size is None
+            and settings.batch_size >= REFILL_MIN_BATCH and num_prompts >= settings.batch_size)
+
+
+def _refill(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings, progress: bool,
+            on_batch: Callable[[list[GenerationResult]], None] | None) -> BatchRun:
+    """`generate_batch` on refilled slots (`refill.refill_generate`): one run, every row shares its times."""
+    bar = _progress(len(prompts), progress)
+    base = nnx.merge(model.base_graphdef, model.base_params)
+    with CompileCounter() as compiles:
+        run = refill_generate(base, prompts, batch_size=settings.batch_size, max_new_tokens=settings.max_new_tokens,
+                              eos_ids=settings.eos_ids, pad_id=settings.pad_id, sampling=settings.sampling,
+                              seed=settings.seed, chunk_steps=REFILL_CHUNK_STEPS,
+                              on_finish=None if bar is None else lambda i: bar.update(1))
+    if bar is not None:
+        bar.close()
+    results = []
+    for index, ids in enumerate(run.token_ids):
+        eos = bool(ids) and ids[-1] in settings.eos_ids
+        results.append(GenerationResult(ids, len(ids), len(prompts[index]), "eos" if eos else "length", index, 0,
+                                        run.seconds, run.compile_seconds))
+    if on_batch is not None:
+        on_batch(results)
+    return BatchRun(results, run.seconds, run.compile_seconds, run.chunks, run.shapes, None, compiles, "refill")
+
+
 def _decode(model: ShardedModel, prompt_bt: np.ndarray, lengths_b: np.ndarray, cache_size: int,
             settings: BatchSettings, seed: int, proposer: Proposer | None,
             proposer_data: Any) -> list[tuple[np.ndarray, int, int, list[int] | None]]:
@@ -235,8 +278,7 @@ def _decode(model: ShardedModel, prompt_bt: np.ndarray, lengths_b: np.ndarray, c
 
 def _one_batch(prompts: Sequence[Sequence[int]], batch_size: int | None) -> int:
     """The batch size of a one-batch call (default: the number of prompts)."""
-    if not prompts:
-        raise ValueError("no prompts given")
+    check_prompts(prompts)
     batch_size = batch_size or len(prompts)
     if len(prompts) > batch_size:
         raise ValueError(f"{len(prompts)} prompts do not fit a batch of {batch_size}")

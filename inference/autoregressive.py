@@ -5,9 +5,9 @@ Shapes: b rows, t padded prompt length, o = max_new_tokens (the width of the out
 (s >= t + o). Rows finish independently at an EOS id; a finished row keeps computing (the batch is one
 matmul) but never advances its cache length again, so it writes only to scratch slots.
 
-`plain_step` (a PlainState in, a PlainState out) is THE plain step: the decode loop's body, the step that
-self-distillation runs between slot refills (training/distill_decode.py) and the one the step-cost timing
-jits (medusa_jax.bench.step_cost).
+`plain_step` (a PlainState in, a PlainState out) is THE plain step: the decode loop's body, the step the refill
+engine runs between slot refills (inference/refill.py: batch generation, self-distillation) and the one the
+step-cost timing jits (inference/step_cost.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, attention_mask, causal_block
-from medusa_jax.inference.sampling import SamplingConfig, sample_tokens
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, attention_mask, causal_block
+from medusa_jax.inference.sampling import SamplingConfig, is_eos, sample_tokens
 
 
 def prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array,
@@ -121,12 +121,6 @@ def prefill_groups(batch_size: int, row_multiple: int = 1) -> int:
     while batch_size % groups:
         groups -= 1
     return groups
-
-
-def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-    if not eos_ids:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
 @jax.tree_util.register_dataclass

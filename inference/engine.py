@@ -1,6 +1,7 @@
 """The shapes of a generation call: prompts right-padded to a short ladder of bucketed widths, cache sizes
 that follow them, and the checks that a prompt plus its budget fits (positions, cache slots). The generation
-front-end (`inference.api`) builds every batch with these."""
+front-end (`inference.api`) builds every batch with these; `check_prompts` is the one validation of prompts
+that every generation path (sorted batches, refilled slots) runs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from medusa_jax.backbone import CausalLM
+from medusa_jax.model.backbone import CausalLM
 
 PROMPT_BUCKET = 64  # the smallest padded prompt width; wider prompts double it (see bucket_length)
 
@@ -27,6 +28,20 @@ def bucket_length(n: int, smallest: int = PROMPT_BUCKET) -> int:
     while size < n:
         size *= 2
     return size
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], max_positions: int | None = None,
+                  max_new_tokens: int = 0) -> None:
+    """The one check of token-id prompts that every generation path runs (sorted batches, refilled slots, the
+    one-batch calls): at least one prompt, none empty, and, given the model's max_position_embeddings, each
+    prompt's tokens plus max_new_tokens within them."""
+    if not prompts:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    if max_positions is not None:
+        check_positions(max_positions, [len(p) for p in prompts], max_new_tokens)
 
 
 def check_positions(max_positions: int, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
@@ -50,11 +65,7 @@ class PaddedBatch:
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, batch_size: int | None = None,
                 bucket: int = PROMPT_BUCKET) -> PaddedBatch:
-    if not prompts:
-        raise ValueError("no prompts given")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    check_prompts(prompts)
     batch_size = batch_size or len(prompts)
     if len(prompts) > batch_size:
         raise ValueError(f"{len(prompts)} prompts do not fit a batch of {batch_size}")

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.tree import TreeBuffers
+from medusa_jax.heads.tree import TreeBuffers
 from medusa_jax.inference.sampling import SamplingConfig, target_logits
 
 

@@ -19,7 +19,7 @@ Rows finish independently: tokens after an EOS inside the accepted path are drop
 to max_new_tokens, and a finished row stops advancing (it keeps computing, writing scratch slots only).
 
 `medusa_step` (a MedusaState in, a MedusaState out) is THE tree step: the decode loop's body (here and under
-a mesh, inference/sharded.py) and what the step-cost timing jits (medusa_jax.bench.step_cost).
+a mesh, inference/sharded.py) and what the step-cost timing jits (inference/step_cost.py).
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from medusa_jax.heads import HeadsConfig, MedusaModel
-from medusa_jax.heads_trees import HeadsTrees, resolve_tree
-from medusa_jax.kv_cache import KVCache, attention_mask, move_slots
-from medusa_jax.sharding import map_cache_rows
-from medusa_jax.tree import TreeBuffers, build_tree, load_tree
+from medusa_jax.model.kv_cache import KVCache, attention_mask, move_slots
+from medusa_jax.model.sharding import map_cache_rows
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.medusa import MedusaModel
+from medusa_jax.heads.tree import TreeBuffers, build_tree, load_tree
+from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
-from medusa_jax.inference.autoregressive import grouped_prefill_states, is_eos
+from medusa_jax.inference.autoregressive import grouped_prefill_states
+from medusa_jax.inference.sampling import is_eos
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +223,7 @@ def choose_tree(heads_config: HeadsConfig, trees: HeadsTrees | None, batch_size:
                 tree: "str | os.PathLike | TreeBuffers | None" = None) -> ChosenTree:
     """The tree to decode with: an explicit `tree` (preset name, JSON file or TreeBuffers) always wins; None
     takes the heads' own `trees` (their folder's trees.json) for this backend and batch size, which may say
-    to decode plainly (see `medusa_jax.heads_trees.resolve_tree`)."""
+    to decode plainly (see `medusa_jax.heads.trees_file.resolve_tree`)."""
     limits = dict(num_heads=heads_config.num_heads, max_top_k=heads_config.head_vocab_size)
     if tree is not None:
         buffers = load_tree(tree, **limits)

@@ -1,4 +1,5 @@
-"""Token selection from logits: greedy, or sampling at a temperature within top-k and top-p.
+"""Token selection from logits: greedy, or sampling at a temperature within top-k and top-p; and the stop rule
+(`is_eos`) every decoder applies to the tokens it selects.
 
 `target_logits` is THE definition of the sampled distribution: plain sampling (`sample_tokens`) and Medusa's
 exact acceptance (`exact_acceptance`) both draw from softmax(target_logits(...)), so they cannot drift apart.
@@ -73,3 +74,10 @@ def sample_tokens(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig) 
     if config.greedy:
         return greedy_tokens(logits_bv)
     return jax.random.categorical(key, target_logits(logits_bv, config), axis=-1).astype(jnp.int32)
+
+
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    """Which tokens end their row: any of eos_ids (none when eos_ids is empty)."""
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))

@@ -1,8 +1,8 @@
 """Decoding under a device mesh: the plain and Medusa decode loops jitted with explicit in/out shardings.
 
-Layouts (mesh axes from `medusa_jax.sharding`):
+Layouts (mesh axes from `medusa_jax.model.sharding`):
     parameters        PARAM_RULES (attention heads, MLP width and vocabulary over `tensor`; hidden over `fsdp`)
-    KV cache          [L, B, S, K, H]: rows over (data, fsdp), KV heads over `tensor`
+    KV cache          per layer, K [B, K, H, S] and V [B, K, S, H]: rows over (data, fsdp), KV heads over `tensor`
     prompts, outputs  [B, ...]: rows over (data, fsdp); the PRNG key is replicated
 With data x tensor meshes each decode step moves only activations: all-reduces after the row-parallel o_proj
 and down_proj and the vocabulary-parallel embedding, the k best candidates of each vocabulary shard for argmax
@@ -10,8 +10,8 @@ and top-k (`sharded_top_k`); `data` alone needs no collective but the loop's "an
 `fsdp` > 1 stores weights split over hidden_size: the prefill all-gathers them layer by layer (once per
 batch), and the decode loop needs extra activation collectives over fsdp per layer (XLA's choice on the
 meshes we compiled; it could as well gather weights). It saves memory, not time: for decoding prefer
-data x tensor, and fsdp only when the weights do not fit. `medusa_jax.hlo_collectives` checks a compiled
-loop (`invariant_gathers` lists weights re-gathered at every step).
+data x tensor, and fsdp only when the weights do not fit. The tests check the compiled loops with
+`medusa_jax.bench.hlo_collectives` (`invariant_gathers` lists weights re-gathered at every step).
 
 Multi-host: every process holds the same (small) host batch of token ids; `put_rows` builds each process's
 addressable shards from it, so each process feeds only the rows its devices hold, and `fetch` gathers the
@@ -29,15 +29,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.heads import MedusaHeads, MedusaModel
-from medusa_jax.kv_cache import KVCache
-from medusa_jax.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_sharding, cache_shardings,
-                                 checked_sharding, param_shardings, replicated, validate_model_mesh)
-from medusa_jax.heads_trees import trees_of
-from medusa_jax.tree import TreeBuffers
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.model.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_sharding, cache_shardings,
+                                       checked_sharding, param_shardings, replicated, sharding_for, validate_model_mesh)
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.load import load_heads
+from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
+from medusa_jax.heads.tree import TreeBuffers
+from medusa_jax.heads.trees_file import trees_of
 from medusa_jax.inference import autoregressive, medusa
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.sampling import SamplingConfig
@@ -57,8 +62,6 @@ def fetch(array: jax.Array) -> np.ndarray:
     """A (possibly multi-process) global array -> the full host array on every process."""
     if jax.process_count() == 1:
         return np.asarray(array)
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
@@ -67,9 +70,9 @@ def sharded_top_k(logits_xbv: jax.Array, k: int, mesh: Mesh) -> jax.Array:
     XLA's partitioner replicates a TopK (it all-gathers the whole [..., B, V] logits, even over the batch).
     Here each device takes the top-k of its rows and vocabulary slice, the k candidates of every vocabulary
     shard are all-gathered over `tensor` and reduced again. Ties resolve to the lower index, as in lax.top_k."""
-    t = mesh.shape["tensor"]
+    tensor = mesh.shape["tensor"]
     vocab = logits_xbv.shape[-1]
-    vocab_axis = "tensor" if t > 1 and vocab % t == 0 and vocab // t >= k else None
+    vocab_axis = "tensor" if tensor > 1 and vocab % tensor == 0 and vocab // tensor >= k else None
     lead = (None,) * (logits_xbv.ndim - 2)
 
     def local(x):
@@ -77,7 +80,7 @@ def sharded_top_k(logits_xbv: jax.Array, k: int, mesh: Mesh) -> jax.Array:
         if vocab_axis is None:
             return ids
         ids = ids + jax.lax.axis_index("tensor") * x.shape[-1]
-        values = jax.lax.all_gather(values, "tensor", axis=x.ndim - 1, tiled=True)  # [..., b, t*k]
+        values = jax.lax.all_gather(values, "tensor", axis=x.ndim - 1, tiled=True)  # [..., b, tensor * k]
         ids = jax.lax.all_gather(ids, "tensor", axis=x.ndim - 1, tiled=True)
         _, best = jax.lax.top_k(values, k)  # candidates are ordered by vocabulary shard, so ties keep order
         return jnp.take_along_axis(ids, best, axis=-1)
@@ -308,14 +311,8 @@ def _placed(value: jax.Array, sharding: NamedSharding) -> jax.Array:
 def load_sharded(model_dir, heads_dir=None, mesh: MeshConfig | Mesh | None = None, dtype: str = "float32",
                  random_heads: int = 0) -> ShardedModel:
     """A HF model folder read straight into its mesh layout (each device reads its own slice), plus heads
-    from a folder in any layout `heads_import.load_heads` reads, as a ShardedModel. `random_heads` = K > 0
+    from a folder in any layout `heads.load.load_heads` reads, as a ShardedModel. `random_heads` = K > 0
     instead adds K untrained heads sharing the base lm_head (for timing runs before trained heads exist)."""
-    from medusa_jax.heads import HeadsConfig
-    from medusa_jax.heads_init import init_heads
-    from medusa_jax.heads_import import load_heads
-    from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.sharding import sharding_for
-
     if mesh is None or isinstance(mesh, MeshConfig):
         mesh = (mesh or MeshConfig()).make_mesh()
     base = load_pretrained(model_dir, dtype=dtype, sharding_for=sharding_for(mesh))

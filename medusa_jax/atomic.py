@@ -74,9 +74,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator:
+def atomic_file(path: str | os.PathLike, mode: str = "wb", encoding: str | None = None) -> Iterator:
     """`with atomic_file(p) as f: f.write(...)` — p appears, complete, only when the block succeeds."""
-    with atomic_path(path) as tmp, open(tmp, mode) as f:
+    with atomic_path(path) as tmp, open(tmp, mode, encoding=encoding) as f:
         yield f
 
 
@@ -84,6 +84,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     with atomic_file(path, "w") as f:
         f.write(text)
     return Path(path)
+
+
+def save_figure_atomic(fig, path: str | os.PathLike, **savefig_kwargs) -> Path:
+    """A matplotlib figure saved with `fig.savefig` under a temporary name, then renamed; the format is the
+    path's suffix (png without one)."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(str(tmp), format=path.suffix[1:] or "png", **savefig_kwargs)
+    return path
 
 
 @contextlib.contextmanager

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import jax
 
+from medusa_jax.paths import cache_root
+
 _REQUEST = "/jax/core/compile/backend_compile_duration"  # one per executable: compiled or read from the cache
 _SECONDS_PREFIX = "/jax/core/compile/"
 _HIT = "/jax/compilation_cache/cache_hits"
@@ -31,8 +33,6 @@ def compile_cache_dir() -> Path | None:
         return None
     if choice:
         return Path(choice).expanduser()
-    from medusa_jax.real_model import cache_root
-
     return cache_root() / "jax_compile"
 
 

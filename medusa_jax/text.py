@@ -19,7 +19,7 @@ def load_tokenizer(folder: str | os.PathLike):
     folder = Path(folder)
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise TokenizerError(f"{folder}: no tokenizer files (expected one of {list(_TOKENIZER_FILES)})")
-    import transformers
+    import transformers  # lazy: seconds to import, and `import medusa_jax` must stay cheap
 
     return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 

@@ -14,14 +14,14 @@ Greedy: plain vs Medusa (and transformers' generate with --hf), interleaved ques
 throughput at several batch sizes and a tree-size sweep.
 
 Example (the README's figures):
-  python scripts/benchmark.py --model smollm2 --heads default --hf --out bench/medusa
+  python scripts/benchmark.py --model default --heads default --hf --out bench/medusa
 (the shipped heads decode with their own trees: medusa_jax/assets/heads/smollm2/trees.json)
 Writes OUT/results.json (speedup, acceleration_rate, step_overhead, mismatches, tokens_per_s per method, per
 category, batched, tree sweep, per question), OUT/results.md (tables) and PNG plots.
 
 Sampling mode (--temperatures): plain sampling vs Medusa exact vs Medusa typical acceptance at each temperature,
 with Medusa greedy's tokens/step as reference; writes OUT/sampling.json and OUT/sampling.md:
-  python scripts/benchmark.py --model smollm2 --heads default --questions 8 --max-new-tokens 128 \
+  python scripts/benchmark.py --model default --heads default --questions 8 --max-new-tokens 128 \
       --temperatures 0.7,1.0 --out bench/sampling
 """
 
@@ -32,7 +32,26 @@ import json
 import sys
 from pathlib import Path
 
-from medusa_jax.cli_args import parse_int_list, parse_positive_int_list
+from medusa_jax.assets import resolve_heads_dir
+from medusa_jax.paths import portable_path
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.load import load_heads
+from medusa_jax.heads.tree import PRESETS, TreeError
+from medusa_jax.training.distill_store import is_store
+from medusa_jax.bench import heads_comparison, quick, teacher_mass
+from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,
+                                           mtbench_questions, write_files)
+from medusa_jax.bench.bench_report import machine_line, write_report
+from medusa_jax.bench.benchmark import BenchmarkConfig, run_benchmark
+from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.bench.heads_comparison import CompareConfig
+from medusa_jax.bench.mtbench import MTBenchError
+from medusa_jax.bench.quick import PROMPTS, QuickConfig, run_quick
+from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_sampling_benchmark, write_sampling_report
+from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
+from medusa_jax.scripts.cli_args import parse_int_list, parse_positive_int_list
 
 
 def parse_temperatures(text: str) -> tuple[float, ...]:
@@ -54,13 +73,12 @@ def main(argv=None) -> int:
 
 def mtbench_main(argv: list[str]) -> int:
     """The default mode: MT-Bench greedy (bench/benchmark.py), or sampling with --temperatures."""
-    from medusa_jax.bench.benchmark import BenchmarkConfig
-
     d = BenchmarkConfig()
     p = argparse.ArgumentParser(prog="benchmark.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--heads", default="default",
                    help="heads folder, or 'default' for the heads shipped with medusa-jax (default: %(default)s)")
     p.add_argument("--tree", default=d.tree,
@@ -116,17 +134,11 @@ def mtbench_main(argv: list[str]) -> int:
     if a.temperatures is not None:
         return sampling_main(a, argv)
 
-    from medusa_jax.bench.bench_report import write_report
-    from medusa_jax.bench.benchmark import run_benchmark
-
     return _run_and_report(a, argv, run_benchmark, write_report, config)
 
 
 def sampling_main(a: argparse.Namespace, argv) -> int:
     """--temperatures: the sampling benchmark (bench/sampling_benchmark.py)."""
-    from medusa_jax.bench.sampling_benchmark import (SamplingBenchConfig, run_sampling_benchmark,
-                                                     write_sampling_report)
-
     config = SamplingBenchConfig(temperatures=a.temperatures, max_new_tokens=a.max_new_tokens,
                                  batch_size=a.batch_size, tree=a.tree, seed=a.seed)
     return _run_and_report(a, argv, run_sampling_benchmark, write_sampling_report, config)
@@ -134,12 +146,6 @@ def sampling_main(a: argparse.Namespace, argv) -> int:
 
 def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
     """Loads the model and questions, runs `run(loaded, questions, config)`, writes its report with `write`."""
-    from medusa_jax.real_model import portable_path
-    from medusa_jax.tree import TreeError
-    from medusa_jax.bench.mtbench import MTBenchError
-    from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,
-                                               mtbench_questions)
-
     machine = machine_description()
     try:
         questions = mtbench_questions(a.questions, a.question_file)
@@ -158,15 +164,12 @@ def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
 
 def quick_main(argv: list[str]) -> int:
     """`benchmark.py quick`: bench/quick.py."""
-    from medusa_jax.tree import PRESETS
-    from medusa_jax.bench import quick
-    from medusa_jax.bench.quick import PROMPTS, QuickConfig
-
     p = argparse.ArgumentParser(prog="benchmark.py quick", description=quick.__doc__,
                                 epilog="Example:\n  python scripts/benchmark.py quick --max-new-tokens 64 --batch-sizes 1,4",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--heads", default=None, help="heads folder, or 'default' for the heads shipped with medusa-jax "
                                                  "(default: fresh init_heads, 4 heads: the base lm_head copied)")
     p.add_argument("--trees", default=",".join(PRESETS),
@@ -186,12 +189,6 @@ def quick_main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    from medusa_jax.heads import HeadsConfig
-    from medusa_jax.heads_init import init_heads
-    from medusa_jax.tree import TreeError
-    from medusa_jax.bench.bench_inputs import load_model
-    from medusa_jax.bench.quick import run_quick
-
     try:
         loaded = load_model(a.model, a.heads)
         heads = loaded.heads or init_heads(
@@ -206,15 +203,12 @@ def quick_main(argv: list[str]) -> int:
 
 def teacher_mass_main(argv: list[str]) -> int:
     """`benchmark.py teacher-mass`: bench/teacher_mass.py."""
-    from medusa_jax.bench import teacher_mass
-    from medusa_jax.bench.teacher_mass import TeacherMassConfig
-
     d = TeacherMassConfig()
     p = argparse.ArgumentParser(prog="benchmark.py teacher-mass", description=teacher_mass.__doc__,
                                 epilog="Prints one JSON object. Example:\n  python scripts/benchmark.py teacher-mass "
-                                       "--model smollm2 --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192",
+                                       "--model default --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="the HF model folder the store was generated with, or 'smollm2'")
+    p.add_argument("--model", required=True, help="the HF model folder the store was generated with, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--data", required=True, help="self-distilled Arrow store (self_distill.py --save-hidden)")
     p.add_argument("--sizes", type=parse_positive_int_list, default=d.sizes,
                    help="token_map sizes N to measure, comma-separated (default: %s)" % ",".join(map(str, d.sizes)))
@@ -231,11 +225,6 @@ def teacher_mass_main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.training.distill_store import is_store
-    from medusa_jax.assets import resolve_model_dir
-    from medusa_jax.bench.teacher_mass import outside_mass
-
     if not is_store(a.data):
         p.error(f"--data {a.data} is not a self-distilled Arrow store")
     try:
@@ -249,9 +238,6 @@ def teacher_mass_main(argv: list[str]) -> int:
 
 def heads_main(argv: list[str]) -> int:
     """`benchmark.py heads`: bench/heads_comparison.py."""
-    from medusa_jax.bench import heads_comparison
-    from medusa_jax.bench.heads_comparison import CompareConfig
-
     d = CompareConfig()
     p = argparse.ArgumentParser(prog="benchmark.py heads", description=heads_comparison.__doc__,
                                 epilog="Example (bench/heads):\n  python scripts/benchmark.py heads --model default "
@@ -298,13 +284,6 @@ def heads_main(argv: list[str]) -> int:
         p.error(str(e))
     if a.questions < 1:
         p.error("--questions must be >= 1")
-
-    from medusa_jax.assets import resolve_heads_dir
-    from medusa_jax.heads_import import load_heads
-    from medusa_jax.real_model import portable_path
-    from medusa_jax.bench.bench_inputs import (command_line, load_model, machine_description, mtbench_questions,
-                                               write_files)
-    from medusa_jax.bench.bench_report import machine_line
 
     try:
         folders = {label: resolve_heads_dir(f) for label, f in labels.items()}

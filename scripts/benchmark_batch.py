@@ -11,7 +11,7 @@
 and the oracle bound: scripts/benchmark.py; load memory: scripts/benchmark_loading.py.
 
 Throughput: batch sizes 1, 8, 32, plain vs Medusa greedy, one run. Example (the README's figures):
-  python scripts/benchmark_batch.py --model smollm2 --heads default --out bench/batch
+  python scripts/benchmark_batch.py --model default --heads default --out bench/batch
 Length-sorted batches vs refilled rows (continuous batching), plain greedy:
   python scripts/benchmark_batch.py --methods plain,refill --batch-sizes 16,32,64 --out bench/refill
 Writes OUT/batch.json (every run: tokens, seconds, compile seconds, tokens/s with and without compilation,
@@ -26,7 +26,21 @@ import json
 import sys
 from pathlib import Path
 
-from medusa_jax.cli_args import parse_int_list, parse_positive_int_list
+from medusa_jax.assets import resolve_heads_dir
+from medusa_jax.compile_cache import enable_compile_cache
+from medusa_jax.paths import portable_path
+from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.heads.tree import load_tree
+from medusa_jax.inference.api import generate
+from medusa_jax.inference.sharded import load_sharded
+from medusa_jax.bench import decode_benchmark, gpu_bench, scaling_benchmark
+from medusa_jax.bench.batch_benchmark import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
+from medusa_jax.bench.bench_inputs import command_line, load_model, machine_description, mtbench_questions, write_files
+from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.bench.mtbench import MTBenchError
+from medusa_jax.bench.op_profile import op_times
+from medusa_jax.scripts.cli_args import parse_int_list, parse_positive_int_list
 
 
 def main(argv=None) -> int:
@@ -38,14 +52,12 @@ def main(argv=None) -> int:
 
 def throughput_main(argv: list[str]) -> int:
     """The default mode: bench/batch_benchmark.py."""
-    from medusa_jax.bench.batch_benchmark import METHODS, BatchBenchConfig
-    from medusa_jax.real_model import portable_path
-
     d = BatchBenchConfig()
     p = argparse.ArgumentParser(prog="benchmark_batch.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--heads", default="default",
                    help="heads folder; 'default' for the heads shipped with medusa-jax; 'random' for untrained "
                         "heads sharing the base lm_head (default: %(default)s)")
@@ -71,15 +83,7 @@ def throughput_main(argv: list[str]) -> int:
     p.add_argument("--out", default="bench/batch", help="folder for batch.json and batch.md (default: %(default)s)")
     a = p.parse_args(argv)
 
-    from medusa_jax.compile_cache import enable_compile_cache
-
     enable_compile_cache()  # compile seconds stay reported; a rerun loads the executables instead
-    from medusa_jax.sharding import MeshConfig
-    from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
-    from medusa_jax.inference.sharded import load_sharded
-    from medusa_jax.bench.batch_benchmark import markdown, run_batch_benchmark
-    from medusa_jax.bench.bench_inputs import (command_line, machine_description, mtbench_questions, write_files)
-    from medusa_jax.assets import resolve_heads_dir, resolve_model_dir
 
     try:
         config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
@@ -112,14 +116,13 @@ def throughput_main(argv: list[str]) -> int:
 
 def scaling_main(argv: list[str]) -> int:
     """`benchmark_batch.py scaling`: bench/scaling_benchmark.py."""
-    from medusa_jax.bench import scaling_benchmark
-
     p = argparse.ArgumentParser(prog="benchmark_batch.py scaling", description=scaling_benchmark.__doc__,
                                 epilog="Example:\n  python scripts/benchmark_batch.py scaling --heads default --out "
                                        "bench/scaling\nWrites OUT/results.json, OUT/results.md and OUT/scaling.png.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--heads", default=None,
                    help="heads folder or 'default' (the shipped SmolLM2 heads) to time the Medusa step too; "
                         "omit for plain steps only")
@@ -138,9 +141,6 @@ def scaling_main(argv: list[str]) -> int:
         p.error("--context-fraction must be in (0, 1)")
     if a.rounds < 1:
         p.error("--rounds must be >= 1")
-
-    from medusa_jax.tree import load_tree
-    from medusa_jax.bench.bench_inputs import command_line, load_model, machine_description, write_files
 
     try:
         loaded = load_model(a.model, a.heads)
@@ -165,14 +165,13 @@ def scaling_main(argv: list[str]) -> int:
 
 def decode_main(argv: list[str]) -> int:
     """`benchmark_batch.py decode`: bench/decode_benchmark.py."""
-    from medusa_jax.bench import decode_benchmark
-
     p = argparse.ArgumentParser(prog="benchmark_batch.py decode", description=decode_benchmark.__doc__,
                                 epilog="Example:\n  python scripts/benchmark_batch.py decode --prompts 4 --out "
                                        "artifacts/benchmark_decode/\nWrites OUT/results.json and OUT/results.md.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--prompts", type=int, default=4,
                    help="MT-Bench first turns to use, taking the 8 categories in turn (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=2,
@@ -191,12 +190,6 @@ def decode_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if min(a.prompts, a.rounds, a.max_new_tokens, a.bandwidth_mib) < 1:
         p.error("--prompts, --rounds, --max-new-tokens and --bandwidth-mib must be >= 1")
-
-    from medusa_jax.inference.api import generate
-    from medusa_jax.bench.mtbench import MTBenchError
-    from medusa_jax.bench.bench_inputs import (command_line, load_model, machine_description, mtbench_questions,
-                                               write_files)
-    from medusa_jax.bench.op_profile import op_times
 
     machine = machine_description()
     try:
@@ -225,8 +218,6 @@ def decode_main(argv: list[str]) -> int:
 
 def gpu_main(argv: list[str]) -> int:
     """`benchmark_batch.py gpu`: bench/gpu_bench.py."""
-    from medusa_jax.bench import gpu_bench
-
     d = gpu_bench.GpuBenchConfig()
     p = argparse.ArgumentParser(prog="benchmark_batch.py gpu", description=gpu_bench.__doc__,
                                 epilog="Stops starting new measurements after --budget-seconds, so it finishes in "
@@ -266,8 +257,6 @@ def gpu_main(argv: list[str]) -> int:
             models=tuple(m for m in a.models.split(",") if m), dtype=a.dtype, tree_tokens=a.tree_tokens,
             batches=a.batches, context=a.context, repeats=a.repeats, heads_lm_head=a.heads_lm_head,
             budget_seconds=a.budget_seconds if a.budget_seconds is not None else d.budget_seconds)
-
-    from medusa_jax.bench.bench_inputs import write_files
 
     try:
         results = gpu_bench.run_gpu_bench(config, progress=lambda m: print(m, flush=True))

@@ -1,7 +1,7 @@
 """Peak host memory of loading a model on 1 vs N forced CPU devices (each load in a fresh process).
 
 Example (the README's figures, SmolLM2-135M-Instruct in float32):
-  python scripts/benchmark_loading.py --model smollm2 --out bench/loading
+  python scripts/benchmark_loading.py --model default --out bench/loading
 Default runs: one device; 8 devices with fsdp=8, data=2,fsdp=4 and data=8 read in place (each device reads
 its own slice of the memory-mapped safetensors); fsdp=8 loaded on one device first and then moved (the
 naive way, for contrast). Writes OUT/loading.json and OUT/loading.md. See bench/load_memory.py for
@@ -14,6 +14,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from medusa_jax.paths import portable_path
+from medusa_jax.bench.bench_inputs import write_files
+from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.bench.load_memory import measure
 
 DEFAULT_RUNS = ("1::sharded", "8:fsdp=8:sharded", "8:data=2,fsdp=4:sharded", "8:data=8:sharded",
                 "8:fsdp=8:via_one")
@@ -31,19 +36,15 @@ def markdown(rows: list[dict], model: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="HF model folder, or 'smollm2' for the packaged SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
+                        "(default: %(default)s)")
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), metavar="DEVICES:MESH:MODE",
                    help="loads to measure: forced CPU device count, mesh spec ('' = one device) and mode "
                         "(sharded | via_one) (default: %(default)s)")
     p.add_argument("--out", default="bench/loading",
                    help="folder for loading.json and loading.md (default: %(default)s)")
     a = p.parse_args(argv)
-
-    from medusa_jax.bench.load_memory import measure
-    from medusa_jax.real_model import portable_path
-    from medusa_jax.assets import resolve_model_dir
-    from medusa_jax.bench.bench_inputs import write_files
 
     folder = str(resolve_model_dir(a.model))
     rows = []

@@ -1,6 +1,6 @@
 """Build the teacher-forced feature store: chat conversations -> the frozen base model's final hidden state at
-every token (float16, Arrow), one forward per conversation and no generation. The EAGLE-style drafter (and heads
-of every kind) train on it: train_heads.py --data STORE.
+every token (float16, Arrow), one forward per conversation and no generation. The EAGLE-style drafter trains on
+it: train_heads.py --head-type eagle --data STORE.
 
 Example (SmolLM2 + ShareGPT, 5M tokens; ~2 h on 2 CPU cores):
   python scripts/build_features.py --model default --data sharegpt --output features/smollm2-sharegpt \
@@ -15,8 +15,16 @@ import argparse
 import json
 import sys
 
-from medusa_jax.assets import resolve_model_dir
-from medusa_jax.training.feature_store import FeatureStoreConfig
+import jax
+import jax.numpy as jnp
+
+from medusa_jax.compile_cache import enable_compile_cache
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.model import sharding as shd
+from medusa_jax.text import eos_token_ids, load_tokenizer
+from medusa_jax.training.feature_store import FeatureStoreConfig, build_feature_store
+from medusa_jax.training.sharegpt import DataError
+from medusa_jax.bench.demo_model import resolve_model_dir
 
 
 def main(argv=None) -> int:
@@ -48,22 +56,12 @@ def main(argv=None) -> int:
                                     chunk_tokens=a.chunk_tokens, seed=a.seed, limit=a.limit)
     except ValueError as e:
         p.error(str(e))
-    import jax  # after argument checks: a bad flag costs no JAX start-up
-    from transformers import AutoTokenizer
-
-    from medusa_jax import sharding as shd
-    from medusa_jax.compile_cache import enable_compile_cache
-    from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.text import eos_token_ids
-    from medusa_jax.training.feature_store import build_feature_store
-    from medusa_jax.training.sharegpt import DataError
-
     enable_compile_cache()
     model_dir = resolve_model_dir(a.model)
     mesh = shd.MeshConfig.parse(a.mesh).make_mesh()
     base = load_pretrained(model_dir, sharding_for=shd.sharding_for(mesh) if mesh.size > 1 else None)
-    put = (lambda x: jax.device_put(x, shd.batch_sharding(mesh))) if mesh.size > 1 else jax.numpy.asarray
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    put = (lambda x: jax.device_put(x, shd.batch_sharding(mesh))) if mesh.size > 1 else jnp.asarray
+    tokenizer = load_tokenizer(model_dir)
     try:
         folder = build_feature_store(base, tokenizer, eos_token_ids(model_dir, tokenizer), a.data, a.output, config,
                                      model_name=model_dir.name, put=put, progress=not a.no_progress)

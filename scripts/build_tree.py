@@ -17,12 +17,19 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from medusa_jax.cli_args import parse_int_list, parse_positive_int_list
+import jax
+
+from medusa_jax.assets import resolve_heads_dir
+from medusa_jax.atomic import write_text_atomic
+from medusa_jax.heads import trees_file
+from medusa_jax.heads.tree import TreeError
+from medusa_jax.bench.bench_inputs import command_line, load_model
+from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.bench.tree_builder import BuildTreeConfig, build, summary_lines
+from medusa_jax.scripts.cli_args import parse_int_list, parse_positive_int_list
 
 
 def main(argv=None) -> int:
-    from medusa_jax.bench.tree_builder import BuildTreeConfig
-
     d = BuildTreeConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF model folder, or 'default' for SmolLM2-135M-Instruct (built "
@@ -72,32 +79,21 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    import jax
-
-    from medusa_jax import heads_trees
-    from medusa_jax.assets import resolve_model_dir
-    from medusa_jax.atomic import write_text_atomic
-    from medusa_jax.tree import TreeError
-    from medusa_jax.assets import resolve_heads_dir
-    from medusa_jax.bench.bench_inputs import load_model
-    from medusa_jax.bench.tree_builder import build, summary_lines
-
     try:
         heads_dir = resolve_heads_dir(a.heads)
-        out = Path(a.out) if a.out else heads_dir / heads_trees.FILE_NAME
+        out = Path(a.out) if a.out else heads_dir / trees_file.FILE_NAME
         # an existing file must be valid: its other backends are kept (checked before the slow work)
-        existing = heads_trees.read_trees_file(out)
+        existing = trees_file.read_trees_file(out)
         loaded = load_model(resolve_model_dir(a.model), heads_dir)
     except (FileNotFoundError, ValueError, TreeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     backend = jax.default_backend()
     batches, built = build(loaded, config, progress=lambda m: print(m, flush=True))
-    from medusa_jax.bench.bench_inputs import command_line
 
     built = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
              "command": command_line("scripts/build_tree.py", argv), **built}  # no local paths
-    document = heads_trees.trees_document(existing, backend, batches, built)
+    document = trees_file.trees_document(existing, backend, batches, built)
     write_text_atomic(out, json.dumps(document, indent=1) + "\n")
     for line in summary_lines(batches, built):
         print(line)

@@ -12,6 +12,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+from medusa_jax.assets import resolve_heads_dir
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.hf.tensor_files import CheckpointError
+from medusa_jax.heads.eagle_layout import eagle_serving_notes, export_eagle
+from medusa_jax.heads.export import ExportError, export_heads, serving_notes
+from medusa_jax.heads.load import load_heads
+from medusa_jax.bench.demo_model import resolve_model_dir
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # exporting is host work; never grab an accelerator for it
 
@@ -53,8 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from medusa_jax.heads_interop import ExportError
-    from medusa_jax.tensor_files import CheckpointError
 
     try:
         return run(args)
@@ -64,15 +71,6 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from medusa_jax.assets import resolve_model_dir
-    from medusa_jax.heads_import import load_heads
-    from medusa_jax.heads_interop import ExportError, export_heads, serving_notes
-    from medusa_jax.hf_import import load_pretrained
-
-    from medusa_jax.assets import resolve_heads_dir
-
     heads_dir = resolve_heads_dir(args.heads)  # 'default' / 'default-medusa': the shipped heads
     if Path(args.out).resolve() == Path(heads_dir).resolve():
         raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
@@ -102,9 +100,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _export_eagle(args: argparse.Namespace, drafter, base) -> int:
-    from medusa_jax.eagle_interop import eagle_serving_notes, export_eagle
-    from medusa_jax.heads_interop import ExportError
-
     if base is None:
         raise ExportError("--format eagle needs --model: the drafter's file carries the base's input embedding")
     sglang = args.format == "eagle-sglang"

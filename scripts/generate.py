@@ -28,11 +28,27 @@ import json
 import os
 import sys
 
+import jax
+
+from medusa_jax.assets import is_default_model, resolve_heads_dir
+from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
+from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
+from medusa_jax.model.config import UnsupportedModelError
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.hf.tensor_files import CheckpointError
+from medusa_jax.heads.tree import DEFAULT_TREE, PRESETS, load_tree
+from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
+from medusa_jax.inference.api import HEADS_TREE, BatchSettings
+from medusa_jax.inference.sampling import SamplingConfig
+from medusa_jax.inference.sharded import load_sharded
+from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, generate_rows, read_prompts, write_jsonl
+from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.scripts import distributed
+from medusa_jax.scripts.distributed import add_distributed_args
+
 
 def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that choose the decoder: plain decoding, or Medusa decoding with --heads."""
-    from medusa_jax.tree import DEFAULT_TREE, PRESETS
-
     p.add_argument("--heads", default=None,
                    help="Medusa heads folder (medusa-jax, FasterDecoding/TGI/TensorRT-LLM or vLLM layout), or "
                         "'default' for the heads shipped with medusa-jax; enables Medusa decoding "
@@ -55,7 +71,6 @@ def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -
         if a.tree is not None or a.acceptance is not None:
             p.error("--tree and --acceptance need --heads (Medusa decoding)")
         return
-    from medusa_jax.inference.acceptance import acceptance_for
 
     try:
         a.acceptance = acceptance_for(a.acceptance, sampling_config(a)).kind
@@ -64,15 +79,11 @@ def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -
 
 
 def sampling_config(a: argparse.Namespace):
-    from medusa_jax.inference.sampling import SamplingConfig
-
     return SamplingConfig(a.temperature, a.top_p, a.top_k)
 
 
 def acceptance_config(a: argparse.Namespace):
     """The Medusa acceptance of checked flags (check_decoder_arguments)."""
-    from medusa_jax.inference.acceptance import acceptance_for
-
     return acceptance_for(a.acceptance, sampling_config(a))
 
 
@@ -108,7 +119,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="device mesh for sharded decoding, e.g. data=2,tensor=4 (axes data, fsdp, tensor; missing "
                         "axes are 1; --batch-size must divide by data*fsdp; for decoding prefer data x tensor) "
                         "(default: one device)")
-    from medusa_jax.distributed import add_distributed_args
 
     add_distributed_args(p)
     a = p.parse_args(argv)
@@ -136,18 +146,6 @@ def decoder_fields(chosen) -> dict:
 
 def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
     """Generation on the mesh (a mesh of one device without --mesh); process 0 prints and writes the output."""
-    import jax
-
-    from medusa_jax.assets import resolve_heads_dir
-    from medusa_jax.compile_cache import CompileCounter
-    from medusa_jax.sharding import MeshConfig
-    from medusa_jax.text import pad_token_id
-    from medusa_jax.tree import load_tree
-    from medusa_jax.inference.acceptance import AcceptanceConfig
-    from medusa_jax.inference.api import HEADS_TREE, BatchSettings
-    from medusa_jax.inference.sharded import load_sharded
-    from medusa_jax.inference.text_generation import generate_rows, write_jsonl
-
     model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads else None, MeshConfig.parse(a.mesh), a.dtype)
     tree, acceptance = None, AcceptanceConfig()
     if a.heads:
@@ -171,8 +169,10 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
         elif not a.input:
             print(row["text"])
     if not a.json:
-        print(f"[{run.new_tokens} new tokens for {len(rows)} prompt(s) in {run.num_batches} batch(es) of "
-              f"{a.batch_size} on mesh {dict(model.mesh.shape)}: {run.seconds:.2f} s, "
+        how = (f"{a.batch_size} refilled slots ({run.num_batches} decode chunks)" if run.engine == "refill" else
+               f"{run.num_batches} batch(es) of {a.batch_size}")
+        print(f"[{run.new_tokens} new tokens for {len(rows)} prompt(s) in {how} on mesh {dict(model.mesh.shape)}: "
+              f"{run.seconds:.2f} s, "
               f"{run.decode_tokens_per_second:.1f} tokens/s without the {run.compile_seconds:.1f} s of JIT "
               f"compilation ({run.num_shapes} shape(s); {compiles.compiles} XLA compilation(s), "
               f"{compiles.cache_hits} from the persistent cache), {run.tokens_per_step:.2f} tokens/step]")
@@ -185,26 +185,18 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from medusa_jax import distributed
 
     try:  # before any other JAX call
         distributed.initialize(distributed.config_from_args(a))
     except distributed.DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from medusa_jax.compile_cache import enable_compile_cache
 
     enable_compile_cache()
-    from medusa_jax.config import UnsupportedModelError
-    from medusa_jax.tensor_files import CheckpointError
-    from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer
-    from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, read_prompts
 
     try:
-        if a.model == "default":
-            from medusa_jax.real_model import prepare_smollm2
-
-            folder = prepare_smollm2()
+        if is_default_model(a.model):
+            folder = resolve_model_dir(a.model)
         else:
             folder = a.model
             if os.path.isfile(folder):

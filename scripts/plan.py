@@ -22,6 +22,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
+
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.heads.tree import load_tree
+from medusa_jax.inference.sharded import load_sharded
+from medusa_jax.training.memory_plan import estimate_per_device
+from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.bench.plan import PlanConfig, compile_plan, device_capacity, largest_batch
+from medusa_jax.bench.plan_report import build_table, describe, warnings
+from medusa_jax.bench.presets import PRESETS, model_config
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="plan.py", description=__doc__,
@@ -69,16 +81,12 @@ def force_host_devices(count: int) -> None:
     """Host CPU devices for a mesh: fixed when JAX's CPU backend starts, so before any JAX computation."""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={count}").strip()
-    import jax
 
     jax.config.update("jax_platforms", "cpu")
 
 
 def plan_main(argv: list[str]) -> int:
     args = parse_args(argv)
-    from medusa_jax.bench.plan import PlanConfig, device_capacity
-    from medusa_jax.presets import model_config
-    from medusa_jax.sharding import MeshConfig
 
     try:
         mesh = MeshConfig.parse(args.mesh)
@@ -94,9 +102,6 @@ def plan_main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     force_host_devices(max(mesh.size, 1))
-    from medusa_jax.bench.plan import compile_plan, largest_batch
-    from medusa_jax.bench.plan_estimate import estimate
-    from medusa_jax.bench.plan_report import describe, warnings
 
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     try:
@@ -107,7 +112,7 @@ def plan_main(argv: list[str]) -> int:
     largest = None
     if args.search:
         largest, _ = largest_batch(config, capacity, args.headroom, first=plan, log=log)
-    est = estimate(config)
+    est = estimate_per_device(config)
     if args.json:
         out = plan.to_dict()
         out.update(device=device, capacity_bytes=capacity, headroom=args.headroom,
@@ -123,7 +128,7 @@ def plan_main(argv: list[str]) -> int:
 TABLE_DOC = """The README's "Will it fit?" table: compiled memory plans of Llama-3-8B and 70B, Medusa-1/2 training and
 Medusa decoding (tree mc_sim_7b_63, batch 1/8/64), for one 8x H100-80G host, one 8x H200 host and a TPU v5e-16
 slice. Each row is one compile per mesh (the two GPU hosts share the 8-device plan); a plan whose parameters,
-optimiser state, KV cache and gradients alone (`plan_estimate.lower_bound`, exact) exceed every device it is
+optimiser state, KV cache and gradients alone (`training.memory_plan.lower_bound`, exact) exceed every device it is
 planned for is not compiled ("> N GiB" in the table). Results are saved to OUT/plans.json as they come;
 --resume continues an interrupted run.
 
@@ -145,7 +150,6 @@ def table_main(argv: list[str]) -> int:
                    help="compile nothing: the table from OUT/plans.json (and the exact lower bounds), missing plans "
                         "shown as 'not planned'")
     args = p.parse_args(argv)
-    from medusa_jax.presets import PRESETS
 
     models = tuple(m for m in args.models.split(",") if m)
     unknown = [m for m in models if m not in PRESETS]
@@ -153,7 +157,6 @@ def table_main(argv: list[str]) -> int:
         print(f"error: unknown presets {unknown}; choose from {', '.join(PRESETS)}", file=sys.stderr)
         return 2
     force_host_devices(16)
-    from medusa_jax.bench.plan_report import build_table
 
     print(build_table(models, args.out, args.headroom, resume=args.resume, saved_only=args.saved_only,
                       log=lambda m: print(m, flush=True)))
@@ -167,7 +170,7 @@ accelerator with random heads (shared lm_head), runs the same decode call once a
 (`memory_stats()["peak_bytes_in_use"]`, GPU and TPU runtimes report it).
 
 Example (on a GPU machine):
-  python scripts/plan.py vs-device --model smollm2 --batch 8 --seq 128 --cache 512
+  python scripts/plan.py vs-device --model default --batch 8 --seq 128 --cache 512
 """
 
 
@@ -175,7 +178,8 @@ def vs_device_main(argv: list[str]) -> int:
     """`plan.py vs-device`: the plan of one decode call vs the device's measured peak memory."""
     p = argparse.ArgumentParser(prog="plan.py vs-device", description=VS_DEVICE_DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="HF model folder, or 'smollm2' (default: %(default)s)")
+    p.add_argument("--model", default="default",
+                   help="HF model folder, or 'default' for SmolLM2-135M-Instruct (default: %(default)s)")
     p.add_argument("--batch", type=int, default=8, help="prompts per call (default: %(default)s)")
     p.add_argument("--seq", type=int, default=128, help="padded prompt length (default: %(default)s)")
     p.add_argument("--cache", type=int, default=512, help="KV cache slots (default: %(default)s)")
@@ -183,16 +187,12 @@ def vs_device_main(argv: list[str]) -> int:
     p.add_argument("--heads", type=int, default=4, help="random Medusa heads (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights (default: bf16)")
     args = p.parse_args(argv)
-    import jax
 
     device = jax.devices()[0]
     if device.platform == "cpu" or not (device.memory_stats() or {}).get("peak_bytes_in_use"):
         print(f"error: {device.platform} device reports no peak memory; run this on a GPU or TPU", file=sys.stderr)
         return 2
-    folder = args.model
-    if folder == "smollm2":
-        from medusa_jax.real_model import prepare_smollm2
-        folder = str(prepare_smollm2())
+    folder = str(resolve_model_dir(args.model))
     plan_cmd = [sys.executable, str(Path(__file__).resolve()), "--model", folder, "--job", "decode",
                 "--lm-head", "shared", "--batch", str(args.batch), "--seq", str(args.seq), "--cache",
                 str(args.cache), "--tree", args.tree, "--heads", str(args.heads), "--dtype", args.dtype, "--json"]
@@ -201,11 +201,6 @@ def vs_device_main(argv: list[str]) -> int:
         print(proc.stderr, file=sys.stderr)
         return proc.returncode
     plan = json.loads(proc.stdout)
-
-    import numpy as np
-
-    from medusa_jax.inference.sharded import load_sharded
-    from medusa_jax.tree import load_tree
 
     model = load_sharded(folder, dtype=args.dtype, random_heads=args.heads)
     tree = load_tree(args.tree, num_heads=args.heads)

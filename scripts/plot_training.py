@@ -11,6 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
+from medusa_jax.atomic import save_figure_atomic
+
 
 def read_log(path: Path) -> tuple[list[dict], list[dict]]:
     train, evals = [], []
@@ -28,7 +30,7 @@ def read_log(path: Path) -> tuple[list[dict], list[dict]]:
 
 
 def plot(train: list[dict], evals: list[dict], output: Path, title: str) -> Path:
-    import matplotlib
+    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -57,8 +59,7 @@ def plot(train: list[dict], evals: list[dict], output: Path, title: str) -> Path
         a.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=100)
+    save_figure_atomic(fig, output, dpi=100)
     plt.close(fig)
     return output
 

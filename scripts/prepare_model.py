@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from medusa_jax.bench.demo_model import ModelPreparationError, prepare_smollm2
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -18,7 +20,6 @@ def main(argv=None) -> int:
                    help="folder to create (default: the cache folder above); must be absent, empty, or already "
                         "prepared")
     a = p.parse_args(argv)
-    from medusa_jax.real_model import ModelPreparationError, prepare_smollm2
 
     try:
         folder = prepare_smollm2(a.out)

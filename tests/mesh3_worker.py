@@ -16,11 +16,11 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=6"
 
 import numpy as np  # noqa: E402
 
-from medusa_jax.heads import HeadsConfig  # noqa: E402
-from medusa_jax.heads_init import init_heads  # noqa: E402
-from medusa_jax.hf_import import load_pretrained  # noqa: E402
-from medusa_jax.sharding import MeshConfig, sharding_for  # noqa: E402
-from medusa_jax.tree import load_tree  # noqa: E402
+from medusa_jax.model.sharding import MeshConfig, sharding_for  # noqa: E402
+from medusa_jax.hf.load import load_pretrained  # noqa: E402
+from medusa_jax.heads.config import HeadsConfig  # noqa: E402
+from medusa_jax.heads.init import init_heads  # noqa: E402
+from medusa_jax.heads.tree import load_tree  # noqa: E402
 from medusa_jax.inference.api import BatchSettings, generate_batch, generate_medusa  # noqa: E402
 from medusa_jax.inference.sharded import ShardedModel  # noqa: E402
 

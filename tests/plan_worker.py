@@ -19,13 +19,13 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from medusa_jax.backbone import CausalLM  # noqa: E402
-from medusa_jax.config import ModelConfig  # noqa: E402
-from medusa_jax.heads_init import init_heads  # noqa: E402
+from medusa_jax.model.backbone import CausalLM  # noqa: E402
+from medusa_jax.model.config import ModelConfig  # noqa: E402
+from medusa_jax.model.sharding import MeshConfig  # noqa: E402
+from medusa_jax.heads.init import init_heads  # noqa: E402
 from medusa_jax.bench.plan import PlanConfig, compile_plan, largest_batch  # noqa: E402
-from medusa_jax.bench.plan_estimate import estimate  # noqa: E402
-from medusa_jax.presets import PRESETS, model_config  # noqa: E402
-from medusa_jax.sharding import MeshConfig  # noqa: E402
+from medusa_jax.training.memory_plan import estimate_per_device as estimate  # noqa: E402
+from medusa_jax.bench.presets import PRESETS, model_config  # noqa: E402
 
 # Llama-3's architecture (GQA 4:1, untied lm_head, llama3 RoPE) at a size that compiles in seconds
 SMALL = ModelConfig.from_hf_config({**PRESETS["llama3-8b"], "vocab_size": 512, "hidden_size": 128,

@@ -19,7 +19,7 @@ MODE = sys.argv[1]
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 if MODE == 'meshes' else 4}"
 
-from medusa_jax import distributed  # noqa: E402
+from medusa_jax.scripts import distributed  # noqa: E402
 
 if MODE == "multihost":
     distributed.initialize(distributed.DistributedConfig.from_sources())
@@ -27,15 +27,15 @@ if MODE == "multihost":
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from medusa_jax.heads import HeadsConfig  # noqa: E402
-from medusa_jax.heads_init import init_heads  # noqa: E402
-from medusa_jax.hf_import import load_pretrained  # noqa: E402
-from medusa_jax.hlo_collectives import invariant_gathers, loop_collectives  # noqa: E402
-from medusa_jax.sharding import MeshConfig, MeshError, sharding_for  # noqa: E402
-from medusa_jax.tree import load_tree  # noqa: E402
+from medusa_jax.model.sharding import MeshConfig, MeshError, sharding_for  # noqa: E402
+from medusa_jax.hf.load import load_pretrained  # noqa: E402
+from medusa_jax.heads.config import HeadsConfig  # noqa: E402
+from medusa_jax.heads.init import init_heads  # noqa: E402
+from medusa_jax.heads.tree import load_tree  # noqa: E402
 from medusa_jax.inference.acceptance import AcceptanceConfig  # noqa: E402
 from medusa_jax.inference.api import BatchSettings, generate, generate_batch, generate_medusa  # noqa: E402
 from medusa_jax.inference.sharded import ShardedModel  # noqa: E402
+from medusa_jax.bench.hlo_collectives import invariant_gathers, loop_collectives  # noqa: E402
 
 MAX_NEW = 20
 EXACT = AcceptanceConfig("exact", temperature=0.7, top_k=40)

@@ -10,7 +10,7 @@ from medusa_jax.assets import resolve_heads_dir, shipped_heads_dir
 @pytest.mark.parametrize("name, head_type", [("default", "hydra"), ("default-medusa", "medusa")])
 def test_default_names_resolve_to_the_shipped_smollm2_heads(name, head_type):
     from medusa_jax.assets import SHIPPED_HEADS
-    from medusa_jax.heads_io import load_native_heads
+    from medusa_jax.heads.folder import load_native_heads
 
     folder = resolve_heads_dir(name)
     assert folder == shipped_heads_dir(SHIPPED_HEADS[name])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from medusa_jax.atomic import atomic_file, atomic_folder
-from medusa_jax.tensor_files import SafetensorsFile, write_safetensors
+from medusa_jax.hf.tensor_files import SafetensorsFile, write_safetensors
 
 
 def test_interrupted_folder_write_keeps_the_previous_folder(tmp_path):

@@ -1,4 +1,4 @@
-"""Cache attention (medusa_jax/attention.py) against a NumPy reference, and long caches against transformers."""
+"""Cache attention (medusa_jax/model/attention.py) against a NumPy reference, and long caches against transformers."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_jax.attention import grouped_attention
-from medusa_jax.hf_import import load_pretrained
-from medusa_jax.kv_cache import KVCache, attention_mask, causal_block, move_slots, write_layer
+from medusa_jax.model.attention import grouped_attention
+from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block, move_slots, write_layer
+from medusa_jax.hf.load import load_pretrained
 
 
 def _reference(q_btkgh, k_bskh, v_bskh, mask_bts):
@@ -122,3 +122,30 @@ def test_long_generation_equals_transformers(tiny_model_dir):
                              do_sample=False, max_new_tokens=260, min_new_tokens=260, eos_token_id=None,
                              pad_token_id=0)[0, 9:].tolist()
     assert ours == theirs
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_cache_free_forward_equals_the_cached_forward(tiny_model_dir, kind):
+    """`model(tokens, positions, mask_btt)` without a cache (training's forward) gives the hidden states of the
+    cached forward from an empty cache; packed conversations each get what they get alone (Mistral's 16-token
+    window, shorter than the rows, applies by each conversation's own positions)."""
+    folder, _ = tiny_model_dir(kind)
+    model = load_pretrained(folder)
+    b, t = 2, 40
+    tokens_bt = jnp.asarray(np.random.RandomState(0).randint(0, 128, (b, t)), jnp.int32)
+    positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cache = KVCache.zeros(model.config, b, t)
+    cached_btd, _ = model(tokens_bt, positions_bt, attention_mask(cache.lengths_b, causal_block(t), t), cache)
+    free_btd, no_cache = model(tokens_bt, positions_bt, jnp.broadcast_to(jnp.asarray(causal_block(t)), (b, t, t)))
+    assert no_cache is None
+    np.testing.assert_allclose(np.asarray(free_btd), np.asarray(cached_btd), atol=1e-5, rtol=1e-5)
+
+    split = 17  # row 0 packs tokens [0, 17) and [17, 40) as two conversations
+    segments_t = np.where(np.arange(t) < split, 1, 2)
+    packed_positions = jnp.asarray(np.where(np.arange(t) < split, np.arange(t), np.arange(t) - split)[None])
+    same_tt = (segments_t[:, None] == segments_t[None, :]) & causal_block(t)
+    packed_1td, _ = model(tokens_bt[:1], packed_positions, jnp.asarray(same_tt)[None])
+    for lo, hi in ((0, split), (split, t)):
+        alone_1td, _ = model(tokens_bt[:1, lo:hi], positions_bt[:1, : hi - lo],
+                             jnp.asarray(causal_block(hi - lo))[None])
+        np.testing.assert_allclose(np.asarray(packed_1td[:, lo:hi]), np.asarray(alone_1td), atol=1e-5, rtol=1e-5)

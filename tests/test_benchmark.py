@@ -1,4 +1,4 @@
-"""Benchmark plumbing (scripts/benchmark.py and its quick mode), tree construction (medusa_jax.tree_search,
+"""Benchmark plumbing (scripts/benchmark.py and its quick mode), tree construction (medusa_jax.inference.tree_choice,
 scripts/build_tree.py) and the GPU step-cost mode's CPU smoke test (scripts/benchmark_batch.py gpu --tiny), on
 tiny models."""
 
@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medusa_jax import tree_search
-from medusa_jax.tree import build_tree, load_tree
+from medusa_jax.heads.tree import build_tree, load_tree
+from medusa_jax.inference import tree_choice
+from medusa_jax.bench.benchmark import greedy_order_of
 from medusa_jax.bench.head_accuracy import count_hits, count_hits_by_sequence
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,8 +43,8 @@ def prefix_closed_subsets(nodes, size):
 def test_expected_tokens_and_greedy_order_on_a_toy_table():
     acc = [[0.5, 0.2], [0.4, 0.1]]
     # 1 (bonus) + P([0]) + P([1]) + P([0,0]) = 1 + 0.5 + 0.2 + 0.5 * 0.4
-    assert tree_search.expected_tokens_per_step([[0], [1], [0, 0]], acc) == pytest.approx(1.9)
-    order = tree_search.greedy_tree(acc, 6)
+    assert tree_choice.expected_tokens_per_step([[0], [1], [0, 0]], acc) == pytest.approx(1.9)
+    order = tree_choice.greedy_tree(acc, 6)
     # [1] and [0, 0] tie at 0.2: the shorter path goes first
     assert [p for p, _ in order] == [(0,), (1,), (0, 0), (1, 0), (0, 1), (1, 1)]
     assert [v for _, v in order] == pytest.approx([0.5, 0.2, 0.2, 0.08, 0.05, 0.02])
@@ -52,7 +53,7 @@ def test_expected_tokens_and_greedy_order_on_a_toy_table():
 def test_greedy_tree_values_never_increase_prefixes_are_valid_and_optimal():
     rng = np.random.RandomState(3)
     acc = np.sort(rng.uniform(0, 0.6, (3, 3)), axis=1)[:, ::-1]
-    order = tree_search.greedy_tree(acc, 39)  # every node of 3 heads x top-3: 3 + 9 + 27
+    order = tree_choice.greedy_tree(acc, 39)  # every node of 3 heads x top-3: 3 + 9 + 27
     values = [v for _, v in order]
     assert len(order) == 39 and all(a >= b for a, b in zip(values, values[1:]))
     all_nodes = [p for p, _ in order]
@@ -60,45 +61,46 @@ def test_greedy_tree_values_never_increase_prefixes_are_valid_and_optimal():
         buffers = build_tree(all_nodes[:n], num_heads=3, max_top_k=3)  # a valid tree that the decoder accepts
         assert buffers.num_tokens == n + 1
     for n in (1, 2, 3, 4):  # brute force over every valid tree of n nodes
-        greedy = tree_search.expected_tokens_per_step(all_nodes[:n], acc)
-        best = max(tree_search.expected_tokens_per_step(s, acc) for s in prefix_closed_subsets(all_nodes, n))
+        greedy = tree_choice.expected_tokens_per_step(all_nodes[:n], acc)
+        best = max(tree_choice.expected_tokens_per_step(s, acc) for s in prefix_closed_subsets(all_nodes, n))
         assert greedy == pytest.approx(best)
 
 
-def test_choose_tree_maximises_tokens_per_second_and_writes_a_loadable_tree(tmp_path):
+def test_choose_tree_maximises_tokens_per_second_and_gives_a_loadable_tree(tmp_path):
     acc = np.array([[0.6, 0.1, 0.05], [0.4, 0.08, 0.04], [0.3, 0.06, 0.03]])
-    cost = tree_search.StepCost((2, 4, 8, 16, 32), (1.0, 1.02, 1.1, 1.4, 2.4))
-    choice = tree_search.choose_tree(acc, cost, 31)
-    order = tree_search.greedy_tree(acc, 31)
-    by_hand = [tree_search.expected_tokens_per_step([p for p, _ in order[:n]], acc) / cost(n + 1)
+    cost = tree_choice.StepCost((2, 4, 8, 16, 32), (1.0, 1.02, 1.1, 1.4, 2.4))
+    choice = tree_choice.choose_tree(acc, cost, 31)
+    order = tree_choice.greedy_tree(acc, 31)
+    by_hand = [tree_choice.expected_tokens_per_step([p for p, _ in order[:n]], acc) / cost(n + 1)
                for n in range(1, 32)]
     assert choice.best_num_nodes == int(np.argmax(by_hand)) + 1
     assert choice.predicted_tokens_per_step == pytest.approx(
-        tree_search.expected_tokens_per_step(choice.paths, acc))
-    doc = tree_search.tree_document(choice, acc, cost, {"model": "toy"})
-    path = tree_search.write_json_atomic(tmp_path / "tree.json", doc)
+        tree_choice.expected_tokens_per_step(choice.paths, acc))
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps({"medusa_choices": [list(p) for p in choice.paths],
+                                "greedy_order": [list(p) for p in choice.order]}))
     loaded = load_tree(path, num_heads=3, max_top_k=3)
     assert set(loaded.paths) == set(choice.paths)
-    assert tree_search.greedy_order_of(json.loads(path.read_text()))[: choice.best_num_nodes] == list(choice.paths)
+    assert greedy_order_of(json.loads(path.read_text()))[: choice.best_num_nodes] == list(choice.paths)
 
 
 def test_nondecreasing_fit_pools_noisy_dips():
-    assert tree_search.nondecreasing_fit([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
-    assert tree_search.nondecreasing_fit([5.0, 1.0, 1.0]) == pytest.approx([7 / 3] * 3)
-    assert tree_search.nondecreasing_fit([1.0, 2.0]) == [1.0, 2.0]
+    assert tree_choice.nondecreasing_fit([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    assert tree_choice.nondecreasing_fit([5.0, 1.0, 1.0]) == pytest.approx([7 / 3] * 3)
+    assert tree_choice.nondecreasing_fit([1.0, 2.0]) == [1.0, 2.0]
 
 
 def test_step_cost_and_accuracy_table_reject_bad_input():
-    cost = tree_search.StepCost((2, 8), (1.0, 2.0))
+    cost = tree_choice.StepCost((2, 8), (1.0, 2.0))
     assert cost(5) == pytest.approx(1.5)
     with pytest.raises(ValueError, match="outside the measured range"):
         cost(9)
     with pytest.raises(ValueError, match="strictly increasing"):
-        tree_search.StepCost((8, 2), (1.0, 2.0))
+        tree_choice.StepCost((8, 2), (1.0, 2.0))
     with pytest.raises(ValueError, match="probabilities"):
-        tree_search.greedy_tree([[1.5]], 3)
+        tree_choice.greedy_tree([[1.5]], 3)
     with pytest.raises(ValueError, match="outside"):
-        tree_search.expected_tokens_per_step([[0, 0, 0]], [[0.5], [0.5]])
+        tree_choice.expected_tokens_per_step([[0, 0, 0]], [[0.5], [0.5]])
 
 
 def test_count_hits_scores_head_d_against_the_token_at_p_plus_2_plus_d():
@@ -130,10 +132,10 @@ def tiny_chat_model(tiny_model_dir, tmp_path_factory):
     import tokenizers
     import transformers
 
-    from medusa_jax.heads import HeadsConfig
-    from medusa_jax.heads_init import init_heads
-    from medusa_jax.heads_io import save_heads
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.heads.config import HeadsConfig
+    from medusa_jax.heads.init import init_heads
+    from medusa_jax.heads.folder import save_heads
+    from medusa_jax.hf.load import load_pretrained
 
     specials = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
     vocab = {w: i for i, w in enumerate(specials + WORDS)}
@@ -220,7 +222,7 @@ def test_benchmark_sampling_mode_writes_exact_typical_and_plain(tiny_chat_model,
 def test_build_tree_cli_writes_the_heads_trees_per_batch_size(tiny_chat_model, tmp_path, capsys):
     import shutil
 
-    from medusa_jax.heads_trees import read_trees
+    from medusa_jax.heads.trees_file import read_trees
 
     folder, heads_dir = tiny_chat_model
     heads = tmp_path / "heads"
@@ -246,9 +248,9 @@ def test_build_tree_cli_writes_the_heads_trees_per_batch_size(tiny_chat_model, t
         # each sequence's own accuracy, discounted per drafted token, a batch waiting for its slowest row
         per_sequence = np.asarray(built["head_accuracy_per_sequence"]) * built["accuracy_scale"]
         assert per_sequence.shape == (2, 3, 3) and built["accuracy_scale"] == 0.72
-        predicted = tree_search.batch_tokens_per_step(paths, per_sequence, batch)[-1]
+        predicted = tree_choice.batch_tokens_per_step(paths, per_sequence, batch)[-1]
         assert record["predicted_tokens_per_step"] == pytest.approx(predicted)
-        assert predicted <= tree_search.expected_tokens_per_step(paths, acc) + 1e-9
+        assert predicted <= tree_choice.expected_tokens_per_step(paths, acc) + 1e-9
         fitted = record["step_seconds"]["fitted"]
         assert record["step_seconds"]["tree_tokens"] == [2, 4, 8] and fitted == sorted(fitted) and min(fitted) > 0
         assert record["plain_step_seconds"] > 0
@@ -377,10 +379,10 @@ def test_batch_scaling_mode_times_plain_and_medusa_steps(tiny_chat_model, tmp_pa
 
 def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_path, monkeypatch):
     from medusa_jax.bench import heads_comparison
-    from medusa_jax.heads import HeadsConfig
-    from medusa_jax.heads_init import init_heads
-    from medusa_jax.heads_io import save_heads
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.heads.config import HeadsConfig
+    from medusa_jax.heads.init import init_heads
+    from medusa_jax.heads.folder import save_heads
+    from medusa_jax.hf.load import load_pretrained
 
     folder, heads_dir = tiny_chat_model
     other = tmp_path / "other-heads"
@@ -434,38 +436,6 @@ def test_recorded_commands_name_no_absolute_path_of_this_machine(tmp_path, monke
                                                       str(ROOT / "bench" / "heads"), "--questions", "16"])
     assert line == "python scripts/benchmark.py heads --heads 'kl=$MEDUSA_JAX_CACHE/heads/kl' --out bench/heads " \
                    "--questions 16"
-
-
-def test_refill_generation_matches_length_sorted_batches(tiny_model_dir):
-    """Continuous batching (bench/refill.py) admits prompts into rows freed mid-run and still makes every
-    prompt's greedy tokens, EOS included, as generate_batch does; bad settings are one clear error."""
-    from medusa_jax.bench.refill import refill_generate
-    from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.inference.api import BatchSettings, generate_batch
-    from medusa_jax.inference.sharded import ShardedModel
-
-    folder, _ = tiny_model_dir("llama", seed=1)
-    model = load_pretrained(folder)
-    rng = np.random.RandomState(3)
-    prompts = [rng.randint(3, 128, size=n).tolist() for n in (5, 70, 9, 2, 33, 17, 4)]
-    sharded = ShardedModel(model)
-
-    def plain(eos_ids):
-        return [r.token_ids for r in generate_batch(sharded, prompts, BatchSettings(
-            batch_size=1, max_new_tokens=11, eos_ids=eos_ids, pad_id=0), progress=False).results]
-
-    eos = (plain(())[0][4],)  # a token the first answer makes: it ends early there, others may run to 11
-    want = plain(eos)
-    assert any(t[-1] in eos and len(t) < 11 for t in want) and any(len(t) == 11 for t in want)  # both endings
-    run = refill_generate(model, prompts, batch_size=3, max_new_tokens=11, eos_ids=eos, pad_id=0, chunk_steps=4)
-    assert run.token_ids == want
-    assert run.new_tokens == sum(map(len, want)) and run.chunks >= 3
-    assert 0 < run.slot_use <= 1.0 + len(prompts) / run.slot_steps  # prefill tokens are the only excess
-    for bad in (dict(batch_size=0), dict(chunk_steps=0), dict(max_new_tokens=0)):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            refill_generate(model, prompts, **{**dict(batch_size=2, max_new_tokens=4, eos_ids=eos, pad_id=0), **bad})
-    with pytest.raises(ValueError, match="empty prompt"):
-        refill_generate(model, [[1, 2], []], batch_size=2, max_new_tokens=4, eos_ids=eos, pad_id=0)
 
 
 def test_batch_throughput_mode_compares_refill_with_sorted_batches(tiny_chat_model, tmp_path):

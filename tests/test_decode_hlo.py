@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from medusa_jax.attention import grouped_attention
-from medusa_jax.backbone import CausalLM
-from medusa_jax.config import ModelConfig
-from medusa_jax.heads import HeadsConfig, MedusaHeads, MedusaModel
-from medusa_jax.kv_cache import KVCache
-from medusa_jax.tree import build_tree, load_tree
+from medusa_jax.model.attention import grouped_attention
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
+from medusa_jax.heads.tree import build_tree, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.autoregressive import decode
 from medusa_jax.inference.medusa import heads_proposer, medusa_decode

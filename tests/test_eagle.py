@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.eagle import EagleDrafter
-from medusa_jax.heads import HeadsConfig
-from medusa_jax.heads_init import init_heads
-from medusa_jax.hf_import import load_pretrained
-from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
-from medusa_jax.tree import build_tree, load_tree
+from medusa_jax.heads.eagle import EagleDrafter
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.heads.tree import build_tree, load_tree
 from medusa_jax.training.data import segment_mask
 from medusa_jax.inference.autoregressive import prefill_states
 
@@ -96,7 +96,7 @@ def test_first_step_drafts_equal_plain_forwards(base):
 def test_drafts_after_an_accepted_path_equal_plain_forwards(base, accept):
     """One real tree step (verify + accept with planted drafts of a known accept length), then the next step's
     drafts: the catch-up entries use the verify's true features."""
-    from medusa_jax.heads import MedusaModel
+    from medusa_jax.heads.medusa import MedusaModel
     from medusa_jax.inference.acceptance import AcceptanceConfig
     from medusa_jax.inference.medusa import MedusaState, medusa_step
     from medusa_jax import generate
@@ -153,8 +153,8 @@ def test_export_loads_back_and_matches_a_pytorch_forward(base, tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors.numpy import load_file
 
-    from medusa_jax.eagle_interop import export_eagle
-    from medusa_jax.heads_import import load_heads
+    from medusa_jax.heads.eagle_layout import export_eagle
+    from medusa_jax.heads.load import load_heads
 
     d = drafter(base, seed=2, lm_head="shared", num_layers=2)
     out = export_eagle(d, base, tmp_path / "eagle", dtype="float32")
@@ -210,7 +210,7 @@ def test_export_loads_back_and_matches_a_pytorch_forward(base, tmp_path):
 
 
 def test_truncated_drafter_round_trips_in_our_format(base, tmp_path):
-    from medusa_jax.heads_io import load_native_heads, save_heads
+    from medusa_jax.heads.folder import load_native_heads, save_heads
 
     d = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=6, head_type="eagle",
                                lm_head="truncated", truncated_vocab_size=40), base, token_map=np.arange(40, 80))
@@ -294,7 +294,7 @@ def _train(chat, store, out, monkeypatch, tmp_path, *extra):
 
 
 def test_eagle_training_lowers_the_loss_and_resumes_exactly(chat, tmp_path, monkeypatch):
-    from medusa_jax.heads_io import load_native_heads
+    from medusa_jax.heads.folder import load_native_heads
     from medusa_jax.training import trainer as trainer_mod
 
     store = tmp_path / "store"

@@ -36,12 +36,13 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.config import ModelConfig
-from medusa_jax.heads import HeadsConfig, MedusaModel
-from medusa_jax.heads_init import init_heads
-from medusa_jax.kv_cache import KVCache
-from medusa_jax.tree import build_tree
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.medusa import MedusaModel
+from medusa_jax.heads.tree import build_tree
 from medusa_jax.inference import exact_acceptance
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.autoregressive import prefill

@@ -15,10 +15,10 @@ from medusa_jax.atomic import atomic_folder
 
 @pytest.fixture(scope="module")
 def heads_dir(tiny_model_dir, tmp_path_factory):
-    from medusa_jax.heads import HeadsConfig
-    from medusa_jax.heads_init import init_heads
-    from medusa_jax.heads_io import save_heads
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.heads.config import HeadsConfig
+    from medusa_jax.heads.init import init_heads
+    from medusa_jax.heads.folder import save_heads
+    from medusa_jax.hf.load import load_pretrained
 
     folder, _ = tiny_model_dir("llama")
     base = load_pretrained(folder)

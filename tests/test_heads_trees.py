@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from medusa_jax import heads_trees
-from medusa_jax.heads import HeadsConfig
-from medusa_jax.heads_init import init_heads
-from medusa_jax.heads_io import save_heads
-from medusa_jax.heads_trees import TreesFileError, parse_trees, read_trees, resolve_tree
-from medusa_jax.tree import DEFAULT_TREE
+from medusa_jax.heads import trees_file as heads_trees
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.folder import save_heads
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.tree import DEFAULT_TREE
+from medusa_jax.heads.trees_file import TreesFileError, parse_trees, read_trees, resolve_tree
 from medusa_jax.inference.medusa import choose_tree
 
 T3 = [[0], [1], [0, 0]]
@@ -88,8 +88,8 @@ def test_a_bad_trees_file_is_a_clear_error(tmp_path, content, message):
 
 
 def test_trees_that_do_not_fit_the_heads_fail_at_load(tmp_path, tiny_model_dir):
-    from medusa_jax.heads_import import load_heads
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.heads.load import load_heads
+    from medusa_jax.hf.load import load_pretrained
 
     base = load_pretrained(tiny_model_dir("llama")[0])
     save_heads(init_heads(HeadsConfig(64, 128, num_heads=2, lm_head="own"), base, seed=1), tmp_path)
@@ -114,7 +114,7 @@ def test_trees_document_keeps_other_backends_and_refuses_bad_trees():
 @pytest.fixture(scope="module")
 def tiny_heads(tiny_model_dir, tmp_path_factory):
     """(base, heads folder) with random heads (3 heads, own lm_heads); tests write its trees.json."""
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.hf.load import load_pretrained
 
     base = load_pretrained(tiny_model_dir("llama", initializer_range=0.3)[0])
     folder = tmp_path_factory.mktemp("heads")
@@ -125,7 +125,7 @@ def tiny_heads(tiny_model_dir, tmp_path_factory):
 def test_no_tree_decodes_plainly_and_a_batchs_tree_is_used(tiny_heads):
     import jax
 
-    from medusa_jax.heads_import import load_heads
+    from medusa_jax.heads.load import load_heads
     from medusa_jax.inference.api import generate, generate_medusa
 
     base, folder = tiny_heads
@@ -147,7 +147,7 @@ def test_no_tree_decodes_plainly_and_a_batchs_tree_is_used(tiny_heads):
 def test_generate_batch_resolves_the_heads_tree_per_batch_size(tiny_heads, tiny_model_dir):
     import jax
 
-    from medusa_jax.heads_import import load_heads
+    from medusa_jax.heads.load import load_heads
     from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate, generate_batch
     from medusa_jax.inference.sharded import ShardedModel
 
@@ -166,7 +166,7 @@ def test_generate_batch_resolves_the_heads_tree_per_batch_size(tiny_heads, tiny_
 # ---- build_tree's per-batch pick and the shipped trees -------------------------------------------------
 
 def test_pick_for_batch_keeps_the_best_tree_only_when_it_beats_plain():
-    from medusa_jax.bench.step_cost import StepCostTable
+    from medusa_jax.inference.step_cost import StepCostTable
     from medusa_jax.bench.tree_builder import pick_for_batch
 
     acc = np.array([[0.6, 0.2], [0.4, 0.1]])
@@ -180,7 +180,7 @@ def test_pick_for_batch_keeps_the_best_tree_only_when_it_beats_plain():
 
 
 def test_batch_tokens_per_step_waits_for_the_slowest_row():
-    from medusa_jax.tree_search import batch_tokens_per_step
+    from medusa_jax.inference.tree_choice import batch_tokens_per_step
 
     easy, hard = [[0.8, 0.1], [0.5, 0.1]], [[0.2, 0.1], [0.5, 0.1]]
     order = [(0,), (0, 0)]
@@ -201,7 +201,7 @@ def test_batch_tokens_per_step_waits_for_the_slowest_row():
 def test_pick_for_batch_sizes_a_batch_on_its_slowest_rows():
     """Two held-out sequences, one easy and one hard: at batch 1 the tree pays, at batch 8 the same pooled
     accuracy and the same step cost ratio predict no gain, since each batch waits for a hard row."""
-    from medusa_jax.bench.step_cost import StepCostTable
+    from medusa_jax.inference.step_cost import StepCostTable
     from medusa_jax.bench.tree_builder import pick_for_batch
 
     per_sequence = np.array([[[0.95, 0.0], [0.9, 0.0]], [[0.05, 0.0], [0.1, 0.0]]])

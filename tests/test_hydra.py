@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.heads import HeadsConfig
-from medusa_jax.heads_init import init_heads
-from medusa_jax.hf_import import load_pretrained
-from medusa_jax.hydra_heads import HydraHeads
-from medusa_jax.tree import load_tree
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.hydra import HydraHeads
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.tree import load_tree
 
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
@@ -73,9 +73,9 @@ def test_fresh_hydra_heads_are_medusa_heads(base):
 
 @pytest.mark.parametrize("lm_head", ["own", "truncated"])
 def test_our_format_round_trips_and_pytorch_export_refuses(base, tmp_path, lm_head, capsys):
-    from medusa_jax.heads_import import load_heads
-    from medusa_jax.heads_interop import ExportError, export_heads
-    from medusa_jax.heads_io import heads_tensors, save_heads
+    from medusa_jax.heads.load import load_heads
+    from medusa_jax.heads.export import ExportError, export_heads
+    from medusa_jax.heads.folder import heads_tensors, save_heads
 
     kw = {"truncated_vocab_size": 40} if lm_head == "truncated" else {}
     heads = hydra(base, seed=4, lm_head=lm_head, hydra_input="concat", **kw)
@@ -97,7 +97,7 @@ def test_our_format_round_trips_and_pytorch_export_refuses(base, tmp_path, lm_he
 
 
 def test_teacher_forcing_paths_of_rows_and_of_self_distilled_replies_agree():
-    from medusa_jax.hydra_heads import path_tokens
+    from medusa_jax.heads.hydra import path_tokens
     from medusa_jax.training.hidden_examples import HiddenRows, reply_examples
 
     tokens = np.arange(10, 20, dtype=np.int32)
@@ -149,7 +149,7 @@ def _train(chat, out, monkeypatch, tmp_path, *extra):
                                    ["--lm-head", "truncated:64", "--cache-hidden", "--cached-batch-size", "64",
                                     "--head-loss", "ce+kl"]])
 def test_hydra_training_lowers_the_loss_and_resumes_exactly(chat, tmp_path, monkeypatch, extra):
-    from medusa_jax.heads_io import load_native_heads
+    from medusa_jax.heads.folder import load_native_heads
     from medusa_jax.training import trainer as trainer_mod
 
     common = ["--max-steps", "16", "--save-every", "6", "--eval-every", "16", *extra]
@@ -195,7 +195,7 @@ def test_hydra_with_medusa2_is_a_clear_cli_error(chat, tmp_path, monkeypatch, ca
 def test_head_accuracy_and_training_stats_agree_on_teacher_forced_top1(base):
     """bench/head_accuracy (the benchmarks' held-out top-k) and the trainer's statistics score the same
     teacher-forced Hydra predictions."""
-    from medusa_jax.hydra_heads import path_tokens
+    from medusa_jax.heads.hydra import path_tokens
     from medusa_jax.bench.head_accuracy import measure_head_accuracy
     from medusa_jax.training.losses import hydra_head_stats
     from medusa_jax.training.losses import head_targets
@@ -217,7 +217,7 @@ def test_head_accuracy_and_training_stats_agree_on_teacher_forced_top1(base):
 def test_hydra_heads_take_the_distilled_kl_loss(base):
     """Hydra head i's KL is to the base's distribution at t + 1 + i (as Medusa head i's): the stats equal a direct
     computation, and a few KL-only steps on cached hidden states bring each head's KL down."""
-    from medusa_jax.sharding import MeshConfig
+    from medusa_jax.model.sharding import MeshConfig
     from medusa_jax.training.losses import hydra_head_stats
     from medusa_jax.training.losses import distill_loss
     from medusa_jax.training.trainer import TrainConfig, Trainer
@@ -246,8 +246,9 @@ def test_hydra_heads_take_the_distilled_kl_loss(base):
 
 def test_step_cost_times_a_hydra_step(base):
     from medusa_jax.bench import step_cost
+    from medusa_jax.inference import step_cost as whole_step
 
     heads, tree = hydra(base, seed=7), load_tree("mc_sim_7b_8")
     pieces = step_cost.piece_seconds(base, heads, tree, 1, 20, 64, repeats=1)
     assert set(pieces) == set(step_cost.PIECES) and min(pieces.values()) > 0
-    assert step_cost.medusa_step_seconds(base, heads, tree, 1, 20, 64, repeats=1) > 0
+    assert whole_step.medusa_step_seconds(base, heads, tree, 1, 20, 64, repeats=1) > 0

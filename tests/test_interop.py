@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from medusa_jax.heads import HeadsConfig
-from medusa_jax.heads_init import init_heads
-from medusa_jax.heads_import import detect_layout, load_heads
-from medusa_jax.heads_interop import ExportError, export_heads, serving_notes
-from medusa_jax.heads_io import heads_tensors, save_heads
-from medusa_jax.hf_import import load_pretrained
-from medusa_jax.tensor_files import CheckpointError
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.hf.tensor_files import CheckpointError
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.export import ExportError, export_heads, serving_notes
+from medusa_jax.heads.folder import heads_tensors, save_heads
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.load import detect_layout, load_heads
 
 VT = 40  # truncated vocabulary (tiny models have 128 tokens)
 
@@ -376,7 +376,7 @@ def smollm2(smollm2_dir):
     """SmolLM2 as our CausalLM and as transformers' model, with both backbones' hidden states on one prompt."""
     import transformers
 
-    from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
+    from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
 
     base = load_pretrained(smollm2_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)

@@ -1,8 +1,13 @@
-"""The package's layers, from the bottom: core (medusa_jax/*.py) <- inference/ <- training/ <- bench/ <- scripts/.
+"""The package's layers, from the bottom:
 
-A layer imports only the layers below it, and no module reaches itself again through its imports. Every import
-counts: module level and inside functions (a function-level import hides a cycle, it does not remove it). The
-lazy table of medusa_jax/__init__.py is the documented facade over all layers and is not walked."""
+    core root (medusa_jax/*.py: atomic, paths, text, assets, compile_cache)
+      <- model (medusa_jax/model/)  <- hf (medusa_jax/hf/)  <- heads (medusa_jax/heads/)
+      <- inference/  <- training/  <- bench/  <- scripts/
+
+A module imports only modules of its own layer or the layers below it, and no module reaches itself again
+through its imports. Every import counts: module level and inside functions (a function-level import hides a
+cycle, it does not remove it). The lazy table of medusa_jax/__init__.py is the documented facade over all layers
+and is not walked."""
 
 from __future__ import annotations
 
@@ -12,17 +17,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# folder -> (package prefix, layer rank); a module may import modules of its own rank or lower only
-LAYERS = {"medusa_jax": ("medusa_jax", 0), "inference": ("medusa_jax.inference", 1),
-          "training": ("medusa_jax.training", 2), "bench": ("medusa_jax.bench", 3),
-          "scripts": ("medusa_jax.scripts", 4)}
-LAYER_NAMES = {rank: folder for folder, (_, rank) in LAYERS.items()}
+# (folder, package, layer rank, layer name); a module may import modules of its own rank or lower only. The root
+# folder's own files (not its subfolders) form the bottom layer.
+LAYERS = (("medusa_jax", "medusa_jax", 0, "core root"), ("medusa_jax/model", "medusa_jax.model", 1, "model"),
+          ("medusa_jax/hf", "medusa_jax.hf", 2, "hf"), ("medusa_jax/heads", "medusa_jax.heads", 3, "heads"),
+          ("inference", "medusa_jax.inference", 4, "inference"), ("training", "medusa_jax.training", 5, "training"),
+          ("bench", "medusa_jax.bench", 6, "bench"), ("scripts", "medusa_jax.scripts", 7, "scripts"))
+LAYER_NAMES = {rank: name for _, _, rank, name in LAYERS}
 
 
 def project_modules() -> dict[str, tuple[Path, int]]:
-    """Dotted module name -> (file, layer rank) for every project .py file (core: the top folder only)."""
+    """Dotted module name -> (file, layer rank) for every project .py file."""
     modules = {}
-    for folder, (package, rank) in LAYERS.items():
+    for folder, package, rank, _ in LAYERS:
         base = ROOT / folder
         if not base.is_dir():
             continue
@@ -32,6 +39,13 @@ def project_modules() -> dict[str, tuple[Path, int]]:
             name = package if path.name == "__init__.py" else f"{package}.{path.stem}"
             modules[name] = (path, rank)
     return modules
+
+
+def test_every_python_file_has_a_layer():
+    """A new subfolder of the core must be given its place in LAYERS (else its imports go unchecked)."""
+    walked = {path for path, _ in project_modules().values()} | {ROOT / "medusa_jax" / "__init__.py"}
+    on_disk = {p for folder, *_ in LAYERS for p in (ROOT / folder).rglob("*.py")}
+    assert sorted(map(str, on_disk - walked)) == []
 
 
 def imported_names(path: Path, module: str) -> set[str]:
@@ -92,13 +106,15 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_the_walk_sees_every_layer_and_function_level_imports():
+def test_the_walk_sees_every_layer_and_function_level_imports(tmp_path):
     modules = project_modules()
-    assert {rank for _, rank in modules.values()} >= {0, 1, 2, 4}
+    assert {rank for _, rank in modules.values()} == set(LAYER_NAMES)
     graph = project_graph()
-    assert "medusa_jax.backbone" in graph["medusa_jax.heads"]
-    # run.py imports hf_export inside a function only: the walk must still see it
-    assert "medusa_jax.hf_export" in graph["medusa_jax.training.run"]
+    assert "medusa_jax.model.backbone" in graph["medusa_jax.heads.medusa"]
+    assert "medusa_jax.hf.tensor_files" in graph["medusa_jax.heads.load"]
+    path = tmp_path / "mod.py"
+    path.write_text("def f():\n    from medusa_jax.hf import save\n")
+    assert "medusa_jax.hf.save" in imported_names(path, "medusa_jax.training.mod")
 
 
 def test_no_layer_imports_a_layer_above_it():
@@ -125,9 +141,10 @@ def test_cycle_finder_finds_a_hidden_cycle():
 @pytest.mark.parametrize("source, expected", [
     ("from medusa_jax.training import losses", {"medusa_jax.training", "medusa_jax.training.losses"}),
     ("def f():\n    import medusa_jax.inference.medusa as m", {"medusa_jax.inference.medusa"}),
-    ("from . import tree", {"medusa_jax", "medusa_jax.tree"}),
+    ("from . import tree", {"medusa_jax.heads", "medusa_jax.heads.tree"}),
+    ("from ..model import kv_cache", {"medusa_jax.model", "medusa_jax.model.kv_cache"}),
 ])
 def test_imported_names(tmp_path, source, expected):
     path = tmp_path / "mod.py"
     path.write_text(source)
-    assert imported_names(path, "medusa_jax.mod") == expected
+    assert imported_names(path, "medusa_jax.heads.mod") == expected

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_jax.config import ModelConfig, UnsupportedModelError
-from medusa_jax.hf_import import load_pretrained
-from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
-from medusa_jax.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
-from medusa_jax.inference.autoregressive import prefill
+from medusa_jax.model.config import ModelConfig, UnsupportedModelError
+from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.hf.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
 from medusa_jax.inference.api import generate
+from medusa_jax.inference.autoregressive import prefill
 from medusa_jax.inference.engine import check_fits, pad_prompts
 
 KINDS = ["llama", "llama3", "mistral", "qwen2"]  # mistral: sliding window 16 < prompt + steps
@@ -248,8 +248,8 @@ def test_save_pretrained_round_trips_through_our_loader_and_transformers(tiny_mo
     import transformers
     from flax import nnx
 
-    from medusa_jax.hf_export import save_pretrained
-    from medusa_jax.nnx_paths import param_paths
+    from medusa_jax.hf.save import save_pretrained
+    from medusa_jax.model.param_paths import param_paths
 
     folder, hf = tiny_model_dir(kind)
     model = load_pretrained(folder)

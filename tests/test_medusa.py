@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from medusa_jax.heads import HeadsConfig, MedusaModel
-from medusa_jax.heads_init import init_heads
-from medusa_jax.hf_import import load_pretrained
-from medusa_jax.kv_cache import KVCache
-from medusa_jax.tree import PRESETS, TreeError, load_tree
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.medusa import MedusaModel
+from medusa_jax.heads.tree import PRESETS, TreeError, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, greedy_accept, typical_accept
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.autoregressive import prefill
@@ -362,7 +363,7 @@ def test_generate_script_medusa_flags(tiny, tiny_model_dir, tmp_path, capsys):
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from medusa_jax.heads_io import save_heads
+    from medusa_jax.heads.folder import save_heads
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir("llama", initializer_range=0.3)[0], folder)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from medusa_jax.hlo_collectives import entry_upcast_bytes, shape_bytes
+from medusa_jax.bench.hlo_collectives import entry_upcast_bytes, shape_bytes
 from medusa_jax.bench.plan import device_capacity
-from medusa_jax.bench.plan_estimate import backbone_params
-from medusa_jax.presets import PRESETS, model_config
+from medusa_jax.training.memory_plan import backbone_params
+from medusa_jax.bench.presets import PRESETS, model_config
 
 ROOT = Path(__file__).parents[1]
 WORKER = Path(__file__).with_name("plan_worker.py")

@@ -1,5 +1,5 @@
-"""Self-distillation on a tiny chat model: ShareGPT output, resume, the Arrow store of hidden states (and the
-conversion of the first npz format into it) -> training examples."""
+"""Self-distillation on a tiny chat model: ShareGPT output, resume, the Arrow store of hidden states -> training
+examples; the retired first npz format is refused."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 
 def test_self_distill_writes_sharegpt_resumes_and_keeps_hidden_states(tmp_path):
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.hf.load import load_pretrained
     from medusa_jax.training.sharegpt import read_conversation_file
     from medusa_jax.training.trainer import backbone_hidden
     from transformers import AutoTokenizer
@@ -70,10 +70,10 @@ def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
     import jax
     from flax import nnx
 
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.hf.load import load_pretrained
     from medusa_jax.inference.api import generate
     from medusa_jax.inference.sampling import SamplingConfig
-    from medusa_jax.training.distill_decode import Slots, admit, run_chunk
+    from medusa_jax.inference.refill import Slots, admit, run_chunk
     from medusa_jax.training.trainer import backbone_hidden
 
     base = load_pretrained(build_tiny_chat_model(tmp_path / "m", seed=3))
@@ -122,7 +122,7 @@ def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
 def test_admission_groups_cut_prompts_by_length():
     """A 5-token prompt is not padded to the width of a 380-token one: admission splits by length, covers
     every prompt once, never costs more than one call, and keeps similar prompts in one call."""
-    from medusa_jax.training.distill_decode import _admit_cost, admission_groups
+    from medusa_jax.inference.refill import _admit_cost, admission_groups
 
     lengths = [60, 380, 62, 370, 5]
     groups = admission_groups(lengths, 64)
@@ -139,9 +139,9 @@ def test_grouped_admission_matches_admitting_each_prompt_alone(tmp_path):
     import jax
     from flax import nnx
 
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.hf.load import load_pretrained
     from medusa_jax.inference.sampling import SamplingConfig
-    from medusa_jax.training.distill_decode import Slots, admission_groups, admit_prompts
+    from medusa_jax.inference.refill import Slots, admission_groups, admit_prompts
 
     base = load_pretrained(build_tiny_chat_model(tmp_path / "m", seed=3))
     graphdef, params = nnx.split(base)
@@ -182,38 +182,32 @@ def test_resume_drops_a_shard_whose_conversations_never_reached_the_jsonl(tmp_pa
     assert sorted(ids) == sorted(done_ids(out)) and len(ids) == 6
 
 
-def test_npz_batches_of_a_running_job_convert_to_the_same_store(tmp_path):
-    """The first format (npz batches + JSONL) converts into the rows self-distillation now writes directly:
-    prompts re-rendered from the JSONL match, uncommitted batches wait, reruns convert only what is new."""
-    from transformers import AutoTokenizer
+def test_the_retired_npz_format_is_refused_with_how_to_regenerate_it(tmp_path):
+    """Hidden states of the first format (OUTPUT.hidden/batch-*.npz) are no longer read: training from them and
+    resuming self-distillation into such an output stop with one line that says how to rebuild them."""
+    from medusa_jax.training.sharegpt import DataError
+    from medusa_jax.training.sources import CachedHidden, ChatConversations, DistilledStoreHidden, open_source
 
-    from medusa_jax.training.hidden_store import convert_to_store, hidden_store_path, write_hidden_batch
+    out = tmp_path / "d.jsonl"
+    out.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "q"},
+                                                            {"from": "gpt", "value": "a"}]}) + "\n")
+    old = tmp_path / "d.jsonl.hidden"
+    old.mkdir()
+    np.savez(old / "batch-a.npz", ids=np.asarray(["a"]))
+    for data, cache_hidden in ((str(old), True), (str(old), False), (str(out), True)):
+        with pytest.raises(DataError) as e:
+            open_source(data, cache_hidden)
+        assert "\n" not in str(e.value) and "self_distill.py --save-hidden" in str(e.value) and "npz" in str(e.value)
+    assert open_source(str(out), False) == ChatConversations(str(out))  # the JSONL's conversations still train
+    distill_store.StoreWriter(distill_store.store_path(out), 8)
+    assert open_source(str(out), True) == DistilledStoreHidden(distill_store.store_path(out))  # a store wins
+    assert open_source("sharegpt", True) == CachedHidden(ChatConversations("sharegpt"))
 
     model = build_tiny_chat_model(tmp_path / "m")
-    source = write_json(tmp_path / "src.json", chat_records(10, seed=5, turns=2))
-    out = tmp_path / "d.jsonl"
-    self_distill(model, str(source), out, DistillConfig(max_new_tokens=6, batch_size=3, turns=2, limit=6,
-                                                        save_hidden=True), progress=False, log=lambda _: None)
-    direct = distill_store.open_store(distill_store.store_path(out))
-    rows = sorted(direct, key=lambda r: (r["id"], r["turn"]))
-    legacy = tmp_path / "legacy.jsonl"
-    legacy.write_text(out.read_text())
-    for part in (rows[:5], rows[5:]):  # two flushes of the old format
-        write_hidden_batch(hidden_store_path(legacy), [
-            (r["id"], r["turn"], r["input_ids"][len(r["input_ids"]) - len(r["hidden"]):],
-             np.asarray(r["hidden"], np.float16)) for r in part])
-    write_hidden_batch(hidden_store_path(legacy), [("zz-running", 0, [5, 6], np.ones((2, 64), np.float16))])
-    tok = AutoTokenizer.from_pretrained(model)
-    logs = []
-    store = convert_to_store(legacy, tok, log=logs.append)
-    assert "2 batches (12 replies) converted" in logs[0] and "1 not yet committed" in logs[0]
-    converted = sorted(distill_store.open_store(store), key=lambda r: (r["id"], r["turn"]))
-    assert [(r["id"], r["turn"], r["input_ids"], r["loss_mask"]) for r in converted] == \
-        [(r["id"], r["turn"], r["input_ids"], r["loss_mask"]) for r in rows]
-    for a, b in zip(converted, rows):
-        np.testing.assert_array_equal(np.asarray(a["hidden"]), np.asarray(b["hidden"]))
-    convert_to_store(legacy, tok, log=logs.append)
-    assert "0 batches" in logs[1] and "2 already there" in logs[1]
+    source = write_json(tmp_path / "src.json", chat_records(4, seed=5))
+    with pytest.raises(DataError, match="first self-distillation format"):
+        self_distill(model, str(source), out, DistillConfig(max_new_tokens=4, batch_size=2, save_hidden=True),
+                     progress=False, log=lambda _: None)
 
 
 MESH_CHILD = """
@@ -274,12 +268,9 @@ def test_slots_over_a_device_mesh_and_processes_over_shards_generate_the_same_da
     assert sorted(merged) == single["text"]
 
 
-def test_store_examples_match_a_loop_and_the_npz_format(tmp_path):
+def test_store_examples_match_a_loop(tmp_path):
     """Example j of a reply: head i's target is token j + 1 + i and its teacher the hidden row of that token,
-    within the reply; with paths (Hydra heads) head i's path is tokens j .. j + i; the first npz format gives the
-    same examples (no model needed)."""
-    from medusa_jax.training.hidden_store import load_distilled_examples, write_hidden_batch, hidden_store_path
-
+    within the reply; with paths (Hydra heads) head i's path is tokens j .. j + i (no model needed)."""
     rng = np.random.default_rng(7)
     replies = [(f"r{i}", 0, [1, 2, 3], rng.integers(0, 90, n).tolist(), rng.normal(size=(n, 6)).astype(np.float16))
                for i, n in enumerate([1, 4, 9, 2])]
@@ -299,16 +290,6 @@ def test_store_examples_match_a_loop_and_the_npz_format(tmp_path):
     np.testing.assert_array_equal(batch["hidden"], expected_hidden)
     np.testing.assert_array_equal(batch["teacher_hidden"], expected_teacher)
     np.testing.assert_array_equal(batch["path"], expected_path)
-
-    jsonl = tmp_path / "d.jsonl"
-    jsonl.write_text("".join(json.dumps({"id": r[0], "conversations": [{"from": "human", "value": "q"},
-                                                                      {"from": "gpt", "value": "a"}]}) + "\n"
-                             for r in replies))
-    write_hidden_batch(hidden_store_path(jsonl), [(r[0], r[1], r[3], r[4]) for r in replies])
-    legacy, conversations = load_distilled_examples(str(jsonl), num_heads=3, with_path=True)
-    assert conversations == 4
-    for key, value in legacy.batch(np.arange(len(legacy)), teacher=True).items():
-        np.testing.assert_array_equal(value, batch[key])
 
 
 def test_an_empty_store_is_a_clear_data_error(tmp_path):

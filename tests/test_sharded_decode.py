@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from medusa_jax.distributed import DistributedConfig, DistributedError
-from medusa_jax.hlo_collectives import invariant_gathers, loop_collectives
+from medusa_jax.bench.hlo_collectives import invariant_gathers, loop_collectives
+from medusa_jax.scripts.distributed import DistributedConfig, DistributedError
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 # 8 attention heads and 8 KV heads, MLP 128 and vocabulary 128: every tensor axis size up to 8 divides them
@@ -141,10 +141,10 @@ def with_word_tokenizer(folder: Path, dst: Path) -> Path:
 
 
 def test_generate_script_on_a_mesh_with_medusa_heads(mesh_report, tmp_path):
-    from medusa_jax.heads import HeadsConfig
-    from medusa_jax.heads_init import init_heads
-    from medusa_jax.heads_io import save_heads
-    from medusa_jax.hf_import import load_pretrained
+    from medusa_jax.heads.config import HeadsConfig
+    from medusa_jax.heads.init import init_heads
+    from medusa_jax.heads.folder import save_heads
+    from medusa_jax.hf.load import load_pretrained
     from medusa_jax.text import encode_prompt, load_tokenizer
     from medusa_jax.inference.api import generate
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_jax.hf_import import load_pretrained
-from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
-from medusa_jax.bench.mtbench import load_mtbench_questions
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer
+from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.api import generate
+from medusa_jax.bench.mtbench import load_mtbench_questions
 
 pytestmark = pytest.mark.slow  # every test here runs the real model
 

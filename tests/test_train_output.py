@@ -102,15 +102,17 @@ def test_memory_plan_refuses_with_advice_before_loading(setup, train, tmp_path):
 
 
 def test_old_default_is_refused_on_24_gib_and_the_new_default_fits(smollm2_dir_config):
-    from medusa_jax.training.memory_plan import GIB, estimate
+    from medusa_jax.model.config import ModelConfig
+    from medusa_jax.training.memory_plan import GIB, estimate_run
     from medusa_jax.training.run import RunConfig
 
     r = RunConfig("", "")
     common = dict(num_heads=r.num_heads, num_layers=r.num_layers, batch_size=r.batch_size, seq_len=1024,
                   cached_batch_size=r.cached_batch_size, cache_hidden=False, medusa2=False, distill_kl=False,
                   freeze_lm_heads=False)
-    old = estimate(smollm2_dir_config, head_vocab=smollm2_dir_config["vocab_size"], **common)
-    new = estimate(smollm2_dir_config, head_vocab=int(r.lm_head.split(":")[1]), **common)
+    smollm2 = ModelConfig.from_hf_config(smollm2_dir_config)
+    old = estimate_run(smollm2, head_vocab=smollm2.vocab_size, **common)
+    new = estimate_run(smollm2, head_vocab=int(r.lm_head.split(":")[1]), **common)
     assert old.total > 20 * GIB  # measured: 23.9 GB peak, killed by the OOM killer on a 24 GB machine
     assert new.total < 6 * GIB and r.lm_head.startswith("truncated:")
 
@@ -118,8 +120,8 @@ def test_old_default_is_refused_on_24_gib_and_the_new_default_fits(smollm2_dir_c
 @pytest.fixture
 def smollm2_dir_config():
     """SmolLM2-135M's architecture (the HF config's numbers that the estimate reads)."""
-    return {"hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152, "num_hidden_layers": 30,
-            "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}
+    return {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152,
+            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}
 
 
 def test_cache_hidden_refuses_a_cache_larger_than_memory():

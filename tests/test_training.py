@@ -273,10 +273,10 @@ def _tiny_batch(vocab, b=4, t=24, seed=0):
 
 
 def _trainer(chat_model, lm_head="own", **train):
-    from medusa_jax.heads import HeadsConfig
-    from medusa_jax.heads_init import init_heads
-    from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.sharding import MeshConfig
+    from medusa_jax.heads.config import HeadsConfig
+    from medusa_jax.heads.init import init_heads
+    from medusa_jax.hf.load import load_pretrained
+    from medusa_jax.model.sharding import MeshConfig
     from medusa_jax.training.trainer import TrainConfig, Trainer
 
     base = load_pretrained(chat_model)

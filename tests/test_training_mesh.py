@@ -25,10 +25,10 @@ CHILD = textwrap.dedent("""
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, numpy as np
     from flax import nnx
-    from medusa_jax.hf_import import load_pretrained
-    from medusa_jax.heads import HeadsConfig
-    from medusa_jax.heads_init import init_heads
-    from medusa_jax.sharding import MeshConfig
+    from medusa_jax.hf.load import load_pretrained
+    from medusa_jax.heads.config import HeadsConfig
+    from medusa_jax.heads.init import init_heads
+    from medusa_jax.model.sharding import MeshConfig
     from medusa_jax.training.trainer import TrainConfig, Trainer
 
     assert len(jax.devices()) == 8, jax.devices()

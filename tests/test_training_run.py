@@ -66,7 +66,7 @@ def test_help_explains_every_flag():
 @pytest.mark.parametrize("extra", [["--lm-head", "truncated:64"], ["--lm-head", "shared", "--cache-hidden",
                                                                    "--cached-batch-size", "64"]])
 def test_cli_trains_and_writes_a_loadable_heads_folder(setup, tmp_path, monkeypatch, extra):
-    from medusa_jax.heads_io import load_native_heads
+    from medusa_jax.heads.folder import load_native_heads
 
     model, data, _ = setup
     out = tmp_path / "heads"
@@ -89,7 +89,7 @@ def test_cli_trains_and_writes_a_loadable_heads_folder(setup, tmp_path, monkeypa
 def test_cli_trains_distilled_targets_from_the_arrow_store(setup, tmp_path, monkeypatch, extra):
     """The self-distilled Arrow store as --data: memory-mapped cached examples (Hydra heads' paths from its reply
     token ids), or its token ids packed into rows."""
-    from medusa_jax.heads_io import load_native_heads
+    from medusa_jax.heads.folder import load_native_heads
     from medusa_jax.training import distill_store
     from medusa_jax.training.self_distill import DistillConfig, self_distill
 

@@ -24,8 +24,10 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax import paths
 from medusa_jax.atomic import atomic_folder
 from medusa_jax.training.sharegpt import DataError, ReadReport, read_conversations
 
@@ -108,7 +110,7 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def _source_fingerprint(source: str | None) -> str:
+def source_fingerprint(source: str | None) -> str:
     path = Path(source) if source and source != "sharegpt" else None
     if path is not None and path.exists():
         st = path.stat()
@@ -119,14 +121,13 @@ def _source_fingerprint(source: str | None) -> str:
 def cache_root(config: DataConfig) -> Path:
     if config.cache_dir:
         return Path(config.cache_dir)
-    from medusa_jax.real_model import cache_root as root
-    return root() / "tokenized"
+    return paths.cache_root() / "tokenized"
 
 
 def tokenize_conversations(records: list[dict[str, Any]], tokenizer, eos_ids: tuple[int, ...],
                            config: DataConfig, source_key: str):
     """A `datasets.Dataset` with columns id, input_ids, loss_mask (cached on disk)."""
-    import datasets
+    import datasets  # lazy: seconds to import, needed only to tokenise a chat data set
 
     key = hashlib.sha256(json.dumps([CACHE_VERSION, source_key, _tokenizer_fingerprint(tokenizer),
                                      list(eos_ids), config.seq_len, config.limit, len(records)]).encode())
@@ -184,7 +185,7 @@ def load_chat_data(source: str | None, tokenizer, eos_ids: tuple[int, ...], conf
     """Reads, tokenises (cached), splits by conversation and packs. `source` as in `read_conversations`."""
     records, report = read_conversations(source, limit=config.limit)
     log(report.summary())
-    ds = tokenize_conversations(records, tokenizer, eos_ids, config, _source_fingerprint(source))
+    ds = tokenize_conversations(records, tokenizer, eos_ids, config, source_fingerprint(source))
     seqs, dropped = [], 0
     for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
         if not any(mask):
@@ -206,8 +207,6 @@ def load_chat_data(source: str | None, tokenizer, eos_ids: tuple[int, ...], conf
 
 def segment_mask(segment_ids_bt: np.ndarray):
     """[B, T, T] bool: causal attention within the same (non-padding) conversation of a packed row."""
-    import jax.numpy as jnp
-
     seg = jnp.asarray(segment_ids_bt)
     t = seg.shape[1]
     causal = jnp.tril(jnp.ones((t, t), bool))

@@ -16,6 +16,7 @@ a batch reads only its rows, the store is never loaded whole.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -23,16 +24,18 @@ from typing import Iterable
 
 import numpy as np
 
+from medusa_jax.atomic import atomic_path, write_text_atomic
 from medusa_jax.training.data import ChatData, DataConfig, pack
 from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows, heldout_groups, reply_examples
 from medusa_jax.training.sharegpt import DataError, ReadReport
 
 FORMAT = "medusa-jax-distilled-v1"
 META_FILE = "distill_store.json"
+FIRST_FORMAT_GLOB = "batch-*.npz"  # the retired first format: OUTPUT.hidden/batch-*.npz (now refused)
 
 
 def features(hidden_size: int):
-    import datasets
+    import datasets  # lazy (here and below): seconds to import, needed only when a store is written or read
 
     return datasets.Features({
         "id": datasets.Value("string"), "turn": datasets.Value("int32"),
@@ -49,15 +52,48 @@ def store_path(output: str | os.PathLike) -> Path:
     return Path(str(output) + ".arrow")
 
 
+def find_store(data: str | os.PathLike | None) -> Path | None:
+    """The store `data` names: the store folder itself, or a self-distillation JSONL output with its store
+    beside it (OUTPUT.arrow); None otherwise."""
+    if is_store(data):
+        return Path(data)
+    if data and is_store(store_path(data)):
+        return store_path(data)
+    return None
+
+
+def first_format_folder(data: str | os.PathLike | None) -> Path | None:
+    """The folder of hidden states in the first, retired format of `self_distill --save-hidden`
+    (OUTPUT.hidden/batch-*.npz) that `data` names, itself or beside the JSONL OUTPUT; None if there is none."""
+    if not data:
+        return None
+    for folder in (Path(data), Path(str(data) + ".hidden")):
+        if folder.is_dir() and any(folder.glob(FIRST_FORMAT_GLOB)):
+            return folder
+    return None
+
+
+def first_format_error(folder: Path) -> DataError:
+    return DataError(f"{folder}: hidden states in the first self-distillation format ({FIRST_FORMAT_GLOB}), which is "
+                     f"no longer read; regenerate them with the current scripts/self_distill.py --save-hidden into a "
+                     f"new --output (it writes the Arrow store OUTPUT.arrow) and train with --data OUTPUT.arrow")
+
+
+def refuse_first_format(data: str | os.PathLike | None, cache_hidden: bool) -> None:
+    """Raises `first_format_error` when training would have read the first format: `data` is such a folder, or
+    a JSONL output with one beside it, no store, and hidden states asked for (--cache-hidden)."""
+    folder = first_format_folder(data)
+    if folder is not None and (folder == Path(data) or (cache_hidden and find_store(data) is None)):
+        raise first_format_error(folder)
+
+
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
 
 
 def replies_table(replies: Iterable[tuple[str, int, list[int], list[int], np.ndarray]], hidden_size: int):
     """(id, turn, prompt ids, reply ids, hidden [len(reply), D]) tuples -> a pyarrow table of the store's schema."""
-    import pyarrow as pa
+    import pyarrow as pa  # lazy, with datasets (above)
 
     replies = list(replies)
     ids = [list(p) + list(r) for _, _, p, r, _ in replies]
@@ -98,8 +134,6 @@ class StoreWriter:
         return [f["filename"] for f in json.loads((self.folder / "state.json").read_text())["_data_files"]]
 
     def _write_state(self, shards: list[str]) -> None:
-        import hashlib
-
         state = {"_data_files": [{"filename": s} for s in shards], "_format_columns": None, "_format_kwargs": {},
                  "_format_type": None, "_output_all_columns": False, "_split": None,
                  "_fingerprint": hashlib.sha256("|".join(shards).encode()).hexdigest()[:16]}
@@ -107,23 +141,22 @@ class StoreWriter:
 
     def append(self, replies, name: str | None = None) -> str:
         """Writes one shard of `replies` (see replies_table) and lists it. Returns its file name."""
-        from datasets.arrow_writer import ArrowWriter
+        from datasets.arrow_writer import ArrowWriter  # lazy, as in features()
 
         shards = self.shards()
         k = len(shards)
         while name is None or name in shards:
             name, k = f"part-{k:06d}.arrow", k + 1
-        tmp = self.folder / f".{name}.tmp"
-        writer = ArrowWriter(features=features(self.hidden_size), path=str(tmp))
-        writer.write_table(replies_table(replies, self.hidden_size))
-        writer.finalize()
-        writer.close()
-        os.replace(tmp, self.folder / name)
+        with atomic_path(self.folder / name) as tmp:
+            writer = ArrowWriter(features=features(self.hidden_size), path=str(tmp))
+            writer.write_table(replies_table(replies, self.hidden_size))
+            writer.finalize()
+            writer.close()
         self._write_state(shards + [name])
         return name
 
     def shard_ids(self, name: str) -> list[tuple[str, int]]:
-        import pyarrow as pa
+        import pyarrow as pa  # lazy, as in features()
 
         with pa.memory_map(str(self.folder / name)) as source:
             table = pa.ipc.open_stream(source).read_all().select(["id", "turn"])
@@ -145,7 +178,7 @@ class StoreWriter:
 
 def open_store(folder: str | os.PathLike):
     """The store as a memory-mapped `datasets.Dataset`."""
-    import datasets
+    import datasets  # lazy, as in features()
 
     if not is_store(folder):
         raise DataError(f"{folder}: not a self-distilled store (no {META_FILE})")

@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.eagle import EagleDrafter
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.heads.eagle import EagleDrafter
 from medusa_jax.training import losses
 from medusa_jax.training.data import segment_mask
 

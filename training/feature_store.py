@@ -1,7 +1,7 @@
 """The teacher-forced feature store: existing chat text -> the frozen base's final hidden state at every position.
 
 One teacher-forced forward per conversation (no generation), so a store is made at prefill speed: the drafter of
-`medusa_jax.heads.eagle` (and heads of every kind) train on it. A store is a folder that `datasets.load_from_disk`
+`medusa_jax.heads.eagle` trains on it. A store is a folder that `datasets.load_from_disk`
 opens (state.json, dataset_info.json, Arrow shards) plus `feature_store.json` (format, hidden size, how it was
 built). One row per conversation:
   id         string       the conversation's id in its source
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.training.data import DataConfig, tokenize_conversations, _source_fingerprint
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.training.data import DataConfig, tokenize_conversations, source_fingerprint
 from medusa_jax.training.sharegpt import DataError, read_conversations
 from medusa_jax.training.trainer import backbone_hidden
 
@@ -206,7 +206,7 @@ def _ordered_conversations(tokenizer, eos_ids, source, config: FeatureStoreConfi
     records, report = read_conversations(source, limit=config.limit)
     log(report.summary())
     data_config = DataConfig(seq_len=config.seq_len, limit=config.limit)
-    ds = tokenize_conversations(records, tokenizer, eos_ids, data_config, _source_fingerprint(source))
+    ds = tokenize_conversations(records, tokenizer, eos_ids, data_config, source_fingerprint(source))
     ids, tokens, masks = ds["id"], ds["input_ids"], ds["loss_mask"]
     usable = [i for i in range(len(ids)) if any(masks[i])]
     if not usable:

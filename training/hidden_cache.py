@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.hydra_heads import path_tokens
+from medusa_jax.atomic import atomic_file, write_text_atomic
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.heads.hydra import path_tokens
 from medusa_jax.training.data import PackedRows
 from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows
 from medusa_jax.training.losses import head_targets, shifted_targets
@@ -133,16 +134,14 @@ def build_hidden_cache(base: CausalLM, rows: PackedRows, num_heads: int, root: s
             teacher_rows.append(np.moveaxis(teacher_bmt, 1, -1)[example_bt])
             targets.append(np.moveaxis(t_mbt, 0, -1)[example_bt].astype(np.int32))
             paths.append(path_tokens(rows.tokens_bt[b0:b0 + keep], num_heads)[example_bt])
-        tmp = folder / f".chunk_{c:05d}.tmp.npz"
         extra = {"path": np.concatenate(paths)} if with_path else {}
-        np.savez(tmp, hidden=np.concatenate(hidden), targets=np.concatenate(targets),
-                 rows=np.concatenate(example_rows), teacher_rows=np.concatenate(teacher_rows), **extra)
-        os.replace(tmp, path)
+        with atomic_file(path) as f:
+            np.savez(f, hidden=np.concatenate(hidden), targets=np.concatenate(targets),
+                     rows=np.concatenate(example_rows), teacher_rows=np.concatenate(teacher_rows), **extra)
         if progress is not None:
             progress(hi, rows.num_rows)
-    tmp = folder / ".meta.json.tmp"
-    tmp.write_text(json.dumps({"chunks": chunks, "rows": rows.num_rows, "num_heads": num_heads,
-                               "hidden_size": base.config.hidden_size}))
-    os.replace(tmp, folder / "meta.json")
+    write_text_atomic(folder / "meta.json", json.dumps({"chunks": chunks, "rows": rows.num_rows,
+                                                        "num_heads": num_heads,
+                                                        "hidden_size": base.config.hidden_size}))
     return HiddenCache(folder)
 

@@ -21,7 +21,7 @@ and so the decoder's results, close to the original).
 Hydra heads train by teacher forcing: at position t head i sees the embeddings of the true tokens
 x_{t+1}..x_{t+1+i} (the root and the drafts an ideal head 0..i-1 would have made) and is trained on x_{t+2+i},
 the same targets and the same teacher as Medusa head i. The path tokens of a position are path[..., e] =
-x_{t+1+e}, e = 0..M-1 (`hydra_heads.path_tokens`; 0 past the end of a row, where there is no target). Cached
+x_{t+1+e}, e = 0..M-1 (`heads.hydra.path_tokens`; 0 past the end of a row, where there is no target). Cached
 batches ({"hidden", "targets", "path"}) carry them; packed rows derive them in the step.
 
 Statistics are sums and counts (not means), so they add up over batches and devices.

@@ -1,6 +1,10 @@
-"""Peak-memory estimate of a training run, checked before the model is loaded.
+"""The one memory estimator: closed-form bytes from a model's shapes, for the trainer's check before it loads
+anything (`estimate_run`, `check_fits`) and for the planner's per-device estimate of a train or decode job
+beside its compiled plan (`estimate_per_device`, `lower_bound`; medusa_jax.bench.plan). Both count parameters
+with `backbone_params` and `heads_params`.
 
-The estimate (bytes; float32 everywhere, as the trainer stores weights and optimiser state):
+A training run on one host (`estimate_run`; bytes, float32 everywhere, as the trainer stores weights and
+optimiser state):
   weights      4 x (backbone parameters + head parameters), + 4 x backbone for the frozen reference of
                --distill-kl
   optimizer    12 x trainable parameters: the gradient and AdamW's two moments (the heads; the backbone too
@@ -16,12 +20,27 @@ The estimate (bytes; float32 everywhere, as the trainer stores weights and optim
   overhead     1.5 GiB: the Python process, XLA, tokenizer and data.
 Checked against measured peaks (VmHWM) on SmolLM2-135M at 8 x 1,024 positions: own lm_heads over 49,152
 tokens peaked at 23.9 GB (22.3 GiB; estimate 22.2 GiB), the default truncated:3072 at 3.3 GiB (estimate 3.7).
+
+One device of a mesh (`estimate_per_device`, for a `bench.plan.PlanConfig`), following the layouts of
+`medusa_jax.model.sharding`: weight matrices split over fsdp x tensor, norms replicated, biases over tensor;
+each layer's K and V cache buffers split over rows (data x fsdp) and KV heads (tensor); Adam's two moments
+like their parameters. Activations are the largest working sets, not a full liveness analysis:
+  decode  prefill: one layer's attention scores and probabilities (fp32) and MLP activations of the prompt;
+          loop: the tree's base logits and the heads' logits (fp32)
+  train   each head's logits, rematerialised one head at a time (forward + gradient, fp32); the backbone's
+          forward one layer at a time (Medusa-1: nothing is kept for the backward pass), or every layer's
+          saved activations and the backbone's gradients (Medusa-2); the trainable parameters' gradients;
+          with fsdp > 1 the weights gathered over fsdp, all of them (XLA's CPU schedule keeps every gathered
+          weight live; a GPU schedule may hold fewer at once, so this side is pessimistic).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
+import numpy as np
+
+from medusa_jax.model.config import ModelConfig, resolve_dtype
 
 GIB = 2**30
 OVERHEAD = int(1.5 * GIB)
@@ -31,6 +50,30 @@ CONFIG_KEYS = ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_lay
 class MemoryPlanError(ValueError):
     """The run would not fit the memory it may use (the message says what to change)."""
 
+
+# ---- parameters -----------------------------------------------------------------------------------------
+
+def backbone_params(model: ModelConfig, split: int = 1, tensor: int = 1) -> float:
+    """Parameters of the backbone one device holds: matrices / split, biases / tensor, norms whole (the whole
+    model with split = tensor = 1)."""
+    d, h = model.hidden_size, model.head_dim
+    q, kv = model.num_heads * h, model.num_kv_heads * h
+    per_layer = (d * (q + 2 * kv) + q * d + 3 * d * model.intermediate_size) / split + 2 * d
+    if model.attention_bias:
+        per_layer += (q + 2 * kv) / tensor
+    embed = model.vocab_size * d / split
+    return model.num_layers * per_layer + embed + d + (0 if model.tie_word_embeddings else embed)
+
+
+def heads_params(model: ModelConfig, num_heads: int, num_layers: int, head_vocab: int | None, split: int = 1,
+                 tensor: int = 1) -> float:
+    """Parameters of the heads one device holds: each head's ResBlocks ([D, D] over split, bias over tensor) and
+    its own lm_head [D, head_vocab] (None: a shared lm_head, no own parameters)."""
+    d = model.hidden_size
+    return num_heads * (num_layers * (d * d / split + d / tensor) + (d * head_vocab / split if head_vocab else 0))
+
+
+# ---- a training run on one host -------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
@@ -50,25 +93,15 @@ class MemoryEstimate:
         return f"{self.total / GIB:.1f} GiB ({parts})"
 
 
-def backbone_params(hf: dict[str, Any]) -> tuple[int, int]:
-    """(parameters, lm_head parameters) of a Llama-family model from its HF config."""
-    d, f, v, layers = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"], hf["num_hidden_layers"]
-    n = hf["num_attention_heads"]
-    kv = hf.get("num_key_value_heads") or n
-    h = hf.get("head_dim") or d // n
-    per_layer = d * n * h * 2 + d * kv * h * 2 + 3 * d * f + 2 * d
-    lm_head = 0 if hf.get("tie_word_embeddings", False) else d * v
-    return v * d + layers * per_layer + d + lm_head, lm_head
-
-
-def estimate(hf: dict[str, Any], *, num_heads: int, num_layers: int, head_vocab: int | None, batch_size: int,
-             seq_len: int, cached_batch_size: int, cache_hidden: bool, medusa2: bool, distill_kl: bool,
-             freeze_lm_heads: bool) -> MemoryEstimate:
-    """`head_vocab` is the heads' own output width (None: shared lm_head, which computes full-vocabulary logits)."""
-    d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
-    base, _ = backbone_params(hf)
-    blocks = num_heads * num_layers * (d * d + d)
-    own_lm = num_heads * d * head_vocab if head_vocab else 0
+def estimate_run(model: ModelConfig, *, num_heads: int, num_layers: int, head_vocab: int | None, batch_size: int,
+                 seq_len: int, cached_batch_size: int, cache_hidden: bool, medusa2: bool, distill_kl: bool,
+                 freeze_lm_heads: bool) -> MemoryEstimate:
+    """A training run's peak host bytes (module docstring). `head_vocab` is the heads' own output width (None:
+    shared lm_head, which computes full-vocabulary logits)."""
+    d, f, v = model.hidden_size, model.intermediate_size, model.vocab_size
+    base = backbone_params(model)
+    blocks = heads_params(model, num_heads, num_layers, None)
+    own_lm = heads_params(model, num_heads, 0, head_vocab)
     trainable = blocks + (0 if freeze_lm_heads else own_lm) + (base if medusa2 else 0)
     weights = 4 * (base + blocks + own_lm + (base if medusa2 and distill_kl else 0))
     positions = cached_batch_size if cache_hidden else batch_size * seq_len
@@ -76,9 +109,9 @@ def estimate(hf: dict[str, Any], *, num_heads: int, num_layers: int, head_vocab:
     backbone = 0
     if not cache_hidden:
         per_layer = 4 * positions * (4 * d + 2 * f)
-        scores = 4 * batch_size * hf["num_attention_heads"] * seq_len * seq_len
-        backbone = per_layer * (hf["num_hidden_layers"] if medusa2 else 1) + scores
-    return MemoryEstimate(weights, 12 * trainable, logits, backbone)
+        scores = 4 * batch_size * model.num_heads * seq_len * seq_len
+        backbone = per_layer * (model.num_layers if medusa2 else 1) + scores
+    return MemoryEstimate(int(weights), int(12 * trainable), int(logits), int(backbone))
 
 
 def available_bytes() -> int | None:
@@ -121,3 +154,61 @@ def check_cache_fits(cache_bytes: int, limit_gib: float | None) -> None:
         raise MemoryPlanError(f"--cache-hidden would hold {cache_bytes / GIB:.1f} GiB of hidden states in memory, "
                               f"more than the {limit / GIB:.1f} GiB available: use fewer conversations "
                               f"(--max-conversations) or drop --cache-hidden")
+
+
+# ---- one device of a planned job ------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DeviceEstimate:
+    params: int
+    optimizer: int
+    kv_cache: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.optimizer + self.kv_cache + self.activations
+
+
+def _bytes(dtype: str) -> int:
+    return np.dtype(resolve_dtype(dtype)).itemsize
+
+
+def estimate_per_device(config) -> DeviceEstimate:
+    """Per-device bytes of a `bench.plan.PlanConfig` (module docstring)."""
+    m, mesh = config.model, config.mesh
+    split, tensor, rows = mesh.fsdp * mesh.tensor, mesh.tensor, mesh.data * mesh.fsdp
+    dev_rows = config.batch / rows
+    heads_dtype = config.heads_dtype if config.job == "train" else m.dtype
+    base_params = backbone_params(m, split, tensor)
+    own_vocab = m.vocab_size if config.lm_head == "own" else None
+    head_params = heads_params(m, config.num_heads, 1, own_vocab, split, tensor)
+    params = base_params * _bytes(m.dtype) + head_params * _bytes(heads_dtype)
+    vocab_part, mlp_part, heads_part = m.vocab_size / tensor, m.intermediate_size / tensor, m.num_heads / tensor
+    if config.job == "decode":
+        kv_heads = m.num_kv_heads / tensor
+        cache = 2 * m.num_layers * dev_rows * config.cache * kv_heads * m.head_dim * _bytes(m.dtype)
+        act = _bytes(m.dtype)
+        prefill = dev_rows * (2 * heads_part * config.seq * config.cache * 4
+                              + config.seq * (4 * m.hidden_size + 3 * mlp_part) * act)
+        loop = dev_rows * (config.tree_tokens * vocab_part * 4 + config.num_heads * vocab_part * 4)
+        return DeviceEstimate(int(params), 0, int(cache), int(max(prefill, loop)))
+    trainable = head_params * _bytes(heads_dtype) + (base_params * _bytes(m.dtype) if config.medusa2 else 0)
+    act = _bytes(config.compute_dtype)
+    tokens = dev_rows * config.seq
+    scores = 2 * dev_rows * heads_part * config.seq * config.seq * 4  # fp32 scores and probabilities of one layer
+    layer = tokens * (4 * m.hidden_size + 3 * mlp_part) * act + scores
+    head_logits = 3 * tokens * vocab_part * 4  # logits, softmax and their gradient, one head at a time
+    if config.medusa2:  # saved for the backward pass, one layer's backward working set, the LM loss's logits
+        backbone = (m.num_layers + 1) * layer + 2 * tokens * vocab_part * 4
+    else:
+        backbone = layer
+    gathered = (base_params + head_params) * (mesh.fsdp - 1) * act if mesh.fsdp > 1 else 0
+    return DeviceEstimate(int(params), int(2 * trainable), 0, int(trainable + backbone + head_logits + gathered))
+
+
+def lower_bound(config) -> int:
+    """Bytes a device must hold at once whatever the compiler does: parameters, optimiser state and KV cache,
+    plus (train) every trainable gradient, since the global-norm clip reads all of them before any update."""
+    est = estimate_per_device(config)
+    return est.params + est.optimizer + est.kv_cache + est.optimizer // 2

@@ -1,7 +1,7 @@
 """A whole head-training run: data, heads, trainer, checkpoints, logs, held-out evaluation, the heads folder.
 
 `train_heads(RunConfig)` is what scripts/train_heads.py calls. Outputs (written by process 0):
-  OUTPUT/config.json + heads.safetensors   the heads (medusa_jax.heads_io.load_native_heads reads them)
+  OUTPUT/config.json + heads.safetensors   the heads (medusa_jax.heads.folder.load_native_heads reads them)
   OUTPUT/base_model/                       Medusa-2 only: the jointly trained backbone as a HF folder
   OUTPUT/train_log.jsonl                   one JSON object per logged step ("train") and evaluation ("eval")
   OUTPUT/checkpoints/                      Orbax checkpoints (unless --checkpoint-dir points elsewhere)
@@ -16,21 +16,26 @@ import dataclasses
 import hashlib
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
-from medusa_jax import sharding as shd
-from medusa_jax.heads import HeadsConfig, MedusaHeads
-from medusa_jax.heads_init import init_heads
-from medusa_jax.heads_io import save_heads
-from medusa_jax.training import feature_batches, feature_store, losses, memory_plan, output_folder
+from medusa_jax.text import load_tokenizer
+from medusa_jax.model import sharding as shd
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.hf.save import save_pretrained
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.folder import write_heads_files
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.training import losses, memory_plan, output_folder, sources
 from medusa_jax.training.checkpointing import Checkpoints
-from medusa_jax.training.data import DataConfig, PackedRows, load_chat_data, row_batch, row_iterator, top_token_ids
+from medusa_jax.training.data import DataConfig, top_token_ids
 from medusa_jax.training.trainer import TrainConfig, Trainer, schedule
 
 
@@ -47,8 +52,8 @@ class RunConfig:
     num_layers: int = 1
     lm_head: str = "truncated:3072"  # own | shared | truncated:N (3,072 divides tensor degrees 2, 3, 4, 6, 8)
     head_type: str = "medusa"  # medusa | hydra (heads that also see the drafted tokens) | eagle (a feature
-    # drafter, medusa_jax/eagle.py); hydra and eagle: Medusa-1 only
-    hydra_input: str = HeadsConfig.hydra_input  # hydra: add | concat (medusa_jax.hydra_heads)
+    # drafter, heads/eagle.py); hydra and eagle: Medusa-1 only
+    hydra_input: str = HeadsConfig.hydra_input  # hydra: add | concat (medusa_jax.heads.hydra)
     batch_size: int = 8  # global packed rows per step
     cached_batch_size: int = 4096  # global positions per step with cache_hidden
     cache_hidden: bool = False
@@ -83,30 +88,6 @@ def parse_lm_head(spec: str) -> tuple[str, int | None]:
     raise ValueError(f"--lm-head must be own, shared or truncated:N, got {spec!r}")
 
 
-def _padded_batches(take: Callable[[np.ndarray], dict], num: int, global_batch: int, max_batches: int,
-                    empty: Callable[[int], dict]) -> list[dict[str, np.ndarray]]:
-    """Held-out batches of this process; the last one is completed with target-free filler."""
-    out = []
-    p, n_proc = jax.process_index(), jax.process_count()
-    local = global_batch // n_proc
-    for start in range(0, min(num, max_batches * global_batch), global_batch):
-        idx = np.arange(start + p * local, start + (p + 1) * local)
-        real = idx[idx < num]
-        part = take(real)
-        if len(real) < local:
-            fill = empty(local - len(real))
-            part = {k: np.concatenate([part[k], fill[k]]) for k in part}
-        out.append(part)
-    return out
-
-
-def _empty_rows(like: PackedRows) -> Callable[[int], dict]:
-    def make(n):
-        z = np.zeros((n, like.tokens_bt.shape[1]), np.int32)
-        return {"tokens": z, "segment_ids": z, "positions": z, "loss_mask": z.astype(bool)}
-    return make
-
-
 def _signature(cfg: RunConfig, base, heads: MedusaHeads) -> dict[str, Any]:
     token_map = "" if heads.token_map is None else hashlib.sha256(
         np.asarray(heads.token_map[...]).tobytes()).hexdigest()[:16]
@@ -125,90 +106,13 @@ def evaluate(trainer: Trainer, batches: list[dict]) -> dict[str, Any]:
     return losses.HeadStats.summary(total) if total is not None else {}
 
 
-@dataclasses.dataclass
-class _Feed:
-    iterator: Any  # EpochIterator
-    eval_batches: list[dict[str, np.ndarray]]
-    loss_tokens: np.ndarray  # training target tokens (for a truncated token_map)
-    tokens_per_step: Callable[[dict], int]
-
-
-def _prepare_data(cfg: RunConfig, base, tokenizer, eos, log) -> _Feed:
-    """Packed rows (backbone in the step), cached hidden states, or self-distillation's saved hidden states
-    (the Arrow store, memory-mapped, or the first npz format, in memory)."""
-    from medusa_jax.training import distill_store, hidden_cache, hidden_store
-
-    pos = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    if feature_store.is_feature_store(cfg.data):
-        return _feature_feed(cfg, log, pos)
-    k, n_proc, teacher = cfg.num_heads, jax.process_count(), cfg.train.uses_teacher
-    with_path = cfg.head_type == "hydra"  # Hydra heads also read the true tokens on each position's path
-    store = cfg.data if distill_store.is_store(cfg.data) else None
-    if store is None and cfg.data and distill_store.is_store(distill_store.store_path(cfg.data)):
-        store = str(distill_store.store_path(cfg.data))
-    npz = hidden_store.store_for(cfg.data) if cfg.cache_hidden and store is None else None
-    if cfg.cache_hidden and (store or npz):
-        if store:
-            examples = distill_store.load_store_examples(store, k, with_path)
-        else:
-            examples, _ = hidden_store.load_distilled_examples(cfg.data, k, with_path)
-        train_ex, held_ex, n_train, n_held = examples.split(cfg.data_config.heldout_fraction, cfg.seed)
-        log(f"using the hidden states saved by self-distillation in {store or npz}: {n_train} training / {n_held} "
-            f"held-out conversations, {len(train_ex)} / {len(held_ex)} positions")
-        loss_tokens = train_ex.targets_xm[:, 0][train_ex.targets_xm[:, 0] >= 0]
-    else:
-        if store:
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-            data = distill_store.store_chat_data(store, cfg.data_config, pad)
-        else:
-            data = load_chat_data(cfg.data, tokenizer, eos, cfg.data_config, log=log)
-        log(f"packed {data.num_conversations[0]} training / {data.num_conversations[1]} held-out conversations "
-            f"into {data.train.num_rows} / {data.heldout.num_rows} rows of {cfg.data_config.seq_len} tokens "
-            f"({int(data.train.loss_mask_bt.sum())} training loss tokens; {data.dropped_no_loss_tokens} "
-            f"conversations without loss tokens dropped)")
-        loss_tokens = data.train.tokens_bt[data.train.loss_mask_bt]
-        if cfg.cache_hidden:  # the cached hidden states are held in memory: check them before computing them
-            positions = int(data.train.loss_mask_bt.sum() + data.heldout.loss_mask_bt.sum())
-            per_position = 2 * base.config.hidden_size + 8 + (16 if with_path else 12) * k  # + rows, targets, path
-            memory_plan.check_cache_fits(positions * per_position, cfg.memory_limit_gib)
-        if not cfg.cache_hidden:
-            return _Feed(row_iterator(data.train, cfg.batch_size, cfg.seed, **pos),
-                         _padded_batches(lambda i: row_batch(data.heldout.rows(i)), data.heldout.num_rows,
-                                         cfg.batch_size, cfg.eval_batches, _empty_rows(data.heldout)),
-                         loss_tokens, lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
-        cached = []
-        for name, rows in (("train", data.train), ("held-out", data.heldout)):
-            t0 = time.perf_counter()
-            cache = hidden_cache.build_hidden_cache(
-                base, rows, k, Path(cfg.output) / "hidden_cache", with_path=with_path,
-                progress=lambda d, n, name=name, t0=t0: log(f"hidden cache ({name}): {d}/{n} rows, "
-                                                            f"{time.perf_counter() - t0:.0f} s"))
-            cached.append(cache.examples())
-        train_ex, held_ex = cached
-    return _Feed(train_ex.iterator(cfg.cached_batch_size, cfg.seed, teacher, **pos),
-                 _padded_batches(lambda i: held_ex.batch(i, teacher), len(held_ex), cfg.cached_batch_size,
-                                 cfg.eval_batches, lambda n: held_ex.filler(n, teacher)),
-                 loss_tokens, lambda b: len(b["targets"]) * n_proc)
-
-
-def _feature_feed(cfg: RunConfig, log, pos) -> _Feed:
-    """Packed rows of a teacher-forced feature store with their features (the EAGLE drafter's data)."""
-    if cfg.head_type != "eagle":
-        raise ValueError(f"--data {cfg.data} is a feature store: it trains the EAGLE drafter (--head-type eagle)")
-    store = feature_store.open_feature_store(cfg.data, cfg.max_tokens)
-    dc = cfg.data_config
-    train, held = feature_batches.split_store(store, dc.heldout_fraction, dc.seq_len, cfg.seed)
-    log(f"feature store {cfg.data}: {len(store.ids)} conversations, {store.num_tokens} tokens; {train.num_rows} "
-        f"training / {held.num_rows} held-out rows of {dc.seq_len} ({train.num_tokens} / {held.num_tokens} tokens)")
-
-    def empty(n):
-        out = held.batch(np.zeros((0,), np.int64))
-        return {k: np.zeros((n,) + v.shape[1:], v.dtype) for k, v in out.items()}
-
-    n_proc = jax.process_count()
-    return _Feed(train.iterator(cfg.batch_size, cfg.seed, **pos),
-                 _padded_batches(held.batch, held.num_rows, cfg.batch_size, cfg.eval_batches, empty),
-                 train.loss_tokens(), lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
+def feed_settings(cfg: RunConfig) -> sources.FeedSettings:
+    return sources.FeedSettings(
+        num_heads=cfg.num_heads, with_path=cfg.head_type == "hydra", teacher=cfg.train.uses_teacher,
+        head_type=cfg.head_type, max_tokens=cfg.max_tokens,
+        batch_size=cfg.batch_size, cached_batch_size=cfg.cached_batch_size, eval_batches=cfg.eval_batches,
+        seed=cfg.seed, data=cfg.data_config, memory_limit_gib=cfg.memory_limit_gib,
+        hidden_cache_dir=Path(cfg.output) / "hidden_cache")
 
 
 def plan_memory(cfg: RunConfig) -> memory_plan.MemoryEstimate:
@@ -221,8 +125,8 @@ def plan_memory(cfg: RunConfig) -> memory_plan.MemoryEstimate:
     missing = [key for key in memory_plan.CONFIG_KEYS if key not in hf]
     if missing:
         raise ValueError(f"--model {cfg.model}: config.json lacks {missing}; not a Llama-family model")
-    return memory_plan.estimate(
-        hf, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+    return memory_plan.estimate_run(
+        ModelConfig.from_hf_config(hf), num_heads=cfg.num_heads, num_layers=cfg.num_layers,
         head_vocab=None if mode == "shared" else min(n_trunc or hf["vocab_size"], hf["vocab_size"]),
         batch_size=cfg.batch_size,
         seq_len=cfg.data_config.seq_len, cached_batch_size=cfg.cached_batch_size, cache_hidden=cfg.cache_hidden,
@@ -248,21 +152,18 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
 
 
 def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    from medusa_jax.hf_import import load_pretrained
-
     is_main = jax.process_index() == 0
     output = Path(cfg.output)
     mesh = shd.MeshConfig.parse(cfg.mesh).make_mesh()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
     base = load_pretrained(cfg.model, sharding_for=shd.sharding_for(mesh) if mesh.size > 1 else None)
     eos = tuple(base.config.eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     mode, n_trunc = parse_lm_head(cfg.lm_head)
     if n_trunc is not None and n_trunc > base.config.vocab_size:  # e.g. the default truncated:3072, tiny vocab
         log(f"--lm-head {cfg.lm_head}: the vocabulary has only {base.config.vocab_size} tokens; using all of them")
         n_trunc = base.config.vocab_size
-    feed = _prepare_data(cfg, base, tokenizer, eos, log)
+    source = sources.open_source(cfg.data, cfg.cache_hidden)
+    feed = source.feed(feed_settings(cfg), sources.RunInputs(base, tokenizer, eos, log))
     heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
                                mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model),
                                head_type=cfg.head_type, hydra_input=cfg.hydra_input,
@@ -306,13 +207,9 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     if is_main:
         summary = {"steps": trainer.step, "heldout": result, "lm_head": cfg.lm_head, "medusa2": cfg.train.medusa2,
                    "head_type": cfg.head_type}
-        save_heads(trainer.heads(), output / "_heads_tmp", extra_config={"training": summary},
-                   storage_dtype=None if cfg.heads_dtype == "float32" else cfg.heads_dtype)
-        for name in ("config.json", "heads.safetensors"):
-            (output / "_heads_tmp" / name).replace(output / name)
-        shutil.rmtree(output / "_heads_tmp")
+        write_heads_files(trainer.heads(), output, extra_config={"training": summary},
+                          storage_dtype=None if cfg.heads_dtype == "float32" else cfg.heads_dtype)
         if cfg.train.medusa2:
-            from medusa_jax.hf_export import save_pretrained
             save_pretrained(trainer.base(), output / "base_model", cfg.model)
     return {"steps": trainer.step, "heldout": result, "output": str(output)}
 
@@ -322,7 +219,6 @@ def _loop(cfg: RunConfig, trainer: Trainer, it, ckpt: Checkpoints, signature, wr
     """Steps until max_steps: NaN check, progress bar, JSONL log, checkpoints, held-out evaluation."""
     bar = None
     if cfg.progress and jax.process_index() == 0:
-        from tqdm import tqdm
         bar = tqdm(total=cfg.train.max_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
     head_lr = schedule(cfg.train.learning_rate * cfg.train.head_lr_multiplier, cfg.train)
     t_start, tokens_done, result = time.perf_counter(), 0, {}

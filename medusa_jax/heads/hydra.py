@@ -6,7 +6,7 @@ its path: the base model's next token x_{t+1} (the tree root) and the drafts x_{
 table (frozen and shared: never copied into the heads). `HeadsConfig.hydra_input` combines them:
   concat  x = W [h; e_0; ...; e_i] + b     W starts as [I; 0; ...] (a fresh head is a Medusa head)
   add     x = h + P [e_0; ...; e_i]        P starts at zero (= h + the sum of per-position projections)
-then `num_layers` ResBlocks and an lm_head in the Medusa modes (own / shared / truncated, see heads.py).
+then `num_layers` ResBlocks and an lm_head in the Medusa modes (own / shared / truncated, see heads/medusa.py).
 "add" is the default: on SmolLM2 hidden states (same data, steps and seed) it gave higher held-out top-1 on
 every head and a lower held-out loss than "concat", with ~30% fewer parameters (concat's trainable [D, D]
 block on h only adds capacity to overfit; add keeps h's path through the head fixed, as Medusa does).
@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import HeadsBase, HeadsConfig, ResBlock, head_lm_head, head_logits
-from medusa_jax.tree import TreeBuffers
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import resolve_dtype
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.medusa import HeadsBase, ResBlock, head_lm_head, head_logits
+from medusa_jax.heads.tree import TreeBuffers
 
 
 def _identity_on_hidden(key, shape, dtype):

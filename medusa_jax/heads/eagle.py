@@ -31,12 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM, DecoderLayer
-from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import HeadsBase, HeadsConfig, head_lm_head, head_logits
-from medusa_jax.kv_cache import KVCache, attention_mask, causal_block
-from medusa_jax.rope import inverse_frequencies
-from medusa_jax.tree import TreeBuffers
+from medusa_jax.model.backbone import CausalLM, DecoderLayer
+from medusa_jax.model.config import resolve_dtype
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.medusa import HeadsBase, head_lm_head, head_logits
+from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.model.rope import inverse_frequencies
+from medusa_jax.heads.tree import TreeBuffers
 
 
 @jax.tree_util.register_dataclass

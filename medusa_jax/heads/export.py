@@ -18,7 +18,7 @@
   truncated heads. Shared heads: `original_lm_head: true` and the base lm_head stored once as
   `lm_heads.0.weight` (vLLM loads it from the heads checkpoint, not from the target model), or with
   `materialize_lm_head` one copy per head.
-Reading any of these back: `medusa_jax.heads_import.load_heads`.
+Reading any of these back: `medusa_jax.heads.load.load_heads`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import jax
 import numpy as np
 
 from medusa_jax.atomic import atomic_folder
-from medusa_jax.backbone import CausalLM
-from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import MedusaHeads
-from medusa_jax.heads_layouts import MEDUSA, MEDUSA_WEIGHTS, VLLM, VLLM_WEIGHTS
-from medusa_jax.tensor_files import write_safetensors
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import resolve_dtype
+from medusa_jax.hf.tensor_files import write_safetensors
+from medusa_jax.heads.layouts import MEDUSA, MEDUSA_WEIGHTS, VLLM, VLLM_WEIGHTS
+from medusa_jax.heads.medusa import MedusaHeads
 
 FORMATS = ("medusa", "vllm")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -94,7 +94,8 @@ def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "
         raise ExportError(f"these are {cfg.head_type} heads (each head also reads the embeddings of the tokens "
                           f"drafted on its path); the PyTorch layouts (FasterDecoding/TGI/TensorRT-LLM, vLLM) only "
                           f"describe Medusa heads, so they cannot be exported. Use them with medusa-jax's own "
-                          f"format (medusa_jax.heads_io); the shipped Medusa heads export as --heads default-medusa")
+                          f"format (medusa_jax.heads.folder); the shipped Medusa heads export as "
+                          f"--heads default-medusa")
     np_dtype = np.dtype(resolve_dtype(dtype))
     # own/truncated heads already carry an lm_head per head: materialize_lm_head is a no-op for them
     materialize_lm_head = materialize_lm_head and cfg.lm_head == "shared"

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.config import ModelConfig
+from medusa_jax.model.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:

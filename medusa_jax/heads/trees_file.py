@@ -15,7 +15,7 @@ plainly. Resolution (`resolve_tree`) for a backend and batch size B:
     there too); a cpu without a cpu entry decodes plainly (an accelerator's tree can be far too big for it);
   - batch: the entry for B, else the nearest smaller measured batch, else the smallest measured one (a
     tree that pays at a larger batch pays at a smaller one: verify cost grows with B x T);
-  - heads without trees.json: the preset `medusa_jax.tree.DEFAULT_TREE`, as before trees.json existed.
+  - heads without trees.json: the preset `medusa_jax.heads.tree.DEFAULT_TREE`, as before trees.json existed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from medusa_jax.tree import DEFAULT_TREE, TreeError, build_tree
+from medusa_jax.heads.tree import DEFAULT_TREE, TreeError, build_tree
 
 FILE_NAME = "trees.json"
 FORMAT = "medusa-jax-trees"
@@ -91,7 +91,7 @@ def _checked(paths, name: str, **limits):
 
 
 def trees_of(heads) -> HeadsTrees | None:
-    """The trees `heads_import.load_heads` attached to loaded heads (None: the folder had no trees.json)."""
+    """The trees `heads.load.load_heads` attached to loaded heads (None: the folder had no trees.json)."""
     return getattr(heads, "trees", None)
 
 

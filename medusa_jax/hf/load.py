@@ -1,9 +1,9 @@
 """Load a local HF Llama/Mistral/Qwen2 folder (config.json + weights) into the NNX backbone (its inverse,
-`save_pretrained`, is the neighbour `medusa_jax.hf_export`; both name tensors with `hf_param_name`).
+`save_pretrained`, is the neighbour `medusa_jax.hf.save`; both name tensors with `hf_param_name`).
 
 Every parameter is built with `jax.make_array_from_callback`, so under a mesh each device reads only its
 own slice from the memory-mapped file: pass `sharding_for(param_path, shape) -> Sharding` (see
-`medusa_jax.sharding`). Without it everything lands on the first device.
+`medusa_jax.model.sharding`). Without it everything lands on the first device.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.config import ModelConfig
-from medusa_jax.nnx_paths import fill_state, param_paths
-from medusa_jax.tensor_files import CheckpointError, TensorSource, find_model_weights
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.param_paths import fill_state, param_paths
+from medusa_jax.hf.tensor_files import CheckpointError, TensorSource, find_model_weights
 
 ShardingFn = Callable[[tuple[str, ...], tuple[int, ...]], "jax.sharding.Sharding | None"]
 

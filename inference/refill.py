@@ -1,34 +1,38 @@
-"""Batched generation with row refill, keeping the hidden state behind every token (self-distillation).
+"""Plain decoding with finished rows refilled (continuous batching): the slot engine of batch generation
+(`api.generate_batch` at large batches), self-distillation and the batch benchmark.
 
-Chat replies differ wildly in length (a greeting: 10 tokens; a greedy small model: often the whole budget).
-A plain batch runs until its longest row ends, so on self-distillation data most rows sit idle for most
-steps. Here b decode slots run in jitted chunks of c steps; at each chunk boundary finished slots are given
-new prompts (prefilled into their rows of the shared KV cache), so the batch stays full. A chunk is the
-plain decode loop's own `autoregressive.plain_step` run while any slot is live; admitting prompts uses its
-`prefill`.
+Replies differ wildly in length (a greeting: 10 tokens; a greedy small model: often the whole budget). A
+plain batch runs until its longest row ends, so most rows sit idle for most steps. Here b decode slots run in
+jitted chunks of c steps (`run_chunk`); at each chunk boundary finished slots are given new prompts
+(`admit_prompts` prefills them, in length groups, into their rows of the shared KV cache), so the batch stays
+full. A chunk is the plain decode loop's own `autoregressive.plain_step` run while any slot is live;
+admitting prompts uses its `prefill`. `refill_generate` drives the slots over a list of prompts.
 
-Generating the data already computes the backbone's final hidden state at every reply position; keeping it
-lets Medusa-1 train heads without a second pass over the backbone (on a CPU that pass costs about as much
-as the generation). For each emitted token we keep the hidden state that produced it: the last prompt
-token's for a reply's first token, the previous reply token's after that. So head i's target for the
-hidden state of token j is token j + 1 + i (position t + 2 + i, as in training/losses.py).
+For each emitted token the chunk also returns the hidden state that produced it (the last prompt token's for
+a reply's first token, the previous reply token's after that): self-distillation keeps them, so Medusa-1
+trains heads without a second pass over the backbone (head i's target for the hidden state of token j is
+token j + 1 + i, position t + 2 + i, as in training/losses.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections import deque
 from functools import partial
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.inference.autoregressive import PlainState, is_eos, prefill, run_plain_steps
-from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
-from medusa_jax.inference.sampling import SamplingConfig, sample_tokens
-from medusa_jax.kv_cache import KVCache
+from medusa_jax.compile_cache import CompileCounter
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.inference.autoregressive import PlainState, prefill, run_plain_steps
+from medusa_jax.inference.engine import PROMPT_BUCKET, check_prompts, round_up
+from medusa_jax.inference.sampling import SamplingConfig, is_eos, sample_tokens
 
 
 @jax.tree_util.register_dataclass
@@ -110,17 +114,19 @@ def admission_groups(lengths: list[int], cap: int) -> list[list[int]]:
 
 
 def admit_prompts(graphdef, params, slots: Slots, rows: list[int], prompts: list[list[int]], key, *, pad_id: int,
-                  sampling: SamplingConfig, eos_ids: tuple[int, ...]):
+                  sampling: SamplingConfig, eos_ids: tuple[int, ...], shapes: set | None = None):
     """Prefills `prompts` into slot rows `rows`, in length groups (`admission_groups`), each one `admit` call
     padded to a few static shapes: rows to a ROW_BUCKETS size with filler rows that are dropped, prompt width
-    to a multiple of PROMPT_BUCKET. Returns (slots, each prompt's first token [n] and the hidden state behind
-    it [n, d], as NumPy)."""
+    to a multiple of PROMPT_BUCKET (each (rows, width) is added to `shapes` when given). Returns (slots, each
+    prompt's first token [n] and the hidden state behind it [n, d], as NumPy)."""
     b = slots.done_b.shape[0]
     first = np.zeros((len(prompts),), np.int32)
     first_hidden = None
     for g, group in enumerate(admission_groups([len(p) for p in prompts], b)):
         n = _row_bucket(len(group), b)
         width = round_up(max(len(prompts[j]) for j in group), PROMPT_BUCKET)
+        if shapes is not None:
+            shapes.add((n, width))
         prompt_bt = np.full((n, width), pad_id, np.int32)
         lens_b = np.ones((n,), np.int32)
         rows_b = np.full((n,), b, np.int32)  # filler rows point past the batch: dropped
@@ -155,3 +161,89 @@ def run_chunk(graphdef, params, slots: Slots, key, *, steps: int, max_new_tokens
     num_out_b = slots.num_out_b + state.num_out_b
     slots = Slots(state.cache, state.token_b, num_out_b, state.done_b | (num_out_b >= max_new_tokens))
     return slots, state.out_bo, state.hidden_bod, state.num_out_b
+
+
+@dataclasses.dataclass(frozen=True)
+class RefillRun:
+    token_ids: list[list[int]]  # per prompt, in input order (EOS included when emitted)
+    seconds: float
+    compile_seconds: float
+    slot_steps: int  # batch_size x decode steps run
+    chunks: int
+    shapes: int  # distinct jitted call shapes: admission (rows, width) pairs and the chunk
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def slot_use(self) -> float:
+        """New tokens per slot-step: about the fraction of the batch's work that produced a token (the rest is
+        rows idling at the end of a chunk or past their EOS; each prompt's first token comes from its prefill,
+        so the ratio can slightly exceed the true fraction)."""
+        return self.new_tokens / max(self.slot_steps, 1)
+
+
+def refill_generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
+                    eos_ids: tuple[int, ...], pad_id: int, sampling: SamplingConfig = SamplingConfig(),
+                    seed: int = 0, chunk_steps: int = 32,
+                    on_finish: Callable[[int], None] | None = None) -> RefillRun:
+    """Decodes every prompt (at most max_new_tokens each) in `batch_size` slots refilled between chunks of
+    `chunk_steps` steps; prompts are admitted in input order, as a server takes requests. `on_finish(i)` is
+    called when prompt i is done."""
+    if batch_size < 1 or max_new_tokens < 1 or chunk_steps < 1:
+        raise ValueError(f"batch_size, max_new_tokens and chunk_steps must be >= 1, got {batch_size}, "
+                         f"{max_new_tokens}, {chunk_steps}")
+    check_prompts(prompts, model.config.max_position_embeddings, max_new_tokens)
+    graphdef, params = nnx.split(model)
+    cache_size = round_up(max(len(p) for p in prompts) + max_new_tokens, PROMPT_BUCKET)
+    out: list[list[int]] = [[] for _ in prompts]
+    row_prompt: list[int | None] = [None] * batch_size
+    todo = deque(range(len(prompts)))
+    key = jax.random.key(seed)
+    slot_steps = chunks = 0
+    shapes = set()
+
+    def finished(i: int) -> bool:
+        return len(out[i]) >= max_new_tokens or (bool(out[i]) and out[i][-1] in eos_ids)
+
+    def done(r: int, i: int) -> None:
+        row_prompt[r] = None
+        if on_finish is not None:
+            on_finish(i)
+
+    with CompileCounter() as compiles:
+        start = time.perf_counter()
+        slots = Slots.empty(model.config, batch_size, cache_size)
+        while True:
+            free = [r for r in range(batch_size) if row_prompt[r] is None]
+            admitted = [(r, todo.popleft()) for r in free[: len(todo)]]
+            if admitted:
+                key, sub = jax.random.split(key)
+                slots, first, _ = admit_prompts(graphdef, params, slots, [r for r, _ in admitted],
+                                                [list(prompts[i]) for _, i in admitted], sub, pad_id=pad_id,
+                                                sampling=sampling, eos_ids=eos_ids, shapes=shapes)
+                for j, (r, i) in enumerate(admitted):
+                    out[i].append(int(first[j]))
+                    row_prompt[r] = i
+                    if finished(i):
+                        done(r, i)
+            if all(i is None for i in row_prompt):
+                if not todo:
+                    break
+                continue
+            key, sub = jax.random.split(key)
+            slots, tokens_bo, _, emitted_b = run_chunk(graphdef, params, slots, sub, steps=chunk_steps,
+                                                       max_new_tokens=max_new_tokens, sampling=sampling,
+                                                       eos_ids=eos_ids, pad_id=pad_id)
+            tokens_bo, emitted_b = jax.device_get((tokens_bo, emitted_b))
+            chunks += 1
+            slot_steps += batch_size * int(emitted_b.max(initial=0))
+            for r, i in enumerate(row_prompt):
+                if i is not None:
+                    out[i].extend(tokens_bo[r, : int(emitted_b[r])].tolist())
+                    if finished(i):
+                        done(r, i)
+        seconds = time.perf_counter() - start
+    return RefillRun([list(t) for t in out], seconds, min(compiles.compile_seconds, seconds), slot_steps, chunks,
+                     len(shapes) + 1)

@@ -31,13 +31,6 @@ class Collective:
         match = re.search(r"\[([\d,]*)\]", self.shape)
         return tuple(int(d) for d in match.group(1).split(",") if d) if match else ()
 
-    @property
-    def num_elements(self) -> int:
-        n = 1
-        for d in self.dims:
-            n *= d
-        return n
-
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
     out, current = {}, None

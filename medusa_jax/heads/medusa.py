@@ -11,84 +11,15 @@ starts as the identity) followed by an lm_head in one of three modes:
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.config import ModelConfig, resolve_dtype
-from medusa_jax.kv_cache import KVCache
-
-LM_HEAD_MODES = ("own", "shared", "truncated")
-# hydra: heads that also see the drafted tokens (medusa_jax.hydra_heads); eagle: a feature-level drafter of
-# one or more decoder layers (medusa_jax.eagle). medusa_jax.heads_init builds every kind.
-HEAD_TYPES = ("medusa", "hydra", "eagle")
-HYDRA_INPUTS = ("concat", "add")
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadsConfig:
-    hidden_size: int
-    vocab_size: int
-    num_heads: int = 4
-    num_layers: int = 1
-    lm_head: str = "own"  # one of LM_HEAD_MODES
-    truncated_vocab_size: int | None = None  # only for lm_head == "truncated"
-    dtype: str = "float32"
-    base_model_name_or_path: str = ""
-    head_type: str = "medusa"  # one of HEAD_TYPES
-    hydra_input: str = "add"  # hydra only: how a head combines h and its path embeddings (hydra_heads.py)
-    # eagle only: the drafter's decoder layers (the base's architecture; num_layers of them; heads_init fills it
-    # from the base when None). For an EAGLE drafter num_heads is the deepest tree it drafts for (it drafts
-    # autoregressively: any depth works).
-    decoder: ModelConfig | None = None
-
-    def __post_init__(self):
-        if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
-        if self.hydra_input not in HYDRA_INPUTS:
-            raise ValueError(f"hydra_input must be one of {HYDRA_INPUTS}, got {self.hydra_input!r}")
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
-        if self.lm_head not in LM_HEAD_MODES:
-            raise ValueError(f"lm_head must be one of {LM_HEAD_MODES}, got {self.lm_head!r}")
-        if self.lm_head == "truncated":
-            if not self.truncated_vocab_size or not 0 < self.truncated_vocab_size <= self.vocab_size:
-                raise ValueError(f"lm_head='truncated' needs 0 < truncated_vocab_size <= {self.vocab_size}, "
-                                 f"got {self.truncated_vocab_size}")
-        elif self.truncated_vocab_size is not None:
-            raise ValueError("truncated_vocab_size is only meaningful with lm_head='truncated'")
-        if self.decoder is not None and self.head_type != "eagle":
-            raise ValueError("only an eagle drafter has a decoder config")
-        resolve_dtype(self.dtype)
-
-    @property
-    def head_vocab_size(self) -> int:
-        return self.truncated_vocab_size if self.lm_head == "truncated" else self.vocab_size
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        del d["decoder"]
-        if self.head_type == "medusa":  # Medusa configs (and run signatures) stay as they were before Hydra
-            del d["head_type"], d["hydra_input"]
-        if self.decoder is not None:
-            d["decoder"] = self.decoder.to_hf_config()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "HeadsConfig":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise ValueError(f"unknown heads config fields {unknown}")
-        d = dict(d)
-        if d.get("decoder") is not None:
-            d["decoder"] = ModelConfig.from_hf_config(d["decoder"], dtype=d.get("dtype", "float32"))
-        return cls(**d)
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import resolve_dtype
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.heads.config import HeadsConfig
 
 
 class TokenMap(nnx.Variable):

@@ -5,7 +5,7 @@ Tensor names are the NNX parameter paths joined by dots (`heads.0.blocks.0.linea
 "hydra") add `heads.{i}.input_proj.kernel` (+ `.bias` with hydra_input "concat") and leave out the
 `medusa_num_*` fields, so Medusa tools do not take them for Medusa heads. Writes go to a temp folder renamed
 into place, so an interrupted save never leaves a half-written heads folder. Other projects' layouts:
-`medusa_jax.heads_interop`.
+`medusa_jax.heads.export`.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from medusa_jax.atomic import atomic_folder
-from medusa_jax.config import resolve_dtype
-from medusa_jax.heads import HeadsConfig, MedusaHeads
-from medusa_jax.heads_init import heads_class
-from medusa_jax.nnx_paths import fill_state, param_paths
-from medusa_jax.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
+from medusa_jax.atomic import atomic_folder, write_text_atomic
+from medusa_jax.model.config import resolve_dtype
+from medusa_jax.model.param_paths import fill_state, param_paths
+from medusa_jax.hf.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import heads_class
+from medusa_jax.heads.medusa import MedusaHeads
 
 FORMAT = "medusa-jax"
 WEIGHTS = "heads.safetensors"
@@ -37,8 +38,19 @@ def heads_tensors(heads: MedusaHeads) -> dict[str, np.ndarray]:
 
 def save_heads(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict | None = None,
                storage_dtype: str | None = None) -> Path:
-    """`storage_dtype` ('float16', 'bfloat16'): store floating tensors in it; loading casts them back to the
-    config's dtype (a half-size file, computed as before)."""
+    """Writes the heads folder `folder` (replaced as a whole). `storage_dtype` ('float16', 'bfloat16'): store
+    floating tensors in it; loading casts them back to the config's dtype (a half-size file, computed as
+    before)."""
+    folder = Path(folder)
+    with atomic_folder(folder) as tmp:
+        write_heads_files(heads, tmp, extra_config, storage_dtype)
+    return folder
+
+
+def write_heads_files(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict | None = None,
+                      storage_dtype: str | None = None) -> None:
+    """Writes config.json and heads.safetensors into the existing `folder`, each file atomically, the weights
+    first (a training output folder also holds the run's log and checkpoints, so it is not replaced whole)."""
     cfg = heads.config
     config = {
         "format": FORMAT,
@@ -56,10 +68,8 @@ def save_heads(heads: MedusaHeads, folder: str | os.PathLike, extra_config: dict
         store = np.dtype(resolve_dtype(storage_dtype))
         tensors = {k: v.astype(store) if np.issubdtype(v.dtype, np.floating) else v for k, v in tensors.items()}
     folder = Path(folder)
-    with atomic_folder(folder) as tmp:
-        write_safetensors(tmp / WEIGHTS, tensors, metadata={"format": FORMAT})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return folder
+    write_safetensors(folder / WEIGHTS, tensors, metadata={"format": FORMAT})
+    write_text_atomic(folder / "config.json", json.dumps(config, indent=2) + "\n")
 
 
 def heads_from_tensors(config: HeadsConfig, tensors: dict[str, np.ndarray], origin: str) -> MedusaHeads:

@@ -1,12 +1,12 @@
-"""Load Medusa heads from any folder layout we know (see `medusa_jax.heads_interop` for the layouts):
+"""Load Medusa heads from any folder layout we know (see `medusa_jax.heads.export` for the layouts):
 
-  medusa-jax  config.json with "format": "medusa-jax" + heads.safetensors (ours; `heads_io`)
+  medusa-jax  config.json with "format": "medusa-jax" + heads.safetensors (ours; `heads.folder`)
   medusa      FasterDecoding / TGI / TensorRT-LLM: config.json (medusa_num_heads, medusa_num_layers) +
               medusa_lm_head.safetensors, or medusa_lm_head.pt (read with torch.load(weights_only=True));
               "v1" when every head has `{h}.{L}.weight`, else the ResBlock-only "v2" (shared base lm_head).
               When both files exist the .safetensors one is read.
   vllm        config.json with model_type "medusa" + model.safetensors (or pytorch_model.bin)
-  eagle       an EAGLE drafter in the EAGLE authors' layout (`medusa_jax.eagle_interop`): a Llama config.json
+  eagle       an EAGLE drafter in the EAGLE authors' layout (`heads.eagle_layout`): a Llama config.json
               and weights with fc.weight; loads as an EAGLE drafter over the base's lm_head
 
 Every tensor the layout names must be present with the right shape and no other tensor may be there;
@@ -25,17 +25,17 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.config import ModelConfig
-from medusa_jax.eagle_interop import is_eagle_folder, load_eagle
-from medusa_jax.heads import HeadsConfig, MedusaHeads
-from medusa_jax.heads_interop import ExportError, check_token_map
-from medusa_jax.heads_layouts import (MEDUSA, MEDUSA_WEIGHTS, MEDUSA_WEIGHTS_PT, NATIVE, VLLM,
-                                      VLLM_SHARED_LM_HEAD)
-from medusa_jax.heads_trees import attach_trees, read_trees
-from medusa_jax.heads_io import FORMAT, heads_from_tensors, heads_tensors, load_native_heads
-from medusa_jax.tensor_files import (CheckpointError, SafetensorsFile, TensorSource, find_model_weights,
-                                     load_torch_bin)
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.hf.tensor_files import (CheckpointError, SafetensorsFile, TensorSource, find_model_weights,
+                                        load_torch_bin)
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.eagle_layout import is_eagle_folder, load_eagle
+from medusa_jax.heads.export import ExportError, check_token_map
+from medusa_jax.heads.folder import FORMAT, heads_from_tensors, heads_tensors, load_native_heads
+from medusa_jax.heads.layouts import MEDUSA, MEDUSA_WEIGHTS, MEDUSA_WEIGHTS_PT, NATIVE, VLLM, VLLM_SHARED_LM_HEAD
+from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.heads.trees_file import attach_trees, read_trees
 
 LAYOUTS = ("medusa-jax", "medusa", "vllm", "eagle")
 
@@ -250,7 +250,7 @@ def load_heads(folder: str | os.PathLike, base_config: ModelConfig | None = None
     num_heads: overrides the head count of config.json (some published configs are wrong, e.g.
       FasterDecoding/medusa-vicuna-7b-v1.3 says 2 and holds 4); it must still match the tensors.
     The folder's `trees.json` (scripts/build_tree.py), if any, is checked and attached as `heads.trees`
-    (see `medusa_jax.heads_trees`).
+    (see `medusa_jax.heads.trees_file`).
     """
     folder = Path(folder)
     trees = read_trees(folder)  # a bad trees.json fails before the weights are read

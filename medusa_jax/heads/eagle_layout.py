@@ -26,14 +26,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from medusa_jax.backbone import CausalLM
-from medusa_jax.config import ModelConfig, resolve_dtype
-from medusa_jax.eagle import EagleDrafter
-from medusa_jax.heads import HeadsConfig
-from medusa_jax.heads_interop import write_heads_folder
-from medusa_jax.heads_io import heads_from_tensors, heads_tensors
-from medusa_jax.nnx_paths import param_paths
-from medusa_jax.tensor_files import CheckpointError, TensorSource, find_model_weights
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import ModelConfig, resolve_dtype
+from medusa_jax.heads.eagle import EagleDrafter
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.export import write_heads_folder
+from medusa_jax.heads.folder import heads_from_tensors, heads_tensors
+from medusa_jax.model.param_paths import param_paths
+from medusa_jax.hf.tensor_files import CheckpointError, TensorSource, find_model_weights
 
 EAGLE_WEIGHTS = "model.safetensors"
 EAGLE_ARCHITECTURES = ("LlamaForCausalLM", "LlamaForCausalLMEagle", "EagleLlamaForCausalLM",

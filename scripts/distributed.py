@@ -19,6 +19,8 @@ import dataclasses
 import os
 from typing import Mapping
 
+import jax
+
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
@@ -96,7 +98,6 @@ def initialize(config: DistributedConfig) -> bool:
     JAX call (it must come before the backends start)."""
     if not config.enabled:
         return False
-    import jax
 
     # Cross-process collectives of CPU devices (ignored by GPU/TPU backends).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

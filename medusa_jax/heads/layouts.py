@@ -1,12 +1,12 @@
-"""The one table of heads tensor and file names, per folder layout: what `heads_interop` writes and
-`heads_import` reads (layouts described in heads_interop's docstring). h = head, l = ResBlock layer.
+"""The one table of heads tensor and file names, per folder layout: what `heads.export` writes and
+`heads.load` reads (layouts described in heads.export's docstring). h = head, l = ResBlock layer.
 
   layout      ResBlock weight / bias                        lm_head of head h       truncated-vocab map
   medusa      {h}.{l}.linear.weight / .bias                 {h}.{num_layers}.weight  (none: expanded)
   vllm        blocks.{h}.layers.{l}.weight / .bias          lm_heads.{h}.weight      token_map
   medusa-jax  heads.{h}.blocks.{l}.linear.kernel / .bias    heads.{h}.lm_head.kernel token_map
 
-medusa and vllm store PyTorch's [out, in] layout; medusa-jax (`heads_io`) stores the NNX parameters as they
+medusa and vllm store PyTorch's [out, in] layout; medusa-jax (`heads.folder`) stores the NNX parameters as they
 are ([in, out] kernels), named by their NNX paths.
 """
 

@@ -1,6 +1,7 @@
 """Hardware-aware Medusa trees: greedy construction by expected accepted length, sized by measured step time.
 
-Inputs are two measurements (see `medusa_jax.bench.head_accuracy` and `medusa_jax.bench.step_cost`):
+Inputs are two measurements (the heads' held-out accuracy, `medusa_jax.bench.head_accuracy`, and the step
+costs of this machine, `inference.step_cost`):
     accuracy_mr [num_heads, top_k]  P(head m's rank-r guess equals the base model's greedy token at t+2+m)
     step time   seconds of one Medusa step as a function of T, the tree tokens verified (the root included)
 
@@ -17,14 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import json
-import os
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-
-from medusa_jax.atomic import write_text_atomic
 
 Path_ = tuple[int, ...]
 
@@ -193,34 +189,3 @@ def rescore_for_batch(choice: TreeChoice, per_sequence_smr, batch: int,
     return dataclasses.replace(choice, tokens_per_step=tuple(per_step.tolist()),
                                tokens_per_second=tuple(per_second.tolist()),
                                best_num_nodes=int(np.nanargmax(per_second)) + 1)
-
-
-def tree_document(choice: TreeChoice, accuracy_mr, step_cost: StepCost, provenance: dict) -> dict:
-    """The JSON written by build_tree: `medusa_choices` (what `medusa_jax.tree.load_tree` reads) plus the
-    measurements and predictions that chose it. `greedy_order` lists the paths in the order they were
-    added, so any prefix is a valid tree (the benchmark's tree-size sweep uses it)."""
-    return {
-        "medusa_choices": [list(p) for p in choice.paths],
-        "num_nodes": choice.best_num_nodes,
-        "num_tree_tokens": choice.best_num_nodes + 1,
-        "predicted_tokens_per_step": choice.predicted_tokens_per_step,
-        "predicted_tokens_per_second": choice.predicted_tokens_per_second,
-        "greedy_order": [list(p) for p in choice.order],
-        "expected_tokens_per_step_by_size": list(choice.tokens_per_step),
-        "expected_tokens_per_second_by_size": list(choice.tokens_per_second),
-        "head_accuracy": np.asarray(accuracy_mr).tolist(),
-        "step_seconds": {"tree_tokens": list(step_cost.tokens), "seconds": list(step_cost.seconds)},
-        **provenance,
-    }
-
-
-def write_json_atomic(path: str | os.PathLike, document: dict) -> Path:
-    """Writes JSON to a temp file beside `path`, then renames it into place."""
-    return write_text_atomic(path, json.dumps(document, indent=1) + "\n")
-
-
-def greedy_order_of(tree_json: dict | None) -> list[Path_] | None:
-    """The greedy order stored by build_tree, if the document has one."""
-    if not tree_json or "greedy_order" not in tree_json:
-        return None
-    return [tuple(int(r) for r in p) for p in tree_json["greedy_order"]]

@@ -16,9 +16,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from medusa_jax.config import ModelConfig
-from medusa_jax.kv_cache import KVCache
-from medusa_jax.nnx_paths import fill_state
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.model.param_paths import fill_state
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
@@ -113,7 +113,7 @@ def spec_for_path(path: str, ndim: int) -> P:
             if len(axes) != ndim:
                 raise MeshError(f"partition rule {pattern!r} has {len(axes)} axes, parameter {path} has {ndim} dims")
             return P(*axes)
-    raise MeshError(f"no partition rule matches parameter {path!r}; add one to medusa_jax.sharding.PARAM_RULES")
+    raise MeshError(f"no partition rule matches parameter {path!r}; add one to medusa_jax.model.sharding.PARAM_RULES")
 
 
 def checked_sharding(mesh: Mesh, spec: P, shape: Sequence[int], what: str) -> NamedSharding:
@@ -132,7 +132,7 @@ def dividing_spec(mesh: Mesh, spec: P, shape: Sequence[int]) -> P:
 
 
 def sharding_for(mesh: Mesh):
-    """The `sharding_for(path, shape)` callback of `hf_import.load_pretrained`: each device reads its slice."""
+    """The `sharding_for(path, shape)` callback of `hf.load.load_pretrained`: each device reads its slice."""
     def fn(path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
         dotted = ".".join(path)
         spec = spec_for_path(dotted, len(shape))
@@ -149,21 +149,17 @@ def param_shardings(state, mesh: Mesh):
     return fill_state(state, lambda path, leaf: place(path, tuple(leaf.shape)))
 
 
-def shard_state(state, mesh: Mesh):
-    """Moves an NNX state onto the mesh by PARAM_RULES."""
-    return jax.device_put(state, param_shardings(state, mesh))
-
-
 def validate_model_mesh(config: ModelConfig, mesh: Mesh) -> None:
     """Tensor parallelism splits whole attention heads: both head counts must divide by the tensor axis."""
-    t = mesh.shape["tensor"]
+    tensor = mesh.shape["tensor"]
     for name, count in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
                         ("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)):
-        if count % t:
-            raise MeshError(f"mesh axis 'tensor' of size {t} does not divide the model's {name} ({count})")
-    f = mesh.shape["fsdp"]
-    if config.hidden_size % f:
-        raise MeshError(f"mesh axis 'fsdp' of size {f} does not divide the model's hidden_size ({config.hidden_size})")
+        if count % tensor:
+            raise MeshError(f"mesh axis 'tensor' of size {tensor} does not divide the model's {name} ({count})")
+    fsdp = mesh.shape["fsdp"]
+    if config.hidden_size % fsdp:
+        raise MeshError(f"mesh axis 'fsdp' of size {fsdp} does not divide the model's hidden_size "
+                        f"({config.hidden_size})")
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

@@ -1,4 +1,4 @@
-"""Write a backbone back as a local HF folder: the inverse of `medusa_jax.hf_import.load_pretrained`.
+"""Write a backbone back as a local HF folder: the inverse of `medusa_jax.hf.load.load_pretrained`.
 
 Tensors get their HF names and PyTorch's [out, in] layout from the same `hf_param_name` table the loader
 reads with, so a saved folder loads back bit for bit (here and in transformers). config.json and the
@@ -16,10 +16,10 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.atomic import atomic_folder
-from medusa_jax.backbone import CausalLM
-from medusa_jax.hf_import import hf_param_name
-from medusa_jax.nnx_paths import param_paths
-from medusa_jax.tensor_files import write_safetensors
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.param_paths import param_paths
+from medusa_jax.hf.load import hf_param_name
+from medusa_jax.hf.tensor_files import write_safetensors
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")

@@ -3,7 +3,8 @@
 The forward takes token ids [B, T], explicit positions [B, T] and an explicit boolean attention mask
 [B, T, S] over all S cache slots (build it with `kv_cache.attention_mask`): the Medusa tree mask passes
 through unchanged. It writes the new K/V at each row's `lengths` offset and returns the final-norm hidden
-states; `logits()` maps hidden states to the vocabulary (tied or untied lm_head).
+states; `logits()` maps hidden states to the vocabulary (tied or untied lm_head). Without a cache
+(`cache=None`, training's packed rows) the T tokens attend only to each other, under a [B, T, T] mask.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from medusa_jax.config import ModelConfig
-from medusa_jax.attention import grouped_attention
-from medusa_jax.kv_cache import KVCache, write_layer
-from medusa_jax.sharding import constrain_rows
-from medusa_jax.rope import apply_rope, inverse_frequencies
+from medusa_jax.model.attention import grouped_attention
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.kv_cache import KVCache, write_layer
+from medusa_jax.model.rope import apply_rope, inverse_frequencies
+from medusa_jax.model.sharding import constrain_rows
 
 
 class RMSNorm(nnx.Module):
@@ -46,17 +47,20 @@ class Attention(nnx.Module):
         self.o_proj = _linear(config.num_heads * h, d, False, config, rngs)
 
     def __call__(self, x_btd, positions_bt, mask_bts, k_bkhs, v_bksh, lengths_b, inv_freq):
-        """Writes this layer's new K/V into its cache buffers and attends over them; returns (out, K, V)."""
+        """Writes this layer's new K/V into its cache buffers and attends over them; returns (out, K, V).
+        Without cache buffers (k_bkhs None) it attends over the call's own K/V (mask [B, T, T]) and returns
+        (out, None, None)."""
         cfg = self.config
         b, t, _ = x_btd.shape
         n, k, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         q_btnh = apply_rope(self.q_proj(x_btd).reshape(b, t, n, h), positions_bt, inv_freq)
         k_btkh = apply_rope(self.k_proj(x_btd).reshape(b, t, k, h), positions_bt, inv_freq)
         v_btkh = self.v_proj(x_btd).reshape(b, t, k, h)
-        if k_bkhs is None:  # no cache: attend over this call's own K/V (mask [B, T, T])
-            k_bkhs, v_bksh = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
-        else:
-            k_bkhs, v_bksh = write_layer(k_bkhs, v_bksh, k_btkh, v_btkh, lengths_b)
+        if k_bkhs is None:  # the call's own K/V, in the cache's layouts (its T tokens are the slots)
+            keys_bkht, values_bkth = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
+            out_btkgh = grouped_attention(q_btnh.reshape(b, t, k, g, h), keys_bkht, values_bkth, mask_bts)
+            return self.o_proj(out_btkgh.reshape(b, t, n * h)), None, None
+        k_bkhs, v_bksh = write_layer(k_bkhs, v_bksh, k_btkh, v_btkh, lengths_b)
         out_btkgh = grouped_attention(q_btnh.reshape(b, t, k, g, h), k_bkhs, v_bksh, mask_bts)
         return self.o_proj(out_btkgh.reshape(b, t, n * h)), k_bkhs, v_bksh
 
@@ -105,36 +109,31 @@ class CausalLM(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else _linear(
             config.hidden_size, config.vocab_size, False, config, rngs)
 
-    def __call__(self, tokens_bt, positions_bt, mask_bts, cache: KVCache | None) -> tuple[jax.Array, KVCache | None]:
+    def __call__(self, tokens_bt, positions_bt, mask_bts,
+                 cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
         """Returns (final-norm hidden states [B, T, D], cache with the new K/V written; lengths unchanged).
-        cache None: a forward without a KV cache (training, feature extraction); mask_bts is then [B, T, T] over
-        the call's own tokens, and None comes back."""
+        cache=None: the tokens attend only to each other, mask_bts is [B, T, T] (key t of the call's own
+        tokens at positions_bt[:, t]), and no cache is built or returned (None)."""
         cfg = self.config
-        if cache is None:
-            return self._forward(tokens_bt, positions_bt, mask_bts, [(None, None)] * cfg.num_layers, None)[0], None
-        if cache.num_layers != cfg.num_layers:
+        if cache is not None and cache.num_layers != cfg.num_layers:
             raise ValueError(f"the KV cache has {cache.num_layers} layers; the model has {cfg.num_layers}")
-        hidden_btd, k_layers, v_layers = self._forward(tokens_bt, positions_bt, mask_bts,
-                                                       list(zip(cache.k_bkhs, cache.v_bksh)), cache.lengths_b)
-        return hidden_btd, cache.replace(k_bkhs=tuple(k_layers), v_bksh=tuple(v_layers))
-
-    def _forward(self, tokens_bt, positions_bt, mask_bts, kv_layers, lengths_b):
-        """Embeddings, layers (each with its (K, V) cache buffers, or (None, None)), final norm."""
-        cfg = self.config
-        if cfg.sliding_window is not None:
-            # key slot s holds position s with a cache; without one, key j is the call's token j
-            key_pos = (jnp.arange(mask_bts.shape[-1], dtype=jnp.int32)[None, None, :] if lengths_b is not None
-                       else positions_bt[:, None, :])
-            mask_bts = mask_bts & ((positions_bt[:, :, None] - key_pos) < cfg.sliding_window)
+        if cfg.sliding_window is not None:  # key position: its slot in the cache, its own position without one
+            keys_bs = (positions_bt if cache is None else jnp.arange(cache.cache_size, dtype=jnp.int32)[None, :])
+            mask_bts = mask_bts & ((positions_bt[:, :, None] - keys_bs[:, None, :]) < cfg.sliding_window)
         inv_freq = inverse_frequencies(cfg)
         x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
+        if cache is None:
+            for layer in self.layers:
+                x, _, _ = layer(x, positions_bt, mask_bts, None, None, None, inv_freq)
+                x = constrain_rows(x)
+            return self.norm(x), None
         k_layers, v_layers = [], []
-        for layer, (k_bkhs, v_bksh) in zip(self.layers, kv_layers):
-            x, k_bkhs, v_bksh = layer(x, positions_bt, mask_bts, k_bkhs, v_bksh, lengths_b, inv_freq)
+        for layer, k_bkhs, v_bksh in zip(self.layers, cache.k_bkhs, cache.v_bksh):
+            x, k_bkhs, v_bksh = layer(x, positions_bt, mask_bts, k_bkhs, v_bksh, cache.lengths_b, inv_freq)
             x = constrain_rows(x)
             k_layers.append(k_bkhs)
             v_layers.append(v_bksh)
-        return self.norm(x), k_layers, v_layers
+        return self.norm(x), cache.replace(k_bkhs=tuple(k_layers), v_bksh=tuple(v_layers))
 
     def logits(self, hidden):
         """hidden [..., D] -> logits [..., V] in fp32."""

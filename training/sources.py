@@ -1,0 +1,251 @@
+"""Where a training run's batches come from: one interface over every kind of training data.
+
+A data source turns its input into the trainer's `Feed`: the training batches (an `EpochIterator`, resumed from
+its (epoch, index) position), this process's held-out batches, the training target tokens (a truncated lm_head's
+token map keeps the most frequent of them) and the tokens a global batch trains on (the log's tokens/s). Three
+batch kinds reach the trainer (training/trainer.py): packed "rows", which run the backbone in the step, "hidden"
+examples, which read the frozen backbone's hidden states from memory or disk, and packed "features" rows, which
+carry the base's hidden state at every position (an EAGLE drafter's data).
+
+    source                 --data                                             batches
+    ChatConversations      ShareGPT file, datasets folder or name              rows
+    CachedHidden           the same, with --cache-hidden                      hidden, computed once (hidden_cache)
+    DistilledStoreRows     a self-distilled Arrow store (distill_store)        rows: prompt + regenerated reply
+    DistilledStoreHidden   the same, with --cache-hidden                      hidden, memory-mapped from the store
+    FeatureStoreRows       a teacher-forced feature store (feature_store)      features: packed conversations
+                                                                              with the base's hidden states (the
+                                                                              EAGLE drafter, feature_batches)
+
+`open_source(data, cache_hidden)` picks the source; a new kind of data adds a class with `feed` and one branch
+there. Hidden states in the first self-distillation format (OUTPUT.hidden/batch-*.npz) are refused there, with
+how to regenerate them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable, Protocol
+
+import jax
+import numpy as np
+
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.training import distill_store, feature_batches, feature_store, hidden_cache, memory_plan
+from medusa_jax.training.data import (ChatData, DataConfig, EpochIterator, PackedRows, load_chat_data, row_batch,
+                                      row_iterator)
+from medusa_jax.training.hidden_examples import HiddenExamples
+from medusa_jax.training.sharegpt import DataError
+
+
+
+@dataclasses.dataclass
+class Feed:
+    """What the training loop reads."""
+
+    iterator: EpochIterator  # this process's share of each global training batch, in seeded epoch order
+    eval_batches: list[dict[str, np.ndarray]]  # this process's held-out batches (the last one padded)
+    loss_tokens: np.ndarray  # training target tokens (a truncated token_map keeps their most frequent)
+    tokens_per_step: Callable[[dict], int]  # tokens a global batch trains on, from this process's batch
+
+
+@dataclasses.dataclass(frozen=True)
+class FeedSettings:
+    """What a source needs from the run's configuration (training.run.RunConfig)."""
+
+    num_heads: int
+    with_path: bool  # Hydra heads: hidden examples also carry the true tokens on each position's path
+    teacher: bool  # distilled head losses: hidden batches also carry the teacher positions' hidden states
+    batch_size: int  # packed rows per global step
+    cached_batch_size: int  # positions per global step of hidden examples
+    eval_batches: int  # at most this many held-out batches
+    seed: int
+    data: DataConfig
+    memory_limit_gib: float | None
+    hidden_cache_dir: Path  # where CachedHidden keeps the hidden states it computes
+    head_type: str = "medusa"
+    max_tokens: int | None = None  # a feature store: its first conversations holding this many tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInputs:
+    """What a source may use to build its feed: the loaded backbone and tokenizer, the EOS ids, the log."""
+
+    base: CausalLM  # the frozen backbone (CachedHidden runs it once over the rows)
+    tokenizer: object
+    eos_ids: tuple[int, ...]
+    log: Callable[[str], None] = print
+
+
+class DataSource(Protocol):
+    def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
+        """The trainer's feed of this data."""
+
+
+def _process() -> dict[str, int]:
+    return dict(process_index=jax.process_index(), process_count=jax.process_count())
+
+
+def _padded_batches(take: Callable[[np.ndarray], dict], num: int, global_batch: int, max_batches: int,
+                    empty: Callable[[int], dict]) -> list[dict[str, np.ndarray]]:
+    """Held-out batches of this process; the last one is completed with target-free filler."""
+    out = []
+    p, n_proc = jax.process_index(), jax.process_count()
+    local = global_batch // n_proc
+    for start in range(0, min(num, max_batches * global_batch), global_batch):
+        idx = np.arange(start + p * local, start + (p + 1) * local)
+        real = idx[idx < num]
+        part = take(real)
+        if len(real) < local:
+            fill = empty(local - len(real))
+            part = {k: np.concatenate([part[k], fill[k]]) for k in part}
+        out.append(part)
+    return out
+
+
+def _empty_rows(like: PackedRows) -> Callable[[int], dict]:
+    def make(n):
+        z = np.zeros((n, like.tokens_bt.shape[1]), np.int32)
+        return {"tokens": z, "segment_ids": z, "positions": z, "loss_mask": z.astype(bool)}
+    return make
+
+
+def rows_feed(data: ChatData, settings: FeedSettings) -> Feed:
+    """Packed rows: the backbone runs in the step."""
+    n_proc = jax.process_count()
+    return Feed(row_iterator(data.train, settings.batch_size, settings.seed, **_process()),
+                _padded_batches(lambda i: row_batch(data.heldout.rows(i)), data.heldout.num_rows,
+                                settings.batch_size, settings.eval_batches, _empty_rows(data.heldout)),
+                data.train.tokens_bt[data.train.loss_mask_bt], lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
+
+
+def hidden_feed(train: HiddenExamples, heldout: HiddenExamples, loss_tokens: np.ndarray,
+                settings: FeedSettings) -> Feed:
+    """Hidden examples: the heads' step only."""
+    n_proc, teacher, batch = jax.process_count(), settings.teacher, settings.cached_batch_size
+    return Feed(train.iterator(batch, settings.seed, teacher, **_process()),
+                _padded_batches(lambda i: heldout.batch(i, teacher), len(heldout), batch, settings.eval_batches,
+                                lambda n: heldout.filler(n, teacher)),
+                loss_tokens, lambda b: len(b["targets"]) * n_proc)
+
+
+def _log_packed(data: ChatData, settings: FeedSettings, log) -> ChatData:
+    log(f"packed {data.num_conversations[0]} training / {data.num_conversations[1]} held-out conversations "
+        f"into {data.train.num_rows} / {data.heldout.num_rows} rows of {settings.data.seq_len} tokens "
+        f"({int(data.train.loss_mask_bt.sum())} training loss tokens; {data.dropped_no_loss_tokens} "
+        f"conversations without loss tokens dropped)")
+    return data
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatConversations:
+    """Conversations (`sharegpt.read_conversations`: 'sharegpt', a file, a datasets folder or name), tokenised
+    with the chat template and packed into rows (data.load_chat_data)."""
+
+    source: str | None
+
+    def packed(self, settings: FeedSettings, inputs: RunInputs) -> ChatData:
+        data = load_chat_data(self.source, inputs.tokenizer, inputs.eos_ids, settings.data, log=inputs.log)
+        return _log_packed(data, settings, inputs.log)
+
+    def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
+        return rows_feed(self.packed(settings, inputs), settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistilledStoreRows:
+    """The replies of a self-distilled Arrow store as packed rows (prompt + reply, loss on the reply): the
+    backbone-in-the-step path for a store (GPU, Medusa-2)."""
+
+    store: Path
+
+    def packed(self, settings: FeedSettings, inputs: RunInputs) -> ChatData:
+        tokenizer, eos = inputs.tokenizer, inputs.eos_ids
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+        return _log_packed(distill_store.store_chat_data(self.store, settings.data, pad), settings, inputs.log)
+
+    def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
+        return rows_feed(self.packed(settings, inputs), settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedHidden:
+    """Packed rows whose frozen-backbone hidden states are computed once and kept (hidden_cache): Medusa-1 on a
+    CPU, where an epoch then costs only the heads."""
+
+    rows: ChatConversations
+
+    def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
+        data = self.rows.packed(settings, inputs)
+        # the cached hidden states are held in memory: check them before computing them
+        positions = int(data.train.loss_mask_bt.sum() + data.heldout.loss_mask_bt.sum())
+        per_position = (2 * inputs.base.config.hidden_size + 8  # + rows, targets and path
+                        + (16 if settings.with_path else 12) * settings.num_heads)
+        memory_plan.check_cache_fits(positions * per_position, settings.memory_limit_gib)
+        cached = []
+        for name, rows in (("train", data.train), ("held-out", data.heldout)):
+            t0 = time.perf_counter()
+            cache = hidden_cache.build_hidden_cache(
+                inputs.base, rows, settings.num_heads, settings.hidden_cache_dir, with_path=settings.with_path,
+                progress=lambda d, n, name=name, t0=t0: inputs.log(f"hidden cache ({name}): {d}/{n} rows, "
+                                                                   f"{time.perf_counter() - t0:.0f} s"))
+            cached.append(cache.examples())
+        return hidden_feed(*cached, data.train.tokens_bt[data.train.loss_mask_bt], settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistilledStoreHidden:
+    """The hidden states self-distillation saved with its replies, memory-mapped from the Arrow store."""
+
+    store: Path
+
+    def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
+        examples = distill_store.load_store_examples(self.store, settings.num_heads, settings.with_path)
+        train, heldout, n_train, n_held = examples.split(settings.data.heldout_fraction, settings.seed)
+        inputs.log(f"using the hidden states saved by self-distillation in {self.store}: {n_train} training / "
+                   f"{n_held} held-out conversations, {len(train)} / {len(heldout)} positions")
+        return hidden_feed(train, heldout, train.targets_xm[:, 0][train.targets_xm[:, 0] >= 0], settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureStoreRows:
+    """A teacher-forced feature store: whole conversations packed into rows with the base's hidden state at every
+    position, split by conversation (feature_batches); trains the EAGLE drafter."""
+
+    store: Path
+
+    def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
+        if settings.head_type != "eagle":
+            raise DataError(f"{self.store} is a feature store: it trains an EAGLE drafter (--head-type eagle); "
+                            f"{settings.head_type} heads train on conversations or a self-distilled store")
+        store = feature_store.open_feature_store(self.store, settings.max_tokens)
+        dc = settings.data
+        train, held = feature_batches.split_store(store, dc.heldout_fraction, dc.seq_len, settings.seed)
+        inputs.log(f"feature store {self.store}: {len(store.ids)} conversations, {store.num_tokens} tokens; "
+                   f"{train.num_rows} training / {held.num_rows} held-out rows of {dc.seq_len} "
+                   f"({train.num_tokens} / {held.num_tokens} tokens)")
+
+        def empty(n):
+            like = held.batch(np.zeros((0,), np.int64))
+            return {k: np.zeros((n,) + v.shape[1:], v.dtype) for k, v in like.items()}
+
+        n_proc = jax.process_count()
+        return Feed(train.iterator(settings.batch_size, settings.seed, **_process()),
+                    _padded_batches(held.batch, held.num_rows, settings.batch_size, settings.eval_batches, empty),
+                    train.loss_tokens(), lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
+
+
+def open_source(data: str | None, cache_hidden: bool) -> DataSource:
+    """The source of `--data` (None: the packaged ShareGPT file); `cache_hidden` asks for hidden examples."""
+    if feature_store.is_feature_store(data):
+        if cache_hidden:
+            raise DataError(f"--data {data} is a feature store: it already holds the hidden states; drop "
+                            f"--cache-hidden")
+        return FeatureStoreRows(Path(data))
+    distill_store.refuse_first_format(data, cache_hidden)
+    store = distill_store.find_store(data)
+    if store is not None:
+        return DistilledStoreHidden(store) if cache_hidden else DistilledStoreRows(store)
+    rows = ChatConversations(data)
+    return CachedHidden(rows) if cache_hidden else rows
