@@ -253,6 +253,9 @@ def heads_main(argv: list[str]) -> int:
     p.add_argument("--tree-sizes", type=parse_positive_int_list, default=d.tree_sizes,
                    help="nodes of the greedy trees whose tokens/step is counted (default: %s)"
                         % ",".join(map(str, d.tree_sizes)))
+    p.add_argument("--chains", type=parse_int_list, default=d.chains,
+                   help="lengths of the chain trees ([[0], [0, 0], ...]) whose tokens/step is counted, where the heads "
+                        "reach that deep; '' for none (default: %s)" % ",".join(map(str, d.chains)))
     p.add_argument("--batch-sizes", type=parse_int_list, default=d.batch_sizes,
                    help="timed batch sizes, plain vs Medusa; '' for none (default: %s)" % ",".join(map(str, d.batch_sizes)))
     p.add_argument("--timed-nodes", type=int, default=d.timed_nodes,
@@ -277,7 +280,8 @@ def heads_main(argv: list[str]) -> int:
             p.error(f"--heads: label {label!r} given twice")
         labels[label] = folder
     try:
-        config = CompareConfig(max_new_tokens=a.max_new_tokens, tree_sizes=a.tree_sizes, batch_sizes=a.batch_sizes,
+        config = CompareConfig(max_new_tokens=a.max_new_tokens, tree_sizes=a.tree_sizes, chains=a.chains,
+                               batch_sizes=a.batch_sizes,
                                timed_nodes=a.timed_nodes, heldout=a.heldout, data=a.data,
                                continuation_tokens=a.continuation_tokens)
     except ValueError as e:

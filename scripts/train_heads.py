@@ -169,6 +169,9 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if not value >= 0:  # also refuses NaN
             raise ValueError(f"--{flag.replace('_', '-')} must be a number >= 0, got {value}")
+    if args.head_type == "eagle" and args.cache_hidden:
+        raise ValueError("--head-type eagle reads the hidden states of every position: give a feature store "
+                         "(scripts/build_features.py) as --data instead of --cache-hidden")
     if args.eagle_train_depth < 1:
         raise ValueError(f"--eagle-train-depth must be >= 1, got {args.eagle_train_depth}")
     if args.eagle_feature_weight + args.eagle_ce_weight == 0:
