@@ -84,6 +84,23 @@ def count_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, 
     return rows
 
 
+def count_chain_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, prompts, reference,
+                                config: CompareConfig) -> list[dict]:
+    """Greedy decoding with the chain trees [[0], [0, 0], ...] of each length in `config.chains` that the heads
+    reach (a chain of L nodes needs L heads or drafting depths): tokens/step and mismatches."""
+    model = ShardedModel(loaded.base, heads)
+    rows = []
+    for length in config.chains:
+        if length < 1 or length > heads.config.num_heads:
+            continue
+        tree = build_tree([[0] * depth for depth in range(1, length + 1)], name=f"chain_{length}")
+        run = generate_batch(model, prompts, _settings(loaded, config, min(config.count_batch, len(prompts)), tree),
+                             progress=False)
+        rows.append({"chain": length, "tokens_per_step": run.tokens_per_step,
+                     "mismatches": sum(a != b for a, b in zip(_tokens(run), reference))})
+    return rows
+
+
 def time_speedup(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, config: CompareConfig) -> list[dict]:
     """Plain and Medusa (the heads' own tree per batch size) over the same prompts, compilation excluded,
     interleaved batch by batch (plain first in even batches, Medusa first in odd ones) so that a drift in the

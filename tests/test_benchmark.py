@@ -396,7 +396,7 @@ def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_p
     argv = ["heads", "--model", str(folder), "--heads", f"a={heads_dir}", "--heads", f"b={other}",
             "--question-file", str(write_questions(tmp_path / "q.jsonl")), "--questions", "3",
             "--max-new-tokens", "10", "--tree-sizes", "1,3", "--batch-sizes", "1", "--heldout", "2",
-            "--continuation-tokens", "8", "--data", str(data), "--out", str(out)]
+            "--continuation-tokens", "8", "--chains", "2,3", "--data", str(data), "--out", str(out)]
     calls, real = [], heads_comparison.generate_batch
 
     def recording(model, prompts, settings, **kw):
@@ -417,8 +417,11 @@ def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_p
         assert [r["nodes"] for r in h["tree_sizes"]] == [1, 3]
         assert all(r["tokens_per_step"] >= 1 and r["mismatches"] == 0 for r in h["tree_sizes"])  # lossless
         assert [r["batch"] for r in h["timed"]] == [1] and h["timed"][0]["mismatches"] == 0
+        # chains as deep as the heads reach: a has 3 heads (chains of 2 and 3), b has 2 (the chain of 2 only)
+        assert [r["chain"] for r in h["chains"]] == [2, 3][:num_heads - 1]
+        assert all(r["tokens_per_step"] >= 1 and r["mismatches"] == 0 for r in h["chains"])
     md = (out / "heads.md").read_text()
-    assert "tokens/step @3" in md and "| a |" in md and "| b |" in md
+    assert "chain of 3" in md and "tokens/step @3" in md and "| a |" in md and "| b |" in md
     assert (out / "heads.png").stat().st_size > 0
 
 
