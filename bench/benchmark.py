@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from medusa_jax.paths import portable_path
-from medusa_jax.heads.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
+from medusa_jax.heads.tree import MC_SIM_7B_63, PRESETS, DynamicTree, TreeBuffers, TreeError, build_tree, load_tree
 from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree, trees_of
 from medusa_jax.inference import step_cost as whole_step
 from medusa_jax.inference.api import generate, generate_medusa
@@ -235,7 +235,7 @@ def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], con
         "overall": overall,
         "per_category": {c: summarize([r for r in records if r["category"] == c], methods) for c in categories},
         "accept_length_histogram": accept_histogram(records, tree.depth if tree else 0),
-        "tree": {"spec": config.tree or "heads", "num_nodes": len(tree.paths) if tree else 0,
+        "tree": {"spec": config.tree or "heads", "num_nodes": tree.num_tokens - 1 if tree else 0,
                  "num_tree_tokens": tree.num_tokens if tree else 1, "depth": tree.depth if tree else 0,
                  "top_k": tree.top_k if tree else 0,
                  **tree_metadata(config.tree, chosen, heads_trees, config.batch_size)},
@@ -251,14 +251,15 @@ def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], con
     return results
 
 
-def profile_step(loaded: LoadedModel, tree: TreeBuffers, records: list[dict], progress) -> dict:
-    """ms of each piece of one Medusa step, of the whole step and of a plain step, batch 1, at the
-    benchmark's median context (prompt + half the answer)."""
+def profile_step(loaded: LoadedModel, tree: TreeBuffers | DynamicTree, records: list[dict], progress) -> dict:
+    """ms of each piece of one Medusa step (a static tree's; a dynamic tree is timed whole), of the whole step
+    and of a plain step, batch 1, at the benchmark's median context (prompt + half the answer)."""
     context = int(np.median([r["prompt_tokens"] + r["plain"]["tokens"] // 2 for r in records]))
     size = round_up(context + 2 * tree.num_tokens + tree.depth + 1, PROMPT_BUCKET)
     args = (loaded.base, loaded.heads, tree, 1, context, size)
+    pieces = {} if isinstance(tree, DynamicTree) else step_cost.piece_seconds(*args, repeats=7)
     out = {"context": context, "cache_size": size, "batch": 1,
-           "pieces_ms": {k: 1e3 * v for k, v in step_cost.piece_seconds(*args, repeats=7).items()},
+           "pieces_ms": {k: 1e3 * v for k, v in pieces.items()},
            "medusa_step_ms": 1e3 * whole_step.medusa_step_seconds(*args, repeats=7),
            "plain_step_ms": 1e3 * whole_step.plain_step_seconds(loaded.base, 1, context, size, repeats=7)}
     progress("step profile (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in out["pieces_ms"].items())
@@ -270,7 +271,7 @@ def run_batched(runner: Runner, questions, prompts, config: BenchmarkConfig, tre
                 records: list[dict], progress) -> list[dict]:
     """Total tokens/s, Medusa vs plain, at each batch size (the main run gives its own batch size's row)."""
     rows = [{**_batched_row(config.batch_size, summarize(records, ["plain", "medusa"]), len(records)),
-             "tree_nodes": len(tree.paths) if tree else 0}]
+             "tree_nodes": tree.num_tokens - 1 if tree else 0}]
     for b in config.batched_sizes:
         if b == config.batch_size:
             continue
@@ -292,7 +293,7 @@ def run_batched(runner: Runner, questions, prompts, config: BenchmarkConfig, tre
                     rec[m]["seconds"] = timed[m].seconds / b
                 recs.append(rec)
         rows.append({**_batched_row(b, summarize(recs, ["plain", "medusa"]), usable),
-                     "tree_nodes": len(tree_b.paths) if tree_b else 0})
+                     "tree_nodes": tree_b.num_tokens - 1 if tree_b else 0})
         progress(f"batch {b}: plain {rows[-1]['tokens_per_s']['plain']:.1f} tok/s, medusa "
                  f"{rows[-1]['tokens_per_s']['medusa']:.1f} tok/s, x{rows[-1]['speedup']:.2f}")
     return rows
@@ -310,12 +311,19 @@ def run_tree_sweep(runner: Runner, prompts, config: BenchmarkConfig, tree: TreeB
     if n == 0 or config.batch_size != 1:
         return []
     heads_cfg = runner.loaded.heads.config
-    order = sweep_order(config.tree, trees_of(runner.loaded.heads))
+    dynamic = isinstance(tree, DynamicTree)  # a dynamic tree's sweep: the same K and D, N nodes
+    order = [] if dynamic else sweep_order(config.tree, trees_of(runner.loaded.heads))
     out = []
-    main = {len(tree.paths)} if tree is not None else set()
-    for size in sorted(set(s for s in config.sweep_sizes if s <= len(order)) | main):
-        if tree is not None and size == len(tree.paths):
+    main = {tree.num_tokens - 1} if tree is not None else set()
+    for size in sorted(set(s for s in config.sweep_sizes if dynamic or s <= len(order)) | main):
+        if tree is not None and size == tree.num_tokens - 1:
             sub = tree
+        elif dynamic:
+            try:
+                sub = DynamicTree(size, tree.top_k, tree.depth)
+            except TreeError as e:
+                progress(f"tree sweep: skipping {size} nodes ({e})")
+                continue
         else:
             try:
                 sub = build_tree(order[:size], name=f"prefix_{size}", num_heads=heads_cfg.num_heads,

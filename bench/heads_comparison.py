@@ -11,6 +11,10 @@ For every heads folder (the shipped heads, heads trained with another loss, Hydr
 3. wall clock at each of `batch_sizes`: plain decoding and Medusa with the heads' own tree for that batch
    (their trees.json; the greedy `timed_nodes`-node tree for heads without one), over the same questions,
    compilation excluded, the two interleaved batch by batch; speedup = Medusa tokens/s / plain tokens/s.
+4. dynamic trees (`dynamic_nodes`, EAGLE-2 style, grown per step from the heads' own probabilities): the same
+   count for every N of `dynamic_nodes` and every (K, D) of `dynamic_top_k` x `dynamic_depth` (None: the
+   default K for N; the default D, at most the heads' number), against the best static tree of N nodes
+   (the greedy tree of item 2, counted again when N is not one of `tree_sizes`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Callable, Sequence
 
 from medusa_jax.atomic import save_figure_atomic
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.tree import build_tree
+from medusa_jax.heads.tree import DEFAULT_DYNAMIC_DEPTH, DynamicTree, TreeError, build_tree, parse_dynamic_tree
 from medusa_jax.heads.trees_file import trees_of
 from medusa_jax.inference import tree_choice
 from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate_batch, plan_batches
@@ -44,10 +48,15 @@ class CompareConfig:
     continuation_tokens: int = 128
     top_k: int = 10
     count_batch: int = 16  # rows per call when counting tokens/step (untimed)
+    dynamic_nodes: tuple[int, ...] = ()  # N of the dynamic trees counted (none by default)
+    dynamic_top_k: tuple[int, ...] | None = None  # K values to try (None: tree.default_dynamic_top_k)
+    dynamic_depth: tuple[int, ...] | None = None  # D values to try (None: the default, at most the heads)
 
     def __post_init__(self):
         if min(self.tree_sizes, default=0) < 1 or min(self.batch_sizes, default=1) < 1:
             raise ValueError(f"tree_sizes must be >= 1 and batch_sizes >= 1: {self}")
+        if min(self.dynamic_nodes + (self.dynamic_top_k or ()) + (self.dynamic_depth or ()), default=1) < 1:
+            raise ValueError(f"dynamic_nodes, dynamic_top_k and dynamic_depth must be >= 1: {self}")
         if self.max_new_tokens < 1 or self.timed_nodes < 1 or self.count_batch < 1:
             raise ValueError(f"max_new_tokens, timed_nodes and count_batch must be >= 1: {self}")
 
@@ -98,6 +107,47 @@ def count_chain_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, prompts
                              progress=False)
         rows.append({"chain": length, "tokens_per_step": run.tokens_per_step,
                      "mismatches": sum(a != b for a, b in zip(_tokens(run), reference))})
+    return rows
+
+
+def dynamic_trees(config: CompareConfig, num_heads: int) -> list[DynamicTree]:
+    """The dynamic trees to count: every valid (N, K, D) of the config (D at most num_heads)."""
+    depths = config.dynamic_depth or (min(DEFAULT_DYNAMIC_DEPTH, num_heads),)
+    trees = []
+    for nodes in config.dynamic_nodes:
+        for depth in sorted({min(d, num_heads) for d in depths}):
+            for top_k in config.dynamic_top_k or (None,):
+                try:
+                    text = f"dynamic:{nodes},d={depth}" + ("" if top_k is None else f",k={top_k}")
+                    tree = parse_dynamic_tree(text, num_heads=num_heads)
+                except TreeError:
+                    continue  # K + (D - 1) K^2 < N: this K cannot draft N nodes
+                if tree not in trees:
+                    trees.append(tree)
+    return trees
+
+
+def count_dynamic(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, reference, config: CompareConfig,
+                  static_rows: list[dict], progress: Callable[[str], None] = print) -> list[dict]:
+    """Greedy decoding with each dynamic tree (`dynamic_trees`), and the best static tree of the same size for
+    comparison: rows with tokens/step, mismatches and the ratio to the static tree's tokens/step."""
+    model = ShardedModel(loaded.base, heads)
+    static = {r["nodes"]: r for r in static_rows}
+    rows = []
+    for tree in dynamic_trees(config, heads.config.num_heads):
+        if tree.nodes not in static:  # the greedy static tree of the same node budget
+            static[tree.nodes] = count_tokens_per_step(
+                loaded, heads, accuracy_mr, prompts, reference, dataclasses.replace(config, tree_sizes=(tree.nodes,)))[0]
+        run = generate_batch(model, prompts, _settings(loaded, config, min(config.count_batch, len(prompts)), tree),
+                             progress=False)
+        base_row = static[tree.nodes]
+        rows.append({"nodes": tree.nodes, "top_k": tree.top_k, "depth": tree.depth, "tree": tree.name,
+                     "tokens_per_step": run.tokens_per_step,
+                     "mismatches": sum(a != b for a, b in zip(_tokens(run), reference)),
+                     "static_nodes": base_row["nodes"], "static_tokens_per_step": base_row["tokens_per_step"],
+                     "ratio_to_static": run.tokens_per_step / base_row["tokens_per_step"]})
+        progress(f"  {tree.name}: tokens/step {run.tokens_per_step:.3f} (static {base_row['tokens_per_step']:.3f}, "
+                 f"x{rows[-1]['ratio_to_static']:.3f})")
     return rows
 
 
@@ -156,13 +206,15 @@ def compare(loaded: LoadedModel, heads_by_label: dict[str, tuple[MedusaHeads, st
         chains = count_chain_tokens_per_step(loaded, heads, prompts, reference, config)
         if chains:
             progress(f"{label}: chains " + ", ".join(f"{r['chain']} {r['tokens_per_step']:.2f}" for r in chains))
+        dynamic = count_dynamic(loaded, heads, acc.accuracy_mr, prompts, reference, config, counted, progress)
         timed = time_speedup(loaded, heads, acc.accuracy_mr, prompts, config) if config.batch_sizes else []
         for r in timed:
             progress(f"{label}: batch {r['batch']} speedup x{r['speedup']:.2f} ({r['tree']})")
         results["heads"][label] = {
             "origin": origin, "head_type": type(heads).__name__, "num_heads": heads.config.num_heads,
             "heldout_top1": acc.top1_m.tolist(), "heldout_top5": top5.tolist(),
-            "positions_per_head": acc.positions_m.tolist(), "tree_sizes": counted, "chains": chains, "timed": timed}
+            "positions_per_head": acc.positions_m.tolist(), "tree_sizes": counted, "chains": chains,
+            "dynamic": dynamic, "timed": timed}
     return results
 
 
@@ -182,13 +234,14 @@ def markdown(results: dict, command: str, machine: str) -> str:
         tps = {r["nodes"]: r["tokens_per_step"] for r in h["tree_sizes"]}
         chain = {r["chain"]: r["tokens_per_step"] for r in h.get("chains", [])}
         spd = {r["batch"]: r["speedup"] for r in h["timed"]}
-        bad = sum(r["mismatches"] for key in ("tree_sizes", "chains", "timed") for r in h.get(key, []))
+        bad = sum(r["mismatches"] for key in ("tree_sizes", "chains", "timed", "dynamic") for r in h.get(key, []))
         cells = ([label, " / ".join(f"{a:.2f}" for a in h["heldout_top1"]),
                   " / ".join(f"{a:.2f}" for a in h["heldout_top5"])]
                  + [f"{tps[n]:.2f}" if n in tps else "-" for n in sizes]
                  + [f"{chain[c]:.2f}" if c in chain else "-" for c in chains]
                  + [f"{spd[b]:.2f}x" if b in spd else "-" for b in batches] + [str(bad)])
         lines.append("| " + " | ".join(cells) + " |")
+    lines += dynamic_markdown(results)
     if not batches:
         return "\n".join(lines + ["", "(untimed run: --batch-sizes '')"]) + "\n"
     lines += ["", "Timed runs (compilation excluded; plain and Medusa interleaved batch by batch):", "",
@@ -198,6 +251,22 @@ def markdown(results: dict, command: str, machine: str) -> str:
             lines.append(f"| {label} | {r['batch']} | {r['plain_tokens_per_s']:.1f} | {r['medusa_tokens_per_s']:.1f} "
                          f"| {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {r['tree']} |")
     return "\n".join(lines) + "\n"
+
+
+def dynamic_markdown(results: dict) -> list[str]:
+    """The dynamic-tree table (none when no dynamic tree was counted): per heads and node budget N, the best
+    static tree's tokens/step and each dynamic tree's."""
+    rows = [(label, r) for label, h in results["heads"].items() for r in h.get("dynamic", [])]
+    if not rows:
+        return []
+    lines = ["", "Dynamic trees (EAGLE-2 style: K children of the K best frontier nodes per depth, D depths, the N "
+                 "best drafted nodes kept) against the greedy static tree of the same N nodes, tokens/step:", "",
+             "| heads | N | dynamic tree | static tokens/step | dynamic tokens/step | dynamic / static | mismatches |",
+             "|---" * 7 + "|"]
+    for label, r in rows:
+        lines.append(f"| {label} | {r['nodes']} | {r['tree']} | {r['static_tokens_per_step']:.3f} | "
+                     f"{r['tokens_per_step']:.3f} | {r['ratio_to_static']:.3f}x | {r['mismatches']} |")
+    return lines
 
 
 def plot(results: dict, path: Path) -> Path:

@@ -25,6 +25,7 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.sharding import MeshConfig, MeshError
 from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.dynamic_tree import scratch_slots
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.heads.tree import load_tree
 from medusa_jax.inference.sharded import ShardedModel
@@ -69,7 +70,7 @@ class PlanConfig:
 
     @property
     def tree_tokens(self) -> int:
-        return len(load_tree(self.tree).depth_t)
+        return scratch_slots(load_tree(self.tree))  # the verified tree tokens (a dynamic tree's may need more)
 
     @property
     def max_new_tokens(self) -> int:

@@ -8,7 +8,9 @@ the candidate at depth e + 1 of path c (so its parent is the depth-e node). Padd
 valid_ce.
 `accept_tree` works on the T verified tree nodes: it turns the base logits of every node into these
 path-level arrays (per node first, so the [B, T, V] logits are never copied per path), picks the accepted
-path and the next token after it (the bonus token: the next step's root).
+path and the next token after it (the bonus token: the next step's root). The tree is a static TreeBuffers (its
+tables are compile-time constants, shared by all rows) or a dynamic tree's per-row RowTree
+(medusa_jax/heads/dynamic_tree.py): the same rules, with the tables gathered row by row.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from medusa_jax.heads.dynamic_tree import RowTree
 from medusa_jax.heads.tree import TreeBuffers
 from medusa_jax.inference.exact_acceptance import exact_accept
 from medusa_jax.inference.sampling import SamplingConfig, greedy_tokens, sample_tokens
@@ -80,8 +84,8 @@ def acceptance_for(kind: str | None, sampling: SamplingConfig) -> AcceptanceConf
 
 
 def _longest(accept_bce: jax.Array, valid_ce: jax.Array) -> jax.Array:
-    """[B, C] number of leading accepted candidates of each path."""
-    ok_bce = (accept_bce & valid_ce[None]).astype(jnp.int32)
+    """[B, C] number of leading accepted candidates of each path (valid_ce: [C, E], or [B, C, E] per row)."""
+    ok_bce = (accept_bce & (valid_ce if valid_ce.ndim == 3 else valid_ce[None])).astype(jnp.int32)
     return jnp.sum(jnp.cumprod(ok_bce, axis=-1), axis=-1)
 
 
@@ -134,29 +138,41 @@ def sample_next(logits_bv: jax.Array, key: jax.Array, config: AcceptanceConfig) 
     return sample_typical(logits_bv, key, config)
 
 
-def accept_tree(tree: TreeBuffers, tokens_bt: jax.Array, logits_btv: jax.Array, key: jax.Array,
+def _at_nodes(x_bt: jax.Array, nodes) -> jax.Array:
+    """x_bt[b, nodes[..]]: nodes a static [C, E] table (the same for every row) or per row [B, C, E]."""
+    if isinstance(nodes, np.ndarray):
+        return x_bt[:, jnp.asarray(nodes)]
+    b = nodes.shape[0]
+    return jnp.take_along_axis(x_bt, nodes.reshape(b, -1), axis=1).reshape(nodes.shape)
+
+
+def accept_tree(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: jax.Array, key: jax.Array,
                 config: AcceptanceConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """tokens_bt / logits_btv: the T tree tokens and the base logits at each. Returns (accept length [B],
     accepted nodes [B, E + 1] root first (entries past the accept length are padding), bonus token [B])."""
     if config.kind == "exact":
         return exact_accept(tree, tokens_bt, logits_btv, key, config.sampling)
-    parent_nodes_ce = jnp.asarray(tree.retrieve_ce[:, :-1])
-    child_nodes_ce = jnp.asarray(tree.retrieve_ce[:, 1:])
-    valid_ce = jnp.asarray(tree.retrieve_valid_ce[:, 1:])
-    candidates_bce = tokens_bt[:, child_nodes_ce]
+    per_row = isinstance(tree, RowTree)
+    retrieve = tree.retrieve_bce if per_row else tree.retrieve_ce
+    parent_nodes_ce, child_nodes_ce = retrieve[..., :-1], retrieve[..., 1:]
+    valid_ce = tree.retrieve_valid_bce[..., 1:] if per_row else jnp.asarray(tree.retrieve_valid_ce[:, 1:])
+    candidates_bce = _at_nodes(tokens_bt, child_nodes_ce)
     if config.kind == "greedy":
         predictions_bt = greedy_tokens(logits_btv)
-        length_b, path_b = greedy_accept(candidates_bce, predictions_bt[:, parent_nodes_ce], valid_ce)
+        length_b, path_b = greedy_accept(candidates_bce, _at_nodes(predictions_bt, parent_nodes_ce), valid_ce)
     else:
         probs_btv = jax.nn.softmax(logits_btv.astype(jnp.float32) / config.temperature, axis=-1)
         threshold_bt = typical_threshold(probs_btv, config)
-        parent_t = jnp.asarray(tree.parent_t)
+        parent_bt = tree.parent_bt if per_row else jnp.asarray(tree.parent_t)[None, :]
         # p_parent(token) of every node: the probability its parent's distribution gives it
         rows_b1 = jnp.arange(tokens_bt.shape[0])[:, None]
-        node_prob_bt = probs_btv[rows_b1, parent_t[None, :], tokens_bt]
-        length_b, path_b = typical_accept(node_prob_bt[:, child_nodes_ce], threshold_bt[:, parent_nodes_ce],
-                                          valid_ce)
-    nodes_be = jnp.asarray(tree.retrieve_ce)[path_b]
+        node_prob_bt = probs_btv[rows_b1, parent_bt, tokens_bt]
+        length_b, path_b = typical_accept(_at_nodes(node_prob_bt, child_nodes_ce),
+                                          _at_nodes(threshold_bt, parent_nodes_ce), valid_ce)
+    if per_row:
+        nodes_be = tree.retrieve_bce[jnp.arange(tokens_bt.shape[0]), path_b]
+    else:
+        nodes_be = jnp.asarray(tree.retrieve_ce)[path_b]
     last_node_b = jnp.take_along_axis(nodes_be, length_b[:, None], axis=1)[:, 0]
     last_logits_bv = jnp.take_along_axis(logits_btv, last_node_b[:, None, None], axis=1)[:, 0]
     return length_b, nodes_be, sample_typical(last_logits_bv, key, config)

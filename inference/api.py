@@ -36,8 +36,9 @@ from tqdm.auto import tqdm
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.heads.dynamic_tree import scratch_slots
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.tree import TreeBuffers, load_tree
+from medusa_jax.heads.tree import DynamicTree, TreeBuffers, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_prompts, pad_prompts,
                                          resolve_eos)
@@ -56,9 +57,10 @@ REFILL_CHUNK_STEPS = 32  # decode steps between refills (bench/refill's setting)
 class BatchSettings:
     batch_size: int = 8
     max_new_tokens: int = 128
-    # None: plain decoding; a tree: Medusa (the model needs heads); HEADS_TREE: the heads' own tree for this
-    # backend and batch_size, or plain decoding where their trees.json says no tree pays (`medusa.choose_tree`)
-    tree: TreeBuffers | str | None = None
+    # None: plain decoding; a tree (static TreeBuffers or a DynamicTree): Medusa (the model needs heads); HEADS_TREE:
+    # the heads' own tree for this backend and batch_size, or plain decoding where their trees.json says no tree
+    # pays (`medusa.choose_tree`)
+    tree: TreeBuffers | DynamicTree | str | None = None
     acceptance: AcceptanceConfig = AcceptanceConfig()  # Medusa only
     sampling: SamplingConfig = SamplingConfig()  # plain only
     seed: int = 0  # batch i uses seed + i
@@ -70,7 +72,8 @@ class BatchSettings:
 
     def __post_init__(self):
         if isinstance(self.tree, str) and self.tree != HEADS_TREE:
-            raise ValueError(f"tree must be TreeBuffers, None (plain) or {HEADS_TREE!r}, got {self.tree!r}")
+            raise ValueError(f"tree must be TreeBuffers, None (plain), a DynamicTree or {HEADS_TREE!r}, got "
+                             f"{self.tree!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1 or self.bucket < 1:
@@ -179,7 +182,7 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     check_prompts(prompts, model.config.max_position_embeddings, settings.max_new_tokens)
     if uses_refill(model, settings, len(prompts), proposer):
         return _refill(model, prompts, settings, progress, on_batch)
-    extra = 0 if settings.tree is None else settings.tree.num_tokens
+    extra = 0 if settings.tree is None else scratch_slots(settings.tree)
     plan = plan_batches([len(p) for p in prompts], settings.batch_size)
     results: list[GenerationResult | None] = [None] * len(prompts)
     shapes = set()
@@ -307,13 +310,14 @@ def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_token
 
 
 def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequence[int]], *,
-                    tree: "str | TreeBuffers | None" = None, max_new_tokens: int = 128,
+                    tree: "str | TreeBuffers | DynamicTree | None" = None, max_new_tokens: int = 128,
                     acceptance: AcceptanceConfig = AcceptanceConfig(), seed: int = 0,
                     eos_ids: Sequence[int] | None = None, pad_id: int = 0, batch_size: int | None = None,
                     cache_size: int | None = None, proposer: Proposer | None = None, proposer_data: Any = None,
                     timings: dict | None = None) -> list[GenerationResult]:
     """Medusa decoding of one batch of token-id prompts (ragged lengths are fine) on one device, as `generate`.
-    `tree` is a preset name, a JSON file or TreeBuffers; None: the heads' own tree for this backend and batch
+    `tree` is a preset name, "dynamic:N[,k=K,d=D]" (a dynamic tree, EAGLE-2 style), a JSON file, TreeBuffers or
+    a DynamicTree; None: the heads' own tree for this backend and batch
     size (`medusa.choose_tree`), and plain decoding (same sampling) where their trees.json says no tree pays.
     `proposer` replaces the heads' top-k proposal (it receives `proposer_data`). Each result's `steps` counts
     the prefill and the verify steps; `accept_lengths` lists each step's. `timings` gets "seconds" and

@@ -39,6 +39,10 @@ event "x_t accepted when tried" is u_t * (1 - S_before(t)) < q_parent(x_t), with
 its earlier (distinct) siblings: a [B, T] computation from the [B, T, V] verified logits. The walk itself is
 E static rounds (E = tree depth) over a [T, J] table of each node's children (J = the most children of any
 node): each round moves every row to its first accepted child, or stops it. No Python runs per token.
+
+Dynamic trees. The tree may be a dynamic tree's per-row RowTree (medusa_jax/heads/dynamic_tree.py): the same walk over
+per-row tables ([B, T, J] children, [B, T, T] earlier siblings). Conditions (2) and (3) hold: a dynamic tree is
+grown from the drafter's probabilities before any coin is drawn, and siblings are the top-K of one distribution.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax.heads.dynamic_tree import RowTree
 from medusa_jax.heads.tree import TreeBuffers
 from medusa_jax.inference.sampling import SamplingConfig, target_logits
 
@@ -71,9 +76,15 @@ def earlier_siblings(tree: TreeBuffers) -> np.ndarray:
 
 
 def trial_outcomes(tokens_bt: jax.Array, node_prob_bt: jax.Array, uniform_bt: jax.Array,
-                   tree: TreeBuffers) -> jax.Array:
+                   tree: TreeBuffers | RowTree) -> jax.Array:
     """[B, T] bool: would node t be accepted when tried? node_prob_bt: q_parent(token_t); uniform_bt: one
     fresh U[0, 1) coin per node. A token repeating an earlier sibling's has probability 0 (see the docstring)."""
+    if isinstance(tree, RowTree):
+        earlier_btt = tree.earlier_btt
+        repeat_bt = jnp.any(earlier_btt & (tokens_bt[:, :, None] == tokens_bt[:, None, :]), axis=-1)
+        prob_bt = jnp.where(repeat_bt, 0.0, node_prob_bt)
+        mass_before_bt = jnp.einsum("bs,bts->bt", prob_bt, earlier_btt.astype(prob_bt.dtype))
+        return uniform_bt * jnp.maximum(1.0 - mass_before_bt, 0.0) < prob_bt
     earlier_tt = jnp.asarray(earlier_siblings(tree))
     repeat_bt = jnp.any(earlier_tt[None] & (tokens_bt[:, :, None] == tokens_bt[:, None, :]), axis=-1)
     prob_bt = jnp.where(repeat_bt, 0.0, node_prob_bt)
@@ -82,7 +93,14 @@ def trial_outcomes(tokens_bt: jax.Array, node_prob_bt: jax.Array, uniform_bt: ja
     return uniform_bt * left_bt < prob_bt  # strict: a token with q = 0 is never accepted
 
 
-def exact_accept(tree: TreeBuffers, tokens_bt: jax.Array, logits_btv: jax.Array, key: jax.Array,
+def _children_of(tree: TreeBuffers | RowTree, node_b: jax.Array) -> jax.Array:
+    """[B, J] the children of each row's node node_b[b], in rank order, -1-padded."""
+    if isinstance(tree, RowTree):
+        return tree.children_btj[jnp.arange(node_b.shape[0]), node_b]
+    return jnp.asarray(children_table(tree))[node_b]
+
+
+def exact_accept(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: jax.Array, key: jax.Array,
                  sampling: SamplingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """tokens_bt / logits_btv: the T tree tokens and the base logits at each. Returns (accept length [B],
     accepted nodes [B, E + 1] root first (past the accept length: the last accepted node repeated), bonus
@@ -92,16 +110,15 @@ def exact_accept(tree: TreeBuffers, tokens_bt: jax.Array, logits_btv: jax.Array,
     coin_key, bonus_key = jax.random.split(key)
     target_btv = target_logits(logits_btv, sampling)
     log_q_btv = jax.nn.log_softmax(target_btv, axis=-1)
-    parent_t = jnp.asarray(tree.parent_t)
-    node_prob_bt = jnp.exp(log_q_btv[rows_b[:, None], parent_t[None, :], tokens_bt])  # q_parent(token_t)
+    parent_bt = tree.parent_bt if isinstance(tree, RowTree) else jnp.asarray(tree.parent_t)[None, :]
+    node_prob_bt = jnp.exp(log_q_btv[rows_b[:, None], parent_bt, tokens_bt])  # q_parent(token_t)
     accept_bt = trial_outcomes(tokens_bt, node_prob_bt, jax.random.uniform(coin_key, tokens_bt.shape), tree)
 
-    children_tj = jnp.asarray(children_table(tree))
     node_b = jnp.zeros((b,), jnp.int32)
     alive_b = jnp.ones((b,), bool)
     visited = [node_b]
     for _ in range(tree.depth):  # one round per depth: move to the first accepted child, or stop
-        kids_bj = children_tj[node_b]
+        kids_bj = _children_of(tree, node_b)
         ok_bj = (kids_bj >= 0) & jnp.take_along_axis(accept_bt, jnp.maximum(kids_bj, 0), axis=1)
         move_b = alive_b & jnp.any(ok_bj, axis=1)
         first_b = jnp.argmax(ok_bj, axis=1)
@@ -112,7 +129,7 @@ def exact_accept(tree: TreeBuffers, tokens_bt: jax.Array, logits_btv: jax.Array,
     length_b = jnp.sum(nodes_be[:, 1:] != nodes_be[:, :-1], axis=1).astype(jnp.int32)
 
     # bonus: the last accepted node's q without its (all rejected) children's tokens; a leaf keeps all of q
-    kids_bj = children_tj[node_b]
+    kids_bj = _children_of(tree, node_b)
     kid_tokens_bj = jnp.where(kids_bj >= 0, jnp.take_along_axis(tokens_bt, jnp.maximum(kids_bj, 0), axis=1),
                               logits_btv.shape[-1])  # out of range: dropped by the scatter
     last_bv = target_btv[rows_b, node_b]

@@ -18,6 +18,11 @@ e = m + 1 nodes along a path (depth 0 = the root). Each step, per row:
 Rows finish independently: tokens after an EOS inside the accepted path are dropped, the last step is cut
 to max_new_tokens, and a finished row stops advancing (it keeps computing, writing scratch slots only).
 
+Dynamic trees (`tree.DynamicTree`, EAGLE-2 style): the proposer grows each row's tree from the drafter's own
+probabilities (medusa_jax/heads/dynamic_tree.py) and returns it as a `TreeProposal`; the step derives the per-row
+ancestor mask, positions (length + each node's depth) and candidate paths from it, and verifies, accepts and
+compacts as for a static tree (acceptance reads the per-row tables). N, K and D are static, so is every shape.
+
 `medusa_step` (a MedusaState in, a MedusaState out) is THE tree step: the decode loop's body (here and under
 a mesh, inference/sharded.py) and what the step-cost timing jits (inference/step_cost.py).
 """
@@ -36,8 +41,9 @@ from flax import nnx
 from medusa_jax.model.kv_cache import KVCache, attention_mask, move_slots
 from medusa_jax.model.sharding import map_cache_rows
 from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.dynamic_tree import TreeProposal, row_tree
 from medusa_jax.heads.medusa import MedusaModel
-from medusa_jax.heads.tree import TreeBuffers, build_tree, load_tree
+from medusa_jax.heads.tree import DynamicTree, TreeBuffers, build_tree, load_tree
 from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
 from medusa_jax.inference.autoregressive import grouped_prefill_states
@@ -53,7 +59,7 @@ class ProposeInputs:
     root_b: jax.Array  # the newest emitted token (tree node 0)
     num_out_b: jax.Array  # tokens emitted so far, the root included
     step: jax.Array  # verify steps done so far (scalar)
-    tree: TreeBuffers
+    tree: TreeBuffers | DynamicTree
     data: Any  # the proposer_data pytree given to generate_medusa
     draft: Any = None  # the drafter state carried from step to step (heads.init_draft; None: none kept)
     active_b: jax.Array | None = None  # rows still decoding
@@ -61,10 +67,11 @@ class ProposeInputs:
 
 # A proposer returns (proposal, draft): the proposal is either [b, m, r] int32 candidate ids (m = tree.depth
 # heads, r = tree.top_k ranks: entry [b, m, r] fills tree node (head m, rank r) of row b), or [b, t] int32 tree
-# tokens (node 0 is root_b) when a node's children depend on its own path (Hydra heads, the EAGLE drafter);
+# tokens (node 0 is root_b) when a node's children depend on its own path (Hydra heads, the EAGLE drafter),
+# or, for a DynamicTree, a TreeProposal (each row's tree: tokens, parents, depths; dynamic_tree.grow_tree);
 # draft is the drafter state for the rest of the step (inputs.draft when it keeps none). Verification,
 # acceptance and compaction are the same for every proposer.
-Proposer = Callable[[ProposeInputs], tuple[jax.Array, Any]]
+Proposer = Callable[[ProposeInputs], tuple["jax.Array | TreeProposal", Any]]
 
 
 def heads_proposer(inputs: ProposeInputs) -> tuple[jax.Array, Any]:
@@ -85,11 +92,30 @@ def tree_tokens(root_b: jax.Array, candidates_bmr: jax.Array, tree: TreeBuffers)
 
 def proposal_tokens(root_b: jax.Array, proposal: jax.Array, tree: TreeBuffers) -> jax.Array:
     """A proposer's output ([b, m, r] candidates or [b, t] tokens) -> [b, t] tree tokens, node 0 = root_b."""
+    if isinstance(proposal, TreeProposal):
+        raise ValueError(f"a proposer returned a dynamic tree (TreeProposal) for the static tree {tree.name}")
     if proposal.ndim == 2:
         if proposal.shape[1] != tree.num_tokens:
             raise ValueError(f"a proposer returned {proposal.shape[1]} tree tokens; the tree has {tree.num_tokens}")
         return proposal.astype(jnp.int32).at[:, 0].set(root_b)
     return tree_tokens(root_b, proposal, tree)
+
+
+def verify_inputs(proposal, root_b: jax.Array, lengths_b: jax.Array, cache_size: int,
+                  tree: TreeBuffers | DynamicTree):
+    """(tree tokens [b, t] with node 0 = root_b, attention mask [b, t, s], positions [b, t], the tree acceptance
+    reads: the static TreeBuffers, or a dynamic tree's per-row RowTree)."""
+    if not isinstance(tree, DynamicTree):
+        tokens_bt = proposal_tokens(root_b, proposal, tree)
+        mask_bts = attention_mask(lengths_b, jnp.asarray(tree.ancestor_mask_tt), cache_size)
+        return tokens_bt, mask_bts, lengths_b[:, None] + jnp.asarray(tree.depth_t)[None, :], tree
+    if not isinstance(proposal, TreeProposal) or proposal.tokens_bt.shape[1] != tree.num_tokens:
+        raise ValueError(f"the dynamic tree {tree.name} needs a TreeProposal of {tree.num_tokens} nodes per row "
+                         f"(dynamic_tree.grow_tree), got {type(proposal).__name__}")
+    rows = row_tree(proposal, tree)
+    tokens_bt = proposal.tokens_bt.astype(jnp.int32).at[:, 0].set(root_b.astype(jnp.int32))
+    mask_bts = attention_mask(lengths_b, rows.ancestor_mask_btt, cache_size)
+    return tokens_bt, mask_bts, lengths_b[:, None] + rows.depth_bt, rows
 
 
 def accepted_moves(lengths_b: jax.Array, nodes_be: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -140,7 +166,8 @@ class MedusaState:
         return ~self.done_b & (self.num_out_b < self.out_bo.shape[1])
 
 
-def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = None, *, tree: TreeBuffers,
+def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = None, *,
+                tree: TreeBuffers | DynamicTree,
                 acceptance: AcceptanceConfig, eos_ids: tuple[int, ...],
                 proposer: Proposer = heads_proposer) -> MedusaState:
     """One tree step, items 1-4 of the module docstring: make the previous step's pending move (item 4), propose,
@@ -154,11 +181,10 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
     inputs = ProposeInputs(model, state.hidden_bd, state.root_b, state.num_out_b, state.step, tree, proposer_data,
                            state.draft, active_b)
     proposal, draft = proposer(inputs)
-    tokens_bt = proposal_tokens(state.root_b, proposal, tree)
-    mask_bts = attention_mask(lengths_b, jnp.asarray(tree.ancestor_mask_tt), state.cache.cache_size)
-    positions_bt = lengths_b[:, None] + jnp.asarray(tree.depth_t)[None, :]
+    tokens_bt, mask_bts, positions_bt, verified = verify_inputs(proposal, state.root_b, lengths_b,
+                                                                state.cache.cache_size, tree)
     hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, state.finish_moves())
-    accept_b, nodes_be, bonus_b = accept_tree(tree, tokens_bt, base.logits(hidden_btd), sub, acceptance)
+    accept_b, nodes_be, bonus_b = accept_tree(verified, tokens_bt, base.logits(hidden_btd), sub, acceptance)
     draft = model.heads.accepted(draft, hidden_btd, tokens_bt, nodes_be, accept_b, active_b)
     move_src_be, move_dst_be = accepted_moves(lengths_b, nodes_be)  # made by the next step (docstring, item 4)
     last_node_b = jnp.take_along_axis(nodes_be, accept_b[:, None], axis=1)[:, 0]
@@ -186,7 +212,7 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
 @partial(jax.jit, static_argnames=("graphdef", "tree", "max_new_tokens", "acceptance", "eos_ids", "pad_id",
                                    "proposer", "prefill_groups"), donate_argnames=("cache",))
 def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key, proposer_data=None, *,
-                  tree: TreeBuffers, max_new_tokens: int, acceptance: AcceptanceConfig,
+                  tree: TreeBuffers | DynamicTree, max_new_tokens: int, acceptance: AcceptanceConfig,
                   eos_ids: tuple[int, ...], pad_id: int, proposer: Proposer = heads_proposer,
                   prefill_groups: int = 1):
     """Prefill (`autoregressive.grouped_prefill_states`; the heads' drafter state from it) + Medusa decoding in one call: a `jax.lax.while_loop`
@@ -215,22 +241,26 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, ke
 
 @dataclasses.dataclass(frozen=True)
 class ChosenTree:
-    tree: TreeBuffers | None  # None: decode plainly
+    tree: TreeBuffers | DynamicTree | None  # None: decode plainly
     note: str  # where the tree came from, for logs and JSON rows
 
 
 def choose_tree(heads_config: HeadsConfig, trees: HeadsTrees | None, batch_size: int,
-                tree: "str | os.PathLike | TreeBuffers | None" = None) -> ChosenTree:
-    """The tree to decode with: an explicit `tree` (preset name, JSON file or TreeBuffers) always wins; None
-    takes the heads' own `trees` (their folder's trees.json) for this backend and batch size, which may say
-    to decode plainly (see `medusa_jax.heads.trees_file.resolve_tree`)."""
+                tree: "str | os.PathLike | TreeBuffers | DynamicTree | None" = None) -> ChosenTree:
+    """The tree to decode with: an explicit `tree` (preset name, "dynamic:N[,k=K,d=D]", JSON file, TreeBuffers
+    or DynamicTree) always wins; None takes the heads' own `trees` (their folder's trees.json) for this backend
+    and batch size, which may say to decode plainly (see `medusa_jax.heads.trees_file.resolve_tree`)."""
     limits = dict(num_heads=heads_config.num_heads, max_top_k=heads_config.head_vocab_size)
     if tree is not None:
         buffers = load_tree(tree, **limits)
+        if isinstance(buffers, DynamicTree):
+            return ChosenTree(buffers, f"dynamic tree {buffers.name} (given)")
         return ChosenTree(buffers, f"tree {buffers.name} of {len(buffers.paths)} nodes (given)")
     resolution = resolve_tree(trees, jax.default_backend(), batch_size)
     if resolution.plain:
         return ChosenTree(None, resolution.note)
+    if resolution.dynamic is not None:
+        return ChosenTree(resolution.dynamic.check(**limits), resolution.note)
     if resolution.preset is not None:
         return ChosenTree(load_tree(resolution.preset, **limits), resolution.note)
     name = f"heads_{resolution.backend}_batch{resolution.batch}"

@@ -38,10 +38,11 @@ from medusa_jax.model.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_
                                        checked_sharding, param_shardings, replicated, sharding_for, validate_model_mesh)
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.dynamic_tree import grow_from_candidates
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
-from medusa_jax.heads.tree import TreeBuffers
+from medusa_jax.heads.tree import DynamicTree, TreeBuffers
 from medusa_jax.heads.trees_file import trees_of
 from medusa_jax.inference import autoregressive, medusa
 from medusa_jax.inference.acceptance import AcceptanceConfig
@@ -65,8 +66,9 @@ def fetch(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-def sharded_top_k(logits_xbv: jax.Array, k: int, mesh: Mesh) -> jax.Array:
-    """Indices of the k largest entries along the last axis of [..., B, V] logits, computed shard by shard:
+def sharded_top_k(logits_xbv: jax.Array, k: int, mesh: Mesh, with_values: bool = False):
+    """Indices of the k largest entries along the last axis of [..., B, V] logits (and their values first when
+    `with_values`), computed shard by shard:
     XLA's partitioner replicates a TopK (it all-gathers the whole [..., B, V] logits, even over the batch).
     Here each device takes the top-k of its rows and vocabulary slice, the k candidates of every vocabulary
     shard are all-gathered over `tensor` and reduced again. Ties resolve to the lower index, as in lax.top_k."""
@@ -77,30 +79,37 @@ def sharded_top_k(logits_xbv: jax.Array, k: int, mesh: Mesh) -> jax.Array:
 
     def local(x):
         values, ids = jax.lax.top_k(x, k)
-        if vocab_axis is None:
-            return ids
-        ids = ids + jax.lax.axis_index("tensor") * x.shape[-1]
-        values = jax.lax.all_gather(values, "tensor", axis=x.ndim - 1, tiled=True)  # [..., b, tensor * k]
-        ids = jax.lax.all_gather(ids, "tensor", axis=x.ndim - 1, tiled=True)
-        _, best = jax.lax.top_k(values, k)  # candidates are ordered by vocabulary shard, so ties keep order
-        return jnp.take_along_axis(ids, best, axis=-1)
+        if vocab_axis is not None:
+            ids = ids + jax.lax.axis_index("tensor") * x.shape[-1]
+            values = jax.lax.all_gather(values, "tensor", axis=x.ndim - 1, tiled=True)  # [..., b, tensor * k]
+            ids = jax.lax.all_gather(ids, "tensor", axis=x.ndim - 1, tiled=True)
+            values, best = jax.lax.top_k(values, k)  # candidates are ordered by vocabulary shard, so ties keep order
+            ids = jnp.take_along_axis(ids, best, axis=-1)
+        return (values, ids) if with_values else ids
 
     # check_vma=False: the all-gathered result is the same on every `tensor` shard, which JAX cannot infer
+    out = P(*lead, BATCH_AXES, None)
     return jax.shard_map(local, mesh=mesh, in_specs=P(*lead, BATCH_AXES, vocab_axis),
-                         out_specs=P(*lead, BATCH_AXES, None), check_vma=False)(logits_xbv)
+                         out_specs=(out, out) if with_values else out, check_vma=False)(logits_xbv)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshHeadsProposer:
-    """`medusa.heads_proposer` with the heads' top-k computed per shard (`sharded_top_k`)."""
+    """`medusa.heads_proposer` with the heads' top-k computed per shard (`sharded_top_k`); a dynamic tree grows
+    from them (and their log-probabilities) as `MedusaHeads.propose` grows it."""
 
     mesh: Mesh
 
-    def __call__(self, inputs: medusa.ProposeInputs) -> tuple[jax.Array, Any]:
+    def __call__(self, inputs: medusa.ProposeInputs) -> tuple[Any, Any]:
         tree, heads = inputs.tree, inputs.model.heads
         if not isinstance(heads, MedusaHeads):  # Hydra, EAGLE: small per-round top-k, left to the compiler
             return medusa.heads_proposer(inputs)
         logits_mbv = heads.logits(inputs.hidden_bd, inputs.model.base, num_heads=tree.depth)
+        if isinstance(tree, DynamicTree):
+            values_mbr, ids_mbr = sharded_top_k(logits_mbv, tree.top_k, self.mesh, with_values=True)
+            logp_mbr = values_mbr - jax.nn.logsumexp(logits_mbv, axis=-1, keepdims=True)
+            ids_bmr = heads.to_full_vocab(ids_mbr.astype(jnp.int32)).transpose(1, 0, 2)
+            return grow_from_candidates(tree, inputs.root_b, ids_bmr, logp_mbr.transpose(1, 0, 2)), inputs.draft
         ids_mbr = sharded_top_k(logits_mbv, tree.top_k, self.mesh).astype(jnp.int32)
         return heads.to_full_vocab(ids_mbr).transpose(1, 0, 2), inputs.draft
 
@@ -122,7 +131,7 @@ class MedusaStatics:
     """Everything the Medusa decode loop is specialised on."""
 
     graphdef: Any  # of the MedusaModel
-    tree: TreeBuffers
+    tree: TreeBuffers | DynamicTree
     max_new_tokens: int
     acceptance: AcceptanceConfig
     eos_ids: tuple[int, ...]
@@ -267,11 +276,12 @@ class ShardedModel:
         return self._run(_plain_decode, statics, self.base_params, self.base_shardings, prompt_bt,
                          prompt_lens_b, cache_size, seed, (2, 1), lowered_only)
 
-    def medusa_decode(self, prompt_bt: np.ndarray, prompt_lens_b: np.ndarray, *, tree: TreeBuffers,
+    def medusa_decode(self, prompt_bt: np.ndarray, prompt_lens_b: np.ndarray, *, tree: TreeBuffers | DynamicTree,
                       cache_size: int, max_new_tokens: int, acceptance: AcceptanceConfig = AcceptanceConfig(),
                       seed: int = 0, eos_ids: tuple[int, ...] = (), pad_id: int = 0, lowered_only: bool = False,
                       proposer: medusa.Proposer | None = None, proposer_data: Any = None):
-        """Prefill + Medusa decoding of one padded batch (the cache needs tree.num_tokens scratch slots) ->
+        """Prefill + Medusa decoding of one padded batch (the cache needs dynamic_tree.scratch_slots(tree) scratch
+        slots) ->
         host (tokens [b, o], num_new [b], verify steps [b], accept lengths [b, o]). `proposer` (default: the
         heads' top-k, computed per shard) receives `proposer_data`, replicated on every device."""
         if not self.has_heads:

@@ -36,6 +36,8 @@ Axis legend: an array's name ends in one letter per axis, outermost first (`v_bk
     c  candidate paths (tree leaves, rows of the retrieve table)
     e  depth along a path (0 = the root)
     j  the children of one tree node, in rank order (columns of exact acceptance's children table)
+    w  a dynamic tree's frontier: the K best nodes of one depth, expanded next (medusa_jax/heads/dynamic_tree.py)
+    a  a dynamic tree's drafted candidates of one step (K + (D - 1) K^2, depth by depth), reranked to N nodes
 
 Examples: one layer of the KV cache k_bkhs / v_bksh; hidden states hidden_btd; logits logits_btv; the heads' top-k ids
 ids_mbr; a head's lm_head weight lm_head_dv; generated tokens out_bo; the retrieve table retrieve_ce (for

@@ -4,7 +4,8 @@
   benchmark.py quick [flags]          four fixed prompts, every tree preset, with the heads and with an oracle
                                       that plants the true continuation (this tree's upper bound); no files
   benchmark.py heads --heads L=DIR... several heads side by side: held-out top-1/top-5, tokens/step at
-                                      4/16/64 tree nodes, wall-clock speedup at batch 1 and 4 (bench/heads)
+                                      4/16/64 tree nodes, wall-clock speedup at batch 1 and 4 (bench/heads);
+                                      --dynamic-nodes 16,64: dynamic trees vs static (bench/dynamic_trees)
   benchmark.py teacher-mass [flags]   how much of the base model's next-token mass a truncated head
                                       (--lm-head truncated:N) cannot represent, on a self-distilled store
 `benchmark.py MODE --help` explains each mode's flags. Batch throughput, step scaling and the plain-decode
@@ -82,7 +83,8 @@ def mtbench_main(argv: list[str]) -> int:
     p.add_argument("--heads", default="default",
                    help="heads folder, or 'default' for the heads shipped with medusa-jax (default: %(default)s)")
     p.add_argument("--tree", default=d.tree,
-                   help="tree preset name or tree JSON file (default: the heads' own tree for this backend and each "
+                   help="tree preset name, tree JSON file or dynamic:N[,k=K,d=D] (a dynamic tree, see generate.py "
+                        "--help) (default: the heads' own tree for this backend and each "
                         "batch size, from their trees.json built by scripts/build_tree.py, plain decoding where it "
                         "says no tree pays; the mc_sim_7b_16 preset for heads without trees.json)")
     p.add_argument("--questions", type=int, default=16,
@@ -258,6 +260,15 @@ def heads_main(argv: list[str]) -> int:
                         "reach that deep; '' for none (default: %s)" % ",".join(map(str, d.chains)))
     p.add_argument("--batch-sizes", type=parse_int_list, default=d.batch_sizes,
                    help="timed batch sizes, plain vs Medusa; '' for none (default: %s)" % ",".join(map(str, d.batch_sizes)))
+    p.add_argument("--dynamic-nodes", type=parse_int_list, default=d.dynamic_nodes,
+                   help="also count dynamic trees (EAGLE-2 style, grown per step from the heads' probabilities) of "
+                        "these node budgets N, against the greedy static tree of N nodes (default: none)")
+    p.add_argument("--dynamic-top-k", type=parse_positive_int_list, default=None,
+                   help="K values to try for each dynamic tree: children per expanded node and frontier width "
+                        "(default: the default K of dynamic:N, see medusa_jax.heads.tree.default_dynamic_top_k)")
+    p.add_argument("--dynamic-depth", type=parse_positive_int_list, default=None,
+                   help="D values (drafting depths) to try for each dynamic tree, at most the heads' number "
+                        "(default: 4, or the number of heads if fewer)")
     p.add_argument("--timed-nodes", type=int, default=d.timed_nodes,
                    help="greedy tree size timed for heads without trees.json (default: %(default)s)")
     p.add_argument("--heldout", type=int, default=d.heldout,
@@ -283,7 +294,8 @@ def heads_main(argv: list[str]) -> int:
         config = CompareConfig(max_new_tokens=a.max_new_tokens, tree_sizes=a.tree_sizes, chains=a.chains,
                                batch_sizes=a.batch_sizes,
                                timed_nodes=a.timed_nodes, heldout=a.heldout, data=a.data,
-                               continuation_tokens=a.continuation_tokens)
+                               continuation_tokens=a.continuation_tokens, dynamic_nodes=a.dynamic_nodes,
+                               dynamic_top_k=a.dynamic_top_k, dynamic_depth=a.dynamic_depth)
     except ValueError as e:
         p.error(str(e))
     if a.questions < 1:

@@ -62,7 +62,8 @@ def throughput_main(argv: list[str]) -> int:
                    help="heads folder; 'default' for the heads shipped with medusa-jax; 'random' for untrained "
                         "heads sharing the base lm_head (default: %(default)s)")
     p.add_argument("--random-heads", type=int, default=4, help="number of heads with --heads random (default: 4)")
-    p.add_argument("--tree", default=d.tree, help="tree preset name or tree JSON file (default: %(default)s)")
+    p.add_argument("--tree", default=d.tree, help="tree preset name, tree JSON file or dynamic:N[,k=K,d=D] (a dynamic "
+                                                  "tree, see generate.py --help) (default: %(default)s)")
     p.add_argument("--prompts", type=int, default=64,
                    help="MT-Bench first turns to generate for, taking the categories in turn (default: %(default)s)")
     p.add_argument("--question-file", default=None,
@@ -126,7 +127,8 @@ def scaling_main(argv: list[str]) -> int:
     p.add_argument("--heads", default=None,
                    help="heads folder or 'default' (the shipped SmolLM2 heads) to time the Medusa step too; "
                         "omit for plain steps only")
-    p.add_argument("--tree", default="mc_sim_7b_16", help="tree for the Medusa step (default: %(default)s)")
+    p.add_argument("--tree", default="mc_sim_7b_16",
+                   help="tree for the Medusa step: preset, JSON file or dynamic:N[,k=K,d=D] (default: %(default)s)")
     p.add_argument("--batch-sizes", type=parse_positive_int_list, default=(1, 4, 8, 16, 32, 64),
                    help="comma-separated batch sizes (default: 1,4,8,16,32,64)")
     p.add_argument("--cache-sizes", type=parse_positive_int_list, default=(256, 1024),

@@ -54,9 +54,12 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
                         "'default' for the heads shipped with medusa-jax; enables Medusa decoding "
                         "(default: plain decoding)")
     p.add_argument("--tree", default=None,
-                   help=f"Medusa candidate tree: a preset ({', '.join(PRESETS)}) or a JSON file of "
-                        f"medusa_choices paths; needs --heads (default: the heads' own tree for this backend and "
-                        f"--batch-size from their trees.json (scripts/build_tree.py), which may be plain decoding "
+                   help=f"Medusa candidate tree: a preset ({', '.join(PRESETS)}), a JSON file of "
+                        f"medusa_choices paths, or dynamic:N[,k=K,d=D] (a dynamic tree, EAGLE-2 style: grown per step "
+                        f"from the heads' own probabilities, expanding the K children of the K best frontier nodes "
+                        f"for D depths and verifying the N best nodes; defaults K=4 (raised until K + (D-1)K^2 >= N) "
+                        f"and D=4 (at most the number of heads)); needs --heads (default: the heads' own tree for "
+                        f"this backend and --batch-size from their trees.json (scripts/build_tree.py), which may be plain decoding "
                         f"where no tree pays; {DEFAULT_TREE} for heads without trees.json)")
     p.add_argument("--acceptance", default=None, choices=("greedy", "exact", "typical"),
                    help="Medusa acceptance: greedy (output identical to plain greedy decoding; needs "

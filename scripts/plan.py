@@ -50,7 +50,8 @@ def parse_args(argv):
     p.add_argument("--cache", type=int, default=2048,
                    help="decode: KV cache slots per row: prompt + new tokens + the tree's scratch block "
                         "(default: %(default)s)")
-    p.add_argument("--tree", default="mc_sim_7b_63", help="decode: tree preset or JSON file (default: %(default)s)")
+    p.add_argument("--tree", default="mc_sim_7b_63",
+                   help="decode: tree preset, JSON file or dynamic:N[,k=K,d=D] (default: %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="number of Medusa heads (default: %(default)s)")
     p.add_argument("--lm-head", choices=("own", "shared"), default="own",
                    help="each head's own lm_head, or the base model's shared (default: %(default)s)")
@@ -183,7 +184,7 @@ def vs_device_main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=8, help="prompts per call (default: %(default)s)")
     p.add_argument("--seq", type=int, default=128, help="padded prompt length (default: %(default)s)")
     p.add_argument("--cache", type=int, default=512, help="KV cache slots (default: %(default)s)")
-    p.add_argument("--tree", default="mc_sim_7b_63", help="tree preset (default: %(default)s)")
+    p.add_argument("--tree", default="mc_sim_7b_63", help="tree preset or dynamic:N[,k=K,d=D] (default: %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="random Medusa heads (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights (default: bf16)")
     args = p.parse_args(argv)

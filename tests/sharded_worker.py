@@ -2,7 +2,8 @@
 
     python tests/sharded_worker.py meshes MODEL_DIR OUT.json
         1-device references (api.generate / generate_medusa) vs ShardedModel on meshes (data, tensor) in
-        (1,1), (8,1), (2,4), (1,8) on 8 forced CPU devices; loop collectives; mesh errors; batch API order.
+        (1,1), (8,1), (2,4), (1,8) on 8 forced CPU devices (and Medusa and Hydra heads on a dynamic tree on
+        (8,1) and (2,4)); loop collectives; mesh errors; batch API order.
     python tests/sharded_worker.py multihost MODEL_DIR OUT.json
         one of 2 processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID set), 4 CPU devices
         each, mesh data=2 x tensor=4 spanning both: batch generation results.
@@ -41,6 +42,7 @@ MAX_NEW = 20
 EXACT = AcceptanceConfig("exact", temperature=0.7, top_k=40)
 BUCKET = 16
 NUM_HEADS = 3
+DYNAMIC = "dynamic:10,k=3,d=3"
 
 
 def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -73,6 +75,9 @@ def main_meshes(model_dir: str, out: str) -> None:
     for lin in [eagle.fc] + [getattr(eagle.layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]:
         lin.kernel[...] = jax.numpy.asarray(rng.normal(0, 0.3, lin.kernel.shape), "float32")
     ref_eagle = generate_medusa(base0, eagle, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos)
+    dynamic = load_tree(DYNAMIC, num_heads=NUM_HEADS)
+    ref_dynamic = {name: generate_medusa(base0, h, prompts, tree=dynamic, max_new_tokens=MAX_NEW, eos_ids=eos)
+                   for name, h in (("medusa", heads), ("hydra", hydra))}
     ref_exact = generate_medusa(base0, heads, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos,
                                 acceptance=EXACT, seed=5)
     report = {"eos": list(eos), "reference": {
@@ -80,7 +85,9 @@ def main_meshes(model_dir: str, out: str) -> None:
         "medusa": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_medusa],
         "exact": [r.token_ids for r in ref_exact],
         "hydra": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_hydra],
-        "eagle": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_eagle]},
+        "eagle": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_eagle],
+        **{f"{name}_dynamic": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in run]
+           for name, run in ref_dynamic.items()}},
         "meshes": {}}
     settings = BatchSettings(batch_size=8, max_new_tokens=MAX_NEW, eos_ids=eos, bucket=BUCKET)
     for data, tensor in ((1, 1), (8, 1), (2, 4), (1, 8)):
@@ -93,10 +100,14 @@ def main_meshes(model_dir: str, out: str) -> None:
                  "k_sharding": [list(a) if isinstance(a, tuple) else a
                                 for a in model.cache_sharding(8, 64).k_bkhs[0].spec],
                  "q_proj_shards": len(base.layers[0].self_attn.q_proj.kernel[...].addressable_shards)}
-        if (data, tensor) in ((8, 1), (2, 4)):  # Hydra heads and the EAGLE drafter on the same sharded loop
+        if (data, tensor) in ((8, 1), (2, 4)):  # Hydra heads, the EAGLE drafter, dynamic trees: the same loop
             for name, drafter in (("hydra", hydra), ("eagle", eagle)):
                 entry[name] = rows(generate_batch(ShardedModel(base, drafter, mesh), prompts,
                                                   dataclasses.replace(settings, tree=tree), progress=False))
+            for name, h in (("medusa", heads), ("hydra", hydra)):
+                entry[f"{name}_dynamic"] = rows(generate_batch(ShardedModel(base, h, mesh), prompts,
+                                                               dataclasses.replace(settings, tree=dynamic),
+                                                               progress=False))
         if (data, tensor) in ((2, 4), (1, 8)):
             batch = np.asarray([p + [0] * (32 - len(p)) for p in prompts], np.int32)
             lens = np.asarray([len(p) for p in prompts], np.int32)

@@ -396,7 +396,8 @@ def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_p
     argv = ["heads", "--model", str(folder), "--heads", f"a={heads_dir}", "--heads", f"b={other}",
             "--question-file", str(write_questions(tmp_path / "q.jsonl")), "--questions", "3",
             "--max-new-tokens", "10", "--tree-sizes", "1,3", "--batch-sizes", "1", "--heldout", "2",
-            "--continuation-tokens", "8", "--chains", "2,3", "--data", str(data), "--out", str(out)]
+            "--continuation-tokens", "8", "--chains", "2,3", "--data", str(data), "--out", str(out),
+            "--dynamic-nodes", "3,5", "--dynamic-top-k", "1,2"]
     calls, real = [], heads_comparison.generate_batch
 
     def recording(model, prompts, settings, **kw):
@@ -420,8 +421,16 @@ def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_p
         # chains as deep as the heads reach: a has 3 heads (chains of 2 and 3), b has 2 (the chain of 2 only)
         assert [r["chain"] for r in h["chains"]] == [2, 3][:num_heads - 1]
         assert all(r["tokens_per_step"] >= 1 and r["mismatches"] == 0 for r in h["chains"])
+        # dynamic trees: N = 3 with K = 1 (1 + (D - 1) >= 3 needs D = 3) or 2, N = 5 with K = 2 only
+        depth = min(4, num_heads)
+        assert [r["tree"] for r in h["dynamic"]] == ([f"dynamic:3,k=1,d={depth}"] if depth >= 3 else []) + [
+            f"dynamic:3,k=2,d={depth}", f"dynamic:5,k=2,d={depth}"]
+        assert all(r["mismatches"] == 0 and r["static_nodes"] == r["nodes"] for r in h["dynamic"])
+        assert all(r["ratio_to_static"] == pytest.approx(r["tokens_per_step"] / r["static_tokens_per_step"])
+                   for r in h["dynamic"])
     md = (out / "heads.md").read_text()
     assert "chain of 3" in md and "tokens/step @3" in md and "| a |" in md and "| b |" in md
+    assert "dynamic:5,k=2" in md
     assert (out / "heads.png").stat().st_size > 0
 
 

@@ -23,7 +23,7 @@ from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
-from medusa_jax.heads.tree import build_tree, load_tree
+from medusa_jax.heads.tree import DynamicTree, build_tree, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.autoregressive import decode
 from medusa_jax.inference.medusa import heads_proposer, medusa_decode
@@ -69,7 +69,9 @@ def test_decode_loops_hold_no_copy_of_the_whole_cache(batch, slots, groups):
     # a 4-token chain is the kind of tree build_tree picks on CPU; with it (and not with mc_sim_7b_8) the loop
     # copied every layer's whole K and V each step while the accepted path's move came after the verify's
     # attention reads (it is now made at the start of the next step)
-    for tree in (load_tree("mc_sim_7b_8", num_heads=4), build_tree([[0], [0, 0], [0, 0, 0]], num_heads=4)):
+    # a dynamic tree builds its mask and paths per row on device: it must not copy the cache either
+    for tree in (load_tree("mc_sim_7b_8", num_heads=4), build_tree([[0], [0, 0], [0, 0, 0]], num_heads=4),
+                 DynamicTree(8, 3, 3)):
         medusa = medusa_decode.lower(graphdef, params, cache, prompts, lengths, jax.random.key(0), None, tree=tree,
                                      max_new_tokens=8, acceptance=AcceptanceConfig(), eos_ids=(), pad_id=0,
                                      proposer=heads_proposer, prefill_groups=groups).compile().as_text()

@@ -10,7 +10,9 @@ The enumeration runs a plain forward on every prompt + (x1) and prompt + (x1, x2
 `sampling.target_logits`: P(x1, x2, x3) = q1(x1) q2(x2 | x1) q3(x3 | x1, x2), V^3 = 4096 cells per prompt.
 
 Samples: medusa_decode vmapped over PRNG keys, jitted once per (batch, acceptance): 20,000 runs of one row
-(batch 1), and 5,000 runs of 4 ragged prompts (batch 4, 20,000 rows in all).
+(batch 1), and 5,000 runs of 4 ragged prompts (batch 4, 20,000 rows in all). The same check runs on a dynamic tree
+(EAGLE-2 style, `DYNAMIC`): the planted candidates, scored by the log of their q, grow each row's tree per step,
+so the tree's shape changes with the root token.
 
 The check (`law_check`). n samples, split in strata b (prompt rows) of n_b samples each with known law p_b
 over the V^3 cells x (the outcomes (x1, x2, x3), flattened).
@@ -40,9 +42,10 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.dynamic_tree import grow_from_candidates
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaModel
-from medusa_jax.heads.tree import build_tree
+from medusa_jax.heads.tree import DynamicTree, build_tree
 from medusa_jax.inference import exact_acceptance
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.autoregressive import prefill
@@ -53,6 +56,7 @@ from medusa_jax.inference.sampling import SamplingConfig, sample_tokens, target_
 V, N_OUT, WIDTH = 16, 3, 5
 SAMPLING = SamplingConfig(temperature=0.9, top_p=0.97, top_k=12)
 TREE = build_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)], name="stat")  # node [2] is a depth-1 leaf
+DYNAMIC = DynamicTree(nodes=6, top_k=3, depth=2)  # the 6 best of 3 + 9 drafted nodes, per row and step
 PROMPTS = [[3, 7, 1, 12, 5], [9, 2], [14, 14, 6, 0], [1, 10, 4]]  # ragged
 DELTA = 1e-4
 
@@ -96,28 +100,37 @@ def enumerate_laws(graphdef, params, prompts):
     return q_by_context[:, 0], q_by_context[:, 1: 1 + V], q_by_context[:, 1 + V:].reshape(len(prompts), V, V, V)
 
 
-def planted_table(q2_bvv, q3_bvvv) -> jnp.ndarray:
-    """[B, V, M=2, R=3] candidates per (row, root token): head 0 the top-3 of q2, head 1 the top-2 of q3 after
-    the most likely x2 (rank 2 of head 1 is unused by the tree)."""
+def planted_table(q2_bvv, q3_bvvv) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """[B, V, M=2, R=3] candidates per (row, root token): head 0 the top-3 of q2, head 1 the top-3 of q3 after
+    the most likely x2 (rank 2 of head 1 is unused by the static tree); and their log q (the draft scores of a
+    dynamic tree)."""
     top2_bvr = np.argsort(-q2_bvv, axis=-1, kind="stable")[..., :3]
     best_bv = top2_bvr[..., 0]
     b_idx, v_idx = np.meshgrid(np.arange(q2_bvv.shape[0]), np.arange(V), indexing="ij")
-    top3_bvr = np.argsort(-q3_bvvv[b_idx, v_idx, best_bv], axis=-1, kind="stable")[..., :3]
-    return jnp.asarray(np.stack([top2_bvr, top3_bvr], axis=2), jnp.int32)
+    q3_bvv = q3_bvvv[b_idx, v_idx, best_bv]
+    top3_bvr = np.argsort(-q3_bvv, axis=-1, kind="stable")[..., :3]
+    q_bvmr = np.stack([np.take_along_axis(q2_bvv, top2_bvr, -1), np.take_along_axis(q3_bvv, top3_bvr, -1)], 2)
+    return (jnp.asarray(np.stack([top2_bvr, top3_bvr], axis=2), jnp.int32),
+            jnp.asarray(np.log(q_bvmr + 1e-6), jnp.float32))
 
 
 def table_proposer(inputs):
-    table_bvmr = inputs.data
-    return table_bvmr[jnp.arange(inputs.root_b.shape[0]), inputs.root_b], inputs.draft
+    ids_bvmr, logq_bvmr = inputs.data
+    rows_b = jnp.arange(inputs.root_b.shape[0])
+    ids_bmr = ids_bvmr[rows_b, inputs.root_b]
+    if isinstance(inputs.tree, DynamicTree):
+        logq_bmr = logq_bvmr[rows_b, inputs.root_b]
+        return grow_from_candidates(inputs.tree, inputs.root_b, ids_bmr, logq_bmr), inputs.draft
+    return ids_bmr, inputs.draft
 
 
-@partial(jax.jit, static_argnames=("graphdef", "acceptance", "pad_id"))
-def draw(graphdef, params, prompt_bt, lens_b, keys_x, table, *, acceptance, pad_id=0):
+@partial(jax.jit, static_argnames=("graphdef", "acceptance", "pad_id", "tree"))
+def draw(graphdef, params, prompt_bt, lens_b, keys_x, table, *, acceptance, pad_id=0, tree=TREE):
     """[X, B, N_OUT] tokens and [X, B] first-step accept lengths of X independent runs (one per key)."""
     def one(key):
         cache = KVCache.zeros(graphdef_config(graphdef, params), prompt_bt.shape[0], 16)
         out_bo, _, _, accept_bo, _ = medusa_decode(
-            graphdef, params, cache, prompt_bt, lens_b, key, table, tree=TREE, max_new_tokens=N_OUT,
+            graphdef, params, cache, prompt_bt, lens_b, key, table, tree=tree, max_new_tokens=N_OUT,
             acceptance=acceptance, eos_ids=(), pad_id=pad_id, proposer=table_proposer)
         return out_bo, accept_bo[:, 0]
 
@@ -128,7 +141,7 @@ def graphdef_config(graphdef, params) -> ModelConfig:
     return nnx.merge(graphdef, params).base.config
 
 
-def run(setup, prompts, runs, acceptance, seed=0, pad_id=0):
+def run(setup, prompts, runs, acceptance, seed=0, pad_id=0, tree=TREE):
     graphdef, params, _, table = setup
     rows = [PROMPTS.index(p) for p in prompts]
     prompt_bt = np.zeros((len(prompts), WIDTH), np.int32)
@@ -136,7 +149,8 @@ def run(setup, prompts, runs, acceptance, seed=0, pad_id=0):
         prompt_bt[i, : len(p)] = p
     keys_x = jax.random.split(jax.random.key(seed), runs)
     out_xbo, accept_xb = draw(graphdef, params, jnp.asarray(prompt_bt), jnp.asarray([len(p) for p in prompts]),
-                              keys_x, table[jnp.asarray(rows)], acceptance=acceptance, pad_id=pad_id)
+                              keys_x, tuple(x[jnp.asarray(rows)] for x in table), acceptance=acceptance,
+                              pad_id=pad_id, tree=tree)
     return np.asarray(out_xbo), np.asarray(accept_xb), rows
 
 
@@ -219,6 +233,16 @@ def test_exact_sampling_with_the_eagle_drafter_has_the_plain_samplers_law(setup)
     assert check["n"] >= 20_000 and passes(check), check
     share = np.bincount(np.asarray(accept_xb).ravel(), minlength=3) / accept_xb.size
     assert share[1:].sum() > 0.05, share  # the drafts are accepted, so the tree walk is exercised
+
+
+def test_exact_medusa_on_a_dynamic_tree_has_the_plain_samplers_law(setup):
+    """Ragged batch of 4, each row's tree grown per step from the planted candidates' log q."""
+    out_xbo, accept_xb, rows = run(setup, PROMPTS, 5_000, EXACT, seed=11, tree=DYNAMIC)
+    check = law_check(out_xbo, rows, setup[2])
+    assert check["n"] >= 20_000
+    assert passes(check), check
+    share = np.bincount(accept_xb.ravel(), minlength=3) / accept_xb.size
+    assert (share > 0.05).all(), share
 
 
 def test_the_check_rejects_typical_acceptance(setup):

@@ -1,5 +1,6 @@
 """The trees a heads folder carries (trees.json): resolution rules, clear errors, decoding with them (a "no tree"
-entry decodes plainly, exactly like plain greedy), build_tree's per-batch pick and the shipped file."""
+entry decodes plainly, exactly like plain greedy; a dynamic tree entry decodes with it), build_tree's per-batch
+pick and the shipped file."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from medusa_jax.heads import trees_file as heads_trees
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.init import init_heads
-from medusa_jax.heads.tree import DEFAULT_TREE
+from medusa_jax.heads.tree import DEFAULT_TREE, DynamicTree
 from medusa_jax.heads.trees_file import TreesFileError, parse_trees, read_trees, resolve_tree
 from medusa_jax.inference.medusa import choose_tree
 
 T3 = [[0], [1], [0, 0]]
 T1 = [[0]]
+DYN = {"dynamic": {"nodes": 4, "top_k": 2, "depth": 2}}
 
 
 def doc(trees: dict) -> dict:
@@ -67,6 +69,23 @@ def test_an_explicit_tree_always_wins():
     assert heads_tree.tree.paths == ((0,), (1,), (0, 0))
 
 
+def test_dynamic_tree_entries_resolve_and_round_trip():
+    """{"dynamic": {...}} entries sit beside lists of paths and []; old files stay valid."""
+    t = table({"cpu": {"1": DYN, "4": T1, "8": []}, "gpu": {"1": {"dynamic": {"nodes": 64}}}})
+    r = resolve_tree(t, "cpu", 2)
+    assert r.dynamic == DynamicTree(4, 2, 2) and r.paths is None and not r.plain and "dynamic:4,k=2,d=2" in r.note
+    assert resolve_tree(t, "cpu", 4).paths == ((0,),) and resolve_tree(t, "cpu", 8).plain
+    assert resolve_tree(t, "gpu", 1).dynamic == DynamicTree(64, 5, 4)  # top_k and depth default
+    cfg = HeadsConfig(64, 128, num_heads=3, lm_head="own")
+    assert choose_tree(cfg, t, 1).tree == DynamicTree(4, 2, 2)
+    assert choose_tree(cfg, t, 1, "dynamic:8,k=2,d=3").tree == DynamicTree(8, 2, 3)
+    new = heads_trees.trees_document(t, "cpu", {1: DynamicTree(16, 4, 4), 2: T3}, {})
+    assert new["trees"]["cpu"] == {"1": {"dynamic": {"nodes": 16, "top_k": 4, "depth": 4}}, "2": T3}
+    assert parse_trees(new, "new").batches("cpu")[1] == DynamicTree(16, 4, 4)
+    with pytest.raises(TreesFileError, match="only 3 Medusa heads"):
+        t.check_heads(3, 128)  # the gpu entry drafts 4 depths
+
+
 # ---- errors ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("content,message", [
@@ -79,6 +98,8 @@ def test_an_explicit_tree_always_wins():
     (json.dumps(doc({"cpu": {"1": "fast"}})), "must be a list of paths"),
     (json.dumps(doc({"cpu": {"1": [[0, 0]]}})), "has no parent"),
     (json.dumps(doc({"cpu": {"1": [[-1]]}})), "negative rank"),
+    (json.dumps(doc({"cpu": {"1": {"dynamic": {"top_k": 4}}}})), "dynamic tree entry"),
+    (json.dumps(doc({"cpu": {"1": {"dynamic": {"nodes": 40, "top_k": 2, "depth": 3}}}})), "drafts only 10"),
 ])
 def test_a_bad_trees_file_is_a_clear_error(tmp_path, content, message):
     (tmp_path / "trees.json").write_text(content)
@@ -142,6 +163,21 @@ def test_no_tree_decodes_plainly_and_a_batchs_tree_is_used(tiny_heads):
     one = generate_medusa(base, heads, prompts[:1], max_new_tokens=12, timings=timings)  # batch 1: the tree
     assert one[0].token_ids == generate(base, prompts[:1], max_new_tokens=12)[0].token_ids
     assert one[0].accept_lengths is not None and "3 nodes" in timings["tree"]
+
+
+def test_the_heads_dynamic_tree_decodes_like_plain_greedy(tiny_heads):
+    import jax
+
+    from medusa_jax.heads.load import load_heads
+    from medusa_jax.inference.api import generate, generate_medusa
+
+    base, folder = tiny_heads
+    (folder / "trees.json").write_text(json.dumps(doc({jax.default_backend(): {"1": DYN}})))
+    heads = load_heads(folder, base=base)
+    timings = {}
+    got = generate_medusa(base, heads, [[5, 9, 17, 3]], max_new_tokens=12, timings=timings)
+    assert got[0].token_ids == generate(base, [[5, 9, 17, 3]], max_new_tokens=12)[0].token_ids
+    assert got[0].accept_lengths and "dynamic tree dynamic:4,k=2,d=2" in timings["tree"]
 
 
 def test_generate_batch_resolves_the_heads_tree_per_batch_size(tiny_heads, tiny_model_dir):

@@ -4,7 +4,8 @@ for Medusa heads and for Hydra heads (which draft the tree themselves, depth by 
 
 The planted proposer (`bench/oracle.py`) knows the true continuation (from a plain greedy run) and puts
 it at chosen (head, rank) slots so that step i of row b accepts exactly accept_targets[b, i] candidates: every
-accept length is exercised.
+accept length is exercised. Every losslessness test also runs on a dynamic tree (EAGLE-2 style, grown per step
+from the drafter's probabilities; the planted proposer grows it from the planted candidates).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flax import nnx
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.dynamic_tree import TreeProposal
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.heads.tree import PRESETS, TreeError, load_tree
@@ -43,6 +45,8 @@ def heads_or_planted(inputs):
     """The heads' proposal or the planted one, chosen by data (one compile serves both runs of a test)."""
     use_planted = inputs.data["use_planted"]
     (from_heads, draft), (planted, _) = heads_proposer(inputs), planted_proposer(inputs)
+    if isinstance(from_heads, TreeProposal):  # a dynamic tree
+        return jax.tree.map(lambda p, h: jnp.where(use_planted, p, h), planted, from_heads), draft
     if from_heads.ndim == 2:  # Hydra heads and the EAGLE drafter propose the [B, T] tree tokens
         planted = tree_tokens(inputs.root_b, planted, inputs.tree)
     return jnp.where(use_planted, planted, from_heads), draft
@@ -101,11 +105,13 @@ def ids(results):
 
 
 HEAD_TYPES = ["medusa", "hydra", "eagle"]
+DYNAMIC = "dynamic:10,k=3,d=4"  # 3 + 3 * 9 drafted candidates per step, the 10 best verified
+DYNAMIC_3 = "dynamic:6,k=2,d=3"
 
 
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
 @pytest.mark.parametrize("case", ["batch1", "ragged4"])
-@pytest.mark.parametrize("tree_name", list(PRESETS))
+@pytest.mark.parametrize("tree_name", list(PRESETS) + [DYNAMIC])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_medusa_greedy_equals_plain_greedy(tiny, kind, tree_name, case, head_type):
     base, heads, refs = tiny(kind, head_type)
@@ -175,10 +181,11 @@ def test_batches_with_grouped_prefill_are_lossless(tiny, head_type):
     assert ids(generate_medusa(base, heads, prompts, tree="mc_sim_7b_16", max_new_tokens=12, eos_ids=())) == alone
 
 
+@pytest.mark.parametrize("tree_name", ["mc_sim_7b_16", DYNAMIC_3])
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
-def test_eos_inside_an_accepted_path_and_max_new_tokens_cut_the_last_step(tiny, head_type):
+def test_eos_inside_an_accepted_path_and_max_new_tokens_cut_the_last_step(tiny, head_type, tree_name):
     base, heads, refs = tiny("llama", head_type)
-    tree = load_tree("mc_sim_7b_16")  # depth 3: full acceptance emits 4 tokens per step
+    tree = load_tree(tree_name)  # depth 3: full acceptance emits 4 tokens per step
     reference = refs["batch1"][1]
     always_full = np.full((1, N), tree.depth)
     data = plant(tree, reference, always_full)
@@ -195,11 +202,12 @@ def test_eos_inside_an_accepted_path_and_max_new_tokens_cut_the_last_step(tiny, 
     assert got[0].accept_lengths == [3] * (-(-stop // 4))
 
 
+@pytest.mark.parametrize("tree_name", ["mc_sim_7b_32", DYNAMIC])
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
-def test_sliding_window_model_is_lossless(tiny, head_type):
+def test_sliding_window_model_is_lossless(tiny, head_type, tree_name):
     base, heads, refs = tiny("mistral", head_type)  # sliding_window 16 < prompt + 40 new tokens
     eos_ids, reference = refs["ragged4"]
-    tree = load_tree("mc_sim_7b_32")
+    tree = load_tree(tree_name)
     data = plant(tree, reference, cycling_targets(4, tree.depth))
     for use_planted in (False, True):
         got = generate_medusa(base, heads, PROMPTS["ragged4"], tree=tree, max_new_tokens=N, eos_ids=eos_ids,
@@ -208,19 +216,21 @@ def test_sliding_window_model_is_lossless(tiny, head_type):
         assert ids(got) == ids(reference)
 
 
-def test_typical_acceptance_near_zero_temperature_equals_greedy(tiny):
+@pytest.mark.parametrize("tree_name", ["mc_sim_7b_16", DYNAMIC_3])
+def test_typical_acceptance_near_zero_temperature_equals_greedy(tiny, tree_name):
     base, heads, refs = tiny("qwen2")
     eos_ids, reference = refs["ragged4"]
-    got = generate_medusa(base, heads, PROMPTS["ragged4"], tree="mc_sim_7b_16", max_new_tokens=N,
+    got = generate_medusa(base, heads, PROMPTS["ragged4"], tree=tree_name, max_new_tokens=N,
                           eos_ids=eos_ids, acceptance=AcceptanceConfig("typical", temperature=1e-4), seed=3)
     assert ids(got) == ids(reference)
 
 
-def test_exact_acceptance_near_zero_temperature_equals_greedy(tiny):
+@pytest.mark.parametrize("tree_name", ["mc_sim_7b_16", DYNAMIC_3])
+def test_exact_acceptance_near_zero_temperature_equals_greedy(tiny, tree_name):
     """Ragged rows and a mid-run EOS through the exact sampler: at T -> 0 its law is the argmax's."""
     base, heads, refs = tiny("llama")
     eos_ids, reference = refs["ragged4"]
-    got = generate_medusa(base, heads, PROMPTS["ragged4"], tree="mc_sim_7b_16", max_new_tokens=N,
+    got = generate_medusa(base, heads, PROMPTS["ragged4"], tree=tree_name, max_new_tokens=N,
                           eos_ids=eos_ids, acceptance=AcceptanceConfig("exact", temperature=1e-4), seed=3)
     assert ids(got) == ids(reference)
 
@@ -235,8 +245,9 @@ def test_typical_acceptance_is_seeded(tiny):
     assert all(len(r.token_ids) == N and 0 <= min(r.token_ids) and max(r.token_ids) < 128 for r in a)
 
 
+@pytest.mark.parametrize("tree_name", ["mc_sim_7b_8", DYNAMIC_3])
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
-def test_other_lm_head_modes_are_lossless(tiny, head_type):
+def test_other_lm_head_modes_are_lossless(tiny, head_type, tree_name):
     base, _, refs = tiny("llama")
     eos_ids, reference = refs["ragged4"]
     token_map = np.random.RandomState(1).permutation(base.config.vocab_size)[:48]
@@ -244,7 +255,7 @@ def test_other_lm_head_modes_are_lossless(tiny, head_type):
                   random_heads(base, seed=3, lm_head="truncated", truncated_vocab_size=48, head_type=head_type)):
         if heads.token_map is not None:
             heads.token_map[...] = jnp.asarray(token_map, jnp.int32)
-        got = generate_medusa(base, heads, PROMPTS["ragged4"], tree="mc_sim_7b_8", max_new_tokens=N,
+        got = generate_medusa(base, heads, PROMPTS["ragged4"], tree=tree_name, max_new_tokens=N,
                               eos_ids=eos_ids)
         assert ids(got) == ids(reference)
 
@@ -295,13 +306,14 @@ def test_compact_accepted_moves_only_the_path():
     assert out.lengths_b.tolist() == [3, 5]
 
 
-def test_returned_cache_holds_the_emitted_tokens(tiny):
+@pytest.mark.parametrize("tree_name", ["mc_sim_7b_8", DYNAMIC_3])
+def test_returned_cache_holds_the_emitted_tokens(tiny, tree_name):
     """The accepted path's K/V move is made at the start of the next step (and once after the loop): the cache
     medusa_decode returns holds, in each row's committed slots, the K/V a plain prefill of the prompt and the
     emitted tokens (all but the newest, the next root) computes. Ragged rows, every accept length, an EOS."""
     base, heads, refs = tiny("llama")
     eos_ids, reference = refs["ragged4"]
-    prompts, tree = PROMPTS["ragged4"], load_tree("mc_sim_7b_8")
+    prompts, tree = PROMPTS["ragged4"], load_tree(tree_name)
     targets = cycling_targets(len(prompts), tree.depth)
     width, size = 16, 80
     prompt_bt = np.zeros((len(prompts), width), np.int32)
@@ -385,6 +397,11 @@ def test_generate_script_medusa_flags(tiny, tiny_model_dir, tmp_path, capsys):
     assert row["token_ids"] == plain["token_ids"] and row["text"] == plain["text"]
     assert 1 <= row["steps"] <= row["new_tokens"]
     assert row["tokens_per_step"] == pytest.approx(row["new_tokens"] / row["steps"], abs=1e-3)
+    assert script.main(common + ["--heads", str(tmp_path / "heads"), "--tree", "dynamic:6,k=2,d=3"]) == 0
+    row = json.loads(capsys.readouterr().out)  # a dynamic tree: the same tokens
+    assert row["token_ids"] == plain["token_ids"] and "dynamic tree dynamic:6,k=2,d=3" in row["tree"]
+    assert script.main(common + ["--heads", str(tmp_path / "heads"), "--tree", "dynamic:99,k=2,d=2"]) == 2
+    assert "drafts only 6" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         script.main(common + ["--tree", "mc_sim_7b_8"])  # --tree without --heads
     assert "need --heads" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""Sharded decoding on 8 forced CPU devices equals one device, token for token (plain and Medusa greedy, and
-Medusa exact sampling for one seed);
+"""Sharded decoding on 8 forced CPU devices equals one device, token for token (plain and Medusa greedy, Medusa
+and Hydra heads on a dynamic tree, and Medusa exact sampling for one seed);
 clear mesh errors; batch API order; 2-process (multi-host) decoding over gloo CPU collectives.
 
 The JAX work runs in subprocesses (tests/sharded_worker.py), because the device count must be fixed before
@@ -47,12 +47,14 @@ def test_sharded_plain_and_medusa_equal_one_device(mesh_report, mesh):
     assert [r["tokens"] for r in got["medusa"]] == [r["tokens"] for r in ref["medusa"]]
     assert [r["steps"] for r in got["medusa"]] == [r["steps"] for r in ref["medusa"]]
     assert [r["accepts"] for r in got["medusa"]] == [r["accepts"] for r in ref["medusa"]]
-    for name in ("hydra", "eagle"):  # Hydra heads and the EAGLE drafter: lossless and the same steps on a mesh
+    if mesh in ("8,1", "2,4"):
+        assert {"hydra", "eagle", "medusa_dynamic", "hydra_dynamic"} <= set(got)
+    # Hydra heads, the EAGLE drafter and dynamic trees: lossless and the same steps on a mesh, (8,1) and (2,4)
+    for name in ("hydra", "eagle", "medusa_dynamic", "hydra_dynamic"):
         if name in got:
             assert [r["tokens"] for r in got[name]] == [r["tokens"] for r in ref[name]] == \
-                [r["tokens"] for r in ref["plain"]]
-            assert [r["accepts"] for r in got[name]] == [r["accepts"] for r in ref[name]]
-    assert mesh not in ("8,1", "2,4") or {"hydra", "eagle"} <= set(got)
+                [r["tokens"] for r in ref["plain"]], name
+            assert [r["accepts"] for r in got[name]] == [r["accepts"] for r in ref[name]], name
 
 
 def test_reference_exercises_eos_and_acceptance(mesh_report):

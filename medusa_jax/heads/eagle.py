@@ -19,6 +19,8 @@ cache holds L tokens, root x_L and last feature f_{L-1}:
      children. Block entries are scratch: the next step recomputes the accepted ones from true features.
   3. after the verify (`accepted`): the accepted path's pairs (f at path node j, token of node j + 1) become the
      next step's catch-up entries.
+A dynamic tree (`tree.DynamicTree`) replaces step 2 by EAGLE-2's growth (medusa_jax/heads/eagle_dynamic.py): each round
+runs the K frontier nodes' pairs, the same way, and their outputs' top-K become the candidates.
 Axes as in the package legend; here t runs over a call's drafter entries and `i` over the tree's internal nodes.
 """
 
@@ -34,10 +36,11 @@ from flax import nnx
 from medusa_jax.model.backbone import CausalLM, DecoderLayer
 from medusa_jax.model.config import resolve_dtype
 from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.eagle_dynamic import propose_dynamic
 from medusa_jax.heads.medusa import HeadsBase, head_lm_head, head_logits
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.model.rope import inverse_frequencies
-from medusa_jax.heads.tree import TreeBuffers
+from medusa_jax.heads.tree import DynamicTree, TreeBuffers
 
 
 @jax.tree_util.register_dataclass
@@ -167,9 +170,10 @@ class EagleDrafter(HeadsBase):
                           jnp.zeros((b, e, d), hidden_btd.dtype), jnp.zeros((b, e), jnp.int32),
                           jnp.zeros((b,), jnp.int32))
 
-    def propose(self, hidden_bd, root_b, base: CausalLM, tree: TreeBuffers, draft: DraftState,
-                active_b) -> tuple[jax.Array, DraftState]:
-        """The [B, T] tokens of every tree node (node 0 = root_b), and the state with the catch-up committed."""
+    def catch_up(self, hidden_bd, root_b, base: CausalLM, draft: DraftState,
+                 active_b) -> tuple[jax.Array, KVCache, jax.Array]:
+        """Step 1 of the module docstring: the pending pairs and the root pair written to the drafter cache.
+        Returns (the root pair's output g [B, D], the cache, the committed pairs per row: L for an active row)."""
         b, e = draft.pending_tok_be.shape
         cache, p_b, n_b = draft.cache, draft.cache.lengths_b, draft.pending_n_b
         # 1. catch-up: pending pairs 0..n-1, then the root pair at n (entries past n are masked padding)
@@ -184,9 +188,19 @@ class EagleDrafter(HeadsBase):
         out_bed, cache = self(feats, toks, positions_be, mask, cache, base)
         g_root_bd = jnp.take_along_axis(out_bed, n_b[:, None, None], axis=1)[:, 0]
         committed_b = jnp.where(active_b, p_b + n_b + 1, p_b)  # = L for an active row
+        return g_root_bd, cache, committed_b
+
+    def propose(self, hidden_bd, root_b, base: CausalLM, tree: TreeBuffers | DynamicTree, draft: DraftState,
+                active_b) -> tuple[jax.Array, DraftState]:
+        """The [B, T] tokens of every tree node (node 0 = root_b), and the state with the catch-up committed; for
+        a DynamicTree a dynamic_tree.TreeProposal instead of the tokens (`eagle_dynamic.propose_dynamic`)."""
+        if isinstance(tree, DynamicTree):
+            return propose_dynamic(self, hidden_bd, root_b, base, tree, draft, active_b)
+        g_root_bd, cache, committed_b = self.catch_up(hidden_bd, root_b, base, draft, active_b)
+        b = root_b.shape[0]
         # 2. the tree: depth 1 from the root's output, deeper rounds from the drafted nodes' own pairs
         tokens_bt = jnp.zeros((b, tree.num_tokens), jnp.int32).at[:, 0].set(root_b.astype(jnp.int32))
-        out_btd = jnp.zeros((b, tree.num_tokens, hidden_bd.shape[-1]), out_bed.dtype).at[:, 0].set(g_root_bd)
+        out_btd = jnp.zeros((b, tree.num_tokens, hidden_bd.shape[-1]), g_root_bd.dtype).at[:, 0].set(g_root_bd)
         rounds = DrafterRounds(tree)
         for depth in range(1, tree.depth + 1):
             children = np.nonzero(tree.depth_t == depth)[0]

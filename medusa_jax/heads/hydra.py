@@ -15,7 +15,8 @@ Drafting runs inside the jitted decode loop on the same static tree buffers as M
 rounds: round d runs head d - 1 once per tree node at depth d - 1 that has children, on that node's own path
 tokens, and its top-k tokens fill the node's children (node (a, b) = head 1's rank-b token given head 0's
 rank-a token on its path). Axes: t tree nodes (in a round: its parent nodes, or the nodes it fills), e depth
-along a path, r the head's top-k ranks.
+along a path, r the head's top-k ranks. A dynamic tree (`tree.DynamicTree`) is grown from the heads' own
+conditional probabilities instead: round d runs head d - 1 on the K frontier nodes' paths (`dynamic_tree`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from flax import nnx
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import resolve_dtype
 from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.dynamic_tree import TreeProposal, grow_tree, top_k_log_probs
 from medusa_jax.heads.medusa import HeadsBase, ResBlock, head_lm_head, head_logits
-from medusa_jax.heads.tree import TreeBuffers
+from medusa_jax.heads.tree import DynamicTree, TreeBuffers
 
 
 def _identity_on_hidden(key, shape, dtype):
@@ -76,9 +78,24 @@ class HydraHeads(HeadsBase):
         head = self.heads[index]
         return head_logits(head, head(hidden_xd, base.embed_tokens(path_tokens_xe)), base)
 
-    def propose(self, hidden_bd, root_b, base: CausalLM, tree: TreeBuffers, draft, active_b):
-        """The [b, t] tree tokens (`tree_tokens`); no drafter state (HeadsBase)."""
+    def propose(self, hidden_bd, root_b, base: CausalLM, tree: TreeBuffers | DynamicTree, draft, active_b):
+        """The [b, t] tree tokens (`tree_tokens`), or a DynamicTree's TreeProposal (`dynamic_tree`); no drafter
+        state (HeadsBase)."""
+        if isinstance(tree, DynamicTree):
+            return self.dynamic_tree(hidden_bd, root_b, base, tree), draft
         return self.tree_tokens(hidden_bd, root_b, base, tree), draft
+
+    def dynamic_tree(self, hidden_bd: jax.Array, root_b: jax.Array, base: CausalLM, spec: DynamicTree) -> TreeProposal:
+        """Each row's dynamic tree: round d runs head d - 1 on each frontier node's own path (its K children are
+        the head's top-K given that path, scored by the head's log-probability)."""
+        def expand(depth, frontier, carry):
+            b, w = frontier.path_bwe.shape[:2]
+            hidden_bwd = jnp.broadcast_to(hidden_bd[:, None, :], (b, w, hidden_bd.shape[-1]))
+            ids_bwr, logp_bwr = top_k_log_probs(self.head_logits(depth - 1, hidden_bwd, frontier.path_bwe, base),
+                                                spec.top_k)
+            return self.to_full_vocab(ids_bwr), logp_bwr, carry
+
+        return grow_tree(spec, root_b, expand)[0]
 
     def tree_tokens(self, hidden_bd: jax.Array, root_b: jax.Array, base: CausalLM, tree: TreeBuffers) -> jax.Array:
         """[B, T] tokens of every tree node (node 0 = root_b), drafted depth by depth along each node's path.

@@ -20,6 +20,8 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import resolve_dtype
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.dynamic_tree import grow_from_candidates, top_k_log_probs
+from medusa_jax.heads.tree import DynamicTree
 
 
 class TokenMap(nnx.Variable):
@@ -74,7 +76,8 @@ class HeadsBase(nnx.Module):
 
     # ---- the tree step's proposer contract (inference/medusa.py) ------------------------------------------
     # propose(hidden_bd, root_b, base, tree, draft, active_b) -> (proposal, draft): a proposal is [b, m, r]
-    # candidates per (head, rank) or [b, t] tree tokens; `draft` is a drafter state carried from step to step
+    # candidates per (head, rank) or [b, t] tree tokens, or for a DynamicTree a dynamic_tree.TreeProposal (each
+    # row's tree grown from the heads' own probabilities); `draft` is a drafter state carried from step to step
     # (None for heads that keep none). init_draft makes it after the prefill (given every prompt position's
     # hidden state when needs_prompt_hidden); accepted() updates it with the verified path.
     needs_prompt_hidden = False
@@ -120,7 +123,13 @@ class MedusaHeads(HeadsBase):
         return self.to_full_vocab(ids_mxr.astype(jnp.int32))
 
     def propose(self, hidden_bd, root_b, base: CausalLM, tree, draft, active_b):
-        """[b, m, r] candidates: head m's rank-r token from the last accepted hidden state (HeadsBase)."""
+        """[b, m, r] candidates: head m's rank-r token from the last accepted hidden state (HeadsBase). A
+        DynamicTree: the tree grown from them, a node's score the product of the heads' probabilities along its
+        path (dynamic_tree.grow_from_candidates)."""
+        if isinstance(tree, DynamicTree):
+            ids_mbr, logp_mbr = top_k_log_probs(self.logits(hidden_bd, base, num_heads=tree.depth), tree.top_k)
+            return grow_from_candidates(tree, root_b, self.to_full_vocab(ids_mbr).transpose(1, 0, 2),
+                                        logp_mbr.transpose(1, 0, 2)), draft
         return self.top_k(hidden_bd, base, tree.top_k, num_heads=tree.depth).transpose(1, 0, 2), draft
 
 

@@ -11,6 +11,10 @@ token); nodes 1..n are the paths sorted by (length, ranks). With T = n + 1 tree 
     retrieve_ce       [C, depth+1]  nodes of candidate path c (one per leaf) by depth e, root first, padded
                                     with 0 past the leaf
     retrieve_valid_ce [C, depth+1]  bool, False on padding
+
+A dynamic tree (`DynamicTree`, "dynamic:N[,k=K,d=D]") is not a fixed shape but a recipe: each step grows each row's
+tree from the drafter's own probabilities on static sizes (medusa_jax/heads/dynamic_tree.py). It is accepted wherever a
+tree is decoded with; `load_tree` parses its text form.
 """
 
 from __future__ import annotations
@@ -47,6 +51,104 @@ DEFAULT_TREE = "mc_sim_7b_16"
 
 class TreeError(ValueError):
     """An invalid medusa_choices tree."""
+
+
+DYNAMIC_PREFIX = "dynamic:"
+DEFAULT_DYNAMIC_DEPTH = 4  # drafting depths: the shipped heads' number of heads (bench/dynamic_trees)
+
+
+def default_dynamic_top_k(nodes: int, depth: int) -> int:
+    """K for "dynamic:N" without k=: 4 (bench/dynamic_trees: on the shipped SmolLM2 heads, K = 4 beat K = 2
+    and matched or beat K = 8 at 16 nodes), raised to the smallest K whose K + (D - 1) K^2 drafted candidates
+    hold the N nodes (64 nodes at depth 4 need K = 5), and never above N."""
+    if nodes < 1 or depth < 1:
+        return 1  # an invalid spec: DynamicTree says why
+    k = min(4, nodes)
+    while k + (depth - 1) * k * k < nodes:
+        k += 1
+    return k
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """A dynamic (EAGLE-2 style) draft tree: per step and per row, the drafter grows it D depths deep, expanding
+    the K children of the K best frontier nodes of each depth (by cumulative draft probability), then keeps the N
+    best of all drafted nodes (medusa_jax/heads/dynamic_tree.py). N counts the verified nodes without the root, as a
+    static tree's paths do: T = N + 1 tree tokens per row. Hashable: a static argument of the jitted loop."""
+
+    nodes: int  # N
+    top_k: int = 4  # K: frontier nodes per depth and children per expanded node
+    depth: int = DEFAULT_DYNAMIC_DEPTH  # D: drafting depths (the deepest accepted path)
+
+    def __post_init__(self):
+        for field in ("nodes", "top_k", "depth"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise TreeError(f"dynamic tree: {field} must be an integer >= 1, got {value!r}")
+        if self.nodes > self.num_candidates:
+            raise TreeError(f"dynamic tree {self.name}: keeps {self.nodes} nodes but drafts only {self.num_candidates} "
+                            f"(K + (D - 1) K^2 with K={self.top_k}, D={self.depth}); raise k or d")
+
+    @property
+    def name(self) -> str:
+        return f"{DYNAMIC_PREFIX}{self.nodes},k={self.top_k},d={self.depth}"
+
+    @property
+    def num_tokens(self) -> int:
+        """T: tree tokens verified per step, the root included."""
+        return self.nodes + 1
+
+    @property
+    def num_candidates(self) -> int:
+        """Drafted nodes reranked per step: the root's K children, then K x K children per further depth."""
+        return self.top_k + (self.depth - 1) * self.top_k ** 2
+
+    def to_json(self) -> dict:
+        """The trees.json form."""
+        return {"dynamic": {"nodes": self.nodes, "top_k": self.top_k, "depth": self.depth}}
+
+    @classmethod
+    def from_json(cls, entry, origin: str = "trees.json") -> "DynamicTree":
+        spec = entry.get("dynamic") if isinstance(entry, dict) and set(entry) == {"dynamic"} else None
+        if not isinstance(spec, dict) or "nodes" not in spec or set(spec) - {"nodes", "top_k", "depth"}:
+            raise TreeError(f"{origin}: a dynamic tree entry is {{\"dynamic\": {{\"nodes\": N, \"top_k\": K, "
+                            f"\"depth\": D}}}} (top_k and depth optional), got {entry!r}")
+        depth = spec.get("depth", DEFAULT_DYNAMIC_DEPTH)
+        top_k = spec.get("top_k", default_dynamic_top_k(spec["nodes"], depth)
+                         if isinstance(spec["nodes"], int) and isinstance(depth, int) else None)
+        try:
+            return cls(spec["nodes"], top_k, depth)
+        except TreeError as e:
+            raise TreeError(f"{origin}: {e}") from None
+
+    def check(self, num_heads: int | None = None, max_top_k: int | None = None) -> "DynamicTree":
+        if num_heads is not None and self.depth > num_heads:
+            raise TreeError(f"dynamic tree {self.name} drafts {self.depth} depths but there are only {num_heads} "
+                            f"Medusa heads")
+        if max_top_k is not None and self.top_k > max_top_k:
+            raise TreeError(f"dynamic tree {self.name} takes top-{self.top_k} but top-k is at most {max_top_k}")
+        return self
+
+
+def parse_dynamic_tree(text: str, num_heads: int | None = None, max_top_k: int | None = None) -> DynamicTree:
+    """ "dynamic:N" or "dynamic:N,k=K,d=D" (either suffix optional). Without d=, D = min(4, num_heads); without k=,
+    `default_dynamic_top_k`."""
+    if not text.startswith(DYNAMIC_PREFIX):
+        raise TreeError(f"{text!r}: a dynamic tree is written dynamic:N[,k=K,d=D]")
+    head, *options = text[len(DYNAMIC_PREFIX):].split(",")
+    values = {}
+    try:
+        values["nodes"] = int(head)
+        for option in options:
+            key, sep, value = option.strip().partition("=")
+            if not sep or key not in ("k", "d") or key in values:
+                raise ValueError(option)
+            values[key] = int(value)
+    except ValueError:
+        raise TreeError(f"{text!r}: a dynamic tree is written dynamic:N[,k=K,d=D] (integers)") from None
+    depth = values.get("d", DEFAULT_DYNAMIC_DEPTH if num_heads is None else min(DEFAULT_DYNAMIC_DEPTH, num_heads))
+    top_k = values.get("k", default_dynamic_top_k(values["nodes"], depth))
+    return DynamicTree(values["nodes"], top_k, depth).check(num_heads, max_top_k)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -156,10 +258,15 @@ def build_tree(choices: Sequence[Sequence[int]], *, name: str = "custom", num_he
     return TreeBuffers(name=name, paths=tuple(paths), top_k=top_k, depth=depth, **arrays)
 
 
-def load_tree(name_or_path: "str | os.PathLike | TreeBuffers", *, num_heads: int | None = None,
-              max_top_k: int | None = None) -> TreeBuffers:
-    """A preset name (see PRESETS), or a JSON file holding a list of paths or {"medusa_choices": [...]}.
-    A TreeBuffers passes through (checked against num_heads / max_top_k)."""
+def load_tree(name_or_path: "str | os.PathLike | TreeBuffers | DynamicTree", *, num_heads: int | None = None,
+              max_top_k: int | None = None) -> "TreeBuffers | DynamicTree":
+    """A preset name (see PRESETS), a dynamic tree "dynamic:N[,k=K,d=D]" (a DynamicTree), or a JSON file holding a
+    list of paths or {"medusa_choices": [...]}. A TreeBuffers or DynamicTree passes through (checked against
+    num_heads / max_top_k)."""
+    if isinstance(name_or_path, DynamicTree):
+        return name_or_path.check(num_heads, max_top_k)
+    if isinstance(name_or_path, str) and name_or_path.startswith(DYNAMIC_PREFIX):
+        return parse_dynamic_tree(name_or_path, num_heads, max_top_k)
     if isinstance(name_or_path, TreeBuffers):
         return build_tree(name_or_path.paths, name=name_or_path.name, num_heads=num_heads, max_top_k=max_top_k)
     key = str(name_or_path)
@@ -167,7 +274,8 @@ def load_tree(name_or_path: "str | os.PathLike | TreeBuffers", *, num_heads: int
         return build_tree(PRESETS[key], name=key, num_heads=num_heads, max_top_k=max_top_k)
     path = Path(key)
     if not path.is_file():
-        raise TreeError(f"unknown tree {key!r}: not a preset ({', '.join(PRESETS)}) and not a file")
+        raise TreeError(f"unknown tree {key!r}: not a preset ({', '.join(PRESETS)}), not {DYNAMIC_PREFIX}N and not "
+                        f"a file")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -9,7 +9,9 @@ the pick into the heads folder; decoding uses it unless a tree is given explicit
      "built": {"cpu": {...}}}                                         # how each backend's entry was made
 
 A list of paths is a `medusa_choices` tree; `[]` says no tree beats plain decoding at that batch: decode
-plainly. Resolution (`resolve_tree`) for a backend and batch size B:
+plainly; `{"dynamic": {"nodes": 16, "top_k": 4, "depth": 4}}` is a dynamic tree (`tree.DynamicTree`, grown per
+step from the drafter's probabilities; top_k and depth optional). Resolution (`resolve_tree`) for a backend and
+batch size B:
   - backend: the entry for it; an accelerator (gpu, tpu) without one uses the other accelerator's, then the
     cpu entry (verifying a tree is relatively cheaper on accelerators, so a tree that pays on a CPU pays
     there too); a cpu without a cpu entry decodes plainly (an accelerator's tree can be far too big for it);
@@ -26,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from medusa_jax.heads.tree import DEFAULT_TREE, TreeError, build_tree
+from medusa_jax.heads.tree import DEFAULT_TREE, DynamicTree, TreeError, build_tree
 
 FILE_NAME = "trees.json"
 FORMAT = "medusa-jax-trees"
@@ -42,17 +44,18 @@ class TreesFileError(TreeError):
 
 @dataclasses.dataclass(frozen=True)
 class HeadsTrees:
-    """A parsed trees.json: backend -> ((batch size, paths), ...) sorted by batch; `()` paths = no tree.
+    """A parsed trees.json: backend -> ((batch size, paths), ...) sorted by batch; `()` paths = no tree, a
+    DynamicTree in place of paths = a dynamic tree.
     Hashable (it rides on the heads module, a static part of jitted calls)."""
 
     origin: str  # the file, for messages (as given, e.g. relative)
-    trees: tuple[tuple[str, tuple[tuple[int, Paths], ...]], ...]
+    trees: tuple[tuple[str, tuple[tuple[int, "Paths | DynamicTree"], ...]], ...]
     text: str = dataclasses.field(default="", repr=False)  # the whole document (its "built" metadata)
 
     def backends(self) -> list[str]:
         return [backend for backend, _ in self.trees]
 
-    def batches(self, backend: str) -> dict[int, Paths]:
+    def batches(self, backend: str) -> "dict[int, Paths | DynamicTree]":
         return dict(dict(self.trees).get(backend, ()))
 
     def built(self, backend: str) -> dict:
@@ -63,24 +66,31 @@ class HeadsTrees:
         """Every tree fits heads with num_heads heads and head_vocab_size candidates per head."""
         for backend, batches in self.trees:
             for batch, paths in batches:
-                if paths:
+                if isinstance(paths, DynamicTree):
+                    try:
+                        paths.check(num_heads, head_vocab_size)
+                    except TreeError as e:
+                        raise TreesFileError(f"{self.origin}: {backend} batch {batch}: {e}") from None
+                elif paths:
                     _checked(paths, f"{self.origin}: {backend} batch {batch}", num_heads=num_heads,
                              max_top_k=head_vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeResolution:
-    """The tree to decode with and why. paths None: decode plainly; preset: a preset name instead of paths."""
+    """The tree to decode with and why. paths None: decode plainly; preset: a preset name instead of paths;
+    dynamic: a dynamic tree instead of paths."""
 
     paths: Paths | None
     note: str
     preset: str | None = None
     backend: str | None = None  # the trees.json entry used
     batch: int | None = None
+    dynamic: DynamicTree | None = None
 
     @property
     def plain(self) -> bool:
-        return self.paths is None and self.preset is None
+        return self.paths is None and self.preset is None and self.dynamic is None
 
 
 def _checked(paths, name: str, **limits):
@@ -126,8 +136,15 @@ def parse_trees(document, origin: str) -> HeadsTrees:
             if batch < 1 or str(batch) != str(key):
                 raise TreesFileError(f"{origin}: trees[{backend!r}] has batch size {key!r}; batch sizes are "
                                      f"integers >= 1")
+            if isinstance(paths, dict):
+                try:
+                    entries.append((batch, DynamicTree.from_json(paths, f"{origin}: trees[{backend!r}][{key!r}]")))
+                except TreeError as e:
+                    raise TreesFileError(str(e)) from None
+                continue
             if not isinstance(paths, list):
-                raise TreesFileError(f"{origin}: trees[{backend!r}][{key!r}] must be a list of paths, or [] for "
+                raise TreesFileError(f"{origin}: trees[{backend!r}][{key!r}] must be a list of paths, a dynamic "
+                                     f"tree {{\"dynamic\": {{\"nodes\": N}}}}, or [] for "
                                      f"plain decoding")
             tree = _checked(paths, f"{origin}: trees[{backend!r}][{key!r}]") if paths else None
             entries.append((batch, tree.paths if tree else ()))
@@ -152,12 +169,14 @@ def read_trees_file(path: str | os.PathLike) -> HeadsTrees | None:
     return parse_trees(document, str(path))
 
 
-def trees_document(existing: HeadsTrees | None, backend: str, batches: dict[int, Sequence[Sequence[int]]],
-                   built: dict) -> dict:
-    """The trees.json content after replacing `backend`'s entry (other backends are kept)."""
+def trees_document(existing: HeadsTrees | None, backend: str,
+                   batches: "dict[int, Sequence[Sequence[int]] | DynamicTree]", built: dict) -> dict:
+    """The trees.json content after replacing `backend`'s entry (other backends are kept); a batch's entry is a
+    list of paths ([] for plain decoding) or a DynamicTree."""
     document = json.loads(existing.text) if existing is not None and existing.text else {}
     trees = dict(document.get("trees", {}))
-    trees[backend] = {str(b): [list(p) for p in batches[b]] for b in sorted(batches)}
+    trees[backend] = {str(b): batches[b].to_json() if isinstance(batches[b], DynamicTree)
+                      else [list(p) for p in batches[b]] for b in sorted(batches)}
     all_built = dict(document.get("built", {}))
     all_built[backend] = built
     document = {"format": FORMAT, "version": VERSION, "trees": trees, "built": all_built}
@@ -165,7 +184,7 @@ def trees_document(existing: HeadsTrees | None, backend: str, batches: dict[int,
     return document
 
 
-def _pick_batch(batches: dict[int, Paths], batch_size: int) -> int:
+def _pick_batch(batches: dict, batch_size: int) -> int:
     smaller = [b for b in batches if b <= batch_size]
     return max(smaller) if smaller else min(batches)
 
@@ -186,6 +205,9 @@ def resolve_tree(trees: HeadsTrees | None, backend: str, batch_size: int) -> Tre
     where = f"{chosen} batch {batch}" + ("" if chosen == backend else f", used for {backend}") + (
         "" if batch == batch_size else f", used for batch {batch_size}")
     paths = batches[batch]
+    if isinstance(paths, DynamicTree):
+        return TreeResolution(None, f"the heads' dynamic tree {paths.name} ({where})", backend=chosen, batch=batch,
+                              dynamic=paths)
     if not paths:
         return TreeResolution(None, f"plain decoding: the heads' trees say no tree pays ({where})",
                               backend=chosen, batch=batch)

@@ -126,12 +126,18 @@ def move_slots(cache: KVCache, src_bt: jax.Array, dst_bt: jax.Array) -> KVCache:
 
 def attention_mask(lengths_b: jax.Array, block_mask_tt: jax.Array, cache_size: int) -> jax.Array:
     """[B, T, S] bool: new token t of row b sees every committed slot (< lengths[b]) and, inside its own
-    block of T slots starting at lengths[b], the slots that block_mask_tt[t] allows (causal or tree)."""
-    num_new = block_mask_tt.shape[0]
+    block of T slots starting at lengths[b], the slots that block_mask_tt[t] allows (causal or tree).
+    block_mask_tt is one [T, T] mask for every row, or per row [B, T, T] (a dynamic tree's)."""
+    num_new = block_mask_tt.shape[-1]
     slot_s = jnp.arange(cache_size, dtype=jnp.int32)
     rel_bs = slot_s[None, :] - lengths_b[:, None]  # slot index relative to the row's block start
     committed_bs = rel_bs < 0
     in_block_bs = (rel_bs >= 0) & (rel_bs < num_new)
+    if block_mask_tt.ndim == 3:  # per row: [b, t, s] = block_mask_btt[b, t, rel_bs[b, s]]
+        index_bts = jnp.broadcast_to(jnp.clip(rel_bs, 0, num_new - 1)[:, None, :],
+                                     (rel_bs.shape[0], num_new, cache_size))
+        block_bts = jnp.take_along_axis(block_mask_tt, index_bts, axis=2)
+        return committed_bs[:, None, :] | (in_block_bs[:, None, :] & block_bts)
     block_bts = jnp.take(block_mask_tt, jnp.clip(rel_bs, 0, num_new - 1), axis=1).transpose(1, 0, 2)
     return committed_bs[:, None, :] | (in_block_bs[:, None, :] & block_bts)
 
