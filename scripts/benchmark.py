@@ -85,6 +85,10 @@ def mtbench_main(argv: list[str]) -> int:
                    help="tree preset name or tree JSON file (default: the heads' own tree for this backend and each "
                         "batch size, from their trees.json built by scripts/build_tree.py, plain decoding where it "
                         "says no tree pays; the mc_sim_7b_16 preset for heads without trees.json)")
+    p.add_argument("--calibration", default=None, choices=("auto", "redo", "skip"),
+                   help="without --tree: auto times this machine's steps on first use (cached) to choose the heads' "
+                        "tree, redo times them again, skip takes the shipped trees.json as it is (default: "
+                        "$MEDUSA_JAX_CALIBRATION, else auto)")
     p.add_argument("--questions", type=int, default=16,
                    help="MT-Bench first turns to run, taking the 8 categories in turn (default: %(default)s)")
     p.add_argument("--question-file", default=None,
@@ -126,7 +130,7 @@ def mtbench_main(argv: list[str]) -> int:
         config = BenchmarkConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, tree=a.tree, hf=a.hf,
                                  batched_sizes=a.batched_sizes, sweep_sizes=a.sweep_sizes,
                                  sweep_questions=a.sweep_questions, profile=not a.no_profile,
-                                 hf_threads=a.hf_threads)
+                                 hf_threads=a.hf_threads, calibration=a.calibration)
     except ValueError as e:
         p.error(str(e))
     if a.questions < 1:
