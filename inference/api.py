@@ -25,6 +25,7 @@ prompts; each feeds only the rows its devices hold (`sharded.put_rows`) and all 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -38,8 +39,10 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.dynamic_tree import scratch_slots
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers, load_tree
+from medusa_jax.heads.tree import DynamicTree, TreeBuffers, build_tree, load_tree
+from medusa_jax.heads.trees_file import resolve_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.calibration import Calibrated, calibrated_paths, check_mode
 from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_prompts, pad_prompts,
                                          resolve_eos)
 from medusa_jax.inference.medusa import ChosenTree, Proposer, choose_tree
@@ -69,11 +72,16 @@ class BatchSettings:
     bucket: int = 2 * PROMPT_BUCKET  # prompt widths are bucket * 2**k (engine.bucket_length)
     cache_size: int | None = None  # KV cache slots per row; None: sized per prompt width (engine.cache_size_for)
     engine: str = "auto"  # "batches" (sorted), "refill" (plain decoding on one device) or "auto" (`uses_refill`)
+    # HEADS_TREE only: "auto" (step costs measured on this machine on first use, then cached), "redo" (measured
+    # again), "skip" (the shipped trees.json as it is); None: $MEDUSA_JAX_CALIBRATION or "auto" (`calibration`)
+    calibration: str | None = None
 
     def __post_init__(self):
         if isinstance(self.tree, str) and self.tree != HEADS_TREE:
             raise ValueError(f"tree must be TreeBuffers, None (plain), a DynamicTree or {HEADS_TREE!r}, got "
                              f"{self.tree!r}")
+        if self.calibration is not None:
+            check_mode(self.calibration)
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1 or self.bucket < 1:
@@ -174,9 +182,11 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     if settings.tree is not None and not model.has_heads:
         raise ValueError("Medusa decoding (a tree was given) needs a ShardedModel built with heads")
     chosen = None
-    if settings.tree is not None:
-        chosen = choose_tree(model.heads_config, model.heads_trees, settings.batch_size,
-                             None if settings.tree == HEADS_TREE else settings.tree)
+    if settings.tree == HEADS_TREE:
+        chosen = choose_heads_tree(model, settings.batch_size, settings.calibration, progress)
+    elif settings.tree is not None:
+        chosen = choose_tree(model.heads_config, model.heads_trees, settings.batch_size, settings.tree)
+    if chosen is not None:
         settings = dataclasses.replace(settings, tree=chosen.tree)
     model.check_batch_size(settings.batch_size)
     check_prompts(prompts, model.config.max_position_embeddings, settings.max_new_tokens)
@@ -223,6 +233,29 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     seconds = time.perf_counter() - start
     return BatchRun(results, seconds, min(run_compiles.compile_seconds, seconds), len(plan), len(shapes), chosen,
                     run_compiles)
+
+
+def choose_heads_tree(model: ShardedModel, batch_size: int, calibration: str | None = None,
+                      progress: bool = True) -> ChosenTree:
+    """The heads' own tree for this batch size: calibrated on this machine (`inference.calibration`; measured
+    on first use, then cached) unless `calibration` is "skip" or the heads / the mesh do not allow it; then the
+    shipped trees.json's choice (`medusa.choose_tree`), which also stands where it names a dynamic tree. The tree
+    may be None: decode plainly."""
+    mode = check_mode(calibration)
+    trees = model.heads_trees
+    # calibration prices static trees only: a dynamic tree that trees.json names for this batch size stands
+    shipped_dynamic = trees is not None and resolve_tree(trees, jax.default_backend(), batch_size).dynamic is not None
+    if mode != "skip" and trees is not None and not shipped_dynamic:
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else None
+        result = calibrated_paths(model, trees, jax.default_backend(), batch_size, mode, progress=say)
+        if isinstance(result, Calibrated):
+            if not result.paths:
+                return ChosenTree(None, result.note)
+            config = model.heads_config
+            tree = build_tree(result.paths, name=f"calibrated_batch{batch_size}", num_heads=config.num_heads,
+                              max_top_k=config.head_vocab_size)
+            return ChosenTree(tree, result.note)
+    return choose_tree(model.heads_config, trees, batch_size)
 
 
 def uses_refill(model: ShardedModel, settings: BatchSettings, num_prompts: int, proposer: Proposer | None = None
