@@ -28,9 +28,10 @@ from medusa_jax.paths import portable_path
 from medusa_jax.heads.tree import MC_SIM_7B_63, PRESETS, TreeBuffers, TreeError, build_tree, load_tree
 from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree, trees_of
 from medusa_jax.inference import step_cost as whole_step
-from medusa_jax.inference.api import generate, generate_medusa
+from medusa_jax.inference.api import choose_heads_tree, generate, generate_medusa
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 from medusa_jax.inference.medusa import ChosenTree, choose_tree
+from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.bench import step_cost
 from medusa_jax.bench.bench_inputs import LoadedModel
 from medusa_jax.bench.decode_benchmark import TorchGenerate
@@ -50,6 +51,7 @@ class BenchmarkConfig:
     sweep_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)  # tree sizes (nodes) for the speedup-vs-size plot
     sweep_questions: int = 2  # questions per sweep size
     profile: bool = True  # time each piece of a Medusa step (step_cost.piece_seconds) at batch 1
+    calibration: str | None = None  # tree None: how the heads' own tree is chosen (`inference.calibration`)
 
     def __post_init__(self):
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.sweep_questions < 0:
@@ -207,7 +209,10 @@ def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], con
     if loaded.heads is None:
         raise ValueError("the benchmark needs Medusa heads")
     heads_cfg, heads_trees = loaded.heads.config, trees_of(loaded.heads)
-    chosen = choose_tree(heads_cfg, heads_trees, config.batch_size, config.tree)
+    if config.tree is None:  # the heads' own tree, calibrated on this machine unless told to skip
+        chosen = choose_heads_tree(ShardedModel(loaded.base, loaded.heads), config.batch_size, config.calibration)
+    else:
+        chosen = choose_tree(heads_cfg, heads_trees, config.batch_size, config.tree)
     tree = chosen.tree  # None: the heads' trees say no tree pays at this batch size; "medusa" runs plain
     progress(f"tree: {chosen.note}")
     prompts = loaded.encode_chat([q.first_turn for q in questions])

@@ -36,6 +36,7 @@ from medusa_jax.bench.tree_builder import BuildTreeConfig, heldout_prompts
 class CompareConfig:
     max_new_tokens: int = 128
     tree_sizes: tuple[int, ...] = (4, 16, 64)  # nodes (root excluded) of the counted trees
+    chains: tuple[int, ...] = (3, 5)  # chain trees [[0], [0, 0], ...] of these lengths, counted too
     batch_sizes: tuple[int, ...] = (1, 4)  # timed batch sizes
     timed_nodes: int = 4  # tree for timing heads that carry no trees.json
     heldout: int = 24
@@ -80,6 +81,23 @@ def count_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, 
         rows.append({"nodes": len(order), "tokens_per_step": run.tokens_per_step, "mismatches": mismatches,
                      "predicted_tokens_per_step": tree_choice.expected_tokens_per_step(
                          [p for p, _ in order], accuracy_mr)})
+    return rows
+
+
+def count_chain_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, prompts, reference,
+                                config: CompareConfig) -> list[dict]:
+    """Greedy decoding with the chain trees [[0], [0, 0], ...] of each length in `config.chains` that the heads
+    reach (a chain of L nodes needs L heads or drafting depths): tokens/step and mismatches."""
+    model = ShardedModel(loaded.base, heads)
+    rows = []
+    for length in config.chains:
+        if length < 1 or length > heads.config.num_heads:
+            continue
+        tree = build_tree([[0] * depth for depth in range(1, length + 1)], name=f"chain_{length}")
+        run = generate_batch(model, prompts, _settings(loaded, config, min(config.count_batch, len(prompts)), tree),
+                             progress=False)
+        rows.append({"chain": length, "tokens_per_step": run.tokens_per_step,
+                     "mismatches": sum(a != b for a, b in zip(_tokens(run), reference))})
     return rows
 
 
@@ -135,34 +153,40 @@ def compare(loaded: LoadedModel, heads_by_label: dict[str, tuple[MedusaHeads, st
         counted = count_tokens_per_step(loaded, heads, acc.accuracy_mr, prompts, reference, config)
         progress(f"{label}: tokens/step " + ", ".join(f"{r['nodes']} nodes {r['tokens_per_step']:.2f}"
                                                       for r in counted))
+        chains = count_chain_tokens_per_step(loaded, heads, prompts, reference, config)
+        if chains:
+            progress(f"{label}: chains " + ", ".join(f"{r['chain']} {r['tokens_per_step']:.2f}" for r in chains))
         timed = time_speedup(loaded, heads, acc.accuracy_mr, prompts, config) if config.batch_sizes else []
         for r in timed:
             progress(f"{label}: batch {r['batch']} speedup x{r['speedup']:.2f} ({r['tree']})")
         results["heads"][label] = {
             "origin": origin, "head_type": type(heads).__name__, "num_heads": heads.config.num_heads,
             "heldout_top1": acc.top1_m.tolist(), "heldout_top5": top5.tolist(),
-            "positions_per_head": acc.positions_m.tolist(), "tree_sizes": counted, "timed": timed}
+            "positions_per_head": acc.positions_m.tolist(), "tree_sizes": counted, "chains": chains, "timed": timed}
     return results
 
 
 def markdown(results: dict, command: str, machine: str) -> str:
     heads = results["heads"]
     sizes = sorted({r["nodes"] for h in heads.values() for r in h["tree_sizes"]})
+    chains = sorted({r["chain"] for h in heads.values() for r in h.get("chains", [])})
     batches = sorted({r["batch"] for h in heads.values() for r in h["timed"]})
     lines = [f"Command: `{command}`", machine,
              f"{results['questions']} MT-Bench first turns, greedy, at most {results['config']['max_new_tokens']} "
              f"new tokens; held-out accuracy on {results['heldout']}.", "",
-             "| " + " | ".join(["heads", "held-out top-1 per head", "top-5 per head"]
-                               + [f"tokens/step @{n}" for n in sizes] + [f"speedup b{b}" for b in batches]
-                               + ["mismatches"]) + " |",
-             "|---" * (4 + len(sizes) + len(batches)) + "|"]
+             "| " + " | ".join(["heads", "held-out top-1 per head (depth)", "top-5 per head"]
+                               + [f"tokens/step @{n}" for n in sizes] + [f"chain of {c}" for c in chains]
+                               + [f"speedup b{b}" for b in batches] + ["mismatches"]) + " |",
+             "|---" * (4 + len(sizes) + len(chains) + len(batches)) + "|"]
     for label, h in heads.items():
         tps = {r["nodes"]: r["tokens_per_step"] for r in h["tree_sizes"]}
+        chain = {r["chain"]: r["tokens_per_step"] for r in h.get("chains", [])}
         spd = {r["batch"]: r["speedup"] for r in h["timed"]}
-        bad = sum(r["mismatches"] for r in h["tree_sizes"]) + sum(r["mismatches"] for r in h["timed"])
+        bad = sum(r["mismatches"] for key in ("tree_sizes", "chains", "timed") for r in h.get(key, []))
         cells = ([label, " / ".join(f"{a:.2f}" for a in h["heldout_top1"]),
                   " / ".join(f"{a:.2f}" for a in h["heldout_top5"])]
                  + [f"{tps[n]:.2f}" if n in tps else "-" for n in sizes]
+                 + [f"{chain[c]:.2f}" if c in chain else "-" for c in chains]
                  + [f"{spd[b]:.2f}x" if b in spd else "-" for b in batches] + [str(bad)])
         lines.append("| " + " | ".join(cells) + " |")
     if not batches:

@@ -25,6 +25,7 @@ import numpy as np
 
 from medusa_jax.heads.tree import build_tree
 from medusa_jax.inference import step_cost, tree_choice
+from medusa_jax.inference.calibration import pick_for_batch
 from medusa_jax.training.sharegpt import read_conversations
 from medusa_jax.bench import head_accuracy
 from medusa_jax.bench.bench_inputs import LoadedModel, machine_description
@@ -85,35 +86,6 @@ def heldout_prompts(loaded: LoadedModel, config: BuildTreeConfig) -> tuple[list[
         raise ValueError(f"{report.source}: no usable prompt of at most {config.max_prompt_tokens} tokens")
     name = Path(str(report.source)).name  # no local paths in what build_tree writes
     return prompts, f"last {len(prompts)} usable conversations of {name} ({report.kept} kept)"
-
-
-def pick_for_batch(accuracy_mr, costs: step_cost.StepCostTable, max_nodes: int, min_speedup: float,
-                   per_sequence_smr=None) -> tuple[tuple[tuple[int, ...], ...], dict]:
-    """The tree for one batch size from its measured step costs: the greedy tree with the most expected tokens
-    per second, or () ("decode plainly") when its predicted speedup over a plain step is below min_speedup.
-    Returns (paths, the record build_tree stores for that batch)."""
-    # step time cannot fall as the tree grows: fit the measured (noisy) times with a non-decreasing curve
-    fitted = tuple(tree_choice.nondecreasing_fit(costs.medusa_seconds))
-    cost = tree_choice.StepCost(costs.num_tree_tokens, fitted)
-    choice = tree_choice.choose_tree(accuracy_mr, cost, min(max_nodes, cost.max_tokens - 1))
-    if per_sequence_smr is not None:  # a batch waits for its slowest row: sized on per-sequence predictions
-        choice = tree_choice.rescore_for_batch(choice, per_sequence_smr, costs.batch, cost)
-    speedup_by_size = [tps * costs.plain_seconds for tps in choice.tokens_per_second]
-    speedup = speedup_by_size[choice.best_num_nodes - 1]
-    paths = choice.paths if speedup >= min_speedup else ()
-    record = {
-        "num_nodes": len(paths),
-        "best_num_nodes": choice.best_num_nodes,
-        "predicted_tokens_per_step": choice.predicted_tokens_per_step if paths else 1.0,
-        "predicted_speedup_vs_plain": speedup if paths else 1.0,
-        "best_tree_predicted_speedup": speedup,
-        "plain_step_seconds": costs.plain_seconds,
-        "step_seconds": {"tree_tokens": list(costs.num_tree_tokens), "measured": list(costs.medusa_seconds),
-                         "fitted": list(fitted)},
-        "predicted_speedup_by_size": [None if np.isnan(x) else x for x in speedup_by_size],
-        "cache_size": costs.cache_size,
-    }
-    return paths, record
 
 
 def build(loaded: LoadedModel, config: BuildTreeConfig,

@@ -26,6 +26,7 @@ prompts; each feeds only the rows its devices hold (`sharded.put_rows`) and all 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -38,8 +39,9 @@ from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.tree import TreeBuffers, load_tree
+from medusa_jax.heads.tree import TreeBuffers, build_tree, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.calibration import Calibrated, calibrated_paths, check_mode
 from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_prompts, pad_prompts,
                                          resolve_eos, round_up)
 from medusa_jax.inference.medusa import ChosenTree, Proposer, choose_tree
@@ -69,10 +71,15 @@ class BatchSettings:
     bucket: int = 2 * PROMPT_BUCKET  # prompt widths are bucket * 2**k (engine.bucket_length)
     cache_size: int | None = None  # KV cache slots per row; None: sized per prompt width (engine.cache_size_for)
     engine: str = "auto"  # "batches" (sorted), "refill" (plain decoding on one device) or "auto" (`uses_refill`)
+    # HEADS_TREE only: "auto" (step costs measured on this machine on first use, then cached), "redo" (measured
+    # again), "skip" (the shipped trees.json as it is); None: $MEDUSA_JAX_CALIBRATION or "auto" (`calibration`)
+    calibration: str | None = None
 
     def __post_init__(self):
         if isinstance(self.tree, str) and self.tree != HEADS_TREE:
             raise ValueError(f"tree must be TreeBuffers, None (plain) or {HEADS_TREE!r}, got {self.tree!r}")
+        if self.calibration is not None:
+            check_mode(self.calibration)
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1 or self.bucket < 1:
@@ -173,9 +180,11 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     if settings.tree is not None and not model.has_heads:
         raise ValueError("Medusa decoding (a tree was given) needs a ShardedModel built with heads")
     chosen = None
-    if settings.tree is not None:
-        chosen = choose_tree(model.heads_config, model.heads_trees, settings.batch_size,
-                             None if settings.tree == HEADS_TREE else settings.tree)
+    if settings.tree == HEADS_TREE:
+        chosen = choose_heads_tree(model, settings.batch_size, settings.calibration, progress)
+    elif settings.tree is not None:
+        chosen = choose_tree(model.heads_config, model.heads_trees, settings.batch_size, settings.tree)
+    if chosen is not None:
         settings = dataclasses.replace(settings, tree=chosen.tree)
     # on a mesh every batch is padded up to a multiple of its data x fsdp rows with filler rows (copies of the
     # batch's first prompt, dropped from the results; greedy fillers finish with the row they copy)
@@ -224,6 +233,26 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     seconds = time.perf_counter() - start
     return BatchRun(results, seconds, min(run_compiles.compile_seconds, seconds), len(plan), len(shapes), chosen,
                     run_compiles)
+
+
+def choose_heads_tree(model: ShardedModel, batch_size: int, calibration: str | None = None,
+                      progress: bool = True) -> ChosenTree:
+    """The heads' own tree for this batch size: calibrated on this machine (`inference.calibration`; measured
+    on first use, then cached) unless `calibration` is "skip" or the heads / the mesh do not allow it; then the
+    shipped trees.json's choice (`medusa.choose_tree`). The tree may be None: decode plainly."""
+    mode = check_mode(calibration)
+    trees = model.heads_trees
+    if mode != "skip" and trees is not None:
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else None
+        result = calibrated_paths(model, trees, jax.default_backend(), batch_size, mode, progress=say)
+        if isinstance(result, Calibrated):
+            if not result.paths:
+                return ChosenTree(None, result.note)
+            config = model.heads_config
+            tree = build_tree(result.paths, name=f"calibrated_batch{batch_size}", num_heads=config.num_heads,
+                              max_top_k=config.head_vocab_size)
+            return ChosenTree(tree, result.note)
+    return choose_tree(model.heads_config, trees, batch_size)
 
 
 def uses_refill(model: ShardedModel, settings: BatchSettings, num_prompts: int, proposer: Proposer | None = None

@@ -1,10 +1,12 @@
-"""What Medusa heads buy on text: our Medusa decode vs our plain decode. One entry point, four modes:
+"""What Medusa heads buy on text: our Medusa decode vs our plain decode. One entry point, five modes:
 
   benchmark.py [flags]                MT-Bench, greedy (below); with --temperatures, sampling (below)
   benchmark.py quick [flags]          four fixed prompts, every tree preset, with the heads and with an oracle
                                       that plants the true continuation (this tree's upper bound); no files
   benchmark.py heads --heads L=DIR... several heads side by side: held-out top-1/top-5, tokens/step at
                                       4/16/64 tree nodes, wall-clock speedup at batch 1 and 4 (bench/heads)
+  benchmark.py calibration [flags]    the tree chooser (calibrated on this machine, and as shipped) at batch
+                                      1/4/8: its predictions against measured MT-Bench speedups (bench/calibration)
   benchmark.py teacher-mass [flags]   how much of the base model's next-token mass a truncated head
                                       (--lm-head truncated:N) cannot represent, on a self-distilled store
 `benchmark.py MODE --help` explains each mode's flags. Batch throughput, step scaling and the plain-decode
@@ -41,7 +43,7 @@ from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.tree import PRESETS, TreeError
 from medusa_jax.training.distill_store import is_store
-from medusa_jax.bench import heads_comparison, quick, teacher_mass
+from medusa_jax.bench import calibration_report, heads_comparison, quick, teacher_mass
 from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,
                                            mtbench_questions, write_files)
 from medusa_jax.bench.bench_report import machine_line, write_report
@@ -76,6 +78,10 @@ def mtbench_main(argv: list[str]) -> int:
                    help="tree preset name or tree JSON file (default: the heads' own tree for this backend and each "
                         "batch size, from their trees.json built by scripts/build_tree.py, plain decoding where it "
                         "says no tree pays; the mc_sim_7b_16 preset for heads without trees.json)")
+    p.add_argument("--calibration", default=None, choices=("auto", "redo", "skip"),
+                   help="without --tree: auto times this machine's steps on first use (cached) to choose the heads' "
+                        "tree, redo times them again, skip takes the shipped trees.json as it is (default: "
+                        "$MEDUSA_JAX_CALIBRATION, else auto)")
     p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns to run, taking the 8 categories in turn (default: %(default)s)")
     p.add_argument("--question-file", default=None,
@@ -119,7 +125,7 @@ def mtbench_main(argv: list[str]) -> int:
         config = BenchmarkConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, tree=a.tree, hf=a.hf,
                                  batched_sizes=a.batched_sizes, sweep_sizes=a.sweep_sizes,
                                  sweep_questions=a.sweep_questions, profile=not a.no_profile,
-                                 hf_threads=a.hf_threads)
+                                 hf_threads=a.hf_threads, calibration=a.calibration)
     except ValueError as e:
         p.error(str(e))
     try:
@@ -251,6 +257,9 @@ def heads_main(argv: list[str]) -> int:
     p.add_argument("--tree-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=d.tree_sizes,
                    help="nodes of the greedy trees whose tokens/step is counted (default: %s)"
                         % ",".join(map(str, d.tree_sizes)))
+    p.add_argument("--chains", check=each_or_none(at_least(1)), type=parse_int_list, default=d.chains,
+                   help="lengths of the chain trees ([[0], [0, 0], ...]) whose tokens/step is counted, where the heads "
+                        "reach that deep; '' for none (default: %s)" % ",".join(map(str, d.chains)))
     p.add_argument("--batch-sizes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.batch_sizes,
                    help="timed batch sizes, plain vs Medusa; '' for none (default: %s)" % ",".join(map(str, d.batch_sizes)))
     p.add_argument("--timed-nodes", check=at_least(1), type=int, default=d.timed_nodes,
@@ -277,7 +286,8 @@ def heads_main(argv: list[str]) -> int:
             p.error(f"--heads: label {label!r} given twice")
         labels[label] = folder
     try:
-        config = CompareConfig(max_new_tokens=a.max_new_tokens, tree_sizes=a.tree_sizes, batch_sizes=a.batch_sizes,
+        config = CompareConfig(max_new_tokens=a.max_new_tokens, tree_sizes=a.tree_sizes, chains=a.chains,
+                               batch_sizes=a.batch_sizes,
                                timed_nodes=a.timed_nodes, heldout=a.heldout, data=a.data,
                                continuation_tokens=a.continuation_tokens)
     except ValueError as e:
@@ -305,7 +315,47 @@ def heads_main(argv: list[str]) -> int:
     return 0
 
 
-MODES = {"quick": quick_main, "teacher-mass": teacher_mass_main, "heads": heads_main}
+def calibration_main(argv: list[str]) -> int:
+    """`benchmark.py calibration`: bench/calibration_report.py."""
+    p = ArgumentParser(prog="benchmark.py calibration", description=calibration_report.__doc__,
+                       epilog="Example (bench/calibration):\n  python scripts/benchmark.py calibration --model "
+                              "default --heads default --batch-sizes 1,4,8 --questions 16 --fresh "
+                              "--out bench/calibration")
+    p.add_argument("--model", default="default", help="HF model folder, or 'default' for SmolLM2-135M-Instruct")
+    p.add_argument("--heads", default="default", help="heads folder with a trees.json, or 'default'")
+    p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(1, 4, 8),
+                   help="batch sizes to choose a tree for and time (default: 1,4,8)")
+    p.add_argument("--questions", check=at_least(1), type=int, default=16,
+                   help="MT-Bench first turns (default: %(default)s)")
+    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=96,
+                   help="new tokens per answer at most (default: %(default)s)")
+    p.add_argument("--fresh", action="store_true",
+                   help="time the steps again instead of reading this machine's cached calibration (as on first use)")
+    p.add_argument("--question-file", default=None, help="JSONL of MT-Bench-style questions (default: MT-Bench)")
+    p.add_argument("--out", required=True, help="folder for calibration.json and calibration.md (no default: the "
+                                                "committed bench/calibration is written only when named here)")
+    a = p.parse_args(argv)
+    try:
+        check_out(a, heads=a.heads)
+    except validate.UsageError as e:
+        p.error(str(e))
+    try:
+        validate.heads_arg("--heads", a.heads)
+        loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+    except (OSError, ValueError) as e:
+        return validate.fail(e)
+    prompts = loaded.encode_chat([q.turns[0] for q in mtbench_questions(a.questions, a.question_file)])
+    results = calibration_report.run(loaded, prompts, a.batch_sizes, a.max_new_tokens, a.fresh)
+    command, machine = command_line("scripts/benchmark.py calibration", argv), machine_description()
+    out = Path(a.out)
+    write_files(out, {"calibration.json": json.dumps({"command": command, "machine": machine, **results}, indent=1)
+                      + "\n", "calibration.md": calibration_report.markdown(results, command, machine_line(machine))})
+    print((out / "calibration.md").read_text())
+    return 0
+
+
+MODES = {"quick": quick_main, "teacher-mass": teacher_mass_main, "heads": heads_main,
+         "calibration": calibration_main}
 
 
 if __name__ == "__main__":

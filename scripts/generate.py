@@ -60,6 +60,13 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
                         f"medusa_choices paths; needs --heads (default: the heads' own tree for this backend and "
                         f"--batch-size from their trees.json (scripts/build_tree.py), which may be plain decoding "
                         f"where no tree pays; {DEFAULT_TREE} for heads without trees.json)")
+    p.add_argument("--calibration", default=None, choices=("auto", "redo", "skip"),
+                   help="without --tree, how the heads' own tree is chosen: auto times the plain and tree steps on "
+                        "this machine the first time (seconds; cached per machine, model, heads and batch size "
+                        "under $MEDUSA_JAX_CACHE/calibration) and picks the tree with the most predicted tokens/s "
+                        "from the accuracy stored with the heads, or plain decoding where no tree pays; redo times "
+                        "again; skip takes the shipped trees.json as it is (default: $MEDUSA_JAX_CALIBRATION, else "
+                        "auto)")
     p.add_argument("--acceptance", default=None, choices=("greedy", "exact", "typical"),
                    help="Medusa acceptance: greedy (output identical to plain greedy decoding; needs "
                         "--temperature 0), exact (lossless sampling: the output has exactly the distribution of "
@@ -70,8 +77,8 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.heads is None:
-        if a.tree is not None or a.acceptance is not None:
-            p.error("--tree and --acceptance need --heads (Medusa decoding)")
+        if a.tree is not None or a.acceptance is not None or a.calibration is not None:
+            p.error("--tree, --acceptance and --calibration need --heads (Medusa decoding)")
         return
 
     try:
@@ -167,7 +174,7 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
         acceptance = acceptance_config(a)
     settings = BatchSettings(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, tree=tree,
                              acceptance=acceptance, sampling=sampling_config(a), seed=a.seed, eos_ids=tuple(eos),
-                             pad_id=pad_token_id(tokenizer, eos))
+                             pad_id=pad_token_id(tokenizer, eos), calibration=a.calibration)
     with CompileCounter() as compiles, heartbeat("generating", enabled=not a.input):
         rows, run = generate_rows(model, tokenizer, records, settings, chat=a.chat, progress=bool(a.input))
     rows = [{**row, **compiles.summary()} for row in rows]

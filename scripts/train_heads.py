@@ -162,6 +162,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise fail("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
     if args.distill_kl and not args.medusa2:
         raise fail("--distill-kl trains the backbone: it needs --medusa2")
+    if args.head_type == "eagle" and args.cache_hidden:
+        raise fail("--head-type eagle reads the hidden states of every position: give a feature store "
+                   "(scripts/build_features.py) as --data instead of --cache-hidden")
     if args.eagle_feature_weight + args.eagle_ce_weight == 0:
         raise fail("--eagle-feature-weight and --eagle-ce-weight are both 0: nothing to train; make one > 0")
     weights = {"ce": (args.ce_weight,), "kl": (args.kl_weight,), "ce+kl": (args.ce_weight, args.kl_weight)}

@@ -10,6 +10,8 @@ import pytest
 # CLIs run inside the tests must not fill the user's persistent compilation cache (tests that check the cache
 # point MEDUSA_JAX_COMPILE_CACHE at a folder of their own)
 os.environ.setdefault("MEDUSA_JAX_COMPILE_CACHE", "0")
+# nor time step costs to calibrate the heads' trees on first use (tests of calibration ask for it explicitly)
+os.environ.setdefault("MEDUSA_JAX_CALIBRATION", "skip")
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

@@ -68,13 +68,19 @@ def main_meshes(model_dir: str, out: str) -> None:
         shape = head.input_proj.kernel.shape
         head.input_proj.kernel[...] = jax.numpy.asarray(np.random.RandomState(2).normal(0, 0.3, shape), "float32")
     ref_hydra = generate_medusa(base0, hydra, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos)
+    eagle = init_heads(dataclasses.replace(heads_cfg, head_type="eagle", lm_head="shared"), base0, seed=1)
+    rng = np.random.RandomState(3)  # varied drafts
+    for lin in [eagle.fc] + [getattr(eagle.layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]:
+        lin.kernel[...] = jax.numpy.asarray(rng.normal(0, 0.3, lin.kernel.shape), "float32")
+    ref_eagle = generate_medusa(base0, eagle, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos)
     ref_exact = generate_medusa(base0, heads, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos,
                                 acceptance=EXACT, seed=5)
     report = {"eos": list(eos), "reference": {
         "plain": [{"tokens": r.token_ids, "steps": r.steps} for r in ref_plain],
         "medusa": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_medusa],
         "exact": [r.token_ids for r in ref_exact],
-        "hydra": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_hydra]},
+        "hydra": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_hydra],
+        "eagle": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_eagle]},
         "meshes": {}}
     settings = BatchSettings(batch_size=8, max_new_tokens=MAX_NEW, eos_ids=eos, bucket=BUCKET)
     for data, tensor in ((1, 1), (8, 1), (2, 4), (1, 8)):
@@ -87,9 +93,10 @@ def main_meshes(model_dir: str, out: str) -> None:
                  "k_sharding": [list(a) if isinstance(a, tuple) else a
                                 for a in model.cache_sharding(8, 64).k_bkhs[0].spec],
                  "q_proj_shards": len(base.layers[0].self_attn.q_proj.kernel[...].addressable_shards)}
-        if (data, tensor) in ((8, 1), (2, 4)):  # Hydra heads on the same sharded loop
-            entry["hydra"] = rows(generate_batch(ShardedModel(base, hydra, mesh), prompts,
-                                                 dataclasses.replace(settings, tree=tree), progress=False))
+        if (data, tensor) in ((8, 1), (2, 4)):  # Hydra heads and the EAGLE drafter on the same sharded loop
+            for name, drafter in (("hydra", hydra), ("eagle", eagle)):
+                entry[name] = rows(generate_batch(ShardedModel(base, drafter, mesh), prompts,
+                                                  dataclasses.replace(settings, tree=tree), progress=False))
         if (data, tensor) in ((2, 4), (1, 8)):
             batch = np.asarray([p + [0] * (32 - len(p)) for p in prompts], np.int32)
             lens = np.asarray([len(p) for p in prompts], np.int32)

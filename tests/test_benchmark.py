@@ -396,7 +396,7 @@ def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_p
     argv = ["heads", "--model", str(folder), "--heads", f"a={heads_dir}", "--heads", f"b={other}",
             "--question-file", str(write_questions(tmp_path / "q.jsonl")), "--questions", "3",
             "--max-new-tokens", "10", "--tree-sizes", "1,3", "--batch-sizes", "1", "--heldout", "2",
-            "--continuation-tokens", "8", "--data", str(data), "--out", str(out)]
+            "--continuation-tokens", "8", "--chains", "2,3", "--data", str(data), "--out", str(out)]
     calls, real = [], heads_comparison.generate_batch
 
     def recording(model, prompts, settings, **kw):
@@ -417,8 +417,11 @@ def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_p
         assert [r["nodes"] for r in h["tree_sizes"]] == [1, 3]
         assert all(r["tokens_per_step"] >= 1 and r["mismatches"] == 0 for r in h["tree_sizes"])  # lossless
         assert [r["batch"] for r in h["timed"]] == [1] and h["timed"][0]["mismatches"] == 0
+        # chains as deep as the heads reach: a has 3 heads (chains of 2 and 3), b has 2 (the chain of 2 only)
+        assert [r["chain"] for r in h["chains"]] == [2, 3][:num_heads - 1]
+        assert all(r["tokens_per_step"] >= 1 and r["mismatches"] == 0 for r in h["chains"])
     md = (out / "heads.md").read_text()
-    assert "tokens/step @3" in md and "| a |" in md and "| b |" in md
+    assert "chain of 3" in md and "tokens/step @3" in md and "| a |" in md and "| b |" in md
     assert (out / "heads.png").stat().st_size > 0
 
 
@@ -452,3 +455,44 @@ def test_batch_throughput_mode_compares_refill_with_sorted_batches(tiny_chat_mod
         assert refill["chunks"] >= 2 and 0 < refill["slot_use"] <= 2
     md = (out / "batch.md").read_text()
     assert "Refill / plain tokens/s" in md and "Refill slot-steps that produced a token" in md
+
+
+def test_benchmark_calibration_mode_sets_predictions_beside_measurements(tiny_chat_model, tmp_path, monkeypatch):
+    import shutil
+
+    import jax
+    import numpy as np
+
+    from medusa_jax.heads import trees_file
+
+    folder, heads_dir = tiny_chat_model
+    heads = tmp_path / "heads"
+    shutil.copytree(heads_dir, heads)
+    accuracy = np.zeros((3, 4))
+    accuracy[:, 0], accuracy[:, 1] = [0.6, 0.5, 0.4], 0.1
+    built = {"head_accuracy": accuracy.tolist(), "greedy_order": [[0], [1], [0, 0]], "accuracy_scale": 1.0,
+             "min_speedup": 1.0, "timing": {"tree_tokens": [2, 4]},
+             "batches": {"1": {"predicted_speedup_vs_plain": 1.3, "predicted_tokens_per_step": 1.6}}}
+    (heads / "trees.json").write_text(json.dumps(
+        trees_file.trees_document(None, jax.default_backend(), {1: [[0]], 2: []}, built)))
+    monkeypatch.setenv("MEDUSA_JAX_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "cal"
+    argv = ["calibration", "--model", str(folder), "--heads", str(heads), "--batch-sizes", "1,2",
+            "--question-file", str(write_questions(tmp_path / "q.jsonl")), "--questions", "3",
+            "--max-new-tokens", "8", "--out", str(out)]
+    assert load_script("benchmark").main(argv) == 0
+    doc = json.loads((out / "calibration.json").read_text())
+    assert [r["batch"] for r in doc["batches"]] == [1, 2] and doc["questions"] == 3
+    first = doc["batches"][0]
+    assert first["calibrate_seconds"] > 0  # timed on first use (an empty cache)
+    assert "calibrated on this machine" in first["calibrated"]["tree"]
+    assert first["shipped"]["nodes"] == 1 and first["shipped"]["predicted_speedup"] == 1.3
+    for row in doc["batches"]:
+        for name in ("calibrated", "shipped"):
+            assert row[name]["mismatches"] == 0 and row[name]["tokens_per_step"] >= 1  # greedy: lossless
+    assert doc["batches"][1]["shipped"]["nodes"] == 0  # trees.json says plain at batch 2
+    assert len(list((tmp_path / "cache" / "calibration").glob("*.json"))) == 2
+    md = (out / "calibration.md").read_text()
+    assert "| 1 | calibrated |" in md and "| 2 | shipped |" in md and "predicted speedup" in md
+    assert load_script("benchmark").main(argv) == 0  # a second run reads the cache
+    assert json.loads((out / "calibration.json").read_text())["batches"][0]["calibrate_seconds"] == 0.0

@@ -336,3 +336,45 @@ def test_training_depth_two_trains_and_scores_both_depths(chat, tmp_path, monkey
     train = [r for r in log if r["kind"] == "train"]
     assert all(len(r["top1"]) == 2 and np.isfinite(r["loss"]) for r in train)
     assert len([r for r in log if r["kind"] == "eval"][-1]["top1"]) == 2
+
+
+def test_feature_store_examples_for_heads(chat, tmp_path, monkeypatch):
+    """Medusa/Hydra heads on a feature store: head i at position j targets the assistant token j + 2 + i of the
+    same conversation, with the stored hidden state at j + 1 + i as its teacher; Hydra's path is j + 1 .. j + M."""
+    from medusa_jax.training import feature_store as fs
+    from medusa_jax.training.feature_batches import conversation_examples
+
+    store_dir = tmp_path / "store"
+    assert _build(chat, store_dir, monkeypatch, tmp_path, 1200) == 0
+    store = fs.open_feature_store(store_dir)
+    ex = conversation_examples(store, num_heads=3, with_path=True)
+    hidden = np.concatenate(store.hidden_chunks)
+    for k in range(0, len(ex), max(1, len(ex) // 40)):
+        g, c = int(ex.rows_x[k]), int(ex.groups_x[k])
+        lo, n = int(store.starts_c[c]), int(store.lengths_c[c])
+        assert lo <= g < lo + n
+        for i in range(3):
+            t = g + 2 + i
+            ok = t < lo + n and store.loss_x[t]
+            assert ex.targets_xm[k, i] == (store.tokens_x[t] if ok else -1)
+            assert ex.teacher_rows_xm[k, i] == (g + 1 + i if ok else -1)
+            p = g + 1 + i
+            assert ex.path_xe[k, i] == (store.tokens_x[p] if p < lo + n else 0)
+        np.testing.assert_array_equal(ex.hidden.take(ex.rows_x[k:k + 1])[0], hidden[g])
+    assert (ex.targets_xm >= 0).any(axis=1).all() and len(set(ex.groups_x.tolist())) == len(store.ids)
+
+
+def test_hydra_heads_train_on_a_feature_store(chat, tmp_path, monkeypatch):
+    from scripts_train_heads import main
+
+    store = tmp_path / "store"
+    assert _build(chat, store, monkeypatch, tmp_path, 5000) == 0
+    model, _ = chat
+    out = tmp_path / "hydra"
+    assert main(["--model", str(model), "--data", str(store), "--output", str(out), "--head-type", "hydra",
+                 "--num-heads", "3", "--lm-head", "truncated:64", "--head-loss", "kl", "--cached-batch-size", "64",
+                 "--max-steps", "12", "--eval-every", "12", "--log-every", "1", "--learning-rate", "1e-2",
+                 "--warmup-steps", "2", "--seq-len", "128", "--no-progress"]) == 0
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if r["kind"] == "train"]
+    assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]), losses

@@ -187,6 +187,40 @@ def test_exact_medusa_has_the_plain_samplers_law(setup, batch):
     assert (share > 0.05).all(), share
 
 
+@partial(jax.jit, static_argnames=("graphdef", "graphdef_config"))
+def draw_with_heads(graphdef, params, prompt_bt, lens_b, keys_x, *, graphdef_config):
+    """draw() with the heads' own proposal (an EAGLE drafter here) instead of the planted table."""
+    def one(key):
+        cache = KVCache.zeros(graphdef_config, prompt_bt.shape[0], 24)
+        out_bo, _, _, accept_bo, _ = medusa_decode(graphdef, params, cache, prompt_bt, lens_b, key, tree=TREE,
+                                                   max_new_tokens=N_OUT, acceptance=EXACT, eos_ids=(), pad_id=0)
+        return out_bo, accept_bo[:, 0]
+
+    return jax.vmap(one)(keys_x)
+
+
+def test_exact_sampling_with_the_eagle_drafter_has_the_plain_samplers_law(setup):
+    """The drafter's own drafts (its state carried through the loop) on the same statistical check."""
+    graphdef, params, laws, _ = setup
+    base = nnx.merge(graphdef, params).base
+    drafter = init_heads(HeadsConfig(32, V, num_heads=2, head_type="eagle", lm_head="shared"), base, seed=3)
+    rng = np.random.RandomState(5)
+    for lin in (drafter.fc, drafter.layers[0].mlp.down_proj):  # drafts that vary with the context
+        lin.kernel[...] = jnp.asarray(rng.normal(0, 1.0, lin.kernel.shape), jnp.float32)
+    g, p = nnx.split(MedusaModel(base, drafter))
+    prompts = PROMPTS[:2]
+    prompt_bt = np.zeros((len(prompts), WIDTH), np.int32)
+    for i, q in enumerate(prompts):
+        prompt_bt[i, : len(q)] = q
+    keys_x = jax.random.split(jax.random.key(11), 10_000)
+    out_xbo, accept_xb = draw_with_heads(g, p, jnp.asarray(prompt_bt), jnp.asarray([len(q) for q in prompts]),
+                                         keys_x, graphdef_config=base.config)
+    check = law_check(np.asarray(out_xbo), [0, 1], laws)
+    assert check["n"] >= 20_000 and passes(check), check
+    share = np.bincount(np.asarray(accept_xb).ravel(), minlength=3) / accept_xb.size
+    assert share[1:].sum() > 0.05, share  # the drafts are accepted, so the tree walk is exercised
+
+
 def test_the_check_rejects_typical_acceptance(setup):
     """Typical acceptance (a real, deliberately different sampler) on the same run: the check must fail."""
     typical = AcceptanceConfig("typical", temperature=SAMPLING.temperature)

@@ -167,7 +167,7 @@ def test_generate_batch_resolves_the_heads_tree_per_batch_size(tiny_heads, tiny_
 
 def test_pick_for_batch_keeps_the_best_tree_only_when_it_beats_plain():
     from medusa_jax.inference.step_cost import StepCostTable
-    from medusa_jax.bench.tree_builder import pick_for_batch
+    from medusa_jax.inference.calibration import pick_for_batch
 
     acc = np.array([[0.6, 0.2], [0.4, 0.1]])
     cheap = StepCostTable(1, 64, 128, 1.0, (2, 4, 8), (1.05, 1.1, 1.6))
@@ -202,7 +202,7 @@ def test_pick_for_batch_sizes_a_batch_on_its_slowest_rows():
     """Two held-out sequences, one easy and one hard: at batch 1 the tree pays, at batch 8 the same pooled
     accuracy and the same step cost ratio predict no gain, since each batch waits for a hard row."""
     from medusa_jax.inference.step_cost import StepCostTable
-    from medusa_jax.bench.tree_builder import pick_for_batch
+    from medusa_jax.inference.calibration import pick_for_batch
 
     per_sequence = np.array([[[0.95, 0.0], [0.9, 0.0]], [[0.05, 0.0], [0.1, 0.0]]])
     pooled = per_sequence.mean(axis=0)

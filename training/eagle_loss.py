@@ -68,7 +68,9 @@ def eagle_stats(drafter: EagleDrafter, base: CausalLM, batch: dict, *, noise: fl
     f = jnp.float32
     feat_btd = batch["feat"].astype(f)
     tokens_bt, seg_bt, loss_bt = batch["tokens"], batch["segment_ids"], batch["loss_mask"].astype(bool)
-    inputs_btd = feat_btd + feature_noise(batch["noise_seed"], feat_btd.shape[1:], noise, feat_btd.dtype)
+    seeds = batch.get("noise_seed")  # packed rows of conversations carry none: no noise on them
+    inputs_btd = feat_btd if seeds is None else feat_btd + feature_noise(seeds, feat_btd.shape[1:], noise,
+                                                                         feat_btd.dtype)
     if depth == 1:
         out_btd, _ = drafter(inputs_btd, _shift(tokens_bt), batch["positions"], segment_mask(seg_bt), None, base)
         outs = [out_btd]

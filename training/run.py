@@ -165,7 +165,7 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     if n_trunc is not None and n_trunc > base.config.vocab_size:  # e.g. the default truncated:3072, tiny vocab
         log(f"--lm-head {cfg.lm_head}: the vocabulary has only {base.config.vocab_size} tokens; using all of them")
         n_trunc = base.config.vocab_size
-    source = sources.open_source(cfg.data, cfg.cache_hidden)
+    source = sources.open_source(cfg.data, cfg.cache_hidden, cfg.head_type)
     feed = source.feed(feed_settings(cfg), sources.RunInputs(base, tokenizer, eos, log))
     heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
                                mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model),

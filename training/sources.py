@@ -15,6 +15,7 @@ carry the base's hidden state at every position (an EAGLE drafter's data).
     FeatureStoreRows       a teacher-forced feature store (feature_store)      features: packed conversations
                                                                               with the base's hidden states (the
                                                                               EAGLE drafter, feature_batches)
+    FeatureStoreHidden     the same, for Medusa and Hydra heads               hidden, memory-mapped from the store
 
 `open_source(data, cache_hidden)` picks the source; a new kind of data adds a class with `feed` and one branch
 there. Hidden states in the first self-distillation format (OUTPUT.hidden/batch-*.npz) are refused there, with
@@ -216,9 +217,6 @@ class FeatureStoreRows:
     store: Path
 
     def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
-        if settings.head_type != "eagle":
-            raise DataError(f"{self.store} is a feature store: it trains an EAGLE drafter (--head-type eagle); "
-                            f"{settings.head_type} heads train on conversations or a self-distilled store")
         store = feature_store.open_feature_store(self.store, settings.max_tokens)
         dc = settings.data
         train, held = feature_batches.split_store(store, dc.heldout_fraction, dc.seq_len, settings.seed)
@@ -236,13 +234,27 @@ class FeatureStoreRows:
                     train.loss_tokens(), lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
 
 
-def open_source(data: str | None, cache_hidden: bool) -> DataSource:
-    """The source of `--data` (None: the packaged ShareGPT file); `cache_hidden` asks for hidden examples."""
+@dataclasses.dataclass(frozen=True)
+class FeatureStoreHidden:
+    """A teacher-forced feature store's positions as hidden examples (their hidden states memory-mapped): Medusa
+    and Hydra heads, whose targets are the assistant tokens of the stored conversations."""
+
+    store: Path
+
+    def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
+        store = feature_store.open_feature_store(self.store, settings.max_tokens)
+        examples = feature_batches.conversation_examples(store, settings.num_heads, settings.with_path)
+        train, heldout, n_train, n_held = examples.split(settings.data.heldout_fraction, settings.seed)
+        inputs.log(f"feature store {self.store}: {n_train} training / {n_held} held-out conversations "
+                   f"({store.num_tokens} tokens), {len(train)} / {len(heldout)} positions")
+        return hidden_feed(train, heldout, train.targets_xm[:, 0][train.targets_xm[:, 0] >= 0], settings)
+
+
+def open_source(data: str | None, cache_hidden: bool, head_type: str = "medusa") -> DataSource:
+    """The source of `--data` (None: the packaged ShareGPT file); `cache_hidden` asks for hidden examples. A
+    feature store feeds an EAGLE drafter packed rows with their features, other heads hidden examples."""
     if feature_store.is_feature_store(data):
-        if cache_hidden:
-            raise DataError(f"--data {data} is a feature store: it already holds the hidden states; drop "
-                            f"--cache-hidden")
-        return FeatureStoreRows(Path(data))
+        return FeatureStoreRows(Path(data)) if head_type == "eagle" else FeatureStoreHidden(Path(data))
     distill_store.refuse_first_format(data, cache_hidden)
     store = distill_store.find_store(data)
     if store is not None:

@@ -1,0 +1,213 @@
+"""Tree choice calibrated on the machine that decodes: step costs measured here once, head accuracy from the heads.
+
+What a tree buys has two halves. How often the heads' guesses are accepted travels with the heads (trees.json's
+`built` record: the held-out accuracy table, the greedy node order, the accuracy scale and the speedup margin
+that `scripts/build_tree.py` used). What a step costs does not: the shipped batch-1 tree chosen on one 2-core
+Xeon decoded at 0.79x plain on a 2-core EPYC. So the first time the heads' own tree is asked for
+(`BatchSettings.tree = HEADS_TREE`) at a batch size on this machine, the plain step and the Medusa step of
+prefixes of the greedy order are timed here (`step_cost.measure_step_costs`, seconds, one progress line per
+size), cached under `$MEDUSA_JAX_CACHE/calibration/` keyed by machine, backend, JAX version, model, heads and
+batch size, and combined with the stored accuracy exactly as build_tree combines them (`pick_for_batch`, shared
+by both): the greedy tree with the most predicted tokens per second, or plain decoding when even that one is
+predicted under the heads' `min_speedup` x plain.
+
+Modes (`BatchSettings.calibration`, the command lines' `--calibration`): "auto" measures on first use and reads
+the cache after; "redo" measures again and replaces the cached entry; "skip" takes the shipped trees.json as
+it is. The default is "auto", or `$MEDUSA_JAX_CALIBRATION` when set (the test suite sets "skip").
+
+Calibration needs what it measures to be what decodes: heads whose trees.json carries the accuracy record of
+this backend, and a model on one device (a step timed on one device says nothing about a mesh's step, whose
+collectives depend on the mesh). Otherwise the shipped choice stands, and the note says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from medusa_jax.atomic import write_text_atomic
+from medusa_jax.paths import cache_root
+from medusa_jax.heads.tree import build_tree
+from medusa_jax.heads.trees_file import HeadsTrees
+from medusa_jax.inference import step_cost, tree_choice
+
+MODES = ("auto", "redo", "skip")
+ENV = "MEDUSA_JAX_CALIBRATION"
+FORMAT = "medusa-jax-step-costs-v1"
+CONTEXT = 256  # committed tokens in the cache when timing (as build_tree)
+REPEATS = 5
+
+
+def default_mode() -> str:
+    """`$MEDUSA_JAX_CALIBRATION` if set (one of MODES), else "auto"."""
+    mode = os.environ.get(ENV, "auto")
+    if mode not in MODES:
+        raise ValueError(f"${ENV} must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def check_mode(mode: str | None) -> str:
+    mode = default_mode() if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"calibration must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def pick_for_batch(accuracy_mr, costs: step_cost.StepCostTable, max_nodes: int, min_speedup: float,
+                   per_sequence_smr=None) -> tuple[tuple[tuple[int, ...], ...], dict]:
+    """The tree for one batch size from its measured step costs: the greedy tree with the most expected tokens
+    per second, or () ("decode plainly") when its predicted speedup over a plain step is below min_speedup.
+    Returns (paths, the record stored for that batch)."""
+    # step time cannot fall as the tree grows: fit the measured (noisy) times with a non-decreasing curve
+    fitted = tuple(tree_choice.nondecreasing_fit(costs.medusa_seconds))
+    cost = tree_choice.StepCost(costs.num_tree_tokens, fitted)
+    choice = tree_choice.choose_tree(accuracy_mr, cost, min(max_nodes, cost.max_tokens - 1))
+    if per_sequence_smr is not None:  # a batch waits for its slowest row: sized on per-sequence predictions
+        choice = tree_choice.rescore_for_batch(choice, per_sequence_smr, costs.batch, cost)
+    speedup_by_size = [tps * costs.plain_seconds for tps in choice.tokens_per_second]
+    speedup = speedup_by_size[choice.best_num_nodes - 1]
+    paths = choice.paths if speedup >= min_speedup else ()
+    record = {
+        "num_nodes": len(paths),
+        "best_num_nodes": choice.best_num_nodes,
+        "predicted_tokens_per_step": choice.predicted_tokens_per_step if paths else 1.0,
+        "predicted_speedup_vs_plain": speedup if paths else 1.0,
+        "best_tree_predicted_speedup": speedup,
+        "plain_step_seconds": costs.plain_seconds,
+        "step_seconds": {"tree_tokens": list(costs.num_tree_tokens), "measured": list(costs.medusa_seconds),
+                         "fitted": list(fitted)},
+        "predicted_speedup_by_size": [None if np.isnan(x) else x for x in speedup_by_size],
+        "cache_size": costs.cache_size,
+    }
+    return paths, record
+
+
+@dataclasses.dataclass(frozen=True)
+class Accuracy:
+    """What trees.json's `built` record says about the heads, as tree choice uses it."""
+
+    scaled_mr: np.ndarray  # held-out accuracy x accuracy_scale
+    per_sequence_smr: np.ndarray | None
+    order: tuple[tuple[int, ...], ...]  # the greedy node order
+    min_speedup: float
+    tree_tokens: tuple[int, ...]  # tree sizes (tokens, root included) to time
+
+    @classmethod
+    def from_built(cls, built: dict) -> "Accuracy | None":
+        """None when the record lacks what calibration needs (trees.json written by hand or by an old build)."""
+        try:
+            scale = float(built.get("accuracy_scale", 1.0))
+            scaled = np.asarray(built["head_accuracy"], np.float64) * scale
+            per_seq = built.get("head_accuracy_per_sequence")
+            per_seq = None if per_seq is None else np.asarray(per_seq, np.float64) * scale
+            order = tuple(tuple(int(i) for i in p) for p in built["greedy_order"])
+            tokens = tuple(int(t) for t in built.get("timing", {}).get("tree_tokens", ()))
+            min_speedup = float(built.get("min_speedup", 1.0))
+        except (KeyError, TypeError, ValueError):
+            return None
+        tokens = tuple(sorted({t for t in tokens if 2 <= t <= len(order) + 1}))
+        if not order or not tokens or scaled.ndim != 2:
+            return None
+        return cls(scaled, per_seq, order, min_speedup, tokens)
+
+
+def machine_key() -> dict:
+    """What a step cost depends on besides the model: processor, device kind and count, backend, JAX."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    devices = jax.local_devices()
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
+            "device": f"{len(devices)} x {devices[0].device_kind}", "jax": jax.__version__}
+
+
+def cache_file(machine: dict, model_config, heads_config, batch: int, tree_tokens, *, root: Path | None = None
+               ) -> Path:
+    key = json.dumps({"machine": machine, "model": repr(model_config), "heads": repr(heads_config), "batch": batch,
+                      "tree_tokens": list(tree_tokens), "context": CONTEXT}, sort_keys=True)
+    name = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return (root or cache_root()) / "calibration" / f"{name}.json"
+
+
+def read_costs(path: Path) -> step_cost.StepCostTable | None:
+    """The cached table, or None when absent or unreadable (then it is measured again)."""
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("format") != FORMAT:
+            return None
+        c = doc["costs"]
+        return step_cost.StepCostTable(int(c["batch"]), int(c["context"]), int(c["cache_size"]),
+                                       float(c["plain_seconds"]), tuple(int(t) for t in c["num_tree_tokens"]),
+                                       tuple(float(s) for s in c["medusa_seconds"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_costs(path: Path, costs: step_cost.StepCostTable, machine: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"format": FORMAT, "machine": machine,
+                                        "costs": dataclasses.asdict(costs)}, indent=1) + "\n")
+
+
+def measure(base, heads, accuracy: Accuracy, batch: int, progress: Callable[[str], None] | None = None
+            ) -> step_cost.StepCostTable:
+    trees = [build_tree(list(accuracy.order[: t - 1]), name=f"greedy_{t - 1}") for t in accuracy.tree_tokens]
+    return step_cost.measure_step_costs(base, heads, trees, batch=batch, context=CONTEXT, repeats=REPEATS,
+                                        progress=progress)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibrated:
+    paths: tuple[tuple[int, ...], ...]  # () : decode plainly
+    record: dict  # pick_for_batch's record (predictions, step seconds)
+    note: str
+    measured: bool  # False: read from the cache
+
+
+def calibrated_paths(model, trees: HeadsTrees, backend: str, batch: int, mode: str,
+                     progress: Callable[[str], None] | None = print) -> Calibrated | str:
+    """The heads' tree for `batch` from step costs of this machine (see the module docstring), or a string
+    saying why the shipped choice stands. `model` is an `inference.sharded.ShardedModel` with heads."""
+    # the accuracy is the heads', whichever backend's build measured it; the step costs are measured here
+    records = [trees.built(b) for b in [backend] + [b for b in trees.backends() if b != backend]]
+    accuracy = next((a for a in (Accuracy.from_built(r) for r in records if r) if a is not None), None)
+    if accuracy is None:
+        return f"no calibration: {trees.origin} has no accuracy record"
+    if model.mesh.size > 1:
+        return f"no calibration on a mesh of {model.mesh.size} devices (the shipped choice)"
+    machine = machine_key()
+    path = cache_file(machine, model.config, model.heads_config, batch, accuracy.tree_tokens)
+    costs = None if mode == "redo" else read_costs(path)
+    measured = costs is None
+    if measured:
+        say = progress or (lambda _: None)
+        say(f"calibrating tree choice for this machine at batch {batch} (once; cached in "
+            f"$MEDUSA_JAX_CACHE/calibration/{path.name}): timing the plain step and trees of "
+            f"{', '.join(str(t - 1) for t in accuracy.tree_tokens)} nodes")
+        merged = nnx.merge(model.medusa_graphdef, model.medusa_params)
+        costs = measure(merged.base, merged.heads, accuracy, batch, progress)
+        write_costs(path, costs, machine)
+    paths, record = pick_for_batch(accuracy.scaled_mr, costs, len(accuracy.order), accuracy.min_speedup,
+                                   accuracy.per_sequence_smr)
+    where = "measured now" if measured else "cached"
+    if paths:
+        note = (f"the heads' tree of {len(paths)} nodes calibrated on this machine at batch {batch} ({where}: "
+                f"predicted x{record['predicted_speedup_vs_plain']:.2f} over plain)")
+    else:
+        note = (f"plain decoding: calibrated on this machine at batch {batch} ({where}), no tree is predicted to "
+                f"pay (best x{record['best_tree_predicted_speedup']:.2f} < {accuracy.min_speedup})")
+    return Calibrated(tuple(paths), record, note, measured)

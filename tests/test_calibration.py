@@ -1,0 +1,140 @@
+"""Tree choice calibrated on first use (inference/calibration.py): step costs timed on this machine once, cached
+per machine / model / heads / batch size, combined with the accuracy stored in the heads' trees.json; plain
+decoding whenever no tree is predicted to pay; --calibration auto / redo / skip."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from medusa_jax.heads import trees_file
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.folder import save_heads
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.load import load_heads
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.inference import calibration
+from medusa_jax.inference.api import HEADS_TREE, BatchSettings, choose_heads_tree, generate_batch
+from medusa_jax.inference.sharded import ShardedModel
+from medusa_jax.inference.step_cost import StepCostTable
+
+ORDER = [[0], [1], [0, 0], [2], [0, 1], [1, 0], [0, 0, 0]]
+SHIPPED = [[0], [1], [0, 0]]  # what the trees.json says for batch 1 (chosen elsewhere)
+
+
+def built_record() -> dict:
+    accuracy = np.zeros((3, 4))
+    accuracy[:, 0], accuracy[:, 1], accuracy[:, 2] = [0.6, 0.5, 0.4], 0.1, 0.05
+    return {"head_accuracy": accuracy.tolist(), "greedy_order": ORDER, "accuracy_scale": 1.0, "min_speedup": 1.1,
+            "timing": {"context": 256, "repeats": 5, "tree_tokens": [2, 4, 8]}}
+
+
+@pytest.fixture(scope="module")
+def heads_folder(tiny_model_dir, tmp_path_factory):
+    base = load_pretrained(tiny_model_dir("llama", initializer_range=0.3)[0])
+    folder = tmp_path_factory.mktemp("calibrated-heads")
+    save_heads(init_heads(HeadsConfig(64, 128, num_heads=3, lm_head="own"), base, seed=3), folder)
+    import jax
+
+    document = trees_file.trees_document(None, jax.default_backend(), {1: SHIPPED, 2: SHIPPED}, built_record())
+    (folder / "trees.json").write_text(json.dumps(document))
+    return base, folder
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_JAX_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "calibration"
+
+
+def fake_measure(calls: list, plain: float, tree_seconds: tuple[float, ...]):
+    def measure(base, heads, accuracy, batch, progress=None):
+        calls.append(batch)
+        return StepCostTable(batch, 256, 512, plain, accuracy.tree_tokens, tree_seconds)
+    return measure
+
+
+def test_first_use_measures_once_then_reads_the_cache_and_redo_measures_again(heads_folder, cache, monkeypatch,
+                                                                              capsys):
+    base, folder = heads_folder
+    model = ShardedModel(base, load_heads(folder, base=base))
+    calls = []
+    # a cheap tree step: the largest tree (7 nodes, T = 8) pays best
+    monkeypatch.setattr(calibration, "measure", fake_measure(calls, 1.0, (1.05, 1.1, 1.2)))
+    first = choose_heads_tree(model, 1, "auto")
+    assert calls == [1] and "calibrating tree choice for this machine at batch 1" in capsys.readouterr().err
+    assert first.tree is not None and len(first.tree.paths) == 7 and "measured now" in first.note
+    assert len(list(cache.glob("*.json"))) == 1
+    again = choose_heads_tree(model, 1, "auto")
+    assert calls == [1] and again.tree == first.tree and "cached" in again.note  # read, not measured
+    choose_heads_tree(model, 2, "auto")
+    assert calls == [1, 2] and len(list(cache.glob("*.json"))) == 2  # one entry per batch size
+    monkeypatch.setattr(calibration, "measure", fake_measure(calls, 1.0, (3.0, 4.0, 5.0)))  # the machine changed
+    redone = choose_heads_tree(model, 1, "redo")
+    assert calls == [1, 2, 1] and redone.tree is None and "no tree is predicted to pay" in redone.note
+    assert choose_heads_tree(model, 1, "auto").tree is None  # the redone entry replaced the old one
+    skipped = choose_heads_tree(model, 1, "skip")  # the shipped trees.json as it is
+    assert calls == [1, 2, 1] and len(skipped.tree.paths) == len(SHIPPED) and "calibrated" not in skipped.note
+
+
+def test_calibration_chooses_plain_decoding_and_the_output_is_plain_greedy(heads_folder, cache, monkeypatch):
+    base, folder = heads_folder
+    heads = load_heads(folder, base=base)
+    prompts = [[5, 9, 17, 3], [40, 2, 8]]
+    settings = BatchSettings(batch_size=1, max_new_tokens=10)
+    plain = generate_batch(ShardedModel(base, None), prompts, settings, progress=False)
+    model = ShardedModel(base, heads)
+    monkeypatch.setattr(calibration, "measure", fake_measure([], 1.0, (2.0, 3.0, 4.0)))  # no tree pays
+    run = generate_batch(model, prompts, BatchSettings(batch_size=1, max_new_tokens=10, tree=HEADS_TREE,
+                                                       calibration="auto"), progress=False)
+    assert run.tree_choice.tree is None and "plain decoding: calibrated" in run.tree_choice.note
+    assert [r.token_ids for r in run.results] == [r.token_ids for r in plain.results]
+    monkeypatch.setattr(calibration, "measure", fake_measure([], 1.0, (1.01, 1.02, 1.03)))  # trees pay
+    run = generate_batch(model, prompts, BatchSettings(batch_size=1, max_new_tokens=10, tree=HEADS_TREE,
+                                                       calibration="redo"), progress=False)
+    assert run.tree_choice.tree is not None and len(run.tree_choice.tree.paths) == 7
+    assert [r.token_ids for r in run.results] == [r.token_ids for r in plain.results]  # greedy: lossless
+
+
+def test_real_measurement_writes_a_readable_cache_entry(heads_folder, cache):
+    base, folder = heads_folder
+    model = ShardedModel(base, load_heads(folder, base=base))
+    chosen = choose_heads_tree(model, 1, "auto", progress=False)  # times the tiny model's steps here
+    [entry] = cache.glob("*.json")
+    doc = json.loads(entry.read_text())
+    assert doc["format"] == calibration.FORMAT and doc["machine"]["backend"]
+    costs = calibration.read_costs(entry)
+    assert costs.num_tree_tokens == (2, 4, 8) and costs.plain_seconds > 0 and min(costs.medusa_seconds) > 0
+    assert chosen.note.startswith(("the heads' tree", "plain decoding: calibrated"))
+    entry.write_text("not json")  # a damaged entry is measured again, not trusted
+    assert calibration.read_costs(entry) is None
+    choose_heads_tree(model, 1, "auto", progress=False)
+    assert calibration.read_costs(entry) is not None
+
+
+def test_heads_without_an_accuracy_record_keep_the_shipped_choice(heads_folder, cache, tmp_path, monkeypatch):
+    import jax
+
+    base, folder = heads_folder
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in folder.iterdir():
+        (bare / f.name).write_bytes(f.read_bytes())
+    document = trees_file.trees_document(None, jax.default_backend(), {1: SHIPPED}, {"date": "by hand"})
+    (bare / "trees.json").write_text(json.dumps(document))
+    calls = []
+    monkeypatch.setattr(calibration, "measure", fake_measure(calls, 1.0, (1.0, 1.0, 1.0)))
+    chosen = choose_heads_tree(ShardedModel(base, load_heads(bare, base=base)), 1, "auto")
+    assert calls == [] and len(chosen.tree.paths) == len(SHIPPED)
+
+
+def test_modes_are_checked(monkeypatch):
+    with pytest.raises(ValueError, match="calibration must be one of"):
+        BatchSettings(calibration="sometimes")
+    monkeypatch.setenv(calibration.ENV, "never")
+    with pytest.raises(ValueError, match="MEDUSA_JAX_CALIBRATION"):
+        calibration.default_mode()
+    monkeypatch.setenv(calibration.ENV, "redo")
+    assert calibration.check_mode(None) == "redo" and calibration.check_mode("skip") == "skip"
