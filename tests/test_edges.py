@@ -28,9 +28,13 @@ def script(name: str):
 
 
 def run(name: str, argv: list[str], capsys) -> tuple[int, str, str]:
+    return run_module(script(name), argv, capsys)
+
+
+def run_module(module, argv: list[str], capsys) -> tuple[int, str, str]:
     capsys.readouterr()
     try:
-        code = script(name).main(argv)
+        code = module.main(argv)
     except SystemExit as e:
         code = e.code
     out = capsys.readouterr()
@@ -196,3 +200,25 @@ def test_every_numeric_flag_has_a_rule():
     p.add_argument("--n", type=int, default=1)
     with pytest.raises(RuntimeError, match="--n has no check"):
         p.parse_args([])
+
+
+def test_plan_shows_progress_while_it_compiles(monkeypatch, capsys):
+    """plan.py wraps its compilation in the heartbeat: a compile longer than the delay prints elapsed time."""
+    import functools
+
+    from medusa_jax.progress import heartbeat
+
+    plan = script("plan")
+
+    def slow_compile(config):
+        time.sleep(0.4)
+        raise ValueError("stopped after the compile (the test's stand-in)")
+
+    monkeypatch.setattr(plan, "heartbeat", functools.partial(heartbeat, delay=0.05, every=0.1))
+    monkeypatch.setattr(plan, "compile_plan", slow_compile)
+    monkeypatch.setattr(plan, "force_host_devices", lambda count: None)  # keep this process's JAX as it is
+    code, _, err = run_module(plan, ["--model", "llama3-8b", "--job", "decode", "--batch", "1", "--seq", "64",
+                                     "--cache", "256"], capsys)
+    assert code == 2 and "error: stopped after the compile" in err
+    assert "compiling the decode step for mesh of one device: 0 s so far" in err
+    assert "compiling the decode step for mesh of one device: done in" in err
