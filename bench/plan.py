@@ -188,7 +188,7 @@ def lower_decode(config: PlanConfig):
     base, heads = abstract_models(config)
     model = ShardedModel(base, heads, mesh)
     tree = load_tree(config.tree, num_heads=config.num_heads, max_top_k=config.model.vocab_size)
-    prompt_bt = np.zeros((config.batch, config.seq), np.int32)
+    prompt_bt = np.broadcast_to(np.int32(0), (config.batch, config.seq))  # shape only: nothing allocated
     lowered = model.medusa_decode(prompt_bt, prompt_bt[:, 0], tree=tree, cache_size=config.cache,
                                   max_new_tokens=config.max_new_tokens, lowered_only=True)
     cache, prompts, lengths, key = model.abstract_inputs(config.batch, config.seq, config.cache)

@@ -6,7 +6,8 @@ with `engine.check_prompts`.
 
 Two engines. Sorted batches (`BatchSettings.engine="batches"`): prompts are sorted by token length (longest
 first) and cut into batches of exactly `batch_size` rows (the last one padded with filler rows that are
-dropped); prompts that fit one batch keep their input order. Each batch's prompts are right-padded to `bucket`
+dropped; on a mesh the batch is padded up to a multiple of its data x fsdp rows the same way, so any batch size
+works on any mesh); prompts that fit one batch keep their input order. Each batch's prompts are right-padded to `bucket`
 times a power of two (`engine.bucket_length`) and its cache size follows the width, so the number of
 compilations is bounded by the number of distinct prompt buckets (3 for 64 MT-Bench prompts at batch 8). Each
 batch is one jitted call whose `while_loop` runs until every row has finished, so a long answer holds only
@@ -44,7 +45,7 @@ from medusa_jax.heads.trees_file import resolve_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.calibration import Calibrated, calibrated_paths, check_mode
 from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_prompts, pad_prompts,
-                                         resolve_eos)
+                                         resolve_eos, round_up)
 from medusa_jax.inference.medusa import ChosenTree, Proposer, choose_tree
 from medusa_jax.inference.refill import refill_generate
 from medusa_jax.inference.sampling import SamplingConfig
@@ -54,6 +55,7 @@ HEADS_TREE = "heads"  # BatchSettings.tree: the heads' own tree for the backend 
 ENGINES = ("auto", "batches", "refill")
 REFILL_MIN_BATCH = 64  # engine "auto" refills slots from this batch size on (bench/refill, module docstring)
 REFILL_CHUNK_STEPS = 32  # decode steps between refills (bench/refill's setting)
+SEED_RANGE = 2**31  # batch seeds (seed + batch number) wrap here: they reach the jitted key as int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +190,9 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
         chosen = choose_tree(model.heads_config, model.heads_trees, settings.batch_size, settings.tree)
     if chosen is not None:
         settings = dataclasses.replace(settings, tree=chosen.tree)
-    model.check_batch_size(settings.batch_size)
+    # on a mesh every batch is padded up to a multiple of its data x fsdp rows with filler rows (copies of the
+    # batch's first prompt, dropped from the results; greedy fillers finish with the row they copy)
+    rows = round_up(settings.batch_size, model.row_multiple)
     check_prompts(prompts, model.config.max_position_embeddings, settings.max_new_tokens)
     if uses_refill(model, settings, len(prompts), proposer):
         return _refill(model, prompts, settings, progress, on_batch)
@@ -201,7 +205,7 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     new_tokens = 0
     with CompileCounter() as run_compiles:
         for number, indices in enumerate(plan):
-            batch = pad_prompts([prompts[i] for i in indices], settings.pad_id, settings.batch_size, settings.bucket)
+            batch = pad_prompts([prompts[i] for i in indices], settings.pad_id, rows, settings.bucket)
             if settings.cache_size is None:
                 cache_size = cache_size_for(batch.tokens_bt.shape[1], settings.max_new_tokens, extra, settings.bucket)
             else:
@@ -209,13 +213,13 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
             shapes.add((batch.tokens_bt.shape[1], cache_size))
             t0 = time.perf_counter()
             with CompileCounter() as compiles:
-                rows = _decode(model, batch.tokens_bt, batch.lengths_b, cache_size, settings, settings.seed + number,
-                               proposer, proposer_data)
+                decoded = _decode(model, batch.tokens_bt, batch.lengths_b, cache_size, settings,
+                                  (settings.seed + number) % SEED_RANGE, proposer, proposer_data)
             seconds = time.perf_counter() - t0
             compiling = min(compiles.compile_seconds, seconds)
             finished = []
             for row, index in enumerate(indices):
-                tokens_o, num, steps, accepts = rows[row]
+                tokens_o, num, steps, accepts = decoded[row]
                 ids = tokens_o[:num].tolist()
                 eos = bool(ids) and ids[-1] in settings.eos_ids
                 results[index] = GenerationResult(ids, steps, len(prompts[index]), "eos" if eos else "length",

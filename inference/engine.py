@@ -48,6 +48,10 @@ def check_positions(max_positions: int, prompt_lengths: Sequence[int], max_new_t
     """Refuses prompts whose tokens plus max_new_tokens would run past the model's max_position_embeddings
     (no silent truncation: the caller shortens the prompt or lowers max_new_tokens)."""
     longest = max(prompt_lengths, default=0)
+    if max_new_tokens >= max_positions:
+        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no position for a prompt: the model has "
+                         f"max_position_embeddings={max_positions}; lower max_new_tokens below that, by the prompt's "
+                         f"length at least")
     if longest + max_new_tokens > max_positions:
         index = list(prompt_lengths).index(longest)
         raise ValueError(f"prompt {index} has {longest} tokens; with max_new_tokens={max_new_tokens} it needs "

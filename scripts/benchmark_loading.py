@@ -10,14 +10,15 @@ what each column measures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from medusa_jax.paths import portable_path
 from medusa_jax.bench.bench_inputs import write_files
-from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.scripts import validate
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.scripts.cli_args import ArgumentParser, mesh_spec
 from medusa_jax.bench.load_memory import measure
 
 DEFAULT_RUNS = ("1::sharded", "8:fsdp=8:sharded", "8:data=2,fsdp=4:sharded", "8:data=8:sharded",
@@ -35,23 +36,35 @@ def markdown(rows: list[dict], model: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--model", default="default",
                    help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
                         "(default: %(default)s)")
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), metavar="DEVICES:MESH:MODE",
                    help="loads to measure: forced CPU device count, mesh spec ('' = one device) and mode "
                         "(sharded | via_one) (default: %(default)s)")
-    p.add_argument("--out", default="bench/loading",
-                   help="folder for loading.json and loading.md (default: %(default)s)")
+    p.add_argument("--out", default="artifacts/benchmark_loading",
+                   help="folder for loading.json and loading.md; the committed bench/loading is written only when "
+                        "named here (default: %(default)s)")
     a = p.parse_args(argv)
-
-    folder = str(resolve_model_dir(a.model))
-    rows = []
+    runs = []
     for run in a.runs:
         parts = run.split(":")
-        if len(parts) != 3 or not parts[0].isdigit():
-            p.error(f"bad run {run!r}: expected DEVICES:MESH:MODE, e.g. 8:fsdp=8:sharded")
+        if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) < 1 or parts[2] not in ("sharded", "via_one"):
+            p.error(f"--runs {run!r}: expected DEVICES:MESH:MODE with DEVICES >= 1 and MODE sharded or via_one, e.g. "
+                    f"8:fsdp=8:sharded")
+        problem = mesh_spec(parts[1]) if parts[1] else None
+        if problem or (parts[1] and MeshConfig.parse(parts[1]).size > int(parts[0])):
+            p.error(f"--runs {run!r}: {problem or 'the mesh needs more devices than given'}")
+        runs.append(parts)
+    try:
+        validate.output_folder("--out", a.out, {"--model": validate.model_location(a.model)})
+        folder = str(validate.model_arg("--model", a.model, tokenizer=False))
+    except (ValueError, OSError) as e:
+        return validate.fail(e)
+
+    rows = []
+    for parts in runs:
         rows.append(measure(folder, parts[1], int(parts[0]), parts[2]))
         print(json.dumps(rows[-1]), flush=True)
     write_files(a.out, {"loading.json": json.dumps({"model": portable_path(folder), "runs": rows}, indent=1),

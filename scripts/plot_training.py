@@ -7,11 +7,13 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
 
 from medusa_jax.atomic import save_figure_atomic
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import ArgumentParser
 
 
 def read_log(path: Path) -> tuple[list[dict], list[dict]]:
@@ -22,10 +24,10 @@ def read_log(path: Path) -> tuple[list[dict], list[dict]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}: line {n + 1} is not JSON ({e})")
+            raise validate.UsageError(f"{path}: line {n + 1} is not JSON ({e}); give a train_log.jsonl")
         (train if record.get("kind") == "train" else evals).append(record)
     if not train and not evals:
-        raise SystemExit(f"{path}: no training records")
+        raise validate.UsageError(f"{path}: no training records; give the train_log.jsonl of a run")
     return train, evals
 
 
@@ -65,18 +67,25 @@ def plot(train: list[dict], evals: list[dict], output: Path, title: str) -> Path
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("log", type=Path, help="train_log.jsonl written by scripts/train_heads.py")
-    p.add_argument("--output", type=Path, default=None, help="PNG to write (default: curves.png next to the log)")
+    p.add_argument("--output", type=Path, default=None,
+                   help="PNG to write (default: curves.png next to the log); never the log itself")
     p.add_argument("--title", default=None, help="figure title (default: the log's folder name)")
     a = p.parse_args(argv)
-    if not a.log.is_file():
-        raise SystemExit(f"{a.log}: no such log file")
-    train, evals = read_log(a.log)
-    out = plot(train, evals, a.output or a.log.with_name("curves.png"), a.title or a.log.parent.name)
+    output = a.output or a.log.with_name("curves.png")
+    try:
+        validate.input_file("log", a.log)
+        validate.output_file("--output", output, {"log": a.log})
+        train, evals = read_log(a.log)
+        if not any("head_loss" in r for r in train + evals):
+            raise validate.UsageError(f"{a.log}: its records have no head_loss; give a train_heads.py train_log.jsonl")
+    except (validate.UsageError, OSError, UnicodeDecodeError) as e:
+        return validate.fail(e)
+    out = plot(train, evals, output, a.title or a.log.parent.name)
     print(out)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

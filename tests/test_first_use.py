@@ -25,6 +25,8 @@ def test_tensor3_mesh_suits_the_heads(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["mesh"] == report["reference"] and all(len(t) == 12 for t in report["mesh"])
+    assert report["one"] == report["reference"][:1]  # one prompt on data=2 x tensor=3 equals one device
+    assert report["one_plain"] == report["reference_plain"]
     # the 64-token truncated lm_head is replicated over tensor; the 96-wide ResBlock stays split over it
     assert report["specs"]["lm_head"][1] is None and report["specs"]["block"][1] == "tensor"
 
@@ -72,7 +74,7 @@ def test_generate_output_rules(chat_model, tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps("the cat") + "\n")
     code, _, err = run_generate(capsys, "--model", str(chat_model), "--input", str(src), "--output", str(src))
-    assert code == 2 and "--output is the --input file" in err
+    assert code == 2 and "is the --input file" in err and err.count("error: ") == 1
     assert src.read_text() == json.dumps("the cat") + "\n"
     code, _, err = run_generate(capsys, "--model", str(chat_model / "config.json"), "--prompt", "the cat")
     assert code == 2 and "is a file, not a model folder" in err

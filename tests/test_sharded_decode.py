@@ -91,7 +91,13 @@ def test_mesh_errors_name_the_axis(mesh_report):
     errors = mesh_report[1]["errors"]
     assert "'tensor'" in errors["tensor3"] and "num_heads (8)" in errors["tensor3"]
     assert "'fsdp'" in errors["fsdp3"] and "hidden_size (64)" in errors["fsdp3"]
-    assert "batch size 6" in errors["batch6_data4"] and "'data'" in errors["batch6_data4"]
+
+
+def test_a_batch_that_does_not_divide_the_mesh_is_padded(mesh_report):
+    padded = mesh_report[1]["padded"]
+    assert padded["batch6_data4"] == padded["expected6"]  # 6 rows on data=4: padded to 8, fillers dropped
+    assert padded["one_plain"] == padded["expected_plain"]  # one prompt on data=2 x tensor=4
+    assert padded["one_medusa"] == padded["expected_medusa"]
 
 
 def test_batch_api_returns_input_order(mesh_report):

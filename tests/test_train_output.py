@@ -4,6 +4,7 @@ flags and data, and the memory plan that refuses a run that would not fit (all b
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,12 @@ def train(monkeypatch, tmp_path, capsys):
 
     def run(model, data, out, *extra) -> tuple[int, str]:
         capsys.readouterr()
-        code = module.main(["--model", str(model), "--data", str(data), "--output", str(out), "--batch-size", "2",
-                            "--seq-len", "64", "--max-steps", "2", "--log-every", "1", "--no-progress",
-                            "--num-proc", "1", "--num-heads", "2", *extra])
+        try:  # flag errors exit from the parser (status 2), the others return 2
+            code = module.main(["--model", str(model), "--data", str(data), "--output", str(out), "--batch-size",
+                                "2", "--seq-len", "64", "--max-steps", "2", "--log-every", "1", "--no-progress",
+                                "--num-proc", "1", "--num-heads", "2", *extra])
+        except SystemExit as e:
+            code = e.code
         return code, capsys.readouterr().err
     return run
 
@@ -44,8 +48,13 @@ def test_the_model_folder_and_foreign_folders_are_refused(setup, train, tmp_path
     model, data = setup
     config = (model / "config.json").read_text()
     code, err = train(model, data, model)
-    assert code == 2 and "holds a model" in one_error(err)
+    assert code == 2 and "is the --model folder" in one_error(err)
     assert (model / "config.json").read_text() == config and not (model / ".medusa_jax_train").exists()
+    other = tmp_path / "other-model"
+    shutil.copytree(model, other)
+    code, err = train(model, data, other)
+    assert code == 2 and "holds a model" in one_error(err)
+    assert (other / "config.json").read_text() == config and not (other / ".medusa_jax_train").exists()
     foreign = tmp_path / "notes"
     foreign.mkdir()
     (foreign / "config.json").write_text('{"mine": true}')

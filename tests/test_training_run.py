@@ -152,21 +152,103 @@ def test_checkpoints_refuse_a_different_run_and_an_accidental_restart(setup, tmp
     assert "different ['heads'" in capsys.readouterr().err
 
 
-def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch):
-    from medusa_jax.training.checkpointing import Checkpoints
-    from medusa_jax.training.run import TrainingDiverged
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch,
+                                                                             capsys):
+    from medusa_jax.training.checkpointing import Checkpoints, all_finite
 
     model, data, _ = setup
     out = tmp_path / "nan"
     # an absurd learning rate blows the heads up within a few steps
-    with pytest.raises(TrainingDiverged, match=r"loss is (nan|inf) at step (\d+).*last good checkpoint is step") as err:
-        _train(_args(model, data, out, "--max-steps", "50", "--save-every", "1", "--learning-rate", "1e30",
-                     "--warmup-steps", "0", "--clip-norm", "0"), monkeypatch, tmp_path)
-    bad_step = int(str(err.value).split("at step ")[1].split(";")[0])
-    steps = Checkpoints(out / "checkpoints", save_every=1).all_steps()
-    assert steps and max(steps) == bad_step - 1  # the diverged state was never saved
+    code = _train(_args(model, data, out, "--max-steps", "50", "--save-every", "1", "--learning-rate", "1e30",
+                        "--warmup-steps", "0", "--clip-norm", "0"), monkeypatch, tmp_path)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(lines) == 1, lines
+    err = lines[0]
+    assert "NaN" in err or "nan" in err or "inf" in err
+    good = int(err.split("last good checkpoint is step ")[1].split(" ")[0])
+    ckpt = Checkpoints(out / "checkpoints", save_every=1)
+    assert ckpt.all_steps() and max(ckpt.all_steps()) == good  # the diverged state was never saved
+    assert bool(all_finite(ckpt.manager.restore(good).state["params"]))  # and it is finite
     losses = [r["loss"] for r in _log(out, "train")]
-    assert len(losses) == bad_step - 1 and all(np.isfinite(losses))
+    assert all(np.isfinite(losses)) and len(losses) >= good
+
+
+def test_resume_skips_a_checkpoint_with_nan_weights(setup, tmp_path, monkeypatch, capsys):
+    """A checkpoint holding NaN weights (as an older version could save) is skipped on --resume."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from medusa_jax.training.checkpointing import Checkpoints
+
+    model, data, _ = setup
+    out = tmp_path / "skip"
+    assert _train(_args(model, data, out, "--max-steps", "2", "--save-every", "1"), monkeypatch, tmp_path) == 0
+    ckpt = Checkpoints(out / "checkpoints", save_every=1)
+    restored = ckpt.manager.restore(2)
+    state = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                         restored.state)
+    meta = dict(restored.meta, step=3)
+    ckpt.manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                      force=True)
+    ckpt.close()
+    capsys.readouterr()
+    assert _train(_args(model, data, out, "--max-steps", "4", "--save-every", "1", "--resume"), monkeypatch,
+                  tmp_path) == 0
+    captured = capsys.readouterr()
+    assert "checkpoints/3 holds NaN/inf weights: skipped" in captured.out
+    assert "resumed from" in captured.out and "/2 (" in captured.out
+    assert [r["step"] for r in _log(out, "train")] == [1, 2, 3, 4]
+
+
+def test_metrics_go_to_tensorboard_beside_the_jsonl_log(setup, tmp_path, monkeypatch):
+    model, data, _ = setup
+    out = tmp_path / "tb"
+    assert _train(_args(model, data, out, "--max-steps", "3", "--eval-every", "3"), monkeypatch, tmp_path) == 0
+    from event_reader import read_scalars
+
+    events = read_scalars(out / "tensorboard")
+    train = _log(out, "train")
+    assert [step for step, _ in events["train/loss"]] == [r["step"] for r in train]
+    assert np.allclose([v for _, v in events["train/loss"]], [r["loss"] for r in train], rtol=1e-6)
+    heldout = _log(out, "eval")[-1]
+    assert np.allclose(events["eval/top1/0"][-1][1], heldout["top1"][0], rtol=1e-6)
+    assert not (out / ".final.tmp").exists() and not list(out.glob(".final.*"))
+
+
+def test_wandb_gets_the_same_metrics_when_asked_for(setup, tmp_path, monkeypatch):
+    import types
+
+    calls = {"init": [], "log": [], "finish": 0}
+
+    class Run:
+        def log(self, values, step):
+            calls["log"].append((step, values))
+
+        def finish(self):
+            calls["finish"] += 1
+
+    def init(**kw):
+        calls["init"].append(kw)
+        return Run()
+
+    stub = types.ModuleType("wandb")
+    stub.init = init
+    stub.__spec__ = importlib_spec("wandb")
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    model, data, _ = setup
+    out = tmp_path / "wb"
+    assert _train(_args(model, data, out, "--max-steps", "2", "--wandb", "medusa-test"), monkeypatch, tmp_path) == 0
+    assert calls["init"][0]["project"] == "medusa-test" and calls["finish"] == 1
+    logged = {step: values for step, values in calls["log"] if "train/loss" in values}
+    assert sorted(logged) == [1, 2]
+    assert logged[2]["train/loss"] == pytest.approx(_log(out, "train")[-1]["loss"])
+
+
+def importlib_spec(name):
+    import importlib.machinery
+
+    return importlib.machinery.ModuleSpec(name, None)
 
 
 KILLER = textwrap.dedent("""

@@ -7,6 +7,10 @@ only an unfinished temporary folder, which the next run ignores and removes: the
 usable. Restoring places every array with the sharding the current trainer uses, so a run can resume on a
 different mesh.
 
+Only finite weights are saved: a save that is due first checks every parameter (one jitted reduction, at save
+time only) and raises TrainingDiverged instead of writing NaN/inf weights, so "the last good checkpoint" is one.
+`restore_finite` resumes from the newest checkpoint whose weights are finite (older runs may have saved others).
+
 The data order is a pure function of (seed, epoch), so restoring the data position (epoch, index) restores
 the random state of the input pipeline exactly; the step has no other randomness.
 """
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from medusa_jax.training.trainer import Trainer
@@ -25,6 +30,17 @@ from medusa_jax.training.trainer import Trainer
 
 class CheckpointMismatch(ValueError):
     """The checkpoint was written by a run with a different model, heads or training mode."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the weights became NaN or infinite; the last good (finite) checkpoint is kept."""
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """True when every float array of `tree` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
 class Checkpoints:
@@ -44,7 +60,16 @@ class Checkpoints:
 
     def save(self, trainer: Trainer, data_position: dict[str, int], signature: dict[str, Any],
              force: bool = False) -> bool:
-        """Saves if `trainer.step` is due (or `force`). Returns whether a save was started."""
+        """Saves if `trainer.step` is due (or `force`). Returns whether a save was started. Raises
+        TrainingDiverged (and writes nothing) when a parameter is NaN or infinite."""
+        if not force and not self.manager.should_save(trainer.step):
+            return False
+        if not bool(all_finite(trainer.params)):
+            self.wait()
+            raise TrainingDiverged(
+                f"the weights hold NaN or inf after step {trainer.step}; training stopped before saving them. The last "
+                f"good checkpoint is step {self.latest_step()} in {self.directory} (lower --learning-rate or check "
+                f"the data)")
         state = {"params": trainer.params, "opt_state": trainer.opt_state}
         meta = {"step": trainer.step, "data_position": data_position, "signature": signature}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
@@ -69,6 +94,17 @@ class Checkpoints:
         trainer.opt_state = restored.state["opt_state"]
         trainer.step = int(meta["step"])
         return meta
+
+    def restore_finite(self, trainer: Trainer, signature: dict[str, Any], log=print) -> dict[str, Any]:
+        """Restores the newest checkpoint whose weights are all finite (skipping, with a log line, any that are
+        not); raises TrainingDiverged if none is."""
+        for step in sorted(self.all_steps(), reverse=True):
+            meta = self.restore(trainer, signature, step)
+            if bool(all_finite(trainer.params)):
+                return meta
+            log(f"checkpoint {self.directory}/{step} holds NaN/inf weights: skipped")
+        raise TrainingDiverged(f"{self.directory}: no checkpoint with finite weights to resume from; start again "
+                               f"without --resume in a new --output")
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are committed."""

@@ -4,21 +4,30 @@ Rules (checked before the model or the data are loaded):
 - `--output` must be a folder (or not exist yet). A folder the trainer made holds the marker file
   `.medusa_jax_train`; an existing folder without it that is not empty (a model folder, anything else) is
   refused, unless `--force-output` is given; even then the trainer writes only its own names (config.json,
-  heads.safetensors, train_log.jsonl, checkpoints/, hidden_cache/, base_model/) and never touches a model
-  folder's config.json: a folder that holds model weights is always refused.
+  heads.safetensors, train_log.jsonl, tensorboard/, checkpoints/, hidden_cache/, base_model/) and never touches
+  a model folder's config.json: a folder that holds model weights is always refused.
 - One run per folder: the run holds an exclusive `fcntl.flock` on `OUTPUT/.train.lock` until it ends (the OS
   drops it when the process dies); a second run on the same folder stops with one error line.
 - A folder with a previous run (checkpoints or train_log.jsonl) needs `--resume`: nothing is deleted.
 - On resume, train_log.jsonl keeps the records up to the restored step (a killed run may have logged steps
   after its last checkpoint; they are run again), so each step appears once.
+- A run that fails before writing anything leaves no folder behind (`OutputLock` removes what it made).
+- The end of a run is one commit (`commit_files`): the final files are staged in a hidden folder, the old
+  config.json goes first, the weights are renamed in, and config.json is renamed in last, so a folder is
+  either the old heads, the new heads, or (killed in between) no heads at all: never new weights under an old
+  config.
+Other outputs (self-distillation's JSONL) take `FileLock`: one writer per file, the lock file removed at exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import shutil
 from pathlib import Path
+from typing import Iterator
 
 from medusa_jax.atomic import write_text_atomic
 
@@ -69,8 +78,10 @@ class OutputLock:
     def __init__(self, output: str | os.PathLike):
         self.folder = Path(output)
         self._fd: int | None = None
+        self._made: list[Path] = []
 
     def __enter__(self) -> "OutputLock":
+        self._made = missing_folders(self.folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         if not (self.folder / MARKER).exists():
             write_text_atomic(self.folder / MARKER, json.dumps({"written_by": "medusa_jax scripts/train_heads.py"}))
@@ -86,11 +97,104 @@ class OutputLock:
         self._fd = fd
         return self
 
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._fd is None:
+            return
+        if exc_type is not None and self._made and {p.name for p in self.folder.iterdir()} <= {MARKER, LOCK}:
+            for name in (MARKER, LOCK):  # a run that failed before writing anything: leave no folder behind
+                (self.folder / name).unlink(missing_ok=True)
+            remove_empty(self._made)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+
+def missing_folders(path: str | os.PathLike) -> list[Path]:
+    """`path` and its ancestors that do not exist yet, deepest first (what mkdir(parents=True) would make)."""
+    path, made = Path(path).absolute(), []
+    while not path.exists() and path != path.parent:
+        made.append(path)
+        path = path.parent
+    return made
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Removes the folders (deepest first) that are empty; stops at the first one that is not."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+@contextlib.contextmanager
+def made_folders(path: str | os.PathLike, include_path: bool = False) -> Iterator[None]:
+    """Creates `path`'s missing parent folders; if the block fails, removes those of them still empty (and
+    `path` itself, with `include_path`, when the block made it and left it empty)."""
+    made = missing_folders(Path(path) if include_path else Path(path).parent)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        remove_empty(made)
+        raise
+
+
+class FileLock:
+    """`with FileLock(path, flag):` one writer for `path` at a time: an exclusive flock on the hidden file
+    `.NAME.lock` beside it (the OS drops it when the process dies), removed when released. A second writer
+    stops with OutputFolderError naming `flag`."""
+
+    def __init__(self, path: str | os.PathLike, flag: str = "--output"):
+        self.path = Path(path)
+        self.lock = self.path.with_name(f".{self.path.name}.lock")
+        self.flag = flag
+        self._fd: int | None = None
+
+    def __enter__(self) -> "FileLock":
+        while True:
+            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputFolderError(f"{self.flag} {self.path} is being written by another run (it holds "
+                                        f"{self.lock}); wait for it to finish or choose another {self.flag}") from None
+            try:  # the holder before us may have removed the file after we opened it: lock the file on disk
+                if os.stat(self.lock).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
+            self.lock.unlink(missing_ok=True)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def commit_files(staging: str | os.PathLike, output: str | os.PathLike, last: str = "config.json") -> None:
+    """Moves every entry of the folder `staging` into `output` as one commit: `output/last` is removed first and
+    renamed in last, so a reader (or a kill) never sees the new files under the old `last`. Folders (e.g. a
+    Medusa-2 base_model/) replace their namesakes whole. `staging` is removed."""
+    staging, output = Path(staging), Path(output)
+    (output / last).unlink(missing_ok=True)
+    for entry in sorted(staging.iterdir()):
+        if entry.name == last:
+            continue
+        target = output / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+    if (staging / last).exists():
+        os.replace(staging / last, output / last)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def checkpoint_steps(directory: str | os.PathLike) -> list[int]:

@@ -4,9 +4,13 @@
   OUTPUT/config.json + heads.safetensors   the heads (medusa_jax.heads.folder.load_native_heads reads them)
   OUTPUT/base_model/                       Medusa-2 only: the jointly trained backbone as a HF folder
   OUTPUT/train_log.jsonl                   one JSON object per logged step ("train") and evaluation ("eval")
+  OUTPUT/tensorboard/                      the same metrics as TensorBoard event files (training.metrics_log)
   OUTPUT/checkpoints/                      Orbax checkpoints (unless --checkpoint-dir points elsewhere)
   OUTPUT/.medusa_jax_train, .train.lock    the trainer's marker and the run's lock (training.output_folder)
 Before any weights are loaded: the output folder's checks and lock, and the memory plan (training.memory_plan).
+The final config.json, heads.safetensors (and base_model/) are staged and committed in one step
+(`output_folder.commit_files`). A NaN/inf loss, gradient norm or weight stops the run before a checkpoint of
+it is written (`checkpointing.TrainingDiverged`); `--resume` starts from the newest finite checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -34,13 +39,10 @@ from medusa_jax.heads.folder import write_heads_files
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.training import losses, memory_plan, output_folder, sources
-from medusa_jax.training.checkpointing import Checkpoints
+from medusa_jax.training.checkpointing import Checkpoints, TrainingDiverged
+from medusa_jax.training.metrics_log import MetricsLog, NoLog
 from medusa_jax.training.data import DataConfig, top_token_ids
 from medusa_jax.training.trainer import TrainConfig, Trainer, schedule
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,7 @@ class RunConfig:
     force_output: bool = False  # write into an existing folder the trainer did not make (never a model folder)
     memory_limit_gib: float | None = None  # None: MemAvailable; 0: no check (training.memory_plan)
     max_tokens: int | None = None  # a feature store as --data: train on its first conversations of this many tokens
+    wandb_project: str | None = None  # also log to Weights & Biases (training.metrics_log)
     data_config: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
 
@@ -175,9 +178,10 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
 
     signature = _signature(cfg, base, heads)
     ckpt = Checkpoints(cfg.checkpoint_dir or output / "checkpoints", cfg.save_every, cfg.keep_checkpoints)
-    log_path = output / "train_log.jsonl"
+    resumed = None
     if cfg.resume and ckpt.latest_step() is not None:
-        meta = ckpt.restore(trainer, signature)
+        meta = ckpt.restore_finite(trainer, signature, log)
+        resumed = trainer.step
         it.epoch, it.index = meta["data_position"]["epoch"], meta["data_position"]["index"]
         dropped = output_folder.truncate_log(output, trainer.step) if is_main else 0
         log(f"resumed from {ckpt.directory}/{trainer.step} (data epoch {it.epoch}, batch {it.index}; "
@@ -189,16 +193,16 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
         output.mkdir(parents=True, exist_ok=True)
         output_folder.truncate_log(output, 0)  # --resume before the first checkpoint: the log starts again
 
-    def write_log(record):
-        if is_main:
-            with open(log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
+    metrics = (MetricsLog(output, resume_step=resumed, wandb_project=cfg.wandb_project,
+                          run_config=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
+               if is_main else NoLog())
     try:
-        result = _loop(cfg, trainer, it, ckpt, signature, write_log, log, tokens_per_step, eval_batches)
+        result = _loop(cfg, trainer, it, ckpt, signature, metrics.write, log, tokens_per_step, eval_batches)
     except BaseException:
         ckpt.wait()  # commit a checkpoint still being written (Ctrl-C, an error) before leaving
         raise
+    finally:
+        metrics.close()
     if trainer.step not in ckpt.all_steps():
         ckpt.save(trainer, it.position, signature, force=True)
     ckpt.close()
@@ -207,10 +211,13 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     if is_main:
         summary = {"steps": trainer.step, "heldout": result, "lm_head": cfg.lm_head, "medusa2": cfg.train.medusa2,
                    "head_type": cfg.head_type}
-        write_heads_files(trainer.heads(), output, extra_config={"training": summary},
+        staging = output / f".final.{os.getpid()}.tmp"  # one commit of all final files (module docstring)
+        staging.mkdir(exist_ok=True)
+        write_heads_files(trainer.heads(), staging, extra_config={"training": summary},
                           storage_dtype=None if cfg.heads_dtype == "float32" else cfg.heads_dtype)
         if cfg.train.medusa2:
-            save_pretrained(trainer.base(), output / "base_model", cfg.model)
+            save_pretrained(trainer.base(), staging / "base_model", cfg.model)
+        output_folder.commit_files(staging, output)
     return {"steps": trainer.step, "heldout": result, "output": str(output)}
 
 
@@ -226,18 +233,19 @@ def _loop(cfg: RunConfig, trainer: Trainer, it, ckpt: Checkpoints, signature, wr
         batch = next(it)
         metrics = trainer.train_step(batch)
         tokens_done += tokens_per_step(batch)
-        loss = float(metrics["loss"])
-        if not math.isfinite(loss):
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             ckpt.wait()
             raise TrainingDiverged(
-                f"loss is {loss} at step {trainer.step}; training stopped. The last good checkpoint is step "
-                f"{ckpt.latest_step()} in {ckpt.directory} (lower --learning-rate or check the data)")
+                f"loss {loss}, gradient norm {grad_norm} at step {trainer.step}; training stopped before saving it. "
+                f"The last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory} (lower --learning-rate "
+                f"or check the data)")
         elapsed = time.perf_counter() - t_start
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_done / elapsed:.0f}")
         if trainer.step % cfg.log_every == 0 or trainer.step == cfg.train.max_steps:
-            write_log({"kind": "train", "step": trainer.step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+            write_log({"kind": "train", "step": trainer.step, "loss": loss, "grad_norm": grad_norm,
                        "head_lr": float(head_lr(trainer.step - 1)), "tokens_per_s": tokens_done / elapsed,
                        "elapsed_s": elapsed, "epoch": it.epoch, **metrics["stats"].summary(),
                        **{k: float(v) for k, v in metrics.items() if k not in ("loss", "grad_norm", "stats")}})

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 from medusa_jax.inference.refill import Slots, admit_prompts, run_chunk
 from medusa_jax.inference.sampling import SamplingConfig
-from medusa_jax.training import distill_store
+from medusa_jax.training import distill_store, output_folder
 from medusa_jax.training.sharegpt import DataError, read_conversations
 
 _SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -72,6 +73,10 @@ class DistillConfig:
                              f"{self}")
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard_index must be in [0, num_shards), got {self.shard_index} of {self.num_shards}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1 (None: all conversations), got {self.limit}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
 
     @property
     def shard_limit(self) -> int | None:
@@ -128,9 +133,15 @@ class _Reply:
 def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | os.PathLike,
                  config: DistillConfig = DistillConfig(), progress: bool = True,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Regenerates the assistant turns of `data` into `output` (JSONL, resumable). Returns run statistics."""
+    """Regenerates the assistant turns of `data` into `output` (JSONL, resumable). Returns run statistics.
+    One run per output at a time (`output_folder.FileLock`); a run that fails before writing leaves no new
+    folder behind."""
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    with output_folder.made_folders(output), output_folder.FileLock(output):
+        return _self_distill(model_dir, data, output, config, progress, log)
+
+
+def _self_distill(model_dir, data, output: Path, config: DistillConfig, progress: bool, log) -> dict[str, Any]:
     records, report = read_conversations(data)
     log(report.summary())
     tokenizer = load_tokenizer(model_dir)
@@ -159,7 +170,8 @@ def self_distill(model_dir: str | os.PathLike, data: str | None, output: str | o
     sampling = SamplingConfig(temperature=config.temperature)
     graphdef, params = nnx.split(model)
     b, size = config.batch_size, config.cache_size
-    slots = Slots.empty(model.config, b, size)
+    # on a mesh the slots are padded up to a multiple of its data x fsdp rows; the extra slots stay idle
+    slots = Slots.empty(model.config, round_up(b, _mesh_rows(config.mesh)), size)
     if config.mesh:
         params, slots = _on_mesh(config.mesh, model.config, params, slots)
     key = jax.random.fold_in(jax.random.key(config.seed + len(finished)), config.shard_index)
@@ -298,6 +310,11 @@ def _open_store(output: Path, finished: set[str], hidden_size: int, log):
         log(f"{store.folder}: dropped {len(dropped)} shard(s) whose conversations never reached {output} "
             f"(they are generated again)")
     return store
+
+
+def _mesh_rows(spec: str) -> int:
+    mesh = shd.MeshConfig.parse(spec)
+    return mesh.data * mesh.fsdp
 
 
 def _on_mesh(spec: str, model_config, params, slots):

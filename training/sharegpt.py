@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
+from medusa_jax import hub
+
 ROLE_ALIASES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -110,16 +112,20 @@ def _is_unterminated(text: str, pos: int) -> bool:
 
 def _iter_jsonl(text: str, source: str, report: ReadReport) -> Iterable[tuple[int, Any]]:
     lines = text.split("\n")
+    good = 0
     for index, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            yield index, json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError as e:
-            if index == len(lines) - 1:  # no newline after it: a writer was interrupted mid-line
+            if good and index == len(lines) - 1:  # no newline after it: a writer was interrupted mid-line
                 report.truncated_at_byte = len("\n".join(lines[:index]).encode("utf-8"))
                 return
-            raise DataError(f"{source}: line {index + 1} is not valid JSON ({e})") from None
+            what = "is not valid JSON" if good else "is not JSON: expected a JSON array of conversations or JSONL"
+            raise DataError(f"{source}: line {index + 1} {what} ({e})") from None
+        good += 1
+        yield index, record
 
 
 def normalise_conversation(record: Any, where: str) -> list[dict[str, str]]:
@@ -190,10 +196,21 @@ def read_conversation_dataset(name_or_path: str, split: str = "train", limit: in
     import datasets  # lazy: seconds to import, needed only for a datasets folder or name
 
     folder = Path(name_or_path)
-    if folder.is_dir() and any((folder / f).exists() for f in ("dataset_info.json", "dataset_dict.json")):
-        ds = datasets.load_from_disk(name_or_path)
-    else:
-        ds = datasets.load_dataset(name_or_path)
+    try:
+        if folder.is_dir() and any((folder / f).exists() for f in ("dataset_info.json", "dataset_dict.json")):
+            ds = datasets.load_from_disk(name_or_path)
+        else:
+            if folder.exists():
+                raise DataError(f"{name_or_path}: not a ShareGPT file or a folder saved with datasets' save_to_disk")
+            if not hub.offline() and not hub.reachable():  # fail at once instead of datasets' retries
+                raise DataError(f"{name_or_path}: no such local file or folder, and the Hugging Face Hub cannot be "
+                                f"reached to load it as a dataset name (set HF_HUB_OFFLINE=1 to use a cached copy)")
+            ds = datasets.load_dataset(name_or_path)
+    except (OSError, ConnectionError, ValueError) as e:  # datasets' not-found and offline errors among them
+        if isinstance(e, DataError):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{name_or_path}: cannot load it as a local file or a datasets dataset ({first})") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise DataError(f"{name_or_path}: no split {split!r}; splits are {list(ds)}")

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from medusa_jax.hub import hub_folder, is_hub_id
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.param_paths import fill_state, param_paths
@@ -59,7 +60,11 @@ def sliced_array(read_full: Callable[[], np.ndarray], shape, dtype, sharding, tr
 
 def load_pretrained(folder: str | os.PathLike, dtype: str = "float32",
                     sharding_for: ShardingFn | None = None) -> CausalLM:
-    """Loads a local HF folder into a `CausalLM`; raises CheckpointError naming any mismatch."""
+    """Loads a local HF folder (or a Hub id `ORG/NAME`, resolved in the Hugging Face cache by
+    `medusa_jax.hub.hub_folder`) into a `CausalLM`; raises CheckpointError naming any mismatch, HubError for a
+    Hub id that cannot be resolved."""
+    if is_hub_id(folder):
+        folder = hub_folder(str(folder))
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: model folder does not exist")
