@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.inference.calibration import cpu_name
 from medusa_jax.bench.demo_model import resolve_model_dir
 from medusa_jax.bench.mtbench import MTBenchQuestion, load_mtbench_questions
 
@@ -59,14 +59,7 @@ def load_model(model: str | os.PathLike, heads: str | os.PathLike | None, dtype:
 
 def machine_description() -> dict:
     """Where a measurement ran: CPU model and count, JAX backend and version, load average at the time."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     devices = jax.devices()
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

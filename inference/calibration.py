@@ -120,18 +120,21 @@ class Accuracy:
         return cls(scaled, per_seq, order, min_speedup, tokens)
 
 
-def machine_key() -> dict:
-    """What a step cost depends on besides the model: processor, device kind and count, backend, JAX."""
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The processor's model name (/proc/cpuinfo), else what `platform` says."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key() -> dict:
+    """What a step cost depends on besides the model: processor, device kind and count, backend, JAX."""
     devices = jax.local_devices()
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
+    return {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
             "device": f"{len(devices)} x {devices[0].device_kind}", "jax": jax.__version__}
 
 
