@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import jax
 
+from medusa_jax.heads.tree import DynamicTree
 from medusa_jax.heads.trees_file import trees_of
 from medusa_jax.inference import calibration
 from medusa_jax.inference.api import BatchSettings, choose_heads_tree, generate_batch, plan_batches
@@ -35,6 +36,13 @@ def _shipped_prediction(heads, batch: int) -> dict:
             return {"predicted_speedup": record.get("predicted_speedup_vs_plain"),
                     "predicted_tokens_per_step": record.get("predicted_tokens_per_step")}
     return {}
+
+
+def _nodes(tree) -> int:
+    """Verified nodes per step (root excluded): 0 for plain decoding."""
+    if tree is None:
+        return 0
+    return tree.nodes if isinstance(tree, DynamicTree) else len(tree.paths)
 
 
 def run(loaded: LoadedModel, prompts: Sequence[Sequence[int]], batch_sizes: Sequence[int], max_new_tokens: int,
@@ -77,7 +85,7 @@ def run(loaded: LoadedModel, prompts: Sequence[Sequence[int]], batch_sizes: Sequ
                and picked.measured else 0.0, "plain_tokens_per_s": rate["plain"]}
         for name in ("calibrated", "shipped"):
             row[name] = {"tree": chosen[name].note,
-                         "nodes": 0 if chosen[name].tree is None else len(chosen[name].tree.paths),
+                         "nodes": _nodes(chosen[name].tree),
                          "tokens_per_s": rate[name], "speedup": rate[name] / rate["plain"],
                          "tokens_per_step": new[name] / max(steps[name], 1),
                          "mismatches": sum(a != b for a, b in zip(tokens[name], tokens["plain"])),

@@ -7,8 +7,11 @@
    time (the decode loop's own `medusa.medusa_step`) for trees that are prefixes of that order at several
    sizes T, plus one plain step, timed in interleaved rounds (`step_cost`) and fitted with a non-decreasing
    curve (a bigger tree is never cheaper; dips are noise);
-4. per B, the size with the most expected tokens per second = tokens per step / step time, or no tree
-   (plain decoding) when even that one is predicted under `min_speedup` x plain. Tokens per step come from
+4. dynamic trees (`dynamic_nodes`): the held-out prompts are decoded greedily with the dynamic tree of N nodes
+   and with the greedy static tree of N nodes; what the dynamic one accepts per step over the static one
+   (`calibration.DynamicGain`) scales the static tree's prediction, and its step is timed with the others;
+5. per B, the tree with the most expected tokens per second = tokens per step / step time, static or dynamic,
+   or no tree (plain decoding) when even that one is predicted under `min_speedup` x plain. Tokens per step come from
    each held-out sequence's own accuracy, discounted by `accuracy_scale` per drafted token, and account for
    a batch waiting on its slowest row (`tree_choice.batch_tokens_per_step`). Verify cost grows with B x T
    and the slowest of B rows accepts less than the average one, so the tree shrinks as the batch grows,
@@ -23,9 +26,11 @@ from typing import Callable
 
 import numpy as np
 
-from medusa_jax.heads.tree import build_tree
+from medusa_jax.heads.tree import DynamicTree, TreeError, build_tree, parse_dynamic_tree
 from medusa_jax.inference import step_cost, tree_choice
-from medusa_jax.inference.calibration import pick_for_batch
+from medusa_jax.inference.api import BatchSettings, generate_batch
+from medusa_jax.inference.calibration import DynamicGain, pick_for_batch
+from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.training.sharegpt import read_conversations
 from medusa_jax.bench import head_accuracy
 from medusa_jax.bench.bench_inputs import LoadedModel, machine_description
@@ -55,6 +60,8 @@ class BuildTreeConfig:
     context: int = 256  # committed tokens in the cache when timing
     repeats: int = 7  # timed calls per size (median)
     batch_size: int = 8  # rows per call when generating / scoring the held-out text
+    # dynamic trees (their default K and D) measured against the static tree of the same size; () for none
+    dynamic_nodes: tuple[int, ...] = (4, 16)
 
     def __post_init__(self):
         if self.heldout < 1 or self.top_k < 1 or self.max_nodes < 1 or self.continuation_tokens < 4:
@@ -67,6 +74,8 @@ class BuildTreeConfig:
             raise ValueError(f"accuracy_scale must be in (0, 1]: {self.accuracy_scale}")
         if not self.min_speedup > 0 or self.repeats < 1 or self.context < 1:
             raise ValueError(f"min_speedup must be > 0, repeats and context >= 1: {self}")
+        if any(n < 1 for n in self.dynamic_nodes):
+            raise ValueError(f"dynamic_nodes must be sizes >= 1, got {self.dynamic_nodes}")
 
 
 def heldout_prompts(loaded: LoadedModel, config: BuildTreeConfig) -> tuple[list[list[int]], str]:
@@ -88,10 +97,36 @@ def heldout_prompts(loaded: LoadedModel, config: BuildTreeConfig) -> tuple[list[
     return prompts, f"last {len(prompts)} usable conversations of {name} ({report.kept} kept)"
 
 
+def measure_dynamic(loaded: LoadedModel, config: BuildTreeConfig, prompts, order,
+                    progress: Callable[[str], None] = print) -> list[DynamicGain]:
+    """For each size N of `config.dynamic_nodes` that the greedy order reaches: tokens per step of greedy decoding
+    of the held-out prompts with the dynamic tree of N nodes and with the static tree of the first N nodes of
+    `order`. Sizes whose dynamic tree the heads cannot draft are left out."""
+    model = ShardedModel(loaded.base, loaded.heads)
+    settings = BatchSettings(batch_size=min(config.batch_size, len(prompts)), max_new_tokens=config.continuation_tokens,
+                             eos_ids=loaded.eos_ids, pad_id=loaded.pad_id, calibration="skip")
+    heads = loaded.heads.config
+    gains = []
+    for nodes in sorted({n for n in config.dynamic_nodes if n <= len(order)}):
+        try:
+            dynamic = parse_dynamic_tree(f"dynamic:{nodes}", num_heads=heads.num_heads,
+                                         max_top_k=heads.head_vocab_size)
+        except TreeError:
+            continue
+        static = build_tree([p for p, _ in order[:nodes]], name=f"greedy_{nodes}")
+        per_step = [generate_batch(model, prompts, dataclasses.replace(settings, tree=tree), progress=False)
+                    .tokens_per_step for tree in (dynamic, static)]
+        gains.append(DynamicGain(dynamic, round(per_step[0], 4), round(per_step[1], 4)))
+        progress(f"{dynamic.name}: {per_step[0]:.3f} tokens/step on the held-out prompts, the static tree of "
+                 f"{nodes} nodes {per_step[1]:.3f}")
+    return gains
+
+
 def build(loaded: LoadedModel, config: BuildTreeConfig,
-          progress: Callable[[str], None] = print) -> tuple[dict[int, tuple], dict]:
-    """Runs the measurements. Returns (batch size -> paths, () for plain decoding; the `built` record of
-    trees.json: accuracies, step times and predictions per batch size, where it ran — no local paths)."""
+          progress: Callable[[str], None] = print) -> tuple[dict[int, tuple | DynamicTree], dict]:
+    """Runs the measurements. Returns (batch size -> paths, () for plain decoding, or a DynamicTree; the `built`
+    record of trees.json: accuracies, step times and predictions per batch size, where it ran — no local
+    paths)."""
     if loaded.heads is None:
         raise ValueError("build_tree needs heads")
     top_k = min(config.top_k, loaded.heads.config.head_vocab_size)
@@ -108,19 +143,21 @@ def build(loaded: LoadedModel, config: BuildTreeConfig,
     order = tree_choice.greedy_tree(scaled_mr, config.max_nodes)
     sizes = sorted({t for t in config.tree_tokens if t <= len(order) + 1})
     trees = [build_tree([p for p, _ in order[: t - 1]], name=f"greedy_{t - 1}") for t in sizes]
+    gains = measure_dynamic(loaded, config, prompts, order, progress)
     chosen, records = {}, {}
     for batch in sorted(set(config.batch_sizes)):
         costs = step_cost.measure_step_costs(loaded.base, loaded.heads, trees, batch=batch, context=config.context,
-                                             repeats=config.repeats, progress=progress)
+                                             repeats=config.repeats, progress=progress,
+                                             dynamic=[g.tree for g in gains])
         chosen[batch], records[str(batch)] = pick_for_batch(
             scaled_mr, costs, len(order), config.min_speedup,
-            np.round(accuracy.per_sequence_smr, 4) * config.accuracy_scale)  # as stored in trees.json
+            np.round(accuracy.per_sequence_smr, 4) * config.accuracy_scale, gains)  # as stored in trees.json
         r = records[str(batch)]
-        progress(f"batch {batch}: " + (f"{r['num_nodes']} nodes, predicted {r['predicted_tokens_per_step']:.2f} "
+        progress(f"batch {batch}: " + (f"{_describe(chosen[batch])}, predicted {r['predicted_tokens_per_step']:.2f} "
                                        f"tokens/step, x{r['predicted_speedup_vs_plain']:.2f} over plain"
                                        if chosen[batch] else
-                                       f"no tree (the best, {r['best_num_nodes']} nodes, predicts "
-                                       f"x{r['best_tree_predicted_speedup']:.2f} < {config.min_speedup}): plain"))
+                                       f"no tree (the best predicts x{r['best_tree_predicted_speedup']:.2f} < "
+                                       f"{config.min_speedup}): plain"))
     built = {
         "machine": machine_description(),
         "model": loaded.folder.name,
@@ -135,9 +172,14 @@ def build(loaded: LoadedModel, config: BuildTreeConfig,
         "head_accuracy_per_sequence": np.round(accuracy.per_sequence_smr, 4).tolist(),
         "greedy_order": [list(p) for p, _ in order],
         "timing": {"context": config.context, "repeats": config.repeats, "tree_tokens": sizes},
+        "dynamic": [g.to_json() for g in gains],
         "batches": records,
     }
     return chosen, built
+
+
+def _describe(tree) -> str:
+    return f"dynamic tree {tree.name}" if isinstance(tree, DynamicTree) else f"tree of {len(tree)} nodes"
 
 
 def summary_lines(batches: dict[int, tuple], built: dict) -> list[str]:
@@ -151,7 +193,7 @@ def summary_lines(batches: dict[int, tuple], built: dict) -> list[str]:
             f"T={t}: {s * 1e3:.1f}" for t, s in zip(steps["tree_tokens"], steps["fitted"]))
             + f" (plain {r['plain_step_seconds'] * 1e3:.1f})")
         lines.append(f"batch {batch}: " + (
-            f"tree of {len(paths)} nodes, predicted {r['predicted_tokens_per_step']:.2f} tokens/step, "
+            f"{_describe(paths)}, predicted {r['predicted_tokens_per_step']:.2f} tokens/step, "
             f"x{r['predicted_speedup_vs_plain']:.2f} over plain" if paths else
             f"no tree pays (best predicted x{r['best_tree_predicted_speedup']:.2f}): decode plainly"))
     return lines

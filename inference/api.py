@@ -41,7 +41,6 @@ from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.dynamic_tree import scratch_slots
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.heads.tree import DynamicTree, TreeBuffers, build_tree, load_tree
-from medusa_jax.heads.trees_file import resolve_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.calibration import Calibrated, calibrated_paths, check_mode
 from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_prompts, pad_prompts,
@@ -243,16 +242,16 @@ def choose_heads_tree(model: ShardedModel, batch_size: int, calibration: str | N
                       progress: bool = True) -> ChosenTree:
     """The heads' own tree for this batch size: calibrated on this machine (`inference.calibration`; measured
     on first use, then cached) unless `calibration` is "skip" or the heads / the mesh do not allow it; then the
-    shipped trees.json's choice (`medusa.choose_tree`), which also stands where it names a dynamic tree. The tree
-    may be None: decode plainly."""
+    shipped trees.json's choice (`medusa.choose_tree`), which also stands where it names a dynamic tree that the
+    heads' accuracy record has no measurement of. The tree may be None: decode plainly."""
     mode = check_mode(calibration)
     trees = model.heads_trees
-    # calibration prices static trees only: a dynamic tree that trees.json names for this batch size stands
-    shipped_dynamic = trees is not None and resolve_tree(trees, jax.default_backend(), batch_size).dynamic is not None
-    if mode != "skip" and trees is not None and not shipped_dynamic:
+    if mode != "skip" and trees is not None:
         say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else None
         result = calibrated_paths(model, trees, jax.default_backend(), batch_size, mode, progress=say)
         if isinstance(result, Calibrated):
+            if isinstance(result.paths, DynamicTree):
+                return ChosenTree(result.paths, result.note)
             if not result.paths:
                 return ChosenTree(None, result.note)
             config = model.heads_config

@@ -8,8 +8,10 @@ Xeon decoded at 0.79x plain on a 2-core EPYC. So the first time the heads' own t
 prefixes of the greedy order are timed here (`step_cost.measure_step_costs`, seconds, one progress line per
 size), cached under `$MEDUSA_JAX_CACHE/calibration/` keyed by machine, backend, JAX version, model, heads and
 batch size, and combined with the stored accuracy exactly as build_tree combines them (`pick_for_batch`, shared
-by both): the greedy tree with the most predicted tokens per second, or plain decoding when even that one is
-predicted under the heads' `min_speedup` x plain.
+by both): the tree with the most predicted tokens per second, or plain decoding when even that one is predicted
+under the heads' `min_speedup` x plain. Dynamic trees are weighed too where the record measured them
+(`DynamicGain`: what each accepted on the held-out text against the static tree of its size); their steps are
+timed in the same rounds.
 
 Modes (`BatchSettings.calibration`, the command lines' `--calibration`): "auto" measures on first use and reads
 the cache after; "redo" measures again and replaces the cached entry; "skip" takes the shipped trees.json as
@@ -28,7 +30,7 @@ import json
 import os
 import platform
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -36,8 +38,8 @@ from flax import nnx
 
 from medusa_jax.atomic import write_text_atomic
 from medusa_jax.paths import cache_root
-from medusa_jax.heads.tree import build_tree
-from medusa_jax.heads.trees_file import HeadsTrees
+from medusa_jax.heads.tree import DynamicTree, TreeError, build_tree
+from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree
 from medusa_jax.inference import step_cost, tree_choice
 
 MODES = ("auto", "redo", "skip")
@@ -63,10 +65,12 @@ def check_mode(mode: str | None) -> str:
 
 
 def pick_for_batch(accuracy_mr, costs: step_cost.StepCostTable, max_nodes: int, min_speedup: float,
-                   per_sequence_smr=None) -> tuple[tuple[tuple[int, ...], ...], dict]:
-    """The tree for one batch size from its measured step costs: the greedy tree with the most expected tokens
-    per second, or () ("decode plainly") when its predicted speedup over a plain step is below min_speedup.
-    Returns (paths, the record stored for that batch)."""
+                   per_sequence_smr=None, dynamic: "Sequence[DynamicGain]" = ()
+                   ) -> tuple["tuple[tuple[int, ...], ...] | DynamicTree", dict]:
+    """The tree for one batch size from its measured step costs: the tree with the most predicted tokens per
+    second among the greedy static trees and the dynamic trees that were measured (`DynamicGain`), or () ("decode
+    plainly") when its predicted speedup over a plain step is below min_speedup. Returns (paths or the
+    DynamicTree, the record stored for that batch)."""
     # step time cannot fall as the tree grows: fit the measured (noisy) times with a non-decreasing curve
     fitted = tuple(tree_choice.nondecreasing_fit(costs.medusa_seconds))
     cost = tree_choice.StepCost(costs.num_tree_tokens, fitted)
@@ -74,13 +78,25 @@ def pick_for_batch(accuracy_mr, costs: step_cost.StepCostTable, max_nodes: int, 
     if per_sequence_smr is not None:  # a batch waits for its slowest row: sized on per-sequence predictions
         choice = tree_choice.rescore_for_batch(choice, per_sequence_smr, costs.batch, cost)
     speedup_by_size = [tps * costs.plain_seconds for tps in choice.tokens_per_second]
-    speedup = speedup_by_size[choice.best_num_nodes - 1]
-    paths = choice.paths if speedup >= min_speedup else ()
+    best: "tuple[tuple[int, ...], ...] | DynamicTree" = choice.paths
+    speedup, tokens_per_step = speedup_by_size[choice.best_num_nodes - 1], choice.predicted_tokens_per_step
+    dynamic_records = []
+    for gain in dynamic:
+        seconds = costs.dynamic_step_seconds(gain.tree)
+        if seconds is None or gain.tree.nodes > len(choice.tokens_per_step):
+            continue  # not timed here, or larger than the static trees it is predicted from
+        predicted = gain.predict(choice.tokens_per_step[gain.tree.nodes - 1])
+        dyn_speedup = predicted / seconds * costs.plain_seconds
+        dynamic_records.append({"tree": gain.tree.name, "step_seconds": seconds,
+                                "predicted_tokens_per_step": predicted, "predicted_speedup_vs_plain": dyn_speedup})
+        if dyn_speedup > speedup:
+            best, speedup, tokens_per_step = gain.tree, dyn_speedup, predicted
+    chosen = best if speedup >= min_speedup else ()
     record = {
-        "num_nodes": len(paths),
+        "num_nodes": chosen.nodes if isinstance(chosen, DynamicTree) else len(chosen),
         "best_num_nodes": choice.best_num_nodes,
-        "predicted_tokens_per_step": choice.predicted_tokens_per_step if paths else 1.0,
-        "predicted_speedup_vs_plain": speedup if paths else 1.0,
+        "predicted_tokens_per_step": tokens_per_step if chosen else 1.0,
+        "predicted_speedup_vs_plain": speedup if chosen else 1.0,
         "best_tree_predicted_speedup": speedup,
         "plain_step_seconds": costs.plain_seconds,
         "step_seconds": {"tree_tokens": list(costs.num_tree_tokens), "measured": list(costs.medusa_seconds),
@@ -88,7 +104,39 @@ def pick_for_batch(accuracy_mr, costs: step_cost.StepCostTable, max_nodes: int, 
         "predicted_speedup_by_size": [None if np.isnan(x) else x for x in speedup_by_size],
         "cache_size": costs.cache_size,
     }
-    return paths, record
+    if dynamic_records:
+        record["dynamic"] = dynamic_records
+        if isinstance(chosen, DynamicTree):
+            record["tree"] = chosen.name
+    return chosen, record
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicGain:
+    """What a dynamic tree of N nodes accepts against the greedy static tree of N nodes, measured by decoding the
+    same held-out prompts with both (build_tree): the tokens accepted per step beyond the bonus token, dynamic
+    over static. A prediction for the dynamic tree is the static tree's prediction with its accepted part scaled
+    by that ratio, so the static trees' accuracy discount and batch model carry over."""
+
+    tree: DynamicTree
+    heldout_tokens_per_step: float
+    static_heldout_tokens_per_step: float
+
+    @property
+    def accepted_ratio(self) -> float:
+        return (self.heldout_tokens_per_step - 1.0) / max(self.static_heldout_tokens_per_step - 1.0, 1e-6)
+
+    def predict(self, static_tokens_per_step: float) -> float:
+        return 1.0 + (static_tokens_per_step - 1.0) * self.accepted_ratio
+
+    def to_json(self) -> dict:
+        return {**self.tree.to_json(), "heldout_tokens_per_step": self.heldout_tokens_per_step,
+                "static_heldout_tokens_per_step": self.static_heldout_tokens_per_step}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> "DynamicGain":
+        return cls(DynamicTree.from_json({"dynamic": entry["dynamic"]}), float(entry["heldout_tokens_per_step"]),
+                   float(entry["static_heldout_tokens_per_step"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +148,7 @@ class Accuracy:
     order: tuple[tuple[int, ...], ...]  # the greedy node order
     min_speedup: float
     tree_tokens: tuple[int, ...]  # tree sizes (tokens, root included) to time
+    dynamic: tuple[DynamicGain, ...] = ()  # dynamic trees measured on the held-out text (timed too)
 
     @classmethod
     def from_built(cls, built: dict) -> "Accuracy | None":
@@ -112,12 +161,13 @@ class Accuracy:
             order = tuple(tuple(int(i) for i in p) for p in built["greedy_order"])
             tokens = tuple(int(t) for t in built.get("timing", {}).get("tree_tokens", ()))
             min_speedup = float(built.get("min_speedup", 1.0))
-        except (KeyError, TypeError, ValueError):
+            dynamic = tuple(DynamicGain.from_json(entry) for entry in built.get("dynamic", ()))
+        except (KeyError, TypeError, ValueError, TreeError):
             return None
         tokens = tuple(sorted({t for t in tokens if 2 <= t <= len(order) + 1}))
         if not order or not tokens or scaled.ndim != 2:
             return None
-        return cls(scaled, per_seq, order, min_speedup, tokens)
+        return cls(scaled, per_seq, order, min_speedup, tokens, tuple(g for g in dynamic if g.tree.nodes <= len(order)))
 
 
 def cpu_name() -> str:
@@ -138,10 +188,13 @@ def machine_key() -> dict:
             "device": f"{len(devices)} x {devices[0].device_kind}", "jax": jax.__version__}
 
 
-def cache_file(machine: dict, model_config, heads_config, batch: int, tree_tokens, *, root: Path | None = None
-               ) -> Path:
-    key = json.dumps({"machine": machine, "model": repr(model_config), "heads": repr(heads_config), "batch": batch,
-                      "tree_tokens": list(tree_tokens), "context": CONTEXT}, sort_keys=True)
+def cache_file(machine: dict, model_config, heads_config, batch: int, tree_tokens, *, root: Path | None = None,
+               dynamic: Sequence[DynamicTree] = ()) -> Path:
+    what = {"machine": machine, "model": repr(model_config), "heads": repr(heads_config), "batch": batch,
+            "tree_tokens": list(tree_tokens), "context": CONTEXT}
+    if dynamic:
+        what["dynamic"] = [t.name for t in dynamic]
+    key = json.dumps(what, sort_keys=True)
     name = hashlib.sha256(key.encode()).hexdigest()[:20]
     return (root or cache_root()) / "calibration" / f"{name}.json"
 
@@ -155,7 +208,9 @@ def read_costs(path: Path) -> step_cost.StepCostTable | None:
         c = doc["costs"]
         return step_cost.StepCostTable(int(c["batch"]), int(c["context"]), int(c["cache_size"]),
                                        float(c["plain_seconds"]), tuple(int(t) for t in c["num_tree_tokens"]),
-                                       tuple(float(s) for s in c["medusa_seconds"]))
+                                       tuple(float(s) for s in c["medusa_seconds"]),
+                                       tuple(str(t) for t in c.get("dynamic_trees", ())),
+                                       tuple(float(s) for s in c.get("dynamic_seconds", ())))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -170,12 +225,12 @@ def measure(base, heads, accuracy: Accuracy, batch: int, progress: Callable[[str
             ) -> step_cost.StepCostTable:
     trees = [build_tree(list(accuracy.order[: t - 1]), name=f"greedy_{t - 1}") for t in accuracy.tree_tokens]
     return step_cost.measure_step_costs(base, heads, trees, batch=batch, context=CONTEXT, repeats=REPEATS,
-                                        progress=progress)
+                                        progress=progress, dynamic=[g.tree for g in accuracy.dynamic])
 
 
 @dataclasses.dataclass(frozen=True)
 class Calibrated:
-    paths: tuple[tuple[int, ...], ...]  # () : decode plainly
+    paths: "tuple[tuple[int, ...], ...] | DynamicTree"  # () : decode plainly
     record: dict  # pick_for_batch's record (predictions, step seconds)
     note: str
     measured: bool  # False: read from the cache
@@ -192,25 +247,32 @@ def calibrated_paths(model, trees: HeadsTrees, backend: str, batch: int, mode: s
         return f"no calibration: {trees.origin} has no accuracy record"
     if model.mesh.size > 1:
         return f"no calibration on a mesh of {model.mesh.size} devices (the shipped choice)"
+    if not accuracy.dynamic and resolve_tree(trees, backend, batch).dynamic is not None:
+        return "no calibration: the shipped dynamic tree stands (its accuracy record prices static trees only)"
     machine = machine_key()
-    path = cache_file(machine, model.config, model.heads_config, batch, accuracy.tree_tokens)
+    path = cache_file(machine, model.config, model.heads_config, batch, accuracy.tree_tokens,
+                      dynamic=[g.tree for g in accuracy.dynamic])
     costs = None if mode == "redo" else read_costs(path)
     measured = costs is None
     if measured:
         say = progress or (lambda _: None)
+        dynamic_names = "".join(f", {g.tree.name}" for g in accuracy.dynamic)
         say(f"calibrating tree choice for this machine at batch {batch} (once; cached in "
             f"$MEDUSA_JAX_CACHE/calibration/{path.name}): timing the plain step and trees of "
-            f"{', '.join(str(t - 1) for t in accuracy.tree_tokens)} nodes")
+            f"{', '.join(str(t - 1) for t in accuracy.tree_tokens)} nodes{dynamic_names}")
         merged = nnx.merge(model.medusa_graphdef, model.medusa_params)
         costs = measure(merged.base, merged.heads, accuracy, batch, progress)
         write_costs(path, costs, machine)
     paths, record = pick_for_batch(accuracy.scaled_mr, costs, len(accuracy.order), accuracy.min_speedup,
-                                   accuracy.per_sequence_smr)
+                                   accuracy.per_sequence_smr, accuracy.dynamic)
     where = "measured now" if measured else "cached"
-    if paths:
+    if isinstance(paths, DynamicTree):
+        note = (f"the heads' dynamic tree {paths.name} calibrated on this machine at batch {batch} ({where}: "
+                f"predicted x{record['predicted_speedup_vs_plain']:.2f} over plain)")
+    elif paths:
         note = (f"the heads' tree of {len(paths)} nodes calibrated on this machine at batch {batch} ({where}: "
                 f"predicted x{record['predicted_speedup_vs_plain']:.2f} over plain)")
     else:
         note = (f"plain decoding: calibrated on this machine at batch {batch} ({where}), no tree is predicted to "
                 f"pay (best x{record['best_tree_predicted_speedup']:.2f} < {accuracy.min_speedup})")
-    return Calibrated(tuple(paths), record, note, measured)
+    return Calibrated(paths if isinstance(paths, DynamicTree) else tuple(paths), record, note, measured)

@@ -25,7 +25,7 @@ from flax import nnx
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
-from medusa_jax.heads.tree import TreeBuffers
+from medusa_jax.heads.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.autoregressive import PlainState, plain_step
 from medusa_jax.inference.medusa import MedusaState, medusa_step
@@ -65,7 +65,7 @@ def time_interleaved(calls: Sequence[Callable[[], object]], rounds: int) -> list
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree"), donate_argnames=("state",))
-def _medusa_step(graphdef, params, state: MedusaState, *, tree: TreeBuffers) -> MedusaState:
+def _medusa_step(graphdef, params, state: MedusaState, *, tree: TreeBuffers | DynamicTree) -> MedusaState:
     """`medusa.medusa_step`, the Medusa decode loop's body (greedy, the heads' proposal), jitted alone."""
     return medusa_step(nnx.merge(graphdef, params), state, tree=tree, acceptance=AcceptanceConfig(), eos_ids=())
 
@@ -108,18 +108,25 @@ def plain_step_call(base: CausalLM, batch: int, context: int, cache_size: int) -
     return _SteppedState(lambda s: _plain_step(graphdef, params, s), state, context)
 
 
-def medusa_step_call(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: int, context: int,
+def medusa_step_call(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers | DynamicTree, batch: int, context: int,
                      cache_size: int) -> Callable[[], object]:
-    """A zero-argument call that runs one whole Medusa step (all pieces in one jitted call)."""
+    """A zero-argument call that runs one whole Medusa step (all pieces in one jitted call), for a static tree or
+    a dynamic one (drafted every step, `heads.dynamic_tree`); a drafter that keeps a state (the EAGLE-style one)
+    starts from its state after a prefill of `context` tokens."""
     graphdef, params = nnx.split(MedusaModel(base, heads))
     b, e = batch, tree.depth + 1  # an output buffer that holds one step's tokens
     hidden_bd = jax.random.normal(jax.random.key(1), (b, base.config.hidden_size), base.config.jnp_dtype)
     zeros_b = jnp.zeros((b,), jnp.int32)
     moves_be = jnp.broadcast_to(context + jnp.arange(e, dtype=jnp.int32), (b, e))  # a pending move of e slots
+    draft = None
+    if heads.needs_prompt_hidden:
+        hidden_btd = jnp.broadcast_to(hidden_bd[:, None], (b, context, hidden_bd.shape[-1]))
+        draft = heads.init_draft(base, jnp.zeros((b, context), jnp.int32), jnp.full((b,), context, jnp.int32),
+                                 hidden_btd, cache_size, tree.depth)
     state = MedusaState(make_cache(base, b, cache_size, context), zeros_b, hidden_bd, jnp.zeros((b, e), jnp.int32),
                         zeros_b, jnp.zeros((b,), bool), zeros_b, jnp.zeros((b, e), jnp.int32),
                         jnp.zeros((), jnp.int32), jax.random.key(0), moves_be,
-                        jnp.array(moves_be, copy=True))  # src and dst: two buffers, both donated
+                        jnp.array(moves_be, copy=True), draft)  # src and dst: two buffers, both donated
     return _SteppedState(lambda s: _medusa_step(graphdef, params, s, tree=tree), state, context)
 
 
@@ -135,7 +142,8 @@ def medusa_step_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, b
 
 @dataclasses.dataclass(frozen=True)
 class StepCostTable:
-    """Step seconds by tree size for one batch size: the curve tree choice sizes trees with."""
+    """Step seconds by tree size for one batch size: the curve tree choice sizes trees with; and the step seconds
+    of dynamic trees (by name, `DynamicTree.name`), timed in the same rounds."""
 
     batch: int
     context: int
@@ -143,28 +151,40 @@ class StepCostTable:
     plain_seconds: float
     num_tree_tokens: tuple[int, ...]
     medusa_seconds: tuple[float, ...]
+    dynamic_trees: tuple[str, ...] = ()
+    dynamic_seconds: tuple[float, ...] = ()
 
     def overhead(self) -> list[float]:
         return [s / self.plain_seconds for s in self.medusa_seconds]
 
+    def dynamic_step_seconds(self, tree: DynamicTree) -> float | None:
+        """The timed step of this dynamic tree, None if it was not timed."""
+        return dict(zip(self.dynamic_trees, self.dynamic_seconds)).get(tree.name)
+
 
 def measure_step_costs(base: CausalLM, heads: MedusaHeads, trees: Sequence[TreeBuffers], *, batch: int = 1,
                        context: int = 256, cache_size: int | None = None, repeats: int = 5,
-                       progress: Callable[[str], None] | None = None) -> StepCostTable:
-    """The whole-step time of each tree (sorted by size) and of a plain step, same batch and context, timed
-    in interleaved rounds (each call keeps its own cache, so memory grows with the number of trees)."""
+                       progress: Callable[[str], None] | None = None,
+                       dynamic: Sequence[DynamicTree] = ()) -> StepCostTable:
+    """The whole-step time of each tree (sorted by size), of each dynamic tree and of a plain step, same batch and
+    context, timed in interleaved rounds (each call keeps its own cache, so memory grows with the number of
+    trees)."""
     if not trees:
         raise ValueError("need at least one tree to measure")
     trees = sorted(trees, key=lambda t: t.num_tokens)
-    largest = trees[-1].num_tokens
+    largest = max([trees[-1].num_tokens] + [t.num_tokens for t in dynamic])
+    deepest = max([trees[-1].depth] + [t.depth for t in dynamic])
     cache_size = cache_size or context + 2 * largest + 64
-    if cache_size < context + largest + trees[-1].depth + 1:
+    if cache_size < context + largest + deepest + 1:
         raise ValueError(f"cache_size {cache_size} cannot hold context {context} + a {largest}-token tree")
     calls = [plain_step_call(base, batch, context, cache_size)]
     calls += [medusa_step_call(base, heads, tree, batch, context, cache_size) for tree in trees]
+    calls += [medusa_step_call(base, heads, tree, batch, context, cache_size) for tree in dynamic]
     plain, *seconds = time_interleaved(calls, repeats)
+    static_seconds, dynamic_seconds = seconds[: len(trees)], seconds[len(trees):]
     if progress:
-        for tree, s in zip(trees, seconds):
-            progress(f"B={batch} T={tree.num_tokens}: {s * 1e3:.2f} ms/step (plain {plain * 1e3:.2f} ms, "
-                     f"x{s / plain:.2f})")
-    return StepCostTable(batch, context, cache_size, plain, tuple(t.num_tokens for t in trees), tuple(seconds))
+        for name, s in [(f"T={t.num_tokens}", s) for t, s in zip(trees, static_seconds)] + [
+                (t.name, s) for t, s in zip(dynamic, dynamic_seconds)]:
+            progress(f"B={batch} {name}: {s * 1e3:.2f} ms/step (plain {plain * 1e3:.2f} ms, x{s / plain:.2f})")
+    return StepCostTable(batch, context, cache_size, plain, tuple(t.num_tokens for t in trees), tuple(static_seconds),
+                         tuple(t.name for t in dynamic), tuple(dynamic_seconds))

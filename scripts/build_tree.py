@@ -69,6 +69,11 @@ def main(argv=None) -> int:
     p.add_argument("--tree-tokens", type=parse_int_list, default=d.tree_tokens, check=each(in_range(2, 4096)),
                    help="tree sizes T (root included) whose step time is measured, comma-separated; sizes in "
                         "between are interpolated (default: %s)" % ",".join(map(str, d.tree_tokens)))
+    p.add_argument("--dynamic-nodes", type=parse_int_list, default=d.dynamic_nodes, check=each(in_range(1, 4096)),
+                   help="also weigh dynamic trees (EAGLE-2 style) of these node budgets N: the held-out prompts are "
+                        "decoded with each and with the static tree of N nodes, and its step is timed; the chooser "
+                        "keeps whichever tree, static or dynamic, predicts the most tokens per second; '' for none "
+                        "(default: %s)" % ",".join(map(str, d.dynamic_nodes)))
     p.add_argument("--context", type=int, default=d.context, check=at_least(1),
                    help="committed tokens in the cache when timing (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=d.repeats, check=at_least(1), help="timed calls per size (median; default: %(default)s)")
@@ -78,7 +83,7 @@ def main(argv=None) -> int:
                                  top_k=a.top_k, max_nodes=a.max_nodes, tree_tokens=a.tree_tokens,
                                  batch_sizes=a.batch_sizes, min_speedup=a.min_speedup,
                                  accuracy_scale=a.accuracy_scale, context=a.context,
-                                 repeats=a.repeats)
+                                 repeats=a.repeats, dynamic_nodes=a.dynamic_nodes)
     except ValueError as e:
         p.error(str(e))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medusa_jax.heads.tree import build_tree, load_tree
+from medusa_jax.heads.tree import DynamicTree, build_tree, load_tree
 from medusa_jax.inference import tree_choice
 from medusa_jax.bench.benchmark import greedy_order_of
 from medusa_jax.bench.head_accuracy import count_hits, count_hits_by_sequence
@@ -242,8 +242,21 @@ def test_build_tree_cli_writes_the_heads_trees_per_batch_size(tiny_chat_model, t
     built = doc["built"]["cpu"]
     acc = np.asarray(built["head_accuracy"])
     assert acc.shape == (3, 3) and np.all((acc >= 0) & (acc <= 1))
+    # the dynamic tree of 4 nodes (7 nodes at most here, so not 16): decoded on the held-out prompts beside the
+    # static tree of 4 nodes, timed at each batch size, and weighed against the static trees
+    [gain] = built["dynamic"]
+    dynamic = DynamicTree.from_json({"dynamic": gain["dynamic"]})
+    assert dynamic.nodes == 4 and gain["heldout_tokens_per_step"] >= 1 and gain["static_heldout_tokens_per_step"] >= 1
     for batch, paths in trees.batches("cpu").items():
         record = built["batches"][str(batch)]
+        [dyn] = record["dynamic"]
+        assert dyn["tree"] == dynamic.name and dyn["step_seconds"] > 0
+        if isinstance(paths, DynamicTree):  # the dynamic tree predicted the most tokens/s
+            assert paths == dynamic and record["tree"] == dynamic.name and record["num_nodes"] == 4
+            assert record["predicted_speedup_vs_plain"] == dyn["predicted_speedup_vs_plain"]
+            assert dyn["predicted_speedup_vs_plain"] >= max(x for x in record["predicted_speedup_by_size"] if x)
+            continue
+        assert record["predicted_speedup_vs_plain"] >= dyn["predicted_speedup_vs_plain"]
         assert 1 <= len(paths) == record["num_nodes"] <= 7  # min_speedup 0.01: a tree every time
         # each sequence's own accuracy, discounted per drafted token, a batch waiting for its slowest row
         per_sequence = np.asarray(built["head_accuracy_per_sequence"]) * built["accuracy_scale"]

@@ -4,6 +4,7 @@ decoding whenever no tree is predicted to pay; --calibration auto / redo / skip.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -16,7 +17,7 @@ from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.tree import DynamicTree
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.inference import calibration
+from medusa_jax.inference import calibration, tree_choice
 from medusa_jax.inference.api import HEADS_TREE, BatchSettings, choose_heads_tree, generate_batch
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.inference.step_cost import StepCostTable
@@ -50,10 +51,12 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache" / "calibration"
 
 
-def fake_measure(calls: list, plain: float, tree_seconds: tuple[float, ...]):
+def fake_measure(calls: list, plain: float, tree_seconds: tuple[float, ...], dynamic_seconds: tuple[float, ...] = ()):
     def measure(base, heads, accuracy, batch, progress=None):
         calls.append(batch)
-        return StepCostTable(batch, 256, 512, plain, accuracy.tree_tokens, tree_seconds)
+        names = tuple(g.tree.name for g in accuracy.dynamic)
+        return StepCostTable(batch, 256, 512, plain, accuracy.tree_tokens, tree_seconds, names,
+                             dynamic_seconds[: len(names)])
     return measure
 
 
@@ -149,6 +152,69 @@ def test_a_dynamic_tree_named_by_trees_json_stands(heads_folder, cache, tmp_path
     chosen = choose_heads_tree(model, 1, "auto")
     assert calls == [] and chosen.tree == DynamicTree(4, 2, 2) and "dynamic tree" in chosen.note
     assert choose_heads_tree(model, 2, "auto").tree is not None and calls == [2]  # a static entry is calibrated
+
+
+def test_pick_weighs_dynamic_trees_by_predicted_tokens_per_second():
+    """A dynamic tree is predicted from the static tree of its size (its accepted part scaled by what it accepted
+    over that tree on the held-out text) and kept when it predicts the most tokens per second."""
+    accuracy = np.asarray(built_record()["head_accuracy"])
+    costs = StepCostTable(1, 256, 512, 1.0, (2, 4, 8), (1.05, 1.1, 1.2), ("dynamic:4,k=2,d=2",), (1.12,))
+    static_paths, static_record = calibration.pick_for_batch(accuracy, costs, len(ORDER), 1.0)
+    assert "dynamic" not in static_record and not isinstance(static_paths, DynamicTree)
+    greedy_4 = [p for p, _ in tree_choice.greedy_tree(accuracy, 4)]
+    static_4 = tree_choice.expected_tokens_per_step(greedy_4, accuracy)  # the greedy static tree of 4 nodes
+    better = calibration.DynamicGain(DynamicTree(4, 2, 2), 2.2, 1.6)  # accepts 2x the static tree's extra tokens
+    chosen, record = calibration.pick_for_batch(accuracy, costs, len(ORDER), 1.0, dynamic=[better])
+    assert chosen == DynamicTree(4, 2, 2) and record["tree"] == "dynamic:4,k=2,d=2" and record["num_nodes"] == 4
+    [dyn] = record["dynamic"]
+    assert dyn["predicted_tokens_per_step"] == pytest.approx(1 + 2 * (static_4 - 1))
+    assert record["predicted_speedup_vs_plain"] == pytest.approx(dyn["predicted_tokens_per_step"] / 1.12)
+    worse = calibration.DynamicGain(DynamicTree(4, 2, 2), 1.5, 1.6)
+    chosen, record = calibration.pick_for_batch(accuracy, costs, len(ORDER), 1.0, dynamic=[worse])
+    assert chosen == static_paths and record["dynamic"][0]["predicted_speedup_vs_plain"] < record[
+        "predicted_speedup_vs_plain"]
+    untimed = dataclasses.replace(costs, dynamic_trees=(), dynamic_seconds=())  # not timed: not weighed
+    assert calibration.pick_for_batch(accuracy, untimed, len(ORDER), 1.0, dynamic=[better])[0] == static_paths
+    # nothing pays, dynamic or static: plain
+    assert calibration.pick_for_batch(accuracy, costs, len(ORDER), 10.0, dynamic=[better])[0] == ()
+
+
+def test_calibration_picks_a_measured_dynamic_tree_and_decodes_losslessly(heads_folder, cache, tmp_path,
+                                                                          monkeypatch):
+    import jax
+
+    base, folder = heads_folder
+    dyn = tmp_path / "with-dynamic"
+    dyn.mkdir()
+    for f in folder.iterdir():
+        (dyn / f.name).write_bytes(f.read_bytes())
+    record = {**built_record(), "dynamic": [calibration.DynamicGain(DynamicTree(4, 2, 2), 2.5, 1.5).to_json()]}
+    (dyn / "trees.json").write_text(json.dumps(trees_file.trees_document(None, jax.default_backend(),
+                                                                         {1: SHIPPED}, record)))
+    calls = []
+    monkeypatch.setattr(calibration, "measure", fake_measure(calls, 1.0, (1.05, 1.1, 1.2), (1.1,)))
+    model = ShardedModel(base, load_heads(dyn, base=base))
+    chosen = choose_heads_tree(model, 1, "auto")
+    assert calls == [1] and chosen.tree == DynamicTree(4, 2, 2) and "dynamic tree dynamic:4,k=2,d=2" in chosen.note
+    prompts = [[5, 9, 17, 3], [40, 2, 8]]
+    plain = generate_batch(ShardedModel(base, None), prompts, BatchSettings(batch_size=1, max_new_tokens=10),
+                           progress=False)
+    run = generate_batch(model, prompts, BatchSettings(batch_size=1, max_new_tokens=10, tree=HEADS_TREE,
+                                                       calibration="auto"), progress=False)
+    assert run.tree_choice.tree == DynamicTree(4, 2, 2) and calls == [1]  # read from the cache
+    assert [r.token_ids for r in run.results] == [r.token_ids for r in plain.results]
+    # the real step of a dynamic tree is timed beside the static ones and cached with them
+    costs = calibration.measure(base, model_heads(model), calibration.Accuracy.from_built(record), 1)
+    assert costs.dynamic_trees == ("dynamic:4,k=2,d=2",) and costs.dynamic_seconds[0] > 0
+    path = cache / "entry.json"
+    calibration.write_costs(path, costs, {"cpu": "test"})
+    assert calibration.read_costs(path) == costs
+
+
+def model_heads(model):
+    from flax import nnx
+
+    return nnx.merge(model.medusa_graphdef, model.medusa_params).heads
 
 
 def test_modes_are_checked(monkeypatch):

@@ -19,7 +19,7 @@ from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
-from medusa_jax.heads.tree import build_tree, load_tree
+from medusa_jax.heads.tree import DynamicTree, build_tree, load_tree
 from medusa_jax.training.data import segment_mask
 from medusa_jax.inference.autoregressive import prefill_states
 
@@ -378,3 +378,15 @@ def test_hydra_heads_train_on_a_feature_store(chat, tmp_path, monkeypatch):
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if r["kind"] == "train"]
     assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]), losses
+
+
+def test_step_cost_times_drafter_steps_static_and_dynamic(base):
+    """Calibration times the drafter's whole step (its state made by a prefill of the context) for static and
+    dynamic trees alike."""
+    from medusa_jax.inference import step_cost
+
+    d = drafter(base, seed=5)
+    costs = step_cost.measure_step_costs(base, d, [load_tree("mc_sim_7b_8")], batch=2, context=12, repeats=1,
+                                         dynamic=[DynamicTree(6, 2, 3)])
+    assert costs.dynamic_trees == ("dynamic:6,k=2,d=3",) and costs.dynamic_seconds[0] > 0
+    assert costs.plain_seconds > 0 and min(costs.medusa_seconds) > 0
