@@ -253,9 +253,9 @@ def device_capacity(spec: str) -> tuple[str, int]:
     """'h100-80g' | 'h200-141g' | 'tpu-v5e-16g' | a byte count -> (name, bytes)."""
     if spec in DEVICES:
         return spec, DEVICES[spec]
-    if spec.isdigit() and int(spec) > 0:
+    if spec.isascii() and spec.isdigit() and int(spec) > 0:
         return f"{int(spec)} bytes", int(spec)
-    raise ValueError(f"unknown device {spec!r}: expected one of {', '.join(DEVICES)} or a number of bytes")
+    raise ValueError(f"--device {spec!r}: unknown device; expected one of {', '.join(DEVICES)} or a number of bytes")
 
 
 def fits(plan: CompiledPlan, capacity: int, headroom: float) -> bool:

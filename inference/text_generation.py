@@ -36,23 +36,26 @@ def read_prompts(path: str | os.PathLike) -> list[PromptRecord]:
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"{path}: prompt file does not exist")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # JSON strings may hold other line breaks
+    except UnicodeDecodeError as e:
+        raise PromptFileError(f"{path}: not UTF-8 text ({e})") from None
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptFileError(f"{where}: not valid JSON ({e})") from None
-            if isinstance(row, str):
-                row = {"prompt": row}
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise PromptFileError(f'{where}: expected a JSON string or an object with a "prompt" string')
-            if not row["prompt"]:
-                raise PromptFileError(f"{where}: empty prompt")
-            records.append(PromptRecord(row.get("id", len(records)), row["prompt"]))
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptFileError(f"{where}: not valid JSON ({e})") from None
+        if isinstance(row, str):
+            row = {"prompt": row}
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise PromptFileError(f'{where}: expected a JSON string or an object with a "prompt" string')
+        if not row["prompt"]:
+            raise PromptFileError(f"{where}: empty prompt")
+        records.append(PromptRecord(row.get("id", len(records)), row["prompt"]))
     if not records:
         raise PromptFileError(f"{path}: no prompts found")
     return records

@@ -21,7 +21,11 @@ def load_tokenizer(folder: str | os.PathLike):
         raise TokenizerError(f"{folder}: no tokenizer files (expected one of {list(_TOKENIZER_FILES)})")
     import transformers  # lazy: seconds to import, and `import medusa_jax` must stay cheap
 
-    return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (KeyError, ValueError, TypeError, AttributeError, OSError) as e:  # a corrupt or foreign tokenizer file
+        raise TokenizerError(f"{folder}: the tokenizer does not load ({type(e).__name__}: {e}); check its "
+                             f"tokenizer files") from None
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:

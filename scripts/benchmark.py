@@ -130,8 +130,13 @@ def mtbench_main(argv: list[str]) -> int:
                                  hf_threads=a.hf_threads, calibration=a.calibration)
     except ValueError as e:
         p.error(str(e))
+    if a.tree is not None and a.calibration is not None:
+        p.error(f"--calibration {a.calibration} chooses the heads' own tree, so it does nothing with --tree "
+                f"{a.tree}: drop one of them")
     try:
+        validate.tree_arg("--tree", a.tree)
         check_out(a, heads=a.heads)
+        validate.heads_arg("--heads", a.heads)
     except validate.UsageError as e:
         p.error(str(e))
     if a.temperatures is not None:
@@ -144,8 +149,7 @@ def check_out(a: argparse.Namespace, heads=None, data=None) -> None:
     """--out writable and no input; --question-file readable: before anything loads."""
     inputs = {"--model": validate.model_location(a.model), "--heads": validate.heads_location(heads),
               "--data": validate.data_arg("--data", data), "--question-file": getattr(a, "question_file", None)}
-    if inputs["--question-file"]:
-        validate.input_file("--question-file", a.question_file)
+    validate.question_file("--question-file", inputs["--question-file"])
     validate.output_folder("--out", a.out, inputs)
 
 
@@ -163,7 +167,7 @@ def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
         questions = mtbench_questions(a.questions, a.question_file)
         loaded = load_model(validate.model_arg("--model", a.model), a.heads, dtype=a.dtype)
         results = run(loaded, questions, config, progress=lambda m: print(m, flush=True))
-    except (OSError, CheckpointError, MTBenchError, TreeError) as e:
+    except (OSError, CheckpointError, MTBenchError, TreeError, validate.UsageError) as e:
         return validate.fail(e)
     results["meta"] = {"command": command_line("scripts/benchmark.py", argv), "machine": machine,
                        "model": portable_path(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
@@ -193,8 +197,18 @@ def quick_main(argv: list[str]) -> int:
                                                           "the fastest counts (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     a = p.parse_args(argv)
+    trees = tuple(t for t in a.trees.split(",") if t.strip())
+    if not trees:
+        p.error(f"--trees {a.trees!r}: give at least one tree preset or JSON file, comma-separated")
     try:
-        config = QuickConfig(trees=tuple(t for t in a.trees.split(",") if t), batch_sizes=a.batch_sizes,
+        for tree in trees:
+            validate.tree_arg("--trees", tree)
+        if a.heads is not None:
+            validate.heads_arg("--heads", a.heads)
+    except validate.UsageError as e:
+        p.error(str(e))
+    try:
+        config = QuickConfig(trees=trees, batch_sizes=a.batch_sizes,
                              max_new_tokens=a.max_new_tokens, stop_at_eos=a.stop_at_eos, repeats=a.repeats)
     except ValueError as e:
         p.error(str(e))
@@ -205,7 +219,7 @@ def quick_main(argv: list[str]) -> int:
             HeadsConfig(loaded.base.config.hidden_size, loaded.base.config.vocab_size, num_heads=4), loaded.base)
         run_quick(loaded.base, heads, loaded.encode_chat(PROMPTS), config, eos_ids=loaded.eos_ids,
                   pad_id=loaded.pad_id, as_json=a.json)
-    except (OSError, CheckpointError, TreeError) as e:
+    except (OSError, CheckpointError, TreeError, validate.UsageError) as e:
         return validate.fail(e)
     return 0
 
@@ -237,7 +251,7 @@ def teacher_mass_main(argv: list[str]) -> int:
         p.error(f"--data {a.data} is not a self-distilled Arrow store")
     try:
         base = load_pretrained(validate.model_arg("--model", a.model, tokenizer=False))
-    except (OSError, CheckpointError) as e:
+    except (OSError, CheckpointError, validate.UsageError) as e:
         return validate.fail(e)
     print(json.dumps(outside_mass(base, a.data, config), indent=1))
     return 0
@@ -311,7 +325,7 @@ def heads_main(argv: list[str]) -> int:
         p.error(str(e))
 
     try:
-        folders = {label: resolve_heads_dir(f) for label, f in labels.items()}
+        folders = {label: validate.heads_arg("--heads", f) for label, f in labels.items()}
         loaded = load_model(validate.model_arg("--model", a.model), None)
         heads = {label: (load_heads(f, base=loaded.base), portable_path(f)) for label, f in folders.items()}
     except (OSError, ValueError) as e:

@@ -84,10 +84,16 @@ def throughput_main(argv: list[str]) -> int:
                    help="folder for batch.json and batch.md; the committed bench/batch is written only when named "
                         "here (default: %(default)s)")
     a = p.parse_args(argv)
+    methods = tuple(m for m in a.methods.split(",") if m.strip())
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or not methods:
+        p.error(f"--methods {a.methods!r}: give a comma-separated subset of {','.join(METHODS)}")
 
     try:
+        if "medusa" in methods:
+            validate.tree_arg("--tree", a.tree)
         config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
-                                  methods=tuple(m for m in a.methods.split(",") if m), chunk_steps=a.chunk_steps)
+                                  methods=methods, chunk_steps=a.chunk_steps)
         heads = None if a.heads == "random" or "medusa" not in config.methods else a.heads
         check_out(a, heads)
         validate.mesh_devices("--mesh", a.mesh)
@@ -98,9 +104,12 @@ def throughput_main(argv: list[str]) -> int:
         return validate.fail(e)
     enable_compile_cache()  # compile seconds stay reported; a rerun loads the executables instead
     random = a.heads == "random" and "medusa" in config.methods
-    model = load_sharded(folder, heads_dir, MeshConfig.parse(a.mesh), a.dtype,
-                         random_heads=a.random_heads if random else 0)
-    tokenizer = load_tokenizer(folder)
+    try:  # a corrupt weights or tokenizer file: one error line, not a traceback
+        model = load_sharded(folder, heads_dir, MeshConfig.parse(a.mesh), a.dtype,
+                             random_heads=a.random_heads if random else 0)
+        tokenizer = load_tokenizer(folder)
+    except (ValueError, OSError) as e:  # CheckpointError and TokenizerError are ValueErrors
+        return validate.fail(e)
     eos = eos_token_ids(folder, tokenizer)
     prompts = [encode_prompt(tokenizer, q.first_turn, chat=True) for q in questions]
     result = run_batch_benchmark(model, prompts, config, eos_ids=eos, pad_id=pad_token_id(tokenizer, eos),
@@ -122,8 +131,7 @@ def check_out(a: argparse.Namespace, heads=None) -> None:
     """--out writable and no input; --question-file readable: before anything loads."""
     inputs = {"--model": validate.model_location(getattr(a, "model", None)),
               "--heads": validate.heads_location(heads), "--question-file": getattr(a, "question_file", None)}
-    if inputs["--question-file"]:
-        validate.input_file("--question-file", a.question_file)
+    validate.question_file("--question-file", inputs["--question-file"])
     validate.output_folder("--out", a.out, inputs)
 
 
@@ -152,6 +160,9 @@ def scaling_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     try:
         check_out(a, a.heads)
+        if a.heads is not None:
+            validate.heads_arg("--heads", a.heads)
+            validate.tree_arg("--tree", a.tree)
         loaded = load_model(validate.model_arg("--model", a.model), a.heads)
     except (OSError, ValueError) as e:
         return validate.fail(e)
@@ -198,7 +209,12 @@ def decode_main(argv: list[str]) -> int:
     try:
         check_out(a)
         questions = mtbench_questions(a.prompts)
-        loaded = load_model(validate.model_arg("--model", a.model), None)
+        folder = validate.model_arg("--model", a.model)
+        positions = validate.max_positions(folder)
+        if a.max_new_tokens >= positions:
+            raise validate.UsageError(f"--max-new-tokens {a.max_new_tokens}: the model has {positions} positions "
+                                      f"in all; lower it to at most {positions - 1} (less the prompt's tokens)")
+        loaded = load_model(folder, None)
     except (OSError, ValueError, MTBenchError) as e:
         return validate.fail(e)
     machine = machine_description()
@@ -251,6 +267,10 @@ def gpu_main(argv: list[str]) -> int:
                         % d.budget_seconds)
     p.add_argument("--out", default="artifacts/gpu_bench", help="output folder (default: %(default)s)")
     a = p.parse_args(argv)
+    models = tuple(m for m in a.models.split(",") if m.strip())
+    known = ("smollm2", *gpu_bench.model_shapes(a.dtype))
+    if not models or set(models) - set(known):  # checked with --tiny too, which ignores it
+        p.error(f"--models {a.models!r}: give a comma-separated subset of {', '.join(known)}")
     try:
         check_out(a)
     except validate.UsageError as e:
@@ -261,7 +281,7 @@ def gpu_main(argv: list[str]) -> int:
         if min(a.tree_tokens) < 2:
             p.error("--tree-tokens must be >= 2 (the root and at least one node)")
         config = gpu_bench.GpuBenchConfig(
-            models=tuple(m for m in a.models.split(",") if m), dtype=a.dtype, tree_tokens=a.tree_tokens,
+            models=models, dtype=a.dtype, tree_tokens=a.tree_tokens,
             batches=a.batches, context=a.context, repeats=a.repeats, heads_lm_head=a.heads_lm_head,
             budget_seconds=a.budget_seconds if a.budget_seconds is not None else d.budget_seconds)
 

@@ -50,7 +50,8 @@ def main(argv=None) -> int:
     runs = []
     for run in a.runs:
         parts = run.split(":")
-        if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) < 1 or parts[2] not in ("sharded", "via_one"):
+        if (len(parts) != 3 or not (parts[0].isascii() and parts[0].isdigit()) or int(parts[0]) < 1
+                or parts[2] not in ("sharded", "via_one")):
             p.error(f"--runs {run!r}: expected DEVICES:MESH:MODE with DEVICES >= 1 and MODE sharded or via_one, e.g. "
                     f"8:fsdp=8:sharded")
         problem = mesh_spec(parts[1]) if parts[1] else None

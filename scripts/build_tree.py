@@ -90,11 +90,11 @@ def main(argv=None) -> int:
     try:
         data = validate.data_arg("--data", a.data)
         inputs = {"--model": validate.model_location(a.model), "--data": data}
-        if a.out:
+        if a.out is not None:
             validate.output_file("--out", a.out, {**inputs, "--heads": validate.heads_location(a.heads)})
         heads_dir = validate.heads_arg("--heads", a.heads)
-        out = Path(a.out) if a.out else heads_dir / trees_file.FILE_NAME
-        if not a.out:
+        out = Path(a.out) if a.out is not None else heads_dir / trees_file.FILE_NAME
+        if a.out is None:
             validate.output_file("--out", out, inputs)  # HEADS/trees.json: the heads folder must be writable
         # an existing file must be valid: its other backends are kept (checked before the slow work)
         existing = trees_file.read_trees_file(out)

@@ -152,6 +152,7 @@ class ArgumentParser(argparse.ArgumentParser):
         return group
 
     def error(self, message: str):
+        message = " ".join(message.split())  # one line, whatever a path or value holds
         if not message.startswith("--") and "see --help" not in message:
             message += f" (see {self.prog} --help)"
         sys.stderr.write(f"error: {message}\n")

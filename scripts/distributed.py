@@ -47,6 +47,11 @@ class DistributedConfig:
                 f"(flags --coordinator/--num-processes/--process-id or env {ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/"
                 f"{ENV_PROCESS_ID}); got coordinator={self.coordinator_address!r}, "
                 f"num_processes={self.num_processes}, process_id={self.process_id}")
+        if self.coordinator_address is not None:
+            host, _, port = self.coordinator_address.rpartition(":")
+            if not host.strip() or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+                raise DistributedError(f"--coordinator {self.coordinator_address!r} (or env {ENV_COORDINATOR}): "
+                                       f"expected HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:1234")
         if self.num_processes is not None and self.num_processes < 1:
             raise DistributedError(f"num_processes must be >= 1, got {self.num_processes}")
         n, i = self.num_processes, self.process_id

@@ -16,7 +16,7 @@ from pathlib import Path
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads.eagle_layout import eagle_serving_notes, export_eagle
-from medusa_jax.heads.export import ExportError, export_heads, serving_notes
+from medusa_jax.heads.export import ExportError, export_heads, not_an_export, serving_notes
 from medusa_jax.heads.load import load_heads
 from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import ArgumentParser
@@ -71,16 +71,25 @@ def main(argv=None) -> int:
 
 def check_paths(args: argparse.Namespace) -> None:
     """--out writable, not an input and (without --overwrite) empty: before anything loads."""
+    validate.given("--out", args.out, "a folder")
+    validate.given("--heads", args.heads, "a heads folder, 'default-medusa' or a Hub id")
+    if args.format.startswith("eagle") and args.model is None:
+        raise validate.UsageError(f"--format {args.format} needs --model: the drafter's file carries the base's "
+                                  f"input embedding")
     out = Path(args.out)
     inputs = {"--heads": validate.heads_location(args.heads), "--model": validate.model_location(args.model)}
     if out.exists() and validate.heads_location(args.heads) is not None and \
             out.resolve() == validate.heads_location(args.heads).resolve():
         raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
                           f"checkpoints); choose another --out")
-    validate.output_folder("--out", out, inputs)
+    validate.output_folder("--out", args.out, inputs)
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise validate.UsageError(f"--out {out} is not empty: choose a new or empty folder, or pass --overwrite to "
                                   f"replace an earlier export")
+    foreign = not_an_export(out) if out.is_dir() and args.overwrite else []
+    if foreign:
+        raise validate.UsageError(f"--out {out} holds files that are not an earlier export ({', '.join(foreign[:5])}): "
+                                  f"--overwrite replaces only an earlier export; choose another --out")
 
 
 def run(args: argparse.Namespace) -> int:

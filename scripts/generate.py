@@ -83,6 +83,9 @@ def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -
         if a.tree is not None or a.acceptance is not None or a.calibration is not None:
             p.error("--tree, --acceptance and --calibration need --heads (Medusa decoding)")
         return
+    if a.tree is not None and a.calibration is not None:
+        p.error(f"--calibration {a.calibration} chooses the heads' own tree, so it does nothing with --tree "
+                f"{a.tree}: drop one of them")
 
     try:
         a.acceptance = acceptance_for(a.acceptance, sampling_config(a)).kind
@@ -148,14 +151,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_paths(a: argparse.Namespace) -> None:
-    """Inputs readable, --output writable and no input (nor inside the model or heads folder), --tree a preset
-    or a readable file: before anything loads."""
+    """Inputs readable, --output writable and no input (nor inside the model or heads folder), --tree a preset,
+    a dynamic spec or a tree file that parses: before anything loads. A flag given as '' is refused."""
+    if a.prompt == "":  # as in an --input file, an empty prompt is refused
+        raise validate.UsageError("--prompt: empty; give some text")
+    validate.given("--input", a.input, "a JSONL file of prompts")
+    validate.given("--output", a.output, "a file name")
+    validate.given("--heads", a.heads, "a heads folder, 'default' or a Hub id")
     if a.input:
         validate.input_file("--input", a.input)
+    validate.tree_arg("--tree", a.tree)
     tree_file = a.tree if a.tree and a.tree not in PRESETS and not a.tree.startswith(DYNAMIC_PREFIX) else None
-    if tree_file:
-        validate.input_file("--tree", tree_file)
-    if a.output:
+    if a.output is not None:
         validate.output_file("--output", a.output, {"--input": a.input, "--model": validate.model_location(a.model),
                                                     "--heads": validate.heads_location(a.heads),
                                                     "--tree": tree_file})

@@ -99,6 +99,10 @@ def plan_main(argv: list[str]) -> int:
             raise ValueError(f"--headroom must be in [0, 1), got {args.headroom}")
         seq = args.seq or (2048 if args.job == "train" else 1024)
         dtype = args.dtype or ("float32" if args.job == "train" else "bfloat16")
+        if args.model not in PRESETS and Path(args.model).is_dir():
+            validate.model_folder("--model", args.model, tokenizer=False, weights=False)
+        if args.job == "decode":
+            validate.tree_arg("--tree", args.tree)
         model = model_config(args.model, dtype)
         positions = model.max_position_embeddings
         if seq > positions:
@@ -167,8 +171,7 @@ def table_main(argv: list[str]) -> int:
     models = tuple(m for m in args.models.split(",") if m)
     unknown = [m for m in models if m not in PRESETS]
     if unknown or not models:
-        print(f"error: unknown presets {unknown}; choose from {', '.join(PRESETS)}", file=sys.stderr)
-        return 2
+        p.error(f"unknown presets {unknown} in --models {args.models!r}; choose from {', '.join(PRESETS)}")
     force_host_devices(16)
 
     print(build_table(models, args.out, args.headroom, resume=args.resume, saved_only=args.saved_only,

@@ -16,15 +16,37 @@ from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import ArgumentParser
 
 
+FIGURE_SUFFIXES = ("", ".png", ".pdf", ".svg", ".jpg", ".jpeg")  # formats matplotlib's Agg backend saves
+
+
 def read_log(path: Path) -> tuple[list[dict], list[dict]]:
     train, evals = [], []
-    for n, line in enumerate(path.read_text().splitlines()):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise validate.UsageError(f"{path}: not UTF-8 text ({e}); give a train_log.jsonl") from None
+    for n, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise validate.UsageError(f"{path}: line {n + 1} is not JSON ({e}); give a train_log.jsonl")
+        where = f"{path}: line {n + 1}"
+        if not isinstance(record, dict):
+            raise validate.UsageError(f"{where} is not a JSON object; give the train_log.jsonl of a run")
+        needed = ("step", "loss", "head_loss") if record.get("kind") == "train" else ("step", "head_loss", "top1",
+                                                                                     "top5")
+        if "head_loss" in record:  # records without head_loss are not plotted (main refuses a log of only those)
+            missing = [key for key in needed if key not in record]
+            if missing:
+                raise validate.UsageError(f"{where}: a {record.get('kind', 'eval')} record without "
+                                          f"{', '.join(missing)}; give a train_heads.py train_log.jsonl")
+            lists = [key for key in needed if key in ("head_loss", "top1", "top5")]
+            if any(not isinstance(record[key], list) or not all(isinstance(v, (int, float)) for v in record[key])
+                   for key in lists):
+                raise validate.UsageError(f"{where}: {', '.join(lists)} must be lists of numbers; give a "
+                                          f"train_heads.py train_log.jsonl")
         (train if record.get("kind") == "train" else evals).append(record)
     if not train and not evals:
         raise validate.UsageError(f"{path}: no training records; give the train_log.jsonl of a run")
@@ -73,10 +95,13 @@ def main(argv=None) -> int:
                    help="PNG to write (default: curves.png next to the log); never the log itself")
     p.add_argument("--title", default=None, help="figure title (default: the log's folder name)")
     a = p.parse_args(argv)
-    output = a.output or a.log.with_name("curves.png")
     try:
         validate.input_file("log", a.log)
+        output = a.output or a.log.with_name("curves.png")
         validate.output_file("--output", output, {"log": a.log})
+        if output.suffix.lower() not in FIGURE_SUFFIXES:
+            raise validate.UsageError(f"--output {output}: give an image file name ending in "
+                                      f"{', '.join(FIGURE_SUFFIXES[1:])} (no suffix: PNG)")
         train, evals = read_log(a.log)
         if not any("head_loss" in r for r in train + evals):
             raise validate.UsageError(f"{a.log}: its records have no head_loss; give a train_heads.py train_log.jsonl")

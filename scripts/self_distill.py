@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import jax
 
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.hub import HubError
 from medusa_jax.training.output_folder import OutputFolderError
-from medusa_jax.training.self_distill import DistillConfig, self_distill, shard_output
+from medusa_jax.training.self_distill import DistillConfig, read_done, self_distill, shard_output
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.distill_store import store_path
 from medusa_jax.scripts import validate
@@ -88,6 +89,8 @@ def check_paths(a, output) -> None:
     data = validate.data_arg("--data", a.data)
     inputs = {"--data": data, "--model": validate.model_location(a.model)}
     validate.output_file("--output", output, inputs)
+    if Path(output).is_file():  # resumed: it must be a self-distilled JSONL (DataError), checked before any load
+        read_done(Path(output))
     if a.save_hidden:
         validate.output_folder("--output", store_path(output), inputs)
 

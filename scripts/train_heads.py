@@ -174,6 +174,7 @@ def check_args(args: argparse.Namespace) -> None:
         parse_lm_head(args.lm_head)
     except ValueError as e:
         raise fail(str(e)) from None
+    validate.given("--wandb", args.wandb, "a Weights & Biases project name")
     if args.wandb is not None:
         if importlib.util.find_spec("wandb") is None:
             raise fail("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
@@ -182,7 +183,7 @@ def check_args(args: argparse.Namespace) -> None:
     data = validate.data_arg("--data", args.data)
     inputs = {"--model": validate.model_location(args.model), "--data": data}
     validate.output_folder("--output", args.output, inputs)
-    if args.checkpoint_dir:
+    if args.checkpoint_dir is not None:
         validate.output_folder("--checkpoint-dir", args.checkpoint_dir, inputs)
     if not is_default_model(args.model) and not is_hub_id(args.model):
         validate.model_folder("--model", args.model)
@@ -198,6 +199,10 @@ def main(argv=None) -> int:
         if args.base_model_name is None and is_hub_id(args.model):
             args.base_model_name = args.model  # the heads' config names the Hub id, not this machine's cache
         args.model = str(validate.model_arg("--model", args.model))  # 'default' built, a Hub id resolved
+        positions = validate.max_positions(args.model)
+        if args.seq_len > positions:
+            raise validate.UsageError(f"--seq-len {args.seq_len}: the model has {positions} positions; lower it to "
+                                      f"at most {positions}")
         return run(args)
     except (ValueError, OSError, DistributedError, MeshError, CheckpointMismatch, MemoryPlanError,
             OutputFolderError, DataError) as e:

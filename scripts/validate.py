@@ -3,7 +3,10 @@
 Numbers are checked at parse time (`cli_args.ArgumentParser`); this module checks what the numbers cannot say:
 - inputs (`--model`, `--data`, `--heads`, prompt files) exist and are readable, and a model folder is one this
   backbone loads (config.json of a supported architecture, weights, a tokenizer) — read from config.json alone;
-- outputs can be written (the nearest existing parent is a writable folder, no parent is a regular file, an
+  what is cheap to read is read: tree specs, question files, a ShareGPT --data file up to its first usable
+  conversation, a heads folder's config.json and trees.json; a flag given as '' is refused, not ignored;
+- outputs can be written (the nearest existing parent is a writable folder where a file can really be created —
+  root passes os.access everywhere, /proc and /sys included —, no parent is a regular file, an
   existing file is writable) and are not an input, nor inside an input folder (`--output MODEL/config.json` is
   refused: it would overwrite the model);
 - meshes fit the devices and the batch sizes they split.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Mapping
 
@@ -23,10 +27,14 @@ import jax
 
 from medusa_jax.assets import SHIPPED_HEADS, is_default_model, resolve_heads_dir, shipped_heads_dir
 from medusa_jax.bench.demo_model import default_model_dir, resolve_model_dir
+from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
+from medusa_jax.heads import trees_file
+from medusa_jax.heads.tree import DYNAMIC_PREFIX, PRESETS, TreeError, load_tree
 from medusa_jax.hub import cached_folder, is_hub_id
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.training import distill_store, feature_store
+from medusa_jax.training.sharegpt import DataError, read_conversation_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -67,6 +75,37 @@ def heads_location(arg: str | os.PathLike | None) -> Path | None:
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------------
+def given(flag: str, value: str | None, what: str) -> None:
+    """A flag given as '' (or blanks) names nothing: refused rather than read as 'not given'."""
+    if value is not None and not str(value).strip():
+        raise UsageError(f"{flag}: empty value; give {what} (or leave the flag out)")
+
+
+def tree_arg(flag: str, spec: str | None) -> None:
+    """A tree spec (preset, dynamic:N[,k=K,d=D] or JSON file) parsed now, before any model loads; how it fits the
+    heads (their number, their top-k) is checked when they load."""
+    if spec is None:
+        return
+    given(flag, spec, f"a preset ({', '.join(PRESETS)}), {DYNAMIC_PREFIX}N or a tree JSON file")
+    if spec not in PRESETS and not spec.startswith(DYNAMIC_PREFIX):
+        input_file(flag, spec)
+    try:
+        load_tree(spec)
+    except (TreeError, ValueError, OSError) as e:
+        raise UsageError(f"{flag} {spec}: {e}") from None
+
+
+def question_file(flag: str, path: str | os.PathLike | None) -> None:
+    """--question-file: readable and every line a question (read again when the benchmark runs)."""
+    if path is None:
+        return
+    input_file(flag, path)
+    try:
+        load_mtbench_questions(path)
+    except (MTBenchError, OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{flag} {path}: {e}") from None
+
+
 def input_file(flag: str, path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.exists():
@@ -127,17 +166,36 @@ def heads_arg(flag: str, arg: str) -> Path:
         raise UsageError(f"{e}") from None
     if not (folder / "config.json").is_file():
         raise UsageError(f"{flag} {folder}: not a heads folder (no config.json)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (ValueError, OSError) as e:
+        raise UsageError(f"{flag} {folder}: config.json is not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{flag} {folder}: config.json is not a JSON object; give a heads folder")
+    try:  # the heads' own trees (read when decoding without --tree) must parse
+        trees_file.read_trees_file(folder / trees_file.FILE_NAME)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"{flag} {folder}: its {trees_file.FILE_NAME} is unreadable ({e}); rebuild it with "
+                         f"scripts/build_tree.py or remove it") from None
     return folder
 
 
 def data_arg(flag: str, arg: str | None) -> Path | None:
-    """--data: 'sharegpt', a readable file, a saved dataset / self-distilled store / feature store folder, or a
-    datasets name (checked when read). Returns the local path, or None for a name."""
+    """--data: 'sharegpt', a readable ShareGPT file holding a usable conversation, a saved dataset /
+    self-distilled store / feature store folder, or a datasets name (checked when read). Returns the local path,
+    or None for a name."""
     if arg is None or arg == "sharegpt":
         return None
     path = Path(arg)
     if path.is_file():
-        return input_file(flag, path)
+        input_file(flag, path)
+        try:  # read up to the first usable conversation: a broken file fails now, not after the model loads
+            read_conversation_file(path, limit=1)
+        except (DataError, UnicodeDecodeError, OSError) as e:
+            message = str(e)
+            raise UsageError(f"{flag} {message}" if message.startswith(str(path)) else
+                             f"{flag} {path}: {message}") from None
+        return path
     if path.is_dir():
         known = (feature_store.is_feature_store(path) or distill_store.is_store(path)
                  or distill_store.first_format_folder(path) is not None
@@ -190,6 +248,13 @@ def writable_place(flag: str, path: str | os.PathLike) -> None:
         raise UsageError(f"{flag} {path}: {parent} is a file, not a folder; choose a path under a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: cannot write in {parent} (permission denied); choose a writable place")
+    try:  # os.access says yes to root everywhere, also in /proc and /sys: create (and remove) a file to be sure
+        fd, probe = tempfile.mkstemp(prefix=".medusa_jax_probe.", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror or e}); choose a writable "
+                         f"place") from None
 
 
 def output_file(flag: str, path: str | os.PathLike, inputs: Mapping[str, "str | os.PathLike | None"] = {}) -> Path:

@@ -83,7 +83,7 @@ def parse_lm_head(spec: str) -> tuple[str, int | None]:
     """'own' | 'shared' | 'truncated:N' -> (mode, N)."""
     mode, _, n = spec.partition(":")
     if mode == "truncated":
-        if not n.isdigit() or int(n) < 1:
+        if not (n.isascii() and n.isdigit()) or int(n) < 1:
             raise ValueError(f"--lm-head truncated needs a size, e.g. truncated:4096, got {spec!r}")
         return mode, int(n)
     if mode in ("own", "shared") and not n:

@@ -91,24 +91,35 @@ class DistillConfig:
         return round_up(self.turns * (self.max_prompt_tokens + self.max_new_tokens), PROMPT_BUCKET)
 
 
-def done_ids(output: Path) -> set[str]:
-    """Ids already in `output`; a broken last line (interrupted write) is removed from the file."""
-    output = Path(output)
-    if not output.exists():
-        return set()
+def read_done(output: Path) -> tuple[set[str], int, int]:
+    """(ids of the complete records in `output`, their bytes, the file's bytes), reading only. Raises DataError
+    for a file that is not a self-distilled JSONL (a line that is no record with an id, or no complete line and
+    a start that is no record either): resuming would append to it, or cut it."""
     data = output.read_bytes()
     keep = data if data.endswith(b"\n") or not data else data[: data.rfind(b"\n") + 1]
+    if not keep.strip() and data.strip() and not data.lstrip().startswith(b"{"):
+        raise DataError(f"{output}: not a self-distilled JSONL file (it holds no record); choose another --output "
+                        f"or remove the file")
     ids = set()
     for n, line in enumerate(keep.splitlines()):
         if line.strip():
             try:
                 ids.add(str(json.loads(line)["id"]))
-            except (json.JSONDecodeError, KeyError) as e:
-                raise DataError(f"{output}: line {n + 1} is not a distilled record ({e}); "
+            except (ValueError, KeyError, TypeError) as e:  # ValueError: bad JSON or bad UTF-8
+                raise DataError(f"{output}: line {n + 1} is not a distilled record ({type(e).__name__}: {e}); "
                                 f"choose another --output or remove the file") from None
-    if len(keep) != len(data):
+    return ids, len(keep), len(data)
+
+
+def done_ids(output: Path) -> set[str]:
+    """Ids already in `output`; a broken last line (interrupted write) is removed from the file."""
+    output = Path(output)
+    if not output.exists():
+        return set()
+    ids, kept, size = read_done(output)
+    if kept != size:
         with open(output, "r+b") as f:
-            f.truncate(len(keep))
+            f.truncate(kept)
     return ids
 
 

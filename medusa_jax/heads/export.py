@@ -162,7 +162,7 @@ def write_heads_folder(out: str | os.PathLike, weights_name: str, tensors: dict[
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
             raise ExportError(f"{out} already exists and is not an empty folder (pass overwrite=True / --overwrite)")
-        foreign = _not_an_export(out)
+        foreign = not_an_export(out)
         if foreign:
             raise ExportError(f"{out} holds files that are not an earlier export ({', '.join(foreign[:5])}); "
                               f"--overwrite replaces only an earlier export: choose another --out")
@@ -172,7 +172,7 @@ def write_heads_folder(out: str | os.PathLike, weights_name: str, tensors: dict[
     return out
 
 
-def _not_an_export(folder: Path) -> list[str]:
+def not_an_export(folder: Path) -> list[str]:
     """Names in `folder` that an export by this module did not write (all of them for a non-export)."""
     if not folder.is_dir():
         return [folder.name]

@@ -76,8 +76,11 @@ class MeshConfig:
         sizes = {}
         for part in spec.split(","):
             name, sep, value = part.strip().partition("=")
-            if not sep or name not in AXES or not value.strip().isdigit():
+            value = value.strip()
+            if not sep or name not in AXES or not (value.isascii() and value.isdigit()):
                 raise MeshError(f"bad mesh spec {spec!r}: expected e.g. 'data=2,fsdp=2,tensor=2' with axes {AXES}")
+            if name in sizes:
+                raise MeshError(f"bad mesh spec {spec!r}: axis {name} given twice")
             sizes[name] = int(value)
         return cls(**sizes)
 
