@@ -12,6 +12,13 @@ import pytest
 os.environ.setdefault("MEDUSA_JAX_COMPILE_CACHE", "0")
 # nor time step costs to calibrate the heads' trees on first use (tests of calibration ask for it explicitly)
 os.environ.setdefault("MEDUSA_JAX_CALIBRATION", "skip")
+# The suite compiles hundreds of tiny programs and runs most of them for milliseconds, so compiling is most of its
+# time. XLA:CPU's LLVM backend at -O0 compiles them ~35% faster (measured on a Medusa decode loop of the tiny
+# Llama: 2.7 -> 1.7 CPU seconds). It changes only the machine code's optimisation: the HLO programs, their
+# optimisation passes and so what every test computes are unchanged. Set before JAX starts (test modules import
+# it later); subprocesses inherit it, and an explicit choice in XLA_FLAGS is kept.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

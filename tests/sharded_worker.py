@@ -18,7 +18,8 @@ import sys
 
 MODE = sys.argv[1]
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 if MODE == 'meshes' else 4}"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +  # the suite's flags (conftest) plus the devices
+                           f" --xla_force_host_platform_device_count={8 if MODE == 'meshes' else 4}").strip()
 
 from medusa_jax.scripts import distributed  # noqa: E402
 

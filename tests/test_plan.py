@@ -126,13 +126,30 @@ def test_cli_plans_a_config_folder_as_json(tmp_path):
     (["--model", "llama3-8b", "--mesh", "data=2", "--batch", "3"], "not divisible"),
     (["--model", "llama3-8b", "--seq", "1024", "--cache", "1024"], "leaves no room"),
 ])
-def test_cli_bad_input_is_one_clear_error(args, message):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 2 and proc.stderr.startswith("error:") and message in proc.stderr, proc.stderr
+def test_cli_bad_input_is_one_clear_error(args, message, monkeypatch, capsys):
+    code, err = plan_cli_in_process(args, monkeypatch, capsys)
+    assert code == 2 and err.startswith("error:") and message in err, err
 
 
-def test_cli_table_mode_from_lower_bounds_only(tmp_path):
+def plan_cli_in_process(args, monkeypatch, capsys) -> tuple[int, str]:
+    """scripts/plan.py's main in this process (no JAX start-up per case): (exit status, stderr). Bad input must
+    be refused before the script forces host devices (which needs a fresh process), so forcing them fails here.
+    (The tests above and below run the script itself, as a subprocess.)"""
+    from medusa_jax.scripts import plan
+
+    def no_devices(count):
+        raise AssertionError(f"plan.py forced {count} host devices: the input was not refused first")
+
+    monkeypatch.setattr(plan, "force_host_devices", no_devices)
+    capsys.readouterr()
+    try:
+        code = plan.main(list(args))
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_cli_table_mode_from_lower_bounds_only(tmp_path, monkeypatch, capsys):
     """`plan.py table --saved-only` compiles nothing: the rows whose exact lower bound exceeds every device say
     no, the rest are 'not planned'; a bad preset is one clear error."""
     run = lambda *args: subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "table", *args],
@@ -145,8 +162,8 @@ def test_cli_table_mode_from_lower_bounds_only(tmp_path):
     assert ": **no**" in table and "not planned" in table and "fits" not in table
     saved = json.loads((tmp_path / "plans.json").read_text())
     assert saved and all(entry["arguments_only"] for entry in saved.values())
-    proc = run("--out", str(tmp_path), "--models", "llama9-1b")
-    assert proc.returncode == 2 and proc.stderr.startswith("error: unknown presets")
+    code, err = plan_cli_in_process(["table", "--out", str(tmp_path), "--models", "llama9-1b"], monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: unknown presets")
 
 
 def test_cli_vs_device_needs_an_accelerator():

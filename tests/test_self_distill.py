@@ -212,7 +212,7 @@ def test_the_retired_npz_format_is_refused_with_how_to_regenerate_it(tmp_path):
 
 MESH_CHILD = """
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 import jax, numpy as np
 from medusa_jax.training import distill_store
 from medusa_jax.training.self_distill import DistillConfig, self_distill

@@ -170,7 +170,8 @@ def test_generate_script_on_a_mesh_with_medusa_heads(mesh_report, tmp_path):
          "--input", str(src), "--output", str(dst), "--batch-size", "2", "--max-new-tokens", "10",
          "--heads", str(tmp_path / "heads"), "--tree", "mc_sim_7b_8", "--mesh", "data=2,tensor=2"],
         capture_output=True, text=True, timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
+                                                                 " --xla_force_host_platform_device_count=4").strip()})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "'data': 2" in proc.stdout and "wrote" in proc.stdout
     rows = [json.loads(line) for line in dst.read_text().splitlines()]
