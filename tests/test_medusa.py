@@ -402,8 +402,9 @@ def test_generate_script_medusa_flags(tiny, tiny_model_dir, tmp_path, capsys):
     assert script.main(common + ["--heads", str(tmp_path / "heads"), "--tree", "dynamic:6,k=2,d=3"]) == 0
     row = json.loads(capsys.readouterr().out)  # a dynamic tree: the same tokens
     assert row["token_ids"] == plain["token_ids"] and "dynamic tree dynamic:6,k=2,d=3" in row["tree"]
-    assert script.main(common + ["--heads", str(tmp_path / "heads"), "--tree", "dynamic:99,k=2,d=2"]) == 2
-    assert "drafts only 6" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # refused by the command-line checks, before any loading
+        script.main(common + ["--heads", str(tmp_path / "heads"), "--tree", "dynamic:99,k=2,d=2"])
+    assert refused.value.code == 2 and "drafts only 6" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         script.main(common + ["--tree", "mc_sim_7b_8"])  # --tree without --heads
     assert "need --heads" in capsys.readouterr().err
