@@ -93,12 +93,12 @@ def test_bad_flags_are_one_error_line_naming_the_flag(setup, train, tmp_path, ex
 
 
 def test_data_errors_are_one_line(setup, train, tmp_path):
-    model, _ = setup
+    model, data = setup
     bad = tmp_path / "bad.json"
     bad.write_text("[{\"conversations\": 3}]")
     code, err = train(model, bad, tmp_path / "out")
     assert code == 2 and "bad.json" in one_error(err)
-    code, err = train(model / "config.json", bad, tmp_path / "out2")
+    code, err = train(model / "config.json", data, tmp_path / "out2")  # (bad data would be named first)
     assert code == 2 and "is a file, not a model folder" in one_error(err)
 
 
