@@ -25,7 +25,7 @@ from medusa_jax.training.sharegpt import DataError
 from medusa_jax.bench.bench_inputs import command_line, load_model
 from medusa_jax.bench.tree_builder import BuildTreeConfig, build, summary_lines
 from medusa_jax.scripts import validate
-from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, in_range, parse_int_list,
+from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, each_or_none, in_range, parse_int_list,
                                          parse_positive_int_list)
 
 
@@ -69,7 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--tree-tokens", type=parse_int_list, default=d.tree_tokens, check=each(in_range(2, 4096)),
                    help="tree sizes T (root included) whose step time is measured, comma-separated; sizes in "
                         "between are interpolated (default: %s)" % ",".join(map(str, d.tree_tokens)))
-    p.add_argument("--dynamic-nodes", type=parse_int_list, default=d.dynamic_nodes, check=each(in_range(1, 4096)),
+    p.add_argument("--dynamic-nodes", type=parse_int_list, default=d.dynamic_nodes,
+                   check=each_or_none(in_range(1, 4096)),
                    help="also weigh dynamic trees (EAGLE-2 style) of these node budgets N: the held-out prompts are "
                         "decoded with each and with the static tree of N nodes, and its step is timed; the chooser "
                         "keeps whichever tree, static or dynamic, predicts the most tokens per second; '' for none "

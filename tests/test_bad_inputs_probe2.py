@@ -128,7 +128,8 @@ CASES = [  # (command, extra args, text the error line must hold)
     (cmd("generate", "--model", "{w}/NoOrg/NoModel", "--prompt", "hi"), [], "does not exist"),
     # generate: decoder flags
     (GEN, ["--heads", ""], "--heads"), (GENH, ["--tree", ""], "--tree"), (GEN, ["--heads", "{w}/afile"], "--heads"),
-    (GEN, ["--heads", "NoOrg/NoHeads"], "NoOrg/NoHeads"),     (GEN, ["--heads", "{w}/badtrees"], "trees.json"), (GEN, ["--heads", "{w}/badcfg"], "config.json"),
+    (GEN, ["--heads", "NoOrg/NoHeads"], "NoOrg/NoHeads"), (GEN, ["--heads", "{w}/badtrees"], "trees.json"),
+    (GEN, ["--heads", "{w}/badcfg"], "config.json"),
     (GENH, ["--tree", "{w}/tree_garbage.json"], "--tree"), (GENH, ["--tree", "{w}/tree_neg.json"], "--tree"),
     (GENH, ["--tree", "{w}/tree_obj.json"], "--tree"), (GENH, ["--tree", "{w}/tree_empty.json"], "--tree"),
     (GENH, ["--tree", "{w}/empty"], "is a folder"), (GENH, ["--tree", "dynamic:0"], "--tree"),
