@@ -5,7 +5,11 @@
 # The whole suite runs one pytest process per test file. In a single process, XLA:CPU crashed (SIGSEGV in
 # libgcc's _Unwind_Find_FDE while jaxlib threw the error status of a failed compile) after ~320 tests' worth
 # of compiled executables; every file passes on its own and in any shorter run. A process per file keeps each
-# process's executables to one file's worth (about 3 minutes more in all for imports and fixtures).
+# process's executables to one file's worth.
+#
+# Most of the suite's time is XLA compiling tiny programs, and XLA compiles each program on one thread, so one
+# file at a time leaves a core idle most of the time. MEDUSA_JAX_TEST_JOBS files (default: the number of CPUs)
+# run at once, the slowest first; each file's output is printed whole when it ends. -x runs one at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
@@ -18,24 +22,65 @@ for arg in "$@"; do
   fi
 done
 
+jobs_max="${MEDUSA_JAX_TEST_JOBS:-$(nproc)}"
+if ! [[ "$jobs_max" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: MEDUSA_JAX_TEST_JOBS=$jobs_max is not a positive whole number; unset it to use one file per CPU" >&2
+  exit 2
+fi
 stop_at_first=0
 for arg in "$@"; do
-  [[ "$arg" == "-x" || "$arg" == "--exitfirst" ]] && stop_at_first=1
+  if [[ "$arg" == "-x" || "$arg" == "--exitfirst" ]]; then stop_at_first=1; jobs_max=1; fi
+done
+# PyTorch (the transformers references) would start one thread per CPU in each of the files running at once
+if [[ $jobs_max -gt 1 ]]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
+
+# Longest first (each file's time in a full run on a 2-core machine, 2026-12-03), so that no long file starts
+# last and leaves one core idle at the end; then the rest, the quick ones.
+slow=(test_medusa test_benchmark test_sharded_decode test_eagle test_smollm2 test_plan test_self_distill
+      test_training_run test_exact_sampling test_hydra test_dynamic_tree test_training test_training_mesh
+      test_first_use test_loader test_decode_hlo test_interop test_attention test_refill test_calibration
+      test_cli test_heads_trees test_edges test_train_output test_export_safety)
+files=()
+for name in "${slow[@]}"; do [[ -f "tests/$name.py" ]] && files+=("tests/$name.py"); done
+for file in tests/test_*.py; do
+  [[ " ${files[*]} " == *" $file "* ]] || files+=("$file")
 done
 
+logs="$(mktemp -d)"
+trap 'rm -rf "$logs"' EXIT
+run_file() {  # one file in its own pytest process and temporary folder; its log and exit status under $logs
+  local name; name="$(basename "$1" .py)"
+  local rc=0
+  "$PYTHON" -m pytest -q --basetemp="$logs/$name.tmp" "${@:2}" "$1" >"$logs/$name.log" 2>&1 || rc=$?
+  echo "$rc" >"$logs/$name.rc"
+}
+
 failed=()
-files=(tests/test_*.py)
+report() {  # print each finished file's output once, in the order they finish
+  local file name rc
+  for file in "${files[@]}"; do
+    name="$(basename "$file" .py)"
+    [[ -f "$logs/$name.rc" && ! -f "$logs/$name.shown" ]] || continue
+    touch "$logs/$name.shown"
+    rc="$(cat "$logs/$name.rc")"
+    echo "== $file"
+    cat "$logs/$name.log"
+    if [[ $rc -ne 0 && $rc -ne 5 ]]; then  # 5: every test of the file deselected (-m / -k)
+      failed+=("$file (pytest exit $rc)")
+    fi
+  done
+}
+
 start=$SECONDS
 for file in "${files[@]}"; do
-  echo "== $file"
-  rc=0
-  "$PYTHON" -m pytest -q "$@" "$file" || rc=$?
-  if [[ $rc -ne 0 && $rc -ne 5 ]]; then  # 5: every test of the file deselected (-m / -k)
-    failed+=("$file (pytest exit $rc)")
-    [[ $stop_at_first -eq 1 ]] && break
-  fi
+  while [[ $(jobs -rp | wc -l) -ge $jobs_max ]]; do wait -n || true; done
+  report
+  [[ $stop_at_first -eq 1 && ${#failed[@]} -gt 0 ]] && break
+  run_file "$file" "$@" &
 done
-echo "== ${#files[@]} test files in $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
+wait || true
+report
+echo "== ${#files[@]} test files ($jobs_max at a time) in $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
 if [[ ${#failed[@]} -gt 0 ]]; then
   printf 'FAILED: %s\n' "${failed[@]}"
   exit 1

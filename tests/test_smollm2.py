@@ -23,7 +23,6 @@ NEW_TOKENS = 64
 def smollm2(smollm2_dir):
     import transformers
 
-    torch.set_num_threads(2)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     tok = load_tokenizer(smollm2_dir)
     questions = load_mtbench_questions()

@@ -266,6 +266,13 @@ KILLER = textwrap.dedent("""
     ckpt.save(State(1, 1.0), {"epoch": 0, "index": 1}, {"run": "x"})
     ckpt.wait()
     ckpt.save(State(2, 2.0), {"epoch": 0, "index": 2}, {"run": "x"})  # returns while the write goes on
+    # kill it once the write has begun (its temporary folder exists): on a loaded machine the background
+    # write may not have started when save returns
+    import time
+    from pathlib import Path
+    deadline = time.monotonic() + 60
+    while not any(not p.name.isdigit() for p in Path(sys.argv[1]).iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
