@@ -15,6 +15,7 @@ from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.tree import DEFAULT_TREE, DynamicTree
 from medusa_jax.heads.trees_file import TreesFileError, parse_trees, read_trees, resolve_tree
+from medusa_jax.inference.calibration import Accuracy
 from medusa_jax.inference.medusa import choose_tree
 
 T3 = [[0], [1], [0, 0]]
@@ -264,8 +265,6 @@ def test_the_shipped_trees_fit_the_shipped_heads(name):
     assert "/root" not in text and "/work" not in text and "/home" not in text  # no local paths
     # the record calibration re-sizes trees from on the user's machine, with each held-out sequence's own table:
     # without it a batch's prediction ignores its slowest row (batch 8 predicted 1.57 tokens/step, measured 1.30)
-    from medusa_jax.inference.calibration import Accuracy
-
     accuracy = Accuracy.from_built(trees.built("cpu"))
     assert accuracy is not None and accuracy.per_sequence_smr is not None
     assert accuracy.per_sequence_smr.shape[1:] == accuracy.scaled_mr.shape and accuracy.per_sequence_smr.shape[0] >= 16
