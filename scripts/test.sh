@@ -50,6 +50,9 @@ done
 
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
+# the tiny random models of tests/conftest.py, built once per run by the first file that asks and loaded by the
+# rest, which then never import PyTorch (~8 s of a process's start)
+export MEDUSA_JAX_TEST_FIXTURES="$logs/fixtures"
 run_file() {  # one file in its own pytest process and temporary folder; its log and exit status under $logs
   local name; name="$(basename "$1" .py)"
   local rc=0

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +24,22 @@ os.environ.setdefault("MEDUSA_JAX_CALIBRATION", "skip")
 # it later); subprocesses inherit it, and an explicit choice in XLA_FLAGS is kept.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+# XLA:CPU's legacy fusion emitters compile the tiny models' programs ~25% faster than the default (MLIR) ones (a
+# tiny Llama's plain, Medusa and EAGLE decode loops: 12.4 vs 16.3 s, mean of 3 runs, 2026-12-03) but large programs
+# ~1.7x slower (SmolLM2's plain decode loop 5.5 -> 10.3 s, the 8B plan test 39 -> 65 s). Like -O0 this changes
+# code generation only, not what the tests compute. A process that runs only files of large programs, or of tests
+# that read the compiled program itself (what users' compiles hold), keeps the default.
+DEFAULT_EMITTER_FILES = {"test_smollm2.py", "test_plan.py", "test_decode_hlo.py"}
+
+
+def pytest_configure(config):
+    """Sets the emitter flag from the files this process runs, before any test module starts JAX's backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    files = {Path(arg.split("::")[0]).name for arg in config.args}
+    if "--xla_cpu_use_fusion_emitters" not in flags and not (files and files <= DEFAULT_EMITTER_FILES):
+        os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_use_fusion_emitters=false").strip()
+
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -46,19 +67,49 @@ def build_tiny_hf(kind: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
+def tiny_folder_name(kind: str, seed: int, overrides: dict) -> str:
+    key = json.dumps([kind, seed, sorted(overrides.items())])
+    return f"tiny-{kind}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """tiny_model_dir(kind, **overrides) -> (folder with config.json + model.safetensors, torch model)."""
-    made = {}
+    """tiny_model_dir(kind, seed=0, **overrides) -> a folder with config.json + model.safetensors.
+
+    scripts/test.sh runs one pytest process per file and shares one folder of these models between them
+    (MEDUSA_JAX_TEST_FIXTURES): a model is built once per suite run, by whichever file asks first, so that the
+    files that only load the folder never import PyTorch and transformers (~8 s of each process's start).
+    A model appears under its final name by one rename, whole, so two files building it at once both get it."""
+    shared = os.environ.get("MEDUSA_JAX_TEST_FIXTURES")
+    root = Path(shared) if shared else tmp_path_factory.mktemp("tiny-models")
+    root.mkdir(parents=True, exist_ok=True)
+
+    def make(kind: str = "llama", seed: int = 0, **overrides) -> Path:
+        folder = root / tiny_folder_name(kind, seed, overrides)
+        if not folder.is_dir():
+            staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+            build_tiny_hf(kind, seed, **overrides).save_pretrained(staging)
+            try:
+                os.rename(staging, folder)
+            except OSError:  # another process renamed its copy (the same model) into place first
+                shutil.rmtree(staging)
+        return folder
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_dir):
+    """tiny_hf_model(kind, seed=0, **overrides) -> (folder, the transformers model loaded from it)."""
+    loaded = {}
 
     def make(kind: str = "llama", seed: int = 0, **overrides):
-        key = (kind, seed, tuple(sorted(overrides.items())))
-        if key not in made:
-            model = build_tiny_hf(kind, seed, **overrides)
-            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
-            model.save_pretrained(folder)
-            made[key] = (folder, model)
-        return made[key]
+        folder = tiny_model_dir(kind, seed, **overrides)
+        if folder not in loaded:
+            import transformers
+
+            loaded[folder] = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        return folder, loaded[folder]
 
     return make
 

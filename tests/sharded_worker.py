@@ -1,9 +1,9 @@
 """Subprocess side of tests/test_sharded_decode.py (run as a script; the device count is set before JAX loads).
 
     python tests/sharded_worker.py meshes MODEL_DIR OUT.json
-        1-device references (api.generate / generate_medusa) vs ShardedModel on meshes (data, tensor) in
-        (1,1), (8,1), (2,4), (1,8) on 8 forced CPU devices (and Medusa and Hydra heads on a dynamic tree on
-        (8,1) and (2,4)); loop collectives; mesh errors; batch API order.
+        1-device references (api.generate / generate_medusa: a mesh of one device) vs ShardedModel on meshes
+        (data, tensor) in (8,1), (2,4), (1,8) on 8 forced CPU devices (and Hydra heads, the EAGLE drafter and
+        dynamic trees on (2,4)); loop collectives; mesh errors; batch API order.
     python tests/sharded_worker.py multihost MODEL_DIR OUT.json
         one of 2 processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID set), 4 CPU devices
         each, mesh data=2 x tensor=4 spanning both: batch generation results.
@@ -91,7 +91,7 @@ def main_meshes(model_dir: str, out: str) -> None:
            for name, run in ref_dynamic.items()}},
         "meshes": {}}
     settings = BatchSettings(batch_size=8, max_new_tokens=MAX_NEW, eos_ids=eos, bucket=BUCKET)
-    for data, tensor in ((1, 1), (8, 1), (2, 4), (1, 8)):
+    for data, tensor in ((8, 1), (2, 4), (1, 8)):  # the one-device references are a mesh of one
         mesh = MeshConfig(data=data, tensor=tensor).make_mesh()
         base = load_pretrained(model_dir, sharding_for=sharding_for(mesh))
         model = ShardedModel(base, heads, mesh)
@@ -101,7 +101,7 @@ def main_meshes(model_dir: str, out: str) -> None:
                  "k_sharding": [list(a) if isinstance(a, tuple) else a
                                 for a in model.cache_sharding(8, 64).k_bkhs[0].spec],
                  "q_proj_shards": len(base.layers[0].self_attn.q_proj.kernel[...].addressable_shards)}
-        if (data, tensor) in ((8, 1), (2, 4)):  # Hydra heads, the EAGLE drafter, dynamic trees: the same loop
+        if (data, tensor) == (2, 4):  # Hydra heads, the EAGLE drafter, dynamic trees: the same loop, data x tensor
             for name, drafter in (("hydra", hydra), ("eagle", eagle)):
                 entry[name] = rows(generate_batch(ShardedModel(base, drafter, mesh), prompts,
                                                   dataclasses.replace(settings, tree=tree), progress=False))

@@ -75,7 +75,7 @@ def test_write_and_move_slots_touch_only_their_slots():
 
 
 def test_cache_of_another_model_is_refused(tiny_model_dir):
-    folder, _ = tiny_model_dir("llama")
+    folder = tiny_model_dir("llama")
     model = load_pretrained(folder)
     cache = KVCache.zeros(model.config, 1, 8)
     short = cache.replace(k_bkhs=cache.k_bkhs[:-1], v_bksh=cache.v_bksh[:-1])
@@ -83,9 +83,9 @@ def test_cache_of_another_model_is_refused(tiny_model_dir):
         model(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1, 8), bool), short)
 
 
-def test_long_cache_decode_matches_transformers(tiny_model_dir):
+def test_long_cache_decode_matches_transformers(tiny_hf_model):
     """A 1024-slot cache, mostly empty: a 300-token prompt, then three decode steps."""
-    folder, hf = tiny_model_dir("llama")
+    folder, hf = tiny_hf_model("llama")
     model = load_pretrained(folder)
     prompt = np.random.RandomState(11).randint(1, 128, size=300).tolist()
     size = 1024
@@ -110,11 +110,11 @@ def test_long_cache_decode_matches_transformers(tiny_model_dir):
         token = int(out.logits[0, -1].argmax())
 
 
-def test_long_generation_equals_transformers(tiny_model_dir):
+def test_long_generation_equals_transformers(tiny_hf_model):
     """260 greedy tokens from a 9-token prompt, the whole loop on device, match transformers token for token."""
     from medusa_jax.inference.api import generate
 
-    folder, hf = tiny_model_dir("qwen2")
+    folder, hf = tiny_hf_model("qwen2")
     prompt = np.random.RandomState(12).randint(1, 128, size=9).tolist()
     ours = generate(load_pretrained(folder), [prompt], max_new_tokens=260, eos_ids=())[0].token_ids
     with torch.no_grad():
@@ -129,7 +129,7 @@ def test_cache_free_forward_equals_the_cached_forward(tiny_model_dir, kind):
     """`model(tokens, positions, mask_btt)` without a cache (training's forward) gives the hidden states of the
     cached forward from an empty cache; packed conversations each get what they get alone (Mistral's 16-token
     window, shorter than the rows, applies by each conversation's own positions)."""
-    folder, _ = tiny_model_dir(kind)
+    folder = tiny_model_dir(kind)
     model = load_pretrained(folder)
     b, t = 2, 40
     tokens_bt = jnp.asarray(np.random.RandomState(0).randint(0, 128, (b, t)), jnp.int32)

@@ -35,7 +35,7 @@ def built_record() -> dict:
 
 @pytest.fixture(scope="module")
 def heads_folder(tiny_model_dir, tmp_path_factory):
-    base = load_pretrained(tiny_model_dir("llama", initializer_range=0.3)[0])
+    base = load_pretrained(tiny_model_dir("llama", initializer_range=0.3))
     folder = tmp_path_factory.mktemp("calibrated-heads")
     save_heads(init_heads(HeadsConfig(64, 128, num_heads=3, lm_head="own"), base, seed=3), folder)
     import jax

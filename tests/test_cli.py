@@ -36,7 +36,7 @@ def tiny_with_tokenizer(tiny_model_dir, tmp_path_factory):
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    folder, _ = tiny_model_dir("llama")
+    folder = tiny_model_dir("llama")
     dst = tmp_path_factory.mktemp("tiny-cli") / "model"
     shutil.copytree(folder, dst)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}

@@ -219,7 +219,7 @@ def test_spec_text_json_and_limits():
 def test_eagle_drafter_dynamic_drafts_equal_plain_forwards(tiny_model_dir):
     """The EAGLE drafter's first-step dynamic tree equals the growth by plain forwards: each frontier node's
     outputs from the committed pairs plus its path's pairs (parent's output, node token), without a cache."""
-    base = load_pretrained(tiny_model_dir("llama", initializer_range=0.3)[0])
+    base = load_pretrained(tiny_model_dir("llama", initializer_range=0.3))
     d = drafter(base, seed=3)
     spec = DynamicTree(9, 3, 3)
     prompt = [5, 9, 2, 17, 33, 4, 61]

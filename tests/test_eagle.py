@@ -28,7 +28,7 @@ from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 @pytest.fixture(scope="module")
 def base(tiny_model_dir):
-    return load_pretrained(tiny_model_dir("llama", initializer_range=0.3)[0])
+    return load_pretrained(tiny_model_dir("llama", initializer_range=0.3))
 
 
 def drafter(base, seed=0, **kw) -> EagleDrafter:

@@ -20,7 +20,7 @@ def heads_dir(tiny_model_dir, tmp_path_factory):
     from medusa_jax.heads.folder import save_heads
     from medusa_jax.hf.load import load_pretrained
 
-    folder, _ = tiny_model_dir("llama")
+    folder = tiny_model_dir("llama")
     base = load_pretrained(folder)
     cfg = HeadsConfig(base.config.hidden_size, base.config.vocab_size, 2, lm_head="truncated", truncated_vocab_size=40)
     heads = init_heads(cfg, base, seed=3, token_map=np.arange(40, dtype=np.int32) * 3)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).parents[1]
 
 
 def test_tensor3_mesh_suits_the_heads(tiny_model_dir, tmp_path):
-    folder, _ = tiny_model_dir("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
+    folder = tiny_model_dir("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
                                intermediate_size=192, vocab_size=129)
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh3_worker.py"), str(folder), str(out)],

@@ -113,7 +113,7 @@ def test_trees_that_do_not_fit_the_heads_fail_at_load(tmp_path, tiny_model_dir):
     from medusa_jax.heads.load import load_heads
     from medusa_jax.hf.load import load_pretrained
 
-    base = load_pretrained(tiny_model_dir("llama")[0])
+    base = load_pretrained(tiny_model_dir("llama"))
     save_heads(init_heads(HeadsConfig(64, 128, num_heads=2, lm_head="own"), base, seed=1), tmp_path)
     (tmp_path / "trees.json").write_text(json.dumps(doc({"cpu": {"1": [[0], [0, 0], [0, 0, 0]]}})))
     with pytest.raises(TreesFileError, match="only 2 Medusa heads"):
@@ -138,7 +138,7 @@ def tiny_heads(tiny_model_dir, tmp_path_factory):
     """(base, heads folder) with random heads (3 heads, own lm_heads); tests write its trees.json."""
     from medusa_jax.hf.load import load_pretrained
 
-    base = load_pretrained(tiny_model_dir("llama", initializer_range=0.3)[0])
+    base = load_pretrained(tiny_model_dir("llama", initializer_range=0.3))
     folder = tmp_path_factory.mktemp("heads")
     save_heads(init_heads(HeadsConfig(64, 128, num_heads=3, lm_head="own"), base, seed=3), folder)
     return base, folder

@@ -89,11 +89,11 @@ def torch_vllm_logits(folder, x) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---- fixtures --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def bases(tiny_model_dir):
+def bases(tiny_hf_model):
     """{'untied': llama, 'tied': qwen2 with tied embeddings} -> (folder, torch model, our CausalLM)."""
     out = {}
     for key, kind in (("untied", "llama"), ("tied", "qwen2")):
-        folder, torch_model = tiny_model_dir(kind)
+        folder, torch_model = tiny_hf_model(kind)
         out[key] = (folder, torch_model, load_pretrained(folder))
     return out
 

@@ -64,8 +64,8 @@ def our_step_logits(model, prompt: list[int], tokens: list[int], cache_size: int
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefill_and_every_cached_step_match_transformers(tiny_model_dir, kind):
-    folder, hf = tiny_model_dir(kind)
+def test_prefill_and_every_cached_step_match_transformers(tiny_hf_model, kind):
+    folder, hf = tiny_hf_model(kind)
     model = load_pretrained(folder)
     prompt = prompt_ids(1, PROMPT_LEN)
     hf_prefill, hf_steps, tokens = hf_step_logits(hf, prompt, STEPS)
@@ -77,7 +77,7 @@ def test_prefill_and_every_cached_step_match_transformers(tiny_model_dir, kind):
 
 def test_mistral_sliding_window_changes_the_result(tiny_model_dir):
     """The mistral case above only proves the window if it matters at these lengths."""
-    folder, _ = tiny_model_dir("mistral")
+    folder = tiny_model_dir("mistral")
     windowed = load_pretrained(folder)
     unwindowed = load_pretrained(folder)
     unwindowed.config = unwindowed.config.replace(sliding_window=None)
@@ -88,8 +88,8 @@ def test_mistral_sliding_window_changes_the_result(tiny_model_dir):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_generate_equals_transformers(tiny_model_dir, kind):
-    folder, hf = tiny_model_dir(kind)
+def test_greedy_generate_equals_transformers(tiny_hf_model, kind):
+    folder, hf = tiny_hf_model(kind)
     model = load_pretrained(folder)
     prompt = prompt_ids(2, 9)
     ours = generate(model, [prompt], max_new_tokens=24, eos_ids=())[0]
@@ -103,7 +103,7 @@ def test_greedy_generate_equals_transformers(tiny_model_dir, kind):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_ragged_batch_equals_each_row_alone(tiny_model_dir, kind):
-    folder, _ = tiny_model_dir(kind)
+    folder = tiny_model_dir(kind)
     model = load_pretrained(folder)
     prompts = [prompt_ids(3, 5), prompt_ids(4, 17), prompt_ids(5, 70)]  # two prompt buckets apart
     alone = [generate(model, [p], max_new_tokens=12, eos_ids=())[0].token_ids for p in prompts]
@@ -117,8 +117,8 @@ def test_ragged_batch_equals_each_row_alone(tiny_model_dir, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_config_round_trip(tiny_model_dir, kind):
-    folder, hf = tiny_model_dir(kind)
+def test_config_round_trip(tiny_hf_model, kind):
+    folder, hf = tiny_hf_model(kind)
     ours = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
     assert ModelConfig.from_hf_config(ours.to_hf_config()) == ours
     # transformers builds the same model from our dict
@@ -129,8 +129,8 @@ def test_config_round_trip(tiny_model_dir, kind):
     assert ours.rope_scaling.rope_type == ("llama3" if kind == "llama3" else "default")
 
 
-def test_bfloat16_load_runs_and_is_close(tiny_model_dir):
-    folder, hf = tiny_model_dir("llama")
+def test_bfloat16_load_runs_and_is_close(tiny_hf_model):
+    folder, hf = tiny_hf_model("llama")
     model = load_pretrained(folder, dtype="bfloat16")
     assert model.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
     prompt = prompt_ids(6, PROMPT_LEN)
@@ -146,7 +146,7 @@ def test_bfloat16_load_runs_and_is_close(tiny_model_dir):
 
 @pytest.fixture
 def tiny_copy(tiny_model_dir, tmp_path):
-    folder, _ = tiny_model_dir("llama")
+    folder = tiny_model_dir("llama")
     dst = tmp_path / "model"
     shutil.copytree(folder, dst)
     return dst
@@ -213,8 +213,8 @@ def _prefill_logits(model, prompt):
     return ours
 
 
-def test_sharded_safetensors_index_loads(tiny_model_dir, tmp_path):
-    folder, hf = tiny_model_dir("llama")
+def test_sharded_safetensors_index_loads(tiny_hf_model, tmp_path):
+    folder, hf = tiny_hf_model("llama")
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
@@ -223,8 +223,8 @@ def test_sharded_safetensors_index_loads(tiny_model_dir, tmp_path):
                                   _prefill_logits(load_pretrained(folder), prompt))
 
 
-def test_pytorch_model_bin_loads(tiny_model_dir, tmp_path):
-    folder, hf = tiny_model_dir("qwen2")
+def test_pytorch_model_bin_loads(tiny_hf_model, tmp_path):
+    folder, hf = tiny_hf_model("qwen2")
     shutil.copy(folder / "config.json", tmp_path / "config.json")
     torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
     prompt = prompt_ids(8, 8)
@@ -233,7 +233,7 @@ def test_pytorch_model_bin_loads(tiny_model_dir, tmp_path):
 
 
 def test_prompt_plus_budget_over_cache_capacity_is_a_clear_error(tiny_model_dir):
-    folder, _ = tiny_model_dir("llama")
+    folder = tiny_model_dir("llama")
     model = load_pretrained(folder)
     batch = pad_prompts([prompt_ids(9, 40)], pad_id=0)
     with pytest.raises(ValueError, match="needs 96 cache slots, but cache_size is 80"):
@@ -244,14 +244,14 @@ def test_prompt_plus_budget_over_cache_capacity_is_a_clear_error(tiny_model_dir)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied and tied lm_head
-def test_save_pretrained_round_trips_through_our_loader_and_transformers(tiny_model_dir, tmp_path, kind):
+def test_save_pretrained_round_trips_through_our_loader_and_transformers(tiny_hf_model, tmp_path, kind):
     import transformers
     from flax import nnx
 
     from medusa_jax.hf.save import save_pretrained
     from medusa_jax.model.param_paths import param_paths
 
-    folder, hf = tiny_model_dir(kind)
+    folder, hf = tiny_hf_model(kind)
     model = load_pretrained(folder)
     out = save_pretrained(model, tmp_path / "saved", folder)
     assert (out / "config.json").read_text() == (folder / "config.json").read_text()

@@ -1,6 +1,6 @@
 """Medusa decoding: lossless greedy (== plain greedy token for token), every accept length, per-row EOS and
-max_new_tokens, typical acceptance, capacity errors; tiny Llama/Qwen2 and SmolLM2. The losslessness tests run
-for Medusa heads and for Hydra heads (which draft the tree themselves, depth by depth).
+max_new_tokens, typical acceptance, capacity errors; tiny Llama/Qwen2/Mistral (SmolLM2's is in test_smollm2). The
+losslessness tests run for Medusa heads, Hydra heads and the EAGLE drafter (which draft the tree themselves).
 
 The planted proposer (`bench/oracle.py`) knows the true continuation (from a plain greedy run) and puts
 it at chosen (head, rank) slots so that step i of row b accepts exactly accept_targets[b, i] candidates: every
@@ -9,6 +9,12 @@ from the drafter's probabilities; the planted proposer grows it from the planted
 """
 
 from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +25,18 @@ from flax import nnx
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.dynamic_tree import TreeProposal
+from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.heads.tree import PRESETS, TreeError, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, greedy_accept, typical_accept
 from medusa_jax.inference.api import generate, generate_medusa
-from medusa_jax.inference.autoregressive import prefill
-from medusa_jax.inference.medusa import compact_accepted, heads_proposer, medusa_decode, tree_tokens
+from medusa_jax.inference.autoregressive import grouped_prefill, prefill, prefill_groups
+from medusa_jax.inference.medusa import compact_accepted, medusa_decode
 from medusa_jax.bench.oracle import planted_data, planted_over_heads_proposer, planted_proposer
+
+import decode_helpers
+from decode_helpers import heads_or_planted
 
 N = 40  # max_new_tokens of the tiny-model runs (one compile per model, tree, batch and proposer)
 PROMPTS = {
@@ -41,19 +50,8 @@ def plant(tree, reference, accept_targets):
     return planted_data(tree, [r.token_ids for r in reference], accept_targets, N)
 
 
-def heads_or_planted(inputs):
-    """The heads' proposal or the planted one, chosen by data (one compile serves both runs of a test)."""
-    use_planted = inputs.data["use_planted"]
-    (from_heads, draft), (planted, _) = heads_proposer(inputs), planted_proposer(inputs)
-    if isinstance(from_heads, TreeProposal):  # a dynamic tree
-        return jax.tree.map(lambda p, h: jnp.where(use_planted, p, h), planted, from_heads), draft
-    if from_heads.ndim == 2:  # Hydra heads and the EAGLE drafter propose the [B, T] tree tokens
-        planted = tree_tokens(inputs.root_b, planted, inputs.tree)
-    return jnp.where(use_planted, planted, from_heads), draft
-
-
 def cycling_targets(batch: int, depth: int) -> np.ndarray:
-    return (np.arange(N)[None, :] + np.arange(batch)[:, None]) % (depth + 1)
+    return decode_helpers.cycling_targets(batch, depth, N)
 
 
 def random_heads(base, seed=0, num_heads=4, **config):
@@ -77,7 +75,7 @@ def tiny(tiny_model_dir):
     def get(kind, head_type="medusa"):
         if kind not in made:
             # a wider init than the default 0.02 gives varied (not constant) greedy continuations
-            base = load_pretrained(tiny_model_dir(kind, initializer_range=0.3)[0])
+            base = load_pretrained(tiny_model_dir(kind, initializer_range=0.3))
             refs = {"batch1": ((), generate(base, PROMPTS["batch1"], max_new_tokens=N, eos_ids=()))}
             free = generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=())
             eos = pick_eos(free[1].token_ids, lo=N // 3)
@@ -109,16 +107,27 @@ DYNAMIC = "dynamic:10,k=3,d=4"  # 3 + 3 * 9 drafted candidates per step, the 10 
 DYNAMIC_3 = "dynamic:6,k=2,d=3"
 
 
-# The presets are prefixes of one 63-node tree: the largest and the smallest run in the full matrix (the 16- and
+# The presets are prefixes of one 63-node tree: the largest and the smallest run in the matrix (the 16- and
 # 32-node ones run in the grouped-prefill, EOS, sampling, sliding-window and Hydra tests), with the dynamic tree.
 MATRIX_TREES = ["mc_sim_7b_63", "mc_sim_7b_8", DYNAMIC]
 assert set(MATRIX_TREES[:2]) <= set(PRESETS)
+# Every tree with every head type on ragged Llama rows; one row alone and Qwen2 (biased QKV projections, tied
+# embeddings) once per tree and per head type. Every pair of values of the four factors (model, tree, rows, head
+# type) meets in some case: 16 of the 36 combinations, each a compile of its own.
+MATRIX = [("llama", tree, "ragged4", head) for tree in MATRIX_TREES for head in HEAD_TYPES] + [
+    ("llama", "mc_sim_7b_63", "batch1", "medusa"), ("llama", DYNAMIC, "batch1", "hydra"),
+    ("llama", "mc_sim_7b_8", "batch1", "eagle"), ("qwen2", DYNAMIC, "ragged4", "medusa"),
+    ("qwen2", "mc_sim_7b_8", "ragged4", "hydra"), ("qwen2", "mc_sim_7b_63", "ragged4", "eagle"),
+    ("qwen2", "mc_sim_7b_63", "batch1", "hydra")]
 
 
-@pytest.mark.parametrize("head_type", HEAD_TYPES)
-@pytest.mark.parametrize("case", ["batch1", "ragged4"])
-@pytest.mark.parametrize("tree_name", MATRIX_TREES)
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_matrix_covers_every_pair_of_factor_values():
+    levels = [("llama", "qwen2"), MATRIX_TREES, ("batch1", "ragged4"), HEAD_TYPES]
+    for i, j in itertools.combinations(range(4), 2):
+        assert {(case[i], case[j]) for case in MATRIX} == set(itertools.product(levels[i], levels[j])), (i, j)
+
+
+@pytest.mark.parametrize("kind, tree_name, case, head_type", MATRIX)
 def test_medusa_greedy_equals_plain_greedy(tiny, kind, tree_name, case, head_type):
     base, heads, refs = tiny(kind, head_type)
     eos_ids, reference = refs[case]
@@ -149,8 +158,6 @@ def test_medusa_greedy_equals_plain_greedy(tiny, kind, tree_name, case, head_typ
 def test_grouped_prefill_equals_prefill_in_any_row_order(tiny):
     """Rows prefilled in length groups, each at its own width, get the K/V, hidden state and length the
     whole-batch prefill gives them (rows unsorted; the narrowest widths 64 and 128 both used)."""
-    from medusa_jax.inference.autoregressive import grouped_prefill, prefill, prefill_groups
-
     base, _, _ = tiny("llama")
     lengths = [3, 120, 7, 64, 65, 1, 90, 30]
     prompt_bt = np.zeros((8, 128), np.int32)
@@ -187,8 +194,9 @@ def test_batches_with_grouped_prefill_are_lossless(tiny, head_type):
     assert ids(generate_medusa(base, heads, prompts, tree="mc_sim_7b_16", max_new_tokens=12, eos_ids=())) == alone
 
 
-@pytest.mark.parametrize("tree_name", ["mc_sim_7b_16", DYNAMIC_3])
-@pytest.mark.parametrize("head_type", HEAD_TYPES)
+# the planted proposer drafts for every head type: each runs once, and the static and dynamic trees both
+@pytest.mark.parametrize("head_type, tree_name", [("medusa", "mc_sim_7b_16"), ("medusa", DYNAMIC_3),
+                                                  ("hydra", DYNAMIC_3), ("eagle", "mc_sim_7b_16")])
 def test_eos_inside_an_accepted_path_and_max_new_tokens_cut_the_last_step(tiny, head_type, tree_name):
     base, heads, refs = tiny("llama", head_type)
     tree = load_tree(tree_name)  # depth 3: full acceptance emits 4 tokens per step
@@ -208,8 +216,9 @@ def test_eos_inside_an_accepted_path_and_max_new_tokens_cut_the_last_step(tiny, 
     assert got[0].accept_lengths == [3] * (-(-stop // 4))
 
 
-@pytest.mark.parametrize("tree_name", ["mc_sim_7b_32", DYNAMIC])
-@pytest.mark.parametrize("head_type", HEAD_TYPES)
+# the EAGLE drafter attends (with its own cache) under the window: both trees; the heads once each
+@pytest.mark.parametrize("head_type, tree_name", [("medusa", "mc_sim_7b_32"), ("hydra", DYNAMIC),
+                                                  ("eagle", "mc_sim_7b_32"), ("eagle", DYNAMIC)])
 def test_sliding_window_model_is_lossless(tiny, head_type, tree_name):
     base, heads, refs = tiny("mistral", head_type)  # sliding_window 16 < prompt + 40 new tokens
     eos_ids, reference = refs["ragged4"]
@@ -251,8 +260,10 @@ def test_typical_acceptance_is_seeded(tiny):
     assert all(len(r.token_ids) == N and 0 <= min(r.token_ids) and max(r.token_ids) < 128 for r in a)
 
 
-@pytest.mark.parametrize("tree_name", ["mc_sim_7b_8", DYNAMIC_3])
-@pytest.mark.parametrize("head_type", HEAD_TYPES)
+# a dynamic tree grows from the heads' probabilities over their (shared or truncated) vocabulary: every head
+# type on it; the static tree once
+@pytest.mark.parametrize("head_type, tree_name", [("medusa", "mc_sim_7b_8"), ("medusa", DYNAMIC_3),
+                                                  ("hydra", DYNAMIC_3), ("eagle", DYNAMIC_3)])
 def test_other_lm_head_modes_are_lossless(tiny, head_type, tree_name):
     base, _, refs = tiny("llama")
     eos_ids, reference = refs["ragged4"]
@@ -348,51 +359,13 @@ def test_returned_cache_holds_the_emitted_tokens(tiny, tree_name):
             np.testing.assert_allclose(got[b, :, :length], want[0, :, :length], rtol=1e-4, atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def smollm2_reference(smollm2_dir):
-    """SmolLM2, three chat prompts, their EOS ids and plain greedy continuations (loaded and decoded once)."""
-    from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer
-
-    tokenizer = load_tokenizer(smollm2_dir)
-    prompts = [encode_prompt(tokenizer, text, chat=True) for text in (
-        "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")]
-    base = load_pretrained(smollm2_dir)
-    eos_ids, n = eos_token_ids(smollm2_dir, tokenizer), 24
-    return base, prompts, eos_ids, n, generate(base, prompts, max_new_tokens=n, eos_ids=eos_ids)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("head_type", HEAD_TYPES)
-def test_smollm2_medusa_equals_plain_greedy(smollm2_dir, smollm2_reference, head_type):
-    base, prompts, eos_ids, n, reference = smollm2_reference
-    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4,
-                                   head_type=head_type), base)
-    tree = load_tree("mc_sim_7b_16")
-    accept_targets = cycling_targets(3, tree.depth)
-    data = plant(tree, reference, accept_targets)
-    for use_planted in (False, True):  # fresh heads, then the planted proposer (one compile)
-        got = generate_medusa(base, heads, prompts, tree=tree, max_new_tokens=n, eos_ids=eos_ids,
-                              proposer=heads_or_planted,
-                              proposer_data={**data, "use_planted": jnp.asarray(use_planted)})
-        assert ids(got) == ids(reference)
-    assert all(r.accept_lengths[:-1] == accept_targets[b, : len(r.accept_lengths) - 1].tolist()
-               for b, r in enumerate(got))
-
-
 def test_generate_script_medusa_flags(tiny, tiny_model_dir, tmp_path, capsys):
     """scripts/generate.py --heads --tree --json: Medusa output == plain output, with steps and tokens_per_step."""
-    import importlib.util
-    import json
-    import shutil
-    from pathlib import Path
-
-    import transformers
+    import transformers  # lazy, with tokenizers: seconds to import, and only this test builds a tokenizer
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from medusa_jax.heads.folder import save_heads
-
     folder = tmp_path / "model"
-    shutil.copytree(tiny_model_dir("llama", initializer_range=0.3)[0], folder)
+    shutil.copytree(tiny_model_dir("llama", initializer_range=0.3), folder)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(100)}}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

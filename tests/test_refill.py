@@ -18,7 +18,7 @@ from medusa_jax.inference.sharded import ShardedModel
 def test_refill_generation_matches_length_sorted_batches(tiny_model_dir):
     """Continuous batching admits prompts into rows freed mid-run and still makes every prompt's greedy tokens,
     EOS included, as length-sorted batches do; bad settings are one clear error."""
-    folder, _ = tiny_model_dir("llama", seed=1)
+    folder = tiny_model_dir("llama", seed=1)
     model = load_pretrained(folder)
     rng = np.random.RandomState(3)
     prompts = [rng.randint(3, 128, size=n).tolist() for n in (5, 70, 9, 2, 33, 17, 4)]
@@ -46,7 +46,7 @@ def test_generate_batch_refills_slots_at_large_batches_with_the_same_greedy_toke
     """engine="auto" refills plain decoding at batch >= 64 with as many prompts (the measured case); outputs,
     steps and finish reasons equal the sorted batches'. Smaller batches, fewer prompts, a fixed cache size and
     Medusa trees keep sorted batches; engine="refill" with a tree is refused."""
-    folder, _ = tiny_model_dir("llama", seed=1)
+    folder = tiny_model_dir("llama", seed=1)
     model = ShardedModel(load_pretrained(folder))
     rng = np.random.RandomState(4)
     prompts = [rng.randint(3, 128, size=n).tolist() for n in rng.randint(1, 90, size=70)]

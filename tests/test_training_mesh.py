@@ -53,7 +53,7 @@ CHILD = textwrap.dedent("""
     medusa1 = TrainConfig(learning_rate=1e-3, warmup_steps=0, max_steps=100, head_loss=head_loss)
     out = {}
     ref = None
-    for shape in [(1, 1, 1), (8, 1, 1), (2, 2, 2), (1, 4, 2)]:
+    for shape in [(1, 1, 1), (8, 1, 1), (2, 2, 2)]:  # one device; data only; data x fsdp x tensor
         mesh = MeshConfig(*shape).make_mesh(jax.devices()[: int(np.prod(shape))])
         m1 = Trainer(base, heads, medusa1, mesh).train_step(cached)
         out.setdefault("medusa1", []).append((float(m1["loss"]), np.asarray(m1["stats"].kl_sum).tolist()))
@@ -85,7 +85,7 @@ def test_train_step_is_the_same_on_every_mesh(tmp_path):
         # the step really moves the parameters (Adam's first step moves each by about its LR, 4e-4 for heads); the
         # LR is small because Adam's first update is g/|g|, which amplifies float rounding of near-zero gradients
         assert result["max_update"] > 3e-4
-        for shape in ("(8, 1, 1)", "(2, 2, 2)", "(1, 4, 2)"):
+        for shape in ("(8, 1, 1)", "(2, 2, 2)"):
             assert result[shape]["loss_diff"] < 1e-5, result
             assert result[shape]["param_diff"] < 1e-5, result
             assert result[shape]["grad_norm_diff"] < 1e-5, result
