@@ -34,7 +34,12 @@ DEFAULT_EMITTER_FILES = {"test_smollm2.py", "test_plan.py", "test_decode_hlo.py"
 
 
 def pytest_configure(config):
-    """Sets the emitter flag from the files this process runs, before any test module starts JAX's backend."""
+    """Checks MEDUSA_JAX_TEST_FIXTURES; sets the emitter flag from the files this process runs, before any test
+    module starts JAX's backend."""
+    shared = os.environ.get("MEDUSA_JAX_TEST_FIXTURES")
+    if shared and Path(shared).exists() and not Path(shared).is_dir():
+        raise pytest.UsageError(f"MEDUSA_JAX_TEST_FIXTURES={shared} is not a folder: point it at a folder for the "
+                                f"tiny test models (scripts/test.sh makes one per run) or unset it")
     flags = os.environ.get("XLA_FLAGS", "")
     files = {Path(arg.split("::")[0]).name for arg in config.args}
     if "--xla_cpu_use_fusion_emitters" not in flags and not (files and files <= DEFAULT_EMITTER_FILES):
