@@ -14,7 +14,6 @@ import jax
 import numpy as np
 import pytest
 
-from medusa_jax.heads import trees_file
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.init import init_heads
@@ -482,7 +481,7 @@ def test_benchmark_calibration_mode_sets_predictions_beside_measurements(tiny_ch
              "min_speedup": 1.0, "timing": {"tree_tokens": [2, 4]},
              "batches": {"1": {"predicted_speedup_vs_plain": 1.3, "predicted_tokens_per_step": 1.6}}}
     (heads / "trees.json").write_text(json.dumps(
-        trees_file.trees_document(None, jax.default_backend(), {1: [[0]], 2: []}, built)))
+        trees_document(None, jax.default_backend(), {1: [[0]], 2: []}, built)))
     monkeypatch.setenv("MEDUSA_JAX_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "cal"
     argv = ["calibration", "--model", str(folder), "--heads", str(heads), "--batch-sizes", "1,2",
