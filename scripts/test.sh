@@ -2,15 +2,15 @@
 # Installs everything (scripts/setup.sh) and runs the test suite on CPU. Extra arguments go to pytest
 # (e.g. -m "not slow", -x, -k NAME); arguments naming tests/... run just those, in one pytest process.
 #
-# The whole suite runs one pytest process per test file. In a single process, XLA:CPU crashed (SIGSEGV in
-# libgcc's _Unwind_Find_FDE while jaxlib threw the error status of a failed compile) after ~320 tests' worth
-# of compiled executables; every file passes on its own and in any shorter run. A process per file keeps each
-# process's executables to one file's worth.
+# The whole suite runs one pytest process per test file (the quick files below share one). In a single process,
+# XLA:CPU crashed (SIGSEGV in libgcc's _Unwind_Find_FDE while jaxlib threw the error status of a failed compile)
+# after ~320 tests' worth of compiled executables; every file passes on its own and in any shorter run. A process
+# per file keeps each process's executables to one file's worth.
 #
 # Most of the suite's time is XLA compiling tiny programs, each on one thread, so one file at a time leaves a
 # core idle much of the time (two files at once on 2 cores: each runs ~30% slower, the suite ~1.3x faster:
-# 23.4 -> 18.4 min, 2026-12-03). MEDUSA_JAX_TEST_JOBS files (default: the number of CPUs)
-# run at once, the slowest first; each file's output is printed whole when it ends. -x runs one at a time.
+# 23.4 -> 18.4 min, 2026-12-03). MEDUSA_JAX_TEST_JOBS processes (default: the number of CPUs)
+# run at once, the slowest first; each one's output is printed whole when it ends. -x runs one at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
@@ -36,16 +36,26 @@ done
 # PyTorch (the transformers references) would start one thread per CPU in each of the files running at once
 if [[ $jobs_max -gt 1 ]]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
 
-# Longest first (each file's time in a full run on a 2-core machine, 2026-12-03), so that no long file starts
-# last and leaves one core idle at the end; then the rest, the quick ones.
-slow=(test_medusa test_benchmark test_sharded_decode test_eagle test_smollm2 test_plan test_self_distill
-      test_training_run test_exact_sampling test_hydra test_dynamic_tree test_training test_training_mesh
-      test_first_use test_loader test_decode_hlo test_interop test_attention test_refill test_calibration
-      test_cli test_heads_trees test_edges test_train_output test_export_safety)
-files=()
-for name in "${slow[@]}"; do [[ -f "tests/$name.py" ]] && files+=("tests/$name.py"); done
+# Files that compile little run together in one pytest process ("quick"): alone, each process's start (Python,
+# pytest, JAX and the package, 1.5-3 s) costs more than their tests (the 10 files: 86 s one process each, 37 s
+# together, 2026-12-03). Every other file runs in a process of its own.
+quick=(test_api test_bad_inputs test_bad_inputs_probe2 test_export_safety test_repo_paths test_assets test_layers
+       test_atomic test_tree test_text)
+# Longest first (each job's time in a full run on a 2-core machine, 2026-12-03), so that no long file starts
+# last and leaves one core idle at the end; then any file not named here.
+slow=(test_medusa test_benchmark test_sharded_decode test_smollm2 test_plan test_eagle test_training_run
+      test_self_distill test_hydra test_exact_sampling test_first_use test_training_mesh test_training
+      test_loader test_decode_hlo test_interop quick test_dynamic_tree test_attention test_refill test_cli
+      test_calibration test_edges test_train_output test_heads_trees)
+jobs_list=()  # each entry: the test files of one pytest process, space-separated
+quick_files=""
+for name in "${quick[@]}"; do [[ -f "tests/$name.py" ]] && quick_files+="${quick_files:+ }tests/$name.py"; done
+for name in "${slow[@]}"; do
+  if [[ $name == quick ]]; then [[ -n $quick_files ]] && jobs_list+=("$quick_files")
+  elif [[ -f "tests/$name.py" ]]; then jobs_list+=("tests/$name.py"); fi
+done
 for file in tests/test_*.py; do
-  [[ " ${files[*]} " == *" $file "* ]] || files+=("$file")
+  [[ " ${jobs_list[*]} " == *" $file "* ]] || jobs_list+=("$file")
 done
 
 logs="$(mktemp -d)"
@@ -53,39 +63,46 @@ trap 'rm -rf "$logs"' EXIT
 # the tiny random models of tests/conftest.py, built once per run by the first file that asks and loaded by the
 # rest, which then never import PyTorch (~8 s of a process's start)
 export MEDUSA_JAX_TEST_FIXTURES="$logs/fixtures"
-run_file() {  # one file in its own pytest process and temporary folder; its log and exit status under $logs
-  local name; name="$(basename "$1" .py)"
+job_name() {  # the log name of a job: its file's name, or "quick" for the files run together
+  if [[ $1 == *" "* ]]; then echo quick; else basename "$1" .py; fi
+}
+run_job() {  # one job's files in their own pytest process and temporary folder; its log and exit status under $logs
+  local name; name="$(job_name "$1")"
   local rc=0
-  "$PYTHON" -m pytest -q --basetemp="$logs/$name.tmp" "${@:2}" "$1" >"$logs/$name.log" 2>&1 || rc=$?
+  # shellcheck disable=SC2086  # the job's files are space-separated paths without spaces
+  "$PYTHON" -m pytest -q --basetemp="$logs/$name.tmp" "${@:2}" $1 >"$logs/$name.log" 2>&1 || rc=$?
   echo "$rc" >"$logs/$name.rc"
 }
 
 failed=()
-report() {  # print each finished file's output once, in the order they finish
-  local file name rc
-  for file in "${files[@]}"; do
-    name="$(basename "$file" .py)"
+report() {  # print each finished job's output once, in the order they finish
+  local job name rc
+  for job in "${jobs_list[@]}"; do
+    name="$(job_name "$job")"
     [[ -f "$logs/$name.rc" && ! -f "$logs/$name.shown" ]] || continue
     touch "$logs/$name.shown"
     rc="$(cat "$logs/$name.rc")"
-    echo "== $file"
+    echo "== $job"
     cat "$logs/$name.log"
-    if [[ $rc -ne 0 && $rc -ne 5 ]]; then  # 5: every test of the file deselected (-m / -k)
-      failed+=("$file (pytest exit $rc)")
+    if [[ $rc -ne 0 && $rc -ne 5 ]]; then  # 5: every test of the job deselected (-m / -k)
+      failed+=("$job (pytest exit $rc)")
     fi
   done
 }
 
 start=$SECONDS
-for file in "${files[@]}"; do
+for job in "${jobs_list[@]}"; do
   while [[ $(jobs -rp | wc -l) -ge $jobs_max ]]; do wait -n || true; done
   report
   [[ $stop_at_first -eq 1 && ${#failed[@]} -gt 0 ]] && break
-  run_file "$file" "$@" &
+  run_job "$job" "$@" &
 done
 wait || true
 report
-echo "== ${#files[@]} test files ($jobs_max at a time) in $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
+count=0
+for job in "${jobs_list[@]}"; do for _ in $job; do count=$((count + 1)); done; done
+echo "== $count test files in ${#jobs_list[@]} pytest processes ($jobs_max at a time) in" \
+     "$(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s"
 if [[ ${#failed[@]} -gt 0 ]]; then
   printf 'FAILED: %s\n' "${failed[@]}"
   exit 1

@@ -81,7 +81,7 @@ def tiny_folder_name(kind: str, seed: int, overrides: dict) -> str:
 def tiny_model_dir(tmp_path_factory):
     """tiny_model_dir(kind, seed=0, **overrides) -> a folder with config.json + model.safetensors.
 
-    scripts/test.sh runs one pytest process per file and shares one folder of these models between them
+    scripts/test.sh runs the files in several pytest processes and shares one folder of these models between them
     (MEDUSA_JAX_TEST_FIXTURES): a model is built once per suite run, by whichever file asks first, so that the
     files that only load the folder never import PyTorch and transformers (~8 s of each process's start).
     A model appears under its final name by one rename, whole, so two files building it at once both get it."""

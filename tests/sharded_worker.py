@@ -34,8 +34,10 @@ from medusa_jax.hf.load import load_pretrained  # noqa: E402
 from medusa_jax.heads.config import HeadsConfig  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
 from medusa_jax.heads.tree import load_tree  # noqa: E402
+from medusa_jax.heads.dynamic_tree import scratch_slots  # noqa: E402
 from medusa_jax.inference.acceptance import AcceptanceConfig  # noqa: E402
 from medusa_jax.inference.api import BatchSettings, generate, generate_batch, generate_medusa  # noqa: E402
+from medusa_jax.inference.engine import cache_size_for, pad_prompts  # noqa: E402
 from medusa_jax.inference.sharded import ShardedModel  # noqa: E402
 from medusa_jax.bench.hlo_collectives import invariant_gathers, loop_collectives  # noqa: E402
 
@@ -91,6 +93,8 @@ def main_meshes(model_dir: str, out: str) -> None:
            for name, run in ref_dynamic.items()}},
         "meshes": {}}
     settings = BatchSettings(batch_size=8, max_new_tokens=MAX_NEW, eos_ids=eos, bucket=BUCKET)
+    padded = pad_prompts(prompts, 0, 8, BUCKET)  # the one batch generate_batch makes of them
+    width = padded.tokens_bt.shape[1]
     for data, tensor in ((8, 1), (2, 4), (1, 8)):  # the one-device references are a mesh of one
         mesh = MeshConfig(data=data, tensor=tensor).make_mesh()
         base = load_pretrained(model_dir, sharding_for=sharding_for(mesh))
@@ -110,20 +114,23 @@ def main_meshes(model_dir: str, out: str) -> None:
                                                                dataclasses.replace(settings, tree=dynamic),
                                                                progress=False))
         if (data, tensor) in ((2, 4), (1, 8)):
-            batch = np.asarray([p + [0] * (32 - len(p)) for p in prompts], np.int32)
-            lens = np.asarray([len(p) for p in prompts], np.int32)
+            # the programs generate_batch just ran (its padded width, cache sizes and EOS), so that their
+            # executables are reused rather than compiled again for the HLO checks
+            batch, lens = padded.tokens_bt, padded.lengths_b
+            common = dict(max_new_tokens=MAX_NEW, eos_ids=eos, lowered_only=True)
             for name, lowered in (
-                    ("plain", model.plain_decode(batch, lens, cache_size=64, max_new_tokens=MAX_NEW,
-                                                 lowered_only=True)),
-                    ("medusa", model.medusa_decode(batch, lens, tree=tree, cache_size=80, max_new_tokens=MAX_NEW,
-                                                   lowered_only=True))):
+                    ("plain", model.plain_decode(batch, lens, cache_size=cache_size_for(width, MAX_NEW, 0, BUCKET),
+                                                 **common)),
+                    ("medusa", model.medusa_decode(batch, lens, tree=tree, cache_size=cache_size_for(
+                        width, MAX_NEW, scratch_slots(tree), BUCKET), **common))):
                 hlo = lowered.compile().as_text()
                 entry[f"{name}_loop_ops"] = sorted({c.op for c in loop_collectives(hlo)})
                 entry[f"{name}_invariant_gathers"] = [c.shape for c in invariant_gathers(hlo)]
         if (data, tensor) == (2, 4):  # exact sampling under the mesh: the same draws as on one device
-            batch = np.asarray([p + [0] * (32 - len(p)) for p in prompts], np.int32)
-            tokens_bo, num_b, _, _ = model.medusa_decode(batch, np.asarray([len(p) for p in prompts], np.int32),
-                                                         tree=tree, cache_size=80, max_new_tokens=MAX_NEW,
+            tokens_bo, num_b, _, _ = model.medusa_decode(padded.tokens_bt, padded.lengths_b,
+                                                         tree=tree, cache_size=cache_size_for(
+                                                             width, MAX_NEW, scratch_slots(tree), BUCKET),
+                                                         max_new_tokens=MAX_NEW,
                                                          acceptance=EXACT, seed=5, eos_ids=eos)
             entry["exact"] = [tokens_bo[i, : num_b[i]].tolist() for i in range(len(prompts))]
         report["meshes"][f"{data},{tensor}"] = entry

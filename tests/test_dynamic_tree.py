@@ -18,11 +18,10 @@ from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model.kv_cache import KVCache, attention_mask
 from medusa_jax.heads.dynamic_tree import grow_from_candidates, grow_tree, row_tree, scratch_slots, top_k_log_probs
 from medusa_jax.heads.tree import DynamicTree, TreeError, build_tree, load_tree, parse_dynamic_tree
-from medusa_jax.training.data import segment_mask
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree
 from medusa_jax.inference.autoregressive import prefill_states
 
-from test_eagle import drafter, plain_outputs
+from test_eagle import base_features, drafter, plain_outputs, propose
 
 V = 32
 RNG = np.random.RandomState(0)
@@ -228,11 +227,10 @@ def test_eagle_drafter_dynamic_drafts_equal_plain_forwards(tiny_model_dir):
     last, cache, hidden = prefill_states(base, p, jnp.asarray([n]), KVCache.zeros(base.config, 1, 64))
     root = int(jnp.argmax(base.logits(last)[0]))
     draft = d.init_draft(base, p, jnp.asarray([n]), hidden, 64, spec.depth)
-    got, draft = d.propose(last, jnp.asarray([root]), base, spec, draft, jnp.asarray([True]))
+    got, draft = propose(d, last, jnp.asarray([root]), base, spec, draft, jnp.asarray([True]))
     assert int(draft.cache.lengths_b[0]) == n
 
-    feats = np.asarray(base(jnp.asarray(prompt)[None], jnp.arange(n)[None],
-                            segment_mask(np.ones((1, n), np.int32)), None)[0][0])
+    feats = base_features(base, prompt)
     outputs = {}
 
     def output_of(path):  # the drafter's output for the last pair of `path` (root first)
