@@ -17,7 +17,7 @@ PYTHON="${PYTHON:-python}"
 # checked before the install, so that a bad value stops before any work
 jobs_max="${MEDUSA_JAX_TEST_JOBS:-$(nproc)}"
 if ! [[ "$jobs_max" =~ ^[1-9][0-9]{0,2}$ ]] || (( jobs_max > 256 )); then
-  echo "error: MEDUSA_JAX_TEST_JOBS=$jobs_max must be a whole number from 1 to 256 (test files run at once); unset it to run one per CPU" >&2
+  echo "error: MEDUSA_JAX_TEST_JOBS=$jobs_max must be a whole number from 1 to 256 (pytest processes run at once); unset it to run one per CPU" >&2
   exit 2
 fi
 bash scripts/setup.sh
