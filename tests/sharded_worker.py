@@ -93,8 +93,9 @@ def main_meshes(model_dir: str, out: str) -> None:
            for name, run in ref_dynamic.items()}},
         "meshes": {}}
     settings = BatchSettings(batch_size=8, max_new_tokens=MAX_NEW, eos_ids=eos, bucket=BUCKET)
-    padded = pad_prompts(prompts, 0, 8, BUCKET)  # the one batch generate_batch makes of them
-    width = padded.tokens_bt.shape[1]
+    padded = pad_prompts(prompts, 0, 8, BUCKET)  # the one batch generate_batch makes of them, and its cache sizes
+    plain_cache = cache_size_for(padded.tokens_bt.shape[1], MAX_NEW, 0, BUCKET)
+    medusa_cache = cache_size_for(padded.tokens_bt.shape[1], MAX_NEW, scratch_slots(tree), BUCKET)
     for data, tensor in ((8, 1), (2, 4), (1, 8)):  # the one-device references are a mesh of one
         mesh = MeshConfig(data=data, tensor=tensor).make_mesh()
         base = load_pretrained(model_dir, sharding_for=sharding_for(mesh))
@@ -119,18 +120,14 @@ def main_meshes(model_dir: str, out: str) -> None:
             batch, lens = padded.tokens_bt, padded.lengths_b
             common = dict(max_new_tokens=MAX_NEW, eos_ids=eos, lowered_only=True)
             for name, lowered in (
-                    ("plain", model.plain_decode(batch, lens, cache_size=cache_size_for(width, MAX_NEW, 0, BUCKET),
-                                                 **common)),
-                    ("medusa", model.medusa_decode(batch, lens, tree=tree, cache_size=cache_size_for(
-                        width, MAX_NEW, scratch_slots(tree), BUCKET), **common))):
+                    ("plain", model.plain_decode(batch, lens, cache_size=plain_cache, **common)),
+                    ("medusa", model.medusa_decode(batch, lens, tree=tree, cache_size=medusa_cache, **common))):
                 hlo = lowered.compile().as_text()
                 entry[f"{name}_loop_ops"] = sorted({c.op for c in loop_collectives(hlo)})
                 entry[f"{name}_invariant_gathers"] = [c.shape for c in invariant_gathers(hlo)]
         if (data, tensor) == (2, 4):  # exact sampling under the mesh: the same draws as on one device
-            tokens_bo, num_b, _, _ = model.medusa_decode(padded.tokens_bt, padded.lengths_b,
-                                                         tree=tree, cache_size=cache_size_for(
-                                                             width, MAX_NEW, scratch_slots(tree), BUCKET),
-                                                         max_new_tokens=MAX_NEW,
+            tokens_bo, num_b, _, _ = model.medusa_decode(padded.tokens_bt, padded.lengths_b, tree=tree,
+                                                         cache_size=medusa_cache, max_new_tokens=MAX_NEW,
                                                          acceptance=EXACT, seed=5, eos_ids=eos)
             entry["exact"] = [tokens_bo[i, : num_b[i]].tolist() for i in range(len(prompts))]
         report["meshes"][f"{data},{tensor}"] = entry
