@@ -35,7 +35,6 @@ import json
 import sys
 from pathlib import Path
 
-from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.paths import portable_path
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.hf.tensor_files import CheckpointError

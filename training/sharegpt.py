@@ -159,6 +159,24 @@ def has_assistant_reply(messages: list[dict[str, str]]) -> bool:
     return any(m["role"] == "assistant" for m in messages)
 
 
+def _keep_conversations(records: Iterable[tuple[Any, Any, str]], source: str, report: ReadReport,
+                        limit: int | None) -> list[dict[str, Any]]:
+    """The conversations of (id, record, "record N" | "row N") triples that have an assistant reply, as
+    {"id", "messages"}, at most `limit` of them; counts what it reads, skips and keeps in `report`."""
+    out = []
+    for rid, record, label in records:
+        report.records += 1
+        messages = normalise_conversation(record, f"{source}: {label} (id {rid!r})")
+        if not has_assistant_reply(messages):
+            report.skipped_no_assistant += 1
+            continue
+        out.append({"id": str(rid), "messages": messages})
+        report.kept += 1
+        if limit is not None and report.kept >= limit:
+            break
+    return out
+
+
 def read_conversation_file(path: str | os.PathLike, limit: int | None = None
                            ) -> tuple[list[dict[str, Any]], ReadReport]:
     """Reads a ShareGPT .json (array) or .jsonl file. Returns ([{"id", "messages"}], report)."""
@@ -171,18 +189,9 @@ def read_conversation_file(path: str | os.PathLike, limit: int | None = None
     if not stripped:
         raise DataError(f"{path}: data file is empty")
     reader = _iter_json_array if stripped.startswith("[") else _iter_jsonl
-    out = []
-    for index, record in reader(text, str(path), report):
-        report.records += 1
-        rid = record.get("id", index) if isinstance(record, dict) else index
-        messages = normalise_conversation(record, f"{path}: record {index} (id {rid!r})")
-        if not has_assistant_reply(messages):
-            report.skipped_no_assistant += 1
-            continue
-        out.append({"id": str(rid), "messages": messages})
-        report.kept += 1
-        if limit is not None and report.kept >= limit:
-            break
+    records = ((record.get("id", index) if isinstance(record, dict) else index, record, f"record {index}")
+               for index, record in reader(text, str(path), report))
+    out = _keep_conversations(records, str(path), report, limit)
     if not out:
         raise DataError(f"{path}: no usable conversations ({report.records} records read, none has an "
                         f"assistant reply after a user turn)")
@@ -219,18 +228,8 @@ def read_conversation_dataset(name_or_path: str, split: str = "train", limit: in
     if column is None:
         raise DataError(f"{name_or_path}: needs a 'conversations' or 'messages' column; columns are {ds.column_names}")
     report = ReadReport(source=name_or_path)
-    out = []
-    for index, row in enumerate(ds):
-        report.records += 1
-        rid = row.get("id", index)
-        messages = normalise_conversation({"conversations": row[column]}, f"{name_or_path}: row {index} (id {rid!r})")
-        if not has_assistant_reply(messages):
-            report.skipped_no_assistant += 1
-            continue
-        out.append({"id": str(rid), "messages": messages})
-        report.kept += 1
-        if limit is not None and report.kept >= limit:
-            break
+    rows = ((row.get("id", index), {"conversations": row[column]}, f"row {index}") for index, row in enumerate(ds))
+    out = _keep_conversations(rows, name_or_path, report, limit)
     if not out:
         raise DataError(f"{name_or_path}: no usable conversations ({report.records} rows read)")
     return out, report

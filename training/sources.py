@@ -37,8 +37,6 @@ from medusa_jax.training import distill_store, feature_batches, feature_store, h
 from medusa_jax.training.data import (ChatData, DataConfig, EpochIterator, PackedRows, load_chat_data, row_batch,
                                       row_iterator)
 from medusa_jax.training.hidden_examples import HiddenExamples
-from medusa_jax.training.sharegpt import DataError
-
 
 
 @dataclasses.dataclass

@@ -25,7 +25,6 @@ optimiser moments like their parameters, batches over (data, fsdp)).
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Any
 
 import jax

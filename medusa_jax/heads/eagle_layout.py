@@ -17,7 +17,6 @@ export adds a zero fc.bias and names the architecture LlamaForCausalLMEagle, as 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
