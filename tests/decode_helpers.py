@@ -1,5 +1,6 @@
 """Shared by the losslessness tests (test_medusa, test_smollm2): a proposer that switches between the heads' own
-drafts and planted ones by data, and accept targets that cycle through every accept length."""
+drafts and planted ones by data, and accept targets that cycle through every accept length; and random kernels
+that make heads' drafts vary (test_eagle, test_hydra)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,11 @@ def heads_or_planted(inputs):
 def cycling_targets(batch: int, depth: int, steps: int) -> np.ndarray:
     """[batch, steps] accept lengths 0..depth in turn, each row shifted by one."""
     return (np.arange(steps)[None, :] + np.arange(batch)[:, None]) % (depth + 1)
+
+
+def randomise_kernels(linears, seed: int, scale: float = 0.3) -> None:
+    """Sets each linear's kernel to normal(0, scale) draws from one RandomState(seed), in the order given, so that
+    the drafts differ from node to node (a comparison of drafts then means something)."""
+    rng = np.random.RandomState(seed)
+    for linear in linears:
+        linear.kernel[...] = jnp.asarray(rng.normal(0, scale, linear.kernel.shape), jnp.float32)

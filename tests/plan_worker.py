@@ -25,6 +25,7 @@ from medusa_jax.model.sharding import MeshConfig  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
 from medusa_jax.bench.plan import PlanConfig, compile_plan, largest_batch  # noqa: E402
 from medusa_jax.training.memory_plan import estimate_per_device as estimate  # noqa: E402
+from medusa_jax.training.trainer import TrainConfig, Trainer  # noqa: E402
 from medusa_jax.bench.presets import PRESETS, model_config  # noqa: E402
 
 # Llama-3's architecture (GQA 4:1, untied lm_head, llama3 RoPE) at a size that compiles in seconds
@@ -39,8 +40,6 @@ def entry(plan, est) -> dict:
 
 def real_trainer_bytes(config: PlanConfig) -> int:
     """Bytes device 0 holds of a real Trainer's params, frozen state and optimiser state (tiny model)."""
-    from medusa_jax.training.trainer import TrainConfig, Trainer
-
     base = CausalLM(config.model, nnx.Rngs(0))
     heads = init_heads(config.heads_config(), base)
     mesh = config.mesh.make_mesh(jax.devices()[: config.mesh.size])

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from medusa_jax.assets import resolve_heads_dir, shipped_heads_dir
+from medusa_jax.assets import SHIPPED_HEADS, resolve_heads_dir, shipped_heads_dir
+from medusa_jax.heads.folder import load_native_heads
 
 
 @pytest.mark.parametrize("name, head_type", [("default", "hydra"), ("default-medusa", "medusa")])
 def test_default_names_resolve_to_the_shipped_smollm2_heads(name, head_type):
-    from medusa_jax.assets import SHIPPED_HEADS
-    from medusa_jax.heads.folder import load_native_heads
-
     folder = resolve_heads_dir(name)
     assert folder == shipped_heads_dir(SHIPPED_HEADS[name])
     assert sum(p.stat().st_size for p in folder.iterdir()) <= 20 * 1024 * 1024  # the package budget

@@ -11,6 +11,7 @@ import torch
 from medusa_jax.model.attention import grouped_attention
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block, move_slots, write_layer
 from medusa_jax.hf.load import load_pretrained
+from medusa_jax.inference.api import generate
 
 
 def _reference(q_btkgh, k_bskh, v_bskh, mask_bts):
@@ -112,8 +113,6 @@ def test_long_cache_decode_matches_transformers(tiny_hf_model):
 
 def test_long_generation_equals_transformers(tiny_hf_model):
     """260 greedy tokens from a 9-token prompt, the whole loop on device, match transformers token for token."""
-    from medusa_jax.inference.api import generate
-
     folder, hf = tiny_hf_model("qwen2")
     prompt = np.random.RandomState(12).randint(1, 128, size=9).tolist()
     ours = generate(load_pretrained(folder), [prompt], max_new_tokens=260, eos_ids=())[0].token_ids

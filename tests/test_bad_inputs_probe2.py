@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from test_bad_inputs import CHAT, offline_hub, run_case, snapshot, world  # noqa: F401 (fixtures)
+from test_bad_inputs import CASES as FIRST, CHAT, offline_hub, run_case, snapshot, world  # noqa: F401 (fixtures)
+from test_bad_inputs import BF, BT, D, EX, G2, GEN, H, M, PL, SD, TR  # the first table's shorthands (BM, BB differ)
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +54,7 @@ def world2(world) -> Path:
     return w
 
 
-M, G2, H, D = "{w}/model", "{w}/gpt2", "{w}/heads", "{w}/data.json"
-GEN = ("generate", ["--model", M, "--prompt", "hi"])
 GENH = ("generate", ["--model", M, "--prompt", "hi", "--heads", H])
-SD = ("self_distill", ["--model", M, "--data", D, "--output", "{w}/distilled.jsonl", "--no-progress"])
-TR = ("train_heads", ["--model", M, "--data", D, "--output", "{w}/trained", "--no-progress"])
-EX = ("export_heads", ["--heads", H, "--out", "{w}/exported"])
-BT = ("build_tree", ["--model", M, "--heads", H])
-BF = ("build_features", ["--model", M, "--data", D, "--output", "{w}/features", "--no-progress"])
-PL = ("plan", ["--model", "llama3-8b"])
 BM = ("benchmark", ["--model", M, "--heads", H, "--out", "{w}/bm"])
 QK = ("benchmark", ["quick", "--model", M])
 TM = ("benchmark", ["teacher-mass", "--model", M, "--data", D])
@@ -345,7 +338,6 @@ def test_a_probed_bad_input_is_one_error_line_and_changes_nothing(world2, offlin
 
 
 def test_the_probe_covers_every_command_and_about_180_new_inputs():
-    from test_bad_inputs import CASES as FIRST
     names = {c[0][0] for c in CASES}
     assert names == {c[0][0] for c in FIRST}
     first = {(c[0][0], tuple(c[0][1] + c[1])) for c in FIRST}

@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from medusa_jax.heads import trees_file
 from medusa_jax.heads.config import HeadsConfig
@@ -38,8 +40,6 @@ def heads_folder(tiny_model_dir, tmp_path_factory):
     base = load_pretrained(tiny_model_dir("llama", initializer_range=0.3))
     folder = tmp_path_factory.mktemp("calibrated-heads")
     save_heads(init_heads(HeadsConfig(64, 128, num_heads=3, lm_head="own"), base, seed=3), folder)
-    import jax
-
     document = trees_file.trees_document(None, jax.default_backend(), {1: SHIPPED, 2: SHIPPED}, built_record())
     (folder / "trees.json").write_text(json.dumps(document))
     return base, folder
@@ -119,8 +119,6 @@ def test_real_measurement_writes_a_readable_cache_entry(heads_folder, cache):
 
 
 def test_heads_without_an_accuracy_record_keep_the_shipped_choice(heads_folder, cache, tmp_path, monkeypatch):
-    import jax
-
     base, folder = heads_folder
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -136,8 +134,6 @@ def test_heads_without_an_accuracy_record_keep_the_shipped_choice(heads_folder, 
 
 def test_a_dynamic_tree_named_by_trees_json_stands(heads_folder, cache, tmp_path, monkeypatch):
     """Calibration prices static trees only: where trees.json names a dynamic tree for the batch size, it is kept."""
-    import jax
-
     base, folder = heads_folder
     dyn = tmp_path / "dynamic"
     dyn.mkdir()
@@ -181,8 +177,6 @@ def test_pick_weighs_dynamic_trees_by_predicted_tokens_per_second():
 
 def test_calibration_picks_a_measured_dynamic_tree_and_decodes_losslessly(heads_folder, cache, tmp_path,
                                                                           monkeypatch):
-    import jax
-
     base, folder = heads_folder
     dyn = tmp_path / "with-dynamic"
     dyn.mkdir()
@@ -212,8 +206,6 @@ def test_calibration_picks_a_measured_dynamic_tree_and_decodes_losslessly(heads_
 
 
 def model_heads(model):
-    from flax import nnx
-
     return nnx.merge(model.medusa_graphdef, model.medusa_params).heads
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from medusa_jax.text import encode_prompt, load_tokenizer
 from medusa_jax.hf.load import load_pretrained
@@ -34,7 +35,6 @@ def load_script(name: str):
 def tiny_with_tokenizer(tiny_model_dir, tmp_path_factory):
     """The tiny llama (vocab 128) plus a word-level tokenizer over the same ids; EOS is </s> = 2."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     folder = tiny_model_dir("llama")
     dst = tmp_path_factory.mktemp("tiny-cli") / "model"

@@ -6,6 +6,7 @@ feature store holds the base's hidden states and resumes, and training lowers th
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,16 +15,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
+from medusa_jax import generate
 from medusa_jax.heads.eagle import EagleDrafter
 from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.eagle_layout import export_eagle
+from medusa_jax.heads.folder import load_native_heads, save_heads
 from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.load import load_heads
+from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.tree import DynamicTree, build_tree, load_tree
+from medusa_jax.training import feature_store as fs
+from medusa_jax.training import trainer as trainer_mod
 from medusa_jax.training.data import segment_mask
+from medusa_jax.training.feature_batches import conversation_examples
+from medusa_jax.inference import step_cost
+from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.autoregressive import prefill_states
+from medusa_jax.inference.medusa import MedusaState, medusa_step
 
+from decode_helpers import randomise_kernels
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 
@@ -36,12 +50,10 @@ def drafter(base, seed=0, **kw) -> EagleDrafter:
     """A drafter with weights varied enough that its drafts differ from node to node."""
     d = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, head_type="eagle",
                                **kw), base, seed=seed)
-    rng = np.random.RandomState(seed)
     linears = [d.fc] + [lin for layer in d.layers for lin in (
         layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
         layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-    for lin in linears:
-        lin.kernel[...] = jnp.asarray(rng.normal(0, 0.3, lin.kernel.shape), jnp.float32)
+    randomise_kernels(linears, seed)
     return d
 
 
@@ -130,11 +142,6 @@ def test_first_step_drafts_equal_plain_forwards(base):
 def test_drafts_after_an_accepted_path_equal_plain_forwards(base, accept):
     """One real tree step (verify + accept with planted drafts of a known accept length), then the next step's
     drafts: the catch-up entries use the verify's true features."""
-    from medusa_jax.heads.medusa import MedusaModel
-    from medusa_jax.inference.acceptance import AcceptanceConfig
-    from medusa_jax.inference.medusa import MedusaState, medusa_step
-    from medusa_jax import generate
-
     d = drafter(base, seed=1)
     tree = build_tree([[0], [0, 0], [0, 0, 0], [1]])
     prompt = [7, 3, 12, 40, 2]
@@ -184,10 +191,6 @@ def test_unrolled_chains_equal_plain_forwards(base):
 
 def test_export_loads_back_and_matches_a_pytorch_forward(base, tmp_path):
     torch = pytest.importorskip("torch")
-    from safetensors.numpy import load_file
-
-    from medusa_jax.heads.eagle_layout import export_eagle
-    from medusa_jax.heads.load import load_heads
 
     d = drafter(base, seed=2, lm_head="shared", num_layers=2)
     out = export_eagle(d, base, tmp_path / "eagle", dtype="float32")
@@ -243,8 +246,6 @@ def test_export_loads_back_and_matches_a_pytorch_forward(base, tmp_path):
 
 
 def test_truncated_drafter_round_trips_in_our_format(base, tmp_path):
-    from medusa_jax.heads.folder import load_native_heads, save_heads
-
     d = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=6, head_type="eagle",
                                lm_head="truncated", truncated_vocab_size=40), base, token_map=np.arange(40, 80))
     save_heads(d, tmp_path / "h")
@@ -260,8 +261,6 @@ def test_truncated_drafter_round_trips_in_our_format(base, tmp_path):
 
 @pytest.fixture(autouse=True)
 def _scripts(monkeypatch):
-    import importlib.util
-
     for name, file in (("scripts_train_heads", "train_heads.py"), ("scripts_build_features", "build_features.py")):
         spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / file)
         module = importlib.util.module_from_spec(spec)
@@ -285,8 +284,6 @@ def _build(chat, store, monkeypatch, tmp_path, max_tokens, *extra):
 
 
 def test_feature_store_holds_the_base_hidden_states_and_grows(chat, tmp_path, monkeypatch):
-    from medusa_jax.training import feature_store as fs
-
     store = tmp_path / "store"
     assert _build(chat, store, monkeypatch, tmp_path, 700) == 0
     small = fs.open_feature_store(store)
@@ -327,9 +324,6 @@ def _train(chat, store, out, monkeypatch, tmp_path, *extra):
 
 
 def test_eagle_training_lowers_the_loss_and_resumes_exactly(chat, tmp_path, monkeypatch):
-    from medusa_jax.heads.folder import load_native_heads
-    from medusa_jax.training import trainer as trainer_mod
-
     store = tmp_path / "store"
     assert _build(chat, store, monkeypatch, tmp_path, 5000) == 0
     common = ["--max-steps", "14", "--save-every", "5", "--eval-every", "14"]
@@ -374,9 +368,6 @@ def test_training_depth_two_trains_and_scores_both_depths(chat, tmp_path, monkey
 def test_feature_store_examples_for_heads(chat, tmp_path, monkeypatch):
     """Medusa/Hydra heads on a feature store: head i at position j targets the assistant token j + 2 + i of the
     same conversation, with the stored hidden state at j + 1 + i as its teacher; Hydra's path is j + 1 .. j + M."""
-    from medusa_jax.training import feature_store as fs
-    from medusa_jax.training.feature_batches import conversation_examples
-
     store_dir = tmp_path / "store"
     assert _build(chat, store_dir, monkeypatch, tmp_path, 1200) == 0
     store = fs.open_feature_store(store_dir)
@@ -416,8 +407,6 @@ def test_hydra_heads_train_on_a_feature_store(chat, tmp_path, monkeypatch):
 def test_step_cost_times_drafter_steps_static_and_dynamic(base):
     """Calibration times the drafter's whole step (its state made by a prefill of the context) for static and
     dynamic trees alike."""
-    from medusa_jax.inference import step_cost
-
     d = drafter(base, seed=5)
     costs = step_cost.measure_step_costs(base, d, [load_tree("mc_sim_7b_8")], batch=2, context=12, repeats=1,
                                          dynamic=[DynamicTree(6, 2, 3)])

@@ -5,15 +5,27 @@ progress heartbeat."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import io
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from medusa_jax.assets import resolve_heads_dir
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.folder import save_heads
+from medusa_jax.heads.init import init_heads
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.progress import heartbeat
+from medusa_jax.scripts.cli_args import ArgumentParser
+from medusa_jax.training import output_folder
+from medusa_jax.training.output_folder import FileLock
 
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
@@ -73,12 +85,6 @@ def offline(monkeypatch, tmp_path):
 
 
 def test_hub_ids_load_from_the_hub_cache_offline(chat_model, offline, capsys, tmp_path):
-    from medusa_jax.assets import resolve_heads_dir
-    from medusa_jax.heads.config import HeadsConfig
-    from medusa_jax.heads.folder import save_heads
-    from medusa_jax.heads.init import init_heads
-    from medusa_jax.hf.load import load_pretrained
-
     snapshot = hub_cache(offline, "TinyOrg/tiny-chat", chat_model)
     by_id, by_path = load_pretrained("TinyOrg/tiny-chat"), load_pretrained(chat_model)
     assert np.array_equal(np.asarray(by_id.embed_tokens.embedding[...]), np.asarray(by_path.embed_tokens.embedding[...]))
@@ -102,8 +108,6 @@ def test_an_uncached_hub_id_offline_is_one_line_at_once(chat_model, offline, cap
 
 
 def test_one_self_distillation_per_output(chat_model, tmp_path, capsys):
-    from medusa_jax.training.output_folder import FileLock
-
     data = write_json(tmp_path / "chat.json", chat_records(6, seed=3))
     out = tmp_path / "d.jsonl"
     out.write_text('{"id": "c0", "conversations": []}\n')
@@ -143,10 +147,6 @@ def test_benchmarks_write_into_the_repo_results_only_when_told(name, mode, capsy
 
 
 def test_the_final_files_are_one_commit(tmp_path, monkeypatch):
-    import os
-
-    from medusa_jax.training import output_folder
-
     out, staging = tmp_path / "heads", tmp_path / "heads" / ".final.1.tmp"
     staging.mkdir(parents=True)
     (out / "config.json").write_text("old config")
@@ -181,8 +181,6 @@ def test_a_failed_training_run_leaves_no_folder(chat_model, tmp_path, capsys, mo
 
 
 def test_the_heartbeat_shows_progress_only_for_long_jobs():
-    from medusa_jax.progress import heartbeat
-
     quiet, loud = io.StringIO(), io.StringIO()
     with heartbeat("fast", delay=1.0, stream=quiet):
         pass
@@ -194,8 +192,6 @@ def test_the_heartbeat_shows_progress_only_for_long_jobs():
 
 def test_every_numeric_flag_has_a_rule():
     """cli_args refuses a numeric flag without check= at parse time; every command's help parses."""
-    from medusa_jax.scripts.cli_args import ArgumentParser
-
     p = ArgumentParser(prog="t")
     p.add_argument("--n", type=int, default=1)
     with pytest.raises(RuntimeError, match="--n has no check"):
@@ -204,10 +200,6 @@ def test_every_numeric_flag_has_a_rule():
 
 def test_plan_shows_progress_while_it_compiles(monkeypatch, capsys):
     """plan.py wraps its compilation in the heartbeat: a compile longer than the delay prints elapsed time."""
-    import functools
-
-    from medusa_jax.progress import heartbeat
-
     plan = script("plan")
 
     def slow_compile(config):

@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 
 from medusa_jax.atomic import atomic_folder
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.folder import save_heads
+from medusa_jax.hf.load import load_pretrained
 
 
 @pytest.fixture(scope="module")
 def heads_dir(tiny_model_dir, tmp_path_factory):
-    from medusa_jax.heads.config import HeadsConfig
-    from medusa_jax.heads.init import init_heads
-    from medusa_jax.heads.folder import save_heads
-    from medusa_jax.hf.load import load_pretrained
-
     folder = tiny_model_dir("llama")
     base = load_pretrained(folder)
     cfg = HeadsConfig(base.config.hidden_size, base.config.vocab_size, 2, lm_head="truncated", truncated_vocab_size=40)

@@ -3,13 +3,22 @@ file rules, a tensor=3 mesh with heads that do not divide by 3, bucketed shapes 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
+
+from medusa_jax.bench.mtbench import load_mtbench_questions
+from medusa_jax.compile_cache import CompileCounter
+from medusa_jax.inference.api import BatchSettings, plan_batches
+from medusa_jax.inference.engine import bucket_length, cache_size_for, pad_prompts
+from medusa_jax.text import encode_prompt, load_tokenizer
 
 from training_helpers import build_tiny_chat_model
 
@@ -37,8 +46,6 @@ def chat_model(tmp_path_factory):
 
 
 def run_generate(capsys, *args: str) -> tuple[int, str, str]:
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("generate_script", ROOT / "scripts" / "generate.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -81,8 +88,6 @@ def test_generate_output_rules(chat_model, tmp_path, capsys):
 
 
 def test_prompt_widths_and_caches_come_from_a_short_ladder():
-    from medusa_jax.inference.engine import bucket_length, cache_size_for, pad_prompts
-
     assert [bucket_length(n) for n in (1, 64, 65, 129, 300, 600)] == [64, 64, 128, 256, 512, 1024]
     assert bucket_length(17, 16) == 32
     assert pad_prompts([[1] * 130, [2] * 3], pad_id=0).tokens_bt.shape == (2, 256)
@@ -91,11 +96,6 @@ def test_prompt_widths_and_caches_come_from_a_short_ladder():
 
 @pytest.mark.slow
 def test_mtbench_at_batch_8_needs_three_shapes(smollm2_dir):
-    from medusa_jax.bench.mtbench import load_mtbench_questions
-    from medusa_jax.text import encode_prompt, load_tokenizer
-    from medusa_jax.inference.api import BatchSettings, plan_batches
-    from medusa_jax.inference.engine import cache_size_for, pad_prompts
-
     tok = load_tokenizer(smollm2_dir)
     prompts = [encode_prompt(tok, q.first_turn, chat=True) for q in load_mtbench_questions(limit=64)]
     shapes = set()
@@ -121,11 +121,6 @@ def test_second_process_hits_the_persistent_compile_cache(chat_model, tmp_path):
 
 
 def test_nested_compile_counters_each_count_their_own_block():
-    import jax
-    import jax.numpy as jnp
-
-    from medusa_jax.compile_cache import CompileCounter
-
     with CompileCounter() as outer:
         with CompileCounter() as inner:  # equal fields on entry: must still leave as two distinct counters
             pass

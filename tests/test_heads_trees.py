@@ -6,17 +6,25 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
+from medusa_jax.assets import SHIPPED_HEADS, shipped_heads_dir
 from medusa_jax.heads import trees_file as heads_trees
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.tree import DEFAULT_TREE, DynamicTree
 from medusa_jax.heads.trees_file import TreesFileError, parse_trees, read_trees, resolve_tree
-from medusa_jax.inference.calibration import Accuracy
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate, generate_batch, generate_medusa
+from medusa_jax.inference.calibration import Accuracy, pick_for_batch
 from medusa_jax.inference.medusa import choose_tree
+from medusa_jax.inference.sharded import ShardedModel
+from medusa_jax.inference.step_cost import StepCostTable
+from medusa_jax.inference.tree_choice import batch_tokens_per_step
 
 T3 = [[0], [1], [0, 0]]
 T1 = [[0]]
@@ -110,9 +118,6 @@ def test_a_bad_trees_file_is_a_clear_error(tmp_path, content, message):
 
 
 def test_trees_that_do_not_fit_the_heads_fail_at_load(tmp_path, tiny_model_dir):
-    from medusa_jax.heads.load import load_heads
-    from medusa_jax.hf.load import load_pretrained
-
     base = load_pretrained(tiny_model_dir("llama"))
     save_heads(init_heads(HeadsConfig(64, 128, num_heads=2, lm_head="own"), base, seed=1), tmp_path)
     (tmp_path / "trees.json").write_text(json.dumps(doc({"cpu": {"1": [[0], [0, 0], [0, 0, 0]]}})))
@@ -136,8 +141,6 @@ def test_trees_document_keeps_other_backends_and_refuses_bad_trees():
 @pytest.fixture(scope="module")
 def tiny_heads(tiny_model_dir, tmp_path_factory):
     """(base, heads folder) with random heads (3 heads, own lm_heads); tests write its trees.json."""
-    from medusa_jax.hf.load import load_pretrained
-
     base = load_pretrained(tiny_model_dir("llama", initializer_range=0.3))
     folder = tmp_path_factory.mktemp("heads")
     save_heads(init_heads(HeadsConfig(64, 128, num_heads=3, lm_head="own"), base, seed=3), folder)
@@ -145,11 +148,6 @@ def tiny_heads(tiny_model_dir, tmp_path_factory):
 
 
 def test_no_tree_decodes_plainly_and_a_batchs_tree_is_used(tiny_heads):
-    import jax
-
-    from medusa_jax.heads.load import load_heads
-    from medusa_jax.inference.api import generate, generate_medusa
-
     base, folder = tiny_heads
     backend = jax.default_backend()
     (folder / "trees.json").write_text(json.dumps(doc({backend: {"1": T3, "2": []}})))
@@ -167,11 +165,6 @@ def test_no_tree_decodes_plainly_and_a_batchs_tree_is_used(tiny_heads):
 
 
 def test_the_heads_dynamic_tree_decodes_like_plain_greedy(tiny_heads):
-    import jax
-
-    from medusa_jax.heads.load import load_heads
-    from medusa_jax.inference.api import generate, generate_medusa
-
     base, folder = tiny_heads
     (folder / "trees.json").write_text(json.dumps(doc({jax.default_backend(): {"1": DYN}})))
     heads = load_heads(folder, base=base)
@@ -182,12 +175,6 @@ def test_the_heads_dynamic_tree_decodes_like_plain_greedy(tiny_heads):
 
 
 def test_generate_batch_resolves_the_heads_tree_per_batch_size(tiny_heads, tiny_model_dir):
-    import jax
-
-    from medusa_jax.heads.load import load_heads
-    from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate, generate_batch
-    from medusa_jax.inference.sharded import ShardedModel
-
     base, folder = tiny_heads
     (folder / "trees.json").write_text(json.dumps(doc({jax.default_backend(): {"1": T3, "2": []}})))
     model = ShardedModel(base, load_heads(folder, base=base))
@@ -203,9 +190,6 @@ def test_generate_batch_resolves_the_heads_tree_per_batch_size(tiny_heads, tiny_
 # ---- build_tree's per-batch pick and the shipped trees -------------------------------------------------
 
 def test_pick_for_batch_keeps_the_best_tree_only_when_it_beats_plain():
-    from medusa_jax.inference.step_cost import StepCostTable
-    from medusa_jax.inference.calibration import pick_for_batch
-
     acc = np.array([[0.6, 0.2], [0.4, 0.1]])
     cheap = StepCostTable(1, 64, 128, 1.0, (2, 4, 8), (1.05, 1.1, 1.6))
     paths, record = pick_for_batch(acc, cheap, 7, 1.05)
@@ -217,8 +201,6 @@ def test_pick_for_batch_keeps_the_best_tree_only_when_it_beats_plain():
 
 
 def test_batch_tokens_per_step_waits_for_the_slowest_row():
-    from medusa_jax.inference.tree_choice import batch_tokens_per_step
-
     easy, hard = [[0.8, 0.1], [0.5, 0.1]], [[0.2, 0.1], [0.5, 0.1]]
     order = [(0,), (0, 0)]
     tau = {"easy": np.array([1.8, 2.2]), "hard": np.array([1.2, 1.3])}  # 1 + cumulative path values
@@ -238,9 +220,6 @@ def test_batch_tokens_per_step_waits_for_the_slowest_row():
 def test_pick_for_batch_sizes_a_batch_on_its_slowest_rows():
     """Two held-out sequences, one easy and one hard: at batch 1 the tree pays, at batch 8 the same pooled
     accuracy and the same step cost ratio predict no gain, since each batch waits for a hard row."""
-    from medusa_jax.inference.step_cost import StepCostTable
-    from medusa_jax.inference.calibration import pick_for_batch
-
     per_sequence = np.array([[[0.95, 0.0], [0.9, 0.0]], [[0.05, 0.0], [0.1, 0.0]]])
     pooled = per_sequence.mean(axis=0)
     times = (1.15, 1.25, 1.6)
@@ -254,8 +233,6 @@ def test_pick_for_batch_sizes_a_batch_on_its_slowest_rows():
 
 @pytest.mark.parametrize("name", ["default", "default-medusa"])
 def test_the_shipped_trees_fit_the_shipped_heads(name):
-    from medusa_jax.assets import SHIPPED_HEADS, shipped_heads_dir
-
     folder = shipped_heads_dir(SHIPPED_HEADS[name])
     trees = read_trees(folder)
     config = HeadsConfig.from_dict(json.loads((folder / "config.json").read_text())["medusa_jax"])

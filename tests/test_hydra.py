@@ -5,6 +5,7 @@ tiny training run (packed rows and cached hidden states) lowers the loss and res
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -16,10 +17,22 @@ import pytest
 
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.hydra import HydraHeads
+from medusa_jax.heads.export import ExportError, export_heads
+from medusa_jax.heads.folder import heads_tensors, load_native_heads, save_heads
+from medusa_jax.heads.hydra import HydraHeads, path_tokens
 from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.tree import load_tree
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.inference import step_cost as whole_step
+from medusa_jax.training import trainer as trainer_mod
+from medusa_jax.training.hidden_examples import HiddenRows, reply_examples
+from medusa_jax.training.losses import distill_loss, head_targets, hydra_head_stats
+from medusa_jax.training.trainer import TrainConfig, Trainer, backbone_hidden
+from medusa_jax.bench import step_cost
+from medusa_jax.bench.head_accuracy import measure_head_accuracy
 
+from decode_helpers import randomise_kernels
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 
@@ -31,10 +44,8 @@ def base(tiny_model_dir):
 def hydra(base, seed=0, **kw) -> HydraHeads:
     heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=3, head_type="hydra",
                                    **kw), base, seed=seed)
-    rng = np.random.RandomState(seed)
-    for head in heads.heads:
-        for linear in [head.input_proj] + [b.linear for b in head.blocks]:
-            linear.kernel[...] = jnp.asarray(rng.normal(0, 0.3, linear.kernel.shape), jnp.float32)
+    linears = [lin for head in heads.heads for lin in [head.input_proj] + [b.linear for b in head.blocks]]
+    randomise_kernels(linears, seed)
     return heads
 
 
@@ -73,10 +84,6 @@ def test_fresh_hydra_heads_are_medusa_heads(base):
 
 @pytest.mark.parametrize("lm_head", ["own", "truncated"])
 def test_our_format_round_trips_and_pytorch_export_refuses(base, tmp_path, lm_head, capsys):
-    from medusa_jax.heads.load import load_heads
-    from medusa_jax.heads.export import ExportError, export_heads
-    from medusa_jax.heads.folder import heads_tensors, save_heads
-
     kw = {"truncated_vocab_size": 40} if lm_head == "truncated" else {}
     heads = hydra(base, seed=4, lm_head=lm_head, hydra_input="concat", **kw)
     save_heads(heads, tmp_path / "h")
@@ -97,9 +104,6 @@ def test_our_format_round_trips_and_pytorch_export_refuses(base, tmp_path, lm_he
 
 
 def test_teacher_forcing_paths_of_rows_and_of_self_distilled_replies_agree():
-    from medusa_jax.heads.hydra import path_tokens
-    from medusa_jax.training.hidden_examples import HiddenRows, reply_examples
-
     tokens = np.arange(10, 20, dtype=np.int32)
     path = path_tokens(tokens[None], 3)[0]  # position t: tokens t + 1, t + 2, t + 3 (0 past the end)
     assert path[0].tolist() == [11, 12, 13] and path[8].tolist() == [19, 0, 0]
@@ -119,8 +123,6 @@ def test_teacher_forcing_paths_of_rows_and_of_self_distilled_replies_agree():
 # ---- training runs -------------------------------------------------------------------------------------------
 @pytest.fixture(autouse=True)
 def _scripts(monkeypatch):
-    import importlib.util
-
     for name, file in (("scripts_train_heads", "train_heads.py"), ("scripts_export", "export_heads.py")):
         spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / file)
         module = importlib.util.module_from_spec(spec)
@@ -149,9 +151,6 @@ def _train(chat, out, monkeypatch, tmp_path, *extra):
                                    ["--lm-head", "truncated:64", "--cache-hidden", "--cached-batch-size", "64",
                                     "--head-loss", "ce+kl"]])
 def test_hydra_training_lowers_the_loss_and_resumes_exactly(chat, tmp_path, monkeypatch, extra):
-    from medusa_jax.heads.folder import load_native_heads
-    from medusa_jax.training import trainer as trainer_mod
-
     common = ["--max-steps", "16", "--save-every", "6", "--eval-every", "16", *extra]
     log = _train(chat, tmp_path / "a", monkeypatch, tmp_path, *common)
     losses = [r["loss"] for r in log if r["kind"] == "train"]
@@ -195,12 +194,6 @@ def test_hydra_with_medusa2_is_a_clear_cli_error(chat, tmp_path, monkeypatch, ca
 def test_head_accuracy_and_training_stats_agree_on_teacher_forced_top1(base):
     """bench/head_accuracy (the benchmarks' held-out top-k) and the trainer's statistics score the same
     teacher-forced Hydra predictions."""
-    from medusa_jax.heads.hydra import path_tokens
-    from medusa_jax.bench.head_accuracy import measure_head_accuracy
-    from medusa_jax.training.losses import hydra_head_stats
-    from medusa_jax.training.losses import head_targets
-    from medusa_jax.training.trainer import backbone_hidden
-
     heads = hydra(base, seed=5, hydra_input="concat")
     tokens = np.random.RandomState(6).randint(0, base.config.vocab_size, (3, 24)).astype(np.int32)
     table = measure_head_accuracy(base, heads, tokens.tolist(), [0, 0, 0], top_k=4)
@@ -217,11 +210,6 @@ def test_head_accuracy_and_training_stats_agree_on_teacher_forced_top1(base):
 def test_hydra_heads_take_the_distilled_kl_loss(base):
     """Hydra head i's KL is to the base's distribution at t + 1 + i (as Medusa head i's): the stats equal a direct
     computation, and a few KL-only steps on cached hidden states bring each head's KL down."""
-    from medusa_jax.model.sharding import MeshConfig
-    from medusa_jax.training.losses import hydra_head_stats
-    from medusa_jax.training.losses import distill_loss
-    from medusa_jax.training.trainer import TrainConfig, Trainer
-
     heads, d, v = hydra(base, seed=8), base.config.hidden_size, base.config.vocab_size
     rng = np.random.RandomState(9)
     hidden_xd = jnp.asarray(rng.normal(size=(12, d)), jnp.float32)
@@ -245,9 +233,6 @@ def test_hydra_heads_take_the_distilled_kl_loss(base):
 
 
 def test_step_cost_times_a_hydra_step(base):
-    from medusa_jax.bench import step_cost
-    from medusa_jax.inference import step_cost as whole_step
-
     heads, tree = hydra(base, seed=7), load_tree("mc_sim_7b_8")
     pieces = step_cost.piece_seconds(base, heads, tree, 1, 20, 64, repeats=1)
     assert set(pieces) == set(step_cost.PIECES) and min(pieces.values()) > 0

@@ -4,8 +4,10 @@ bad folders raise errors that name the problem."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from medusa_jax.heads.export import ExportError, export_heads, serving_notes
 from medusa_jax.heads.folder import heads_tensors, save_heads
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import detect_layout, load_heads
+from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
 
 VT = 40  # truncated vocabulary (tiny models have 128 tokens)
 
@@ -343,9 +346,6 @@ def test_export_refuses_bad_options_and_leaves_nothing(bases, tmp_path):
 
 
 def test_export_script(bases, tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
-
     spec = importlib.util.spec_from_file_location("export_heads_script",
                                                   Path(__file__).parents[1] / "scripts/export_heads.py")
     cli = importlib.util.module_from_spec(spec)
@@ -375,8 +375,6 @@ def _smollm2_heads(source: str, base):
 def smollm2(smollm2_dir):
     """SmolLM2 as our CausalLM and as transformers' model, with both backbones' hidden states on one prompt."""
     import transformers
-
-    from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
 
     base = load_pretrained(smollm2_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)

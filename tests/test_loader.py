@@ -11,13 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 from medusa_jax.model.config import ModelConfig, UnsupportedModelError
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.model.param_paths import param_paths
 from medusa_jax.hf.load import load_pretrained
+from medusa_jax.hf.save import save_pretrained
 from medusa_jax.hf.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
 from medusa_jax.inference.api import generate
-from medusa_jax.inference.autoregressive import prefill
 from medusa_jax.inference.engine import check_fits, pad_prompts
 
 KINDS = ["llama", "llama3", "mistral", "qwen2"]  # mistral: sliding window 16 < prompt + steps
@@ -246,10 +248,6 @@ def test_prompt_plus_budget_over_cache_capacity_is_a_clear_error(tiny_model_dir)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied and tied lm_head
 def test_save_pretrained_round_trips_through_our_loader_and_transformers(tiny_hf_model, tmp_path, kind):
     import transformers
-    from flax import nnx
-
-    from medusa_jax.hf.save import save_pretrained
-    from medusa_jax.model.param_paths import param_paths
 
     folder, hf = tiny_hf_model(kind)
     model = load_pretrained(folder)

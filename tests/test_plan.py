@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +20,8 @@ from medusa_jax.bench.hlo_collectives import entry_upcast_bytes, shape_bytes
 from medusa_jax.bench.plan import device_capacity
 from medusa_jax.training.memory_plan import backbone_params
 from medusa_jax.bench.presets import PRESETS, model_config
+from medusa_jax.bench.plan_report import markdown_table, table_rows
+from medusa_jax.scripts import plan
 
 ROOT = Path(__file__).parents[1]
 WORKER = Path(__file__).with_name("plan_worker.py")
@@ -141,8 +144,6 @@ def plan_cli_in_process(args, monkeypatch, capsys) -> tuple[int, str]:
     """scripts/plan.py's main in this process (no JAX start-up per case): (exit status, stderr). Bad input must
     be refused before the script forces host devices (which needs a fresh process), so forcing them fails here.
     (The tests above and below run the script itself, as a subprocess.)"""
-    from medusa_jax.scripts import plan
-
     def no_devices(count):
         raise AssertionError(f"plan.py forced {count} host devices: the input was not refused first")
 
@@ -206,10 +207,6 @@ def test_presets_and_devices():
 
 
 def test_markdown_table_verdicts():
-    from types import SimpleNamespace
-
-    from medusa_jax.bench.plan_report import markdown_table, table_rows
-
     row = table_rows(("llama3-8b",))[0]
     small = SimpleNamespace(device_bytes=50 * 2**30, analytic_bytes=40 * 2**30)
     bound = SimpleNamespace(device_bytes=200 * 2**30, analytic_bytes=0, arguments_only=True)

@@ -3,6 +3,7 @@ or to $MEDUSA_JAX_CACHE; examples use ~/ or placeholders)."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 from pathlib import Path
@@ -64,8 +65,6 @@ def _named_modules() -> dict[str, set[str]]:
 def test_modules_named_in_docs_and_scripts_exist():
     """A module or name that moved breaks the commands users copy (demo.sh imported medusa_jax.mtbench after
     it had moved to medusa_jax.bench.mtbench)."""
-    import importlib
-
     named = _named_modules()
     assert "medusa_jax.bench.mtbench" in named  # the demo's question loader is among them
     missing = []

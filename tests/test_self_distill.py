@@ -4,20 +4,31 @@ examples; the retired first npz format is refused."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.inference.api import generate
+from medusa_jax.inference.refill import Slots, _admit_cost, admission_groups, admit, admit_prompts, run_chunk
+from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.training import distill_store
-from medusa_jax.training.self_distill import DistillConfig, done_ids, self_distill
+from medusa_jax.training.distill_store import StoreWriter, load_store_examples
+from medusa_jax.training.self_distill import DistillConfig, done_ids, self_distill, shard_output
+from medusa_jax.training.sharegpt import DataError, read_conversation_file
+from medusa_jax.training.sources import CachedHidden, ChatConversations, DistilledStoreHidden, open_source
+from medusa_jax.training.trainer import backbone_hidden
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 
 def test_self_distill_writes_sharegpt_resumes_and_keeps_hidden_states(tmp_path):
-    from medusa_jax.hf.load import load_pretrained
-    from medusa_jax.training.sharegpt import read_conversation_file
-    from medusa_jax.training.trainer import backbone_hidden
     from transformers import AutoTokenizer
 
     model = build_tiny_chat_model(tmp_path / "m")
@@ -67,15 +78,6 @@ def test_self_distill_writes_sharegpt_resumes_and_keeps_hidden_states(tmp_path):
 def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
     """Prompts admitted into free slots mid-run (next to rows still decoding) get the engine's greedy tokens,
     and each token comes with the hidden state that produced it."""
-    import jax
-    from flax import nnx
-
-    from medusa_jax.hf.load import load_pretrained
-    from medusa_jax.inference.api import generate
-    from medusa_jax.inference.sampling import SamplingConfig
-    from medusa_jax.inference.refill import Slots, admit, run_chunk
-    from medusa_jax.training.trainer import backbone_hidden
-
     base = load_pretrained(build_tiny_chat_model(tmp_path / "m", seed=3))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 300, n).tolist() for n in (5, 17, 9, 30, 3)]
@@ -122,8 +124,6 @@ def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
 def test_admission_groups_cut_prompts_by_length():
     """A 5-token prompt is not padded to the width of a 380-token one: admission splits by length, covers
     every prompt once, never costs more than one call, and keeps similar prompts in one call."""
-    from medusa_jax.inference.refill import _admit_cost, admission_groups
-
     lengths = [60, 380, 62, 370, 5]
     groups = admission_groups(lengths, 64)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
@@ -136,13 +136,6 @@ def test_admission_groups_cut_prompts_by_length():
 
 
 def test_grouped_admission_matches_admitting_each_prompt_alone(tmp_path):
-    import jax
-    from flax import nnx
-
-    from medusa_jax.hf.load import load_pretrained
-    from medusa_jax.inference.sampling import SamplingConfig
-    from medusa_jax.inference.refill import Slots, admission_groups, admit_prompts
-
     base = load_pretrained(build_tiny_chat_model(tmp_path / "m", seed=3))
     graphdef, params = nnx.split(base)
     rng = np.random.default_rng(1)
@@ -185,9 +178,6 @@ def test_resume_drops_a_shard_whose_conversations_never_reached_the_jsonl(tmp_pa
 def test_the_retired_npz_format_is_refused_with_how_to_regenerate_it(tmp_path):
     """Hidden states of the first format (OUTPUT.hidden/batch-*.npz) are no longer read: training from them and
     resuming self-distillation into such an output stop with one line that says how to rebuild them."""
-    from medusa_jax.training.sharegpt import DataError
-    from medusa_jax.training.sources import CachedHidden, ChatConversations, DistilledStoreHidden, open_source
-
     out = tmp_path / "d.jsonl"
     out.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "q"},
                                                             {"from": "gpt", "value": "a"}]}) + "\n")
@@ -235,13 +225,6 @@ print("RESULT" + json.dumps(out))
 def test_slots_over_a_device_mesh_and_processes_over_shards_generate_the_same_data(tmp_path):
     """--mesh splits the decode slots over 8 forced CPU devices; --num-shards splits the conversations over
     processes: both produce the single-device run's conversations and hidden states."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from medusa_jax.training.self_distill import shard_output
-
     model = build_tiny_chat_model(tmp_path / "m")
     source = write_json(tmp_path / "src.json", chat_records(12, seed=6))
     proc = subprocess.run([sys.executable, "-c", MESH_CHILD, str(model), str(source), str(tmp_path)],
@@ -293,9 +276,6 @@ def test_store_examples_match_a_loop(tmp_path):
 
 
 def test_an_empty_store_is_a_clear_data_error(tmp_path):
-    from medusa_jax.training.distill_store import StoreWriter, load_store_examples
-    from medusa_jax.training.sharegpt import DataError
-
     StoreWriter(tmp_path / "d.jsonl.arrow", hidden_size=8)  # created by a run that has written no shard yet
     with pytest.raises(DataError, match="no replies yet"):
         load_store_examples(tmp_path / "d.jsonl.arrow", num_heads=2)

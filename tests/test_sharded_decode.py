@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from medusa_jax.bench.hlo_collectives import invariant_gathers, loop_collectives
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.folder import save_heads
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.text import encode_prompt, load_tokenizer
+from medusa_jax.inference.api import generate
 from medusa_jax.scripts.distributed import DistributedConfig, DistributedError
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
@@ -136,10 +144,7 @@ def test_two_processes_match_one(mesh_report, tmp_path):
 
 def with_word_tokenizer(folder: Path, dst: Path) -> Path:
     """A copy of the model folder plus a word-level tokenizer (w0 .. w99 -> ids 3 .. 102, EOS </s> = 2)."""
-    import shutil
-
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     shutil.copytree(folder, dst)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(100)}}
@@ -151,13 +156,6 @@ def with_word_tokenizer(folder: Path, dst: Path) -> Path:
 
 
 def test_generate_script_on_a_mesh_with_medusa_heads(mesh_report, tmp_path):
-    from medusa_jax.heads.config import HeadsConfig
-    from medusa_jax.heads.init import init_heads
-    from medusa_jax.heads.folder import save_heads
-    from medusa_jax.hf.load import load_pretrained
-    from medusa_jax.text import encode_prompt, load_tokenizer
-    from medusa_jax.inference.api import generate
-
     model_dir = with_word_tokenizer(mesh_report[0], tmp_path / "model")
     base = load_pretrained(model_dir)
     save_heads(init_heads(HeadsConfig(64, 128, num_heads=3), base, seed=1), tmp_path / "heads")

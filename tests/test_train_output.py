@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.training.memory_plan import GIB, MemoryPlanError, check_cache_fits, estimate_run
+from medusa_jax.training.output_folder import OutputLock
+
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 
@@ -71,8 +75,6 @@ def test_the_model_folder_and_foreign_folders_are_refused(setup, train, tmp_path
 
 
 def test_a_second_run_on_a_locked_folder_gets_one_line(setup, train, tmp_path):
-    from medusa_jax.training.output_folder import OutputLock
-
     model, data = setup
     out = tmp_path / "heads"
     with OutputLock(out):  # another run holds the folder
@@ -111,8 +113,6 @@ def test_memory_plan_refuses_with_advice_before_loading(setup, train, tmp_path):
 
 
 def test_old_default_is_refused_on_24_gib_and_the_new_default_fits(smollm2_dir_config):
-    from medusa_jax.model.config import ModelConfig
-    from medusa_jax.training.memory_plan import GIB, estimate_run
     from medusa_jax.training.run import RunConfig
 
     r = RunConfig("", "")
@@ -134,8 +134,6 @@ def smollm2_dir_config():
 
 
 def test_cache_hidden_refuses_a_cache_larger_than_memory():
-    from medusa_jax.training.memory_plan import GIB, MemoryPlanError, check_cache_fits
-
     check_cache_fits(1 * GIB, limit_gib=4)
     check_cache_fits(100 * GIB, limit_gib=0)  # 0: no check
     with pytest.raises(MemoryPlanError, match="--max-conversations"):

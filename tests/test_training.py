@@ -8,11 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from medusa_jax.training import losses
-from medusa_jax.training.data import (DataConfig, EpochIterator, load_chat_data, pack, row_batch, row_iterator,
-                                      tokenize_messages, top_token_ids)
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.training import data as data_mod, losses
+from medusa_jax.training.data import (DataConfig, EpochIterator, PackedRows, load_chat_data, pack, row_batch,
+                                      row_iterator, tokenize_messages, top_token_ids)
+from medusa_jax.training.hidden_cache import build_hidden_cache
 from medusa_jax.training.sharegpt import DataError, read_conversation_file, read_conversations
+from medusa_jax.training.trainer import TrainConfig, Trainer, backbone_hidden
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 
@@ -140,8 +147,6 @@ def test_load_chat_data_split_is_seeded_and_tokenisation_is_cached(tmp_path, tok
     eos = (tokenizer.eos_token_id,)
     a = load_chat_data(str(path), tokenizer, eos, cfg, log=lambda _: None)
     assert a.num_conversations == (54, 6)
-    import medusa_jax.training.data as data_mod
-
     monkeypatch.setattr(data_mod, "tokenize_messages", lambda *a, **k: pytest.fail("tokenised again"))
     b = load_chat_data(str(path), tokenizer, eos, cfg, log=lambda _: None)
     np.testing.assert_array_equal(a.train.tokens_bt, b.train.tokens_bt)
@@ -273,12 +278,6 @@ def _tiny_batch(vocab, b=4, t=24, seed=0):
 
 
 def _trainer(chat_model, lm_head="own", **train):
-    from medusa_jax.heads.config import HeadsConfig
-    from medusa_jax.heads.init import init_heads
-    from medusa_jax.hf.load import load_pretrained
-    from medusa_jax.model.sharding import MeshConfig
-    from medusa_jax.training.trainer import TrainConfig, Trainer
-
     base = load_pretrained(chat_model)
     cfg = base.config
     trunc = 32 if lm_head == "truncated" else None
@@ -294,8 +293,6 @@ def _flat(tree):
 
 
 def test_medusa1_freezes_the_backbone_and_medusa2_trains_it_with_a_head_lr_multiplier(chat_model):
-    from flax import nnx
-
     base, heads, t1 = _trainer(chat_model)
     before_base, before_heads = _flat(nnx.state(base)), _flat(nnx.state(heads, nnx.Param))
     t1.train_step(_tiny_batch(base.config.vocab_size))
@@ -321,9 +318,6 @@ def test_training_drives_the_loss_down(chat_model):
 
 @pytest.mark.parametrize("lm_head", ["own", "shared", "truncated"])
 def test_cached_hidden_states_give_the_same_statistics_as_the_backbone_in_the_step(chat_model, tmp_path, lm_head):
-    from medusa_jax.training.data import PackedRows
-    from medusa_jax.training.hidden_cache import build_hidden_cache
-
     base, _, trainer = _trainer(chat_model, lm_head=lm_head, head_loss="ce+kl")
     batch = _tiny_batch(base.config.vocab_size, b=4, seed=2)
     direct, _ = trainer.eval_stats(batch)
@@ -343,8 +337,6 @@ def test_cached_hidden_states_give_the_same_statistics_as_the_backbone_in_the_st
 def test_distilled_head_loss_in_the_step_matches_numpy(chat_model, lm_head):
     """ce+kl: head i at t against the base's own distribution at t + 1 + i (truncated: over the token_map,
     renormalised), masked where the CE target is; weights and the decay as documented."""
-    from medusa_jax.training.trainer import backbone_hidden
-
     base, heads, trainer = _trainer(chat_model, lm_head=lm_head, head_loss="ce+kl", ce_weight=0.5, kl_weight=2.0)
     batch = _tiny_batch(base.config.vocab_size, b=3, seed=5)
     hidden = backbone_hidden(base, {k: jnp.asarray(v) for k, v in batch.items()})

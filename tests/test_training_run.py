@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from medusa_jax.heads.folder import load_native_heads
+from medusa_jax.training import distill_store
+from medusa_jax.training import trainer as trainer_mod
+from medusa_jax.training.self_distill import DistillConfig, self_distill
+
+from event_reader import read_scalars
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 
@@ -38,8 +49,6 @@ def _train(args, monkeypatch, tmp_path):
 
 @pytest.fixture(autouse=True)
 def _scripts_on_path(monkeypatch):
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location(
         "scripts_train_heads", Path(__file__).parents[1] / "scripts" / "train_heads.py")
     module = importlib.util.module_from_spec(spec)
@@ -66,8 +75,6 @@ def test_help_explains_every_flag():
 @pytest.mark.parametrize("extra", [["--lm-head", "truncated:64"], ["--lm-head", "shared", "--cache-hidden",
                                                                    "--cached-batch-size", "64"]])
 def test_cli_trains_and_writes_a_loadable_heads_folder(setup, tmp_path, monkeypatch, extra):
-    from medusa_jax.heads.folder import load_native_heads
-
     model, data, _ = setup
     out = tmp_path / "heads"
     _train(_args(model, data, out, "--max-steps", "4", "--num-heads", "3", "--eval-every", "2", *extra),
@@ -89,10 +96,6 @@ def test_cli_trains_and_writes_a_loadable_heads_folder(setup, tmp_path, monkeypa
 def test_cli_trains_distilled_targets_from_the_arrow_store(setup, tmp_path, monkeypatch, extra):
     """The self-distilled Arrow store as --data: memory-mapped cached examples (Hydra heads' paths from its reply
     token ids), or its token ids packed into rows."""
-    from medusa_jax.heads.folder import load_native_heads
-    from medusa_jax.training import distill_store
-    from medusa_jax.training.self_distill import DistillConfig, self_distill
-
     model, data, root = setup
     distilled = root / "distilled.jsonl"
     if not distill_store.is_store(distill_store.store_path(distilled)):
@@ -109,8 +112,6 @@ def test_cli_trains_distilled_targets_from_the_arrow_store(setup, tmp_path, monk
 
 
 def test_resumed_run_matches_an_uninterrupted_one(setup, tmp_path, monkeypatch):
-    from medusa_jax.training import trainer as trainer_mod
-
     model, data, _ = setup
     common = ["--max-steps", "7", "--save-every", "3", "--eval-every", "100", "--learning-rate", "3e-3",
               "--warmup-steps", "2"]
@@ -175,8 +176,6 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(se
 
 def test_resume_skips_a_checkpoint_with_nan_weights(setup, tmp_path, monkeypatch, capsys):
     """A checkpoint holding NaN weights (as an older version could save) is skipped on --resume."""
-    import jax
-    import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
     from medusa_jax.training.checkpointing import Checkpoints
@@ -205,8 +204,6 @@ def test_metrics_go_to_tensorboard_beside_the_jsonl_log(setup, tmp_path, monkeyp
     model, data, _ = setup
     out = tmp_path / "tb"
     assert _train(_args(model, data, out, "--max-steps", "3", "--eval-every", "3"), monkeypatch, tmp_path) == 0
-    from event_reader import read_scalars
-
     events = read_scalars(out / "tensorboard")
     train = _log(out, "train")
     assert [step for step, _ in events["train/loss"]] == [r["step"] for r in train]
@@ -217,8 +214,6 @@ def test_metrics_go_to_tensorboard_beside_the_jsonl_log(setup, tmp_path, monkeyp
 
 
 def test_wandb_gets_the_same_metrics_when_asked_for(setup, tmp_path, monkeypatch):
-    import types
-
     calls = {"init": [], "log": [], "finish": 0}
 
     class Run:
@@ -246,8 +241,6 @@ def test_wandb_gets_the_same_metrics_when_asked_for(setup, tmp_path, monkeypatch
 
 
 def importlib_spec(name):
-    import importlib.machinery
-
     return importlib.machinery.ModuleSpec(name, None)
 
 
@@ -288,8 +281,6 @@ def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_usable(tmp
     ckpt = Checkpoints(folder, save_every=1)
     assert ckpt.latest_step() == 1, (sorted(p.name for p in folder.iterdir()))
     assert leftovers, "the kill should have interrupted the second save"
-
-    import jax.numpy as jnp
 
     class Target:
         step = 0

@@ -4,7 +4,10 @@ a tiny random Llama) and small chat datasets."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -16,8 +19,6 @@ WORDS = ("the cat sat on a mat and the dog ran to the park while birds sang song
 
 def chat_records(n: int, seed: int = 0, turns: int = 1) -> list[dict]:
     """ShareGPT-format records with short random conversations."""
-    import random
-
     rnd = random.Random(seed)
     out = []
     for i in range(n):
@@ -38,7 +39,6 @@ def build_tiny_chat_model(folder: Path, seed: int = 0, **overrides) -> Path:
     """A tiny Llama (vocab 320) with a byte-level BPE tokenizer trained on WORDS and a ChatML template."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tk = Tokenizer(models.BPE())
