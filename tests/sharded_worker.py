@@ -40,6 +40,7 @@ from medusa_jax.inference.api import BatchSettings, generate, generate_batch, ge
 from medusa_jax.inference.engine import cache_size_for, pad_prompts  # noqa: E402
 from medusa_jax.inference.sharded import ShardedModel  # noqa: E402
 from medusa_jax.bench.hlo_collectives import invariant_gathers, loop_collectives  # noqa: E402
+from decode_helpers import randomise_kernels  # noqa: E402
 
 MAX_NEW = 20
 EXACT = AcceptanceConfig("exact", temperature=0.7, top_k=40)
@@ -74,9 +75,8 @@ def main_meshes(model_dir: str, out: str) -> None:
         head.input_proj.kernel[...] = jax.numpy.asarray(np.random.RandomState(2).normal(0, 0.3, shape), "float32")
     ref_hydra = generate_medusa(base0, hydra, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos)
     eagle = init_heads(dataclasses.replace(heads_cfg, head_type="eagle", lm_head="shared"), base0, seed=1)
-    rng = np.random.RandomState(3)  # varied drafts
-    for lin in [eagle.fc] + [getattr(eagle.layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]:
-        lin.kernel[...] = jax.numpy.asarray(rng.normal(0, 0.3, lin.kernel.shape), "float32")
+    randomise_kernels([eagle.fc] + [getattr(eagle.layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj",
+                                                                              "o_proj")], 3)  # varied drafts
     ref_eagle = generate_medusa(base0, eagle, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos)
     dynamic = load_tree(DYNAMIC, num_heads=NUM_HEADS)
     ref_dynamic = {name: generate_medusa(base0, h, prompts, tree=dynamic, max_new_tokens=MAX_NEW, eos_ids=eos)

@@ -36,7 +36,7 @@ from medusa_jax.inference.medusa import compact_accepted, medusa_decode
 from medusa_jax.bench.oracle import planted_data, planted_over_heads_proposer, planted_proposer
 
 import decode_helpers
-from decode_helpers import heads_or_planted
+from decode_helpers import heads_or_planted, randomise_kernels
 
 N = 40  # max_new_tokens of the tiny-model runs (one compile per model, tree, batch and proposer)
 PROMPTS = {
@@ -59,11 +59,9 @@ def random_heads(base, seed=0, num_heads=4, **config):
     model's own and Hydra heads' depend on their path."""
     heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=num_heads,
                                    **config), base, seed=seed)
-    rng = np.random.RandomState(seed)
-    for head in heads.heads:
-        for linear in [block.linear for block in head.blocks] + [getattr(head, "input_proj", None)]:
-            if linear is not None:
-                linear.kernel[...] = jnp.asarray(rng.normal(0, 0.3, linear.kernel.shape), jnp.float32)
+    randomise_kernels([linear for head in heads.heads
+                       for linear in [block.linear for block in head.blocks] + [getattr(head, "input_proj", None)]
+                       if linear is not None], seed)
     return heads
 
 
