@@ -107,7 +107,7 @@ def test_long_cache_decode_matches_transformers(tiny_hf_model):
                                 attention_mask(lengths, causal_block(1), size), cache)
         cache = cache.replace(lengths_b=lengths + 1)
         np.testing.assert_allclose(np.asarray(model.logits(hidden)[0, 0]), out.logits[0, -1].numpy(), atol=1e-4,
-                                   rtol=0, err_msg=f"step {step}")
+                                   rtol=1e-4, err_msg=f"step {step}")
         token = int(out.logits[0, -1].argmax())
 
 

@@ -218,7 +218,8 @@ def test_shared_lm_head_without_base_loads_as_own_copies(bases, tmp_path):
     loaded = load_heads(out)  # no base given: nothing to compare against, so keep the stored matrix per head
     assert loaded.config.lm_head == "own"
     x = jnp.asarray(hidden_states(base.config.hidden_size))
-    np.testing.assert_allclose(np.asarray(loaded.logits(x, base)), np.asarray(heads.logits(x, base)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(loaded.logits(x, base)), np.asarray(heads.logits(x, base)),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_native_folder_and_dtype(bases, tmp_path):

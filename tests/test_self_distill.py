@@ -118,7 +118,7 @@ def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
         h = backbone_hidden(base, {"tokens": jnp.asarray([full]), "positions": jnp.arange(len(full))[None],
                                    "segment_ids": jnp.ones((1, len(full)), jnp.int32)})[0]
         np.testing.assert_allclose(np.concatenate(got[i][1]), np.asarray(h[len(prompt) - 1: len(full) - 1]),
-                                   atol=1e-4)
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_admission_groups_cut_prompts_by_length():
@@ -152,10 +152,10 @@ def test_grouped_admission_matches_admitting_each_prompt_alone(tmp_path):
         alone, f1, h1 = admit_prompts(graphdef, params, Slots.empty(base.config, 8, 256), [row], [prompts[j]],
                                       jax.random.key(0), **kw)
         assert first[j] == f1[0]
-        np.testing.assert_allclose(hidden[j], h1[0], atol=1e-5)
+        np.testing.assert_allclose(hidden[j], h1[0], rtol=1e-4, atol=1e-5)
         n = len(prompts[j])
         np.testing.assert_allclose(np.asarray(slots.cache.k_bkhs[0][row, :, :, :n]),
-                                   np.asarray(alone.cache.k_bkhs[0][row, :, :, :n]), atol=1e-5)
+                                   np.asarray(alone.cache.k_bkhs[0][row, :, :, :n]), rtol=1e-4, atol=1e-5)
 
 
 def test_resume_drops_a_shard_whose_conversations_never_reached_the_jsonl(tmp_path):
