@@ -19,7 +19,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
