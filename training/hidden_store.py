@@ -174,8 +174,8 @@ class StoreWriter:
                                 f"another output folder, or the same model, data and settings to resume it")
             return
         if self.folder.exists() and any(self.folder.iterdir()):
-            raise DataError(f"{self.folder} exists and is not a {kind.format} store: choose an empty or new output "
-                            f"folder")
+            raise DataError(f"{self.folder} exists and is not a {kind.format} hidden-state store: choose an empty "
+                            f"or new output folder")
         self.folder.mkdir(parents=True, exist_ok=True)
         info = {"citation": "", "homepage": "", "license": "", "description": kind.description,
                 "features": schema(hidden_size, kind).to_dict()}
