@@ -25,15 +25,15 @@ import jax
 import numpy as np
 
 from medusa_jax.paths import portable_path
-from medusa_jax.heads.tree import MC_SIM_7B_63, PRESETS, DynamicTree, TreeBuffers, TreeError, build_tree, load_tree
-from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree, trees_of
-from medusa_jax.inference import step_cost as whole_step
+from medusa_jax.trees.tree import MC_SIM_7B_63, PRESETS, DynamicTree, TreeBuffers, TreeError, build_tree, load_tree
+from medusa_jax.trees.trees_file import HeadsTrees, resolve_tree, trees_of
+from medusa_jax.trees.policy import step_cost as whole_step
 from medusa_jax.inference.api import choose_heads_tree, generate, generate_medusa
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 from medusa_jax.inference.medusa import ChosenTree, choose_tree
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.bench import step_cost
-from medusa_jax.bench.bench_inputs import LoadedModel
+from medusa_jax.inference.loaded_model import LoadedModel
 from medusa_jax.bench.decode_benchmark import TorchGenerate
 from medusa_jax.bench.mtbench import MTBenchQuestion
 

@@ -15,12 +15,12 @@ from typing import Callable, Sequence
 
 import jax
 
-from medusa_jax.heads.tree import DynamicTree
-from medusa_jax.heads.trees_file import trees_of
-from medusa_jax.inference import calibration
+from medusa_jax.trees.tree import DynamicTree
+from medusa_jax.trees.trees_file import trees_of
+from medusa_jax.trees.policy import calibration
 from medusa_jax.inference.api import BatchSettings, choose_heads_tree, generate_batch, plan_batches
 from medusa_jax.inference.sharded import ShardedModel
-from medusa_jax.bench.bench_inputs import LoadedModel
+from medusa_jax.inference.loaded_model import LoadedModel
 
 
 def _shipped_prediction(heads, batch: int) -> dict:

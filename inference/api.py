@@ -38,11 +38,11 @@ from tqdm.auto import tqdm
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.sharding import MeshConfig
-from medusa_jax.heads.dynamic_tree import scratch_slots
+from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers, build_tree, load_tree
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers, build_tree, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
-from medusa_jax.inference.calibration import Calibrated, calibrated_paths, check_mode
+from medusa_jax.trees.policy.calibration import Calibrated, calibrated_paths, check_mode
 from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_prompts, pad_prompts,
                                          resolve_eos, round_up)
 from medusa_jax.inference.medusa import ChosenTree, Proposer, choose_tree

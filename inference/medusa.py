@@ -19,12 +19,12 @@ Rows finish independently: tokens after an EOS inside the accepted path are drop
 to max_new_tokens, and a finished row stops advancing (it keeps computing, writing scratch slots only).
 
 Dynamic trees (`tree.DynamicTree`, EAGLE-2 style): the proposer grows each row's tree from the drafter's own
-probabilities (medusa_jax/heads/dynamic_tree.py) and returns it as a `TreeProposal`; the step derives the per-row
+probabilities (medusa_jax/trees/dynamic_tree.py) and returns it as a `TreeProposal`; the step derives the per-row
 ancestor mask, positions (length + each node's depth) and candidate paths from it, and verifies, accepts and
 compacts as for a static tree (acceptance reads the per-row tables). N, K and D are static, so is every shape.
 
 `medusa_step` (a MedusaState in, a MedusaState out) is THE tree step: the decode loop's body (here and under
-a mesh, inference/sharded.py) and what the step-cost timing jits (inference/step_cost.py).
+a mesh, inference/sharded.py) and what the step-cost timing jits (medusa_jax/trees/policy/step_cost.py).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from flax import nnx
 from medusa_jax.model.kv_cache import KVCache, attention_mask, move_slots
 from medusa_jax.model.sharding import map_cache_rows
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.dynamic_tree import TreeProposal, row_tree
+from medusa_jax.trees.dynamic_tree import TreeProposal, row_tree
 from medusa_jax.heads.medusa import MedusaModel
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers, build_tree, load_tree
-from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers, build_tree, load_tree
+from medusa_jax.trees.trees_file import HeadsTrees, resolve_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
 from medusa_jax.inference.autoregressive import grouped_prefill_states
 from medusa_jax.inference.sampling import is_eos
@@ -249,7 +249,7 @@ def choose_tree(heads_config: HeadsConfig, trees: HeadsTrees | None, batch_size:
                 tree: "str | os.PathLike | TreeBuffers | DynamicTree | None" = None) -> ChosenTree:
     """The tree to decode with: an explicit `tree` (preset name, "dynamic:N[,k=K,d=D]", JSON file, TreeBuffers
     or DynamicTree) always wins; None takes the heads' own `trees` (their folder's trees.json) for this backend
-    and batch size, which may say to decode plainly (see `medusa_jax.heads.trees_file.resolve_tree`)."""
+    and batch size, which may say to decode plainly (see `medusa_jax.trees.trees_file.resolve_tree`)."""
     limits = dict(num_heads=heads_config.num_heads, max_top_k=heads_config.head_vocab_size)
     if tree is not None:
         buffers = load_tree(tree, **limits)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medusa_jax.bench.demo_model import prepare_smollm2
+from medusa_jax.demo_model import prepare_smollm2
 
 # CLIs run inside the tests must not fill the user's persistent compilation cache (tests that check the cache
 # point MEDUSA_JAX_COMPILE_CACHE at a folder of their own)

@@ -40,7 +40,7 @@ from medusa_jax.heads.eagle_dynamic import propose_dynamic
 from medusa_jax.heads.medusa import HeadsBase, head_lm_head, head_logits
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.model.rope import inverse_frequencies
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 
 
 @jax.tree_util.register_dataclass

@@ -29,9 +29,9 @@ from flax import nnx
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import resolve_dtype
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.dynamic_tree import TreeProposal, grow_tree, top_k_log_probs
+from medusa_jax.trees.dynamic_tree import TreeProposal, grow_tree, top_k_log_probs
 from medusa_jax.heads.medusa import HeadsBase, ResBlock, head_lm_head, head_logits
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 
 
 def _identity_on_hidden(key, shape, dtype):

@@ -20,8 +20,8 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import resolve_dtype
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.dynamic_tree import grow_from_candidates, top_k_log_probs
-from medusa_jax.heads.tree import DynamicTree
+from medusa_jax.trees.dynamic_tree import grow_from_candidates, top_k_log_probs
+from medusa_jax.trees.tree import DynamicTree
 
 
 class TokenMap(nnx.Variable):

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 
 
 @jax.tree_util.register_dataclass

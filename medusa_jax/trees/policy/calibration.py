@@ -29,6 +29,8 @@ import hashlib
 import json
 import os
 import platform
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -38,9 +40,9 @@ from flax import nnx
 
 from medusa_jax.atomic import write_text_atomic
 from medusa_jax.paths import cache_root
-from medusa_jax.heads.tree import DynamicTree, TreeError, build_tree
-from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree
-from medusa_jax.inference import step_cost, tree_choice
+from medusa_jax.trees.tree import DynamicTree, TreeError, build_tree
+from medusa_jax.trees.trees_file import HeadsTrees, resolve_tree
+from medusa_jax.trees.policy import step_cost, tree_choice
 
 MODES = ("auto", "redo", "skip")
 ENV = "MEDUSA_JAX_CALIBRATION"
@@ -186,6 +188,22 @@ def machine_key() -> dict:
     devices = jax.local_devices()
     return {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
             "device": f"{len(devices)} x {devices[0].device_kind}", "jax": jax.__version__}
+
+
+def machine_description() -> dict:
+    """Where a measurement ran: CPU model and count, JAX backend and version, load average at the time."""
+    cpu = cpu_name()
+    devices = jax.devices()
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": f"{len(devices)} x {devices[0].device_kind}",
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "python": sys.version.split()[0],
+    }
 
 
 def cache_file(machine: dict, model_config, heads_config, batch: int, tree_tokens, *, root: Path | None = None,

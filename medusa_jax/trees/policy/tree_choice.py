@@ -1,6 +1,6 @@
 """Hardware-aware Medusa trees: greedy construction by expected accepted length, sized by measured step time.
 
-Inputs are two measurements (the heads' held-out accuracy, `medusa_jax.bench.head_accuracy`, and the step
+Inputs are two measurements (the heads' held-out accuracy, `medusa_jax.trees.search.head_accuracy`, and the step
 costs of this machine, `inference.step_cost`):
     accuracy_mr [num_heads, top_k]  P(head m's rank-r guess equals the base model's greedy token at t+2+m)
     step time   seconds of one Medusa step as a function of T, the tree tokens verified (the root included)

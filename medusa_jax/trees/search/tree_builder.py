@@ -1,4 +1,4 @@
-"""build_tree: measure head accuracy and step time on this machine, then pick the tree (see inference/tree_choice.py).
+"""build_tree: measure head accuracy and step time on this machine, then pick the tree (see medusa_jax/trees/policy/tree_choice.py).
 
 1. held-out prompts (the LAST conversations of the ShareGPT data, first user turn, chat template), continued
    greedily by the base model itself (self-distilled text);
@@ -26,14 +26,15 @@ from typing import Callable
 
 import numpy as np
 
-from medusa_jax.heads.tree import DynamicTree, TreeError, build_tree, parse_dynamic_tree
-from medusa_jax.inference import step_cost, tree_choice
+from medusa_jax.trees.tree import DynamicTree, TreeError, build_tree, parse_dynamic_tree
+from medusa_jax.trees.policy import step_cost, tree_choice
 from medusa_jax.inference.api import BatchSettings, generate_batch
-from medusa_jax.inference.calibration import DynamicGain, pick_for_batch
+from medusa_jax.trees.policy.calibration import DynamicGain, pick_for_batch
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.training.sharegpt import read_conversations
-from medusa_jax.bench import head_accuracy
-from medusa_jax.bench.bench_inputs import LoadedModel, machine_description
+from medusa_jax.trees.search import head_accuracy
+from medusa_jax.inference.loaded_model import LoadedModel
+from medusa_jax.trees.policy.calibration import machine_description
 
 
 @dataclasses.dataclass(frozen=True)
