@@ -29,7 +29,8 @@ from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import DEFAULT_DYNAMIC_DEPTH, DynamicTree, TreeError, build_tree, parse_dynamic_tree
 from medusa_jax.trees.trees_file import trees_of
 from medusa_jax.trees.policy import tree_choice
-from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate_batch, plan_batches
+from medusa_jax.trees.policy.choose import HEADS_TREE
+from medusa_jax.inference.api import BatchSettings, generate_batch, plan_batches
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.trees.search import head_accuracy
 from medusa_jax.inference.loaded_model import LoadedModel

@@ -78,7 +78,7 @@ def test_greedy_tree_values_never_increase_prefixes_are_valid_and_optimal():
 def test_choose_tree_maximises_tokens_per_second_and_gives_a_loadable_tree(tmp_path):
     acc = np.array([[0.6, 0.1, 0.05], [0.4, 0.08, 0.04], [0.3, 0.06, 0.03]])
     cost = tree_choice.StepCost((2, 4, 8, 16, 32), (1.0, 1.02, 1.1, 1.4, 2.4))
-    choice = tree_choice.choose_tree(acc, cost, 31)
+    choice = tree_choice.fastest_greedy_tree(acc, cost, 31)
     order = tree_choice.greedy_tree(acc, 31)
     by_hand = [tree_choice.expected_tokens_per_step([p for p, _ in order[:n]], acc) / cost(n + 1)
                for n in range(1, 32)]

@@ -21,7 +21,7 @@ from medusa_jax.trees.trees_file import TreesFileError, parse_trees, read_trees,
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate, generate_batch, generate_medusa
 from medusa_jax.trees.policy.calibration import Accuracy, pick_for_batch
-from medusa_jax.inference.medusa import choose_tree
+from medusa_jax.trees.policy.choose import choose_tree
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.trees.policy.step_cost import StepCostTable
 from medusa_jax.trees.policy.tree_choice import batch_tokens_per_step

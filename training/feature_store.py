@@ -35,7 +35,7 @@ from flax import nnx
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.training.data import DataConfig, tokenize_conversations, source_fingerprint
 from medusa_jax.training.sharegpt import DataError, read_conversations
-from medusa_jax.training.trainer import backbone_hidden
+from medusa_jax.training.objectives import backbone_hidden
 
 FORMAT = "medusa-jax-features-v1"
 META_FILE = "feature_store.json"

@@ -33,7 +33,7 @@ from medusa_jax.heads.hydra import path_tokens
 from medusa_jax.training.data import PackedRows
 from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows
 from medusa_jax.training.losses import head_targets, shifted_targets
-from medusa_jax.training.trainer import backbone_hidden
+from medusa_jax.training.objectives import backbone_hidden
 
 CHUNK_ROWS = 64
 CACHE_VERSION = "v2"  # v2: teacher positions and rows

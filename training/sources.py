@@ -63,7 +63,6 @@ class FeedSettings:
     data: DataConfig
     memory_limit_gib: float | None
     hidden_cache_dir: Path  # where CachedHidden keeps the hidden states it computes
-    head_type: str = "medusa"
     max_tokens: int | None = None  # a feature store: its first conversations holding this many tokens
 
 
@@ -248,11 +247,12 @@ class FeatureStoreHidden:
         return hidden_feed(train, heldout, train.targets_xm[:, 0][train.targets_xm[:, 0] >= 0], settings)
 
 
-def open_source(data: str | None, cache_hidden: bool, head_type: str = "medusa") -> DataSource:
+def open_source(data: str | None, cache_hidden: bool, feature_rows: bool = False) -> DataSource:
     """The source of `--data` (None: the packaged ShareGPT file); `cache_hidden` asks for hidden examples. A
-    feature store feeds an EAGLE drafter packed rows with their features, other heads hidden examples."""
+    feature store feeds a kind that reads `feature_rows` (the EAGLE drafter, training.objectives) packed rows with
+    their features, other heads hidden examples."""
     if feature_store.is_feature_store(data):
-        return FeatureStoreRows(Path(data)) if head_type == "eagle" else FeatureStoreHidden(Path(data))
+        return FeatureStoreRows(Path(data)) if feature_rows else FeatureStoreHidden(Path(data))
     distill_store.refuse_first_format(data, cache_hidden)
     store = distill_store.find_store(data)
     if store is not None:

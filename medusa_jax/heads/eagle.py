@@ -76,6 +76,16 @@ class DrafterRounds:
 
 class EagleDrafter(HeadsBase):
     head_type = "eagle"
+    has_decoder = True
+    export_formats = ("eagle", "eagle-sglang")
+
+    @classmethod
+    def complete_config(cls, config: HeadsConfig, base: CausalLM) -> HeadsConfig:
+        """The drafter's layers take the base's architecture unless the config names one."""
+        return config if config.decoder is not None else dataclasses.replace(config, decoder=base.config)
+
+    def lm_head_modules(self) -> list[nnx.Module]:
+        return [self]
 
     def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
         super().__init__(config, [], token_map)

@@ -76,7 +76,7 @@ def pick_for_batch(accuracy_mr, costs: step_cost.StepCostTable, max_nodes: int, 
     # step time cannot fall as the tree grows: fit the measured (noisy) times with a non-decreasing curve
     fitted = tuple(tree_choice.nondecreasing_fit(costs.medusa_seconds))
     cost = tree_choice.StepCost(costs.num_tree_tokens, fitted)
-    choice = tree_choice.choose_tree(accuracy_mr, cost, min(max_nodes, cost.max_tokens - 1))
+    choice = tree_choice.fastest_greedy_tree(accuracy_mr, cost, min(max_nodes, cost.max_tokens - 1))
     if per_sequence_smr is not None:  # a batch waits for its slowest row: sized on per-sequence predictions
         choice = tree_choice.rescore_for_batch(choice, per_sequence_smr, costs.batch, cost)
     speedup_by_size = [tps * costs.plain_seconds for tps in choice.tokens_per_second]

@@ -144,7 +144,7 @@ def _tokens_per_second(per_step: np.ndarray, step_cost: Callable[[int], float] |
     return per_second
 
 
-def choose_tree(accuracy_mr, step_cost: Callable[[int], float] | StepCost, max_nodes: int) -> TreeChoice:
+def fastest_greedy_tree(accuracy_mr, step_cost: Callable[[int], float] | StepCost, max_nodes: int) -> TreeChoice:
     """Greedy trees of 1..max_nodes nodes; keeps the size with the most expected tokens per second. With a
     measured `StepCost`, sizes outside its measured range get NaN tokens/s and are never chosen."""
     order = greedy_tree(accuracy_mr, max_nodes)
