@@ -1,19 +1,11 @@
-"""What each drafter kind trains on and how: its loss and its data needs, registered by the kind's name (the
-name `medusa_jax.heads.kinds.DRAFTERS` registers its class under; heads never import training, so the training
-half of a kind lives here).
-
-An `Objective` holds
-  loss            (base, heads, batch, settings) -> (loss, HeadStats, extras): one batch's loss (trainer._objective)
-  joint_backbone  it may train the backbone with the heads (Medusa-2: base LM loss or KL to the original)
-  path_tokens     hidden examples carry the true tokens on each position's path (Hydra heads read them)
-  feature_rows    it reads packed rows with the base's feature at every position (a feature store, or the frozen
-                  backbone in the step) instead of hidden examples, so it cannot use --cache-hidden (EAGLE)
-A trainable kind is one entry in OBJECTIVES; a kind that needs no training (a training-free drafter) has none.
-"""
+"""What each drafter kind trains on, by the kind's name in `medusa_jax.heads.kinds.DRAFTERS` (heads never import
+training, so a kind's training half lives here). A trainable kind is one entry in OBJECTIVES; a kind with none
+(a training-free drafter) is decoded but not trained."""
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -42,30 +34,24 @@ def shifted_hidden(hidden_btd, offset: int):
 
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
-    """What a loss reads besides the modules and the batch: the train config (trainer.TrainConfig), whether this
-    is an evaluation (full_vocab_targets: scored against the base's greedy token over the full vocabulary, no
-    input noise) and, for Medusa-2's KL term, the original backbone (built on demand)."""
-
     config: Any  # trainer.TrainConfig
-    full_vocab_targets: bool = False
-    reference: Callable[[], CausalLM] | None = None
+    full_vocab_targets: bool = False  # evaluation: scored against the base's greedy token, no input noise
+    reference: Callable[[], CausalLM] | None = None  # Medusa-2's KL term: the original backbone, built on demand
 
 
 def _head_inputs(base: CausalLM, heads, batch: dict, s: LossSettings):
-    """(hidden [N, D] or [B, T, D], targets [M, ...], path tokens or None, teacher hidden states or None) of a
-    hidden-examples batch or of packed rows run through the backbone."""
+    """(hidden states, targets [M, ...], path tokens or None, teacher hidden states or None) of a hidden-examples
+    batch, or of packed rows run through the backbone."""
     config, num_heads = s.config, heads.config.num_heads
     dtype = resolve_dtype(config.compute_dtype)
     teacher = None
     if "hidden" in batch:
-        hidden = batch["hidden"].astype(dtype)
-        targets = jnp.moveaxis(batch["targets"], -1, 0)  # [M, N]
-        path = batch.get("path")  # [N, M], Hydra only
         if config.uses_teacher:
             if "teacher_hidden" not in batch:
                 raise ValueError(f"head_loss {config.head_loss!r} needs 'teacher_hidden' in cached batches")
             teacher = jnp.moveaxis(batch["teacher_hidden"], 1, 0).astype(dtype)  # [M, N, D]
-        return hidden, targets, path, teacher
+        # path [N, M]: Hydra only
+        return batch["hidden"].astype(dtype), jnp.moveaxis(batch["targets"], -1, 0), batch.get("path"), teacher
     hidden = backbone_hidden(base, batch)
     if not config.medusa2:
         hidden = jax.lax.stop_gradient(hidden)
@@ -76,43 +62,38 @@ def _head_inputs(base: CausalLM, heads, batch: dict, s: LossSettings):
     return hidden, targets, path_tokens(batch["tokens"], num_heads), teacher
 
 
-def _with_backbone_loss(loss, hidden, base: CausalLM, batch: dict, s: LossSettings, extras: dict):
-    """Medusa-2: the heads' loss plus the base's LM loss (or KL to the original backbone), weighted."""
-    config = s.config
-    if not config.medusa2:
-        return loss
-    next_bt = losses.shifted_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], 1)
-    logits = base.logits(hidden)
-    if config.distill_kl:
-        reference = s.reference()
-        ref_logits = reference.logits(backbone_hidden(reference, batch))
-        base_sum, base_count = losses.kl_to_reference(logits, ref_logits, next_bt >= 0)
-    else:
-        base_sum, base_count = losses.lm_loss(logits, next_bt)
-    base_loss = base_sum / jnp.maximum(base_count, 1.0)
-    extras["base_loss"] = base_loss
-    return loss + config.lm_loss_weight * base_loss
+def medusa_stats(heads, base, hidden, path, targets, teacher) -> losses.HeadStats:
+    return losses.checkpointed_head_stats(heads, base, lambda i: (hidden,), targets, teacher)
 
 
-def medusa_heads_loss(base: CausalLM, heads, batch: dict, s: LossSettings):
-    """Medusa heads: each head's loss against the token at t + 2 + i (and its teacher), decayed per head."""
-    hidden, targets, _, teacher = _head_inputs(base, heads, batch, s)
-    stats = losses.checkpointed_head_stats(heads, base, lambda i: (hidden,), targets, teacher)
-    extras: dict = {}
-    loss = losses.medusa_loss(stats, s.config.loss_decay, *s.config.head_loss_weights)
-    return _with_backbone_loss(loss, hidden, base, batch, s, extras), stats, extras
-
-
-def hydra_heads_loss(base: CausalLM, heads, batch: dict, s: LossSettings):
-    """Hydra heads: as Medusa heads, each head also reading the true tokens on its path (teacher forcing)."""
-    hidden, targets, path, teacher = _head_inputs(base, heads, batch, s)
+def hydra_stats(heads, base, hidden, path, targets, teacher) -> losses.HeadStats:
     if path is None:
         raise ValueError("Hydra heads need the path tokens ('path') in cached batches")
-    stats = losses.hydra_head_stats(heads, base, hidden, path, targets, teacher)
-    return losses.medusa_loss(stats, s.config.loss_decay, *s.config.head_loss_weights), stats, {}
+    return losses.hydra_head_stats(heads, base, hidden, path, targets, teacher)
 
 
-def eagle_drafter_loss(base: CausalLM, drafter, batch: dict, s: LossSettings):
+def heads_loss(head_stats, base: CausalLM, heads, batch: dict, s: LossSettings):
+    """Medusa and Hydra heads: each head's loss against the token at t + 2 + i (and its teacher), decayed per
+    head; in Medusa-2 plus the base's LM loss (or KL to the original backbone)."""
+    hidden, targets, path, teacher = _head_inputs(base, heads, batch, s)
+    stats = head_stats(heads, base, hidden, path, targets, teacher)
+    config, extras = s.config, {}
+    loss = losses.medusa_loss(stats, config.loss_decay, *config.head_loss_weights)
+    if config.medusa2:
+        next_bt = losses.shifted_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], 1)
+        logits = base.logits(hidden)
+        if config.distill_kl:
+            reference = s.reference()
+            ref_logits = reference.logits(backbone_hidden(reference, batch))
+            base_sum, base_count = losses.kl_to_reference(logits, ref_logits, next_bt >= 0)
+        else:
+            base_sum, base_count = losses.lm_loss(logits, next_bt)
+        extras["base_loss"] = base_sum / jnp.maximum(base_count, 1.0)
+        loss = loss + config.lm_loss_weight * extras["base_loss"]
+    return loss, stats, extras
+
+
+def eagle_loss(base: CausalLM, drafter, batch: dict, s: LossSettings):
     """The EAGLE drafter: EAGLE-1's feature and distribution losses on the base's features (eagle_loss.py)."""
     if "feat" not in batch:  # packed rows: the frozen backbone gives the features in the step
         batch = {**batch, "feat": jax.lax.stop_gradient(backbone_hidden(base, batch))}
@@ -124,16 +105,18 @@ def eagle_drafter_loss(base: CausalLM, drafter, batch: dict, s: LossSettings):
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    loss: Callable[[CausalLM, Any, dict, LossSettings], tuple]
-    joint_backbone: bool = False
-    path_tokens: bool = False
+    loss: Callable[..., tuple]  # (base, heads, batch, LossSettings) -> (loss, HeadStats, extras)
+    joint_backbone: bool = False  # may train the backbone too (Medusa-2)
+    path_tokens: bool = False  # hidden examples carry the true tokens on each position's path (Hydra)
+    # reads packed rows with the base's feature at every position (a feature store, or the frozen backbone in the
+    # step), not hidden examples: no --cache-hidden (EAGLE)
     feature_rows: bool = False
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "medusa": Objective(medusa_heads_loss, joint_backbone=True),
-    "hydra": Objective(hydra_heads_loss, path_tokens=True),
-    "eagle": Objective(eagle_drafter_loss, feature_rows=True),
+    "medusa": Objective(partial(heads_loss, medusa_stats), joint_backbone=True),
+    "hydra": Objective(partial(heads_loss, hydra_stats), path_tokens=True),
+    "eagle": Objective(eagle_loss, feature_rows=True),
 }
 
 
@@ -142,4 +125,3 @@ def objective_for(kind: str) -> Objective:
     if kind not in OBJECTIVES:
         raise ValueError(f"{kind} drafters are not trained here; trainable kinds: {', '.join(OBJECTIVES)}")
     return OBJECTIVES[kind]
-

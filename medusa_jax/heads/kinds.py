@@ -1,22 +1,12 @@
-"""The drafter kinds, registered by name: the one table that `HeadsConfig.head_type` (and a heads folder's
-config.json) names a drafter class in.
+"""The drafter kinds, registered by name: `HeadsConfig.head_type` names a class of DRAFTERS. A kind's class owns its
+parameters or tables, its decode-loop state and proposal (init_draft / propose / accepted: the tree step's proposer
+contract, inference/medusa.py), what it takes from the base (`complete_config`, `lm_head_modules`) and its file
+layouts (`folder_fields`, `export_formats`); `heads.medusa.HeadsBase` holds the defaults. Its training loss and data
+needs sit one layer up under the same name (`medusa_jax.training.objectives`).
 
-A drafter kind is one class that owns everything about that kind (`heads.medusa.HeadsBase` says what and holds
-the defaults):
-  - its parameters or tables (an nnx.Module built as `cls(config, rngs, token_map=None)`);
-  - the state it carries through the decode loop and its proposal: `init_draft` / `propose` / `accepted`, the
-    proposer contract of the tree step (inference/medusa.py);
-  - its file layouts: `folder_fields()` (the config.json fields other tools read, heads.folder) and
-    `export_formats` (the serving layouts it exports to: heads.export, heads.eagle_layout);
-  - what it takes from the base model when made fresh (`complete_config`) and which of its modules start from
-    the base lm_head (`lm_head_modules`).
-Its training loss and data needs sit one layer up, keyed by the same name: `medusa_jax.training.objectives`
-(heads never import training). A kind with no objective there is decoded but not trained.
-
-A new drafter is one module and one line in DRAFTERS. A drafter that needs no training (Token Recycling,
-prompt lookup) registers the same way, e.g. `"recycle": RecycleDrafter` (with
-`from medusa_jax.heads.recycle import RecycleDrafter` above), its class keeping the init_draft / propose /
-accepted contract and `head_type = "recycle"`.
+A new drafter is one module and one line in DRAFTERS; a training-free one (Token Recycling, prompt lookup) too,
+e.g. `"recycle": RecycleDrafter` (its class keeping the init_draft / propose / accepted contract, `head_type =
+"recycle"`, imported from medusa_jax.heads.recycle), and no objective.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""THE tree policy: which tree to decode with, or plain decoding, and why (`choose_tree`).
-
-In order:
-  1. a tree the caller gives (a preset name, "dynamic:N[,k=K,d=D]", a JSON file, TreeBuffers or a DynamicTree)
-     always wins;
-  2. otherwise the heads' own tree for this batch size, calibrated on this machine when a model is at hand
-     and calibration is not "skip" (`calibration.calibrated_paths`: step costs measured here on first use, then
-     cached, combined with the accuracy record of the heads' trees.json);
-  3. otherwise trees.json's choice for this backend and batch size as shipped (`trees_file.resolve_tree`; a
-     preset when the heads carry no trees.json).
-Steps 2 and 3 may answer plain decoding: a `ChosenTree` whose tree is None, with the reason in its note.
-`BatchSettings.tree = HEADS_TREE` (inference/api.py) asks for steps 2-3.
+"""THE tree policy: `choose_tree` gives the tree to decode with, or plain decoding, and why. A tree the caller gives
+always wins; else the heads' own tree for this batch size, calibrated on this machine when a model is at hand
+(`calibration`), else trees.json's choice as shipped (`trees_file.resolve_tree`). `HEADS_TREE` asks for the heads'
+own (BatchSettings.tree, inference/api.py).
 """
 
 from __future__ import annotations

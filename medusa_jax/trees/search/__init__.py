@@ -1,2 +1,1 @@
-"""How trees.json is made: the tree search of build_tree, the heads' held-out accuracy, the planted oracle
-proposers. The training layer (see medusa_jax/trees/__init__.py)."""
+"""How trees.json is made (build_tree's search); see medusa_jax/trees/__init__.py."""
