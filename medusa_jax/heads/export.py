@@ -91,7 +91,7 @@ def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "
         raise ExportError(f"unknown dtype {dtype!r}; expected one of {EXPORT_DTYPES}")
     cfg = heads.config
     if format not in heads.export_formats:
-        raise ExportError(f"these are {cfg.head_type} heads; the PyTorch layouts (FasterDecoding/TGI/TensorRT-LLM, "
+        raise ExportError(f"these are {cfg.head_type} heads and the PyTorch layouts (FasterDecoding/TGI/TensorRT-LLM, "
                           f"vLLM) only describe Medusa heads, so they cannot be exported. Use them with medusa-jax's "
                           f"own format (medusa_jax.heads.folder); the shipped Medusa heads export as "
                           f"--heads default-medusa")
