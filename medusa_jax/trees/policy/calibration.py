@@ -40,7 +40,7 @@ from flax import nnx
 
 from medusa_jax.atomic import write_text_atomic
 from medusa_jax.paths import cache_root
-from medusa_jax.trees.tree import DynamicTree, TreeError, build_tree
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers, TreeError, build_tree
 from medusa_jax.trees.trees_file import HeadsTrees, resolve_tree
 from medusa_jax.trees.policy import step_cost, tree_choice
 
@@ -248,7 +248,7 @@ def measure(base, heads, accuracy: Accuracy, batch: int, progress: Callable[[str
 
 @dataclasses.dataclass(frozen=True)
 class Calibrated:
-    paths: "tuple[tuple[int, ...], ...] | DynamicTree"  # () : decode plainly
+    tree: TreeBuffers | DynamicTree | None  # None: decode plainly
     record: dict  # pick_for_batch's record (predictions, step seconds)
     note: str
     measured: bool  # False: read from the cache
@@ -284,13 +284,13 @@ def calibrated_paths(model, trees: HeadsTrees, backend: str, batch: int, mode: s
     paths, record = pick_for_batch(accuracy.scaled_mr, costs, len(accuracy.order), accuracy.min_speedup,
                                    accuracy.per_sequence_smr, accuracy.dynamic)
     where = "measured now" if measured else "cached"
-    if isinstance(paths, DynamicTree):
-        note = (f"the heads' dynamic tree {paths.name} calibrated on this machine at batch {batch} ({where}: "
-                f"predicted x{record['predicted_speedup_vs_plain']:.2f} over plain)")
-    elif paths:
-        note = (f"the heads' tree of {len(paths)} nodes calibrated on this machine at batch {batch} ({where}: "
-                f"predicted x{record['predicted_speedup_vs_plain']:.2f} over plain)")
-    else:
-        note = (f"plain decoding: calibrated on this machine at batch {batch} ({where}), no tree is predicted to "
-                f"pay (best x{record['best_tree_predicted_speedup']:.2f} < {accuracy.min_speedup})")
-    return Calibrated(paths if isinstance(paths, DynamicTree) else tuple(paths), record, note, measured)
+    if not paths:
+        return Calibrated(None, record, f"plain decoding: calibrated on this machine at batch {batch} ({where}), no "
+                          f"tree is predicted to pay (best x{record['best_tree_predicted_speedup']:.2f} < "
+                          f"{accuracy.min_speedup})", measured)
+    heads = model.heads_config
+    tree = paths if isinstance(paths, DynamicTree) else build_tree(
+        paths, name=f"calibrated_batch{batch}", num_heads=heads.num_heads, max_top_k=heads.head_vocab_size)
+    what = f"dynamic tree {tree.name}" if isinstance(tree, DynamicTree) else f"tree of {len(paths)} nodes"
+    return Calibrated(tree, record, f"the heads' {what} calibrated on this machine at batch {batch} ({where}: "
+                      f"predicted x{record['predicted_speedup_vs_plain']:.2f} over plain)", measured)

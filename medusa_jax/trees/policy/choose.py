@@ -50,11 +50,7 @@ def choose_tree(heads_config, trees: HeadsTrees | None, batch_size: int,
         say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else None
         result = calibrated_paths(model, trees, jax.default_backend(), batch_size, mode, progress=say)
         if isinstance(result, Calibrated):
-            if isinstance(result.paths, DynamicTree):
-                return ChosenTree(result.paths, result.note)
-            if not result.paths:
-                return ChosenTree(None, result.note)
-            return ChosenTree(build_tree(result.paths, name=f"calibrated_batch{batch_size}", **limits), result.note)
+            return ChosenTree(result.tree, result.note)
     resolution = resolve_tree(trees, jax.default_backend(), batch_size)
     if resolution.plain:
         return ChosenTree(None, resolution.note)
