@@ -174,10 +174,6 @@ def row_tree(proposal: TreeProposal, spec: DynamicTree) -> RowTree:
                    earlier_btt, spec.depth)
 
 
-def is_dynamic(tree) -> bool:
-    return isinstance(tree, DynamicTree)
-
-
 def scratch_slots(tree: "TreeBuffers | DynamicTree") -> int:
     """KV-cache slots past each row's length that a step may write: the T verified tokens, and for an EAGLE
     drafter (which shares the cache size) its D + 2 catch-up entries and a dynamic tree's (D - 1) K block entries."""
