@@ -19,7 +19,7 @@ from medusa_jax.trees.policy.calibration import Calibrated, calibrated_paths, ch
 
 @dataclasses.dataclass(frozen=True)
 class HeadsOwnTree:
-    """The heads' own tree for the backend and batch size (steps 2-3 of the module docstring), or plain."""
+    """The heads' own tree for the backend and batch size, calibrated or as shipped, or plain where none pays."""
 
 
 HEADS_TREE = HeadsOwnTree()  # BatchSettings.tree: the heads' own tree (or plain where none pays)
