@@ -162,6 +162,11 @@ class EagleDrafter(HeadsBase):
         _, ids = jax.lax.top_k(self.logits(out_xd, base), k)
         return self.to_full_vocab(ids.astype(jnp.int32))
 
+    def teacher_forced_top_k(self, hidden_btd, tokens_bt, base: CausalLM, k: int) -> jax.Array:
+        """[M, B, T, k]: depth m + 1 of a chain drafted from every position, the true tokens on the chain."""
+        outs_mbtd = self.unrolled(hidden_btd, tokens_bt, base, self.config.num_heads)
+        return jnp.stack([self.top_k(out_btd, base, k) for out_btd in outs_mbtd])
+
     # ---- the tree step's proposer contract ---------------------------------------------------------------
     needs_prompt_hidden = True
 

@@ -144,6 +144,11 @@ class MedusaHeads(HeadsBase):
         _, ids_mxr = jax.lax.top_k(self.logits(hidden_xd, base, num_heads), k)
         return self.to_full_vocab(ids_mxr.astype(jnp.int32))
 
+    def teacher_forced_top_k(self, hidden_btd, tokens_bt, base: CausalLM, k: int) -> jax.Array:
+        """[M, B, T, k] each head's k best tokens at every position of whole sequences (held-out accuracy,
+        trees.search.head_accuracy; Hydra heads and the EAGLE drafter read the true tokens on their paths)."""
+        return self.top_k(hidden_btd, base, k)
+
     def propose(self, hidden_bd, root_b, base: CausalLM, tree, draft, active_b):
         """[b, m, r] candidates: head m's rank-r token from the last accepted hidden state (HeadsBase). A
         DynamicTree: the tree grown from them, a node's score the product of the heads' probabilities along its
