@@ -1,7 +1,8 @@
 """The drafter kinds, registered by name: `HeadsConfig.head_type` names a class of DRAFTERS. A kind's class owns its
 parameters or tables, its decode-loop state and proposal (init_draft / propose / accepted: the tree step's proposer
-contract, inference/medusa.py), what it takes from the base (`complete_config`, `lm_head_modules`) and its file
-layouts (`folder_fields`, `export_formats`); `heads.medusa.HeadsBase` holds the defaults. Its training loss and data
+contract, inference/medusa.py), what it takes from the base (`complete_config`, `lm_head_modules`), its file
+layouts (`folder_fields`, `export_formats`) and, for a kind whose trees are searched, its teacher-forced guesses
+(`teacher_forced_top_k`, trees.search.head_accuracy); `heads.medusa.HeadsBase` holds the defaults. Its training loss and data
 needs sit one layer up under the same name (`medusa_jax.training.objectives`).
 
 A new drafter is one module and one line in DRAFTERS; a training-free one (Token Recycling, prompt lookup) too,
