@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from flax import nnx
 
-from medusa_jax.heads.tree import DEFAULT_TREE, load_tree
+from medusa_jax.trees.tree import DEFAULT_TREE, load_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.refill import refill_generate
 from medusa_jax.inference.sharded import ShardedModel

@@ -19,7 +19,7 @@ _METHOD_NAMES = {"plain": "plain decode (ours)", "medusa": "Medusa (ours)", "hf"
 
 
 def machine_line(machine: dict) -> str:
-    """Date, CPU, devices and load of a run (`bench_inputs.machine_description`), one sentence."""
+    """Date, CPU, devices and load of a run (`calibration.machine_description`), one sentence."""
     return (f"Date: {machine['date']}. Machine: {machine['cpu']}, {machine['cpu_count']} cores ({machine['devices']}, "
             f"JAX {machine['jax']}, load average {fmt(machine['load_average_1m'], 1)} at start).")
 

@@ -25,15 +25,15 @@ import jax
 import numpy as np
 
 from medusa_jax.paths import portable_path
-from medusa_jax.heads.tree import MC_SIM_7B_63, PRESETS, DynamicTree, TreeBuffers, TreeError, build_tree, load_tree
-from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree, trees_of
-from medusa_jax.inference import step_cost as whole_step
-from medusa_jax.inference.api import choose_heads_tree, generate, generate_medusa
+from medusa_jax.trees.tree import MC_SIM_7B_63, PRESETS, DynamicTree, TreeBuffers, TreeError, build_tree, load_tree
+from medusa_jax.trees.trees_file import HeadsTrees, resolve_tree, trees_of
+from medusa_jax.trees.policy import step_cost as whole_step
+from medusa_jax.trees.policy.choose import ChosenTree, choose_tree
+from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
-from medusa_jax.inference.medusa import ChosenTree, choose_tree
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.bench import step_cost
-from medusa_jax.bench.bench_inputs import LoadedModel
+from medusa_jax.inference.loaded_model import LoadedModel
 from medusa_jax.bench.decode_benchmark import TorchGenerate
 from medusa_jax.bench.mtbench import MTBenchQuestion
 
@@ -209,10 +209,10 @@ def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], con
     if loaded.heads is None:
         raise ValueError("the benchmark needs Medusa heads")
     heads_cfg, heads_trees = loaded.heads.config, trees_of(loaded.heads)
-    if config.tree is None:  # the heads' own tree, calibrated on this machine unless told to skip
-        chosen = choose_heads_tree(ShardedModel(loaded.base, loaded.heads), config.batch_size, config.calibration)
-    else:
-        chosen = choose_tree(heads_cfg, heads_trees, config.batch_size, config.tree)
+    # the given tree, else the heads' own, calibrated on this machine unless told to skip
+    chosen = choose_tree(heads_cfg, heads_trees, config.batch_size, config.tree,
+                         model=None if config.tree is not None else ShardedModel(loaded.base, loaded.heads),
+                         calibration=config.calibration)
     tree = chosen.tree  # None: the heads' trees say no tree pays at this batch size; "medusa" runs plain
     progress(f"tree: {chosen.note}")
     prompts = loaded.encode_chat([q.first_turn for q in questions])

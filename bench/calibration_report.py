@@ -1,6 +1,6 @@
 """The tree chooser's predictions against what it measures: `benchmark.py calibration`.
 
-For each batch size: the heads' tree is chosen the way `generate.py --heads` chooses it (`api.choose_heads_tree`:
+For each batch size: the heads' tree is chosen the way `generate.py --heads` chooses it (`choose.choose_tree`:
 step costs timed on this machine on first use, then cached; `--fresh` times them again, as in a fresh clone
 with an empty cache), and also as the shipped trees.json says (calibration skipped). Then the MT-Bench questions
 are decoded greedily by plain decoding, the calibrated choice and the shipped choice, interleaved batch by batch
@@ -15,12 +15,13 @@ from typing import Callable, Sequence
 
 import jax
 
-from medusa_jax.heads.tree import DynamicTree
-from medusa_jax.heads.trees_file import trees_of
-from medusa_jax.inference import calibration
-from medusa_jax.inference.api import BatchSettings, choose_heads_tree, generate_batch, plan_batches
+from medusa_jax.trees.tree import DynamicTree
+from medusa_jax.trees.trees_file import trees_of
+from medusa_jax.trees.policy import calibration
+from medusa_jax.trees.policy.choose import choose_tree
+from medusa_jax.inference.api import BatchSettings, generate_batch, plan_batches
 from medusa_jax.inference.sharded import ShardedModel
-from medusa_jax.bench.bench_inputs import LoadedModel
+from medusa_jax.inference.loaded_model import LoadedModel
 
 
 def _shipped_prediction(heads, batch: int) -> dict:
@@ -54,8 +55,10 @@ def run(loaded: LoadedModel, prompts: Sequence[Sequence[int]], batch_sizes: Sequ
         picked = None if model.heads_trees is None else calibration.calibrated_paths(
             model, model.heads_trees, jax.default_backend(), batch, "redo" if fresh else "auto", progress=progress)
         calibrate_seconds = time.perf_counter() - start
-        chosen = {"calibrated": choose_heads_tree(model, batch, "auto", progress=False),  # reads what was just cached
-                  "shipped": choose_heads_tree(model, batch, "skip", progress=False)}
+        own = dict(heads_config=model.heads_config, trees=model.heads_trees, batch_size=batch, model=model,
+                   progress=False)
+        chosen = {"calibrated": choose_tree(**own, calibration="auto"),  # reads what was just cached
+                  "shipped": choose_tree(**own, calibration="skip")}
         predicted = {"shipped": _shipped_prediction(loaded.heads, batch)}
         if isinstance(picked, calibration.Calibrated):
             predicted["calibrated"] = {"predicted_speedup": picked.record["predicted_speedup_vs_plain"],

@@ -25,9 +25,9 @@ from medusa_jax.model.param_paths import fill_state
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
-from medusa_jax.heads.tree import build_tree
-from medusa_jax.inference import step_cost, tree_choice
-from medusa_jax.bench.demo_model import prepare_smollm2
+from medusa_jax.trees.tree import build_tree
+from medusa_jax.trees.policy import step_cost, tree_choice
+from medusa_jax.demo_model import prepare_smollm2
 
 # P(head d's rank-r guess is right): top-1 0.6/0.4/0.3/0.22 decaying with rank, roughly Vicuna-7B's heads.
 REFERENCE_ACCURACY = np.array([[0.60, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01, 0.008, 0.006],

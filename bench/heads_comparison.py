@@ -26,14 +26,15 @@ from typing import Callable, Sequence
 
 from medusa_jax.atomic import save_figure_atomic
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.tree import DEFAULT_DYNAMIC_DEPTH, DynamicTree, TreeError, build_tree, parse_dynamic_tree
-from medusa_jax.heads.trees_file import trees_of
-from medusa_jax.inference import tree_choice
-from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate_batch, plan_batches
+from medusa_jax.trees.tree import DEFAULT_DYNAMIC_DEPTH, DynamicTree, TreeError, build_tree, parse_dynamic_tree
+from medusa_jax.trees.trees_file import trees_of
+from medusa_jax.trees.policy import tree_choice
+from medusa_jax.trees.policy.choose import HEADS_TREE
+from medusa_jax.inference.api import BatchSettings, generate_batch, plan_batches
 from medusa_jax.inference.sharded import ShardedModel
-from medusa_jax.bench import head_accuracy
-from medusa_jax.bench.bench_inputs import LoadedModel
-from medusa_jax.bench.tree_builder import BuildTreeConfig, heldout_prompts
+from medusa_jax.trees.search import head_accuracy
+from medusa_jax.inference.loaded_model import LoadedModel
+from medusa_jax.trees.search.tree_builder import BuildTreeConfig, heldout_prompts
 
 
 @dataclasses.dataclass(frozen=True)

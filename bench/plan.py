@@ -25,9 +25,9 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.sharding import MeshConfig, MeshError
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.dynamic_tree import scratch_slots
+from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.tree import load_tree
+from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.training.trainer import TrainConfig, Trainer
 from medusa_jax.bench import hlo_collectives as hc

@@ -18,9 +18,9 @@ import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.tree import load_tree
+from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.api import generate, generate_medusa
-from medusa_jax.bench.oracle import planted_data, planted_over_heads_proposer
+from medusa_jax.trees.search.oracle import planted_data, planted_over_heads_proposer
 
 PROMPTS = (
     "What is the capital of France? Answer in one sentence.",

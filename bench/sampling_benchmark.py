@@ -19,14 +19,15 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from medusa_jax.paths import portable_path
-from medusa_jax.heads.tree import TreeBuffers
-from medusa_jax.heads.trees_file import trees_of
+from medusa_jax.trees.tree import TreeBuffers
+from medusa_jax.trees.trees_file import trees_of
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
-from medusa_jax.inference.medusa import choose_tree
 from medusa_jax.inference.sampling import SamplingConfig
-from medusa_jax.bench.bench_inputs import LoadedModel, write_files
+from medusa_jax.trees.policy.choose import choose_tree
+from medusa_jax.inference.loaded_model import LoadedModel
+from medusa_jax.bench.bench_inputs import write_files
 from medusa_jax.bench.bench_report import fmt, machine_line
 from medusa_jax.bench.mtbench import MTBenchQuestion
 

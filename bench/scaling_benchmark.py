@@ -26,8 +26,8 @@ import numpy as np
 from medusa_jax.atomic import save_figure_atomic
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.tree import TreeBuffers
-from medusa_jax.inference.step_cost import medusa_step_call, plain_step_call, time_interleaved
+from medusa_jax.trees.tree import TreeBuffers
+from medusa_jax.trees.policy.step_cost import medusa_step_call, plain_step_call, time_interleaved
 from medusa_jax.bench.decode_benchmark import BandwidthProbe, weight_bytes
 
 

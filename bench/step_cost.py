@@ -25,11 +25,11 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.kv_cache import KVCache, attention_mask
 from medusa_jax.heads.hydra import HydraHeads
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.tree import TreeBuffers
+from medusa_jax.trees.tree import TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree
 from medusa_jax.inference.medusa import compact_accepted
 from medusa_jax.inference.sampling import greedy_tokens
-from medusa_jax.inference.step_cost import make_cache, time_call
+from medusa_jax.trees.policy.step_cost import make_cache, time_call
 
 PIECES = ("verify_forward", "base_logits", "acceptance", "heads_top_k", "cache_compaction")
 

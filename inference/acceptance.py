@@ -10,7 +10,7 @@ valid_ce.
 path-level arrays (per node first, so the [B, T, V] logits are never copied per path), picks the accepted
 path and the next token after it (the bonus token: the next step's root). The tree is a static TreeBuffers (its
 tables are compile-time constants, shared by all rows) or a dynamic tree's per-row RowTree
-(medusa_jax/heads/dynamic_tree.py): the same rules, with the tables gathered row by row.
+(medusa_jax/trees/dynamic_tree.py): the same rules, with the tables gathered row by row.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.heads.dynamic_tree import RowTree
-from medusa_jax.heads.tree import TreeBuffers
+from medusa_jax.trees.dynamic_tree import RowTree
+from medusa_jax.trees.tree import TreeBuffers
 from medusa_jax.inference.exact_acceptance import exact_accept
 from medusa_jax.inference.sampling import SamplingConfig, greedy_tokens, sample_tokens
 

@@ -26,7 +26,6 @@ prompts; each feeds only the rows its devices hold (`sharded.put_rows`) and all 
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -38,19 +37,19 @@ from tqdm.auto import tqdm
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.sharding import MeshConfig
-from medusa_jax.heads.dynamic_tree import scratch_slots
+from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers, build_tree, load_tree
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
-from medusa_jax.inference.calibration import Calibrated, calibrated_paths, check_mode
+from medusa_jax.trees.policy.calibration import check_mode
+from medusa_jax.trees.policy.choose import HEADS_TREE, ChosenTree, HeadsOwnTree, choose_tree
 from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_prompts, pad_prompts,
                                          resolve_eos, round_up)
-from medusa_jax.inference.medusa import ChosenTree, Proposer, choose_tree
+from medusa_jax.inference.medusa import Proposer
 from medusa_jax.inference.refill import refill_generate
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
-HEADS_TREE = "heads"  # BatchSettings.tree: the heads' own tree for the backend and batch size
 ENGINES = ("auto", "batches", "refill")
 REFILL_MIN_BATCH = 64  # engine "auto" refills slots from this batch size on (bench/refill, module docstring)
 REFILL_CHUNK_STEPS = 32  # decode steps between refills (bench/refill's setting)
@@ -62,9 +61,8 @@ class BatchSettings:
     batch_size: int = 8
     max_new_tokens: int = 128
     # None: plain decoding; a tree (static TreeBuffers or a DynamicTree): Medusa (the model needs heads); HEADS_TREE:
-    # the heads' own tree for this backend and batch_size, or plain decoding where their trees.json says no tree
-    # pays (`medusa.choose_tree`)
-    tree: TreeBuffers | DynamicTree | str | None = None
+    # the heads' own tree for this backend and batch_size, or plain decoding where none pays (`choose.choose_tree`)
+    tree: TreeBuffers | DynamicTree | HeadsOwnTree | None = None
     acceptance: AcceptanceConfig = AcceptanceConfig()  # Medusa only
     sampling: SamplingConfig = SamplingConfig()  # plain only
     seed: int = 0  # batch i uses seed + i
@@ -78,9 +76,8 @@ class BatchSettings:
     calibration: str | None = None
 
     def __post_init__(self):
-        if isinstance(self.tree, str) and self.tree != HEADS_TREE:
-            raise ValueError(f"tree must be TreeBuffers, None (plain), a DynamicTree or {HEADS_TREE!r}, got "
-                             f"{self.tree!r}")
+        if not isinstance(self.tree, (TreeBuffers, DynamicTree, HeadsOwnTree, type(None))):
+            raise ValueError(f"tree must be TreeBuffers, None (plain), a DynamicTree or HEADS_TREE, got {self.tree!r}")
         if self.calibration is not None:
             check_mode(self.calibration)
         if self.engine not in ENGINES:
@@ -183,11 +180,10 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     if settings.tree is not None and not model.has_heads:
         raise ValueError("Medusa decoding (a tree was given) needs a ShardedModel built with heads")
     chosen = None
-    if settings.tree == HEADS_TREE:
-        chosen = choose_heads_tree(model, settings.batch_size, settings.calibration, progress)
-    elif settings.tree is not None:
-        chosen = choose_tree(model.heads_config, model.heads_trees, settings.batch_size, settings.tree)
-    if chosen is not None:
+    if settings.tree is not None:
+        given = None if isinstance(settings.tree, HeadsOwnTree) else settings.tree
+        chosen = choose_tree(model.heads_config, model.heads_trees, settings.batch_size, given, model=model,
+                             calibration=settings.calibration, progress=progress)
         settings = dataclasses.replace(settings, tree=chosen.tree)
     # on a mesh every batch is padded up to a multiple of its data x fsdp rows with filler rows (copies of the
     # batch's first prompt, dropped from the results; greedy fillers finish with the row they copy)
@@ -236,29 +232,6 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     seconds = time.perf_counter() - start
     return BatchRun(results, seconds, min(run_compiles.compile_seconds, seconds), len(plan), len(shapes), chosen,
                     run_compiles)
-
-
-def choose_heads_tree(model: ShardedModel, batch_size: int, calibration: str | None = None,
-                      progress: bool = True) -> ChosenTree:
-    """The heads' own tree for this batch size: calibrated on this machine (`inference.calibration`; measured
-    on first use, then cached) unless `calibration` is "skip" or the heads / the mesh do not allow it; then the
-    shipped trees.json's choice (`medusa.choose_tree`), which also stands where it names a dynamic tree that the
-    heads' accuracy record has no measurement of. The tree may be None: decode plainly."""
-    mode = check_mode(calibration)
-    trees = model.heads_trees
-    if mode != "skip" and trees is not None:
-        say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else None
-        result = calibrated_paths(model, trees, jax.default_backend(), batch_size, mode, progress=say)
-        if isinstance(result, Calibrated):
-            if isinstance(result.paths, DynamicTree):
-                return ChosenTree(result.paths, result.note)
-            if not result.paths:
-                return ChosenTree(None, result.note)
-            config = model.heads_config
-            tree = build_tree(result.paths, name=f"calibrated_batch{batch_size}", num_heads=config.num_heads,
-                              max_top_k=config.head_vocab_size)
-            return ChosenTree(tree, result.note)
-    return choose_tree(model.heads_config, trees, batch_size)
 
 
 def uses_refill(model: ShardedModel, settings: BatchSettings, num_prompts: int, proposer: Proposer | None = None
@@ -354,7 +327,7 @@ def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequen
     """Medusa decoding of one batch of token-id prompts (ragged lengths are fine) on one device, as `generate`.
     `tree` is a preset name, "dynamic:N[,k=K,d=D]" (a dynamic tree, EAGLE-2 style), a JSON file, TreeBuffers or
     a DynamicTree; None: the heads' own tree for this backend and batch
-    size (`medusa.choose_tree`), and plain decoding (same sampling) where their trees.json says no tree pays.
+    size (`choose.choose_tree`), and plain decoding (same sampling) where their trees.json says no tree pays.
     `proposer` replaces the heads' top-k proposal (it receives `proposer_data`). Each result's `steps` counts
     the prefill and the verify steps; `accept_lengths` lists each step's. `timings` gets "seconds" and
     "tree" (the tree's origin, or why decoding was plain)."""

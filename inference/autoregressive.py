@@ -7,7 +7,7 @@ matmul) but never advances its cache length again, so it writes only to scratch 
 
 `plain_step` (a PlainState in, a PlainState out) is THE plain step: the decode loop's body, the step the refill
 engine runs between slot refills (inference/refill.py: batch generation, self-distillation) and the one the
-step-cost timing jits (inference/step_cost.py).
+step-cost timing jits (medusa_jax/trees/policy/step_cost.py).
 """
 
 from __future__ import annotations

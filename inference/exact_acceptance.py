@@ -40,7 +40,7 @@ its earlier (distinct) siblings: a [B, T] computation from the [B, T, V] verifie
 E static rounds (E = tree depth) over a [T, J] table of each node's children (J = the most children of any
 node): each round moves every row to its first accepted child, or stops it. No Python runs per token.
 
-Dynamic trees. The tree may be a dynamic tree's per-row RowTree (medusa_jax/heads/dynamic_tree.py): the same walk over
+Dynamic trees. The tree may be a dynamic tree's per-row RowTree (medusa_jax/trees/dynamic_tree.py): the same walk over
 per-row tables ([B, T, J] children, [B, T, T] earlier siblings). Conditions (2) and (3) hold: a dynamic tree is
 grown from the drafter's probabilities before any coin is drawn, and siblings are the top-K of one distribution.
 """
@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.heads.dynamic_tree import RowTree
-from medusa_jax.heads.tree import TreeBuffers
+from medusa_jax.trees.dynamic_tree import RowTree
+from medusa_jax.trees.tree import TreeBuffers
 from medusa_jax.inference.sampling import SamplingConfig, target_logits
 
 

@@ -19,18 +19,17 @@ Rows finish independently: tokens after an EOS inside the accepted path are drop
 to max_new_tokens, and a finished row stops advancing (it keeps computing, writing scratch slots only).
 
 Dynamic trees (`tree.DynamicTree`, EAGLE-2 style): the proposer grows each row's tree from the drafter's own
-probabilities (medusa_jax/heads/dynamic_tree.py) and returns it as a `TreeProposal`; the step derives the per-row
+probabilities (medusa_jax/trees/dynamic_tree.py) and returns it as a `TreeProposal`; the step derives the per-row
 ancestor mask, positions (length + each node's depth) and candidate paths from it, and verifies, accepts and
 compacts as for a static tree (acceptance reads the per-row tables). N, K and D are static, so is every shape.
 
 `medusa_step` (a MedusaState in, a MedusaState out) is THE tree step: the decode loop's body (here and under
-a mesh, inference/sharded.py) and what the step-cost timing jits (inference/step_cost.py).
+a mesh, inference/sharded.py) and what the step-cost timing jits (medusa_jax/trees/policy/step_cost.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from functools import partial
 from typing import Any, Callable
 
@@ -40,11 +39,9 @@ from flax import nnx
 
 from medusa_jax.model.kv_cache import KVCache, attention_mask, move_slots
 from medusa_jax.model.sharding import map_cache_rows
-from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.dynamic_tree import TreeProposal, row_tree
+from medusa_jax.trees.dynamic_tree import TreeProposal, row_tree
 from medusa_jax.heads.medusa import MedusaModel
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers, build_tree, load_tree
-from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
 from medusa_jax.inference.autoregressive import grouped_prefill_states
 from medusa_jax.inference.sampling import is_eos
@@ -237,31 +234,3 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, ke
                    eos_ids=eos_ids, proposer=proposer)
     state = jax.lax.while_loop(lambda s: jnp.any(s.active_b), step, state)
     return state.out_bo, state.num_out_b, state.steps_b, state.accept_bo, state.finish_moves()
-
-
-@dataclasses.dataclass(frozen=True)
-class ChosenTree:
-    tree: TreeBuffers | DynamicTree | None  # None: decode plainly
-    note: str  # where the tree came from, for logs and JSON rows
-
-
-def choose_tree(heads_config: HeadsConfig, trees: HeadsTrees | None, batch_size: int,
-                tree: "str | os.PathLike | TreeBuffers | DynamicTree | None" = None) -> ChosenTree:
-    """The tree to decode with: an explicit `tree` (preset name, "dynamic:N[,k=K,d=D]", JSON file, TreeBuffers
-    or DynamicTree) always wins; None takes the heads' own `trees` (their folder's trees.json) for this backend
-    and batch size, which may say to decode plainly (see `medusa_jax.heads.trees_file.resolve_tree`)."""
-    limits = dict(num_heads=heads_config.num_heads, max_top_k=heads_config.head_vocab_size)
-    if tree is not None:
-        buffers = load_tree(tree, **limits)
-        if isinstance(buffers, DynamicTree):
-            return ChosenTree(buffers, f"dynamic tree {buffers.name} (given)")
-        return ChosenTree(buffers, f"tree {buffers.name} of {len(buffers.paths)} nodes (given)")
-    resolution = resolve_tree(trees, jax.default_backend(), batch_size)
-    if resolution.plain:
-        return ChosenTree(None, resolution.note)
-    if resolution.dynamic is not None:
-        return ChosenTree(resolution.dynamic.check(**limits), resolution.note)
-    if resolution.preset is not None:
-        return ChosenTree(load_tree(resolution.preset, **limits), resolution.note)
-    name = f"heads_{resolution.backend}_batch{resolution.batch}"
-    return ChosenTree(build_tree(resolution.paths, name=name, **limits), resolution.note)

@@ -38,12 +38,12 @@ from medusa_jax.model.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_
                                        checked_sharding, param_shardings, replicated, sharding_for, validate_model_mesh)
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.dynamic_tree import grow_from_candidates
+from medusa_jax.trees.dynamic_tree import grow_from_candidates
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers
-from medusa_jax.heads.trees_file import trees_of
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers
+from medusa_jax.trees.trees_file import trees_of
 from medusa_jax.inference import autoregressive, medusa
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.sampling import SamplingConfig

@@ -9,16 +9,18 @@ Public API (imported lazily, so `import medusa_jax` stays cheap and core modules
 
 Layers (enforced by tests/test_layers.py; arrows point at what a layer may import):
 
-    scripts/ -> bench/ -> training/ -> inference/ -> medusa_jax/heads/ -> medusa_jax/hf/ -> medusa_jax/model/
-      -> medusa_jax/*.py (the core's cross-cutting modules: atomic, paths, text, assets, compile_cache)
+    scripts/ -> bench/ -> training/ + medusa_jax/trees/search/ -> inference/ + medusa_jax/trees/policy/
+      -> medusa_jax/heads/ -> medusa_jax/trees/ -> medusa_jax/hf/ -> medusa_jax/model/
+      -> medusa_jax/*.py (the core's cross-cutting modules: atomic, paths, text, assets, hub, demo_model, ...)
 
 The core is medusa_jax/: model/ (config, backbone, attention, rope, KV cache, sharding rules), hf/ (HF folders
-and tensor files), heads/ (Medusa and Hydra heads, their files, layouts and trees) and the root modules; it
-imports none of the other layers. inference/ (the decoders) imports only the core; training/ the core and
-inference; bench/ (benchmarks, profilers, tree building, memory plans, the demo model) anything but scripts/;
-scripts/ are thin command lines. No module imports itself back through a cycle, at module level or inside a
-function. This file's lazy table below is the one exemption: it names the user-facing entry points of every
-layer.
+and tensor files), trees/ (static and dynamic trees and trees.json; its policy/ and search/ floors sit with
+inference and training), heads/ (Medusa and Hydra heads, the EAGLE-style drafter, their files and layouts) and
+the root modules; it imports none of the other layers. inference/ (the decoders) imports only the core;
+training/ the core and inference; bench/ (benchmarks and profilers: measurement only) anything but scripts/, and
+only the benchmark commands import it; scripts/ are thin command lines. No module imports itself back through a
+cycle, at module level or inside a function. This file's lazy table below is the one exemption: it names the
+user-facing entry points of every product layer.
 
 Axis legend: an array's name ends in one letter per axis, outermost first (`v_bksh` is indexed
 [batch, kv_head, slot, head_width]). One letter means one axis everywhere in the project.
@@ -36,7 +38,7 @@ Axis legend: an array's name ends in one letter per axis, outermost first (`v_bk
     c  candidate paths (tree leaves, rows of the retrieve table)
     e  depth along a path (0 = the root)
     j  the children of one tree node, in rank order (columns of exact acceptance's children table)
-    w  a dynamic tree's frontier: the K best nodes of one depth, expanded next (medusa_jax/heads/dynamic_tree.py)
+    w  a dynamic tree's frontier: the K best nodes of one depth, expanded next (medusa_jax/trees/dynamic_tree.py)
     a  a dynamic tree's drafted candidates of one step (K + (D - 1) K^2, depth by depth), reranked to N nodes
 
 Examples: one layer of the KV cache k_bkhs / v_bksh; hidden states hidden_btd; logits logits_btv; the heads' top-k ids
@@ -64,11 +66,11 @@ _API = {
     "load_heads": "medusa_jax.heads.load",
     "save_heads": "medusa_jax.heads.folder",
     "export_heads": "medusa_jax.heads.export",
-    "load_tree": "medusa_jax.heads.tree",
-    "build_tree": "medusa_jax.heads.tree",
-    "TreeBuffers": "medusa_jax.heads.tree",
-    "prepare_smollm2": "medusa_jax.bench.demo_model",
-    "resolve_model_dir": "medusa_jax.bench.demo_model",
+    "load_tree": "medusa_jax.trees.tree",
+    "build_tree": "medusa_jax.trees.tree",
+    "TreeBuffers": "medusa_jax.trees.tree",
+    "prepare_smollm2": "medusa_jax.demo_model",
+    "resolve_model_dir": "medusa_jax.demo_model",
     "resolve_heads_dir": "medusa_jax.assets",
     # text
     "load_tokenizer": "medusa_jax.text",

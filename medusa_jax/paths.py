@@ -2,13 +2,17 @@
 
 `cache_root()` is the folder of everything built or cached outside the repository: the prepared demo model,
 JAX's persistent compilation cache, tokenized data sets (`$MEDUSA_JAX_CACHE`, default `~/.cache/medusa_jax`).
-`portable_path()` names a path without this machine's absolute prefix, for reports that get committed.
+`portable_path()` names a path without this machine's absolute prefix, for reports that get committed, and
+`command_line()` the command that made a report or a trees.json the same way.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 from pathlib import Path
+from typing import Sequence
 
 
 def cache_root() -> Path:
@@ -29,3 +33,17 @@ def portable_path(path: str | os.PathLike) -> str:
             continue
         return str(rel) if label is None else f"{label}/{rel}"
     return path.name
+
+
+def _portable_arg(arg: str) -> str:
+    """An absolute path inside `arg` (the whole argument or after `=`) as `medusa_jax.paths.portable_path` names it."""
+    head, sep, tail = arg.rpartition("=") if "=" in arg else ("", "", arg)
+    return head + sep + portable_path(tail) if os.path.isabs(tail) else arg
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command to record in a report: `python SCRIPT ARGS`, e.g. script 'scripts/benchmark_batch.py scaling'
+    (a subcommand rides along with the script); argv None means this process's own arguments. Absolute paths
+    are written relative to the repository or to $MEDUSA_JAX_CACHE (reports never name this machine's paths)."""
+    args = [_portable_arg(a) for a in (sys.argv[1:] if argv is None else list(argv))]
+    return " ".join(["python", script, shlex.join(args)]) if args else f"python {script}"

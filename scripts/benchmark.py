@@ -41,15 +41,17 @@ from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
-from medusa_jax.heads.tree import PRESETS, TreeError
+from medusa_jax.trees.tree import PRESETS, TreeError
 from medusa_jax.training.hidden_store import is_store
 from medusa_jax.bench import calibration_report, heads_comparison, quick, teacher_mass
-from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,
-                                           mtbench_questions, write_files)
+from medusa_jax.paths import command_line
+from medusa_jax.inference.loaded_model import load_model
+from medusa_jax.trees.policy.calibration import machine_description
+from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions, write_files
 from medusa_jax.bench.bench_report import machine_line, write_report
 from medusa_jax.bench.benchmark import BenchmarkConfig, run_benchmark
 from medusa_jax.bench.heads_comparison import CompareConfig
-from medusa_jax.bench.mtbench import MTBenchError
+from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
 from medusa_jax.bench.quick import PROMPTS, QuickConfig, run_quick
 from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_sampling_benchmark, write_sampling_report
 from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
@@ -148,7 +150,7 @@ def check_out(a: argparse.Namespace, heads=None, data=None) -> None:
     """--out writable and no input; --question-file readable: before anything loads."""
     inputs = {"--model": validate.model_location(a.model), "--heads": validate.heads_location(heads),
               "--data": validate.data_arg("--data", data), "--question-file": getattr(a, "question_file", None)}
-    validate.question_file("--question-file", inputs["--question-file"])
+    validate.file_read_by("--question-file", inputs["--question-file"], load_mtbench_questions)
     validate.output_folder("--out", a.out, inputs)
 
 
@@ -282,7 +284,7 @@ def heads_main(argv: list[str]) -> int:
                         "these node budgets N, against the greedy static tree of N nodes (default: none)")
     p.add_argument("--dynamic-top-k", check=each(at_least(1)), type=parse_positive_int_list, default=None,
                    help="K values to try for each dynamic tree: children per expanded node and frontier width "
-                        "(default: the default K of dynamic:N, see medusa_jax.heads.tree.default_dynamic_top_k)")
+                        "(default: the default K of dynamic:N, see medusa_jax.trees.tree.default_dynamic_top_k)")
     p.add_argument("--dynamic-depth", check=each(at_least(1)), type=parse_positive_int_list, default=None,
                    help="D values (drafting depths) to try for each dynamic tree, at most the heads' number "
                         "(default: 4, or the number of heads if fewer)")

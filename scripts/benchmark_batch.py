@@ -30,13 +30,16 @@ from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.paths import portable_path
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
 from medusa_jax.model.sharding import MeshConfig
-from medusa_jax.heads.tree import load_tree
+from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.api import generate
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.bench import decode_benchmark, gpu_bench, scaling_benchmark
 from medusa_jax.bench.batch_benchmark import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
-from medusa_jax.bench.bench_inputs import command_line, load_model, machine_description, mtbench_questions, write_files
-from medusa_jax.bench.mtbench import MTBenchError
+from medusa_jax.paths import command_line
+from medusa_jax.inference.loaded_model import load_model
+from medusa_jax.trees.policy.calibration import machine_description
+from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
+from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
 from medusa_jax.bench.op_profile import op_times
 from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, mesh_spec, parse_int_list,
@@ -131,7 +134,7 @@ def check_out(a: argparse.Namespace, heads=None) -> None:
     """--out writable and no input; --question-file readable: before anything loads."""
     inputs = {"--model": validate.model_location(getattr(a, "model", None)),
               "--heads": validate.heads_location(heads), "--question-file": getattr(a, "question_file", None)}
-    validate.question_file("--question-file", inputs["--question-file"])
+    validate.file_read_by("--question-file", inputs["--question-file"], load_mtbench_questions)
     validate.output_folder("--out", a.out, inputs)
 
 

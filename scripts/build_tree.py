@@ -19,11 +19,12 @@ from pathlib import Path
 import jax
 
 from medusa_jax.atomic import write_text_atomic
-from medusa_jax.heads import trees_file
-from medusa_jax.heads.tree import TreeError
+from medusa_jax.trees import trees_file
+from medusa_jax.trees.tree import TreeError
 from medusa_jax.training.sharegpt import DataError
-from medusa_jax.bench.bench_inputs import command_line, load_model
-from medusa_jax.bench.tree_builder import BuildTreeConfig, build, summary_lines
+from medusa_jax.paths import command_line
+from medusa_jax.inference.loaded_model import load_model
+from medusa_jax.trees.search.tree_builder import BuildTreeConfig, build, summary_lines
 from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, each_or_none, in_range, parse_int_list,
                                          parse_positive_int_list)

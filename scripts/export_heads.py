@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = validate.model_arg("--model", args.model, tokenizer=False) if args.model else None
     base = load_pretrained(model_dir, dtype="float32") if model_dir else None
     heads = load_heads(heads_dir, base_config=base.config if base is not None else None)
-    if (heads.config.head_type == "eagle") != args.format.startswith("eagle"):
+    if heads.export_formats and args.format not in heads.export_formats:  # none: export_heads says why
         raise ExportError(f"--format {args.format} does not fit {heads.config.head_type} heads: EAGLE drafters export "
                           f"with --format eagle or eagle-sglang, Medusa heads with medusa or vllm")
     if args.format.startswith("eagle"):

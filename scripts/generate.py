@@ -35,7 +35,7 @@ from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_t
 from medusa_jax.model.config import UnsupportedModelError
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.hf.tensor_files import CheckpointError
-from medusa_jax.heads.tree import DEFAULT_TREE, DYNAMIC_PREFIX, PRESETS, load_tree
+from medusa_jax.trees.tree import DEFAULT_TREE, DYNAMIC_PREFIX, PRESETS, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.api import HEADS_TREE, BatchSettings
 from medusa_jax.inference.sampling import SamplingConfig

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from medusa_jax.model.sharding import MeshConfig
-from medusa_jax.heads.tree import load_tree
+from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.training.memory_plan import estimate_per_device
 from medusa_jax.bench.plan import PlanConfig, compile_plan, device_capacity, largest_batch

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from medusa_jax.bench.demo_model import ModelPreparationError, prepare_smollm2
+from medusa_jax.demo_model import ModelPreparationError, prepare_smollm2
 from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import ArgumentParser
 

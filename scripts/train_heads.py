@@ -25,6 +25,7 @@ from medusa_jax.model.sharding import MeshError
 from medusa_jax.training.checkpointing import CheckpointMismatch
 from medusa_jax.training.data import DataConfig
 from medusa_jax.training.memory_plan import MemoryPlanError
+from medusa_jax.training.objectives import OBJECTIVES
 from medusa_jax.training.output_folder import OutputFolderError
 from medusa_jax.training.run import RunConfig, TrainingDiverged, parse_lm_head, train_heads
 from medusa_jax.training.sharegpt import DataError
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         "architecture over the base's hidden states, drafting autoregressively: medusa_jax/heads/eagle.py), trained "
         "on a feature store (scripts/build_features.py) or on packed rows; hydra and eagle: Medusa-1 (frozen "
         "backbone) only. For eagle, --num-heads is the deepest tree it drafts and --num-layers its decoder "
-        "layers", default=r.head_type, choices=("medusa", "hydra", "eagle"))
+        "layers", default=r.head_type, choices=tuple(OBJECTIVES))
     add(g, "--hydra-input", "how a Hydra head combines the hidden state h and its path embeddings e_0..e_i: 'add' "
         "(h + a projection of [e_0..e_i]) or 'concat' (a projection of [h, e_0..e_i]); see medusa_jax/heads/hydra.py",
         default=r.hydra_input, choices=("add", "concat"))
@@ -156,14 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> None:
     """What the flag rules cannot say alone, and the paths: named before anything is loaded (UsageError)."""
     fail = validate.UsageError
-    if args.head_type != "medusa" and args.medusa2:
+    objective = OBJECTIVES[args.head_type]
+    if args.medusa2 and not objective.joint_backbone:
         raise fail(f"--head-type {args.head_type} trains with a frozen backbone (Medusa-1) only; drop --medusa2")
     if args.cache_hidden and args.medusa2:
         raise fail("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
     if args.distill_kl and not args.medusa2:
         raise fail("--distill-kl trains the backbone: it needs --medusa2")
-    if args.head_type == "eagle" and args.cache_hidden:
-        raise fail("--head-type eagle reads the hidden states of every position: give a feature store "
+    if objective.feature_rows and args.cache_hidden:
+        raise fail(f"--head-type {args.head_type} reads the hidden states of every position: give a feature store "
                    "(scripts/build_features.py) as --data instead of --cache-hidden")
     if args.eagle_feature_weight + args.eagle_ce_weight == 0:
         raise fail("--eagle-feature-weight and --eagle-ce-weight are both 0: nothing to train; make one > 0")

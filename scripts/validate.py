@@ -21,15 +21,14 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 
 from medusa_jax.assets import SHIPPED_HEADS, is_default_model, resolve_heads_dir, shipped_heads_dir
-from medusa_jax.bench.demo_model import default_model_dir, resolve_model_dir
-from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
-from medusa_jax.heads import trees_file
-from medusa_jax.heads.tree import DYNAMIC_PREFIX, PRESETS, TreeError, load_tree
+from medusa_jax.demo_model import default_model_dir, resolve_model_dir
+from medusa_jax.trees import trees_file
+from medusa_jax.trees.tree import DYNAMIC_PREFIX, PRESETS, TreeError, load_tree
 from medusa_jax.hub import cached_folder, is_hub_id
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.sharding import MeshConfig
@@ -95,14 +94,15 @@ def tree_arg(flag: str, spec: str | None) -> None:
         raise UsageError(f"{flag} {spec}: {e}") from None
 
 
-def question_file(flag: str, path: str | os.PathLike | None) -> None:
-    """--question-file: readable and every line a question (read again when the benchmark runs)."""
+def file_read_by(flag: str, path: str | os.PathLike | None, read: Callable[[Path], object]) -> None:
+    """An input file (e.g. --question-file) that exists, is readable and that `read` accepts (it is read again when
+    the command runs); `read` raises ValueError (UnicodeDecodeError included) or OSError for a bad file."""
     if path is None:
         return
     input_file(flag, path)
     try:
-        load_mtbench_questions(path)
-    except (MTBenchError, OSError, UnicodeDecodeError) as e:
+        read(Path(path))
+    except (ValueError, OSError) as e:
         raise UsageError(f"{flag} {path}: {e}") from None
 
 

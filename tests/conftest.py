@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from medusa_jax.atomic import atomic_folder
-from medusa_jax.bench.demo_model import prepare_smollm2
+from medusa_jax.demo_model import prepare_smollm2
 
 # CLIs run inside the tests must not fill the user's persistent compilation cache (tests that check the cache
 # point MEDUSA_JAX_COMPILE_CACHE at a folder of their own)

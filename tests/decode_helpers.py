@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.heads.dynamic_tree import TreeProposal
+from medusa_jax.trees.dynamic_tree import TreeProposal
 from medusa_jax.inference.medusa import heads_proposer, tree_tokens
-from medusa_jax.bench.oracle import planted_proposer
+from medusa_jax.trees.search.oracle import planted_proposer
 
 
 def heads_or_planted(inputs):

@@ -21,7 +21,7 @@ from medusa_jax.model.sharding import MeshConfig, sharding_for  # noqa: E402
 from medusa_jax.hf.load import load_pretrained  # noqa: E402
 from medusa_jax.heads.config import HeadsConfig  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
-from medusa_jax.heads.tree import load_tree  # noqa: E402
+from medusa_jax.trees.tree import load_tree  # noqa: E402
 from medusa_jax.inference.api import BatchSettings, generate, generate_batch, generate_medusa  # noqa: E402
 from medusa_jax.inference.sharded import ShardedModel  # noqa: E402
 

@@ -33,8 +33,8 @@ from medusa_jax.model.sharding import MeshConfig, MeshError, sharding_for  # noq
 from medusa_jax.hf.load import load_pretrained  # noqa: E402
 from medusa_jax.heads.config import HeadsConfig  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
-from medusa_jax.heads.tree import load_tree  # noqa: E402
-from medusa_jax.heads.dynamic_tree import scratch_slots  # noqa: E402
+from medusa_jax.trees.tree import load_tree  # noqa: E402
+from medusa_jax.trees.dynamic_tree import scratch_slots  # noqa: E402
 from medusa_jax.inference.acceptance import AcceptanceConfig  # noqa: E402
 from medusa_jax.inference.api import BatchSettings, generate, generate_batch, generate_medusa  # noqa: E402
 from medusa_jax.inference.engine import cache_size_for, pad_prompts  # noqa: E402

@@ -1,4 +1,4 @@
-"""Benchmark plumbing (scripts/benchmark.py and its quick mode), tree construction (medusa_jax.inference.tree_choice,
+"""Benchmark plumbing (scripts/benchmark.py and its quick mode), tree construction (medusa_jax.trees.policy.tree_choice,
 scripts/build_tree.py) and the GPU step-cost mode's CPU smoke test (scripts/benchmark_batch.py gpu --tiny), on
 tiny models."""
 
@@ -17,14 +17,14 @@ import pytest
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.init import init_heads
-from medusa_jax.heads.tree import DynamicTree, build_tree, load_tree
-from medusa_jax.heads.trees_file import read_trees, read_trees_file, trees_document
+from medusa_jax.trees.tree import DynamicTree, build_tree, load_tree
+from medusa_jax.trees.trees_file import read_trees, read_trees_file, trees_document
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.inference import tree_choice
+from medusa_jax.trees.policy import tree_choice
 from medusa_jax.bench import heads_comparison
-from medusa_jax.bench.bench_inputs import command_line
+from medusa_jax.paths import command_line
 from medusa_jax.bench.benchmark import greedy_order_of
-from medusa_jax.bench.head_accuracy import count_hits, count_hits_by_sequence
+from medusa_jax.trees.search.head_accuracy import count_hits, count_hits_by_sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "write", "poem", "about", "why", "is", "sky", "blue",
@@ -78,7 +78,7 @@ def test_greedy_tree_values_never_increase_prefixes_are_valid_and_optimal():
 def test_choose_tree_maximises_tokens_per_second_and_gives_a_loadable_tree(tmp_path):
     acc = np.array([[0.6, 0.1, 0.05], [0.4, 0.08, 0.04], [0.3, 0.06, 0.03]])
     cost = tree_choice.StepCost((2, 4, 8, 16, 32), (1.0, 1.02, 1.1, 1.4, 2.4))
-    choice = tree_choice.choose_tree(acc, cost, 31)
+    choice = tree_choice.fastest_greedy_tree(acc, cost, 31)
     order = tree_choice.greedy_tree(acc, 31)
     by_hand = [tree_choice.expected_tokens_per_step([p for p, _ in order[:n]], acc) / cost(n + 1)
                for n in range(1, 32)]

@@ -1,4 +1,4 @@
-"""Tree choice calibrated on first use (inference/calibration.py): step costs timed on this machine once, cached
+"""Tree choice calibrated on first use (medusa_jax/trees/policy/calibration.py): step costs timed on this machine once, cached
 per machine / model / heads / batch size, combined with the accuracy stored in the heads' trees.json; plain
 decoding whenever no tree is predicted to pay; --calibration auto / redo / skip."""
 
@@ -12,20 +12,27 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from medusa_jax.heads import trees_file
+from medusa_jax.trees import trees_file
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
-from medusa_jax.heads.tree import DynamicTree
+from medusa_jax.trees.tree import DynamicTree
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.inference import calibration, tree_choice
-from medusa_jax.inference.api import HEADS_TREE, BatchSettings, choose_heads_tree, generate_batch
+from medusa_jax.trees.policy import calibration, tree_choice
+from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate_batch
 from medusa_jax.inference.sharded import ShardedModel
-from medusa_jax.inference.step_cost import StepCostTable
+from medusa_jax.trees.policy.choose import choose_tree
+from medusa_jax.trees.policy.step_cost import StepCostTable
 
 ORDER = [[0], [1], [0, 0], [2], [0, 1], [1, 0], [0, 0, 0]]
 SHIPPED = [[0], [1], [0, 0]]  # what the trees.json says for batch 1 (chosen elsewhere)
+
+
+def choose_heads_tree(model, batch_size, calibration, progress=True):
+    """The heads' own tree of `model` (no tree given), as generate_batch asks for it with HEADS_TREE."""
+    return choose_tree(model.heads_config, model.heads_trees, batch_size, model=model, calibration=calibration,
+                       progress=progress)
 
 
 def built_record() -> dict:

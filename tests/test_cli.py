@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from medusa_jax.text import encode_prompt, load_tokenizer
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.api import generate
-from medusa_jax.bench.demo_model import ModelPreparationError, prepare_smollm2
+from medusa_jax.demo_model import ModelPreparationError, prepare_smollm2
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 WORDS = [f"w{i}" for i in range(100)] + ["user", "assistant", ":"]

@@ -23,7 +23,7 @@ from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
-from medusa_jax.heads.tree import DynamicTree, build_tree, load_tree
+from medusa_jax.trees.tree import DynamicTree, build_tree, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.autoregressive import decode
 from medusa_jax.inference.medusa import heads_proposer, medusa_decode

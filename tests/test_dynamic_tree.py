@@ -16,8 +16,8 @@ import pytest
 
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model.kv_cache import KVCache, attention_mask
-from medusa_jax.heads.dynamic_tree import grow_from_candidates, grow_tree, row_tree, scratch_slots, top_k_log_probs
-from medusa_jax.heads.tree import DynamicTree, TreeError, build_tree, load_tree, parse_dynamic_tree
+from medusa_jax.trees.dynamic_tree import grow_from_candidates, grow_tree, row_tree, scratch_slots, top_k_log_probs
+from medusa_jax.trees.tree import DynamicTree, TreeError, build_tree, load_tree, parse_dynamic_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree
 from medusa_jax.inference.autoregressive import prefill_states
 

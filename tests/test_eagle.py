@@ -27,11 +27,11 @@ from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model.kv_cache import KVCache
-from medusa_jax.heads.tree import DynamicTree, build_tree, load_tree
+from medusa_jax.trees.tree import DynamicTree, build_tree, load_tree
 from medusa_jax.training import hidden_store as fs
 from medusa_jax.training import trainer as trainer_mod
 from medusa_jax.training.data import segment_mask
-from medusa_jax.inference import step_cost
+from medusa_jax.trees.policy import step_cost
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.autoregressive import prefill_states
 from medusa_jax.inference.medusa import MedusaState, medusa_step

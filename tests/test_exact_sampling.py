@@ -42,10 +42,10 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.dynamic_tree import grow_from_candidates
+from medusa_jax.trees.dynamic_tree import grow_from_candidates
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaModel
-from medusa_jax.heads.tree import DynamicTree, build_tree
+from medusa_jax.trees.tree import DynamicTree, build_tree
 from medusa_jax.inference import exact_acceptance
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.autoregressive import prefill

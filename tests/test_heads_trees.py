@@ -11,20 +11,20 @@ import numpy as np
 import pytest
 
 from medusa_jax.assets import SHIPPED_HEADS, shipped_heads_dir
-from medusa_jax.heads import trees_file as heads_trees
+from medusa_jax.trees import trees_file as heads_trees
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
-from medusa_jax.heads.tree import DEFAULT_TREE, DynamicTree
-from medusa_jax.heads.trees_file import TreesFileError, parse_trees, read_trees, resolve_tree
+from medusa_jax.trees.tree import DEFAULT_TREE, DynamicTree
+from medusa_jax.trees.trees_file import TreesFileError, parse_trees, read_trees, resolve_tree
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.api import HEADS_TREE, BatchSettings, generate, generate_batch, generate_medusa
-from medusa_jax.inference.calibration import Accuracy, pick_for_batch
-from medusa_jax.inference.medusa import choose_tree
+from medusa_jax.trees.policy.calibration import Accuracy, pick_for_batch
+from medusa_jax.trees.policy.choose import choose_tree
 from medusa_jax.inference.sharded import ShardedModel
-from medusa_jax.inference.step_cost import StepCostTable
-from medusa_jax.inference.tree_choice import batch_tokens_per_step
+from medusa_jax.trees.policy.step_cost import StepCostTable
+from medusa_jax.trees.policy.tree_choice import batch_tokens_per_step
 
 T3 = [[0], [1], [0, 0]]
 T1 = [[0]]

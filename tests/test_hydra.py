@@ -22,15 +22,16 @@ from medusa_jax.heads.folder import heads_tensors, load_native_heads, save_heads
 from medusa_jax.heads.hydra import HydraHeads, path_tokens
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
-from medusa_jax.heads.tree import load_tree
+from medusa_jax.trees.tree import load_tree
 from medusa_jax.model.sharding import MeshConfig
-from medusa_jax.inference import step_cost as whole_step
+from medusa_jax.trees.policy import step_cost as whole_step
 from medusa_jax.training import trainer as trainer_mod
 from medusa_jax.training.hidden_examples import HiddenRows, reply_examples
 from medusa_jax.training.losses import distill_loss, head_targets, hydra_head_stats
-from medusa_jax.training.trainer import TrainConfig, Trainer, backbone_hidden
+from medusa_jax.training.objectives import backbone_hidden
+from medusa_jax.training.trainer import TrainConfig, Trainer
 from medusa_jax.bench import step_cost
-from medusa_jax.bench.head_accuracy import measure_head_accuracy
+from medusa_jax.trees.search.head_accuracy import measure_head_accuracy
 
 from decode_helpers import randomise_kernels
 from training_helpers import build_tiny_chat_model, chat_records, write_json

@@ -1,13 +1,15 @@
 """The package's layers, from the bottom:
 
-    core root (medusa_jax/*.py: atomic, paths, text, assets, compile_cache)
-      <- model (medusa_jax/model/)  <- hf (medusa_jax/hf/)  <- heads (medusa_jax/heads/)
-      <- inference/  <- training/  <- bench/  <- scripts/
+    core root (medusa_jax/*.py: atomic, paths, text, assets, hub, demo_model, compile_cache)
+      <- model (medusa_jax/model/)  <- hf (medusa_jax/hf/)  <- trees (medusa_jax/trees/: tree structures)
+      <- heads (medusa_jax/heads/)  <- inference/ + tree policy (medusa_jax/trees/policy/)
+      <- training/ + tree search (medusa_jax/trees/search/)  <- bench/  <- scripts/
 
 A module imports only modules of its own layer or the layers below it, and no module reaches itself again
 through its imports. Every import counts: module level and inside functions (a function-level import hides a
-cycle, it does not remove it). The lazy table of medusa_jax/__init__.py is the documented facade over all layers
-and is not walked."""
+cycle, it does not remove it). bench/ is measurement only: besides bench/ itself only the benchmark commands
+(scripts/benchmark*.py) import it. The lazy table of medusa_jax/__init__.py is the documented facade over the
+product's layers and is not walked, but it names no bench/ module."""
 
 from __future__ import annotations
 
@@ -17,13 +19,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# (folder, package, layer rank, layer name); a module may import modules of its own rank or lower only. The root
-# folder's own files (not its subfolders) form the bottom layer.
+# (folder, package, layer rank, layer name); a module may import modules of its own rank or lower only. A folder's
+# own files (not its subfolders) form its layer; the root folder's are the bottom one. The tree package spans three
+# floors (medusa_jax/trees/__init__.py says why).
 LAYERS = (("medusa_jax", "medusa_jax", 0, "core root"), ("medusa_jax/model", "medusa_jax.model", 1, "model"),
-          ("medusa_jax/hf", "medusa_jax.hf", 2, "hf"), ("medusa_jax/heads", "medusa_jax.heads", 3, "heads"),
-          ("inference", "medusa_jax.inference", 4, "inference"), ("training", "medusa_jax.training", 5, "training"),
-          ("bench", "medusa_jax.bench", 6, "bench"), ("scripts", "medusa_jax.scripts", 7, "scripts"))
-LAYER_NAMES = {rank: name for _, _, rank, name in LAYERS}
+          ("medusa_jax/hf", "medusa_jax.hf", 2, "hf"), ("medusa_jax/trees", "medusa_jax.trees", 3, "trees"),
+          ("medusa_jax/heads", "medusa_jax.heads", 4, "heads"),
+          ("inference", "medusa_jax.inference", 5, "inference"),
+          ("medusa_jax/trees/policy", "medusa_jax.trees.policy", 5, "tree policy"),
+          ("training", "medusa_jax.training", 6, "training"),
+          ("medusa_jax/trees/search", "medusa_jax.trees.search", 6, "tree search"),
+          ("bench", "medusa_jax.bench", 7, "bench"), ("scripts", "medusa_jax.scripts", 8, "scripts"))
+LAYER_NAMES = {rank: " / ".join(name for _, _, r, name in LAYERS if r == rank) for _, _, rank, _ in LAYERS}
+# measurement (bench/) is imported by bench/ and by these commands only
+BENCH_USERS = ("medusa_jax.bench", "medusa_jax.scripts.benchmark")
+# the memory-plan command still reads bench/plan.py until the `scan` branch moves the plan beside training
+BENCH_USERS_PENDING = {"medusa_jax.scripts.plan"}
 
 
 def project_modules() -> dict[str, tuple[Path, int]]:
@@ -126,6 +137,19 @@ def test_no_layer_imports_a_layer_above_it():
             if modules[target][1] > rank:
                 upward.append(f"{name} ({LAYER_NAMES[rank]}) imports {target} ({LAYER_NAMES[modules[target][1]]})")
     assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_only_the_benchmarks_import_bench():
+    """bench/ sits at the top and is measurement only: no product module, no command but the benchmarks, and no
+    entry of the public lazy table reaches it."""
+    users = [f"{name} imports {target}" for name, targets in project_graph().items()
+             for target in sorted(targets) if target.startswith("medusa_jax.bench")
+             and not name.startswith(BENCH_USERS) and name not in BENCH_USERS_PENDING]
+    assert not users, "bench/ imported outside the benchmarks:\n" + "\n".join(users)
+    facade = imported_names(ROOT / "medusa_jax" / "__init__.py", "medusa_jax")
+    table = {node.value for node in ast.walk(ast.parse((ROOT / "medusa_jax" / "__init__.py").read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("medusa_jax.")}
+    assert sorted(m for m in facade | table if m.startswith("medusa_jax.bench")) == []
 
 
 def test_no_import_cycles():

@@ -2,7 +2,7 @@
 max_new_tokens, typical acceptance, capacity errors; tiny Llama/Qwen2/Mistral (SmolLM2's is in test_smollm2). The
 losslessness tests run for Medusa heads, Hydra heads and the EAGLE drafter (which draft the tree themselves).
 
-The planted proposer (`bench/oracle.py`) knows the true continuation (from a plain greedy run) and puts
+The planted proposer (`medusa_jax/trees/search/oracle.py`) knows the true continuation (from a plain greedy run) and puts
 it at chosen (head, rank) slots so that step i of row b accepts exactly accept_targets[b, i] candidates: every
 accept length is exercised. Every losslessness test also runs on a dynamic tree (EAGLE-2 style, grown per step
 from the drafter's probabilities; the planted proposer grows it from the planted candidates).
@@ -28,12 +28,12 @@ from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaModel
-from medusa_jax.heads.tree import PRESETS, TreeError, load_tree
+from medusa_jax.trees.tree import PRESETS, TreeError, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, greedy_accept, typical_accept
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.autoregressive import grouped_prefill, prefill, prefill_groups
 from medusa_jax.inference.medusa import compact_accepted, medusa_decode
-from medusa_jax.bench.oracle import planted_data, planted_over_heads_proposer, planted_proposer
+from medusa_jax.trees.search.oracle import planted_data, planted_over_heads_proposer, planted_proposer
 
 import decode_helpers
 from decode_helpers import heads_or_planted, randomise_kernels

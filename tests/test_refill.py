@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.heads.tree import load_tree
+from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch, uses_refill
 from medusa_jax.inference.refill import refill_generate
 from medusa_jax.inference.sharded import ShardedModel

@@ -24,7 +24,7 @@ from medusa_jax.training.hidden_store import StoreWriter, open_store
 from medusa_jax.training.self_distill import DistillConfig, done_ids, self_distill, shard_output
 from medusa_jax.training.sharegpt import DataError, read_conversation_file
 from medusa_jax.training.sources import CachedHidden, ChatConversations, StoreHidden, open_source
-from medusa_jax.training.trainer import backbone_hidden
+from medusa_jax.training.objectives import backbone_hidden
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 

@@ -19,7 +19,8 @@ from medusa_jax.training.data import (DataConfig, EpochIterator, PackedRows, loa
                                       row_iterator, tokenize_messages, top_token_ids)
 from medusa_jax.training.teacher_forced import build_hidden_cache
 from medusa_jax.training.sharegpt import DataError, read_conversation_file, read_conversations
-from medusa_jax.training.trainer import TrainConfig, Trainer, backbone_hidden
+from medusa_jax.training.objectives import backbone_hidden
+from medusa_jax.training.trainer import TrainConfig, Trainer
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from medusa_jax.heads.tree import MC_SIM_7B_63, PRESETS, TreeError, build_tree, load_tree
+from medusa_jax.trees.tree import MC_SIM_7B_63, PRESETS, TreeError, build_tree, load_tree
 
 
 def _is_prefix(a, b) -> bool:

@@ -43,6 +43,7 @@ from medusa_jax.training import losses, memory_plan, output_folder, sources
 from medusa_jax.training.checkpointing import Checkpoints, TrainingDiverged
 from medusa_jax.training.metrics_log import MetricsLog, NoLog
 from medusa_jax.training.data import DataConfig, top_token_ids
+from medusa_jax.training.objectives import objective_for
 from medusa_jax.training.trainer import TrainConfig, Trainer, schedule
 
 
@@ -54,8 +55,8 @@ class RunConfig:
     num_heads: int = 4
     num_layers: int = 1
     lm_head: str = "truncated:3072"  # own | shared | truncated:N (3,072 divides tensor degrees 2, 3, 4, 6, 8)
-    head_type: str = "medusa"  # medusa | hydra (heads that also see the drafted tokens) | eagle (a feature
-    # drafter, heads/eagle.py); hydra and eagle: Medusa-1 only
+    head_type: str = "medusa"  # a trainable drafter kind (training.objectives.OBJECTIVES): medusa | hydra (heads
+    # that also see the drafted tokens) | eagle (a feature drafter, heads/eagle.py); hydra and eagle: Medusa-1 only
     hydra_input: str = HeadsConfig.hydra_input  # hydra: add | concat (medusa_jax.heads.hydra)
     batch_size: int = 8  # global packed rows per step
     cached_batch_size: int = 4096  # global positions per step with cache_hidden
@@ -112,8 +113,8 @@ def evaluate(trainer: Trainer, batches: list[dict]) -> dict[str, Any]:
 
 def feed_settings(cfg: RunConfig) -> sources.FeedSettings:
     return sources.FeedSettings(
-        num_heads=cfg.num_heads, with_path=cfg.head_type == "hydra", teacher=cfg.train.uses_teacher,
-        head_type=cfg.head_type, max_tokens=cfg.max_tokens,
+        num_heads=cfg.num_heads, with_path=objective_for(cfg.head_type).path_tokens, teacher=cfg.train.uses_teacher,
+        max_tokens=cfg.max_tokens,
         batch_size=cfg.batch_size, cached_batch_size=cfg.cached_batch_size, eval_batches=cfg.eval_batches,
         seed=cfg.seed, data=cfg.data_config, memory_limit_gib=cfg.memory_limit_gib,
         hidden_cache_dir=Path(cfg.output) / "hidden_cache")
@@ -141,7 +142,7 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
     """Checks the output folder and the memory plan, takes the folder's lock, then runs (see output_folder)."""
     if cfg.cache_hidden and cfg.train.medusa2:
         raise ValueError("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
-    if cfg.head_type != "medusa" and cfg.train.medusa2:
+    if cfg.train.medusa2 and not objective_for(cfg.head_type).joint_backbone:
         raise ValueError(f"--head-type {cfg.head_type} trains with a frozen backbone (Medusa-1) only; drop --medusa2")
     parse_lm_head(cfg.lm_head)
     output_folder.check_output(cfg.output, cfg.force_output)
@@ -166,12 +167,11 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     if n_trunc is not None and n_trunc > base.config.vocab_size:  # e.g. the default truncated:3072, tiny vocab
         log(f"--lm-head {cfg.lm_head}: the vocabulary has only {base.config.vocab_size} tokens; using all of them")
         n_trunc = base.config.vocab_size
-    source = sources.open_source(cfg.data, cfg.cache_hidden, cfg.head_type)
+    source = sources.open_source(cfg.data, cfg.cache_hidden, objective_for(cfg.head_type).feature_rows)
     feed = source.feed(feed_settings(cfg), sources.RunInputs(base, tokenizer, eos, log))
     heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
                                mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model),
-                               head_type=cfg.head_type, hydra_input=cfg.hydra_input,
-                               decoder=base.config if cfg.head_type == "eagle" else None)
+                               head_type=cfg.head_type, hydra_input=cfg.hydra_input)
     token_map = top_token_ids(feed.loss_tokens, n_trunc, base.config.vocab_size) if mode == "truncated" else None
     heads = init_heads(heads_config, base, cfg.seed, token_map)
     trainer = Trainer(base, heads, cfg.train, mesh)

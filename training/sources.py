@@ -65,7 +65,6 @@ class FeedSettings:
     data: DataConfig
     memory_limit_gib: float | None
     hidden_cache_dir: Path  # where CachedHidden keeps the hidden states it computes
-    head_type: str = "medusa"
     max_tokens: int | None = None  # a feature store: its first conversations holding this many tokens
 
 
@@ -236,11 +235,12 @@ class FeatureStoreRows:
                     train.loss_tokens(), lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
 
 
-def open_source(data: str | None, cache_hidden: bool, head_type: str = "medusa") -> DataSource:
+def open_source(data: str | None, cache_hidden: bool, feature_rows: bool = False) -> DataSource:
     """The source of `--data` (None: the packaged ShareGPT file); `cache_hidden` asks for hidden examples. A
-    feature store feeds an EAGLE drafter packed rows with their features, other heads hidden examples."""
+    feature store feeds a kind that reads `feature_rows` (the EAGLE drafter, training.objectives) packed rows with
+    their features, other heads hidden examples."""
     if hidden_store.is_store(data, hidden_store.FEATURES):
-        return FeatureStoreRows(Path(data)) if head_type == "eagle" else StoreHidden(Path(data))
+        return FeatureStoreRows(Path(data)) if feature_rows else StoreHidden(Path(data))
     hidden_store.refuse_first_format(data, cache_hidden)
     store = hidden_store.find_store(data)
     if store is not None:

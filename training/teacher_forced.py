@@ -31,7 +31,7 @@ from medusa_jax.training.data import DataConfig, PackedRows, tokenize_conversati
 from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows
 from medusa_jax.training.hidden_store import FEATURES, STORE_DTYPE, StoreWriter, listed_shards, open_store
 from medusa_jax.training.sharegpt import DataError, read_conversations
-from medusa_jax.training.trainer import backbone_hidden
+from medusa_jax.training.objectives import backbone_hidden
 
 CACHE_VERSION = "v3"  # v3: a hidden-state store of every position (v2, npz chunks of example positions, is not read)
 CACHE_CHUNK_ROWS = 64  # packed rows per shard of the --cache-hidden store

@@ -37,12 +37,9 @@ from jax.sharding import Mesh
 from medusa_jax.model import sharding as shd
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import resolve_dtype
-from medusa_jax.heads.hydra import path_tokens
-from medusa_jax.heads.init import heads_class
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.training import losses
-from medusa_jax.training.data import segment_mask
-from medusa_jax.training.eagle_loss import eagle_stats
+from medusa_jax.training.objectives import LossSettings, objective_for
 
 ROW_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 HIDDEN_KEYS = ("hidden", "targets")
@@ -153,19 +150,6 @@ def _compute_graphdef(module: nnx.Module, make, dtype: str):
     return nnx.split(nnx.eval_shape(lambda: make(dataclasses.replace(module.config, dtype=dtype))))[0]
 
 
-def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
-    """[B, T, D] final-norm hidden states of packed rows (attention stays inside each conversation; the
-    cache-free forward: no KV cache is built)."""
-    hidden_btd, _ = base(batch["tokens"], batch["positions"], segment_mask(batch["segment_ids"]))
-    return hidden_btd
-
-
-def shifted_hidden(hidden_btd, offset: int):
-    """[B, T, D]: the hidden state at t + offset (zeros past the row's end; those positions have no target)."""
-    pad = jnp.zeros_like(hidden_btd[:, :offset])
-    return jnp.concatenate([hidden_btd[:, offset:], pad], axis=1)
-
-
 class Trainer:
     """Holds the sharded train state and the jitted step/eval functions."""
 
@@ -175,13 +159,13 @@ class Trainer:
         (medusa_jax.bench.plan)."""
         self.config, self.mesh = config, mesh
         shd.validate_model_mesh(base.config, mesh)
-        if heads.config.head_type != "medusa" and config.medusa2:
+        self.objective = objective_for(heads.config.head_type)
+        if config.medusa2 and not self.objective.joint_backbone:
             raise ValueError(f"{heads.config.head_type} heads train with a frozen backbone (Medusa-1) only; drop "
                              f"--medusa2")
-        self.num_heads, self.head_type = heads.config.num_heads, heads.config.head_type
         dtype = config.compute_dtype
         self._base_def = _compute_graphdef(base, lambda c: CausalLM(c, nnx.Rngs(0)), dtype)
-        self._heads_def = _compute_graphdef(heads, lambda c: heads_class(c)(c, nnx.Rngs(0)), dtype)
+        self._heads_def = _compute_graphdef(heads, lambda c: type(heads)(c, nnx.Rngs(0)), dtype)
         trainable = nnx.Param
         if config.freeze_head_lm_heads:
             trainable = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("lm_head")))
@@ -222,58 +206,14 @@ class Trainer:
         return base, heads
 
     def _objective(self, params, frozen, batch, full_vocab_targets: bool = False):
-        """The loss and its statistics; full_vocab_targets (evaluation): an EAGLE drafter is scored against the
-        base's greedy token over the full vocabulary, without input noise."""
+        """The loss and its statistics: the heads' kind's objective (training.objectives); full_vocab_targets
+        (evaluation): an EAGLE drafter is scored against the base's greedy token over the full vocabulary,
+        without input noise."""
         base, heads = self._modules(params, frozen)
-        if self.head_type == "eagle":
-            if "feat" not in batch:  # packed rows: the frozen backbone gives the features in the step
-                batch = {**batch, "feat": jax.lax.stop_gradient(backbone_hidden(base, batch))}
-            cfg = self.config
-            noise = 0.0 if full_vocab_targets else cfg.eagle_noise
-            loss, stats, extras = eagle_stats(heads, base, batch, noise=noise, feature_weight=cfg.eagle_feature_weight,
-                                              ce_weight=cfg.eagle_ce_weight, depth=cfg.eagle_train_depth,
-                                              decay=cfg.loss_decay, full_vocab_targets=full_vocab_targets)
-            return loss, (stats, extras)
-        extras = {}
         dtype = resolve_dtype(self.config.compute_dtype)
-        teacher = None
-        if "hidden" in batch:
-            hidden = batch["hidden"].astype(dtype)
-            targets = jnp.moveaxis(batch["targets"], -1, 0)  # [M, N]
-            path = batch.get("path")  # [N, M], Hydra only
-            if self.config.uses_teacher:
-                if "teacher_hidden" not in batch:
-                    raise ValueError(f"head_loss {self.config.head_loss!r} needs 'teacher_hidden' in cached batches")
-                teacher = jnp.moveaxis(batch["teacher_hidden"], 1, 0).astype(dtype)  # [M, N, D]
-        else:
-            hidden = backbone_hidden(base, batch)
-            if not self.config.medusa2:
-                hidden = jax.lax.stop_gradient(hidden)
-            targets = losses.head_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], self.num_heads)
-            path = path_tokens(batch["tokens"], self.num_heads)
-            if self.config.uses_teacher:
-                frozen_hidden = jax.lax.stop_gradient(hidden)
-                teacher = [shifted_hidden(frozen_hidden, 1 + i) for i in range(self.num_heads)]
-        if self.head_type == "hydra":
-            if path is None:
-                raise ValueError("Hydra heads need the path tokens ('path') in cached batches")
-            stats = losses.hydra_head_stats(heads, base, hidden, path, targets, teacher)
-        else:
-            stats = losses.checkpointed_head_stats(heads, base, lambda i: (hidden,), targets, teacher)
-        loss = losses.medusa_loss(stats, self.config.loss_decay, *self.config.head_loss_weights)
-        if self.config.medusa2:
-            next_bt = losses.shifted_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], 1)
-            logits = base.logits(hidden)
-            if self.config.distill_kl:
-                reference = nnx.merge(self._base_def, cast_floating(frozen["reference"],
-                                                                    resolve_dtype(self.config.compute_dtype)))
-                ref_logits = reference.logits(backbone_hidden(reference, batch))
-                base_sum, base_count = losses.kl_to_reference(logits, ref_logits, next_bt >= 0)
-            else:
-                base_sum, base_count = losses.lm_loss(logits, next_bt)
-            base_loss = base_sum / jnp.maximum(base_count, 1.0)
-            loss = loss + self.config.lm_loss_weight * base_loss
-            extras["base_loss"] = base_loss
+        settings = LossSettings(self.config, full_vocab_targets,
+                                lambda: nnx.merge(self._base_def, cast_floating(frozen["reference"], dtype)))
+        loss, stats, extras = self.objective.loss(base, heads, batch, settings)
         return loss, (stats, extras)
 
     def _train_step(self, params, opt_state, frozen, batch):

@@ -1,5 +1,4 @@
-"""Draft heads and their trees: the config, Medusa and Hydra heads, fresh heads by head type (`init`, the one
-table of head types), the native folder format (`folder`), loading any known layout (`load`), the PyTorch
-serving layouts (`export`, `layouts`), the static tree buffers and the dynamic tree spec (`tree`), dynamic trees
-grown per step on device (`dynamic_tree`, and `eagle_dynamic` for the EAGLE drafter) and a heads folder's
-trees.json (`trees_file`). Imports the model and hf packages."""
+"""Drafters: the config, the drafter kinds registered by name (`kinds`: Medusa heads, Hydra heads, the EAGLE-style
+drafter), fresh heads of any kind (`init`), the native folder format (`folder`), loading any known layout
+(`load`), the PyTorch serving layouts (`export`, `layouts`, `eagle_layout`) and the EAGLE drafter's dynamic-tree
+expansion (`eagle_dynamic`). Their trees live in medusa_jax/trees. Imports the model, hf and trees packages."""

@@ -1,8 +1,8 @@
 """The configuration of a set of draft heads: how many, how deep, which lm_head mode, which head type.
 
 The lm_head modes (see `heads.medusa`): own (a [D, V] projection per head), shared (the base lm_head), truncated
-(a [D, Vt] projection over the Vt most frequent tokens, with a token map). Head types: `HEAD_TYPES`; the class
-that implements each is registered in `heads.init.HEAD_CLASSES`, the one table a new head type joins.
+(a [D, Vt] projection over the Vt most frequent tokens, with a token map). `head_type` names a drafter kind of
+`heads.kinds.DRAFTERS`, the one table a new kind joins (and whose class checks what is particular to it).
 """
 
 from __future__ import annotations
@@ -13,10 +13,6 @@ from typing import Any
 from medusa_jax.model.config import ModelConfig, resolve_dtype
 
 LM_HEAD_MODES = ("own", "shared", "truncated")
-# medusa: heads.medusa; hydra: heads that also see the drafted tokens (heads.hydra); eagle: a feature-level
-# drafter of one or more decoder layers (heads.eagle). A new type adds its name here and its class to
-# heads.init.HEAD_CLASSES (heads/init.py asserts that the two agree).
-HEAD_TYPES = ("medusa", "hydra", "eagle")
 HYDRA_INPUTS = ("concat", "add")
 
 
@@ -30,7 +26,7 @@ class HeadsConfig:
     truncated_vocab_size: int | None = None  # only for lm_head == "truncated"
     dtype: str = "float32"
     base_model_name_or_path: str = ""
-    head_type: str = "medusa"  # one of HEAD_TYPES
+    head_type: str = "medusa"  # a drafter kind of heads.kinds.DRAFTERS (medusa, hydra, eagle, ...)
     hydra_input: str = "add"  # hydra only: how a head combines h and its path embeddings (heads/hydra.py)
     # eagle only: the drafter's decoder layers (the base's architecture; num_layers of them; heads.init fills it
     # from the base when None). For an EAGLE drafter num_heads is the deepest tree it drafts for (it drafts
@@ -38,8 +34,6 @@ class HeadsConfig:
     decoder: ModelConfig | None = None
 
     def __post_init__(self):
-        if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
         if self.hydra_input not in HYDRA_INPUTS:
             raise ValueError(f"hydra_input must be one of {HYDRA_INPUTS}, got {self.hydra_input!r}")
         if self.num_heads < 1 or self.num_layers < 0:
@@ -52,8 +46,6 @@ class HeadsConfig:
                                  f"got {self.truncated_vocab_size}")
         elif self.truncated_vocab_size is not None:
             raise ValueError("truncated_vocab_size is only meaningful with lm_head='truncated'")
-        if self.decoder is not None and self.head_type != "eagle":
-            raise ValueError("only an eagle drafter has a decoder config")
         resolve_dtype(self.dtype)
 
     @property
@@ -63,7 +55,8 @@ class HeadsConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         del d["decoder"]
-        if self.head_type == "medusa":  # Medusa configs (and run signatures) stay as they were before Hydra
+        if self.head_type == HeadsConfig.head_type:  # the default kind's configs (and run signatures) stay as
+            # they were before other kinds existed
             del d["head_type"], d["hydra_input"]
         if self.decoder is not None:
             d["decoder"] = self.decoder.to_hf_config()

@@ -40,7 +40,7 @@ from medusa_jax.heads.eagle_dynamic import propose_dynamic
 from medusa_jax.heads.medusa import HeadsBase, head_lm_head, head_logits
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.model.rope import inverse_frequencies
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 
 
 @jax.tree_util.register_dataclass
@@ -76,6 +76,16 @@ class DrafterRounds:
 
 class EagleDrafter(HeadsBase):
     head_type = "eagle"
+    has_decoder = True
+    export_formats = ("eagle", "eagle-sglang")
+
+    @classmethod
+    def complete_config(cls, config: HeadsConfig, base: CausalLM) -> HeadsConfig:
+        """The drafter's layers take the base's architecture unless the config names one."""
+        return config if config.decoder is not None else dataclasses.replace(config, decoder=base.config)
+
+    def lm_head_modules(self) -> list[nnx.Module]:
+        return [self]
 
     def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
         super().__init__(config, [], token_map)
@@ -151,6 +161,11 @@ class EagleDrafter(HeadsBase):
         """[..., D] -> [..., k] full-vocabulary ids of the k most likely draft tokens, best first."""
         _, ids = jax.lax.top_k(self.logits(out_xd, base), k)
         return self.to_full_vocab(ids.astype(jnp.int32))
+
+    def teacher_forced_top_k(self, hidden_btd, tokens_bt, base: CausalLM, k: int) -> jax.Array:
+        """[M, B, T, k]: depth m + 1 of a chain drafted from every position, the true tokens on the chain."""
+        outs_mbtd = self.unrolled(hidden_btd, tokens_bt, base, self.config.num_heads)
+        return jnp.stack([self.top_k(out_btd, base, k) for out_btd in outs_mbtd])
 
     # ---- the tree step's proposer contract ---------------------------------------------------------------
     needs_prompt_hidden = True

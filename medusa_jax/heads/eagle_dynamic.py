@@ -19,8 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from medusa_jax.heads.dynamic_tree import TreeProposal, grow_tree, top_k_log_probs
-from medusa_jax.heads.tree import DynamicTree
+from medusa_jax.trees.dynamic_tree import TreeProposal, grow_tree, top_k_log_probs
+from medusa_jax.trees.tree import DynamicTree
 
 
 def propose_dynamic(drafter, hidden_bd: jax.Array, root_b: jax.Array, base, spec: DynamicTree, draft,

@@ -90,11 +90,10 @@ def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; expected one of {EXPORT_DTYPES}")
     cfg = heads.config
-    if cfg.head_type != "medusa":
-        raise ExportError(f"these are {cfg.head_type} heads (each head also reads the embeddings of the tokens "
-                          f"drafted on its path); the PyTorch layouts (FasterDecoding/TGI/TensorRT-LLM, vLLM) only "
-                          f"describe Medusa heads, so they cannot be exported. Use them with medusa-jax's own "
-                          f"format (medusa_jax.heads.folder); the shipped Medusa heads export as "
+    if format not in heads.export_formats:
+        raise ExportError(f"these are {cfg.head_type} heads and the PyTorch layouts (FasterDecoding/TGI/TensorRT-LLM, "
+                          f"vLLM) only describe Medusa heads, so they cannot be exported. Use them with medusa-jax's "
+                          f"own format (medusa_jax.heads.folder); the shipped Medusa heads export as "
                           f"--heads default-medusa")
     np_dtype = np.dtype(resolve_dtype(dtype))
     # own/truncated heads already carry an lm_head per head: materialize_lm_head is a no-op for them

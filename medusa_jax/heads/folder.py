@@ -2,8 +2,8 @@
 
 Tensor names are the NNX parameter paths joined by dots (`heads.0.blocks.0.linear.kernel`, kernels stored
 [in, out] as in JAX; `token_map` for truncated heads). Hydra heads (config.json `medusa_jax.head_type`
-"hydra") add `heads.{i}.input_proj.kernel` (+ `.bias` with hydra_input "concat") and leave out the
-`medusa_num_*` fields, so Medusa tools do not take them for Medusa heads. Writes go to a temp folder renamed
+"hydra") add `heads.{i}.input_proj.kernel` (+ `.bias` with hydra_input "concat"); only Medusa heads write the
+`medusa_num_*` fields (`folder_fields`), so Medusa tools take no other kind for Medusa heads. Writes go to a temp folder renamed
 into place, so an interrupted save never leaves a half-written heads folder. Other projects' layouts:
 `medusa_jax.heads.export`.
 """
@@ -23,7 +23,7 @@ from medusa_jax.model.config import resolve_dtype
 from medusa_jax.model.param_paths import fill_state, param_paths
 from medusa_jax.hf.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.init import heads_class
+from medusa_jax.heads.kinds import drafter_class
 from medusa_jax.heads.medusa import MedusaHeads
 
 FORMAT = "medusa-jax"
@@ -55,9 +55,7 @@ def write_heads_files(heads: MedusaHeads, folder: str | os.PathLike, extra_confi
     config = {
         "format": FORMAT,
         "medusa_jax": cfg.to_dict(),
-        # the fields other Medusa tools read, for orientation
-        **({"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers}
-           if cfg.head_type == "medusa" else {}),
+        **heads.folder_fields(),  # the fields other tools read (Medusa heads: medusa_num_*), for orientation
         "base_model_name_or_path": cfg.base_model_name_or_path,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
@@ -73,9 +71,9 @@ def write_heads_files(heads: MedusaHeads, folder: str | os.PathLike, extra_confi
 
 
 def heads_from_tensors(config: HeadsConfig, tensors: dict[str, np.ndarray], origin: str) -> MedusaHeads:
-    """Builds MedusaHeads (or HydraHeads, by config.head_type) from dotted-path tensors; every key must match,
-    with the right shape."""
-    abstract = nnx.eval_shape(lambda: heads_class(config)(config, nnx.Rngs(0)))
+    """Builds the drafter of config.head_type (MedusaHeads, HydraHeads, ...) from dotted-path tensors; every key
+    must match, with the right shape."""
+    abstract = nnx.eval_shape(lambda: drafter_class(config.head_type)(config, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     expected = {".".join(p): leaf for p, leaf in param_paths(state)}
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))

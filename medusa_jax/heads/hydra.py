@@ -30,9 +30,9 @@ from flax import nnx
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import resolve_dtype
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.dynamic_tree import TreeProposal, grow_tree, top_k_log_probs
+from medusa_jax.trees.dynamic_tree import TreeProposal, grow_tree, top_k_log_probs
 from medusa_jax.heads.medusa import HeadsBase, ResBlock, head_lm_head, head_logits
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 
 
 def _identity_on_hidden(key, shape, dtype):
@@ -78,6 +78,13 @@ class HydraHeads(HeadsBase):
         [..., index + 1] (root first)."""
         head = self.heads[index]
         return head_logits(head, head(hidden_xd, base.embed_tokens(path_tokens_xe)), base)
+
+    def teacher_forced_top_k(self, hidden_btd, tokens_bt, base: CausalLM, k: int) -> jax.Array:
+        """[M, B, T, k]: head i's k best at every position, its path the true tokens t + 1 .. t + 1 + i."""
+        path_bte = path_tokens(tokens_bt, self.config.num_heads)
+        _, ids = jax.lax.top_k(jnp.stack([self.head_logits(i, hidden_btd, path_bte[..., : i + 1], base)
+                                          for i in range(self.config.num_heads)]), k)
+        return self.to_full_vocab(ids.astype(jnp.int32))
 
     def propose(self, hidden_bd, root_b, base: CausalLM, tree: TreeBuffers | DynamicTree, draft, active_b):
         """The [b, t] tree tokens (`tree_tokens`), or a DynamicTree's TreeProposal (`dynamic_tree`); no drafter

@@ -35,7 +35,7 @@ from medusa_jax.heads.export import ExportError, check_token_map
 from medusa_jax.heads.folder import FORMAT, heads_from_tensors, heads_tensors, load_native_heads
 from medusa_jax.heads.layouts import MEDUSA, MEDUSA_WEIGHTS, MEDUSA_WEIGHTS_PT, NATIVE, VLLM, VLLM_SHARED_LM_HEAD
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.heads.trees_file import attach_trees, read_trees
+from medusa_jax.trees.trees_file import attach_trees, read_trees
 
 LAYOUTS = ("medusa-jax", "medusa", "vllm", "eagle")
 
@@ -250,7 +250,7 @@ def load_heads(folder: str | os.PathLike, base_config: ModelConfig | None = None
     num_heads: overrides the head count of config.json (some published configs are wrong, e.g.
       FasterDecoding/medusa-vicuna-7b-v1.3 says 2 and holds 4); it must still match the tensors.
     The folder's `trees.json` (scripts/build_tree.py), if any, is checked and attached as `heads.trees`
-    (see `medusa_jax.heads.trees_file`).
+    (see `medusa_jax.trees.trees_file`).
     """
     folder = Path(folder)
     trees = read_trees(folder)  # a bad trees.json fails before the weights are read

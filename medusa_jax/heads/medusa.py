@@ -20,8 +20,8 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import resolve_dtype
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.dynamic_tree import grow_from_candidates, top_k_log_probs
-from medusa_jax.heads.tree import DynamicTree
+from medusa_jax.trees.dynamic_tree import grow_from_candidates, top_k_log_probs
+from medusa_jax.trees.tree import DynamicTree
 
 
 class TokenMap(nnx.Variable):
@@ -51,13 +51,18 @@ def head_logits(head: nnx.Module, hidden_xd: jax.Array, base: CausalLM) -> jax.A
 
 
 class HeadsBase(nnx.Module):
-    """What Medusa and Hydra heads share: the config, the list of heads and the truncated-vocab token map."""
+    """A drafter kind (registered in `heads.kinds`): the config, the list of heads, the truncated-vocab token map,
+    and what each kind answers for itself (the defaults here; a subclass overrides its own)."""
 
-    head_type = ""  # the HeadsConfig.head_type a subclass implements
+    head_type = ""  # the kind's name (HeadsConfig.head_type) in heads.kinds.DRAFTERS
+    has_decoder = False  # HeadsConfig.decoder describes the drafter's own decoder layers (EAGLE)
+    export_formats: tuple[str, ...] = ()  # the serving layouts it exports to (heads.export, heads.eagle_layout)
 
     def __init__(self, config: HeadsConfig, heads: list[nnx.Module], token_map: np.ndarray | None):
         if config.head_type != self.head_type:
             raise ValueError(f"{type(self).__name__} needs head_type={self.head_type!r}, got {config.head_type!r}")
+        if config.decoder is not None and not self.has_decoder:
+            raise ValueError(f"only an eagle drafter has a decoder config, not {config.head_type} heads")
         self.config = config
         self.heads = nnx.List(heads)
         if config.lm_head == "truncated":
@@ -73,6 +78,19 @@ class HeadsBase(nnx.Module):
         if self.token_map is None:
             return head_token_ids
         return self.token_map[...][head_token_ids]
+
+    @classmethod
+    def complete_config(cls, config: HeadsConfig, base: CausalLM) -> HeadsConfig:
+        """The config of fresh heads over `base`, with what the kind takes from the base filled in."""
+        return config
+
+    def lm_head_modules(self) -> list[nnx.Module]:
+        """The modules whose `lm_head` fresh heads copy from the base lm_head (heads.init)."""
+        return list(self.heads)
+
+    def folder_fields(self) -> dict:
+        """config.json fields beside medusa-jax's own, for other tools that read the folder (heads.folder)."""
+        return {}
 
     # ---- the tree step's proposer contract (inference/medusa.py) ------------------------------------------
     # propose(hidden_bd, root_b, base, tree, draft, active_b) -> (proposal, draft): a proposal is [b, m, r]
@@ -103,6 +121,10 @@ class MedusaHead(nnx.Module):
 
 class MedusaHeads(HeadsBase):
     head_type = "medusa"
+    export_formats = ("medusa", "vllm")
+
+    def folder_fields(self) -> dict:
+        return {"medusa_num_heads": self.config.num_heads, "medusa_num_layers": self.config.num_layers}
 
     def __init__(self, config: HeadsConfig, rngs: nnx.Rngs, token_map: np.ndarray | None = None):
         super().__init__(config, [MedusaHead(config, rngs) for _ in range(config.num_heads)], token_map)
@@ -121,6 +143,11 @@ class MedusaHeads(HeadsBase):
         num_heads heads only when given)."""
         _, ids_mxr = jax.lax.top_k(self.logits(hidden_xd, base, num_heads), k)
         return self.to_full_vocab(ids_mxr.astype(jnp.int32))
+
+    def teacher_forced_top_k(self, hidden_btd, tokens_bt, base: CausalLM, k: int) -> jax.Array:
+        """[M, B, T, k] each head's k best tokens at every position of whole sequences (held-out accuracy,
+        trees.search.head_accuracy; Hydra heads and the EAGLE drafter read the true tokens on their paths)."""
+        return self.top_k(hidden_btd, base, k)
 
     def propose(self, hidden_bd, root_b, base: CausalLM, tree, draft, active_b):
         """[b, m, r] candidates: head m's rank-r token from the last accepted hidden state (HeadsBase). A

@@ -1,6 +1,6 @@
 """Hardware-aware Medusa trees: greedy construction by expected accepted length, sized by measured step time.
 
-Inputs are two measurements (the heads' held-out accuracy, `medusa_jax.bench.head_accuracy`, and the step
+Inputs are two measurements (the heads' held-out accuracy, `medusa_jax.trees.search.head_accuracy`, and the step
 costs of this machine, `inference.step_cost`):
     accuracy_mr [num_heads, top_k]  P(head m's rank-r guess equals the base model's greedy token at t+2+m)
     step time   seconds of one Medusa step as a function of T, the tree tokens verified (the root included)
@@ -144,7 +144,7 @@ def _tokens_per_second(per_step: np.ndarray, step_cost: Callable[[int], float] |
     return per_second
 
 
-def choose_tree(accuracy_mr, step_cost: Callable[[int], float] | StepCost, max_nodes: int) -> TreeChoice:
+def fastest_greedy_tree(accuracy_mr, step_cost: Callable[[int], float] | StepCost, max_nodes: int) -> TreeChoice:
     """Greedy trees of 1..max_nodes nodes; keeps the size with the most expected tokens per second. With a
     measured `StepCost`, sizes outside its measured range get NaN tokens/s and are never chosen."""
     order = greedy_tree(accuracy_mr, max_nodes)

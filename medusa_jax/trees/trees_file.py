@@ -17,7 +17,7 @@ batch size B:
     there too); a cpu without a cpu entry decodes plainly (an accelerator's tree can be far too big for it);
   - batch: the entry for B, else the nearest smaller measured batch, else the smallest measured one (a
     tree that pays at a larger batch pays at a smaller one: verify cost grows with B x T);
-  - heads without trees.json: the preset `medusa_jax.heads.tree.DEFAULT_TREE`, as before trees.json existed.
+  - heads without trees.json: the preset `medusa_jax.trees.tree.DEFAULT_TREE`, as before trees.json existed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from medusa_jax.heads.tree import DEFAULT_TREE, DynamicTree, TreeError, build_tree
+from medusa_jax.trees.tree import DEFAULT_TREE, DynamicTree, TreeError, build_tree
 
 FILE_NAME = "trees.json"
 FORMAT = "medusa-jax-trees"

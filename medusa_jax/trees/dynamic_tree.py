@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 
 
 @jax.tree_util.register_dataclass
@@ -172,10 +172,6 @@ def row_tree(proposal: TreeProposal, spec: DynamicTree) -> RowTree:
         jnp.arange(b)[:, None], slot_bt, sibling_rank_bt].set(jnp.broadcast_to(node_t, (b, t)), mode="drop")
     return RowTree(parent_bt, depth_bt, ancestor_mask_btt, retrieve_bte[:, 1:], valid_bte[:, 1:], children_btj,
                    earlier_btt, spec.depth)
-
-
-def is_dynamic(tree) -> bool:
-    return isinstance(tree, DynamicTree)
 
 
 def scratch_slots(tree: "TreeBuffers | DynamicTree") -> int:

@@ -1,5 +1,5 @@
 """Each Medusa head's top-k accuracy on held-out text: the table build_tree turns into a tree. (An EAGLE
-drafter's "head" m is its depth m + 1, drafted along the true tokens from every position: `EagleDrafter.unrolled`.)
+drafter's "head" m is its depth m + 1; each kind teacher-forces itself: `teacher_forced_top_k`.)
 
 The text is self-distilled: the base model's own greedy continuation of held-out prompts, so a head's guess
 counts as right exactly when greedy acceptance would accept it. For a continuation position p (the last
@@ -20,8 +20,6 @@ from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
-from medusa_jax.heads.eagle import EagleDrafter
-from medusa_jax.heads.hydra import HydraHeads, path_tokens
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.inference.api import generate
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
@@ -53,15 +51,7 @@ def _top_k_along(graphdef, params, tokens_bt, *, top_k: int):
     cache = KVCache.zeros(base.config, b, t)
     positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     hidden_btd, _ = base(tokens_bt, positions_bt, attention_mask(cache.lengths_b, causal_block(t), t), cache)
-    if isinstance(heads, EagleDrafter):  # depth m + 1 of a chain from every position, true tokens on the chain
-        outs_mbtd = heads.unrolled(hidden_btd, tokens_bt, base, heads.config.num_heads)
-        return jnp.stack([heads.top_k(out_btd, base, top_k) for out_btd in outs_mbtd])
-    if isinstance(heads, HydraHeads):  # teacher forcing: head i's path is the true tokens t + 1 .. t + 1 + i
-        path_bte = path_tokens(tokens_bt, heads.config.num_heads)
-        _, ids = jax.lax.top_k(jnp.stack([heads.head_logits(i, hidden_btd, path_bte[..., : i + 1], base)
-                                          for i in range(heads.config.num_heads)]), top_k)
-        return heads.to_full_vocab(ids.astype(jnp.int32))
-    return heads.top_k(hidden_btd, base, top_k)
+    return heads.teacher_forced_top_k(hidden_btd, tokens_bt, base, top_k)  # each kind: its own teacher forcing
 
 
 def count_hits_by_sequence(top_k_mbtr: np.ndarray, sequences: Sequence[Sequence[int]], starts: Sequence[int]):

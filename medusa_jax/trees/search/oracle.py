@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.heads.dynamic_tree import TreeProposal, grow_from_candidates
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers
+from medusa_jax.trees.dynamic_tree import TreeProposal, grow_from_candidates
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.medusa import ProposeInputs, heads_proposer, tree_tokens
 
 PLANTED_LOGP_GAP = 8.0  # dynamic trees: rank r's draft logit is -8 r (rank 0 has probability > 0.999)

@@ -13,7 +13,7 @@ token); nodes 1..n are the paths sorted by (length, ranks). With T = n + 1 tree 
     retrieve_valid_ce [C, depth+1]  bool, False on padding
 
 A dynamic tree (`DynamicTree`, "dynamic:N[,k=K,d=D]") is not a fixed shape but a recipe: each step grows each row's
-tree from the drafter's own probabilities on static sizes (medusa_jax/heads/dynamic_tree.py). It is accepted wherever a
+tree from the drafter's own probabilities on static sizes (medusa_jax/trees/dynamic_tree.py). It is accepted wherever a
 tree is decoded with; `load_tree` parses its text form.
 """
 
@@ -74,7 +74,7 @@ def default_dynamic_top_k(nodes: int, depth: int) -> int:
 class DynamicTree:
     """A dynamic (EAGLE-2 style) draft tree: per step and per row, the drafter grows it D depths deep, expanding
     the K children of the K best frontier nodes of each depth (by cumulative draft probability), then keeps the N
-    best of all drafted nodes (medusa_jax/heads/dynamic_tree.py). N counts the verified nodes without the root, as a
+    best of all drafted nodes (medusa_jax/trees/dynamic_tree.py). N counts the verified nodes without the root, as a
     static tree's paths do: T = N + 1 tree tokens per row. Hashable: a static argument of the jitted loop."""
 
     nodes: int  # N

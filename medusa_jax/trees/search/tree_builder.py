@@ -1,4 +1,4 @@
-"""build_tree: measure head accuracy and step time on this machine, then pick the tree (see inference/tree_choice.py).
+"""build_tree: measure head accuracy and step time on this machine, then pick the tree (see medusa_jax/trees/policy/tree_choice.py).
 
 1. held-out prompts (the LAST conversations of the ShareGPT data, first user turn, chat template), continued
    greedily by the base model itself (self-distilled text);
@@ -26,14 +26,15 @@ from typing import Callable
 
 import numpy as np
 
-from medusa_jax.heads.tree import DynamicTree, TreeError, build_tree, parse_dynamic_tree
-from medusa_jax.inference import step_cost, tree_choice
+from medusa_jax.trees.tree import DynamicTree, TreeError, build_tree, parse_dynamic_tree
+from medusa_jax.trees.policy import step_cost, tree_choice
 from medusa_jax.inference.api import BatchSettings, generate_batch
-from medusa_jax.inference.calibration import DynamicGain, pick_for_batch
+from medusa_jax.trees.policy.calibration import DynamicGain, pick_for_batch
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.training.sharegpt import read_conversations
-from medusa_jax.bench import head_accuracy
-from medusa_jax.bench.bench_inputs import LoadedModel, machine_description
+from medusa_jax.trees.search import head_accuracy
+from medusa_jax.inference.loaded_model import LoadedModel
+from medusa_jax.trees.policy.calibration import machine_description
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,12 +153,7 @@ def build(loaded: LoadedModel, config: BuildTreeConfig,
         chosen[batch], records[str(batch)] = pick_for_batch(
             scaled_mr, costs, len(order), config.min_speedup,
             np.round(accuracy.per_sequence_smr, 4) * config.accuracy_scale, gains)  # as stored in trees.json
-        r = records[str(batch)]
-        progress(f"batch {batch}: " + (f"{_describe(chosen[batch])}, predicted {r['predicted_tokens_per_step']:.2f} "
-                                       f"tokens/step, x{r['predicted_speedup_vs_plain']:.2f} over plain"
-                                       if chosen[batch] else
-                                       f"no tree (the best predicts x{r['best_tree_predicted_speedup']:.2f} < "
-                                       f"{config.min_speedup}): plain"))
+        progress(_choice_line(batch, chosen[batch], records[str(batch)]))
     built = {
         "machine": machine_description(),
         "model": loaded.folder.name,
@@ -178,8 +174,13 @@ def build(loaded: LoadedModel, config: BuildTreeConfig,
     return chosen, built
 
 
-def _describe(tree) -> str:
-    return f"dynamic tree {tree.name}" if isinstance(tree, DynamicTree) else f"tree of {len(tree)} nodes"
+def _choice_line(batch: int, tree, record: dict) -> str:
+    if not tree:
+        return (f"batch {batch}: no tree pays (best predicted x{record['best_tree_predicted_speedup']:.2f}): "
+                f"decode plainly")
+    what = f"dynamic tree {tree.name}" if isinstance(tree, DynamicTree) else f"tree of {len(tree)} nodes"
+    return (f"batch {batch}: {what}, predicted {record['predicted_tokens_per_step']:.2f} tokens/step, "
+            f"x{record['predicted_speedup_vs_plain']:.2f} over plain")
 
 
 def summary_lines(batches: dict[int, tuple], built: dict) -> list[str]:
@@ -192,8 +193,5 @@ def summary_lines(batches: dict[int, tuple], built: dict) -> list[str]:
         lines.append(f"batch {batch}: step ms by tree tokens " + ", ".join(
             f"T={t}: {s * 1e3:.1f}" for t, s in zip(steps["tree_tokens"], steps["fitted"]))
             + f" (plain {r['plain_step_seconds'] * 1e3:.1f})")
-        lines.append(f"batch {batch}: " + (
-            f"{_describe(paths)}, predicted {r['predicted_tokens_per_step']:.2f} tokens/step, "
-            f"x{r['predicted_speedup_vs_plain']:.2f} over plain" if paths else
-            f"no tree pays (best predicted x{r['best_tree_predicted_speedup']:.2f}): decode plainly"))
+        lines.append(_choice_line(batch, paths, r))
     return lines

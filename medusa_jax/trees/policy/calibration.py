@@ -29,6 +29,8 @@ import hashlib
 import json
 import os
 import platform
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -38,9 +40,9 @@ from flax import nnx
 
 from medusa_jax.atomic import write_text_atomic
 from medusa_jax.paths import cache_root
-from medusa_jax.heads.tree import DynamicTree, TreeError, build_tree
-from medusa_jax.heads.trees_file import HeadsTrees, resolve_tree
-from medusa_jax.inference import step_cost, tree_choice
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers, TreeError, build_tree
+from medusa_jax.trees.trees_file import HeadsTrees, resolve_tree
+from medusa_jax.trees.policy import step_cost, tree_choice
 
 MODES = ("auto", "redo", "skip")
 ENV = "MEDUSA_JAX_CALIBRATION"
@@ -74,7 +76,7 @@ def pick_for_batch(accuracy_mr, costs: step_cost.StepCostTable, max_nodes: int, 
     # step time cannot fall as the tree grows: fit the measured (noisy) times with a non-decreasing curve
     fitted = tuple(tree_choice.nondecreasing_fit(costs.medusa_seconds))
     cost = tree_choice.StepCost(costs.num_tree_tokens, fitted)
-    choice = tree_choice.choose_tree(accuracy_mr, cost, min(max_nodes, cost.max_tokens - 1))
+    choice = tree_choice.fastest_greedy_tree(accuracy_mr, cost, min(max_nodes, cost.max_tokens - 1))
     if per_sequence_smr is not None:  # a batch waits for its slowest row: sized on per-sequence predictions
         choice = tree_choice.rescore_for_batch(choice, per_sequence_smr, costs.batch, cost)
     speedup_by_size = [tps * costs.plain_seconds for tps in choice.tokens_per_second]
@@ -188,6 +190,22 @@ def machine_key() -> dict:
             "device": f"{len(devices)} x {devices[0].device_kind}", "jax": jax.__version__}
 
 
+def machine_description() -> dict:
+    """Where a measurement ran: CPU model and count, JAX backend and version, load average at the time."""
+    cpu = cpu_name()
+    devices = jax.devices()
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": f"{len(devices)} x {devices[0].device_kind}",
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "python": sys.version.split()[0],
+    }
+
+
 def cache_file(machine: dict, model_config, heads_config, batch: int, tree_tokens, *, root: Path | None = None,
                dynamic: Sequence[DynamicTree] = ()) -> Path:
     what = {"machine": machine, "model": repr(model_config), "heads": repr(heads_config), "batch": batch,
@@ -230,7 +248,7 @@ def measure(base, heads, accuracy: Accuracy, batch: int, progress: Callable[[str
 
 @dataclasses.dataclass(frozen=True)
 class Calibrated:
-    paths: "tuple[tuple[int, ...], ...] | DynamicTree"  # () : decode plainly
+    tree: TreeBuffers | DynamicTree | None  # None: decode plainly
     record: dict  # pick_for_batch's record (predictions, step seconds)
     note: str
     measured: bool  # False: read from the cache
@@ -266,13 +284,13 @@ def calibrated_paths(model, trees: HeadsTrees, backend: str, batch: int, mode: s
     paths, record = pick_for_batch(accuracy.scaled_mr, costs, len(accuracy.order), accuracy.min_speedup,
                                    accuracy.per_sequence_smr, accuracy.dynamic)
     where = "measured now" if measured else "cached"
-    if isinstance(paths, DynamicTree):
-        note = (f"the heads' dynamic tree {paths.name} calibrated on this machine at batch {batch} ({where}: "
-                f"predicted x{record['predicted_speedup_vs_plain']:.2f} over plain)")
-    elif paths:
-        note = (f"the heads' tree of {len(paths)} nodes calibrated on this machine at batch {batch} ({where}: "
-                f"predicted x{record['predicted_speedup_vs_plain']:.2f} over plain)")
-    else:
-        note = (f"plain decoding: calibrated on this machine at batch {batch} ({where}), no tree is predicted to "
-                f"pay (best x{record['best_tree_predicted_speedup']:.2f} < {accuracy.min_speedup})")
-    return Calibrated(paths if isinstance(paths, DynamicTree) else tuple(paths), record, note, measured)
+    if not paths:
+        return Calibrated(None, record, f"plain decoding: calibrated on this machine at batch {batch} ({where}), no "
+                          f"tree is predicted to pay (best x{record['best_tree_predicted_speedup']:.2f} < "
+                          f"{accuracy.min_speedup})", measured)
+    heads = model.heads_config
+    tree = paths if isinstance(paths, DynamicTree) else build_tree(
+        paths, name=f"calibrated_batch{batch}", num_heads=heads.num_heads, max_top_k=heads.head_vocab_size)
+    what = f"dynamic tree {tree.name}" if isinstance(tree, DynamicTree) else f"tree of {len(paths)} nodes"
+    return Calibrated(tree, record, f"the heads' {what} calibrated on this machine at batch {batch} ({where}: "
+                      f"predicted x{record['predicted_speedup_vs_plain']:.2f} over plain)", measured)

@@ -25,7 +25,7 @@ from flax import nnx
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
-from medusa_jax.heads.tree import DynamicTree, TreeBuffers
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.autoregressive import PlainState, plain_step
 from medusa_jax.inference.medusa import MedusaState, medusa_step
