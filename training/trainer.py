@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from medusa_jax.model import sharding as shd
 from medusa_jax.model.backbone import CausalLM
-from medusa_jax.model.config import resolve_dtype
+from medusa_jax.model.config import LayerExecution, resolve_dtype
 from medusa_jax.heads.hydra import path_tokens
 from medusa_jax.heads.init import heads_class
 from medusa_jax.heads.medusa import MedusaHeads
@@ -72,6 +72,7 @@ class TrainConfig:
     eagle_feature_weight: float = 1.0
     eagle_ce_weight: float = 0.1
     eagle_train_depth: int = 1  # > 1: also train depths 2..N on the drafter's own outputs (loss_decay**(k-1))
+    layers: LayerExecution = LayerExecution()  # the backbone's layers in the step: scan, remat, attention kernel
 
     def __post_init__(self):
         resolve_dtype(self.compute_dtype)
@@ -146,11 +147,13 @@ def cast_floating(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def _compute_graphdef(module: nnx.Module, make, dtype: str):
-    """The module's graph definition with its compute dtype set to `dtype` (parameters cast on the fly)."""
-    if dtype == module.config.dtype:
+def _compute_graphdef(module: nnx.Module, make, dtype: str, **changes):
+    """The module's graph definition with its compute dtype set to `dtype` (parameters cast on the fly) and its
+    config's other `changes` (the backbone's LayerExecution: the parameters are the same)."""
+    changes = {"dtype": dtype, **changes}
+    if all(getattr(module.config, k) == v for k, v in changes.items()):
         return nnx.split(module)[0]
-    return nnx.split(nnx.eval_shape(lambda: make(dataclasses.replace(module.config, dtype=dtype))))[0]
+    return nnx.split(nnx.eval_shape(lambda: make(dataclasses.replace(module.config, **changes))))[0]
 
 
 def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
@@ -180,7 +183,7 @@ class Trainer:
                              f"--medusa2")
         self.num_heads, self.head_type = heads.config.num_heads, heads.config.head_type
         dtype = config.compute_dtype
-        self._base_def = _compute_graphdef(base, lambda c: CausalLM(c, nnx.Rngs(0)), dtype)
+        self._base_def = _compute_graphdef(base, lambda c: CausalLM(c, nnx.Rngs(0)), dtype, execution=config.layers)
         self._heads_def = _compute_graphdef(heads, lambda c: heads_class(c)(c, nnx.Rngs(0)), dtype)
         trainable = nnx.Param
         if config.freeze_head_lm_heads:

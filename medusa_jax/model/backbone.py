@@ -4,7 +4,8 @@ The forward takes token ids [B, T], explicit positions [B, T] and an explicit bo
 [B, T, S] over all S cache slots (build it with `kv_cache.attention_mask`): the Medusa tree mask passes
 through unchanged. It writes the new K/V at each row's `lengths` offset and returns the final-norm hidden
 states; `logits()` maps hidden states to the vocabulary (tied or untied lm_head). Without a cache
-(`cache=None`, training's packed rows) the T tokens attend only to each other, under a [B, T, T] mask.
+(`cache=None`, training's packed rows) the T tokens attend only to each other, under a [B, T, T] mask, and the
+layers run as `config.execution` says (unrolled or scanned, rematerialised; `layer_stack.py`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from medusa_jax.model.attention import grouped_attention
+from medusa_jax.model.attention import grouped_attention, self_attention
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.kv_cache import KVCache, write_layer
+from medusa_jax.model.layer_stack import run_layers
 from medusa_jax.model.rope import apply_rope, inverse_frequencies
 from medusa_jax.model.sharding import constrain_rows
 
@@ -56,9 +58,9 @@ class Attention(nnx.Module):
         q_btnh = apply_rope(self.q_proj(x_btd).reshape(b, t, n, h), positions_bt, inv_freq)
         k_btkh = apply_rope(self.k_proj(x_btd).reshape(b, t, k, h), positions_bt, inv_freq)
         v_btkh = self.v_proj(x_btd).reshape(b, t, k, h)
-        if k_bkhs is None:  # the call's own K/V, in the cache's layouts (its T tokens are the slots)
-            keys_bkht, values_bkth = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
-            out_btkgh = grouped_attention(q_btnh.reshape(b, t, k, g, h), keys_bkht, values_bkth, mask_bts)
+        if k_bkhs is None:  # the call's own K/V (its T tokens are the slots)
+            out_btkgh = self_attention(q_btnh.reshape(b, t, k, g, h), k_btkh, v_btkh, mask_bts,
+                                       cfg.execution.attention)
             return self.o_proj(out_btkgh.reshape(b, t, n * h)), None, None
         k_bkhs, v_bksh = write_layer(k_bkhs, v_bksh, k_btkh, v_btkh, lengths_b)
         out_btkgh = grouped_attention(q_btnh.reshape(b, t, k, g, h), k_bkhs, v_bksh, mask_bts)
@@ -122,11 +124,8 @@ class CausalLM(nnx.Module):
             mask_bts = mask_bts & ((positions_bt[:, :, None] - keys_bs[:, None, :]) < cfg.sliding_window)
         inv_freq = inverse_frequencies(cfg)
         x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
-        if cache is None:
-            for layer in self.layers:
-                x, _, _ = layer(x, positions_bt, mask_bts, None, None, None, inv_freq)
-                x = constrain_rows(x)
-            return self.norm(x), None
+        if cache is None:  # unrolled or scanned, with remat, as cfg.execution says (layer_stack.py)
+            return self.norm(run_layers(self.layers, x, positions_bt, mask_bts, inv_freq, cfg.execution)), None
         k_layers, v_layers = [], []
         for layer, k_bkhs, v_bksh in zip(self.layers, cache.k_bkhs, cache.v_bksh):
             x, k_bkhs, v_bksh = layer(x, positions_bt, mask_bts, k_bkhs, v_bksh, cache.lengths_b, inv_freq)
