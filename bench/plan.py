@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
-from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.config import LayerExecution, ModelConfig
 from medusa_jax.model.sharding import MeshConfig, MeshError
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.dynamic_tree import scratch_slots
@@ -52,6 +52,7 @@ class PlanConfig:
     medusa2: bool = False
     compute_dtype: str = "bfloat16"  # train only: the dtype the step computes in
     heads_dtype: str = "float32"  # train: heads are trained in float32; decode uses the model's dtype
+    layers: LayerExecution = LayerExecution()  # train: the backbone's scan, remat and attention (train_heads flags)
 
     def __post_init__(self):
         if self.job not in JOBS:
@@ -169,7 +170,7 @@ def lower_train(config: PlanConfig):
     mesh = _mesh(config)
     base, heads = abstract_models(config)
     train = TrainConfig(medusa2=config.medusa2, compute_dtype=config.compute_dtype, head_lr_multiplier=4.0
-                        if config.medusa2 else 1.0)
+                        if config.medusa2 else 1.0, layers=config.layers)
     trainer = Trainer(base, heads, train, mesh, abstract=True)
     rows = jax.ShapeDtypeStruct((config.batch, config.seq), np.int32)
     batch = {"tokens": rows, "segment_ids": rows, "positions": rows,

@@ -301,6 +301,15 @@ class Trainer:
         sh = self._batch_shardings(batch)
         return {k: jax.make_array_from_process_local_data(sh[k], np.asarray(v)) for k, v in batch.items()}
 
+    def _under_mesh(self, fn):
+        """fn traced under the mesh's axes, so the model's sharding constraints apply (rows over data x fsdp,
+        one layer's weights gathered over fsdp at a time: medusa_jax.model.sharding)."""
+        def traced(*args):
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                return fn(*args)
+
+        return traced
+
     def _compiled(self, cache: dict, kind: str, batch, build):
         if kind not in cache:
             cache[kind] = build(self._batch_shardings(batch))
@@ -312,7 +321,7 @@ class Trainer:
         kind = batch_kind(batch)
         rep = shd.replicated(self.mesh)
         return self._compiled(self._steps, kind, batch, lambda bsh: jax.jit(
-            self._train_step, in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings, bsh),
+            self._under_mesh(self._train_step), in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings, bsh),
             out_shardings=(self.param_shardings, self.opt_shardings, rep), donate_argnums=(0, 1)))
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -326,7 +335,7 @@ class Trainer:
         kind = batch_kind(batch)
         rep = shd.replicated(self.mesh)
         fn = self._compiled(self._evals, kind, batch, lambda bsh: jax.jit(
-            self._eval_step, in_shardings=(self.param_shardings, self.frozen_shardings, bsh), out_shardings=rep))
+            self._under_mesh(self._eval_step), in_shardings=(self.param_shardings, self.frozen_shardings, bsh), out_shardings=rep))
         return jax.device_get(fn(self.params, self.frozen, self.device_batch(batch)))
 
     # ---- results ----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from medusa_jax.model.config import LayerExecution
-from medusa_jax.model.sharding import constrain_rows
+from medusa_jax.model.sharding import constrain_rows, gathered_over_fsdp
 
 # jax.checkpoint policies by LayerExecution.remat (None: no checkpoint, every intermediate is saved)
 REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
@@ -32,7 +32,7 @@ REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
 def _layer_step(layer_def, positions_bt, mask_bts, inv_freq, remat: str) -> Callable:
     """(layer state, x_btd) -> x_btd of one decoder layer, checkpointed by `remat`."""
     def step(state, x_btd):
-        layer = nnx.merge(layer_def, state)
+        layer = nnx.merge(layer_def, gathered_over_fsdp(state))
         x_btd, _, _ = layer(x_btd, positions_bt, mask_bts, None, None, None, inv_freq)
         return constrain_rows(x_btd)
 

@@ -206,3 +206,20 @@ def constrain_rows(x: jax.Array) -> jax.Array:
     if x.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
         return x
     return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *([None] * (x.ndim - 1))))
+
+
+def gathered_over_fsdp(state):
+    """One layer's parameters (an NNX state) all-gathered over `fsdp`, their `tensor` split kept, when traced
+    under a mesh with our axes (`jax.sharding.use_abstract_mesh`, as the trainer traces); unchanged otherwise.
+    FSDP's gather before a layer's products, pinned: without it XLA's partitioner may instead all-gather the
+    activations over the batch axes inside the scan over layers (it did on a small model), which on a pod's
+    batch is the larger transfer."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(AXES) <= set(mesh.axis_names) or mesh.shape["fsdp"] == 1:
+        return state
+
+    def gather(path, leaf):
+        spec = spec_for_path(".".join(path), leaf.ndim)
+        return jax.lax.with_sharding_constraint(leaf, P(*(None if a == "fsdp" else a for a in spec)))
+
+    return fill_state(state, gather)
