@@ -11,7 +11,7 @@ from typing import Callable
 from medusa_jax.atomic import write_text_atomic
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.training.memory_plan import DeviceEstimate, estimate_per_device, lower_bound
-from medusa_jax.bench.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits
+from medusa_jax.training.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits
 from medusa_jax.bench.presets import model_config
 
 GIB = 2**30

@@ -24,11 +24,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from medusa_jax.model.config import ATTENTION_KINDS, REMAT_POLICIES, LayerExecution
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.tree import load_tree
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.training.memory_plan import estimate_per_device
-from medusa_jax.bench.plan import PlanConfig, compile_plan, device_capacity, largest_batch
+from medusa_jax.training.plan import PlanConfig, compile_plan, device_capacity, largest_batch
 from medusa_jax.bench.plan_report import build_table, describe, warnings
 from medusa_jax.bench.presets import PRESETS, model_config
 from medusa_jax.progress import heartbeat
@@ -64,6 +65,15 @@ def parse_args(argv):
                         "weights; bfloat16 for decode)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="train: the dtype the step computes in (default: %(default)s)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="train: the backbone's layers under one scan (train_heads.py --scan-layers): FSDP gathers one "
+                        "layer at a time")
+    p.add_argument("--remat", choices=REMAT_POLICIES, default="none",
+                   help="train: what the backward keeps of each layer (train_heads.py --remat) (default: %(default)s)")
+    p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
+                   help="train: attention of the rows (train_heads.py --attention; cudnn, a GPU kernel, is "
+                        "planned as chunked: neither keeps scores for the backward) "
+                        "(default: %(default)s)")
     p.add_argument("--device", default="h100-80g",
                    help="h100-80g, h200-141g, tpu-v5e-16g or a byte count per device (default: %(default)s)")
     p.add_argument("--headroom", check=in_range(0.0, 1.0, high_open=True), type=float, default=0.1,
@@ -112,7 +122,8 @@ def plan_main(argv: list[str]) -> int:
                                       f"scratch slots); plan fewer cache slots")
         config = PlanConfig(model, mesh, job=args.job, batch=args.batch, seq=seq,
                             cache=args.cache, tree=args.tree, num_heads=args.heads, lm_head=args.lm_head,
-                            medusa2=args.medusa2, compute_dtype=args.compute_dtype)
+                            medusa2=args.medusa2, compute_dtype=args.compute_dtype,
+                            layers=LayerExecution(scan=args.scan_layers, remat=args.remat, attention=args.attention))
     except (ValueError, OSError) as e:
         return validate.fail(e)
     force_host_devices(max(mesh.size, 1))

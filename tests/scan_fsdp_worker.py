@@ -25,8 +25,8 @@ from medusa_jax.model.config import LayerExecution, ModelConfig  # noqa: E402
 from medusa_jax.model.sharding import MeshConfig  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
 from medusa_jax.training.trainer import TrainConfig, Trainer  # noqa: E402
-from medusa_jax.bench import hlo_collectives as hc  # noqa: E402
-from medusa_jax.bench.plan import PlanConfig, lower_train  # noqa: E402
+from medusa_jax.training import hlo_collectives as hc  # noqa: E402
+from medusa_jax.training.plan import PlanConfig, lower_train  # noqa: E402
 from medusa_jax.bench.presets import PRESETS  # noqa: E402
 
 # q/o projections [128, 256], k/v [128, 64], MLP [128, 448] / [448, 128]: sizes no head or embedding shares

@@ -1,6 +1,6 @@
 """The one memory estimator: closed-form bytes from a model's shapes, for the trainer's check before it loads
 anything (`estimate_run`, `check_fits`) and for the planner's per-device estimate of a train or decode job
-beside its compiled plan (`estimate_per_device`, `lower_bound`; medusa_jax.bench.plan). Both count parameters
+beside its compiled plan (`estimate_per_device`, `lower_bound`; medusa_jax.training.plan). Both count parameters
 with `backbone_params` and `heads_params`.
 
 A training run on one host (`estimate_run`; bytes, float32 everywhere, as the trainer stores weights and
@@ -21,7 +21,7 @@ optimiser state):
 Checked against measured peaks (VmHWM) on SmolLM2-135M at 8 x 1,024 positions: own lm_heads over 49,152
 tokens peaked at 23.9 GB (22.3 GiB; estimate 22.2 GiB), the default truncated:3072 at 3.3 GiB (estimate 3.7).
 
-One device of a mesh (`estimate_per_device`, for a `bench.plan.PlanConfig`), following the layouts of
+One device of a mesh (`estimate_per_device`, for a `training.plan.PlanConfig`), following the layouts of
 `medusa_jax.model.sharding`: weight matrices split over fsdp x tensor, norms replicated, biases over tensor;
 each layer's K and V cache buffers split over rows (data x fsdp) and KV heads (tensor); Adam's two moments
 like their parameters. Activations are the largest working sets, not a full liveness analysis:
@@ -40,6 +40,7 @@ import dataclasses
 
 import numpy as np
 
+from medusa_jax.model.attention import QUERY_CHUNK
 from medusa_jax.model.config import ModelConfig, resolve_dtype
 
 GIB = 2**30
@@ -53,16 +54,22 @@ class MemoryPlanError(ValueError):
 
 # ---- parameters -----------------------------------------------------------------------------------------
 
-def backbone_params(model: ModelConfig, split: int = 1, tensor: int = 1) -> float:
-    """Parameters of the backbone one device holds: matrices / split, biases / tensor, norms whole (the whole
-    model with split = tensor = 1)."""
+def layer_params(model: ModelConfig, split: int = 1, tensor: int = 1) -> float:
+    """Parameters of one decoder layer one device holds: matrices / split, biases / tensor, norms whole."""
     d, h = model.hidden_size, model.head_dim
     q, kv = model.num_heads * h, model.num_kv_heads * h
     per_layer = (d * (q + 2 * kv) + q * d + 3 * d * model.intermediate_size) / split + 2 * d
     if model.attention_bias:
         per_layer += (q + 2 * kv) / tensor
-    embed = model.vocab_size * d / split
-    return model.num_layers * per_layer + embed + d + (0 if model.tie_word_embeddings else embed)
+    return per_layer
+
+
+def backbone_params(model: ModelConfig, split: int = 1, tensor: int = 1) -> float:
+    """Parameters of the backbone one device holds: matrices / split, biases / tensor, norms whole (the whole
+    model with split = tensor = 1)."""
+    embed = model.vocab_size * model.hidden_size / split
+    return (model.num_layers * layer_params(model, split, tensor) + embed + model.hidden_size
+            + (0 if model.tie_word_embeddings else embed))
 
 
 def heads_params(model: ModelConfig, num_heads: int, num_layers: int, head_vocab: int | None, split: int = 1,
@@ -175,7 +182,7 @@ def _bytes(dtype: str) -> int:
 
 
 def estimate_per_device(config) -> DeviceEstimate:
-    """Per-device bytes of a `bench.plan.PlanConfig` (module docstring)."""
+    """Per-device bytes of a `training.plan.PlanConfig` (module docstring)."""
     m, mesh = config.model, config.mesh
     split, tensor, rows = mesh.fsdp * mesh.tensor, mesh.tensor, mesh.data * mesh.fsdp
     dev_rows = config.batch / rows
@@ -195,16 +202,35 @@ def estimate_per_device(config) -> DeviceEstimate:
         return DeviceEstimate(int(params), 0, int(cache), int(max(prefill, loop)))
     trainable = head_params * _bytes(heads_dtype) + (base_params * _bytes(m.dtype) if config.medusa2 else 0)
     act = _bytes(config.compute_dtype)
+    layers = config.layers
     tokens = dev_rows * config.seq
-    scores = 2 * dev_rows * heads_part * config.seq * config.seq * 4  # fp32 scores and probabilities of one layer
-    layer = tokens * (4 * m.hidden_size + 3 * mlp_part) * act + scores
+    # fp32 scores and probabilities of one layer: all T queries (xla), or one block of them (chunked; cudnn's
+    # flash tiles are smaller still)
+    queries = config.seq if layers.attention == "xla" else min(config.seq, QUERY_CHUNK)
+    scores = 2 * dev_rows * heads_part * queries * config.seq * 4
+    layer = tokens * (4 * m.hidden_size + 3 * mlp_part) * act + scores  # one layer's working set
     head_logits = 3 * tokens * vocab_part * 4  # logits, softmax and their gradient, one head at a time
     if config.medusa2:  # saved for the backward pass, one layer's backward working set, the LM loss's logits
-        backbone = (m.num_layers + 1) * layer + 2 * tokens * vocab_part * 4
+        saved = {"none": tokens * (4 * m.hidden_size + 3 * mlp_part) * act + (scores if queries == config.seq
+                                                                               else 0),
+                 "full": tokens * m.hidden_size * act,
+                 "dots": tokens * (3 * m.hidden_size + 3 * mlp_part) * act}[layers.remat]
+        backbone = m.num_layers * saved + 2 * layer + 2 * tokens * vocab_part * 4
     else:
         backbone = layer
-    gathered = (base_params + head_params) * (mesh.fsdp - 1) * act if mesh.fsdp > 1 else 0
-    return DeviceEstimate(int(params), int(2 * trainable), 0, int(trainable + backbone + head_logits + gathered))
+    gathered, stacked = 0, 0
+    if layers.scan:  # the layers' compute-dtype copy stacked for the scan (module docstring of layer_stack)
+        stacked = m.num_layers * layer_params(m, split, tensor) * act
+    if mesh.fsdp > 1 and layers.scan:  # two layers gathered at once (one in use, the next one arriving), the
+        # embedding and one head's lm_head (the heads' losses run one head at a time)
+        whole = lambda params: params * mesh.fsdp * act
+        gathered = 2 * whole(layer_params(m, split, tensor)) + whole(
+            (backbone_params(m, split, tensor) - m.num_layers * layer_params(m, split, tensor))
+            + heads_params(m, 1, 1, own_vocab, split, tensor))
+    elif mesh.fsdp > 1:
+        gathered = (base_params + head_params) * (mesh.fsdp - 1) * act
+    return DeviceEstimate(int(params), int(2 * trainable),
+                          0, int(trainable + backbone + head_logits + gathered + stacked))
 
 
 def lower_bound(config) -> int:

@@ -175,7 +175,7 @@ class Trainer:
     def __init__(self, base: CausalLM, heads: MedusaHeads, config: TrainConfig, mesh: Mesh, abstract: bool = False):
         """`abstract`: base and heads come from `nnx.eval_shape`; the state is shapes and shardings only
         (jax.ShapeDtypeStruct), nothing is allocated, and only `jitted_step(...).lower` is usable
-        (medusa_jax.bench.plan)."""
+        (medusa_jax.training.plan)."""
         self.config, self.mesh = config, mesh
         shd.validate_model_mesh(base.config, mesh)
         if heads.config.head_type != "medusa" and config.medusa2:

@@ -30,7 +30,7 @@ from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.heads.tree import load_tree
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.training.trainer import TrainConfig, Trainer
-from medusa_jax.bench import hlo_collectives as hc
+from medusa_jax.training import hlo_collectives as hc
 
 JOBS = ("train", "decode")
 
@@ -169,8 +169,11 @@ def lower_train(config: PlanConfig):
     """(lowered train step, argument groups) of `Trainer.jitted_step` on abstract state and batch."""
     mesh = _mesh(config)
     base, heads = abstract_models(config)
+    layers = config.layers  # the CPU compiler has no cuDNN: its flash kernel is planned as chunked attention
+    if layers.attention == "cudnn":
+        layers = dataclasses.replace(layers, attention="chunked")
     train = TrainConfig(medusa2=config.medusa2, compute_dtype=config.compute_dtype, head_lr_multiplier=4.0
-                        if config.medusa2 else 1.0, layers=config.layers)
+                        if config.medusa2 else 1.0, layers=layers)
     trainer = Trainer(base, heads, train, mesh, abstract=True)
     rows = jax.ShapeDtypeStruct((config.batch, config.seq), np.int32)
     batch = {"tokens": rows, "segment_ids": rows, "positions": rows,
