@@ -13,8 +13,9 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
 from medusa_jax.model.attention import chunked_attention, grouped_attention, self_attention
-from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.backbone import CausalLM, with_layer_execution
 from medusa_jax.model.config import LayerExecution, ModelConfig
+from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.training.data import segment_mask
 
 CFG = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
@@ -76,9 +77,11 @@ def test_chunked_attention_keeps_no_scores_for_the_backward():
 
 
 def _model_loss(state, execution, tokens_bt, dtype):
-    config = CFG.replace(execution=execution, dtype=dtype)
+    """The loss of the per-layer model `state` run as `execution` (its layers stacked for a scan)."""
+    config = CFG.replace(dtype=dtype)
     model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: CausalLM(config, nnx.Rngs(0)))),
                       jax.tree.map(lambda x: x.astype(dtype), state))
+    model = with_layer_execution(model, execution)
     positions_bt = jnp.broadcast_to(jnp.arange(T), tokens_bt.shape)
     hidden_btd, _ = model(tokens_bt, positions_bt, segment_mask(jnp.ones_like(tokens_bt)))
     logits = model.logits(hidden_btd)
@@ -102,11 +105,27 @@ def test_scan_and_remat_give_the_unrolled_losses_and_gradients(execution, dtype,
         _close(ref, with_today, rtol, atol_frac)
 
 
+def test_stacked_layers_round_trip_and_decode():
+    """Stacking and unstacking give back the same parameters; a stacked model's cache path (prefill + a step)
+    gives the per-layer model's hidden states and cache."""
+    model = CausalLM(CFG, nnx.Rngs(0))
+    scanned = with_layer_execution(model, LayerExecution(scan=True))
+    assert scanned.layers.mlp.down_proj.kernel[...].shape == (CFG.num_layers, CFG.intermediate_size, CFG.hidden_size)
+    back = with_layer_execution(scanned, LayerExecution())
+    for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(model))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cache = KVCache.zeros(CFG, B, 64)
+    tokens_bt = jax.random.randint(jax.random.key(2), (B, 8), 0, CFG.vocab_size)
+    positions_bt = jnp.broadcast_to(jnp.arange(8), (B, 8))
+    mask_bts = attention_mask(cache.lengths_b, causal_block(8), 64)
+    (ours, our_cache), (ref, ref_cache) = (m(tokens_bt, positions_bt, mask_bts, cache) for m in (scanned, model))
+    _close((ours, our_cache.k_bkhs, our_cache.v_bksh), (ref, ref_cache.k_bkhs, ref_cache.v_bksh), 1e-5, 1e-6)
+
+
 def test_scan_traces_one_layer():
     """The scanned forward's program holds one layer body, whatever the depth (unrolled: one per layer)."""
     def count_dots(execution, layers):
-        config = CFG.replace(num_layers=layers, execution=execution)
-        model = CausalLM(config, nnx.Rngs(0))
+        model = CausalLM(CFG.replace(num_layers=layers, execution=execution), nnx.Rngs(0))
         tokens_bt = jnp.zeros((1, 8), jnp.int32)
         mask = segment_mask(jnp.ones_like(tokens_bt))
         text = str(jax.make_jaxpr(lambda t: model(t, jnp.broadcast_to(jnp.arange(8), t.shape), mask)[0])(tokens_bt))

@@ -14,8 +14,8 @@ optimiser state):
                truncated:N); three float32 [P, V_head] blocks per head (logits, softmax, gradient) live at
                once, for all heads together (XLA on CPU schedules the heads side by side). With --medusa2 the
                backbone's own logits add 12 x P x V.
-  backbone     frozen backbone in the step: 4 x P x (4 D + 2 F) for one layer's activations plus one layer's
-               attention scores 4 x B x heads x T x T; with --medusa2 every layer's activations are kept for
+  backbone     frozen backbone in the step: 4 x P x (4 D + 2 F) for one layer's activations plus one query block's
+               attention scores 4 x B x heads x min(T, 512) x T; with --medusa2 every layer's activations are kept for
                the backward pass (x layers).
   overhead     1.5 GiB: the Python process, XLA, tokenizer and data.
 Checked against measured peaks (VmHWM) on SmolLM2-135M at 8 x 1,024 positions: own lm_heads over 49,152
@@ -27,11 +27,15 @@ each layer's K and V cache buffers split over rows (data x fsdp) and KV heads (t
 like their parameters. Activations are the largest working sets, not a full liveness analysis:
   decode  prefill: one layer's attention scores and probabilities (fp32) and MLP activations of the prompt;
           loop: the tree's base logits and the heads' logits (fp32)
-  train   each head's logits, rematerialised one head at a time (forward + gradient, fp32); the backbone's
-          forward one layer at a time (Medusa-1: nothing is kept for the backward pass), or every layer's
-          saved activations and the backbone's gradients (Medusa-2); the trainable parameters' gradients;
-          with fsdp > 1 the weights gathered over fsdp, all of them (XLA's CPU schedule keeps every gathered
-          weight live; a GPU schedule may hold fewer at once, so this side is pessimistic).
+  train   every head's logits and their gradient (fp32; XLA runs the heads side by side), with fsdp > 1 each
+          own lm_head whole twice (gathered, and its gradient before the reduction); the backbone's
+          forward one layer at a time with one query block's attention scores (Medusa-1: nothing is kept for the
+          backward pass), or what `--remat` saves of every layer (none: its activations; full: its input; dots:
+          its products) plus two layers' working sets and the LM loss's logits (Medusa-2); the trainable
+          parameters' gradients; with fsdp > 1 and the layers scanned (`--scan-layers`), two layers' weights
+          gathered (one in use, the next arriving), the embedding and lm_head gathered,
+          and the stacked layers cast to the compute dtype when it differs from the weights'; unrolled, every
+          weight gathered (XLA's CPU schedule of the unrolled step keeps many gathered weights live).
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def estimate_run(model: ModelConfig, *, num_heads: int, num_layers: int, head_vo
     backbone = 0
     if not cache_hidden:
         per_layer = 4 * positions * (4 * d + 2 * f)
-        scores = 4 * batch_size * model.num_heads * seq_len * seq_len
+        scores = 4 * batch_size * model.num_heads * min(seq_len, QUERY_CHUNK) * seq_len  # one query block
         backbone = per_layer * (model.num_layers if medusa2 else 1) + scores
     return MemoryEstimate(int(weights), int(12 * trainable), int(logits), int(backbone))
 
@@ -209,7 +213,11 @@ def estimate_per_device(config) -> DeviceEstimate:
     queries = config.seq if layers.attention == "xla" else min(config.seq, QUERY_CHUNK)
     scores = 2 * dev_rows * heads_part * queries * config.seq * 4
     layer = tokens * (4 * m.hidden_size + 3 * mlp_part) * act + scores  # one layer's working set
-    head_logits = 3 * tokens * vocab_part * 4  # logits, softmax and their gradient, one head at a time
+    # every head's logits and their gradient (fp32; the softmax is fused into its reductions) at once: XLA
+    # schedules the heads side by side; with fsdp > 1 each own lm_head is also held whole, gathered and as its
+    # full gradient before the reduction
+    head_weights = 2 * m.hidden_size * vocab_part * 4 if own_vocab and mesh.fsdp > 1 else 0
+    head_logits = config.num_heads * (2 * tokens * vocab_part * 4 + head_weights)
     if config.medusa2:  # saved for the backward pass, one layer's backward working set, the LM loss's logits
         saved = {"none": tokens * (4 * m.hidden_size + 3 * mlp_part) * act + (scores if queries == config.seq
                                                                                else 0),
@@ -218,19 +226,18 @@ def estimate_per_device(config) -> DeviceEstimate:
         backbone = m.num_layers * saved + 2 * layer + 2 * tokens * vocab_part * 4
     else:
         backbone = layer
-    gathered, stacked = 0, 0
-    if layers.scan:  # the layers' compute-dtype copy stacked for the scan (module docstring of layer_stack)
-        stacked = m.num_layers * layer_params(m, split, tensor) * act
+    gathered, cast = 0, 0
+    if layers.scan and m.dtype != config.compute_dtype:  # the stacked layers cast to the compute dtype, whole
+        cast = m.num_layers * layer_params(m, split, tensor) * act  # before the loop (it reads every layer)
     if mesh.fsdp > 1 and layers.scan:  # two layers gathered at once (one in use, the next one arriving), the
-        # embedding and one head's lm_head (the heads' losses run one head at a time)
+        # embedding and lm_head (the heads' own lm_heads are counted with their logits)
         whole = lambda params: params * mesh.fsdp * act
         gathered = 2 * whole(layer_params(m, split, tensor)) + whole(
-            (backbone_params(m, split, tensor) - m.num_layers * layer_params(m, split, tensor))
-            + heads_params(m, 1, 1, own_vocab, split, tensor))
+            backbone_params(m, split, tensor) - m.num_layers * layer_params(m, split, tensor))
     elif mesh.fsdp > 1:
         gathered = (base_params + head_params) * (mesh.fsdp - 1) * act
     return DeviceEstimate(int(params), int(2 * trainable),
-                          0, int(trainable + backbone + head_logits + gathered + stacked))
+                          0, int(trainable + backbone + head_logits + gathered + cast))
 
 
 def lower_bound(config) -> int:

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from medusa_jax.model import sharding as shd
-from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.backbone import CausalLM, with_layer_execution
 from medusa_jax.model.config import LayerExecution, resolve_dtype
 from medusa_jax.heads.hydra import path_tokens
 from medusa_jax.heads.init import heads_class
@@ -147,13 +147,11 @@ def cast_floating(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def _compute_graphdef(module: nnx.Module, make, dtype: str, **changes):
-    """The module's graph definition with its compute dtype set to `dtype` (parameters cast on the fly) and its
-    config's other `changes` (the backbone's LayerExecution: the parameters are the same)."""
-    changes = {"dtype": dtype, **changes}
-    if all(getattr(module.config, k) == v for k, v in changes.items()):
+def _compute_graphdef(module: nnx.Module, make, dtype: str):
+    """The module's graph definition with its compute dtype set to `dtype` (parameters cast on the fly)."""
+    if dtype == module.config.dtype:
         return nnx.split(module)[0]
-    return nnx.split(nnx.eval_shape(lambda: make(dataclasses.replace(module.config, **changes))))[0]
+    return nnx.split(nnx.eval_shape(lambda: make(dataclasses.replace(module.config, dtype=dtype))))[0]
 
 
 def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
@@ -183,7 +181,9 @@ class Trainer:
                              f"--medusa2")
         self.num_heads, self.head_type = heads.config.num_heads, heads.config.head_type
         dtype = config.compute_dtype
-        self._base_def = _compute_graphdef(base, lambda c: CausalLM(c, nnx.Rngs(0)), dtype, execution=config.layers)
+        self._given_layers = base.config.execution  # base() returns the backbone in the form it was given
+        base = with_layer_execution(base, config.layers)  # layers stacked for the scan (model/layer_stack.py)
+        self._base_def = _compute_graphdef(base, lambda c: CausalLM(c, nnx.Rngs(0)), dtype)
         self._heads_def = _compute_graphdef(heads, lambda c: heads_class(c)(c, nnx.Rngs(0)), dtype)
         trainable = nnx.Param
         if config.freeze_head_lm_heads:
@@ -347,7 +347,7 @@ class Trainer:
     def base(self) -> CausalLM:
         """The backbone (trained in Medusa-2, the original in Medusa-1) on the host's default device."""
         state = jax.device_get(self.params["base"] if self.config.medusa2 else self.frozen["base"])
-        return nnx.merge(self._stored_base_def, _to_device(state))
+        return with_layer_execution(nnx.merge(self._stored_base_def, _to_device(state)), self._given_layers)
 
 
 def batch_kind(batch) -> str:

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from medusa_jax.model.attention import grouped_attention, self_attention
-from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.config import LayerExecution, ModelConfig
 from medusa_jax.model.kv_cache import KVCache, write_layer
-from medusa_jax.model.layer_stack import run_layers
+from medusa_jax.model.layer_stack import layer_slices, run_layers, stacked
 from medusa_jax.model.rope import apply_rope, inverse_frequencies
 from medusa_jax.model.sharding import constrain_rows
 
@@ -106,7 +106,9 @@ class CausalLM(nnx.Module):
         self.config = config
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
                                       rngs=rngs, embedding_init=nnx.initializers.normal(0.02))
-        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        layers = [DecoderLayer(config, rngs) for _ in range(config.num_layers)]
+        # one by one, or one module of [L, ...] parameters that the forward scans over (layer_stack.py)
+        self.layers = stacked(layers) if config.execution.scan else nnx.List(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else _linear(
             config.hidden_size, config.vocab_size, False, config, rngs)
@@ -127,7 +129,8 @@ class CausalLM(nnx.Module):
         if cache is None:  # unrolled or scanned, with remat, as cfg.execution says (layer_stack.py)
             return self.norm(run_layers(self.layers, x, positions_bt, mask_bts, inv_freq, cfg.execution)), None
         k_layers, v_layers = [], []
-        for layer, k_bkhs, v_bksh in zip(self.layers, cache.k_bkhs, cache.v_bksh):
+        layers = layer_slices(self.layers, cfg.num_layers) if cfg.execution.scan else self.layers
+        for layer, k_bkhs, v_bksh in zip(layers, cache.k_bkhs, cache.v_bksh):
             x, k_bkhs, v_bksh = layer(x, positions_bt, mask_bts, k_bkhs, v_bksh, cache.lengths_b, inv_freq)
             x = constrain_rows(x)
             k_layers.append(k_bkhs)
@@ -152,3 +155,16 @@ class CausalLM(nnx.Module):
         if self.lm_head is None:
             return self.embed_tokens.embedding[...].T
         return self.lm_head.kernel[...]
+
+
+def with_layer_execution(model: CausalLM, execution: LayerExecution) -> CausalLM:
+    """`model` running as `execution` says, its layers stacked or unstacked to match (`layer_stack.py`); the
+    other parameters are shared, not copied."""
+    config = model.config.replace(execution=execution)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(config, nnx.Rngs(0))))
+    state = nnx.state(model)
+    if execution.scan and not model.config.execution.scan:
+        state["layers"] = nnx.state(stacked(list(model.layers)))
+    elif model.config.execution.scan and not execution.scan:
+        state["layers"] = nnx.state(nnx.List(layer_slices(model.layers, config.num_layers)))
+    return nnx.merge(graphdef, state)

@@ -1,16 +1,16 @@
-"""The decoder layers of a cache-free forward (training's packed rows), run as `LayerExecution` says: unrolled or
-under one `jax.lax.scan`, each layer under a rematerialisation policy.
+"""The decoder layers stored one by one (an nnx.List, the default) or stacked (one DecoderLayer whose parameters
+carry a leading layer axis [L, ...], `LayerExecution.scan`), and the forward over them.
 
-The parameters stay stored per layer (`CausalLM.layers`, an nnx.List): loading, saving, the sharding rules, the
-EAGLE drafter's single layer and the per-layer KV cache are the same for both forms. The scan stacks the layers'
-parameters inside the traced step ([L, ...] leaves, sharded like one layer's: stacking moves no data between
-devices) and runs one layer per iteration, so under FSDP each iteration all-gathers one layer's weights and the
-backward pass keeps one layer's saved values per layer. The stacked copy is made in the compute dtype: with
-float32 master weights and bfloat16 compute it takes the place of the cast copy the unrolled form makes anyway;
-with weights stored in the compute dtype it is one extra copy of the layer weights per device.
+Stacked layers run as one `jax.lax.scan` over their parameters: the program holds one layer, under FSDP each
+iteration all-gathers one layer's weights (`sharding.gathered_over_fsdp`), and the backward pass keeps one layer's
+saved values per layer. Both forms run each layer under the rematerialisation policy `LayerExecution.remat`.
+HF files, the saver and the decoders' per-layer KV cache see the stored-per-layer form: `stack_layers` and
+`unstack_layers` convert a model between the two (the trainer stacks the backbone it is given and unstacks the
+one it returns). A stacked model also runs the cache paths (prefill, decode), one layer slice at a time; that
+is for completeness (on CPU the per-layer form decodes faster, kv_cache.py).
 
-Measured (bench/scan/): on this 2-core CPU a SmolLM2 training step runs about as fast either way, so the
-unrolled form stays the default; pods use the scan (docs/planning.md).
+Measured (bench/scan/): on this 2-core CPU a SmolLM2 training step runs about as fast either way, so storing the
+layers one by one stays the default; pods use the stacked form (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -29,8 +29,28 @@ REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
          "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
+def stacked(layers: list[nnx.Module]) -> nnx.Module:
+    """One module of the layers' structure whose every parameter is the layers' parameters stacked [L, ...]
+    (abstract layers give abstract stacks)."""
+    graphdef = nnx.graphdef(layers[0])
+    states = [nnx.state(layer) for layer in layers]
+    return nnx.merge(graphdef, jax.tree.map(lambda *leaves: _stack(leaves), *states))
+
+
+def _stack(leaves):
+    if isinstance(leaves[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(leaves),) + leaves[0].shape, leaves[0].dtype)
+    return jnp.stack(leaves)
+
+
+def layer_slices(layers: nnx.Module, count: int) -> list[nnx.Module]:
+    """The stacked layers as `count` modules of one layer each (slices of the stacked parameters)."""
+    graphdef, state = nnx.split(layers)
+    return [nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state)) for i in range(count)]
+
+
 def _layer_step(layer_def, positions_bt, mask_bts, inv_freq, remat: str) -> Callable:
-    """(layer state, x_btd) -> x_btd of one decoder layer, checkpointed by `remat`."""
+    """(one layer's state, x_btd) -> x_btd of that decoder layer, checkpointed by `remat`."""
     def step(state, x_btd):
         layer = nnx.merge(layer_def, gathered_over_fsdp(state))
         x_btd, _, _ = layer(x_btd, positions_bt, mask_bts, None, None, None, inv_freq)
@@ -39,16 +59,16 @@ def _layer_step(layer_def, positions_bt, mask_bts, inv_freq, remat: str) -> Call
     return step if REMAT[remat] is None else jax.checkpoint(step, policy=REMAT[remat])
 
 
-def run_layers(layers: nnx.List, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array, inv_freq,
+def run_layers(layers, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array, inv_freq,
                execution: LayerExecution) -> jax.Array:
-    """x_btd through every layer (cache-free: the tokens attend to each other under mask_bts [B, T, T])."""
-    layer_def = nnx.graphdef(layers[0])
-    step = _layer_step(layer_def, positions_bt, mask_bts, inv_freq, execution.remat)
-    states = [nnx.state(layer) for layer in layers]
+    """x_btd through every layer, cache-free (the tokens attend to each other under mask_bts [B, T, T]): `layers`
+    is the nnx.List of the per-layer form, or the stacked module (execution.scan)."""
     if not execution.scan:
-        for state in states:
-            x_btd = step(state, x_btd)
+        step = _layer_step(nnx.graphdef(layers[0]), positions_bt, mask_bts, inv_freq, execution.remat)
+        for layer in layers:
+            x_btd = step(nnx.state(layer), x_btd)
         return x_btd
-    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)  # leaves [L, ...]
-    x_btd, _ = jax.lax.scan(lambda x, state: (step(state, x), None), x_btd, stacked)
+    layer_def, state = nnx.split(layers)
+    step = _layer_step(layer_def, positions_bt, mask_bts, inv_freq, execution.remat)
+    x_btd, _ = jax.lax.scan(lambda x, layer_state: (step(layer_state, x), None), x_btd, state)
     return x_btd

@@ -110,9 +110,16 @@ def axis_size(mesh: Mesh, axis) -> int:
     return int(np.prod([mesh.shape[n] for n in names]))
 
 
+# a stacked layer parameter (model.layer_stack: "layers.self_attn.q_proj.kernel", no layer index) has a leading
+# layer axis, kept whole on every device: each device holds its part of every layer
+_STACKED = re.compile(r"(^|\.)layers\.(?!\d)")
+
+
 def spec_for_path(path: str, ndim: int) -> P:
     for pattern, axes in PARAM_RULES:
         if re.search(pattern, path):
+            if len(axes) + 1 == ndim and _STACKED.search(path):
+                return P(None, *axes)
             if len(axes) != ndim:
                 raise MeshError(f"partition rule {pattern!r} has {len(axes)} axes, parameter {path} has {ndim} dims")
             return P(*axes)
