@@ -33,8 +33,8 @@ like their parameters. Activations are the largest working sets, not a full live
           backward pass), or what `--remat` saves of every layer (none: its activations; full: its input; dots:
           its products) plus two layers' working sets and the LM loss's logits (Medusa-2); the trainable
           parameters' gradients; with fsdp > 1 and the layers scanned (`--scan-layers`), two layers' weights
-          gathered (one in use, the next arriving), the embedding and lm_head gathered,
-          and the stacked layers cast to the compute dtype when it differs from the weights'; unrolled, every
+          gathered (one in use, the next arriving; each layer is cast to the compute dtype inside the scan),
+          the embedding and lm_head gathered; unrolled, every
           weight gathered (XLA's CPU schedule of the unrolled step keeps many gathered weights live).
 """
 
@@ -226,9 +226,7 @@ def estimate_per_device(config) -> DeviceEstimate:
         backbone = m.num_layers * saved + 2 * layer + 2 * tokens * vocab_part * 4
     else:
         backbone = layer
-    gathered, cast = 0, 0
-    if layers.scan and m.dtype != config.compute_dtype:  # the stacked layers cast to the compute dtype, whole
-        cast = m.num_layers * layer_params(m, split, tensor) * act  # before the loop (it reads every layer)
+    gathered = 0
     if mesh.fsdp > 1 and layers.scan:  # two layers gathered at once (one in use, the next one arriving), the
         # embedding and lm_head (the heads' own lm_heads are counted with their logits)
         whole = lambda params: params * mesh.fsdp * act
@@ -237,7 +235,7 @@ def estimate_per_device(config) -> DeviceEstimate:
     elif mesh.fsdp > 1:
         gathered = (base_params + head_params) * (mesh.fsdp - 1) * act
     return DeviceEstimate(int(params), int(2 * trainable),
-                          0, int(trainable + backbone + head_logits + gathered + cast))
+                          0, int(trainable + backbone + head_logits + gathered))
 
 
 def lower_bound(config) -> int:

@@ -219,7 +219,10 @@ class Trainer:
     def _modules(self, params, frozen):
         dtype = resolve_dtype(self.config.compute_dtype)
         base_state = params["base"] if self.config.medusa2 else frozen["base"]
-        base = nnx.merge(self._base_def, cast_floating(base_state, dtype))
+        cast_state = cast_floating(base_state, dtype)
+        if self.config.layers.scan:  # the stacked layers are cast one layer at a time, inside the scan
+            cast_state["layers"] = base_state["layers"]
+        base = nnx.merge(self._base_def, cast_state)
         heads = nnx.merge(self._heads_def, cast_floating(params["heads"], dtype),
                           cast_floating(frozen["heads_rest"], dtype))
         return base, heads

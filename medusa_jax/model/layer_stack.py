@@ -49,9 +49,13 @@ def layer_slices(layers: nnx.Module, count: int) -> list[nnx.Module]:
     return [nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state)) for i in range(count)]
 
 
-def _layer_step(layer_def, positions_bt, mask_bts, inv_freq, remat: str) -> Callable:
-    """(one layer's state, x_btd) -> x_btd of that decoder layer, checkpointed by `remat`."""
+def _layer_step(layer_def, positions_bt, mask_bts, inv_freq, remat: str, dtype) -> Callable:
+    """(one layer's state, x_btd) -> x_btd of that decoder layer, its weights cast to `dtype` (the trainer's
+    float32 master weights reach the layer as they are stored), checkpointed by `remat`."""
     def step(state, x_btd):
+        # the barrier keeps what XLA does to the weights (the cast, re-layouts, the CPU compiler's float32 copies
+        # of bf16 weights) inside the layer: hoisted out of the scan they were copies of every layer at once
+        state = jax.tree.map(lambda w: w.astype(dtype), jax.lax.optimization_barrier(state))
         layer = nnx.merge(layer_def, gathered_over_fsdp(state))
         x_btd, _, _ = layer(x_btd, positions_bt, mask_bts, None, None, None, inv_freq)
         return constrain_rows(x_btd)
@@ -64,11 +68,12 @@ def run_layers(layers, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.
     """x_btd through every layer, cache-free (the tokens attend to each other under mask_bts [B, T, T]): `layers`
     is the nnx.List of the per-layer form, or the stacked module (execution.scan)."""
     if not execution.scan:
-        step = _layer_step(nnx.graphdef(layers[0]), positions_bt, mask_bts, inv_freq, execution.remat)
+        step = _layer_step(nnx.graphdef(layers[0]), positions_bt, mask_bts, inv_freq, execution.remat,
+                           x_btd.dtype)
         for layer in layers:
             x_btd = step(nnx.state(layer), x_btd)
         return x_btd
     layer_def, state = nnx.split(layers)
-    step = _layer_step(layer_def, positions_bt, mask_bts, inv_freq, execution.remat)
+    step = _layer_step(layer_def, positions_bt, mask_bts, inv_freq, execution.remat, x_btd.dtype)
     x_btd, _ = jax.lax.scan(lambda x, layer_state: (step(layer_state, x), None), x_btd, state)
     return x_btd
