@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Callable
 
 from medusa_jax.atomic import write_text_atomic
+from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.training.memory_plan import DeviceEstimate, estimate_per_device, lower_bound
-from medusa_jax.bench.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits
+from medusa_jax.training.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits
 from medusa_jax.bench.presets import model_config
 
 GIB = 2**30
+POD_LAYERS = LayerExecution(scan=True, remat="full")  # train_heads.py --scan-layers --remat full (docs/planning.md)
 
 
 def _gib(n: float) -> str:
@@ -82,7 +84,7 @@ def table_rows(models=("llama3-8b", "llama3-70b"), train_seq: int = 2048, train_
         for medusa2 in (False, True):
             rows.append(TableRow(model, f"train Medusa-{2 if medusa2 else 1}, {train_batch} x {train_seq} tokens",
                                  dict(job="train", batch=train_batch, seq=train_seq, medusa2=medusa2,
-                                      dtype="float32"),
+                                      dtype="float32", layers=POD_LAYERS),
                                  {"gpu": "fsdp=8", "v5e": "fsdp=16"}))
         for batch in (1, 8, 64):
             rows.append(TableRow(model, f"decode batch {batch}, cache {cache}",

@@ -11,7 +11,7 @@ and top-k (`sharded_top_k`); `data` alone needs no collective but the loop's "an
 batch), and the decode loop needs extra activation collectives over fsdp per layer (XLA's choice on the
 meshes we compiled; it could as well gather weights). It saves memory, not time: for decoding prefer
 data x tensor, and fsdp only when the weights do not fit. The tests check the compiled loops with
-`medusa_jax.bench.hlo_collectives` (`invariant_gathers` lists weights re-gathered at every step).
+`medusa_jax.training.hlo_collectives` (`invariant_gathers` lists weights re-gathered at every step).
 
 Multi-host: every process holds the same (small) host batch of token ids; `put_rows` builds each process's
 addressable shards from it, so each process feeds only the rows its devices hold, and `fetch` gathers the
@@ -238,7 +238,7 @@ class ShardedModel:
 
     def abstract_inputs(self, batch_size: int, prompt_len: int, cache_size: int) -> tuple:
         """(cache, prompt_bt, prompt_lens_b, key) as jax.ShapeDtypeStructs in their mesh layouts: lowering a
-        decode loop on them allocates nothing (medusa_jax.bench.plan)."""
+        decode loop on them allocates nothing (medusa_jax.training.plan)."""
         rows_2d, rows_1d, rep = batch_sharding(self.mesh, 2), batch_sharding(self.mesh, 1), replicated(self.mesh)
         cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                              jax.eval_shape(lambda: KVCache.zeros(self.config, batch_size, cache_size)),

@@ -33,6 +33,7 @@ Axis legend: an array's name ends in one letter per axis, outermost first (`v_bk
     v  vocabulary                       u  a truncated head vocabulary (token_map)
     l  layers                           o  generated output tokens per row
     x  any flattened leading axes
+    i  query blocks of chunked attention (medusa_jax/model/attention.py)
   Medusa:
     m  Medusa / Hydra heads             r  top-k ranks of a head
     c  candidate paths (tree leaves, rows of the retrieve table)

@@ -24,11 +24,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from medusa_jax.model.config import ATTENTION_KINDS, REMAT_POLICIES, LayerExecution
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.training.memory_plan import estimate_per_device
-from medusa_jax.bench.plan import PlanConfig, compile_plan, device_capacity, largest_batch
+from medusa_jax.training.plan import (PlanConfig, compile_plan, device_capacity, largest_batch,
+                                      measure_train_step)
 from medusa_jax.bench.plan_report import build_table, describe, warnings
 from medusa_jax.bench.presets import PRESETS, model_config
 from medusa_jax.progress import heartbeat
@@ -64,6 +66,15 @@ def parse_args(argv):
                         "weights; bfloat16 for decode)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="train: the dtype the step computes in (default: %(default)s)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="train: the backbone's layers under one scan (train_heads.py --scan-layers): FSDP gathers one "
+                        "layer at a time")
+    p.add_argument("--remat", choices=REMAT_POLICIES, default="none",
+                   help="train: what the backward keeps of each layer (train_heads.py --remat) (default: %(default)s)")
+    p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
+                   help="train: attention of the rows (train_heads.py --attention; cudnn, a GPU kernel, is "
+                        "planned as chunked: neither keeps scores for the backward) "
+                        "(default: %(default)s)")
     p.add_argument("--device", default="h100-80g",
                    help="h100-80g, h200-141g, tpu-v5e-16g or a byte count per device (default: %(default)s)")
     p.add_argument("--headroom", check=in_range(0.0, 1.0, high_open=True), type=float, default=0.1,
@@ -112,7 +123,8 @@ def plan_main(argv: list[str]) -> int:
                                       f"scratch slots); plan fewer cache slots")
         config = PlanConfig(model, mesh, job=args.job, batch=args.batch, seq=seq,
                             cache=args.cache, tree=args.tree, num_heads=args.heads, lm_head=args.lm_head,
-                            medusa2=args.medusa2, compute_dtype=args.compute_dtype)
+                            medusa2=args.medusa2, compute_dtype=args.compute_dtype,
+                            layers=LayerExecution(scan=args.scan_layers, remat=args.remat, attention=args.attention))
     except (ValueError, OSError) as e:
         return validate.fail(e)
     force_host_devices(max(mesh.size, 1))
@@ -179,28 +191,39 @@ def table_main(argv: list[str]) -> int:
     return 0
 
 
-VS_DEVICE_DOC = """The compiled memory plan of one Medusa decode call next to what a real accelerator used for it.
+VS_DEVICE_DOC = """The compiled memory plan of one decode call or train step next to what a real accelerator used for it.
 
-Runs `plan.py` (forced CPU devices, abstract inputs) in a subprocess, then loads the model on this machine's first
-accelerator with random heads (shared lm_head), runs the same decode call once and reads the device's peak memory
-(`memory_stats()["peak_bytes_in_use"]`, GPU and TPU runtimes report it).
+Runs `plan.py` (forced CPU devices, abstract inputs) in a subprocess, then on this machine's first accelerator:
+decode: loads the model with random heads (shared lm_head) and runs the same decode call once; train: builds the
+model from its config.json with random weights and 4 heads with own lm_heads (as planned) and runs one train step
+on random rows. It reads the device's peak memory (`memory_stats()["peak_bytes_in_use"]`, GPU and TPU runtimes
+report it) and, for train, the device compiler's own figure for the step.
 
-Example (on a GPU machine):
+Examples (on a GPU machine):
   python scripts/plan.py vs-device --model default --batch 8 --seq 128 --cache 512
+  python scripts/plan.py vs-device --job train --model CONFIG_FOLDER --batch 8 --seq 1024 --medusa2 --scan-layers \\
+      --remat full
 """
 
 
 def vs_device_main(argv: list[str]) -> int:
-    """`plan.py vs-device`: the plan of one decode call vs the device's measured peak memory."""
+    """`plan.py vs-device`: the plan of one decode call or train step vs the device's measured peak memory."""
     p = ArgumentParser(prog="plan.py vs-device", description=VS_DEVICE_DOC)
+    p.add_argument("--job", choices=("decode", "train"), default="decode", help="what to run (default: %(default)s)")
     p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for SmolLM2-135M-Instruct (default: %(default)s)")
-    p.add_argument("--batch", check=in_range(1, MAX_BATCH), type=int, default=8, help="prompts per call (default: %(default)s)")
-    p.add_argument("--seq", check=in_range(1, MAX_SEQ), type=int, default=128, help="padded prompt length (default: %(default)s)")
-    p.add_argument("--cache", check=in_range(1, MAX_SEQ), type=int, default=512, help="KV cache slots (default: %(default)s)")
-    p.add_argument("--tree", default="mc_sim_7b_63", help="tree preset or dynamic:N[,k=K,d=D] (default: %(default)s)")
+                   help="HF model folder (train: config.json is enough), or 'default' for SmolLM2-135M-Instruct "
+                        "(default: %(default)s)")
+    p.add_argument("--batch", check=in_range(1, MAX_BATCH), type=int, default=8, help="prompts or packed rows per call (default: %(default)s)")
+    p.add_argument("--seq", check=in_range(1, MAX_SEQ), type=int, default=128, help="padded prompt length or tokens per row (default: %(default)s)")
+    p.add_argument("--cache", check=in_range(1, MAX_SEQ), type=int, default=512, help="decode: KV cache slots (default: %(default)s)")
+    p.add_argument("--tree", default="mc_sim_7b_63", help="decode: tree preset or dynamic:N[,k=K,d=D] (default: %(default)s)")
     p.add_argument("--heads", check=in_range(1, 64), type=int, default=4, help="random Medusa heads (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights (default: bf16)")
+    p.add_argument("--medusa2", action="store_true", help="train: joint training of the backbone")
+    p.add_argument("--scan-layers", action="store_true", help="train: the layers under one scan")
+    p.add_argument("--remat", choices=REMAT_POLICIES, default="none", help="train: remat policy (default: %(default)s)")
+    p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
+                   help="train: attention kernel on the device (the plan uses chunked for cudnn) (default: %(default)s)")
     args = p.parse_args(argv)
 
     device = jax.devices()[0]
@@ -208,30 +231,49 @@ def vs_device_main(argv: list[str]) -> int:
         print(f"error: {device.platform} device reports no peak memory; run this on a GPU or TPU", file=sys.stderr)
         return 2
     try:
-        folder = str(validate.model_arg("--model", args.model, tokenizer=False))
+        if args.job == "train":
+            validate.model_folder("--model", args.model, tokenizer=False, weights=False)
+            folder = args.model
+        else:
+            folder = str(validate.model_arg("--model", args.model, tokenizer=False))
     except (ValueError, OSError) as e:
         return validate.fail(e)
-    plan_cmd = [sys.executable, str(Path(__file__).resolve()), "--model", folder, "--job", "decode",
-                "--lm-head", "shared", "--batch", str(args.batch), "--seq", str(args.seq), "--cache",
-                str(args.cache), "--tree", args.tree, "--heads", str(args.heads), "--dtype", args.dtype, "--json"]
-    proc = subprocess.run(plan_cmd, capture_output=True, text=True)
+    common = ["--model", folder, "--job", args.job, "--batch", str(args.batch), "--seq", str(args.seq), "--heads",
+              str(args.heads), "--dtype", args.dtype, "--json"]
+    if args.job == "train":
+        extra = ["--remat", args.remat, "--attention", args.attention] + ["--medusa2"] * args.medusa2 + \
+            ["--scan-layers"] * args.scan_layers
+    else:
+        extra = ["--lm-head", "shared", "--cache", str(args.cache), "--tree", args.tree]
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *common, *extra], capture_output=True,
+                          text=True)
     if proc.returncode:
         print(proc.stderr, file=sys.stderr)
         return proc.returncode
     plan = json.loads(proc.stdout)
-
-    model = load_sharded(folder, dtype=args.dtype, random_heads=args.heads)
-    tree = load_tree(args.tree, num_heads=args.heads)
-    before = device.memory_stats()["bytes_in_use"]
-    prompts = np.ones((args.batch, args.seq), np.int32)
-    model.medusa_decode(prompts, np.full((args.batch,), args.seq, np.int32), tree=tree, cache_size=args.cache,
-                        max_new_tokens=args.cache - args.seq - tree.num_tokens)
-    peak = device.memory_stats()["peak_bytes_in_use"]
     mib = 2**20
-    print(f"{device.device_kind}: weights resident before the call {before / mib:.1f} MiB, peak {peak / mib:.1f} MiB")
+    if args.job == "train":
+        config = PlanConfig(model_config(folder, args.dtype), MeshConfig(), job="train", batch=args.batch,
+                            seq=args.seq, num_heads=args.heads, medusa2=args.medusa2,
+                            layers=LayerExecution(scan=args.scan_layers, remat=args.remat, attention=args.attention))
+        measured = measure_train_step(config)
+        before, peak = measured["state"], measured["peak"]
+        print(f"{device.device_kind}: {device.platform} compiler's figure for the step "
+              f"{measured['compiled'] / mib:.1f} MiB")
+    else:
+        model = load_sharded(folder, dtype=args.dtype, random_heads=args.heads)
+        tree = load_tree(args.tree, num_heads=args.heads)
+        before = device.memory_stats()["bytes_in_use"]
+        prompts = np.ones((args.batch, args.seq), np.int32)
+        model.medusa_decode(prompts, np.full((args.batch,), args.seq, np.int32), tree=tree, cache_size=args.cache,
+                            max_new_tokens=args.cache - args.seq - tree.num_tokens)
+        peak = device.memory_stats()["peak_bytes_in_use"]
+    resident = "parameters and optimiser state" if args.job == "train" else "weights"
+    print(f"{device.device_kind}: {resident} resident before the call {before / mib:.1f} MiB, peak {peak / mib:.1f} MiB")
     print(f"plan (CPU compile): total {plan['device_bytes'] / mib:.1f} MiB (parameters "
-          f"{plan['arguments']['params'] / mib:.1f}, KV cache {plan['arguments']['kv_cache'] / mib:.1f}, "
-          f"temporaries {plan['device_temp_bytes'] / mib:.1f}); analytic {plan['analytic']['total'] / mib:.1f} MiB")
+          f"{plan['arguments']['params'] / mib:.1f}, optimiser {plan['arguments']['optimizer'] / mib:.1f}, KV cache "
+          f"{plan['arguments']['kv_cache'] / mib:.1f}, temporaries {plan['device_temp_bytes'] / mib:.1f}); analytic "
+          f"{plan['analytic']['total'] / mib:.1f} MiB")
     print(f"plan / measured peak = {plan['device_bytes'] / peak:.2f}")
     return 0
 

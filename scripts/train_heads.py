@@ -21,6 +21,7 @@ import jax
 from medusa_jax.assets import is_default_model
 from medusa_jax.hub import is_hub_id
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
+from medusa_jax.model.config import ATTENTION_KINDS, REMAT_POLICIES, LayerExecution
 from medusa_jax.model.sharding import MeshError
 from medusa_jax.training.checkpointing import CheckpointMismatch
 from medusa_jax.training.data import DataConfig
@@ -119,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=t.eagle_train_depth)
     add(g, "--compute-dtype", "dtype the step computes in; weights and optimiser state stay float32 (use "
         "bfloat16 on GPU)", default=t.compute_dtype, choices=("float32", "bfloat16"))
+    add(g, "--scan-layers", "run the backbone's layers under one scan over their stacked parameters: FSDP gathers "
+        "one layer at a time and the program stays small (GPU/TPU pods; on CPU the unrolled default is as fast)",
+        action="store_true")
+    add(g, "--remat", "what the backward pass keeps of each backbone layer (Medusa-2): none = everything, full = "
+        "its input only (recompute the layer), dots = the matrix products' outputs",
+        default=t.layers.remat, choices=REMAT_POLICIES)
+    add(g, "--attention", "attention of the training rows: chunked (query blocks, scores recomputed for the "
+        "backward), xla or cudnn (jax.nn.dot_product_attention; cudnn = fused flash attention on NVIDIA GPUs with "
+        "--compute-dtype bfloat16)", default=t.layers.attention, choices=ATTENTION_KINDS)
     add(g, "--seed", check=SEED, help="data split/order and head initialisation seed", type=int, default=r.seed)
     g = p.add_argument_group("Medusa-2 (joint training)")
     add(g, "--medusa2", "train the backbone too (writes OUTPUT/base_model)", action="store_true")
@@ -238,7 +248,9 @@ def run(args: argparse.Namespace) -> int:
                           compute_dtype=args.compute_dtype, freeze_head_lm_heads=args.freeze_lm_heads,
                           head_loss=args.head_loss, ce_weight=args.ce_weight, kl_weight=args.kl_weight,
                           eagle_noise=args.eagle_noise, eagle_feature_weight=args.eagle_feature_weight,
-                          eagle_ce_weight=args.eagle_ce_weight, eagle_train_depth=args.eagle_train_depth))
+                          eagle_ce_weight=args.eagle_ce_weight, eagle_train_depth=args.eagle_train_depth,
+                          layers=LayerExecution(scan=args.scan_layers, remat=args.remat,
+                                                attention=args.attention)))
     with CompileCounter() as compiles:
         result = train_heads(config)
     print(json.dumps({**result, **compiles.summary()}))

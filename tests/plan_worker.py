@@ -23,7 +23,7 @@ from medusa_jax.model.backbone import CausalLM  # noqa: E402
 from medusa_jax.model.config import ModelConfig  # noqa: E402
 from medusa_jax.model.sharding import MeshConfig  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
-from medusa_jax.bench.plan import PlanConfig, compile_plan, largest_batch  # noqa: E402
+from medusa_jax.training.plan import PlanConfig, compile_plan, largest_batch  # noqa: E402
 from medusa_jax.training.memory_plan import estimate_per_device as estimate  # noqa: E402
 from medusa_jax.training.trainer import TrainConfig, Trainer  # noqa: E402
 from medusa_jax.bench.presets import PRESETS, model_config  # noqa: E402

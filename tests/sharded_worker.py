@@ -39,7 +39,7 @@ from medusa_jax.inference.acceptance import AcceptanceConfig  # noqa: E402
 from medusa_jax.inference.api import BatchSettings, generate, generate_batch, generate_medusa  # noqa: E402
 from medusa_jax.inference.engine import cache_size_for, pad_prompts  # noqa: E402
 from medusa_jax.inference.sharded import ShardedModel  # noqa: E402
-from medusa_jax.bench.hlo_collectives import invariant_gathers, loop_collectives  # noqa: E402
+from medusa_jax.training.hlo_collectives import invariant_gathers, loop_collectives  # noqa: E402
 from decode_helpers import randomise_kernels  # noqa: E402
 
 MAX_NEW = 20

@@ -1,4 +1,4 @@
-"""Memory plans (medusa_jax.bench.plan): compiled on abstract inputs over 8 forced CPU devices, they match the real
+"""Memory plans (medusa_jax.training.plan): compiled on abstract inputs over 8 forced CPU devices, they match the real
 Trainer's device buffers and the analytic estimate; the Llama-3-8B plans compile without allocating weights.
 
 The JAX work runs in subprocesses (tests/plan_worker.py, scripts/plan.py): the device count is fixed before JAX
@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from medusa_jax.bench.hlo_collectives import entry_upcast_bytes, shape_bytes
-from medusa_jax.bench.plan import device_capacity
+from medusa_jax.training.hlo_collectives import entry_upcast_bytes, shape_bytes
+from medusa_jax.training.plan import device_capacity
 from medusa_jax.training.memory_plan import backbone_params
 from medusa_jax.bench.presets import PRESETS, model_config
 from medusa_jax.bench.plan_report import markdown_table, table_rows

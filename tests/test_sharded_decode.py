@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from medusa_jax.bench.hlo_collectives import invariant_gathers, loop_collectives
+from medusa_jax.training.hlo_collectives import invariant_gathers, loop_collectives
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.folder import save_heads

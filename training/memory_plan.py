@@ -1,6 +1,6 @@
 """The one memory estimator: closed-form bytes from a model's shapes, for the trainer's check before it loads
 anything (`estimate_run`, `check_fits`) and for the planner's per-device estimate of a train or decode job
-beside its compiled plan (`estimate_per_device`, `lower_bound`; medusa_jax.bench.plan). Both count parameters
+beside its compiled plan (`estimate_per_device`, `lower_bound`; medusa_jax.training.plan). Both count parameters
 with `backbone_params` and `heads_params`.
 
 A training run on one host (`estimate_run`; bytes, float32 everywhere, as the trainer stores weights and
@@ -14,24 +14,28 @@ optimiser state):
                truncated:N); three float32 [P, V_head] blocks per head (logits, softmax, gradient) live at
                once, for all heads together (XLA on CPU schedules the heads side by side). With --medusa2 the
                backbone's own logits add 12 x P x V.
-  backbone     frozen backbone in the step: 4 x P x (4 D + 2 F) for one layer's activations plus one layer's
-               attention scores 4 x B x heads x T x T; with --medusa2 every layer's activations are kept for
+  backbone     frozen backbone in the step: 4 x P x (4 D + 2 F) for one layer's activations plus one query block's
+               attention scores 4 x B x heads x min(T, 512) x T; with --medusa2 every layer's activations are kept for
                the backward pass (x layers).
   overhead     1.5 GiB: the Python process, XLA, tokenizer and data.
 Checked against measured peaks (VmHWM) on SmolLM2-135M: the estimates and peaks are in docs/training.md
 ("Memory plan").
 
-One device of a mesh (`estimate_per_device`, for a `bench.plan.PlanConfig`), following the layouts of
+One device of a mesh (`estimate_per_device`, for a `training.plan.PlanConfig`), following the layouts of
 `medusa_jax.model.sharding`: weight matrices split over fsdp x tensor, norms replicated, biases over tensor;
 each layer's K and V cache buffers split over rows (data x fsdp) and KV heads (tensor); Adam's two moments
 like their parameters. Activations are the largest working sets, not a full liveness analysis:
   decode  prefill: one layer's attention scores and probabilities (fp32) and MLP activations of the prompt;
           loop: the tree's base logits and the heads' logits (fp32)
-  train   each head's logits, rematerialised one head at a time (forward + gradient, fp32); the backbone's
-          forward one layer at a time (Medusa-1: nothing is kept for the backward pass), or every layer's
-          saved activations and the backbone's gradients (Medusa-2); the trainable parameters' gradients;
-          with fsdp > 1 the weights gathered over fsdp, all of them (XLA's CPU schedule keeps every gathered
-          weight live; a GPU schedule may hold fewer at once, so this side is pessimistic).
+  train   every head's logits and their gradient (fp32; XLA runs the heads side by side), with fsdp > 1 each
+          own lm_head whole twice (gathered, and its gradient before the reduction); the backbone's
+          forward one layer at a time with one query block's attention scores (Medusa-1: nothing is kept for the
+          backward pass), or what `--remat` saves of every layer (none: its activations; full: its input; dots:
+          its products) plus two layers' working sets and the LM loss's logits (Medusa-2); the trainable
+          parameters' gradients; with fsdp > 1 and the layers scanned (`--scan-layers`), two layers' weights
+          gathered (one in use, the next arriving; each layer is cast to the compute dtype inside the scan),
+          the embedding and lm_head gathered; unrolled, every
+          weight gathered (XLA's CPU schedule of the unrolled step keeps many gathered weights live).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import dataclasses
 
 import numpy as np
 
+from medusa_jax.model.attention import QUERY_CHUNK
 from medusa_jax.model.config import ModelConfig, resolve_dtype
 
 GIB = 2**30
@@ -53,16 +58,22 @@ class MemoryPlanError(ValueError):
 
 # ---- parameters -----------------------------------------------------------------------------------------
 
-def backbone_params(model: ModelConfig, split: int = 1, tensor: int = 1) -> float:
-    """Parameters of the backbone one device holds: matrices / split, biases / tensor, norms whole (the whole
-    model with split = tensor = 1)."""
+def layer_params(model: ModelConfig, split: int = 1, tensor: int = 1) -> float:
+    """Parameters of one decoder layer one device holds: matrices / split, biases / tensor, norms whole."""
     d, h = model.hidden_size, model.head_dim
     q, kv = model.num_heads * h, model.num_kv_heads * h
     per_layer = (d * (q + 2 * kv) + q * d + 3 * d * model.intermediate_size) / split + 2 * d
     if model.attention_bias:
         per_layer += (q + 2 * kv) / tensor
-    embed = model.vocab_size * d / split
-    return model.num_layers * per_layer + embed + d + (0 if model.tie_word_embeddings else embed)
+    return per_layer
+
+
+def backbone_params(model: ModelConfig, split: int = 1, tensor: int = 1) -> float:
+    """Parameters of the backbone one device holds: matrices / split, biases / tensor, norms whole (the whole
+    model with split = tensor = 1)."""
+    embed = model.vocab_size * model.hidden_size / split
+    return (model.num_layers * layer_params(model, split, tensor) + embed + model.hidden_size
+            + (0 if model.tie_word_embeddings else embed))
 
 
 def heads_params(model: ModelConfig, num_heads: int, num_layers: int, head_vocab: int | None, split: int = 1,
@@ -109,7 +120,7 @@ def estimate_run(model: ModelConfig, *, num_heads: int, num_layers: int, head_vo
     backbone = 0
     if not cache_hidden:
         per_layer = 4 * positions * (4 * d + 2 * f)
-        scores = 4 * batch_size * model.num_heads * seq_len * seq_len
+        scores = 4 * batch_size * model.num_heads * min(seq_len, QUERY_CHUNK) * seq_len  # one query block
         backbone = per_layer * (model.num_layers if medusa2 else 1) + scores
     return MemoryEstimate(int(weights), int(12 * trainable), int(logits), int(backbone))
 
@@ -175,7 +186,7 @@ def _bytes(dtype: str) -> int:
 
 
 def estimate_per_device(config) -> DeviceEstimate:
-    """Per-device bytes of a `bench.plan.PlanConfig` (module docstring)."""
+    """Per-device bytes of a `training.plan.PlanConfig` (module docstring)."""
     m, mesh = config.model, config.mesh
     split, tensor, rows = mesh.fsdp * mesh.tensor, mesh.tensor, mesh.data * mesh.fsdp
     dev_rows = config.batch / rows
@@ -195,16 +206,36 @@ def estimate_per_device(config) -> DeviceEstimate:
         return DeviceEstimate(int(params), 0, int(cache), int(max(prefill, loop)))
     trainable = head_params * _bytes(heads_dtype) + (base_params * _bytes(m.dtype) if config.medusa2 else 0)
     act = _bytes(config.compute_dtype)
+    layers = config.layers
     tokens = dev_rows * config.seq
-    scores = 2 * dev_rows * heads_part * config.seq * config.seq * 4  # fp32 scores and probabilities of one layer
-    layer = tokens * (4 * m.hidden_size + 3 * mlp_part) * act + scores
-    head_logits = 3 * tokens * vocab_part * 4  # logits, softmax and their gradient, one head at a time
+    # fp32 scores and probabilities of one layer: all T queries (xla), or one block of them (chunked; cudnn's
+    # flash tiles are smaller still)
+    queries = config.seq if layers.attention == "xla" else min(config.seq, QUERY_CHUNK)
+    scores = 2 * dev_rows * heads_part * queries * config.seq * 4
+    layer = tokens * (4 * m.hidden_size + 3 * mlp_part) * act + scores  # one layer's working set
+    # every head's logits and their gradient (fp32; the softmax is fused into its reductions) at once: XLA
+    # schedules the heads side by side; with fsdp > 1 each own lm_head is also held whole, gathered and as its
+    # full gradient before the reduction
+    head_weights = 2 * m.hidden_size * vocab_part * 4 if own_vocab and mesh.fsdp > 1 else 0
+    head_logits = config.num_heads * (2 * tokens * vocab_part * 4 + head_weights)
     if config.medusa2:  # saved for the backward pass, one layer's backward working set, the LM loss's logits
-        backbone = (m.num_layers + 1) * layer + 2 * tokens * vocab_part * 4
+        saved = {"none": tokens * (4 * m.hidden_size + 3 * mlp_part) * act + (scores if queries == config.seq
+                                                                               else 0),
+                 "full": tokens * m.hidden_size * act,
+                 "dots": tokens * (3 * m.hidden_size + 3 * mlp_part) * act}[layers.remat]
+        backbone = m.num_layers * saved + 2 * layer + 2 * tokens * vocab_part * 4
     else:
         backbone = layer
-    gathered = (base_params + head_params) * (mesh.fsdp - 1) * act if mesh.fsdp > 1 else 0
-    return DeviceEstimate(int(params), int(2 * trainable), 0, int(trainable + backbone + head_logits + gathered))
+    gathered = 0
+    if mesh.fsdp > 1 and layers.scan:  # two layers gathered at once (one in use, the next one arriving), the
+        # embedding and lm_head (the heads' own lm_heads are counted with their logits)
+        whole = lambda params: params * mesh.fsdp * act
+        gathered = 2 * whole(layer_params(m, split, tensor)) + whole(
+            backbone_params(m, split, tensor) - m.num_layers * layer_params(m, split, tensor))
+    elif mesh.fsdp > 1:
+        gathered = (base_params + head_params) * (mesh.fsdp - 1) * act
+    return DeviceEstimate(int(params), int(2 * trainable),
+                          0, int(trainable + backbone + head_logits + gathered))
 
 
 def lower_bound(config) -> int:

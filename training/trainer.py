@@ -35,8 +35,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from medusa_jax.model import sharding as shd
-from medusa_jax.model.backbone import CausalLM
-from medusa_jax.model.config import resolve_dtype
+from medusa_jax.model.backbone import CausalLM, with_layer_execution
+from medusa_jax.model.config import LayerExecution, resolve_dtype
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.training import losses
 from medusa_jax.training.objectives import LossSettings, objective_for
@@ -69,6 +69,7 @@ class TrainConfig:
     eagle_feature_weight: float = 1.0
     eagle_ce_weight: float = 0.1
     eagle_train_depth: int = 1  # > 1: also train depths 2..N on the drafter's own outputs (loss_decay**(k-1))
+    layers: LayerExecution = LayerExecution()  # the backbone's layers in the step: scan, remat, attention kernel
 
     def __post_init__(self):
         resolve_dtype(self.compute_dtype)
@@ -156,7 +157,7 @@ class Trainer:
     def __init__(self, base: CausalLM, heads: MedusaHeads, config: TrainConfig, mesh: Mesh, abstract: bool = False):
         """`abstract`: base and heads come from `nnx.eval_shape`; the state is shapes and shardings only
         (jax.ShapeDtypeStruct), nothing is allocated, and only `jitted_step(...).lower` is usable
-        (medusa_jax.bench.plan)."""
+        (medusa_jax.training.plan)."""
         self.config, self.mesh = config, mesh
         shd.validate_model_mesh(base.config, mesh)
         self.objective = objective_for(heads.config.head_type)
@@ -164,6 +165,8 @@ class Trainer:
             raise ValueError(f"{heads.config.head_type} heads train with a frozen backbone (Medusa-1) only; drop "
                              f"--medusa2")
         dtype = config.compute_dtype
+        self._given_layers = base.config.execution  # base() returns the backbone in the form it was given
+        base = with_layer_execution(base, config.layers)  # layers stacked for the scan (model/layer_stack.py)
         self._base_def = _compute_graphdef(base, lambda c: CausalLM(c, nnx.Rngs(0)), dtype)
         self._heads_def = _compute_graphdef(heads, lambda c: type(heads)(c, nnx.Rngs(0)), dtype)
         trainable = nnx.Param
@@ -200,7 +203,10 @@ class Trainer:
     def _modules(self, params, frozen):
         dtype = resolve_dtype(self.config.compute_dtype)
         base_state = params["base"] if self.config.medusa2 else frozen["base"]
-        base = nnx.merge(self._base_def, cast_floating(base_state, dtype))
+        cast_state = cast_floating(base_state, dtype)
+        if self.config.layers.scan:  # the stacked layers are cast one layer at a time, inside the scan
+            cast_state["layers"] = base_state["layers"]
+        base = nnx.merge(self._base_def, cast_state)
         heads = nnx.merge(self._heads_def, cast_floating(params["heads"], dtype),
                           cast_floating(frozen["heads_rest"], dtype))
         return base, heads
@@ -238,6 +244,15 @@ class Trainer:
         sh = self._batch_shardings(batch)
         return {k: jax.make_array_from_process_local_data(sh[k], np.asarray(v)) for k, v in batch.items()}
 
+    def _under_mesh(self, fn):
+        """fn traced under the mesh's axes, so the model's sharding constraints apply (rows over data x fsdp,
+        one layer's weights gathered over fsdp at a time: medusa_jax.model.sharding)."""
+        def traced(*args):
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                return fn(*args)
+
+        return traced
+
     def _compiled(self, cache: dict, kind: str, batch, build):
         if kind not in cache:
             cache[kind] = build(self._batch_shardings(batch))
@@ -249,7 +264,7 @@ class Trainer:
         kind = batch_kind(batch)
         rep = shd.replicated(self.mesh)
         return self._compiled(self._steps, kind, batch, lambda bsh: jax.jit(
-            self._train_step, in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings, bsh),
+            self._under_mesh(self._train_step), in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings, bsh),
             out_shardings=(self.param_shardings, self.opt_shardings, rep), donate_argnums=(0, 1)))
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -263,7 +278,7 @@ class Trainer:
         kind = batch_kind(batch)
         rep = shd.replicated(self.mesh)
         fn = self._compiled(self._evals, kind, batch, lambda bsh: jax.jit(
-            self._eval_step, in_shardings=(self.param_shardings, self.frozen_shardings, bsh), out_shardings=rep))
+            self._under_mesh(self._eval_step), in_shardings=(self.param_shardings, self.frozen_shardings, bsh), out_shardings=rep))
         return jax.device_get(fn(self.params, self.frozen, self.device_batch(batch)))
 
     # ---- results ----------------------------------------------------------------------------------
@@ -275,7 +290,7 @@ class Trainer:
     def base(self) -> CausalLM:
         """The backbone (trained in Medusa-2, the original in Medusa-1) on the host's default device."""
         state = jax.device_get(self.params["base"] if self.config.medusa2 else self.frozen["base"])
-        return nnx.merge(self._stored_base_def, _to_device(state))
+        return with_layer_execution(nnx.merge(self._stored_base_def, _to_device(state)), self._given_layers)
 
 
 def batch_kind(batch) -> str:

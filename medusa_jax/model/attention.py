@@ -10,6 +10,14 @@ Every slot is read, also the masked ones past a row's length. Reading only a pre
 previous design) needs a slice, and XLA:CPU materialises a slice of a cache buffer before a dot: the copy
 cost more than the slots it saved (measured in docs/design.md, "Why per layer"). Masked slots contribute exactly
 zero to the softmax.
+
+A cache-free forward (training's packed rows: the call's own T tokens are the slots) runs `self_attention`:
+"chunked" takes the queries in blocks of QUERY_CHUNK, each block under `jax.checkpoint`, so the forward holds
+one block's scores at a time and the backward recomputes them (only q, K, V, the mask and the output are kept:
+no [B, heads, T, T] tensor lives across layers); "xla" and "cudnn" are `jax.nn.dot_product_attention` with that
+implementation (cudnn: a fused flash kernel on NVIDIA GPUs). The cache paths (prefill, decode, tree verify)
+have no backward pass and keep `grouped_attention`, which reads the cache in its stored layout (the fused
+kernels take K/V as [B, S, K, H]: re-laying the cache each step is the copy tests/test_decode_hlo.py forbids).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 _NEG_INF = -1e30
+QUERY_CHUNK = 512  # query tokens per block of chunked attention
 
 
 def grouped_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array) -> jax.Array:
@@ -32,3 +41,33 @@ def grouped_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, 
     probs_bkxs = jax.nn.softmax(scores_bktgs, axis=-1).astype(q_btkgh.dtype).reshape(b, k, t * g, s)
     out_bkxh = jnp.einsum("bkxs,bksh->bkxh", probs_bkxs, v_bksh.astype(q_btkgh.dtype))
     return out_bkxh.reshape(b, k, t, g, h).transpose(0, 2, 1, 3, 4)
+
+
+def chunked_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array,
+                      chunk: int = QUERY_CHUNK) -> jax.Array:
+    """`grouped_attention` over blocks of `chunk` query tokens (one `lax.map` step each), every block under
+    `jax.checkpoint`: the backward pass keeps the inputs and recomputes a block's scores when it needs them."""
+    attend = jax.checkpoint(grouped_attention)
+    b, t, k, g, h = q_btkgh.shape
+    if t <= chunk:
+        return attend(q_btkgh, k_bkhs, v_bksh, mask_bts)
+    blocks = -(-t // chunk)
+    pad = blocks * chunk - t  # padded query rows see no slot: a uniform softmax, cut off below
+    q_ibtkgh = jnp.pad(q_btkgh, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0))).reshape(
+        b, blocks, chunk, k, g, h).swapaxes(0, 1)
+    mask_ibts = jnp.pad(mask_bts, ((0, 0), (0, pad), (0, 0))).reshape(b, blocks, chunk, -1).swapaxes(0, 1)
+    out_ibtkgh = jax.lax.map(lambda qm: attend(qm[0], k_bkhs, v_bksh, qm[1]), (q_ibtkgh, mask_ibts))
+    return out_ibtkgh.swapaxes(0, 1).reshape(b, blocks * chunk, k, g, h)[:, :t]
+
+
+def self_attention(q_btkgh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, mask_bts: jax.Array,
+                   kind: str) -> jax.Array:
+    """Attention of T tokens over their own K/V (S = T slots): q [B, T, K, G, H], K and V [B, T, K, H], mask
+    [B, T, T] -> [B, T, K, G, H]. kind: "chunked" | "xla" | "cudnn" (module docstring)."""
+    if kind == "chunked":
+        return chunked_attention(q_btkgh, k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3), mask_bts)
+    b, t, k, g, h = q_btkgh.shape
+    out_btnh = jax.nn.dot_product_attention(q_btkgh.reshape(b, t, k * g, h), k_btkh.astype(q_btkgh.dtype),
+                                            v_btkh.astype(q_btkgh.dtype), mask=mask_bts[:, None],
+                                            implementation=kind)
+    return out_btnh.reshape(b, t, k, g, h)

@@ -4,7 +4,8 @@ The forward takes token ids [B, T], explicit positions [B, T] and an explicit bo
 [B, T, S] over all S cache slots (build it with `kv_cache.attention_mask`): the Medusa tree mask passes
 through unchanged. It writes the new K/V at each row's `lengths` offset and returns the final-norm hidden
 states; `logits()` maps hidden states to the vocabulary (tied or untied lm_head). Without a cache
-(`cache=None`, training's packed rows) the T tokens attend only to each other, under a [B, T, T] mask.
+(`cache=None`, training's packed rows) the T tokens attend only to each other, under a [B, T, T] mask, and the
+layers run as `config.execution` says (unrolled or scanned, rematerialised; `layer_stack.py`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from medusa_jax.model.attention import grouped_attention
-from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.attention import grouped_attention, self_attention
+from medusa_jax.model.config import LayerExecution, ModelConfig
 from medusa_jax.model.kv_cache import KVCache, write_layer
+from medusa_jax.model.layer_stack import layer_slices, run_layers, stacked
 from medusa_jax.model.rope import apply_rope, inverse_frequencies
 from medusa_jax.model.sharding import constrain_rows
 
@@ -56,9 +58,9 @@ class Attention(nnx.Module):
         q_btnh = apply_rope(self.q_proj(x_btd).reshape(b, t, n, h), positions_bt, inv_freq)
         k_btkh = apply_rope(self.k_proj(x_btd).reshape(b, t, k, h), positions_bt, inv_freq)
         v_btkh = self.v_proj(x_btd).reshape(b, t, k, h)
-        if k_bkhs is None:  # the call's own K/V, in the cache's layouts (its T tokens are the slots)
-            keys_bkht, values_bkth = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
-            out_btkgh = grouped_attention(q_btnh.reshape(b, t, k, g, h), keys_bkht, values_bkth, mask_bts)
+        if k_bkhs is None:  # the call's own K/V (its T tokens are the slots)
+            out_btkgh = self_attention(q_btnh.reshape(b, t, k, g, h), k_btkh, v_btkh, mask_bts,
+                                       cfg.execution.attention)
             return self.o_proj(out_btkgh.reshape(b, t, n * h)), None, None
         k_bkhs, v_bksh = write_layer(k_bkhs, v_bksh, k_btkh, v_btkh, lengths_b)
         out_btkgh = grouped_attention(q_btnh.reshape(b, t, k, g, h), k_bkhs, v_bksh, mask_bts)
@@ -104,7 +106,9 @@ class CausalLM(nnx.Module):
         self.config = config
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
                                       rngs=rngs, embedding_init=nnx.initializers.normal(0.02))
-        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        layers = [DecoderLayer(config, rngs) for _ in range(config.num_layers)]
+        # one by one, or one module of [L, ...] parameters that the forward scans over (layer_stack.py)
+        self.layers = stacked(layers) if config.execution.scan else nnx.List(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else _linear(
             config.hidden_size, config.vocab_size, False, config, rngs)
@@ -122,13 +126,11 @@ class CausalLM(nnx.Module):
             mask_bts = mask_bts & ((positions_bt[:, :, None] - keys_bs[:, None, :]) < cfg.sliding_window)
         inv_freq = inverse_frequencies(cfg)
         x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
-        if cache is None:
-            for layer in self.layers:
-                x, _, _ = layer(x, positions_bt, mask_bts, None, None, None, inv_freq)
-                x = constrain_rows(x)
-            return self.norm(x), None
+        if cache is None:  # unrolled or scanned, with remat, as cfg.execution says (layer_stack.py)
+            return self.norm(run_layers(self.layers, x, positions_bt, mask_bts, inv_freq, cfg.execution)), None
         k_layers, v_layers = [], []
-        for layer, k_bkhs, v_bksh in zip(self.layers, cache.k_bkhs, cache.v_bksh):
+        layers = layer_slices(self.layers, cfg.num_layers) if cfg.execution.scan else self.layers
+        for layer, k_bkhs, v_bksh in zip(layers, cache.k_bkhs, cache.v_bksh):
             x, k_bkhs, v_bksh = layer(x, positions_bt, mask_bts, k_bkhs, v_bksh, cache.lengths_b, inv_freq)
             x = constrain_rows(x)
             k_layers.append(k_bkhs)
@@ -153,3 +155,16 @@ class CausalLM(nnx.Module):
         if self.lm_head is None:
             return self.embed_tokens.embedding[...].T
         return self.lm_head.kernel[...]
+
+
+def with_layer_execution(model: CausalLM, execution: LayerExecution) -> CausalLM:
+    """`model` running as `execution` says, its layers stacked or unstacked to match (`layer_stack.py`); the
+    other parameters are shared, not copied."""
+    config = model.config.replace(execution=execution)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(config, nnx.Rngs(0))))
+    state = nnx.state(model)
+    if execution.scan and not model.config.execution.scan:
+        state["layers"] = nnx.state(stacked(list(model.layers)))
+    elif model.config.execution.scan and not execution.scan:
+        state["layers"] = nnx.state(nnx.List(layer_slices(model.layers, config.num_layers)))
+    return nnx.merge(graphdef, state)

@@ -36,6 +36,35 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_KINDS = ("chunked", "xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerExecution:
+    """How a cache-free forward (training's packed rows) runs the decoder layers; no effect on the parameters,
+    so a model loaded with one setting runs with any other (`medusa_jax.model.layer_stack`).
+
+    scan       False: the layers unrolled (one program per layer); True: one `jax.lax.scan` over the layers'
+               parameters stacked inside the step (FSDP gathers one layer at a time, the program stays small)
+    remat      what the backward pass keeps of each layer: "none" everything (fastest, most memory), "full" only
+               the layer's input (the layer is recomputed), "dots" the matrix products' outputs
+    attention  "chunked" (queries in blocks, scores recomputed for the backward: no [B, heads, T, T] tensor is
+               kept), "xla" / "cudnn" (`jax.nn.dot_product_attention` with that implementation; cudnn: fused
+               flash attention on NVIDIA GPUs, bf16/fp16 only)
+    """
+
+    scan: bool = False
+    remat: str = "none"
+    attention: str = "chunked"
+
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Everything the backbone needs to know about a Llama-family model."""
@@ -58,6 +87,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # parameter and compute dtype; norms and softmax always run in fp32
+    execution: LayerExecution = LayerExecution()  # how a cache-free forward runs the layers (not an HF field)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

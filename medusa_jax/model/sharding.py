@@ -110,9 +110,16 @@ def axis_size(mesh: Mesh, axis) -> int:
     return int(np.prod([mesh.shape[n] for n in names]))
 
 
+# a stacked layer parameter (model.layer_stack: "layers.self_attn.q_proj.kernel", no layer index) has a leading
+# layer axis, kept whole on every device: each device holds its part of every layer
+_STACKED = re.compile(r"(^|\.)layers\.(?!\d)")
+
+
 def spec_for_path(path: str, ndim: int) -> P:
     for pattern, axes in PARAM_RULES:
         if re.search(pattern, path):
+            if len(axes) + 1 == ndim and _STACKED.search(path):
+                return P(None, *axes)
             if len(axes) != ndim:
                 raise MeshError(f"partition rule {pattern!r} has {len(axes)} axes, parameter {path} has {ndim} dims")
             return P(*axes)
@@ -206,3 +213,20 @@ def constrain_rows(x: jax.Array) -> jax.Array:
     if x.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
         return x
     return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *([None] * (x.ndim - 1))))
+
+
+def gathered_over_fsdp(state):
+    """One layer's parameters (an NNX state) all-gathered over `fsdp`, their `tensor` split kept, when traced
+    under a mesh with our axes (`jax.sharding.use_abstract_mesh`, as the trainer traces); unchanged otherwise.
+    FSDP's gather before a layer's products, pinned: without it XLA's partitioner may instead all-gather the
+    activations over the batch axes inside the scan over layers (it did on a small model), which on a pod's
+    batch is the larger transfer."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(AXES) <= set(mesh.axis_names) or mesh.shape["fsdp"] == 1:
+        return state
+
+    def gather(path, leaf):
+        spec = spec_for_path(".".join(path), leaf.ndim)
+        return jax.lax.with_sharding_constraint(leaf, P(*(None if a == "fsdp" else a for a in spec)))
+
+    return fill_state(state, gather)

@@ -167,37 +167,49 @@ def invariant_gathers(hlo_text: str) -> list[Collective]:
     return found
 
 
+_MOVES = {"parameter", "convert", "bitcast", "copy", "concatenate", "reshape", "transpose"}
+
+
 def entry_upcast_bytes(hlo_text: str) -> int:
-    """Bytes of float32 copies the entry computation makes of whole bf16/f16 parameters. XLA's CPU backend
-    computes half-precision dots in float32 and hoists those weight copies out of loops; GPU and TPU compilers
-    keep the weights in bf16, so a memory plan compiled on CPU subtracts these bytes."""
+    """Bytes of float32 copies the entry computation makes of bf16/f16 weights, less what a GPU/TPU compiler keeps
+    of them. XLA's CPU backend computes half-precision dots in float32 and hoists those weight copies out of loops;
+    GPU and TPU compilers keep the weights in bf16, so a memory plan compiled on CPU subtracts these bytes.
+
+    A weight copy is a float32 value computed from parameters by data movement only (converts, copies,
+    concatenates, bitcasts, in fusions or not) that passed through a half-precision type on the way (so its
+    values are half-precision ones: a float32 program makes none). The layers stacked for the scan over layers
+    (`model.layer_stack`) are such copies, made in float32 and re-laid by the CPU compiler; a GPU holds one bf16
+    stack of them, which stays counted (half the float32 stack's bytes)."""
     comps = _computations(hlo_text)
     entry = next((name for name, lines in comps.items() if any(" parameter(" in l for l in lines)
                   and name.startswith("main")), None)
     if entry is None:
         return 0
-    defs = {}
+    derived: dict[str, bool] = {}  # weight-derived value -> passed through a half-precision type
+    total = 0
     for line in comps[entry]:
         match = _DEFINITION.match(line)
-        if match:
-            name, opcode, rest = match.groups()
-            shape = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s" + re.escape(opcode) + r"\(", line)
-            called = re.search(r"\bcalls=%?([\w.\-]+)", rest)
-            defs[name] = (opcode, _operands(rest), shape.group(1) if shape else "", called.group(1) if called else None)
-    total = 0
-    for opcode, operands, shape, called in defs.values():
+        if not match:
+            continue
+        name, opcode, rest = match.groups()
+        shape = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s" + re.escape(opcode) + r"\(", line)
+        shape = shape.group(1) if shape else ""
+        half = bool(re.match(r"\(?(bf16|f16)\[", shape))
+        ops = {opcode}
         if opcode == "fusion":
-            body = [l for l in comps.get(called, []) if l.strip()]
-            if not body or not any(l.lstrip().startswith("ROOT") and " convert(" in l for l in body) \
-                    or len(body) != 2:
-                continue
-        elif opcode != "convert":
+            called = re.search(r"\bcalls=%?([\w.\-]+)", rest)
+            body = comps.get(called.group(1), []) if called else []
+            ops = {m.group(2) for m in map(_DEFINITION.match, body) if m}
+            half = half or any(re.search(r"=\s*(bf16|f16)\[", l) for l in body)
+        operands = _operands(rest)
+        if opcode == "parameter":
+            derived[name] = half
             continue
-        if len(operands) != 1 or operands[0] not in defs or defs[operands[0]][0] != "parameter":
+        if not ops <= _MOVES or not operands or not all(o in derived for o in operands):
             continue
-        source = defs[operands[0]][2]
-        dims = re.search(r"\[([\d,]*)\]", shape)
-        if shape.startswith("f32[") and re.match(r"(bf16|f16)\[", source) and dims and \
-                re.search(r"\[([\d,]*)\]", source).group(1) == dims.group(1):
+        derived[name] = half = half or any(derived[o] for o in operands)
+        if half and shape.startswith("f32["):
             total += shape_bytes(shape)
+            if "concatenate" in ops:  # a stack of layers: the GPU holds it in bf16
+                total -= shape_bytes(shape) // 2
     return total

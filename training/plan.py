@@ -22,15 +22,16 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
-from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.config import LayerExecution, ModelConfig
 from medusa_jax.model.sharding import MeshConfig, MeshError
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.trees.dynamic_tree import scratch_slots
+from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.training.trainer import TrainConfig, Trainer
-from medusa_jax.bench import hlo_collectives as hc
+from medusa_jax.training import hlo_collectives as hc
 
 JOBS = ("train", "decode")
 
@@ -52,6 +53,7 @@ class PlanConfig:
     medusa2: bool = False
     compute_dtype: str = "bfloat16"  # train only: the dtype the step computes in
     heads_dtype: str = "float32"  # train: heads are trained in float32; decode uses the model's dtype
+    layers: LayerExecution = LayerExecution()  # train: the backbone's scan, remat and attention (train_heads flags)
 
     def __post_init__(self):
         if self.job not in JOBS:
@@ -164,13 +166,21 @@ def abstract_models(config: PlanConfig) -> tuple[CausalLM, MedusaHeads]:
     return base, heads
 
 
+def train_config(config: PlanConfig, planned: bool = True) -> TrainConfig:
+    """The TrainConfig of a planned train job (`planned`: the CPU compiler has no cuDNN, so its flash kernel is
+    planned as chunked attention; neither keeps scores for the backward)."""
+    layers = config.layers
+    if planned and layers.attention == "cudnn":
+        layers = dataclasses.replace(layers, attention="chunked")
+    return TrainConfig(medusa2=config.medusa2, compute_dtype=config.compute_dtype, head_lr_multiplier=4.0
+                       if config.medusa2 else 1.0, layers=layers)
+
+
 def lower_train(config: PlanConfig):
     """(lowered train step, argument groups) of `Trainer.jitted_step` on abstract state and batch."""
     mesh = _mesh(config)
     base, heads = abstract_models(config)
-    train = TrainConfig(medusa2=config.medusa2, compute_dtype=config.compute_dtype, head_lr_multiplier=4.0
-                        if config.medusa2 else 1.0)
-    trainer = Trainer(base, heads, train, mesh, abstract=True)
+    trainer = Trainer(base, heads, train_config(config), mesh, abstract=True)
     rows = jax.ShapeDtypeStruct((config.batch, config.seq), np.int32)
     batch = {"tokens": rows, "segment_ids": rows, "positions": rows,
              "loss_mask": jax.ShapeDtypeStruct((config.batch, config.seq), np.bool_)}
@@ -194,6 +204,32 @@ def lower_decode(config: PlanConfig):
     cache, prompts, lengths, key = model.abstract_inputs(config.batch, config.seq, config.cache)
     groups = {"params": model.medusa_params, "optimizer": {}, "kv_cache": cache, "batch": (prompts, lengths, key)}
     return lowered, groups
+
+
+def measure_train_step(config: PlanConfig) -> dict[str, int]:
+    """One real train step of `config` (random weights and rows, one device: the first accelerator) and what its
+    device used: `state` (bytes in use before the step: parameters and optimiser state), `peak` (the runtime's
+    high-water mark after it) and `compiled` (the device compiler's own figure for the step, as `CompiledPlan`
+    computes it). The models are built on the host, so the peak is the step's, not the initialisation's."""
+    device = jax.devices()[0]
+    with jax.default_device(jax.devices("cpu")[0]):
+        base = CausalLM(config.model, nnx.Rngs(0))
+        heads = init_heads(config.heads_config(), base)
+    trainer = Trainer(base, heads, train_config(config, planned=False), MeshConfig().make_mesh([device]))
+    rng = np.random.default_rng(0)
+    shape = (config.batch, config.seq)
+    batch = {"tokens": rng.integers(0, config.model.vocab_size, shape).astype(np.int32),
+             "segment_ids": np.ones(shape, np.int32),
+             "positions": np.broadcast_to(np.arange(config.seq, dtype=np.int32), shape).copy(),
+             "loss_mask": np.ones(shape, bool)}
+    device_batch = trainer.device_batch(batch)
+    memory = trainer.jitted_step(batch).lower(trainer.params, trainer.opt_state, trainer.frozen,
+                                              device_batch).compile().memory_analysis()
+    state = device.memory_stats()["bytes_in_use"]
+    trainer.train_step(batch)
+    compiled = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+                + memory.temp_size_in_bytes)
+    return {"state": int(state), "peak": int(device.memory_stats()["peak_bytes_in_use"]), "compiled": int(compiled)}
 
 
 def _count(collectives) -> tuple[CollectiveCount, ...]:

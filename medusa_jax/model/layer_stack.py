@@ -1,0 +1,79 @@
+"""The decoder layers stored one by one (an nnx.List, the default) or stacked (one DecoderLayer whose parameters
+carry a leading layer axis [L, ...], `LayerExecution.scan`), and the forward over them.
+
+Stacked layers run as one `jax.lax.scan` over their parameters: the program holds one layer, under FSDP each
+iteration all-gathers one layer's weights (`sharding.gathered_over_fsdp`), and the backward pass keeps one layer's
+saved values per layer. Both forms run each layer under the rematerialisation policy `LayerExecution.remat`.
+HF files, the saver and the decoders' per-layer KV cache see the stored-per-layer form: `stack_layers` and
+`unstack_layers` convert a model between the two (the trainer stacks the backbone it is given and unstacks the
+one it returns). A stacked model also runs the cache paths (prefill, decode), one layer slice at a time; that
+is for completeness (on CPU the per-layer form decodes faster, kv_cache.py).
+
+Measured (bench/scan/): on this 2-core CPU a SmolLM2 training step runs about as fast either way, so storing the
+layers one by one stays the default; pods use the stacked form (docs/planning.md).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from medusa_jax.model.config import LayerExecution
+from medusa_jax.model.sharding import constrain_rows, gathered_over_fsdp
+
+# jax.checkpoint policies by LayerExecution.remat (None: no checkpoint, every intermediate is saved)
+REMAT = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+         "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def stacked(layers: list[nnx.Module]) -> nnx.Module:
+    """One module of the layers' structure whose every parameter is the layers' parameters stacked [L, ...]
+    (abstract layers give abstract stacks)."""
+    graphdef = nnx.graphdef(layers[0])
+    states = [nnx.state(layer) for layer in layers]
+    return nnx.merge(graphdef, jax.tree.map(lambda *leaves: _stack(leaves), *states))
+
+
+def _stack(leaves):
+    if isinstance(leaves[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(leaves),) + leaves[0].shape, leaves[0].dtype)
+    return jnp.stack(leaves)
+
+
+def layer_slices(layers: nnx.Module, count: int) -> list[nnx.Module]:
+    """The stacked layers as `count` modules of one layer each (slices of the stacked parameters)."""
+    graphdef, state = nnx.split(layers)
+    return [nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state)) for i in range(count)]
+
+
+def _layer_step(layer_def, positions_bt, mask_bts, inv_freq, remat: str, dtype) -> Callable:
+    """(one layer's state, x_btd) -> x_btd of that decoder layer, its weights cast to `dtype` (the trainer's
+    float32 master weights reach the layer as they are stored), checkpointed by `remat`."""
+    def step(state, x_btd):
+        # the barrier keeps what XLA does to the weights (the cast, re-layouts, the CPU compiler's float32 copies
+        # of bf16 weights) inside the layer: hoisted out of the scan they were copies of every layer at once
+        state = jax.tree.map(lambda w: w.astype(dtype), jax.lax.optimization_barrier(state))
+        layer = nnx.merge(layer_def, gathered_over_fsdp(state))
+        x_btd, _, _ = layer(x_btd, positions_bt, mask_bts, None, None, None, inv_freq)
+        return constrain_rows(x_btd)
+
+    return step if REMAT[remat] is None else jax.checkpoint(step, policy=REMAT[remat])
+
+
+def run_layers(layers, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array, inv_freq,
+               execution: LayerExecution) -> jax.Array:
+    """x_btd through every layer, cache-free (the tokens attend to each other under mask_bts [B, T, T]): `layers`
+    is the nnx.List of the per-layer form, or the stacked module (execution.scan)."""
+    if not execution.scan:
+        step = _layer_step(nnx.graphdef(layers[0]), positions_bt, mask_bts, inv_freq, execution.remat,
+                           x_btd.dtype)
+        for layer in layers:
+            x_btd = step(nnx.state(layer), x_btd)
+        return x_btd
+    layer_def, state = nnx.split(layers)
+    step = _layer_step(layer_def, positions_bt, mask_bts, inv_freq, execution.remat, x_btd.dtype)
+    x_btd, _ = jax.lax.scan(lambda x, layer_state: (step(layer_state, x), None), x_btd, state)
+    return x_btd
