@@ -26,7 +26,7 @@ from medusa_jax.heads.init import init_heads
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.training.trainer import TrainConfig, Trainer
-from medusa_jax.bench.demo_model import resolve_model_dir
+from medusa_jax.demo_model import resolve_model_dir
 from medusa_jax.hf.load import load_pretrained
 
 try:  # absent on the code before issue 41: that code is the baseline

@@ -31,8 +31,8 @@ from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.training.memory_plan import estimate_per_device
 from medusa_jax.training.plan import (PlanConfig, compile_plan, device_capacity, largest_batch,
                                       measure_train_step)
-from medusa_jax.bench.plan_report import build_table, describe, warnings
-from medusa_jax.bench.presets import PRESETS, model_config
+from medusa_jax.training.plan_report import build_table, describe, warnings
+from medusa_jax.training.presets import PRESETS, model_config
 from medusa_jax.progress import heartbeat
 from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import ArgumentParser, in_range, mesh_spec
@@ -165,7 +165,7 @@ Writes OUT/plans.json and OUT/table.md.
 
 
 def table_main(argv: list[str]) -> int:
-    """`plan.py table`: medusa_jax.bench.plan_report.build_table."""
+    """`plan.py table`: medusa_jax.training.plan_report.build_table."""
     p = ArgumentParser(prog="plan.py table", description=TABLE_DOC)
     p.add_argument("--out", required=True, help="output folder for plans.json and table.md")
     p.add_argument("--models", default="llama3-8b,llama3-70b", help="comma-separated presets (default: %(default)s)")

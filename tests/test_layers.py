@@ -33,8 +33,6 @@ LAYERS = (("medusa_jax", "medusa_jax", 0, "core root"), ("medusa_jax/model", "me
 LAYER_NAMES = {rank: " / ".join(name for _, _, r, name in LAYERS if r == rank) for _, _, rank, _ in LAYERS}
 # measurement (bench/) is imported by bench/ and by these commands only
 BENCH_USERS = ("medusa_jax.bench", "medusa_jax.scripts.benchmark")
-# the memory-plan command still reads bench/plan.py until the `scan` branch moves the plan beside training
-BENCH_USERS_PENDING = {"medusa_jax.scripts.plan"}
 
 
 def project_modules() -> dict[str, tuple[Path, int]]:
@@ -144,7 +142,7 @@ def test_only_the_benchmarks_import_bench():
     entry of the public lazy table reaches it."""
     users = [f"{name} imports {target}" for name, targets in project_graph().items()
              for target in sorted(targets) if target.startswith("medusa_jax.bench")
-             and not name.startswith(BENCH_USERS) and name not in BENCH_USERS_PENDING]
+             and not name.startswith(BENCH_USERS)]
     assert not users, "bench/ imported outside the benchmarks:\n" + "\n".join(users)
     facade = imported_names(ROOT / "medusa_jax" / "__init__.py", "medusa_jax")
     table = {node.value for node in ast.walk(ast.parse((ROOT / "medusa_jax" / "__init__.py").read_text()))
