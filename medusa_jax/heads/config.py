@@ -15,8 +15,10 @@ from medusa_jax.model.config import ModelConfig, resolve_dtype
 LM_HEAD_MODES = ("own", "shared", "truncated")
 # medusa: heads.medusa; hydra: heads that also see the drafted tokens (heads.hydra); eagle: a feature-level
 # drafter of one or more decoder layers (heads.eagle). A new type adds its name here and its class to
-# heads.init.HEAD_CLASSES (heads/init.py asserts that the two agree).
-HEAD_TYPES = ("medusa", "hydra", "eagle")
+# heads.init.HEAD_CLASSES (heads/init.py asserts that the two agree). eagle3: the EAGLE-3 drafter (heads.eagle3),
+# which reads the base's residual stream at several layers (`feature_layers`) and drafts over its own vocabulary.
+HEAD_TYPES = ("medusa", "hydra", "eagle", "eagle3")
+FEATURE_DRAFTERS = ("eagle", "eagle3")  # the head types with a `decoder`
 HYDRA_INPUTS = ("concat", "add")
 
 
@@ -36,6 +38,10 @@ class HeadsConfig:
     # from the base when None). For an EAGLE drafter num_heads is the deepest tree it drafts for (it drafts
     # autoregressively: any depth works).
     decoder: ModelConfig | None = None
+    fc_bias: bool = False  # eagle only: the input fc has a bias (the EAGLE authors' default; their published drafts)
+    # eagle3 only: the base layers whose INPUT (the residual stream before layer i) the drafter fuses (low, mid,
+    # high); the base's own forward returns them beside its final hidden state (model.backbone.CausalLM.forward_taps)
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.head_type not in HEAD_TYPES:
@@ -52,8 +58,12 @@ class HeadsConfig:
                                  f"got {self.truncated_vocab_size}")
         elif self.truncated_vocab_size is not None:
             raise ValueError("truncated_vocab_size is only meaningful with lm_head='truncated'")
-        if self.decoder is not None and self.head_type != "eagle":
+        if self.decoder is not None and self.head_type not in FEATURE_DRAFTERS:
             raise ValueError("only an eagle drafter has a decoder config")
+        if self.fc_bias and self.head_type != "eagle":
+            raise ValueError("fc_bias is an EAGLE-1 drafter's option (head_type 'eagle')")
+        if bool(self.feature_layers) != (self.head_type == "eagle3"):
+            raise ValueError("an eagle3 drafter needs feature_layers (the base layers it reads); other heads none")
         resolve_dtype(self.dtype)
 
     @property
@@ -67,6 +77,11 @@ class HeadsConfig:
             del d["head_type"], d["hydra_input"]
         if self.decoder is not None:
             d["decoder"] = self.decoder.to_hf_config()
+        for field in ("fc_bias", "feature_layers"):  # written only when set (earlier configs stay as they were)
+            if not d[field]:
+                del d[field]
+        if self.feature_layers:
+            d["feature_layers"] = list(self.feature_layers)
         return d
 
     @classmethod
@@ -78,4 +93,6 @@ class HeadsConfig:
         d = dict(d)
         if d.get("decoder") is not None:
             d["decoder"] = ModelConfig.from_hf_config(d["decoder"], dtype=d.get("dtype", "float32"))
+        if "feature_layers" in d:
+            d["feature_layers"] = tuple(int(i) for i in d["feature_layers"])
         return cls(**d)
