@@ -1,0 +1,153 @@
+"""The EAGLE-3 drafter in the decode loop: the base's taps (the residual stream entering chosen layers, from the
+same forward) equal transformers' hidden states, greedy decoding with the drafter is lossless (static and dynamic
+trees, ragged rows, Qwen2, a draft vocabulary), and after a real verify step the drafter's next tree equals the
+one drafted by plain forwards over the committed text. (Against the authors' code: test_eagle_published.py.)"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.eagle3 import Eagle3Drafter, default_feature_layers
+from medusa_jax.heads.folder import load_native_heads, save_heads
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.medusa import MedusaModel
+from medusa_jax.heads.tree import build_tree
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.api import generate, generate_medusa
+from medusa_jax.inference.autoregressive import prefill_states
+from medusa_jax.inference.medusa import MedusaState, medusa_step
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.training.data import segment_mask
+
+LAYERS = (0, 1, 2)  # every tap the tiny 2-layer bases have: the embeddings, after layer 0, after layer 1
+
+
+def drafter(base, seed=0, **kw) -> Eagle3Drafter:
+    """A drafter with random weights, varied enough that its drafts differ from node to node."""
+    d = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, head_type="eagle3",
+                               feature_layers=LAYERS, **kw), base, seed=seed)
+    rng = np.random.RandomState(seed)
+    for path, var in nnx.iter_graph(d):
+        if isinstance(var, nnx.Param) and ".".join(map(str, path)) != "lm_head.kernel":
+            norm = str(path[-2]).endswith("norm")
+            var[...] = jnp.asarray(0.5 + rng.rand(*var.shape) if norm else rng.normal(0, 0.3, var.shape), jnp.float32)
+    return d
+
+
+@pytest.fixture(scope="module")
+def bases(tiny_model_dir):
+    return {kind: load_pretrained(tiny_model_dir(kind, initializer_range=0.3)) for kind in ("llama", "qwen2")}
+
+
+def test_taps_are_the_hidden_states_entering_each_layer(tiny_hf_model):
+    torch = pytest.importorskip("torch")
+    folder, hf = tiny_hf_model("llama", initializer_range=0.3)
+    base = load_pretrained(folder)
+    tokens = np.asarray([[5, 9, 2, 17, 33, 4, 61, 8]])
+    with torch.no_grad():
+        want = hf(torch.from_numpy(tokens), output_hidden_states=True).hidden_states  # [i]: entering layer i
+    t = tokens.shape[1]
+    final, _, taps = base.forward_taps(jnp.asarray(tokens), jnp.arange(t)[None], segment_mask(np.ones((1, t), np.int32)),
+                                       None, (1, 0))
+    d = base.config.hidden_size
+
+    def close(got, want):  # float32 paths of two libraries: rtol, and an atol that follows the magnitude
+        np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+    close(taps[0, :, :d], want[1][0])
+    close(taps[0, :, d:], want[0][0])
+    close(final[0], want[-1][0])  # after the final norm
+    assert default_feature_layers(32) == (2, 16, 29)  # Llama-3.1-8B's published drafts
+
+
+@pytest.mark.parametrize("kind, tree, lm_head", [("llama", "mc_sim_7b_16", "own"), ("llama", "dynamic:6,k=2,d=3", "own"),
+                                                 ("qwen2", "mc_sim_7b_8", "truncated"), ("llama", "dynamic:6,k=2,d=3",
+                                                                                          "truncated")])
+def test_greedy_with_the_drafter_equals_plain_greedy(bases, kind, tree, lm_head):
+    base = bases[kind]
+    trunc = dict(truncated_vocab_size=48) if lm_head == "truncated" else {}
+    d = drafter(base, seed=1, lm_head=lm_head, **trunc)
+    prompts = [[11, 3, 8, 21, 7, 2], [40, 41, 9, 13, 5, 77, 61, 2, 19, 30, 8, 4, 99], [6, 1, 3]]
+    want = [r.token_ids for r in generate(base, prompts, max_new_tokens=24, eos_ids=())]
+    got = generate_medusa(base, d, prompts, tree=tree, max_new_tokens=24, eos_ids=())
+    assert [r.token_ids for r in got] == want
+    assert all(r.steps == 1 + len(r.accept_lengths) for r in got)
+
+
+def test_native_folder_round_trip(bases, tmp_path):
+    d = drafter(bases["llama"], seed=2, lm_head="truncated", truncated_vocab_size=40)
+    save_heads(d, tmp_path / "h")
+    back = load_native_heads(tmp_path / "h")
+    assert isinstance(back, Eagle3Drafter) and back.config == d.config and back.config.feature_layers == LAYERS
+    h = jnp.ones((3, bases["llama"].config.hidden_size))
+    np.testing.assert_allclose(np.asarray(back.logits(h, bases["llama"])), np.asarray(d.logits(h, bases["llama"])),
+                               atol=1e-6)
+
+
+def plain_tree(d, base, committed, tree):
+    """The tree drafted from `committed` (its last token the root) by plain forwards of the drafter: the pairs
+    (fc(fused feature_i), x_{i+1}) of the committed text, then (the parent's output, the node's token)."""
+    n = len(committed) - 1
+    t = jnp.arange(n)[None]
+    _, _, fused = base.forward_taps(jnp.asarray([committed[:-1]]), t, segment_mask(np.ones((1, n), np.int32)), None,
+                                    d.feature_layers)
+    h = list(np.asarray(d.project(fused[0])))
+    tokens, paths, outs = {0: committed[-1]}, {0: []}, {}
+    for node in range(1, tree.num_tokens):
+        paths[node] = paths[int(tree.parent_t[node])] + [node]
+    for node in range(tree.num_tokens):
+        children = np.nonzero(tree.parent_t == node)[0]
+        children = children[children > 0]
+        if not len(children):
+            continue
+        hs = h + [outs[int(tree.parent_t[u])] for u in paths[node]]
+        xs = committed[1:] + [tokens[u] for u in paths[node]]
+        m = len(xs)
+        out, _ = d(jnp.asarray(np.stack(hs))[None], jnp.asarray([xs]), jnp.arange(m)[None],
+                   segment_mask(np.ones((1, m), np.int32)), None, base)
+        outs[node] = np.asarray(out[0, -1])
+        ids = np.asarray(d.top_k(out[0, -1], base, int(tree.rank_t[children].max()) + 1))
+        for c in children:
+            tokens[int(c)] = int(ids[tree.rank_t[c]])
+    return np.asarray([tokens[i] for i in range(tree.num_tokens)])
+
+
+@pytest.mark.parametrize("accept", [0, 2])
+def test_drafts_after_an_accepted_path_equal_plain_forwards(bases, accept):
+    """One real tree step (planted drafts of a known accept length), then the next step's tree: the catch-up
+    pairs carry fc of the verify's own fused features, the root pair the last accepted node's."""
+    base = bases["llama"]
+    d = drafter(base, seed=3)
+    tree = build_tree([[0], [0, 0], [0, 0, 0], [1]])
+    prompt = [7, 3, 12, 40, 2]
+    truth = prompt + generate(base, [prompt], max_new_tokens=8, eos_ids=())[0].token_ids
+    n, size, vocab = len(prompt), 64, base.config.vocab_size
+    p = jnp.asarray([prompt], jnp.int32)
+    last, cache, fused = prefill_states(base, p, jnp.asarray([n]), KVCache.zeros(base.config, 1, size), LAYERS)
+    draft = d.init_draft(base, p, jnp.asarray([n]), fused, size, tree.depth)
+    chain = [truth[n + 1 + i] if i < accept else (truth[n + 1 + i] + 1) % vocab for i in range(3)]
+    planted_t = [truth[n]] + [chain[len(q) - 1] if not any(q) else (truth[n + 1] + 2) % vocab for q in tree.paths]
+
+    def planted(inputs):
+        _, draft = d.propose(inputs.hidden_bd, inputs.root_b, base, tree, inputs.draft, inputs.active_b)
+        return jnp.asarray([planted_t], jnp.int32), draft
+
+    out = jnp.zeros((1, 16), jnp.int32).at[0, 0].set(truth[n])
+    moves = jnp.asarray([[n + i for i in range(tree.depth + 1)]], jnp.int32)
+    state = MedusaState(cache, jnp.asarray([truth[n]]), last, out, jnp.ones((1,), jnp.int32),
+                        jnp.zeros((1,), bool), jnp.zeros((1,), jnp.int32), jnp.zeros((1, 16), jnp.int32),
+                        jnp.zeros((), jnp.int32), jax.random.key(0), moves, moves, draft)
+    step = jax.jit(medusa_step, static_argnames=("tree", "acceptance", "eos_ids", "proposer"))
+    state = step(MedusaModel(base, d), state, tree=tree, acceptance=AcceptanceConfig(), eos_ids=(), proposer=planted)
+    assert int(state.accept_bo[0, 0]) == accept
+    committed = truth[: n + accept + 2]
+    tokens, _ = d.propose(state.hidden_bd, state.root_b, base, tree, state.draft, jnp.asarray([True]))
+    want = plain_tree(d, base, committed, tree)
+    np.testing.assert_array_equal(np.asarray(tokens[0]), want)
+    assert len(set(want.tolist())) > 2
