@@ -151,3 +151,35 @@ def test_drafts_after_an_accepted_path_equal_plain_forwards(bases, accept):
     want = plain_tree(d, base, committed, tree)
     np.testing.assert_array_equal(np.asarray(tokens[0]), want)
     assert len(set(want.tolist())) > 2
+
+
+def test_export_script_writes_the_published_layout_and_it_decodes_the_same(bases, tiny_model_dir, tmp_path, capsys):
+    """scripts/export_heads.py --format eagle3 (a draft vocabulary kept as lm_head + d2t/t2d); the folder loads as
+    it is (`--heads FOLDER` reads it through load_heads) and decodes what the drafter decodes: plain greedy."""
+    import importlib.util
+    from pathlib import Path
+
+    from medusa_jax.heads.load import detect_layout, load_heads
+
+    spec = importlib.util.spec_from_file_location("export_heads_script",
+                                                  Path(__file__).parents[1] / "scripts/export_heads.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    base = bases["llama"]
+    d = drafter(base, seed=4, lm_head="truncated", truncated_vocab_size=40)
+    save_heads(d, tmp_path / "native")
+    folder = str(tiny_model_dir("llama", initializer_range=0.3))
+    assert cli.main(["--heads", str(tmp_path / "native"), "--out", str(tmp_path / "out"), "--format", "eagle3",
+                     "--model", folder]) == 0
+    assert "eagle_aux_hidden_state_layer_ids" in capsys.readouterr().out
+    assert detect_layout(tmp_path / "out") == "eagle3"
+    assert cli.main(["--heads", str(tmp_path / "native"), "--out", str(tmp_path / "bad"), "--format", "eagle",
+                     "--model", folder]) == 2
+    assert "EAGLE-3 drafters with eagle3" in capsys.readouterr().err
+    back = load_heads(tmp_path / "out", base=base)
+    prompts = [[11, 3, 8, 21, 7, 2], [6, 1, 3]]
+    want = [r.token_ids for r in generate(base, prompts, max_new_tokens=16, eos_ids=())]
+    got = generate_medusa(base, back, prompts, tree="mc_sim_7b_8", max_new_tokens=16, eos_ids=())
+    mine = generate_medusa(base, d, prompts, tree="mc_sim_7b_8", max_new_tokens=16, eos_ids=())
+    assert [r.token_ids for r in got] == want
+    assert [r.accept_lengths for r in got] == [r.accept_lengths for r in mine]  # the same drafts, step by step

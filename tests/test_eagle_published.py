@@ -178,8 +178,8 @@ def test_authors_eagle1_draft_loads_and_drafts_the_same(base, tmp_path, bias):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_our_eagle1_export_loads_strictly_in_the_authors_code(base, tmp_path, bias):
-    from eagle.model.cnets import Model
-    from eagle.model.configs import EConfig
+    Model = pytest.importorskip("eagle.model.cnets").Model
+    EConfig = pytest.importorskip("eagle.model.configs").EConfig
 
     d = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, num_layers=2,
                                head_type="eagle", lm_head="shared", fc_bias=bias), base)
@@ -363,7 +363,7 @@ def test_eagle3_feature_layers_default_to_the_authors_choice(base, tmp_path):
 
 @pytest.mark.parametrize("lm_head", ["truncated", "shared"])
 def test_our_eagle3_export_loads_strictly_in_speculators(base, tmp_path, lm_head):
-    from speculators.convert.eagle.eagle3_legacy_model import Eagle3Speculator
+    Eagle3Speculator = pytest.importorskip("speculators.convert.eagle.eagle3_legacy_model").Eagle3Speculator
 
     vocab = base.config.vocab_size
     trunc = dict(truncated_vocab_size=40) if lm_head == "truncated" else {}
