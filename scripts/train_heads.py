@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--eagle-train-depth", check=at_least(1), help="eagle: depths trained; above 1, depths 2..N learn from the drafter's own "
         "outputs along the true tokens (the chain a tree step drafts), weighted --loss-decay**(k-1)", type=int,
         default=t.eagle_train_depth)
+    add(g, "--eagle-init", "eagle: 'random' fc (default) or 'identity': fc starts passing the feature through "
+        "unchanged, the token embedding scaled to the feature's RMS (folded into fc on export; "
+        "medusa_jax/heads/eagle_init.py)", default=r.eagle_init, choices=("random", "identity"))
     add(g, "--compute-dtype", "dtype the step computes in; weights and optimiser state stay float32 (use "
         "bfloat16 on GPU)", default=t.compute_dtype, choices=("float32", "bfloat16"))
     add(g, "--seed", check=SEED, help="data split/order and head initialisation seed", type=int, default=r.seed)
@@ -165,6 +168,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.head_type == "eagle" and args.cache_hidden:
         raise fail("--head-type eagle reads the hidden states of every position: give a feature store "
                    "(scripts/build_features.py) as --data instead of --cache-hidden")
+    if args.eagle_init != "random" and args.head_type != "eagle":
+        raise fail(f"--eagle-init {args.eagle_init} initialises an EAGLE drafter; drop it or use --head-type eagle")
     if args.eagle_feature_weight + args.eagle_ce_weight == 0:
         raise fail("--eagle-feature-weight and --eagle-ce-weight are both 0: nothing to train; make one > 0")
     weights = {"ce": (args.ce_weight,), "kl": (args.kl_weight,), "ce+kl": (args.ce_weight, args.kl_weight)}
@@ -219,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     config = RunConfig(
         model=args.model, output=args.output, data=args.data, num_heads=args.num_heads,
         num_layers=args.num_layers, head_type=args.head_type, hydra_input=args.hydra_input,
-        lm_head=args.lm_head, batch_size=args.batch_size, cached_batch_size=args.cached_batch_size,
+        eagle_init=args.eagle_init, lm_head=args.lm_head, batch_size=args.batch_size, cached_batch_size=args.cached_batch_size,
         cache_hidden=args.cache_hidden, mesh=args.mesh, checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
         eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every,

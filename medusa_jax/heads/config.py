@@ -39,6 +39,9 @@ class HeadsConfig:
     # autoregressively: any depth works).
     decoder: ModelConfig | None = None
     fc_bias: bool = False  # eagle only: the input fc has a bias (the EAGLE authors' default; their published drafts)
+    # eagle only: the token embedding is multiplied by this before fc (heads.eagle_init: the feature's RMS over the
+    # embedding's, so both inputs of fc start at one scale); an export folds it into fc's embedding columns
+    embed_scale: float = 1.0
     # eagle3 only: the base layers whose INPUT (the residual stream before layer i) the drafter fuses (low, mid,
     # high); the base's own forward returns them beside its final hidden state (model.backbone.CausalLM.forward_taps)
     feature_layers: tuple[int, ...] = ()
@@ -60,8 +63,10 @@ class HeadsConfig:
             raise ValueError("truncated_vocab_size is only meaningful with lm_head='truncated'")
         if self.decoder is not None and self.head_type not in FEATURE_DRAFTERS:
             raise ValueError("only an eagle drafter has a decoder config")
-        if self.fc_bias and self.head_type != "eagle":
-            raise ValueError("fc_bias is an EAGLE-1 drafter's option (head_type 'eagle')")
+        if (self.fc_bias or self.embed_scale != 1.0) and self.head_type != "eagle":
+            raise ValueError("fc_bias and embed_scale are EAGLE-1 drafter options (head_type 'eagle')")
+        if not (self.embed_scale > 0 and self.embed_scale < float("inf")):
+            raise ValueError(f"embed_scale must be a positive finite number, got {self.embed_scale}")
         if bool(self.feature_layers) != (self.head_type == "eagle3"):
             raise ValueError("an eagle3 drafter needs feature_layers (the base layers it reads); other heads none")
         resolve_dtype(self.dtype)
@@ -77,8 +82,8 @@ class HeadsConfig:
             del d["head_type"], d["hydra_input"]
         if self.decoder is not None:
             d["decoder"] = self.decoder.to_hf_config()
-        for field in ("fc_bias", "feature_layers"):  # written only when set (earlier configs stay as they were)
-            if not d[field]:
+        for field, unset in (("fc_bias", False), ("feature_layers", ()), ("embed_scale", 1.0)):
+            if d[field] == unset:  # written only when set (earlier configs stay as they were)
                 del d[field]
         if self.feature_layers:
             d["feature_layers"] = list(self.feature_layers)

@@ -116,9 +116,12 @@ class EagleDrafter(HeadsBase):
         return x, cache.replace(k_bkhs=tuple(k_layers), v_bksh=tuple(v_layers))
 
     def pair_inputs(self, feats_btd, tokens_bt, base: CausalLM) -> jax.Array:
-        """The first layer's input for the pairs (feature, token): fc([emb(token); feature])."""
+        """The first layer's input for the pairs (feature, token): fc([embed_scale * emb(token); feature])."""
         dtype = self.fc.kernel[...].dtype
-        return self.fc(jnp.concatenate([base.embed_tokens(tokens_bt).astype(dtype), feats_btd.astype(dtype)], -1))
+        emb_btd = base.embed_tokens(tokens_bt).astype(dtype)
+        if self.config.embed_scale != 1.0:
+            emb_btd = emb_btd * jnp.asarray(self.config.embed_scale, dtype)
+        return self.fc(jnp.concatenate([emb_btd, feats_btd.astype(dtype)], -1))
 
     def unrolled(self, feats_btd, tokens_bt, base: CausalLM, depth: int, segments_bt=None) -> jax.Array:
         """[depth, B, T, D] outputs of chains drafted from every position of whole sequences at once: depth k's

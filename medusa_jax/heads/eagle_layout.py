@@ -77,6 +77,9 @@ def eagle_tensors(drafter: EagleDrafter, base: CausalLM, dtype: str = "float16",
     for name, value in heads_tensors(drafter).items():
         eagle = native_to_eagle(name)
         if eagle is not None and not eagle.startswith("lm_head"):
+            if name == "fc.kernel":  # fold embed_scale into the embedding's rows: the layout has no scale
+                value = np.concatenate([value[:drafter.config.hidden_size] * drafter.config.embed_scale,
+                                        value[drafter.config.hidden_size:]])
             tensors[eagle] = (value.T if name.endswith("kernel") else value).astype(store)
     head, draft_vocab = lm_head_tensors(drafter, store)
     tensors.update(head)
