@@ -23,6 +23,7 @@ from medusa_jax.hub import is_hub_id
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
 from medusa_jax.model.sharding import MeshError
 from medusa_jax.training.checkpointing import CheckpointMismatch
+from medusa_jax.training import feature_store
 from medusa_jax.training.data import DataConfig
 from medusa_jax.training.memory_plan import MemoryPlanError
 from medusa_jax.training.output_folder import OutputFolderError
@@ -73,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         "architecture over the base's hidden states, drafting autoregressively: medusa_jax/heads/eagle.py), trained "
         "on a feature store (scripts/build_features.py) or on packed rows; hydra and eagle: Medusa-1 (frozen "
         "backbone) only. For eagle, --num-heads is the deepest tree it drafts and --num-layers its decoder "
-        "layers", default=r.head_type, choices=("medusa", "hydra", "eagle"))
+        "layers; 'eagle3': the EAGLE-3 drafter (the base's residual stream entering layers 2, L // 2 and L - 3, "
+        "fused; one decoder layer; medusa_jax/heads/eagle3.py), trained on packed rows with cross-entropy only "
+        "over --eagle-train-depth unrolled steps (the training-time test: 3 or more)", default=r.head_type,
+        choices=("medusa", "hydra", "eagle", "eagle3"))
     add(g, "--hydra-input", "how a Hydra head combines the hidden state h and its path embeddings e_0..e_i: 'add' "
         "(h + a projection of [e_0..e_i]) or 'concat' (a projection of [h, e_0..e_i]); see medusa_jax/heads/hydra.py",
         default=r.hydra_input, choices=("add", "concat"))
@@ -168,6 +172,11 @@ def check_args(args: argparse.Namespace) -> None:
     if args.head_type == "eagle" and args.cache_hidden:
         raise fail("--head-type eagle reads the hidden states of every position: give a feature store "
                    "(scripts/build_features.py) as --data instead of --cache-hidden")
+    if args.head_type == "eagle3" and (args.cache_hidden or feature_store.is_feature_store(args.data)
+                                       or args.num_layers != 1):
+        raise fail("--head-type eagle3 trains on packed rows (the fused features come from the backbone in the "
+                   "step) with one decoder layer: drop --cache-hidden, give chat data as --data (a feature store "
+                   "holds only the last hidden state) and use --num-layers 1")
     if args.eagle_init != "random" and args.head_type != "eagle":
         raise fail(f"--eagle-init {args.eagle_init} initialises an EAGLE drafter; drop it or use --head-type eagle")
     if args.eagle_feature_weight + args.eagle_ce_weight == 0:

@@ -183,3 +183,39 @@ def test_export_script_writes_the_published_layout_and_it_decodes_the_same(bases
     mine = generate_medusa(base, d, prompts, tree="mc_sim_7b_8", max_new_tokens=16, eos_ids=())
     assert [r.token_ids for r in got] == want
     assert [r.accept_lengths for r in got] == [r.accept_lengths for r in mine]  # the same drafts, step by step
+
+
+def test_training_time_test_lowers_the_loss_and_the_drafter_decodes_losslessly(tmp_path, monkeypatch, capsys):
+    """train_heads.py --head-type eagle3 on packed chat rows: three unrolled depths, cross-entropy only, the loss
+    falls; the saved drafter reads the trained base layers and decodes what plain greedy decodes."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from training_helpers import build_tiny_chat_model, chat_records, write_json
+
+    model = build_tiny_chat_model(tmp_path / "model", initializer_range=0.5)  # a peaked teacher to learn
+    data = write_json(tmp_path / "chat.json", chat_records(40, seed=3))
+    spec = importlib.util.spec_from_file_location("train_heads_script", Path(__file__).parents[1] / "scripts/train_heads.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    monkeypatch.setenv("MEDUSA_JAX_CACHE", str(tmp_path / "cache"))
+    common = ["--model", str(model), "--data", str(data), "--batch-size", "2", "--seq-len", "128",
+              "--heldout-fraction", "0.2", "--log-every", "1", "--no-progress", "--head-type", "eagle3",
+              "--num-heads", "4", "--lm-head", "truncated:64", "--learning-rate", "1e-2", "--warmup-steps", "2"]
+    assert cli.main([*common, "--output", str(tmp_path / "bad"), "--cache-hidden"]) == 2
+    assert "--head-type eagle3 trains on packed rows" in capsys.readouterr().err
+    assert cli.main([*common, "--output", str(tmp_path / "out"), "--max-steps", "12", "--eval-every", "12",
+                     "--eagle-train-depth", "3"]) == 0
+    log = [json.loads(x) for x in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    train = [r for r in log if r["kind"] == "train"]
+    losses = [r["loss"] for r in train]
+    assert len(losses) == 12 and np.mean(losses[-3:]) < 0.9 * np.mean(losses[:3]), losses
+    assert all(len(r["top1"]) == 3 and "ce_loss" in r and "feature_loss" not in r for r in train)
+    d = load_native_heads(tmp_path / "out")
+    base = load_pretrained(model)
+    assert isinstance(d, Eagle3Drafter) and d.config.feature_layers == default_feature_layers(base.config.num_layers)
+    prompts = [[5, 9, 2, 17, 33, 4], [6, 1, 3]]
+    want = [r.token_ids for r in generate(base, prompts, max_new_tokens=16, eos_ids=())]
+    assert [r.token_ids for r in generate_medusa(base, d, prompts, tree="mc_sim_7b_8", max_new_tokens=16,
+                                                 eos_ids=())] == want

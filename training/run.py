@@ -34,7 +34,8 @@ from medusa_jax.model import sharding as shd
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.hf.save import save_pretrained
-from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.config import FEATURE_DRAFTERS, HeadsConfig
+from medusa_jax.heads.eagle3 import default_feature_layers
 from medusa_jax.heads.folder import write_heads_files
 from medusa_jax.heads.eagle_init import identity_feature_init
 from medusa_jax.heads.init import init_heads
@@ -55,7 +56,7 @@ class RunConfig:
     num_layers: int = 1
     lm_head: str = "truncated:3072"  # own | shared | truncated:N (3,072 divides tensor degrees 2, 3, 4, 6, 8)
     head_type: str = "medusa"  # medusa | hydra (heads that also see the drafted tokens) | eagle (a feature
-    # drafter, heads/eagle.py); hydra and eagle: Medusa-1 only
+    # drafter, heads/eagle.py) | eagle3 (heads/eagle3.py, packed rows only); hydra and eagles: Medusa-1 only
     hydra_input: str = HeadsConfig.hydra_input  # hydra: add | concat (medusa_jax.heads.hydra)
     eagle_init: str = "random"  # eagle: random | identity (fc = [0; I], embedding at the feature's scale: heads.eagle_init)
     batch_size: int = 8  # global packed rows per step
@@ -172,7 +173,9 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
                                mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model),
                                head_type=cfg.head_type, hydra_input=cfg.hydra_input,
-                               decoder=base.config if cfg.head_type == "eagle" else None)
+                               decoder=base.config if cfg.head_type in FEATURE_DRAFTERS else None,
+                               feature_layers=(default_feature_layers(base.config.num_layers)
+                                               if cfg.head_type == "eagle3" else ()))
     token_map = top_token_ids(feed.loss_tokens, n_trunc, base.config.vocab_size) if mode == "truncated" else None
     heads = init_heads(heads_config, base, cfg.seed, token_map)
     if cfg.head_type == "eagle" and cfg.eagle_init == "identity":

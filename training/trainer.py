@@ -42,6 +42,7 @@ from medusa_jax.heads.init import heads_class
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.training import losses
 from medusa_jax.training.data import segment_mask
+from medusa_jax.training.eagle3_loss import eagle3_stats, with_features
 from medusa_jax.training.eagle_loss import eagle_stats
 
 ROW_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -225,6 +226,13 @@ class Trainer:
         """The loss and its statistics; full_vocab_targets (evaluation): an EAGLE drafter is scored against the
         base's greedy token over the full vocabulary, without input noise."""
         base, heads = self._modules(params, frozen)
+        if self.head_type == "eagle3":  # packed rows: features and fused taps from the frozen backbone (eagle3_loss)
+            cfg = self.config
+            loss, stats, extras = eagle3_stats(heads, base, with_features(base, batch, heads.feature_layers),
+                                               noise=0.0 if full_vocab_targets else cfg.eagle_noise,
+                                               depth=cfg.eagle_train_depth, decay=cfg.loss_decay,
+                                               full_vocab_targets=full_vocab_targets)
+            return loss, (stats, extras)
         if self.head_type == "eagle":
             if "feat" not in batch:  # packed rows: the frozen backbone gives the features in the step
                 batch = {**batch, "feat": jax.lax.stop_gradient(backbone_hidden(base, batch))}
