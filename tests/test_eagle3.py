@@ -219,3 +219,14 @@ def test_training_time_test_lowers_the_loss_and_the_drafter_decodes_losslessly(t
     want = [r.token_ids for r in generate(base, prompts, max_new_tokens=16, eos_ids=())]
     assert [r.token_ids for r in generate_medusa(base, d, prompts, tree="mc_sim_7b_8", max_new_tokens=16,
                                                  eos_ids=())] == want
+
+
+def test_step_cost_times_the_drafter_static_and_dynamic(bases):
+    """inference/step_cost.py builds the drafter's state from a prefill's fused features (len(feature_layers) x
+    wider than the hidden state) and times whole tree steps."""
+    from medusa_jax.heads.tree import load_tree
+    from medusa_jax.inference import step_cost
+
+    d = drafter(bases["llama"], seed=5)
+    for tree in ("mc_sim_7b_8", "dynamic:6,k=2,d=3"):
+        assert step_cost.medusa_step_seconds(bases["llama"], d, load_tree(tree), 2, 32, 96, repeats=2) > 0
