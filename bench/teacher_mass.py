@@ -19,7 +19,7 @@ import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.training.data import top_token_ids
-from medusa_jax.training.distill_store import load_store_examples
+from medusa_jax.training.hidden_store import open_store
 
 CHUNK = 256  # held-out positions per jitted softmax
 
@@ -40,7 +40,7 @@ class TeacherMassConfig:
 
 def outside_mass(base: CausalLM, store: str | os.PathLike, config: TeacherMassConfig) -> dict:
     """{"positions", "train_tokens", "mean_outside_mass": {str(N): mean teacher mass outside the top-N map}}."""
-    train, held, _, _ = load_store_examples(store, 1).split(config.heldout_fraction, config.seed)
+    train, held, _, _ = open_store(store).examples(1).split(config.heldout_fraction, config.seed)
     train_tokens = train.targets_xm[:, 0][train.targets_xm[:, 0] >= 0]
     maps = {n: top_token_ids(train_tokens, n, base.config.vocab_size) for n in config.sizes}
     probs = jax.jit(lambda h: jax.nn.softmax(base.logits(h.astype(jnp.float32)), axis=-1))

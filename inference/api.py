@@ -14,7 +14,7 @@ batch is one jitted call whose `while_loop` runs until every row has finished, s
 the rows of its own batch, and at most for `max_new_tokens` steps; Medusa trees decode this way.
 Refilled slots (`engine="refill"`, `inference.refill`): `batch_size` slots run plain steps in jitted chunks and
 a finished slot takes the next prompt between chunks (continuous batching). On a 2-core CPU it measured faster
-at batch 64 and slower at 16 and 32 (bench/refill: 113 vs 97.8, 93 vs 102 and 69 vs 90 tokens/s), so
+than sorted batches at batch 64 and slower at 16 and 32 (bench/refill/, docs/design.md "Refilled slots"), so
 `engine="auto"` (the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and
 there are at least batch_size prompts, and forms sorted batches otherwise. Greedy outputs are the same tokens
 either way.

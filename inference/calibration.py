@@ -3,7 +3,7 @@
 What a tree buys has two halves. How often the heads' guesses are accepted travels with the heads (trees.json's
 `built` record: the held-out accuracy table, the greedy node order, the accuracy scale and the speedup margin
 that `scripts/build_tree.py` used). What a step costs does not: the shipped batch-1 tree chosen on one 2-core
-Xeon decoded at 0.79x plain on a 2-core EPYC. So the first time the heads' own tree is asked for
+Xeon decoded slower than plain on a 2-core EPYC (docs/design.md). So the first time the heads' own tree is asked for
 (`BatchSettings.tree = HEADS_TREE`) at a batch size on this machine, the plain step and the Medusa step of
 prefixes of the greedy order are timed here (`step_cost.measure_step_costs`, seconds, one progress line per
 size), cached under `$MEDUSA_JAX_CACHE/calibration/` keyed by machine, backend, JAX version, model, heads and

@@ -13,7 +13,7 @@ e = m + 1 nodes along a path (depth 0 = the root). Each step, per row:
      scatter of e slots per row; the rest of the tree block is scratch) and the row advances by a + 1.
      The move is deferred to the start of the next step (and done once more after the loop): made after the
      verify's own scatter and the attention reads of the same layer buffer, XLA copied every layer's whole
-     K and V once per step (SmolLM2, batch 1: 120 copies, ~3 ms of a ~50 ms step); made before the verify
+     K and V once per step (measured in docs/results.md, "120 copies"); made before the verify
      writes, both scatters update the carried buffers in place (tests/test_decode_hlo.py).
 Rows finish independently: tokens after an EOS inside the accepted path are dropped, the last step is cut
 to max_new_tokens, and a finished row stops advancing (it keeps computing, writing scratch slots only).

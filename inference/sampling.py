@@ -62,8 +62,8 @@ def target_logits(logits_xv: jax.Array, config: SamplingConfig) -> jax.Array:
 
 def greedy_tokens(logits_xv: jax.Array) -> jax.Array:
     """[..., V] -> [...] int32: the first index of the maximum over the last axis (= jnp.argmax for finite
-    logits). Two plain reductions instead of argmax's (value, index) reduce, which XLA:CPU does not vectorise:
-    on SmolLM2's 49k vocabulary argmax took ~25 of a 60 ms plain decode step on 2 CPU cores."""
+    logits). Two plain reductions instead of argmax's (value, index) reduce, which XLA:CPU does not vectorise
+    (its cost on SmolLM2's vocabulary: docs/results.md, "Fixes this benchmark led to")."""
     max_x1 = jnp.max(logits_xv, axis=-1, keepdims=True)
     iota_xv = jax.lax.broadcasted_iota(jnp.int32, logits_xv.shape, logits_xv.ndim - 1)
     return jnp.min(jnp.where(logits_xv == max_x1, iota_xv, logits_xv.shape[-1] - 1), axis=-1)

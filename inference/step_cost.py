@@ -32,8 +32,8 @@ from medusa_jax.inference.medusa import MedusaState, medusa_step
 from medusa_jax.inference.sampling import SamplingConfig
 
 # Untimed calls before timing a jitted call: the second call compiles again when the first call's inputs were
-# fresh, uncommitted arrays, and the third still ran ~0.5 s slower than the rest (SmolLM2 steps, 8 rows x 1,024
-# slots: 636 ms, then 121-140 ms), which a median of 2 rounds does not remove.
+# fresh, uncommitted arrays, and the third still ran far slower than the rest (docs/design.md, "Step costs are
+# measured where the heads decode"), which a median of 2 rounds does not remove.
 WARM_UP_CALLS = 3
 
 

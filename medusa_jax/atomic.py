@@ -1,4 +1,5 @@
 """All-or-nothing writes: build a file or folder under a temporary name beside it, then rename it into place.
+Every file replacement of the project goes through here (no os.replace/os.rename elsewhere).
 
 An interrupted write (an exception, a kill) leaves the previous version, or nothing, never half a file.
 Results get the usual permissions (0666/0777 less the umask), not mkstemp's private 0600/0700.
@@ -113,3 +114,21 @@ def atomic_folder(folder: str | os.PathLike, replace: bool = True) -> Iterator[P
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def commit_entries(staging: str | os.PathLike, folder: str | os.PathLike, last: str) -> None:
+    """Moves every entry of the folder `staging` into `folder` as one commit: `folder/last` is removed first and
+    renamed in last, so a reader (or a kill) never sees the new entries under the old `last` (e.g. new weights
+    under an old config.json). A folder entry replaces its namesake whole. `staging` is removed."""
+    staging, folder = Path(staging), Path(folder)
+    (folder / last).unlink(missing_ok=True)
+    for entry in sorted(staging.iterdir()):
+        if entry.name == last:
+            continue
+        target = folder / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+    if (staging / last).exists():
+        os.replace(staging / last, folder / last)
+    shutil.rmtree(staging, ignore_errors=True)

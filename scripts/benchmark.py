@@ -42,7 +42,7 @@ from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.tree import PRESETS, TreeError
-from medusa_jax.training.distill_store import is_store
+from medusa_jax.training.hidden_store import is_store
 from medusa_jax.bench import calibration_report, heads_comparison, quick, teacher_mass
 from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,
                                            mtbench_questions, write_files)

@@ -2,8 +2,8 @@
 every token (float16, Arrow), one forward per conversation and no generation. The EAGLE-style drafter trains on
 it: train_heads.py --head-type eagle --data STORE.
 
-Example (SmolLM2 + ShareGPT, 5M tokens): measured on a 2-core AMD EPYC at 100-180 tokens per CPU-second (rows of
-1,024 to 512 tokens), so ~8-14 h of both cores; it resumes, so it can grow across sessions:
+Example (SmolLM2 + ShareGPT, 5M tokens; its build rate on a 2-core CPU is in docs/training.md): it resumes, so it
+can grow across sessions:
   python scripts/build_features.py --model default --data sharegpt --output features/smollm2-sharegpt \
       --max-tokens 5000000
 Rerunning the same command resumes (the shards already written are kept); a larger --max-tokens grows the
@@ -24,7 +24,7 @@ from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.hub import HubError
 from medusa_jax.model import sharding as shd
 from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer
-from medusa_jax.training.feature_store import FeatureStoreConfig, build_feature_store
+from medusa_jax.training.teacher_forced import FeatureStoreConfig, build_feature_store
 from medusa_jax.training.output_folder import FileLock, OutputFolderError, made_folders
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.scripts import validate

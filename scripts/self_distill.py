@@ -24,7 +24,7 @@ from medusa_jax.hub import HubError
 from medusa_jax.training.output_folder import OutputFolderError
 from medusa_jax.training.self_distill import DistillConfig, read_done, self_distill, shard_output
 from medusa_jax.training.sharegpt import DataError
-from medusa_jax.training.distill_store import store_path
+from medusa_jax.training.hidden_store import store_path
 from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, mesh_spec
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize

@@ -33,7 +33,7 @@ from medusa_jax.heads.tree import DYNAMIC_PREFIX, PRESETS, TreeError, load_tree
 from medusa_jax.hub import cached_folder, is_hub_id
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.sharding import MeshConfig
-from medusa_jax.training import distill_store, feature_store
+from medusa_jax.training import hidden_store
 from medusa_jax.training.sharegpt import DataError, read_conversation_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -197,8 +197,7 @@ def data_arg(flag: str, arg: str | None) -> Path | None:
                              f"{flag} {path}: {message}") from None
         return path
     if path.is_dir():
-        known = (feature_store.is_feature_store(path) or distill_store.is_store(path)
-                 or distill_store.first_format_folder(path) is not None
+        known = (hidden_store.is_store(path) or hidden_store.first_format_folder(path) is not None
                  or any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")))
         if not known:
             raise UsageError(f"{flag} {path} is a folder but not a saved dataset (dataset_info.json), a self-distilled "

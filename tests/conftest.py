@@ -5,13 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from medusa_jax.atomic import atomic_folder
 from medusa_jax.bench.demo_model import prepare_smollm2
 
 # CLIs run inside the tests must not fill the user's persistent compilation cache (tests that check the cache
@@ -94,12 +93,12 @@ def tiny_model_dir(tmp_path_factory):
     def make(kind: str = "llama", seed: int = 0, **overrides) -> Path:
         folder = root / tiny_folder_name(kind, seed, overrides)
         if not folder.is_dir():
-            staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
-            build_tiny_hf(kind, seed, **overrides).save_pretrained(staging)
             try:
-                os.rename(staging, folder)
+                with atomic_folder(folder, replace=False) as staging:
+                    build_tiny_hf(kind, seed, **overrides).save_pretrained(staging)
             except OSError:  # another process renamed its copy (the same model) into place first
-                shutil.rmtree(staging)
+                if not folder.is_dir():
+                    raise
         return folder
 
     return make

@@ -2,10 +2,12 @@
 
 import os
 import stat
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from medusa_jax import atomic
 from medusa_jax.atomic import atomic_file, atomic_folder
 from medusa_jax.hf.tensor_files import SafetensorsFile, write_safetensors
 
@@ -47,3 +49,22 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_committed_entries_replace_their_namesakes_and_the_last_one_goes_in_last(tmp_path, monkeypatch):
+    out, staging = tmp_path / "out", tmp_path / "out" / ".staging"
+    (out / "base_model").mkdir(parents=True)
+    (out / "base_model" / "old.bin").write_text("old")
+    (out / "keep.txt").write_text("not staged")
+    (out / "config.json").write_text("old config")
+    (staging / "base_model").mkdir(parents=True)
+    (staging / "base_model" / "new.bin").write_text("new")
+    (staging / "config.json").write_text("new config")
+    moved = []
+    real = os.replace
+    monkeypatch.setattr(atomic.os, "replace", lambda src, dst: (moved.append(Path(dst).name), real(src, dst)))
+    atomic.commit_entries(staging, out, "config.json")
+    assert moved == ["base_model", "config.json"]
+    assert sorted(p.name for p in (out / "base_model").iterdir()) == ["new.bin"]  # a folder replaced whole
+    assert (out / "keep.txt").read_text() == "not staged" and (out / "config.json").read_text() == "new config"
+    assert not staging.exists()

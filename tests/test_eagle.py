@@ -28,10 +28,9 @@ from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.tree import DynamicTree, build_tree, load_tree
-from medusa_jax.training import feature_store as fs
+from medusa_jax.training import hidden_store as fs
 from medusa_jax.training import trainer as trainer_mod
 from medusa_jax.training.data import segment_mask
-from medusa_jax.training.feature_batches import conversation_examples
 from medusa_jax.inference import step_cost
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.autoregressive import prefill_states
@@ -286,11 +285,11 @@ def _build(chat, store, monkeypatch, tmp_path, max_tokens, *extra):
 def test_feature_store_holds_the_base_hidden_states_and_grows(chat, tmp_path, monkeypatch):
     store = tmp_path / "store"
     assert _build(chat, store, monkeypatch, tmp_path, 700) == 0
-    small = fs.open_feature_store(store)
+    small = fs.open_store(store)
     shards = fs.listed_shards(store)
     assert small.num_tokens >= 700 and len(shards) >= 2
     assert _build(chat, store, monkeypatch, tmp_path, 2000) == 0  # grows: the first shards are kept as they were
-    grown = fs.open_feature_store(store)
+    grown = fs.open_store(store)
     assert fs.listed_shards(store)[: len(shards)] == shards and grown.num_tokens >= 2000
     assert grown.ids[: len(small.ids)] == small.ids
     # the stored features are the base's final hidden states of each conversation
@@ -302,7 +301,7 @@ def test_feature_store_holds_the_base_hidden_states_and_grows(chat, tmp_path, mo
         rows = np.concatenate(grown.hidden_chunks)[lo:lo + n].astype(np.float32)
         np.testing.assert_allclose(rows, np.asarray(want), atol=2e-2, rtol=1e-2)
         assert grown.loss_x[lo:lo + n].any() and not grown.loss_x[lo:lo + n].all()
-    prefix = fs.open_feature_store(store, max_tokens=700)
+    prefix = fs.open_store(store, max_tokens=700)
     assert prefix.ids == grown.ids[: len(prefix.ids)] and 700 <= prefix.num_tokens < grown.num_tokens
     # a store built with other settings is refused, and nothing is written to it
     before = sorted(p.name for p in store.iterdir())
@@ -370,8 +369,8 @@ def test_feature_store_examples_for_heads(chat, tmp_path, monkeypatch):
     same conversation, with the stored hidden state at j + 1 + i as its teacher; Hydra's path is j + 1 .. j + M."""
     store_dir = tmp_path / "store"
     assert _build(chat, store_dir, monkeypatch, tmp_path, 1200) == 0
-    store = fs.open_feature_store(store_dir)
-    ex = conversation_examples(store, num_heads=3, with_path=True)
+    store = fs.open_store(store_dir)
+    ex = store.examples(num_heads=3, with_path=True)
     hidden = np.concatenate(store.hidden_chunks)
     for k in range(0, len(ex), max(1, len(ex) // 40)):
         g, c = int(ex.rows_x[k]), int(ex.groups_x[k])

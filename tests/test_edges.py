@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from medusa_jax import atomic
 from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import save_heads
@@ -24,7 +25,6 @@ from medusa_jax.heads.init import init_heads
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.progress import heartbeat
 from medusa_jax.scripts.cli_args import ArgumentParser
-from medusa_jax.training import output_folder
 from medusa_jax.training.output_folder import FileLock
 
 from training_helpers import build_tiny_chat_model, chat_records, write_json
@@ -160,13 +160,13 @@ def test_the_final_files_are_one_commit(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(src, dst)
 
-    monkeypatch.setattr(output_folder.os, "replace", killed_before_config)
+    monkeypatch.setattr(atomic.os, "replace", killed_before_config)
     with pytest.raises(KeyboardInterrupt):
-        output_folder.commit_files(staging, out)
+        atomic.commit_entries(staging, out, "config.json")
     assert not (out / "config.json").exists()  # never new weights under the old config
-    monkeypatch.setattr(output_folder.os, "replace", real)
+    monkeypatch.setattr(atomic.os, "replace", real)
     (staging / "heads.safetensors").write_text("new weights")
-    output_folder.commit_files(staging, out)
+    atomic.commit_entries(staging, out, "config.json")
     assert (out / "config.json").read_text() == "new config" and (out / "heads.safetensors").read_text() == "new weights"
     assert not staging.exists()
 

@@ -19,11 +19,11 @@ from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.api import generate
 from medusa_jax.inference.refill import Slots, _admit_cost, admission_groups, admit, admit_prompts, run_chunk
 from medusa_jax.inference.sampling import SamplingConfig
-from medusa_jax.training import distill_store
-from medusa_jax.training.distill_store import StoreWriter, load_store_examples
+from medusa_jax.training import hidden_store
+from medusa_jax.training.hidden_store import StoreWriter, open_store
 from medusa_jax.training.self_distill import DistillConfig, done_ids, self_distill, shard_output
 from medusa_jax.training.sharegpt import DataError, read_conversation_file
-from medusa_jax.training.sources import CachedHidden, ChatConversations, DistilledStoreHidden, open_source
+from medusa_jax.training.sources import CachedHidden, ChatConversations, StoreHidden, open_source
 from medusa_jax.training.trainer import backbone_hidden
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
@@ -51,10 +51,10 @@ def test_self_distill_writes_sharegpt_resumes_and_keeps_hidden_states(tmp_path):
         assert [m["content"] for m in r["messages"][::2]] == [t["value"] for t in src[r["id"]]["conversations"][::2]]
     assert conv[0]["from"] == "human" and conv[1]["from"] == "gpt"
 
-    store = distill_store.store_path(out)
-    ds = distill_store.open_store(store)
+    store = hidden_store.store_path(out)
+    ds = hidden_store.open_dataset(store)
     assert len(ds) == 16 and sorted(set(ds["id"])) == sorted(r["id"] for r in records)  # 8 conversations x 2 turns
-    ex = distill_store.load_store_examples(store, num_heads=2)
+    ex = hidden_store.open_store(store).examples(num_heads=2)
     train, held, n_train, n_held = ex.split(0.25, seed=0)
     assert (n_train, n_held) == (6, 2) and not set(train.groups_x) & set(held.groups_x)
     assert not ex.hidden.chunks[0].flags.owndata  # a view of the memory-mapped Arrow buffer, not a copy
@@ -164,14 +164,14 @@ def test_resume_drops_a_shard_whose_conversations_never_reached_the_jsonl(tmp_pa
     out = tmp_path / "d.jsonl"
     cfg = DistillConfig(max_new_tokens=5, batch_size=2, limit=4, save_hidden=True)
     self_distill(model, str(source), out, cfg, progress=False, log=lambda _: None)
-    writer = distill_store.StoreWriter(distill_store.store_path(out), 64)
+    writer = hidden_store.StoreWriter(hidden_store.store_path(out), 64)
     h = np.zeros((2, 64), np.float16)
     writer.append([("zz-orphan", 0, [1, 2], [3, 4], h)])  # written, then the run died before the JSONL
     messages = []
     self_distill(model, str(source), out, DistillConfig(**{**cfg.__dict__, "limit": 6}), progress=False,
                  log=messages.append)
     assert any("dropped 1 shard" in m for m in messages)
-    ids = distill_store.open_store(writer.folder)["id"]
+    ids = hidden_store.open_dataset(writer.folder)["id"]
     assert sorted(ids) == sorted(done_ids(out)) and len(ids) == 6
 
 
@@ -189,8 +189,8 @@ def test_the_retired_npz_format_is_refused_with_how_to_regenerate_it(tmp_path):
             open_source(data, cache_hidden)
         assert "\n" not in str(e.value) and "self_distill.py --save-hidden" in str(e.value) and "npz" in str(e.value)
     assert open_source(str(out), False) == ChatConversations(str(out))  # the JSONL's conversations still train
-    distill_store.StoreWriter(distill_store.store_path(out), 8)
-    assert open_source(str(out), True) == DistilledStoreHidden(distill_store.store_path(out))  # a store wins
+    hidden_store.StoreWriter(hidden_store.store_path(out), 8)
+    assert open_source(str(out), True) == StoreHidden(hidden_store.store_path(out))  # a store wins
     assert open_source("sharegpt", True) == CachedHidden(ChatConversations("sharegpt"))
 
     model = build_tiny_chat_model(tmp_path / "m")
@@ -204,7 +204,7 @@ MESH_CHILD = """
 import json, os, sys
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 import jax, numpy as np
-from medusa_jax.training import distill_store
+from medusa_jax.training import hidden_store
 from medusa_jax.training.self_distill import DistillConfig, self_distill
 
 assert len(jax.devices()) == 8
@@ -214,7 +214,7 @@ for mesh in ("", "data=4", "data=2,tensor=2"):
     path = os.path.join(root, (mesh or "single").replace("=", "").replace(",", "_") + ".jsonl")
     cfg = DistillConfig(max_new_tokens=8, batch_size=4, limit=6, save_hidden=True, mesh=mesh)
     self_distill(model, source, path, cfg, progress=False, log=lambda _: None)
-    ds = distill_store.open_store(distill_store.store_path(path))
+    ds = hidden_store.open_dataset(hidden_store.store_path(path))
     rows = sorted(ds, key=lambda r: r["id"])
     out[mesh] = {"text": sorted(open(path).read().splitlines()),
                  "tokens": [r["input_ids"] for r in rows], "hidden": [np.asarray(r["hidden"]).tolist() for r in rows]}
@@ -257,10 +257,10 @@ def test_store_examples_match_a_loop(tmp_path):
     rng = np.random.default_rng(7)
     replies = [(f"r{i}", 0, [1, 2, 3], rng.integers(0, 90, n).tolist(), rng.normal(size=(n, 6)).astype(np.float16))
                for i, n in enumerate([1, 4, 9, 2])]
-    writer = distill_store.StoreWriter(tmp_path / "s", 6)
+    writer = hidden_store.StoreWriter(tmp_path / "s", 6)
     writer.append(replies[:3])
     writer.append(replies[3:])
-    ex = distill_store.load_store_examples(tmp_path / "s", num_heads=3, with_path=True)
+    ex = hidden_store.open_store(tmp_path / "s").examples(num_heads=3, with_path=True)
     batch = ex.batch(np.arange(len(ex)), teacher=True)
     expected_targets, expected_teacher, expected_hidden, expected_path = [], [], [], []
     for _, _, _, tokens, hidden in replies:
@@ -278,4 +278,4 @@ def test_store_examples_match_a_loop(tmp_path):
 def test_an_empty_store_is_a_clear_data_error(tmp_path):
     StoreWriter(tmp_path / "d.jsonl.arrow", hidden_size=8)  # created by a run that has written no shard yet
     with pytest.raises(DataError, match="no replies yet"):
-        load_store_examples(tmp_path / "d.jsonl.arrow", num_heads=2)
+        open_store(tmp_path / "d.jsonl.arrow").examples(num_heads=2)

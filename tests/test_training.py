@@ -17,7 +17,7 @@ from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.training import data as data_mod, losses
 from medusa_jax.training.data import (DataConfig, EpochIterator, PackedRows, load_chat_data, pack, row_batch,
                                       row_iterator, tokenize_messages, top_token_ids)
-from medusa_jax.training.hidden_cache import build_hidden_cache
+from medusa_jax.training.teacher_forced import build_hidden_cache
 from medusa_jax.training.sharegpt import DataError, read_conversation_file, read_conversations
 from medusa_jax.training.trainer import TrainConfig, Trainer, backbone_hidden
 from training_helpers import build_tiny_chat_model, chat_records, write_json

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from medusa_jax.heads.folder import load_native_heads
-from medusa_jax.training import distill_store
+from medusa_jax.training import hidden_store
 from medusa_jax.training import trainer as trainer_mod
 from medusa_jax.training.self_distill import DistillConfig, self_distill
 
@@ -98,11 +98,11 @@ def test_cli_trains_distilled_targets_from_the_arrow_store(setup, tmp_path, monk
     token ids), or its token ids packed into rows."""
     model, data, root = setup
     distilled = root / "distilled.jsonl"
-    if not distill_store.is_store(distill_store.store_path(distilled)):
+    if not hidden_store.is_store(hidden_store.store_path(distilled)):
         self_distill(model, str(data), distilled, DistillConfig(max_new_tokens=16, batch_size=8, limit=24,
                                                                 save_hidden=True), progress=False, log=lambda _: None)
     out = tmp_path / "heads"
-    _train(_args(model, distill_store.store_path(distilled), out, "--max-steps", "3", "--num-heads", "2",
+    _train(_args(model, hidden_store.store_path(distilled), out, "--max-steps", "3", "--num-heads", "2",
                  "--eval-every", "3", *extra), monkeypatch, tmp_path)
     config = load_native_heads(out).config
     assert config.num_heads == 2 and config.head_type == ("hydra" if "hydra" in extra else "medusa")

@@ -1,5 +1,5 @@
-"""Training data from a teacher-forced feature store (feature_store.py): whole conversations packed into rows (the
-EAGLE drafter), or the store's positions as cached-hidden examples (Medusa and Hydra heads).
+"""The EAGLE drafter's batches from a FEATURES hidden-state store (hidden_store.py): whole conversations packed
+into rows with the base's hidden state at every position.
 
 The store's conversations are split by conversation (seeded, hidden_examples.heldout_groups), then packed first-fit
 into rows of seq_len tokens (each conversation whole: the store already cut it to its seq_len). A batch of rows
@@ -13,15 +13,16 @@ from __future__ import annotations
 import numpy as np
 
 from medusa_jax.training.data import EpochIterator
-from medusa_jax.training.feature_store import FeatureConversations, place_rows
-from medusa_jax.training.hidden_examples import HIDDEN_DTYPE, HiddenExamples, HiddenRows, heldout_groups
+from medusa_jax.training.hidden_examples import HIDDEN_DTYPE, heldout_groups
+from medusa_jax.training.hidden_store import StoredSequences
 from medusa_jax.training.sharegpt import DataError
+from medusa_jax.training.teacher_forced import place_rows
 
 
 class FeatureRows:
     """Packed rows over a subset of a store's conversations."""
 
-    def __init__(self, store: FeatureConversations, conversations: np.ndarray, seq_len: int, seed: int = 0):
+    def __init__(self, store: StoredSequences, conversations: np.ndarray, seq_len: int, seed: int = 0):
         lengths = store.lengths_c[conversations]
         if lengths.size and lengths.max() > seq_len:
             raise DataError(f"the store holds conversations of {int(lengths.max())} tokens, longer than --seq-len "
@@ -81,7 +82,7 @@ class NoisedIterator(EpochIterator):
         return batch
 
 
-def split_store(store: FeatureConversations, heldout_fraction: float, seq_len: int,
+def split_store(store: StoredSequences, heldout_fraction: float, seq_len: int,
                 seed: int) -> tuple[FeatureRows, FeatureRows]:
     """(training rows, held-out rows), split by conversation as every other data source is."""
     n = len(store.ids)
@@ -89,29 +90,3 @@ def split_store(store: FeatureConversations, heldout_fraction: float, seq_len: i
     held[heldout_groups(n, heldout_fraction, seed)] = True
     return (FeatureRows(store, np.nonzero(~held)[0], seq_len, seed),
             FeatureRows(store, np.nonzero(held)[0], seq_len, seed + 1))
-
-
-def conversation_examples(store: FeatureConversations, num_heads: int, with_path: bool = False) -> HiddenExamples:
-    """Every position of the store as a cached-hidden example (hidden_examples.py) for heads: at position j of a
-    conversation, head i's target is token j + 2 + i when it is an assistant token of the same conversation, its
-    teacher the stored hidden state at j + 1 + i; Hydra heads' path is the true tokens j + 1 .. j + M (0 past the
-    conversation). Groups are conversations (the held-out split); the hidden rows stay memory-mapped."""
-    x = store.num_tokens
-    conv_x = np.repeat(np.arange(len(store.ids)), store.lengths_c)
-    end_x = (store.starts_c + store.lengths_c)[conv_x]
-    g = np.arange(x, dtype=np.int64)
-    offs = np.arange(num_heads)
-    target_pos = g[:, None] + 2 + offs[None, :]
-    valid = target_pos < end_x[:, None]
-    valid &= store.loss_x[np.minimum(target_pos, x - 1)]
-    keep = valid.any(axis=1)
-    rows = g[keep]
-    valid = valid[keep]
-    targets = np.where(valid, store.tokens_x[np.minimum(target_pos[keep], x - 1)], -1).astype(np.int32)
-    teacher = np.where(valid, rows[:, None] + 1 + offs[None, :], -1).astype(np.int64)
-    path = None
-    if with_path:
-        path_pos = rows[:, None] + 1 + offs[None, :]
-        inside = path_pos < end_x[keep][:, None]
-        path = np.where(inside, store.tokens_x[np.minimum(path_pos, x - 1)], 0).astype(np.int32)
-    return HiddenExamples(HiddenRows(store.hidden_chunks), rows, targets, teacher, conv_x[keep], path)

@@ -5,8 +5,8 @@ An example is a position t: the row of the base's final hidden state at t, head 
 distribution is head i's distilled target (teacher rows [M], -1 where head i has no target); for Hydra heads
 also the path tokens [E], t + 1 .. t + M (0 past the end; losses.hydra_head_stats). Examples are the x axis
 of the arrays below (m: heads, e: depth along the path). Hidden states
-live in `HiddenRows`: one or more [X_c, D] float16 arrays (the memory-mapped Arrow buffers of a distilled
-store, or in-memory cache chunks). A batch reads only the rows it needs, so a store larger than memory streams
+live in `HiddenRows`: one or more [X_c, D] float16 arrays (the memory-mapped Arrow buffers of a hidden-state
+store, hidden_store.py). A batch reads only the rows it needs, so a store larger than memory streams
 from disk; the example index itself (about 40 bytes per position) stays in memory.
 """
 
@@ -115,28 +115,44 @@ def heldout_groups(num_groups: int, heldout_fraction: float, seed: int) -> np.nd
     return order[:n_held]
 
 
-def reply_examples(hidden: HiddenRows, lengths_b: np.ndarray, tokens_x: np.ndarray, num_heads: int,
-                   groups_b: np.ndarray | None = None, with_path: bool = False) -> HiddenExamples:
-    """Examples of generated replies stored back to back: reply b has lengths_b[b] tokens tokens_x[s:s+n] and
-    hidden rows s..s+n-1, row s+j being the state that produced token j. Example j < n - 1 has head i's target
-    token j + 1 + i and teacher row s + j + 1 + i while j + 1 + i < n. `with_path` (Hydra heads): also the path
-    tokens j + i, i = 0..M-1 (the root token j and the true drafts before head i's target; 0 past the end)."""
+def sequence_examples(hidden: HiddenRows, starts_c, lengths_c, tokens_x, loss_x, hidden_starts_c, hidden_lengths_c,
+                      hidden_from_c, num_heads: int, groups_c=None, with_path: bool = False) -> HiddenExamples:
+    """Examples of sequences stored back to back (hidden_store.StoredSequences): sequence c is tokens_x[s:s + n]
+    (s = starts_c[c], n = lengths_c[c]) with loss_x over the same range, and hidden row h0 + r (h0 =
+    hidden_starts_c[c], r < hidden_lengths_c[c]) is the state at position p = hidden_from_c[c] + r. The example at p
+    has head i's target token p + 2 + i where that is a loss token of the sequence, its teacher row h0 + r + 1 + i;
+    `with_path` (Hydra heads): also the path tokens p + 1 .. p + M (0 past the sequence). Positions without any
+    target are dropped; groups (the held-out split) are groups_c of each example's sequence."""
+    lengths_c, hidden_lengths_c = np.asarray(lengths_c, np.int64), np.asarray(hidden_lengths_c, np.int64)
+    seq_h = np.repeat(np.arange(len(lengths_c)), hidden_lengths_c)
+    h = np.arange(len(seq_h), dtype=np.int64)
+    r = h - np.asarray(hidden_starts_c, np.int64)[seq_h]
+    g = np.asarray(starts_c, np.int64)[seq_h] + np.asarray(hidden_from_c, np.int64)[seq_h] + r  # token index
+    end = (np.asarray(starts_c, np.int64) + lengths_c)[seq_h]
+    offs = np.arange(num_heads)[None, :]
+    tokens_x, last = np.asarray(tokens_x), len(tokens_x) - 1
+    target = g[:, None] + 2 + offs
+    valid = (target < end[:, None]) & (r[:, None] + 1 + offs < hidden_lengths_c[seq_h][:, None])
+    valid &= np.asarray(loss_x)[np.clip(target, 0, last)]
+    keep = valid.any(axis=1)
+    rows, valid, g, end = h[keep], valid[keep], g[keep], end[keep]
+    targets = np.where(valid, tokens_x[np.clip(g[:, None] + 2 + offs, 0, last)], -1).astype(np.int32)
+    teacher = np.where(valid, rows[:, None] + 1 + offs, -1).astype(np.int64)
+    path = None
+    if with_path:
+        at = g[:, None] + 1 + offs
+        path = np.where(at < end[:, None], tokens_x[np.clip(at, 0, last)], 0).astype(np.int32)
+    groups = None if groups_c is None else np.asarray(groups_c)[seq_h[keep]]
+    return HiddenExamples(hidden, rows, targets, teacher, groups, path)
+
+
+def reply_examples(hidden: HiddenRows, lengths_b, tokens_x, num_heads: int, groups_b=None,
+                   with_path: bool = False) -> HiddenExamples:
+    """Examples of generated replies stored back to back, tokens only: reply b has lengths_b[b] tokens
+    tokens_x[s:s+n] and hidden rows s..s+n-1, row s+j being the state that produced token j (so the position
+    before the reply's first token: hidden_from = -1 in sequence_examples). Head i's target at example j is token
+    j + 1 + i; the Hydra path is tokens j .. j + M - 1."""
     lengths_b = np.asarray(lengths_b, np.int64)
     starts_b = np.concatenate([[0], np.cumsum(lengths_b)[:-1]]).astype(np.int64)
-    total = int(lengths_b.sum())
-    reply_x = np.repeat(np.arange(len(lengths_b)), lengths_b)
-    j_x = np.arange(total, dtype=np.int64) - starts_b[reply_x]
-    n_x = lengths_b[reply_x]
-    keep = j_x < n_x - 1
-    rows = np.nonzero(keep)[0].astype(np.int64)
-    offs = 1 + np.arange(num_heads)[None, :]
-    valid = (j_x[rows][:, None] + offs) < n_x[rows][:, None]
-    teacher = np.where(valid, rows[:, None] + offs, -1)
-    tokens_x = np.asarray(tokens_x)
-    targets = np.where(valid, tokens_x[np.where(valid, teacher, 0)], -1).astype(np.int32)
-    groups = None if groups_b is None else np.asarray(groups_b)[reply_x[rows]]
-    path = None
-    if with_path:  # token j + i is in the reply while j + i < n, i.e. where head i - 1 had a target (or i = 0)
-        on_path = np.concatenate([np.ones_like(valid[:, :1]), valid[:, :-1]], axis=1)
-        path = np.where(on_path, tokens_x[np.where(on_path, rows[:, None] + offs - 1, 0)], 0).astype(np.int32)
-    return HiddenExamples(hidden, rows, targets, teacher.astype(np.int64), groups, path)
+    return sequence_examples(hidden, starts_b, lengths_b, tokens_x, np.ones(len(tokens_x), bool), starts_b, lengths_b,
+                             np.full(len(lengths_b), -1), num_heads, groups_b, with_path)

@@ -18,8 +18,8 @@ optimiser state):
                attention scores 4 x B x heads x T x T; with --medusa2 every layer's activations are kept for
                the backward pass (x layers).
   overhead     1.5 GiB: the Python process, XLA, tokenizer and data.
-Checked against measured peaks (VmHWM) on SmolLM2-135M at 8 x 1,024 positions: own lm_heads over 49,152
-tokens peaked at 23.9 GB (22.3 GiB; estimate 22.2 GiB), the default truncated:3072 at 3.3 GiB (estimate 3.7).
+Checked against measured peaks (VmHWM) on SmolLM2-135M: the estimates and peaks are in docs/training.md
+("Memory plan").
 
 One device of a mesh (`estimate_per_device`, for a `bench.plan.PlanConfig`), following the layouts of
 `medusa_jax.model.sharding`: weight matrices split over fsdp x tensor, norms replicated, biases over tensor;

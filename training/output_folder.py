@@ -12,7 +12,7 @@ Rules (checked before the model or the data are loaded):
 - On resume, train_log.jsonl keeps the records up to the restored step (a killed run may have logged steps
   after its last checkpoint; they are run again), so each step appears once.
 - A run that fails before writing anything leaves no folder behind (`OutputLock` removes what it made).
-- The end of a run is one commit (`commit_files`): the final files are staged in a hidden folder, the old
+- The end of a run is one commit (`atomic.commit_entries`): the final files are staged in a hidden folder, the old
   config.json goes first, the weights are renamed in, and config.json is renamed in last, so a folder is
   either the old heads, the new heads, or (killed in between) no heads at all: never new weights under an old
   config.
@@ -25,7 +25,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -177,24 +176,6 @@ class FileLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
-
-
-def commit_files(staging: str | os.PathLike, output: str | os.PathLike, last: str = "config.json") -> None:
-    """Moves every entry of the folder `staging` into `output` as one commit: `output/last` is removed first and
-    renamed in last, so a reader (or a kill) never sees the new files under the old `last`. Folders (e.g. a
-    Medusa-2 base_model/) replace their namesakes whole. `staging` is removed."""
-    staging, output = Path(staging), Path(output)
-    (output / last).unlink(missing_ok=True)
-    for entry in sorted(staging.iterdir()):
-        if entry.name == last:
-            continue
-        target = output / entry.name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        os.replace(entry, target)
-    if (staging / last).exists():
-        os.replace(staging / last, output / last)
-    shutil.rmtree(staging, ignore_errors=True)
 
 
 def checkpoint_steps(directory: str | os.PathLike) -> list[int]:

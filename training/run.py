@@ -9,7 +9,7 @@
   OUTPUT/.medusa_jax_train, .train.lock    the trainer's marker and the run's lock (training.output_folder)
 Before any weights are loaded: the output folder's checks and lock, and the memory plan (training.memory_plan).
 The final config.json, heads.safetensors (and base_model/) are staged and committed in one step
-(`output_folder.commit_files`). A NaN/inf loss, gradient norm or weight stops the run before a checkpoint of
+(`atomic.commit_entries`). A NaN/inf loss, gradient norm or weight stops the run before a checkpoint of
 it is written (`checkpointing.TrainingDiverged`); `--resume` starts from the newest finite checkpoint.
 """
 
@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from medusa_jax.atomic import commit_entries
 from medusa_jax.text import load_tokenizer
 from medusa_jax.model import sharding as shd
 from medusa_jax.model.config import ModelConfig
@@ -224,7 +225,7 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
                           storage_dtype=None if cfg.heads_dtype == "float32" else cfg.heads_dtype)
         if cfg.train.medusa2:
             save_pretrained(trainer.base(), staging / "base_model", cfg.model)
-        output_folder.commit_files(staging, output)
+        commit_entries(staging, output, last="config.json")
     return {"steps": trainer.step, "heldout": result, "output": str(output)}
 
 

@@ -9,9 +9,9 @@ Output: ShareGPT records (`{"id", "conversations": [{"from": "human"|"gpt"|"syst
 line (JSONL), appended and fsync'ed as conversations complete. A rerun skips the ids already written, so an
 interrupted run resumes where it stopped; a half-written last line (killed mid-write) is cut off first.
 
-With `save_hidden`, each flush first appends one shard to the Arrow store `OUTPUT.arrow/` (distill_store.py:
-prompt + reply token ids, loss mask, and the backbone's hidden state behind every generated token), then its
-JSONL lines. A rerun drops the store's shards whose conversations never reached the JSONL (a run stopped in
+With `save_hidden`, each flush first appends one shard to the Arrow store `OUTPUT.arrow/` (hidden_store.py, kind
+REPLIES: prompt + reply token ids, loss mask, and the backbone's hidden state behind every generated token), then
+its JSONL lines. A rerun drops the store's shards whose conversations never reached the JSONL (a run stopped in
 between) and regenerates them. An output whose hidden states are in the retired first format
 (`OUTPUT.hidden/*.npz`) is refused with how to regenerate it.
 `train_heads.py --data OUTPUT.arrow --cache-hidden` trains Medusa-1 heads from the store, memory-mapped,
@@ -46,7 +46,7 @@ from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 from medusa_jax.inference.refill import Slots, admit_prompts, run_chunk
 from medusa_jax.inference.sampling import SamplingConfig
-from medusa_jax.training import distill_store, output_folder
+from medusa_jax.training import hidden_store, output_folder
 from medusa_jax.training.sharegpt import DataError, read_conversations
 
 _SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -312,10 +312,10 @@ def _self_distill(model_dir, data, output: Path, config: DistillConfig, progress
 
 def _open_store(output: Path, finished: set[str], hidden_size: int, log):
     """The Arrow store of `output`, its uncommitted shards dropped (the first npz format is refused)."""
-    old = distill_store.first_format_folder(output)
+    old = hidden_store.first_format_folder(output)
     if old is not None:
-        raise distill_store.first_format_error(old)
-    store = distill_store.StoreWriter(distill_store.store_path(output), hidden_size)
+        raise hidden_store.first_format_error(old)
+    store = hidden_store.StoreWriter(hidden_store.store_path(output), hidden_size, hidden_store.REPLIES)
     dropped = store.drop_uncommitted(finished)
     if dropped:
         log(f"{store.folder}: dropped {len(dropped)} shard(s) whose conversations never reached {output} "

@@ -7,15 +7,16 @@ batch kinds reach the trainer (training/trainer.py): packed "rows", which run th
 examples, which read the frozen backbone's hidden states from memory or disk, and packed "features" rows, which
 carry the base's hidden state at every position (an EAGLE drafter's data).
 
-    source                 --data                                             batches
-    ChatConversations      ShareGPT file, datasets folder or name              rows
-    CachedHidden           the same, with --cache-hidden                      hidden, computed once (hidden_cache)
-    DistilledStoreRows     a self-distilled Arrow store (distill_store)        rows: prompt + regenerated reply
-    DistilledStoreHidden   the same, with --cache-hidden                      hidden, memory-mapped from the store
-    FeatureStoreRows       a teacher-forced feature store (feature_store)      features: packed conversations
-                                                                              with the base's hidden states (the
-                                                                              EAGLE drafter, feature_batches)
-    FeatureStoreHidden     the same, for Medusa and Hydra heads               hidden, memory-mapped from the store
+    source             --data                                          batches
+    ChatConversations  ShareGPT file, datasets folder or name           rows
+    CachedHidden       the same, with --cache-hidden                   hidden, computed once into a hidden-state
+                                                                       store (teacher_forced.build_hidden_cache)
+    StoreRows          a hidden-state store (hidden_store.py): self-   rows: its sequences (a reply with its prompt)
+                       distilled replies or teacher-forced text
+    StoreHidden        the same, with --cache-hidden (or any feature   hidden, memory-mapped from the store
+                       store, for Medusa and Hydra heads)
+    FeatureStoreRows   a feature store, for the EAGLE drafter          features: packed conversations with the
+                                                                       base's hidden states (feature_batches)
 
 `open_source(data, cache_hidden)` picks the source; a new kind of data adds a class with `feed` and one branch
 there. Hidden states in the first self-distillation format (OUTPUT.hidden/batch-*.npz) are refused there, with
@@ -33,10 +34,11 @@ import jax
 import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
-from medusa_jax.training import distill_store, feature_batches, feature_store, hidden_cache, memory_plan
+from medusa_jax.training import feature_batches, hidden_store, memory_plan
 from medusa_jax.training.data import (ChatData, DataConfig, EpochIterator, PackedRows, load_chat_data, row_batch,
                                       row_iterator)
 from medusa_jax.training.hidden_examples import HiddenExamples
+from medusa_jax.training.teacher_forced import build_hidden_cache
 
 
 @dataclasses.dataclass
@@ -153,16 +155,16 @@ class ChatConversations:
 
 
 @dataclasses.dataclass(frozen=True)
-class DistilledStoreRows:
-    """The replies of a self-distilled Arrow store as packed rows (prompt + reply, loss on the reply): the
-    backbone-in-the-step path for a store (GPU, Medusa-2)."""
+class StoreRows:
+    """The sequences of a hidden-state store as packed rows (a reply with its prompt, loss on the reply; a
+    conversation, loss on its assistant tokens): the backbone-in-the-step path for a store (GPU, Medusa-2)."""
 
     store: Path
 
     def packed(self, settings: FeedSettings, inputs: RunInputs) -> ChatData:
         tokenizer, eos = inputs.tokenizer, inputs.eos_ids
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-        return _log_packed(distill_store.store_chat_data(self.store, settings.data, pad), settings, inputs.log)
+        return _log_packed(hidden_store.store_chat_data(self.store, settings.data, pad), settings, inputs.log)
 
     def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
         return rows_feed(self.packed(settings, inputs), settings)
@@ -170,14 +172,14 @@ class DistilledStoreRows:
 
 @dataclasses.dataclass(frozen=True)
 class CachedHidden:
-    """Packed rows whose frozen-backbone hidden states are computed once and kept (hidden_cache): Medusa-1 on a
-    CPU, where an epoch then costs only the heads."""
+    """Packed rows whose frozen-backbone hidden states are computed once into a hidden-state store and kept
+    (teacher_forced.build_hidden_cache): Medusa-1 on a CPU, where an epoch then costs only the heads."""
 
     rows: ChatConversations
 
     def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
         data = self.rows.packed(settings, inputs)
-        # the cached hidden states are held in memory: check them before computing them
+        # the cached hidden states are read at random: check that they fit in memory before computing them
         positions = int(data.train.loss_mask_bt.sum() + data.heldout.loss_mask_bt.sum())
         per_position = (2 * inputs.base.config.hidden_size + 8  # + rows, targets and path
                         + (16 if settings.with_path else 12) * settings.num_heads)
@@ -185,25 +187,27 @@ class CachedHidden:
         cached = []
         for name, rows in (("train", data.train), ("held-out", data.heldout)):
             t0 = time.perf_counter()
-            cache = hidden_cache.build_hidden_cache(
+            cache = build_hidden_cache(
                 inputs.base, rows, settings.num_heads, settings.hidden_cache_dir, with_path=settings.with_path,
-                progress=lambda d, n, name=name, t0=t0: inputs.log(f"hidden cache ({name}): {d}/{n} rows, "
+                progress=lambda d, n, name=name, t0=t0: inputs.log(f"hidden cache ({name}): {d}/{n} tokens, "
                                                                    f"{time.perf_counter() - t0:.0f} s"))
             cached.append(cache.examples())
         return hidden_feed(*cached, data.train.tokens_bt[data.train.loss_mask_bt], settings)
 
 
 @dataclasses.dataclass(frozen=True)
-class DistilledStoreHidden:
-    """The hidden states self-distillation saved with its replies, memory-mapped from the Arrow store."""
+class StoreHidden:
+    """The positions of a hidden-state store as hidden examples, their hidden states memory-mapped: heads train
+    on the hidden states self-distillation saved with its replies, or on a feature store's."""
 
     store: Path
 
     def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
-        examples = distill_store.load_store_examples(self.store, settings.num_heads, settings.with_path)
+        store = hidden_store.open_store(self.store, settings.max_tokens)
+        examples = store.examples(settings.num_heads, settings.with_path)
         train, heldout, n_train, n_held = examples.split(settings.data.heldout_fraction, settings.seed)
-        inputs.log(f"using the hidden states saved by self-distillation in {self.store}: {n_train} training / "
-                   f"{n_held} held-out conversations, {len(train)} / {len(heldout)} positions")
+        inputs.log(f"hidden-state store {self.store}: {n_train} training / {n_held} held-out conversations "
+                   f"({store.num_tokens} tokens), {len(train)} / {len(heldout)} positions")
         return hidden_feed(train, heldout, train.targets_xm[:, 0][train.targets_xm[:, 0] >= 0], settings)
 
 
@@ -215,7 +219,7 @@ class FeatureStoreRows:
     store: Path
 
     def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
-        store = feature_store.open_feature_store(self.store, settings.max_tokens)
+        store = hidden_store.open_store(self.store, settings.max_tokens)
         dc = settings.data
         train, held = feature_batches.split_store(store, dc.heldout_fraction, dc.seq_len, settings.seed)
         inputs.log(f"feature store {self.store}: {len(store.ids)} conversations, {store.num_tokens} tokens; "
@@ -232,30 +236,14 @@ class FeatureStoreRows:
                     train.loss_tokens(), lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
 
 
-@dataclasses.dataclass(frozen=True)
-class FeatureStoreHidden:
-    """A teacher-forced feature store's positions as hidden examples (their hidden states memory-mapped): Medusa
-    and Hydra heads, whose targets are the assistant tokens of the stored conversations."""
-
-    store: Path
-
-    def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
-        store = feature_store.open_feature_store(self.store, settings.max_tokens)
-        examples = feature_batches.conversation_examples(store, settings.num_heads, settings.with_path)
-        train, heldout, n_train, n_held = examples.split(settings.data.heldout_fraction, settings.seed)
-        inputs.log(f"feature store {self.store}: {n_train} training / {n_held} held-out conversations "
-                   f"({store.num_tokens} tokens), {len(train)} / {len(heldout)} positions")
-        return hidden_feed(train, heldout, train.targets_xm[:, 0][train.targets_xm[:, 0] >= 0], settings)
-
-
 def open_source(data: str | None, cache_hidden: bool, head_type: str = "medusa") -> DataSource:
     """The source of `--data` (None: the packaged ShareGPT file); `cache_hidden` asks for hidden examples. A
     feature store feeds an EAGLE drafter packed rows with their features, other heads hidden examples."""
-    if feature_store.is_feature_store(data):
-        return FeatureStoreRows(Path(data)) if head_type == "eagle" else FeatureStoreHidden(Path(data))
-    distill_store.refuse_first_format(data, cache_hidden)
-    store = distill_store.find_store(data)
+    if hidden_store.is_store(data, hidden_store.FEATURES):
+        return FeatureStoreRows(Path(data)) if head_type == "eagle" else StoreHidden(Path(data))
+    hidden_store.refuse_first_format(data, cache_hidden)
+    store = hidden_store.find_store(data)
     if store is not None:
-        return DistilledStoreHidden(store) if cache_hidden else DistilledStoreRows(store)
+        return StoreHidden(store) if cache_hidden else StoreRows(store)
     rows = ChatConversations(data)
     return CachedHidden(rows) if cache_hidden else rows

@@ -8,8 +8,9 @@ table (frozen and shared: never copied into the heads). `HeadsConfig.hydra_input
   add     x = h + P [e_0; ...; e_i]        P starts at zero (= h + the sum of per-position projections)
 then `num_layers` ResBlocks and an lm_head in the Medusa modes (own / shared / truncated, see heads/medusa.py).
 "add" is the default: on SmolLM2 hidden states (same data, steps and seed) it gave higher held-out top-1 on
-every head and a lower held-out loss than "concat", with ~30% fewer parameters (concat's trainable [D, D]
-block on h only adds capacity to overfit; add keeps h's path through the head fixed, as Medusa does).
+every head and a lower held-out loss than "concat" (docs/training.md), with fewer parameters (concat's
+trainable [D, D] block on h only adds capacity to overfit; add keeps h's path through the head fixed, as Medusa
+does).
 
 Drafting runs inside the jitted decode loop on the same static tree buffers as Medusa heads, in tree.depth
 rounds: round d runs head d - 1 once per tree node at depth d - 1 that has children, on that node's own path

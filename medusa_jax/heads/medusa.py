@@ -114,8 +114,8 @@ class MedusaHeads(HeadsBase):
         """[..., D] -> [M, ..., V_head] fp32 logits (V_head = truncated_vocab_size in truncated mode) of the
         first num_heads heads (all by default)."""
         if self.config.lm_head == "shared":
-            # one matmul for all heads: the base lm_head is read once, not once per head (~30 -> 20 ms for
-            # 4 SmolLM2 heads on 2 CPU cores)
+            # one matmul for all heads: the base lm_head is read once, not once per head (the gain for 4 SmolLM2
+            # heads on 2 CPU cores: docs/results.md)
             return base.logits(jnp.stack([head(hidden_xd) for head in self.heads[:num_heads]]))
         return jnp.stack([head_logits(head, head(hidden_xd), base) for head in self.heads[:num_heads]])
 

@@ -59,7 +59,7 @@ DEFAULT_DYNAMIC_DEPTH = 4  # drafting depths: the shipped heads' number of heads
 
 def default_dynamic_top_k(nodes: int, depth: int) -> int:
     """K for "dynamic:N" without k=: 4 (on the shipped SmolLM2 heads K = 4 beat K = 2, and K = 8 or 12 drafted
-    only 1-3% more tokens/step at 16 nodes, bench/dynamic_trees_k, for K^2 candidates per depth), raised to the
+    barely more tokens/step at 16 nodes, bench/dynamic_trees_k/, for K^2 candidates per depth), raised to the
     smallest K whose K + (D - 1) K^2 drafted candidates hold the N nodes (64 nodes at depth 4 need K = 5), and
     never above N."""
     if nodes < 1 or depth < 1:

@@ -7,8 +7,8 @@ without re-laying them:
     lengths_b : [batch] int32 — slots [0, lengths[b]) of row b hold its committed tokens, slot == position.
 Why this layout (measured on XLA:CPU, SmolLM2 shapes, 64 rows x 512 slots, 30 layers of decode attention):
 slots-before-heads buffers ([b, s, k, h]) made XLA transpose every layer's K and V before its batched dots, and
-one stacked [l, ...] buffer made it copy the layer out of the stack: 780-900 ms per step against 130 ms with
-these per-layer buffers, which the dots read in place at the machine's read bandwidth.
+one stacked [l, ...] buffer made it copy the layer out of the stack, several times slower than these per-layer
+buffers, which the dots read in place at the machine's read bandwidth (the figures: docs/design.md).
 A forward over T new tokens writes their K/V to slots [lengths[b], lengths[b] + T) of each row and does NOT
 advance `lengths`: the caller commits what it keeps (plain decode: +1; Medusa: the accepted path, after
 moving its K/V into consecutive slots). Slots at or past `lengths[b]` are scratch and are always masked.
