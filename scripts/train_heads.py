@@ -23,7 +23,7 @@ from medusa_jax.hub import is_hub_id
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
 from medusa_jax.model.sharding import MeshError
 from medusa_jax.training.checkpointing import CheckpointMismatch
-from medusa_jax.training import feature_store
+from medusa_jax.training import hidden_store
 from medusa_jax.training.data import DataConfig
 from medusa_jax.training.memory_plan import MemoryPlanError
 from medusa_jax.training.output_folder import OutputFolderError
@@ -172,7 +172,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.head_type == "eagle" and args.cache_hidden:
         raise fail("--head-type eagle reads the hidden states of every position: give a feature store "
                    "(scripts/build_features.py) as --data instead of --cache-hidden")
-    if args.head_type == "eagle3" and (args.cache_hidden or feature_store.is_feature_store(args.data)
+    if args.head_type == "eagle3" and (args.cache_hidden or hidden_store.is_store(args.data, hidden_store.FEATURES)
                                        or args.num_layers != 1):
         raise fail("--head-type eagle3 trains on packed rows (the fused features come from the backbone in the "
                    "step) with one decoder layer: drop --cache-hidden, give chat data as --data (a feature store "
