@@ -220,6 +220,24 @@ def test_training_time_test_lowers_the_loss_and_the_drafter_decodes_losslessly(t
     assert [r.token_ids for r in generate_medusa(base, d, prompts, tree="mc_sim_7b_8", max_new_tokens=16,
                                                  eos_ids=())] == want
 
+    # exported in the published layout, the folder goes to `generate.py --heads` as it is
+    def script(name):
+        spec = importlib.util.spec_from_file_location(f"{name}_script", Path(__file__).parents[1] / f"scripts/{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.main
+
+    capsys.readouterr()
+    assert script("export_heads")(["--heads", str(tmp_path / "out"), "--out", str(tmp_path / "published"),
+                                   "--format", "eagle3", "--model", str(model), "--dtype", "float32"]) == 0
+    rows = []
+    for extra in ([], ["--heads", str(tmp_path / "published"), "--tree", "mc_sim_7b_8"]):
+        capsys.readouterr()
+        assert script("generate")(["--model", str(model), "--prompt", "user assistant", "--max-new-tokens", "12",
+                                   "--json", *extra]) == 0
+        rows.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert rows[1]["token_ids"] == rows[0]["token_ids"] and rows[1]["steps"] <= rows[0]["steps"]
+
 
 def test_step_cost_times_the_drafter_static_and_dynamic(bases):
     """inference/step_cost.py builds the drafter's state from a prefill's fused features (len(feature_layers) x
