@@ -53,8 +53,8 @@ def test_taps_are_the_hidden_states_entering_each_layer(tiny_hf_model):
     with torch.no_grad():
         want = hf(torch.from_numpy(tokens), output_hidden_states=True).hidden_states  # [i]: entering layer i
     t = tokens.shape[1]
-    final, _, taps = base.forward_taps(jnp.asarray(tokens), jnp.arange(t)[None], segment_mask(np.ones((1, t), np.int32)),
-                                       None, (1, 0))
+    mask = segment_mask(np.ones((1, t), np.int32))
+    final, _, taps = base.forward_taps(jnp.asarray(tokens), jnp.arange(t)[None], mask, None, (1, 0))
     d = base.config.hidden_size
 
     def close(got, want):  # float32 paths of two libraries: rtol, and an atol that follows the magnitude
@@ -66,9 +66,9 @@ def test_taps_are_the_hidden_states_entering_each_layer(tiny_hf_model):
     assert default_feature_layers(32) == (2, 16, 29)  # Llama-3.1-8B's published drafts
 
 
-@pytest.mark.parametrize("kind, tree, lm_head", [("llama", "mc_sim_7b_16", "own"), ("llama", "dynamic:6,k=2,d=3", "own"),
-                                                 ("qwen2", "mc_sim_7b_8", "truncated"), ("llama", "dynamic:6,k=2,d=3",
-                                                                                          "truncated")])
+@pytest.mark.parametrize("kind, tree, lm_head", [
+    ("llama", "mc_sim_7b_16", "own"), ("llama", "dynamic:6,k=2,d=3", "own"), ("qwen2", "mc_sim_7b_8", "truncated"),
+    ("llama", "dynamic:6,k=2,d=3", "truncated")])
 def test_greedy_with_the_drafter_equals_plain_greedy(bases, kind, tree, lm_head):
     base = bases[kind]
     trunc = dict(truncated_vocab_size=48) if lm_head == "truncated" else {}
@@ -196,7 +196,8 @@ def test_training_time_test_lowers_the_loss_and_the_drafter_decodes_losslessly(t
 
     model = build_tiny_chat_model(tmp_path / "model", initializer_range=0.5)  # a peaked teacher to learn
     data = write_json(tmp_path / "chat.json", chat_records(40, seed=3))
-    spec = importlib.util.spec_from_file_location("train_heads_script", Path(__file__).parents[1] / "scripts/train_heads.py")
+    spec = importlib.util.spec_from_file_location("train_heads_script",
+                                                  Path(__file__).parents[1] / "scripts/train_heads.py")
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     monkeypatch.setenv("MEDUSA_JAX_CACHE", str(tmp_path / "cache"))
@@ -222,7 +223,8 @@ def test_training_time_test_lowers_the_loss_and_the_drafter_decodes_losslessly(t
 
     # exported in the published layout, the folder goes to `generate.py --heads` as it is
     def script(name):
-        spec = importlib.util.spec_from_file_location(f"{name}_script", Path(__file__).parents[1] / f"scripts/{name}.py")
+        spec = importlib.util.spec_from_file_location(f"{name}_script",
+                                                      Path(__file__).parents[1] / f"scripts/{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module.main

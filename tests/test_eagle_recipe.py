@@ -65,8 +65,8 @@ def test_the_scale_is_kept_natively_and_folded_on_export(base, tmp_path):
     out = export_eagle(d, base, tmp_path / "eagle", dtype="float32")
     assert "embed_scale" not in json.dumps(json.loads((out / "config.json").read_text()))  # the layout is unchanged
     w = load_file(str(out / "model.safetensors"))["fc.weight"]
-    np.testing.assert_allclose(w[:, : base.config.hidden_size], kernel[: base.config.hidden_size].T * d.config.embed_scale,
-                               rtol=1e-6)
+    d_ = base.config.hidden_size
+    np.testing.assert_allclose(w[:, :d_], kernel[:d_].T * d.config.embed_scale, rtol=1e-6)
     back = load_heads(out, base=base)
     assert back.config.embed_scale == 1.0
     ref = logits(d)
@@ -92,7 +92,8 @@ def test_noise_reaches_packed_rows_and_is_drawn_again_the_same(base):
 
 
 def test_train_heads_refuses_eagle_init_for_other_heads(tiny_model_dir, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("train_heads_script", Path(__file__).parents[1] / "scripts/train_heads.py")
+    spec = importlib.util.spec_from_file_location("train_heads_script",
+                                                  Path(__file__).parents[1] / "scripts/train_heads.py")
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     code = cli.main(["--model", str(tiny_model_dir("llama", initializer_range=0.3)), "--output", str(tmp_path / "o"),

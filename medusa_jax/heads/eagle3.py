@@ -79,7 +79,8 @@ class Eagle3Drafter(EagleDrafter):
         if config.decoder is None:
             raise ValueError("an EAGLE-3 drafter needs HeadsConfig.decoder (init_heads fills it from the base model)")
         if config.num_layers != 1:
-            raise ValueError(f"an EAGLE-3 drafter has one decoder layer (the published layout), got {config.num_layers}")
+            raise ValueError(f"an EAGLE-3 drafter has one decoder layer (the published layout), got "
+                             f"{config.num_layers}")
         dtype = resolve_dtype(config.dtype)
         d = config.hidden_size
         self.decoder = config.decoder.replace(num_layers=1, dtype=config.dtype)

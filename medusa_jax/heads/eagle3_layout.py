@@ -126,7 +126,8 @@ def load_eagle3(folder: Path, raw: dict, base_config: ModelConfig | None, dtype:
                               f"{raw.get('draft_vocab_size')}, d2t {None if token_map is None else len(token_map)}, "
                               f"vocab_size {decoder.vocab_size}: they must agree")
     ours = raw.get("medusa_jax") or {}
-    config = HeadsConfig(decoder.hidden_size, decoder.vocab_size, num_heads=num_heads or int(ours.get("draft_depth", 8)),
+    depth = num_heads or int(ours.get("draft_depth", 8))
+    config = HeadsConfig(decoder.hidden_size, decoder.vocab_size, num_heads=depth,
                          num_layers=1, lm_head="own" if token_map is None else "truncated",
                          truncated_vocab_size=None if token_map is None else int(token_map.shape[0]), dtype=dtype,
                          base_model_name_or_path=str(ours.get("base_model_name_or_path", "")), head_type="eagle3",

@@ -15,7 +15,8 @@ SGLang read it) or pytorch_model.bin (the authors' own save; the PyPI package ea
 No final norm. The lm_head is the base's, except for a drafter trained with its own: a full one is written as
 lm_head.weight [V, D]; a draft vocabulary (our truncated lm_head) as lm_head.weight [Vt, D] with d2t/t2d and
 "draft_vocab_size" (heads.draft_vocab). Read back, each gives the drafter that was measured. Rotary base: the
-drafter's config rope_theta (absent: 10000, as every EAGLE loader defaults); docs/interop.md says what each runtime does.
+drafter's config rope_theta (absent: 10000, as every EAGLE loader defaults); docs/interop.md says what each
+runtime does.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def lm_head_tensors(drafter, store: np.dtype) -> tuple[dict[str, np.ndarray], in
         return {"lm_head.weight": lm_vd.astype(store)}, None
     ids_u = np.asarray(jax.device_get(drafter.token_map[...]))
     order = np.argsort(ids_u, kind="stable")
-    return ({"lm_head.weight": lm_vd[order].astype(store), **draft_vocab_tensors(ids_u[order], drafter.config.vocab_size)},
-            int(ids_u.shape[0]))
+    maps = draft_vocab_tensors(ids_u[order], drafter.config.vocab_size)
+    return {"lm_head.weight": lm_vd[order].astype(store), **maps}, int(ids_u.shape[0])
 
 
 def eagle_tensors(drafter: EagleDrafter, base: CausalLM, dtype: str = "float16",
@@ -212,7 +213,8 @@ def eagle_serving_notes(drafter: EagleDrafter, sglang: bool) -> list[str]:
     if cfg.fc_bias and not sglang:
         notes.append("the drafter has an fc bias: vLLM's EAGLE-1 Llama draft has none and cannot load it")
     if cfg.lm_head != "shared":
-        notes.append(f"the drafter's own lm_head ({cfg.head_vocab_size} rows{', d2t/t2d' if cfg.lm_head == 'truncated' else ''}) "
+        maps = ", d2t/t2d" if cfg.lm_head == "truncated" else ""
+        notes.append(f"the drafter's own lm_head ({cfg.head_vocab_size} rows{maps}) "
                      f"is in the folder: runtimes that take the base's lm_head for EAGLE-1 drafts (the authors' "
                      f"cnets1.py, SGLang) leave it unread and draft with another head than the one measured here")
     if drafter.decoder.attention_bias:
