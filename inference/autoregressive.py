@@ -33,15 +33,16 @@ def prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array,
 
 
 def prefill_states(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array,
-                   cache: KVCache) -> tuple[jax.Array, KVCache, jax.Array]:
-    """`prefill`, also returning the hidden state of every prompt position [b, t, d] (a drafter's prefill)."""
+                   cache: KVCache, taps: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache, jax.Array]:
+    """`prefill`, also returning the hidden state of every prompt position [b, t, d] (a drafter's prefill); with
+    `taps`, the base's residual stream entering those layers instead ([b, t, len(taps) d], `forward_taps`)."""
     b, t = prompt_bt.shape
     cache = cache.replace(lengths_b=jnp.zeros((b,), jnp.int32))
     positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask_bts = attention_mask(cache.lengths_b, causal_block(t), cache.cache_size)
-    hidden_btd, cache = model(prompt_bt, positions_bt, mask_bts, cache)
+    hidden_btd, cache, taps_btf = model.forward_taps(prompt_bt, positions_bt, mask_bts, cache, taps)
     last_bd = jnp.take_along_axis(hidden_btd, (prompt_lens_b - 1)[:, None, None], axis=1)[:, 0]
-    return last_bd, cache.replace(lengths_b=prompt_lens_b.astype(jnp.int32)), hidden_btd
+    return last_bd, cache.replace(lengths_b=prompt_lens_b.astype(jnp.int32)), hidden_btd if taps_btf is None else taps_btf
 
 
 def prefill_widths(width: int, smallest: int = 64) -> tuple[int, ...]:
@@ -61,18 +62,20 @@ def grouped_prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Ar
 
 
 def grouped_prefill_states(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array, cache: KVCache,
-                           groups: int, all_hidden: bool = False) -> tuple[jax.Array, KVCache, jax.Array | None]:
+                           groups: int, all_hidden: bool = False,
+                           taps: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """`prefill`, in `groups` groups of rows of similar length: a batch padded to its longest prompt computes
     every row at that width (64 MT-Bench first turns in one batch: 6,349 prompt tokens, 32,768 positions at
     the padded width 512). Rows are sorted by length (inside the jitted call, so any row order works) and cut
     into `groups` equal groups; a `fori_loop` prefills each group into a fresh cache at the narrowest of
     `prefill_widths(t)` that holds its longest prompt (a `lax.switch` over those few static widths, so one
     compilation serves every batch of this shape) and scatters it into its rows of `cache`. Returns what
-    `prefill` returns, and with all_hidden the hidden state of every prompt position [b, t, d] (else None).
+    `prefill` returns, and with all_hidden the hidden state of every prompt position [b, t, d] (else None), or
+    with `taps` too the residual stream entering those layers ([b, t, len(taps) d], `prefill_states`).
     groups == 1, or a batch it does not divide, is `prefill` itself."""
     b, t = prompt_bt.shape
     if groups <= 1 or b % groups:
-        last_bd, cache, hidden_btd = prefill_states(model, prompt_bt, prompt_lens_b, cache)
+        last_bd, cache, hidden_btd = prefill_states(model, prompt_bt, prompt_lens_b, cache, taps)
         return last_bd, cache, hidden_btd if all_hidden else None
     n, widths = b // groups, prefill_widths(t)
     lens_b = prompt_lens_b.astype(jnp.int32)
@@ -88,7 +91,7 @@ def grouped_prefill_states(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b:
         def at_width(w):
             def run(tokens_nt, lens_n):
                 fresh = KVCache.zeros(model.config, n, w, dtype=cache.dtype)
-                h_nd, fresh, h_nwd = prefill_states(model, tokens_nt[:, :w], lens_n, fresh)
+                h_nd, fresh, h_nwd = prefill_states(model, tokens_nt[:, :w], lens_n, fresh, taps)
                 if w < t:  # every branch returns K/V t slots wide (the switch's result has one shape)
                     fresh = fresh.map_layers(lambda k: jnp.pad(k, ((0, 0),) * K_SLOT_AXIS + ((0, t - w),)),
                                              lambda v: jnp.pad(v, ((0, 0),) * V_SLOT_AXIS + ((0, t - w), (0, 0))))
@@ -106,7 +109,7 @@ def grouped_prefill_states(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b:
 
     d, dtype = model.config.hidden_size, model.config.jnp_dtype
     last_bd = jnp.zeros((b, d), dtype)
-    hidden_btd = jnp.zeros((b, t, d), dtype) if all_hidden else None
+    hidden_btd = jnp.zeros((b, t, d * max(len(taps), 1)), dtype) if all_hidden else None
     cache, last_bd, hidden_btd = jax.lax.fori_loop(0, groups, group, (cache, last_bd, hidden_btd))
     return last_bd, cache.replace(lengths_b=lens_b), hidden_btd
 

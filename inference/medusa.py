@@ -180,9 +180,13 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
     proposal, draft = proposer(inputs)
     tokens_bt, mask_bts, positions_bt, verified = verify_inputs(proposal, state.root_b, lengths_b,
                                                                 state.cache.cache_size, tree)
-    hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, state.finish_moves())
+    # the drafter's features of the tree nodes: the final hidden states, or (EAGLE-3) the residual stream
+    # entering its feature_layers, from this same forward
+    hidden_btd, cache, taps_btf = base.forward_taps(tokens_bt, positions_bt, mask_bts, state.finish_moves(),
+                                                    model.heads.feature_layers)
     accept_b, nodes_be, bonus_b = accept_tree(verified, tokens_bt, base.logits(hidden_btd), sub, acceptance)
-    draft = model.heads.accepted(draft, hidden_btd, tokens_bt, nodes_be, accept_b, active_b)
+    draft = model.heads.accepted(draft, hidden_btd if taps_btf is None else taps_btf, tokens_bt, nodes_be, accept_b,
+                                 active_b)
     move_src_be, move_dst_be = accepted_moves(lengths_b, nodes_be)  # made by the next step (docstring, item 4)
     last_node_b = jnp.take_along_axis(nodes_be, accept_b[:, None], axis=1)[:, 0]
     hidden_bd = jnp.take_along_axis(hidden_btd, last_node_b[:, None, None], axis=1)[:, 0]
@@ -220,7 +224,8 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, ke
     b, o = prompt_bt.shape[0], max_new_tokens
     heads = model.heads
     last_bd, cache, hidden_btd = grouped_prefill_states(base, prompt_bt, prompt_lens_b, cache, prefill_groups,
-                                                        all_hidden=heads.needs_prompt_hidden)
+                                                        all_hidden=heads.needs_prompt_hidden,
+                                                        taps=heads.feature_layers)
     draft = heads.init_draft(base, prompt_bt, prompt_lens_b, hidden_btd, cache.cache_size, tree.depth)
     key, sub = jax.random.split(key)
     first_b = sample_next(base.logits(last_bd), sub, acceptance)

@@ -5,6 +5,7 @@ Example:
   python scripts/export_heads.py --heads default-medusa --out exported/medusa --model default
   python scripts/export_heads.py --heads my_heads --out exported/vllm --format vllm --dtype bfloat16
   python scripts/export_heads.py --heads my_drafter --out exported/eagle --format eagle --model default
+  python scripts/export_heads.py --heads my_eagle3 --out exported/eagle3 --format eagle3 --model default
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.hf.tensor_files import CheckpointError
+from medusa_jax.heads.eagle3_layout import eagle3_serving_notes, export_eagle3
 from medusa_jax.heads.eagle_layout import eagle_serving_notes, export_eagle
 from medusa_jax.heads.export import ExportError, export_heads, not_an_export, serving_notes
 from medusa_jax.heads.load import load_heads
@@ -33,12 +35,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True,
                    help="output folder (written atomically; must not exist or be empty; temp folders left by a "
                         "killed export are removed)")
-    p.add_argument("--format", choices=("medusa", "vllm", "eagle", "eagle-sglang"), default="medusa",
+    p.add_argument("--format", choices=("medusa", "vllm", "eagle", "eagle-sglang", "eagle3"), default="medusa",
                    help="'medusa': medusa_lm_head.safetensors + config.json for the official Medusa code, TGI and "
                         "TensorRT-LLM (default); 'vllm': model.safetensors + config.json for vLLM; for an EAGLE "
-                        "drafter: 'eagle' (the EAGLE authors' layout, no fc bias: vLLM, EAGLE's own code) or "
-                        "'eagle-sglang' (the same with a zero fc.bias and SGLang's architecture name); both need "
-                        "--model (the drafter's file carries the base's input embedding)")
+                        "drafter: 'eagle' (the EAGLE authors' EAGLE-1 layout: vLLM, EAGLE's own code; an fc bias "
+                        "only if the drafter has one) or 'eagle-sglang' (the same with an fc.bias, zero if the drafter "
+                        "has none, and SGLang's architecture name); for an EAGLE-3 drafter: 'eagle3' (the authors' "
+                        "published EAGLE-3 layout: vLLM, SGLang, speculators). All three need --model (the base's "
+                        "input embedding or lm_head goes into the file)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype of the written tensors (default float32; serve in the base model's dtype)")
     p.add_argument("--materialize-lm-head", action="store_true",
@@ -103,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     heads = load_heads(heads_dir, base_config=base.config if base is not None else None)
     if heads.export_formats and args.format not in heads.export_formats:  # none: export_heads says why
         raise ExportError(f"--format {args.format} does not fit {heads.config.head_type} heads: EAGLE drafters export "
-                          f"with --format eagle or eagle-sglang, Medusa heads with medusa or vllm")
+                          f"with --format eagle or eagle-sglang, EAGLE-3 drafters with eagle3, Medusa heads with "
+                          f"medusa or vllm")
     if args.format.startswith("eagle"):
         return _export_eagle(args, heads, base)
     name = args.base_model_name_or_path
@@ -126,12 +131,17 @@ def _export_eagle(args: argparse.Namespace, drafter, base) -> int:
     if base is None:
         raise ExportError("--format eagle needs --model: the drafter's file carries the base's input embedding")
     sglang = args.format == "eagle-sglang"
-    out = export_eagle(drafter, base, args.out, dtype=args.dtype, sglang=sglang, overwrite=args.overwrite)
+    if args.format == "eagle3":
+        out = export_eagle3(drafter, base, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        notes = eagle3_serving_notes(drafter)
+    else:
+        out = export_eagle(drafter, base, args.out, dtype=args.dtype, sglang=sglang, overwrite=args.overwrite)
+        notes = eagle_serving_notes(drafter, sglang)
     size_mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     cfg = drafter.config
-    print(f"wrote {out} ({args.format} layout, {args.dtype}, {size_mb:.1f} MiB): EAGLE drafter of {cfg.num_layers} "
-          f"decoder layer(s), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
-    for note in eagle_serving_notes(drafter, sglang):
+    print(f"wrote {out} ({args.format} layout, {args.dtype}, {size_mb:.1f} MiB): {cfg.head_type} drafter of "
+          f"{cfg.num_layers} decoder layer(s), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, lm_head {cfg.lm_head}")
+    for note in notes:
         print(f"  - {note}")
     return 0
 

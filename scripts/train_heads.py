@@ -20,10 +20,12 @@ import jax
 
 from medusa_jax.assets import is_default_model
 from medusa_jax.hub import is_hub_id
+from medusa_jax.heads.kinds import drafter_class
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
 from medusa_jax.model.config import ATTENTION_KINDS, REMAT_POLICIES, LayerExecution
 from medusa_jax.model.sharding import MeshError
 from medusa_jax.training.checkpointing import CheckpointMismatch
+from medusa_jax.training import hidden_store
 from medusa_jax.training.data import DataConfig
 from medusa_jax.training.memory_plan import MemoryPlanError
 from medusa_jax.training.objectives import OBJECTIVES
@@ -75,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         "architecture over the base's hidden states, drafting autoregressively: medusa_jax/heads/eagle.py), trained "
         "on a feature store (scripts/build_features.py) or on packed rows; hydra and eagle: Medusa-1 (frozen "
         "backbone) only. For eagle, --num-heads is the deepest tree it drafts and --num-layers its decoder "
-        "layers", default=r.head_type, choices=tuple(OBJECTIVES))
+        "layers; 'eagle3': the EAGLE-3 drafter (the base's residual stream entering layers 2, L // 2 and L - 3, "
+        "fused; one decoder layer; medusa_jax/heads/eagle3.py), trained on packed rows with cross-entropy only "
+        "over --eagle-train-depth unrolled steps (the training-time test: 3 or more)", default=r.head_type,
+        choices=tuple(OBJECTIVES))
     add(g, "--hydra-input", "how a Hydra head combines the hidden state h and its path embeddings e_0..e_i: 'add' "
         "(h + a projection of [e_0..e_i]) or 'concat' (a projection of [h, e_0..e_i]); see medusa_jax/heads/hydra.py",
         default=r.hydra_input, choices=("add", "concat"))
@@ -118,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--eagle-train-depth", check=at_least(1), help="eagle: depths trained; above 1, depths 2..N learn from the drafter's own "
         "outputs along the true tokens (the chain a tree step drafts), weighted --loss-decay**(k-1)", type=int,
         default=t.eagle_train_depth)
+    add(g, "--eagle-init", "eagle: 'random' fc (default) or 'identity': fc starts passing the feature through "
+        "unchanged, the token embedding scaled to the feature's RMS (folded into fc on export; "
+        "medusa_jax/heads/eagle_init.py)", default=r.eagle_init, choices=("random", "identity"))
     add(g, "--compute-dtype", "dtype the step computes in; weights and optimiser state stay float32 (use "
         "bfloat16 on GPU)", default=t.compute_dtype, choices=("float32", "bfloat16"))
     add(g, "--scan-layers", "run the backbone's layers under one scan over their stacked parameters: FSDP gathers "
@@ -177,6 +185,13 @@ def check_args(args: argparse.Namespace) -> None:
     if objective.feature_rows and args.cache_hidden:
         raise fail(f"--head-type {args.head_type} reads the hidden states of every position: give a feature store "
                    "(scripts/build_features.py) as --data instead of --cache-hidden")
+    if objective.fused_features and (args.cache_hidden or hidden_store.is_store(args.data, hidden_store.FEATURES)
+                                     or args.num_layers != 1):
+        raise fail(f"--head-type {args.head_type} trains on packed rows (the fused features come from the backbone "
+                   "in the step) with one decoder layer: drop --cache-hidden, give chat data as --data (a feature "
+                   "store holds only the last hidden state) and use --num-layers 1")
+    if args.eagle_init != "random" and not drafter_class(args.head_type).fc_options:
+        raise fail(f"--eagle-init {args.eagle_init} initialises an EAGLE drafter; drop it or use --head-type eagle")
     if args.eagle_feature_weight + args.eagle_ce_weight == 0:
         raise fail("--eagle-feature-weight and --eagle-ce-weight are both 0: nothing to train; make one > 0")
     weights = {"ce": (args.ce_weight,), "kl": (args.kl_weight,), "ce+kl": (args.ce_weight, args.kl_weight)}
@@ -231,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     config = RunConfig(
         model=args.model, output=args.output, data=args.data, num_heads=args.num_heads,
         num_layers=args.num_layers, head_type=args.head_type, hydra_input=args.hydra_input,
-        lm_head=args.lm_head, batch_size=args.batch_size, cached_batch_size=args.cached_batch_size,
+        eagle_init=args.eagle_init, lm_head=args.lm_head, batch_size=args.batch_size, cached_batch_size=args.cached_batch_size,
         cache_hidden=args.cache_hidden, mesh=args.mesh, checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
         eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every,

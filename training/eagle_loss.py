@@ -2,7 +2,8 @@
 
 A batch is packed rows [B, T] of whole conversations with the base's final hidden state at every position
 (feat [B, T, D]: a feature store's rows, or the backbone's output in the step). At position t the drafter reads
-the pair (f_t + noise, x_{t+1}) (uniform noise on the input features only), attends causally within the
+the pair (f_t + noise, x_{t+1}) (uniform noise on the input features only, on every data path: a feature store's
+rows carry a seed per row, packed rows get one from their tokens), attends causally within the
 conversation, and its output g_t is trained towards f_{t+1}:
     loss = feature_weight * SmoothL1(g_t, f_{t+1})  (mean over D)
          + ce_weight * CE(softmax(lm_head(f_{t+1})), lm_head(g_t))  (the base's distribution of x_{t+2})
@@ -42,6 +43,16 @@ def feature_noise(seeds_b, shape_td, scale: float, dtype) -> jax.Array:
     return draw(seeds_b).astype(dtype)
 
 
+def content_seeds(tokens_bt: jax.Array) -> jax.Array:
+    """[B] int32 noise seeds drawn from each row's tokens (a hash: position-weighted sum, wrapping), for batches
+    that carry no `noise_seed`: the same row always draws the same noise, so a resumed run draws what an
+    uninterrupted one would; different rows draw different noise."""
+    t = tokens_bt.shape[1]
+    weights_t = (2 * jnp.arange(t, dtype=jnp.uint32) + 1) * jnp.uint32(2654435761)
+    mixed_b = jnp.sum(tokens_bt.astype(jnp.uint32) * weights_t[None, :], axis=1, dtype=jnp.uint32)
+    return (mixed_b >> 1).astype(jnp.int32)
+
+
 def base_greedy(base: CausalLM, hidden_btd: jax.Array, chunk: int = 256) -> jax.Array:
     """[B, T] argmax of the base logits, computed `chunk` positions at a time (a [B, T, V] array of a 49k
     vocabulary would not fit)."""
@@ -68,9 +79,10 @@ def eagle_stats(drafter: EagleDrafter, base: CausalLM, batch: dict, *, noise: fl
     f = jnp.float32
     feat_btd = batch["feat"].astype(f)
     tokens_bt, seg_bt, loss_bt = batch["tokens"], batch["segment_ids"], batch["loss_mask"].astype(bool)
-    seeds = batch.get("noise_seed")  # packed rows of conversations carry none: no noise on them
-    inputs_btd = feat_btd if seeds is None else feat_btd + feature_noise(seeds, feat_btd.shape[1:], noise,
-                                                                         feat_btd.dtype)
+    seeds = batch.get("noise_seed")
+    if seeds is None:  # packed rows (features from the backbone in the step) carry no seed: one from each row
+        seeds = content_seeds(tokens_bt)
+    inputs_btd = feat_btd + feature_noise(seeds, feat_btd.shape[1:], noise, feat_btd.dtype)
     if depth == 1:
         out_btd, _ = drafter(inputs_btd, _shift(tokens_bt), batch["positions"], segment_mask(seg_bt), None, base)
         outs = [out_btd]

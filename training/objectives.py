@@ -16,6 +16,7 @@ from medusa_jax.model.config import resolve_dtype
 from medusa_jax.heads.hydra import path_tokens
 from medusa_jax.training import losses
 from medusa_jax.training.data import segment_mask
+from medusa_jax.training.eagle3_loss import eagle3_stats, with_features
 from medusa_jax.training.eagle_loss import eagle_stats
 
 
@@ -103,6 +104,15 @@ def eagle_loss(base: CausalLM, drafter, batch: dict, s: LossSettings):
                        depth=cfg.eagle_train_depth, decay=cfg.loss_decay, full_vocab_targets=s.full_vocab_targets)
 
 
+def eagle3_loss(base: CausalLM, drafter, batch: dict, s: LossSettings):
+    """The EAGLE-3 drafter: cross-entropy over unrolled steps on the fused features the frozen backbone gives in
+    the step (packed rows only; eagle3_loss.py)."""
+    cfg = s.config
+    return eagle3_stats(drafter, base, with_features(base, batch, drafter.feature_layers),
+                        noise=0.0 if s.full_vocab_targets else cfg.eagle_noise, depth=cfg.eagle_train_depth,
+                        decay=cfg.loss_decay, full_vocab_targets=s.full_vocab_targets)
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     loss: Callable[..., tuple]  # (base, heads, batch, LossSettings) -> (loss, HeadStats, extras)
@@ -111,12 +121,16 @@ class Objective:
     # reads packed rows with the base's feature at every position (a feature store, or the frozen backbone in the
     # step), not hidden examples: no --cache-hidden (EAGLE)
     feature_rows: bool = False
+    # reads the base's residual stream at several layers, computed from packed rows in the step: no feature store,
+    # no --cache-hidden, one decoder layer (EAGLE-3)
+    fused_features: bool = False
 
 
 OBJECTIVES: dict[str, Objective] = {
     "medusa": Objective(partial(heads_loss, medusa_stats), joint_backbone=True),
     "hydra": Objective(partial(heads_loss, hydra_stats), path_tokens=True),
     "eagle": Objective(eagle_loss, feature_rows=True),
+    "eagle3": Objective(eagle3_loss, fused_features=True),
 }
 
 

@@ -37,6 +37,7 @@ from medusa_jax.hf.load import load_pretrained
 from medusa_jax.hf.save import save_pretrained
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import write_heads_files
+from medusa_jax.heads.eagle_init import identity_feature_init
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.training import losses, memory_plan, output_folder, sources
@@ -56,8 +57,10 @@ class RunConfig:
     num_layers: int = 1
     lm_head: str = "truncated:3072"  # own | shared | truncated:N (3,072 divides tensor degrees 2, 3, 4, 6, 8)
     head_type: str = "medusa"  # a trainable drafter kind (training.objectives.OBJECTIVES): medusa | hydra (heads
-    # that also see the drafted tokens) | eagle (a feature drafter, heads/eagle.py); hydra and eagle: Medusa-1 only
+    # that also see the drafted tokens) | eagle (a feature drafter, heads/eagle.py) | eagle3 (heads/eagle3.py,
+    # packed rows only); hydra and the eagles: Medusa-1 only
     hydra_input: str = HeadsConfig.hydra_input  # hydra: add | concat (medusa_jax.heads.hydra)
+    eagle_init: str = "random"  # eagle: random | identity (fc = [0; I], embedding at the feature's scale: heads.eagle_init)
     batch_size: int = 8  # global packed rows per step
     cached_batch_size: int = 4096  # global positions per step with cache_hidden
     cache_hidden: bool = False
@@ -174,6 +177,8 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
                                head_type=cfg.head_type, hydra_input=cfg.hydra_input)
     token_map = top_token_ids(feed.loss_tokens, n_trunc, base.config.vocab_size) if mode == "truncated" else None
     heads = init_heads(heads_config, base, cfg.seed, token_map)
+    if cfg.eagle_init == "identity":  # train_heads refuses it for kinds without the EAGLE-1 fc
+        heads = identity_feature_init(heads, base)
     trainer = Trainer(base, heads, cfg.train, mesh)
     it, eval_batches, tokens_per_step = feed.iterator, feed.eval_batches, feed.tokens_per_step
 

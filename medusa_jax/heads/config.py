@@ -32,6 +32,13 @@ class HeadsConfig:
     # from the base when None). For an EAGLE drafter num_heads is the deepest tree it drafts for (it drafts
     # autoregressively: any depth works).
     decoder: ModelConfig | None = None
+    fc_bias: bool = False  # eagle only: the input fc has a bias (the EAGLE authors' default; their published drafts)
+    # eagle only: the token embedding is multiplied by this before fc (heads.eagle_init: the feature's RMS over the
+    # embedding's, so both inputs of fc start at one scale); an export folds it into fc's embedding columns
+    embed_scale: float = 1.0
+    # eagle3 only: the base layers whose INPUT (the residual stream before layer i) the drafter fuses (low, mid,
+    # high); the base's own forward returns them beside its final hidden state (model.backbone.CausalLM.forward_taps)
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.hydra_input not in HYDRA_INPUTS:
@@ -46,6 +53,8 @@ class HeadsConfig:
                                  f"got {self.truncated_vocab_size}")
         elif self.truncated_vocab_size is not None:
             raise ValueError("truncated_vocab_size is only meaningful with lm_head='truncated'")
+        if not (self.embed_scale > 0 and self.embed_scale < float("inf")):
+            raise ValueError(f"embed_scale must be a positive finite number, got {self.embed_scale}")
         resolve_dtype(self.dtype)
 
     @property
@@ -60,6 +69,11 @@ class HeadsConfig:
             del d["head_type"], d["hydra_input"]
         if self.decoder is not None:
             d["decoder"] = self.decoder.to_hf_config()
+        for field, unset in (("fc_bias", False), ("feature_layers", ()), ("embed_scale", 1.0)):
+            if d[field] == unset:  # written only when set (earlier configs stay as they were)
+                del d[field]
+        if self.feature_layers:
+            d["feature_layers"] = list(self.feature_layers)
         return d
 
     @classmethod
@@ -71,4 +85,6 @@ class HeadsConfig:
         d = dict(d)
         if d.get("decoder") is not None:
             d["decoder"] = ModelConfig.from_hf_config(d["decoder"], dtype=d.get("dtype", "float32"))
+        if "feature_layers" in d:
+            d["feature_layers"] = tuple(int(i) for i in d["feature_layers"])
         return cls(**d)

@@ -2,7 +2,8 @@
 the base's next final hidden state, drafted autoregressively over the tree inside the jitted tree step.
 
 At position t the drafter reads the pair (f_t, x_{t+1}): the base's final-norm hidden state at t and the embedding
-of the token after it (the one-token shift of EAGLE), x = fc([emb(x_{t+1}); f_t]) (2D -> D, no bias), then
+of the token after it (the one-token shift of EAGLE), x = fc([emb(x_{t+1}); f_t]) (2D -> D; a bias with
+config.fc_bias, as in the EAGLE authors' published drafts), then
 `num_layers` decoder layers (the first without its input norm, as EAGLE's) and no final norm; its output g_t
 predicts f_{t+1}, and the lm_head (the base's, or a draft vocabulary of the most frequent tokens: `token_map`)
 turns it into the draft distribution of x_{t+2}. The token embeddings are the base's (frozen, never copied).
@@ -78,6 +79,7 @@ class EagleDrafter(HeadsBase):
     head_type = "eagle"
     has_decoder = True
     export_formats = ("eagle", "eagle-sglang")
+    fc_options = True  # HeadsConfig.fc_bias and embed_scale (the EAGLE-1 input fc)
 
     @classmethod
     def complete_config(cls, config: HeadsConfig, base: CausalLM) -> HeadsConfig:
@@ -95,8 +97,8 @@ class EagleDrafter(HeadsBase):
         decoder = config.decoder.replace(num_layers=config.num_layers, dtype=config.dtype)
         d = config.hidden_size
         self.decoder = decoder
-        self.fc = nnx.Linear(2 * d, d, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                             kernel_init=nnx.initializers.normal(0.02))
+        self.fc = nnx.Linear(2 * d, d, use_bias=config.fc_bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                             kernel_init=nnx.initializers.normal(0.02), bias_init=nnx.initializers.zeros)
         self.layers = nnx.List([DecoderLayer(decoder, rngs, input_norm=i > 0) for i in range(config.num_layers)])
         self.lm_head = head_lm_head(config, dtype, rngs)
 
@@ -106,8 +108,7 @@ class EagleDrafter(HeadsBase):
         """Outputs g [B, T, D] of the pairs (feats_btd[t], tokens_bt[t]) and the cache with their K/V written at
         slots offsets_b + t (default: cache.lengths_b); mask_bts is over the cache slots (or, cache None, over
         the call's own entries: training)."""
-        dtype = self.fc.kernel[...].dtype
-        x = self.fc(jnp.concatenate([base.embed_tokens(tokens_bt).astype(dtype), feats_btd.astype(dtype)], -1))
+        x = self.pair_inputs(feats_btd, tokens_bt, base)
         cfg = self.decoder
         if cfg.sliding_window is not None:
             key_pos = positions_bt[:, None, :] if cache is None else jnp.arange(mask_bts.shape[-1])[None, None, :]
@@ -124,6 +125,14 @@ class EagleDrafter(HeadsBase):
             k_layers.append(k_bkhs)
             v_layers.append(v_bksh)
         return x, cache.replace(k_bkhs=tuple(k_layers), v_bksh=tuple(v_layers))
+
+    def pair_inputs(self, feats_btd, tokens_bt, base: CausalLM) -> jax.Array:
+        """The first layer's input for the pairs (feature, token): fc([embed_scale * emb(token); feature])."""
+        dtype = self.fc.kernel[...].dtype
+        emb_btd = base.embed_tokens(tokens_bt).astype(dtype)
+        if self.config.embed_scale != 1.0:
+            emb_btd = emb_btd * jnp.asarray(self.config.embed_scale, dtype)
+        return self.fc(jnp.concatenate([emb_btd, feats_btd.astype(dtype)], -1))
 
     def unrolled(self, feats_btd, tokens_bt, base: CausalLM, depth: int, segments_bt=None) -> jax.Array:
         """[depth, B, T, D] outputs of chains drafted from every position of whole sequences at once: depth k's

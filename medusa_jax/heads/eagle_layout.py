@@ -1,18 +1,22 @@
-"""The EAGLE drafter in the layout of the EAGLE authors' published drafts (SafeAILab/EAGLE, e.g.
-yuhuili/EAGLE-LLaMA3-Instruct-8B), which vLLM's (`EagleLlamaForCausalLM`) and SGLang's (`LlamaForCausalLMEagle`)
-EAGLE loaders read, and back.
+"""The EAGLE drafter in the layout of the EAGLE authors' published EAGLE-1 drafts (SafeAILab/EAGLE,
+eagle/model/cnets1.py; e.g. yuhuili/EAGLE-Vicuna-7B-v1.3, yuhuili/EAGLE-LLaMA3-Instruct-8B), which vLLM's
+(`EagleLlamaForCausalLM`) and SGLang's (`LlamaForCausalLMEagle`) EAGLE loaders read, and back.
 
-A folder holds config.json (the base's Llama config with num_hidden_layers = the drafter's layers, "bias": false,
-tie_word_embeddings false) and model.safetensors with PyTorch's [out, in] tensors, no key prefix:
-    embed_tokens.weight                  [V, D]   a copy of the base's input embedding (EAGLE's own loader needs it)
+A folder holds config.json (a Llama config with num_hidden_layers = the drafter's layers) and the tensors in
+PyTorch's [out, in] layout, no key prefix, as model.safetensors (our export; the authors' GitHub loader, vLLM and
+SGLang read it) or pytorch_model.bin (the authors' own save; the PyPI package eagle-llm reads only that):
+    embed_tokens.weight                  [V, D]   a copy of the base's input embedding (the authors' loader needs it)
     fc.weight                            [D, 2D]  input columns: the token embedding first, then the feature
-    layers.{i}.self_attn.{q,k,v,o}_proj.weight  (+ .bias of q/k/v for a model with attention bias)
+    fc.bias                              [D]      when config.json's "bias" is true (absent: true, the authors' default)
+    layers.{i}.self_attn.{q,k,v,o}_proj.weight, and .bias of q/k/v for a Qwen2 base ("qkv_bias": true, the key
+                                          the authors' cnets1.py reads; "attention_bias" for vLLM/transformers)
     layers.{i}.mlp.{gate,up,down}_proj.weight
     layers.{i}.post_attention_layernorm.weight, and layers.{i}.input_layernorm.weight for i > 0 only
-No final norm and no lm_head: the drafter's output goes into the base's lm_head. A draft vocabulary (our
-truncated lm_head) has no place in this layout: consumers use the base's full lm_head, and the folder loads back
-as a drafter with lm_head "shared". fc has no bias (vLLM's EAGLE-1 Llama draft has none; with `sglang=True` the
-export adds a zero fc.bias and names the architecture LlamaForCausalLMEagle, as SGLang's loader expects).
+No final norm. The lm_head is the base's, except for a drafter trained with its own: a full one is written as
+lm_head.weight [V, D]; a draft vocabulary (our truncated lm_head) as lm_head.weight [Vt, D] with d2t/t2d and
+"draft_vocab_size" (heads.draft_vocab). Read back, each gives the drafter that was measured. Rotary base: the
+drafter's config rope_theta (absent: 10000, as every EAGLE loader defaults); docs/interop.md says what each
+runtime does.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import ModelConfig, resolve_dtype
 from medusa_jax.heads.eagle import EagleDrafter
 from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.draft_vocab import draft_vocab_tensors, token_map_from
 from medusa_jax.heads.export import write_heads_folder
 from medusa_jax.heads.folder import heads_from_tensors, heads_tensors
 from medusa_jax.model.param_paths import param_paths
@@ -38,42 +43,64 @@ EAGLE_WEIGHTS = "model.safetensors"
 EAGLE_ARCHITECTURES = ("LlamaForCausalLM", "LlamaForCausalLMEagle", "EagleLlamaForCausalLM",
                        "MistralForCausalLM", "Qwen2ForCausalLM")
 _LINEAR = re.compile(r"^layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.(kernel|bias)$")
+_NORM = re.compile(r"^layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$")
 
 
 def native_to_eagle(name: str) -> str | None:
-    """A drafter parameter path -> its EAGLE tensor name (None: not part of the layout)."""
-    if name == "fc.kernel":
-        return "fc.weight"
+    """A drafter parameter path -> its EAGLE tensor name (None: not a tensor of its own in the layout)."""
+    if name in ("fc.kernel", "fc.bias", "lm_head.kernel"):
+        return name.replace("kernel", "weight")
     m = _LINEAR.match(name)
     if m:
         return f"layers.{m.group(1)}.{m.group(2)}.{'weight' if m.group(4) == 'kernel' else 'bias'}"
-    m = re.match(r"^layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", name)
-    if m:
-        return name
-    return None
+    return name if _NORM.match(name) else None
+
+
+def lm_head_tensors(drafter, store: np.dtype) -> tuple[dict[str, np.ndarray], int | None]:
+    """A drafter's own lm_head as lm_head.weight [V_head, D] (+ d2t/t2d for a draft vocabulary, its ids sorted
+    ascending as the maps need), and the draft vocabulary's size (None: the full vocabulary or the base's head)."""
+    if drafter.lm_head is None:
+        return {}, None
+    lm_vd = np.asarray(jax.device_get(drafter.lm_head.kernel[...])).T
+    if drafter.token_map is None:
+        return {"lm_head.weight": lm_vd.astype(store)}, None
+    ids_u = np.asarray(jax.device_get(drafter.token_map[...]))
+    order = np.argsort(ids_u, kind="stable")
+    maps = draft_vocab_tensors(ids_u[order], drafter.config.vocab_size)
+    return {"lm_head.weight": lm_vd[order].astype(store), **maps}, int(ids_u.shape[0])
 
 
 def eagle_tensors(drafter: EagleDrafter, base: CausalLM, dtype: str = "float16",
                   sglang: bool = False) -> tuple[dict[str, np.ndarray], dict]:
-    """The drafter's tensors and config.json in the EAGLE layout."""
+    """The drafter's tensors and config.json in the EAGLE-1 layout."""
     store = np.dtype(resolve_dtype(dtype))
     tensors = {}
     for name, value in heads_tensors(drafter).items():
         eagle = native_to_eagle(name)
-        if eagle is None:
-            continue  # lm_head (a draft vocabulary) and token_map: no place in this layout
-        tensors[eagle] = (value.T if name.endswith("kernel") else value).astype(store)
+        if eagle is not None and not eagle.startswith("lm_head"):
+            if name == "fc.kernel":  # fold embed_scale into the embedding's rows: the layout has no scale
+                value = np.concatenate([value[:drafter.config.hidden_size] * drafter.config.embed_scale,
+                                        value[drafter.config.hidden_size:]])
+            tensors[eagle] = (value.T if name.endswith("kernel") else value).astype(store)
+    head, draft_vocab = lm_head_tensors(drafter, store)
+    tensors.update(head)
     tensors["embed_tokens.weight"] = np.asarray(jax.device_get(base.embed_tokens.embedding[...])).astype(store)
-    if sglang:
+    if sglang and "fc.bias" not in tensors:  # SGLang's LlamaForCausalLMEagle builds fc with a bias
         tensors["fc.bias"] = np.zeros((drafter.config.hidden_size,), store)
     cfg = drafter.decoder.to_hf_config()
-    cfg.update({"architectures": ["LlamaForCausalLMEagle" if sglang else "LlamaForCausalLM"],
-                "num_hidden_layers": drafter.config.num_layers, "bias": bool(sglang),
-                "tie_word_embeddings": False, "torch_dtype": dtype, "exported_by": "medusa-jax",
+    qkv_bias = drafter.decoder.attention_bias
+    cfg.update({"model_type": "llama",  # EAGLE-1 drafts are Llama layers (a Qwen2 one: with q/k/v biases)
+                "architectures": ["LlamaForCausalLMEagle" if sglang else "LlamaForCausalLM"],
+                "num_hidden_layers": drafter.config.num_layers, "bias": "fc.bias" in tensors,
+                "attention_bias": qkv_bias, "tie_word_embeddings": False, "torch_dtype": dtype,
+                "exported_by": "medusa-jax",
                 "medusa_jax": {"head_type": "eagle", "draft_depth": drafter.config.num_heads,
                                "base_model_name_or_path": drafter.config.base_model_name_or_path}})
-    if cfg["model_type"] != "llama":  # EAGLE-1 drafts are Llama layers; keep the fields a Llama config has
-        cfg["model_type"] = "llama"
+    cfg.pop("use_sliding_window", None)
+    if qkv_bias:
+        cfg["qkv_bias"] = True
+    if draft_vocab is not None:
+        cfg["draft_vocab_size"] = draft_vocab
     return tensors, cfg
 
 
@@ -88,43 +115,78 @@ def is_eagle_folder(folder: Path, raw: dict | None) -> bool:
         return False
 
 
-def load_eagle(folder: Path, raw: dict, base_config: ModelConfig | None, dtype: str = "float32",
-               num_heads: int | None = None) -> EagleDrafter:
-    """An EAGLE-layout folder -> an EagleDrafter with lm_head "shared" (the base's)."""
-    origin = str(folder)
-    source = TensorSource.from_files(find_model_weights(folder))
+def drafter_decoder(raw: dict, base_config: ModelConfig | None, dtype: str, origin: str) -> ModelConfig:
+    """The drafter's decoder config from its config.json: a Llama layer (q/k/v biases with "qkv_bias" or
+    "attention_bias"), its own rope_theta (default 10000), checked against the base's shapes."""
     hf = dict(raw)
-    hf["model_type"] = hf.get("model_type") if hf.get("model_type") in ("llama", "mistral", "qwen2") else "llama"
+    hf["model_type"] = "llama"
+    hf["attention_bias"] = bool(raw.get("qkv_bias") or raw.get("attention_bias"))
     decoder = ModelConfig.from_hf_config(hf, dtype=dtype)
     if base_config is not None:
         for field in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(decoder, field) != getattr(base_config, field):
                 raise CheckpointError(f"{origin}: the drafter's {field} {getattr(decoder, field)} does not match "
                                       f"the base model's {getattr(base_config, field)}")
-        decoder = decoder.replace(rope_theta=base_config.rope_theta, rope_scaling=base_config.rope_scaling)
+    return decoder
+
+
+def lm_head_mode(source: TensorSource, raw: dict, vocab: int, base_vd: np.ndarray | None, origin: str):
+    """(lm_head mode, draft vocabulary size or None, token_map or None) of a folder's lm_head tensors."""
     names = set(source.names)
-    if "fc.bias" in names and np.any(source.array("fc.bias")):
-        raise CheckpointError(f"{origin}: fc.bias is not zero; medusa-jax drafters have no fc bias (train one "
-                              f"with train_heads.py --head-type eagle instead)")
-    depth = num_heads or int((raw.get("medusa_jax") or {}).get("draft_depth", 8))
-    config = HeadsConfig(decoder.hidden_size, decoder.vocab_size, num_heads=depth,
-                         num_layers=decoder.num_layers, lm_head="shared", dtype=dtype,
-                         base_model_name_or_path=str((raw.get("medusa_jax") or {}).get("base_model_name_or_path", "")),
-                         head_type="eagle", decoder=decoder.replace(num_layers=decoder.num_layers))
+    if "lm_head.weight" not in names:
+        if {"d2t", "t2d"} & names:
+            raise CheckpointError(f"{origin}: has d2t/t2d but no lm_head.weight")
+        return "shared", None, None
+    rows = int(source.array("lm_head.weight").shape[0])
+    if "d2t" not in names:
+        if rows != vocab:
+            raise CheckpointError(f"{origin}: lm_head.weight has {rows} rows, vocab_size is {vocab}, and no d2t "
+                                  f"maps a draft vocabulary")
+        lm = np.asarray(source.array("lm_head.weight"), np.float32)
+        same = base_vd is not None and np.array_equal(lm, base_vd.astype(source.array("lm_head.weight").dtype
+                                                                          ).astype(np.float32))
+        return ("shared" if same else "own"), None, None
+    token_map = token_map_from(source.array("d2t"), source.array("t2d") if "t2d" in names else None, vocab, origin)
+    if token_map.shape[0] != rows or int(raw.get("draft_vocab_size", rows)) != rows:
+        raise CheckpointError(f"{origin}: lm_head.weight has {rows} rows, d2t {token_map.shape[0]}, "
+                              f"draft_vocab_size {raw.get('draft_vocab_size')}: they must agree")
+    return "truncated", rows, token_map
+
+
+def load_eagle(folder: Path, raw: dict, base_config: ModelConfig | None, dtype: str = "float32",
+               num_heads: int | None = None, base_vd: np.ndarray | None = None) -> EagleDrafter:
+    """An EAGLE-1 folder -> an EagleDrafter (lm_head "shared" unless the folder holds its own, see above).
+    base_vd: the base's lm_head [V, D]; a stored lm_head equal to it loads as "shared"."""
+    origin = str(folder)
+    source = TensorSource.from_files(find_model_weights(folder))
+    decoder = drafter_decoder(raw, base_config, dtype, origin)
+    names = set(source.names)
+    mode, draft_vocab, token_map = lm_head_mode(source, raw, decoder.vocab_size, base_vd, origin)
+    ours = raw.get("medusa_jax") or {}
+    depth = num_heads or int(ours.get("draft_depth", 8))
+    config = HeadsConfig(decoder.hidden_size, decoder.vocab_size, num_heads=depth, num_layers=decoder.num_layers,
+                         lm_head=mode, truncated_vocab_size=draft_vocab, dtype=dtype,
+                         base_model_name_or_path=str(ours.get("base_model_name_or_path", "")), head_type="eagle",
+                         decoder=decoder, fc_bias="fc.bias" in names)
     _, state = nnx.split(nnx.eval_shape(lambda: EagleDrafter(config, nnx.Rngs(0))))
     expected = [".".join(path) for path, _ in param_paths(state)]
     tensors, missing = {}, []
     for name in expected:
+        if name == "token_map":
+            tensors[name] = token_map
+            continue
         eagle = native_to_eagle(name)
         if eagle not in names:
             missing.append(eagle)
             continue
         value = source.array(eagle)
         tensors[name] = value.T if name.endswith("kernel") else value
-    unexpected = sorted(names - {native_to_eagle(n) for n in expected} - {"embed_tokens.weight", "fc.bias",
-                                                                            "lm_head.weight", "norm.weight"})
+    if mode == "shared":
+        tensors.pop("lm_head.kernel", None)
+    known = {native_to_eagle(n) for n in expected} | {"embed_tokens.weight", "d2t", "t2d", "lm_head.weight"}
+    unexpected = sorted(names - known)
     if missing or unexpected:
-        raise CheckpointError(f"{origin}: not an EAGLE drafter of this shape: missing {missing}; unexpected "
+        raise CheckpointError(f"{origin}: not an EAGLE-1 drafter of this shape: missing {missing}; unexpected "
                               f"{unexpected}")
     return heads_from_tensors(config, tensors, origin)
 
@@ -140,13 +202,22 @@ def export_eagle(drafter: EagleDrafter, base: CausalLM, out: str | os.PathLike, 
 
 
 def eagle_serving_notes(drafter: EagleDrafter, sglang: bool) -> list[str]:
+    cfg = drafter.config
     notes = ["vLLM: speculative_config={'method': 'eagle', 'model': <out>, 'num_speculative_tokens': N} "
-             "(EagleLlamaForCausalLM; fc without bias)" if not sglang else
+             "(EagleLlamaForCausalLM builds fc without a bias)" if not sglang else
              "SGLang: --speculative-algorithm EAGLE --speculative-draft-model-path <out> (LlamaForCausalLMEagle, "
-             "zero fc.bias)",
-             "EAGLE's own code (SafeAILab/EAGLE): EaModel.from_pretrained(ea_model_path=<out>) reads config.json's "
-             "\"bias\" and the weights (model.safetensors)"]
-    if drafter.config.lm_head == "truncated":
-        notes.append(f"the draft vocabulary ({drafter.config.head_vocab_size} tokens) is not part of the layout: "
-                     f"serving systems draft over the base's full lm_head")
+             "fc.bias)",
+             "the EAGLE authors' code (SafeAILab/EAGLE, cnets1.py): EaModel.from_pretrained(use_eagle3=False, "
+             "ea_model_path=<out>) reads config.json's \"bias\" and model.safetensors; the PyPI package eagle-llm "
+             "1.2.1 reads only pytorch_model.bin and fixes the rotary base at 10000 (docs/interop.md)"]
+    if cfg.fc_bias and not sglang:
+        notes.append("the drafter has an fc bias: vLLM's EAGLE-1 Llama draft has none and cannot load it")
+    if cfg.lm_head != "shared":
+        maps = ", d2t/t2d" if cfg.lm_head == "truncated" else ""
+        notes.append(f"the drafter's own lm_head ({cfg.head_vocab_size} rows{maps}) "
+                     f"is in the folder: runtimes that take the base's lm_head for EAGLE-1 drafts (the authors' "
+                     f"cnets1.py, SGLang) leave it unread and draft with another head than the one measured here")
+    if drafter.decoder.attention_bias:
+        notes.append("q/k/v biases (a Qwen2 base): \"qkv_bias\": true, the key the authors' cnets1.py reads, and "
+                     "\"attention_bias\": true for vLLM/transformers")
     return notes

@@ -13,11 +13,13 @@ e.g. `"recycle": RecycleDrafter` (its class keeping the init_draft / propose / a
 from __future__ import annotations
 
 from medusa_jax.heads.eagle import EagleDrafter
+from medusa_jax.heads.eagle3 import Eagle3Drafter
 from medusa_jax.heads.hydra import HydraHeads
 from medusa_jax.heads.medusa import HeadsBase, MedusaHeads
 
 # kind name -> drafter class (its `head_type` is the name); every class takes (config, rngs, token_map=None)
-DRAFTERS: dict[str, type[HeadsBase]] = {"medusa": MedusaHeads, "hydra": HydraHeads, "eagle": EagleDrafter}
+DRAFTERS: dict[str, type[HeadsBase]] = {"medusa": MedusaHeads, "hydra": HydraHeads, "eagle": EagleDrafter,
+                                        "eagle3": Eagle3Drafter}
 assert all(cls.head_type == name for name, cls in DRAFTERS.items()), "a kind registers under its head_type"
 
 

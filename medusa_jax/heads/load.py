@@ -6,8 +6,10 @@
               "v1" when every head has `{h}.{L}.weight`, else the ResBlock-only "v2" (shared base lm_head).
               When both files exist the .safetensors one is read.
   vllm        config.json with model_type "medusa" + model.safetensors (or pytorch_model.bin)
-  eagle       an EAGLE drafter in the EAGLE authors' layout (`heads.eagle_layout`): a Llama config.json
-              and weights with fc.weight; loads as an EAGLE drafter over the base's lm_head
+  eagle       an EAGLE-1 drafter in the EAGLE authors' layout (`heads.eagle_layout`): a Llama config.json
+              and weights with fc.weight (+ fc.bias); loads as an EAGLE drafter over the base's lm_head or its own
+  eagle3      an EAGLE-3 drafter as the authors publish it (`heads.eagle3_layout`): midlayer.*, fc, norm,
+              lm_head, d2t/t2d
 
 Every tensor the layout names must be present with the right shape and no other tensor may be there;
 errors list the missing and unexpected names. Hidden size and vocabulary are checked against config.json
@@ -31,13 +33,14 @@ from medusa_jax.hf.tensor_files import (CheckpointError, SafetensorsFile, Tensor
                                         load_torch_bin)
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.eagle_layout import is_eagle_folder, load_eagle
+from medusa_jax.heads.eagle3_layout import is_eagle3_folder, load_eagle3
 from medusa_jax.heads.export import ExportError, check_token_map
 from medusa_jax.heads.folder import FORMAT, heads_from_tensors, heads_tensors, load_native_heads
 from medusa_jax.heads.layouts import MEDUSA, MEDUSA_WEIGHTS, MEDUSA_WEIGHTS_PT, NATIVE, VLLM, VLLM_SHARED_LM_HEAD
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.trees_file import attach_trees, read_trees
 
-LAYOUTS = ("medusa-jax", "medusa", "vllm", "eagle")
+LAYOUTS = ("medusa-jax", "medusa", "vllm", "eagle", "eagle3")
 
 
 def _read_config(folder: Path) -> dict | None:
@@ -62,12 +65,15 @@ def detect_layout(folder: str | os.PathLike) -> str:
         return "medusa"
     if raw is not None and raw.get("model_type") == "medusa":
         return "vllm"
+    if is_eagle3_folder(folder, raw):
+        return "eagle3"
     if is_eagle_folder(folder, raw):
         return "eagle"
     raise CheckpointError(
         f"{folder}: not a Medusa heads folder: expected config.json with \"format\": \"{FORMAT}\" (medusa-jax), "
         f"{MEDUSA_WEIGHTS} or {MEDUSA_WEIGHTS_PT} (FasterDecoding/TGI/TensorRT-LLM), or config.json with "
-        f"model_type \"medusa\" (vLLM), or an EAGLE drafter (config.json and weights with fc.weight)")
+        f"model_type \"medusa\" (vLLM), or an EAGLE drafter (config.json and weights with fc.weight, or "
+        f"midlayer.* for EAGLE-3)")
 
 
 def _field(raw: dict | None, origin: str, *names: str) -> int:
@@ -273,6 +279,8 @@ def _load_heads(folder: Path, base_config: ModelConfig | None, base: CausalLM | 
         return heads
     raw = _read_config(folder)
     if layout == "eagle":
-        return load_eagle(folder, raw, base_config, dtype or "float32", num_heads)
+        return load_eagle(folder, raw, base_config, dtype or "float32", num_heads, _base_lm_head_vd(base))
+    if layout == "eagle3":
+        return load_eagle3(folder, raw, base_config, dtype or "float32", num_heads)
     load = _load_medusa if layout == "medusa" else _load_vllm
     return load(folder, raw, base_config, _base_lm_head_vd(base), dtype or "float32", num_heads)

@@ -57,12 +57,20 @@ class HeadsBase(nnx.Module):
     head_type = ""  # the kind's name (HeadsConfig.head_type) in heads.kinds.DRAFTERS
     has_decoder = False  # HeadsConfig.decoder describes the drafter's own decoder layers (EAGLE)
     export_formats: tuple[str, ...] = ()  # the serving layouts it exports to (heads.export, heads.eagle_layout)
+    fc_options = False  # takes HeadsConfig.fc_bias / embed_scale (the EAGLE-1 drafter's input fc)
+    reads_feature_layers = False  # takes HeadsConfig.feature_layers (the EAGLE-3 drafter)
 
     def __init__(self, config: HeadsConfig, heads: list[nnx.Module], token_map: np.ndarray | None):
         if config.head_type != self.head_type:
             raise ValueError(f"{type(self).__name__} needs head_type={self.head_type!r}, got {config.head_type!r}")
         if config.decoder is not None and not self.has_decoder:
             raise ValueError(f"only an eagle drafter has a decoder config, not {config.head_type} heads")
+        if (config.fc_bias or config.embed_scale != 1.0) and not self.fc_options:
+            raise ValueError(f"fc_bias and embed_scale are EAGLE-1 drafter options (head_type 'eagle'), not "
+                             f"{config.head_type}'s")
+        if config.feature_layers and not self.reads_feature_layers:
+            raise ValueError(f"feature_layers are the base layers an eagle3 drafter reads; {config.head_type} "
+                             f"heads read none")
         self.config = config
         self.heads = nnx.List(heads)
         if config.lm_head == "truncated":
@@ -97,8 +105,11 @@ class HeadsBase(nnx.Module):
     # candidates per (head, rank) or [b, t] tree tokens, or for a DynamicTree a dynamic_tree.TreeProposal (each
     # row's tree grown from the heads' own probabilities); `draft` is a drafter state carried from step to step
     # (None for heads that keep none). init_draft makes it after the prefill (given every prompt position's
-    # hidden state when needs_prompt_hidden); accepted() updates it with the verified path.
+    # hidden state when needs_prompt_hidden); accepted() updates it with the verified path. A drafter with
+    # feature_layers (EAGLE-3) gets, in place of those hidden states, the base's residual stream entering these
+    # layers, concatenated (`CausalLM.forward_taps`), in init_draft and accepted alike.
     needs_prompt_hidden = False
+    feature_layers: tuple[int, ...] = ()
 
     def init_draft(self, base: CausalLM, prompt_bt, prompt_lens_b, hidden_btd, cache_size: int, max_depth: int):
         return None

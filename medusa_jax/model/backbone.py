@@ -118,7 +118,18 @@ class CausalLM(nnx.Module):
         """Returns (final-norm hidden states [B, T, D], cache with the new K/V written; lengths unchanged).
         cache=None: the tokens attend only to each other, mask_bts is [B, T, T] (key t of the call's own
         tokens at positions_bt[:, t]), and no cache is built or returned (None)."""
+        hidden_btd, cache, _ = self.forward_taps(tokens_bt, positions_bt, mask_bts, cache)
+        return hidden_btd, cache
+
+    def forward_taps(self, tokens_bt, positions_bt, mask_bts, cache: KVCache | None = None,
+                     taps: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache | None, jax.Array | None]:
+        """`__call__`, plus the residual stream ENTERING each layer i of the static tuple `taps` (i = num_layers:
+        the last layer's output, before the final norm), concatenated in the order of `taps`: [B, T, len(taps) D]
+        (None without taps). An EAGLE-3 drafter reads these from the same forward that verifies its tree."""
         cfg = self.config
+        if any(not 0 <= i <= cfg.num_layers for i in taps):
+            raise ValueError(f"taps {taps} must lie in [0, {cfg.num_layers}]")
+        tapped = {}
         if cache is not None and cache.num_layers != cfg.num_layers:
             raise ValueError(f"the KV cache has {cache.num_layers} layers; the model has {cfg.num_layers}")
         if cfg.sliding_window is not None:  # key position: its slot in the cache, its own position without one
@@ -126,16 +137,25 @@ class CausalLM(nnx.Module):
             mask_bts = mask_bts & ((positions_bt[:, :, None] - keys_bs[:, None, :]) < cfg.sliding_window)
         inv_freq = inverse_frequencies(cfg)
         x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
-        if cache is None:  # unrolled or scanned, with remat, as cfg.execution says (layer_stack.py)
-            return self.norm(run_layers(self.layers, x, positions_bt, mask_bts, inv_freq, cfg.execution)), None
-        k_layers, v_layers = [], []
+        if cache is None and not taps:  # unrolled or scanned, with remat, as cfg.execution says (layer_stack.py)
+            return self.norm(run_layers(self.layers, x, positions_bt, mask_bts, inv_freq, cfg.execution)), None, None
         layers = layer_slices(self.layers, cfg.num_layers) if cfg.execution.scan else self.layers
-        for layer, k_bkhs, v_bksh in zip(layers, cache.k_bkhs, cache.v_bksh):
-            x, k_bkhs, v_bksh = layer(x, positions_bt, mask_bts, k_bkhs, v_bksh, cache.lengths_b, inv_freq)
+        k_layers, v_layers = [], []
+        for i, layer in enumerate(layers):
+            tapped[i] = x
+            if cache is None:  # a cache-free forward with taps: layer by layer (no scan, no remat)
+                x, _, _ = layer(x, positions_bt, mask_bts, None, None, None, inv_freq)
+            else:
+                x, k_bkhs, v_bksh = layer(x, positions_bt, mask_bts, cache.k_bkhs[i], cache.v_bksh[i],
+                                          cache.lengths_b, inv_freq)
+                k_layers.append(k_bkhs)
+                v_layers.append(v_bksh)
             x = constrain_rows(x)
-            k_layers.append(k_bkhs)
-            v_layers.append(v_bksh)
-        return self.norm(x), cache.replace(k_bkhs=tuple(k_layers), v_bksh=tuple(v_layers))
+        if cache is not None:
+            cache = cache.replace(k_bkhs=tuple(k_layers), v_bksh=tuple(v_layers))
+        tapped[cfg.num_layers] = x
+        taps_btf = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+        return self.norm(x), cache, taps_btf
 
     def logits(self, hidden):
         """hidden [..., D] -> logits [..., V] in fp32."""

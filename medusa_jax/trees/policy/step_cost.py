@@ -120,7 +120,8 @@ def medusa_step_call(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers | Dyn
     moves_be = jnp.broadcast_to(context + jnp.arange(e, dtype=jnp.int32), (b, e))  # a pending move of e slots
     draft = None
     if heads.needs_prompt_hidden:
-        hidden_btd = jnp.broadcast_to(hidden_bd[:, None], (b, context, hidden_bd.shape[-1]))
+        hidden_btd = jnp.broadcast_to(jnp.tile(hidden_bd, max(len(heads.feature_layers), 1))[:, None],
+                                      (b, context, hidden_bd.shape[-1] * max(len(heads.feature_layers), 1)))
         draft = heads.init_draft(base, jnp.zeros((b, context), jnp.int32), jnp.full((b,), context, jnp.int32),
                                  hidden_btd, cache_size, tree.depth)
     state = MedusaState(make_cache(base, b, cache_size, context), zeros_b, hidden_bd, jnp.zeros((b, e), jnp.int32),
