@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 import uuid
 
@@ -75,6 +76,8 @@ class OpenAIServer:
         async def lifespan(app):
             yield
             await asyncio.to_thread(self.engine.close, True)  # uvicorn has finished every request: drain, stop
+            print(f"medusa-serve: drained ({self.engine.metrics.generated_tokens} tokens generated), stopped",
+                  file=sys.stderr, flush=True)
 
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
 

@@ -9,7 +9,7 @@ max_tokens, stop, stop_token_ids), GET /v1/models, /health, /metrics (Prometheus
 One generation engine (inference/generation_engine.py) decodes --batch-size requests at once in rows of
 --context KV-cache slots, in jitted chunks of --chunk-steps steps; a request waits in a queue of at most
 --max-queue for a free row (a full queue answers 429). SIGTERM or Ctrl-C: the server stops taking connections,
-finishes the requests it has, and exits. It binds 127.0.0.1 unless --host says otherwise.
+finishes the requests it has, prints "drained" and ends by that signal (uvicorn's convention). It binds 127.0.0.1 unless --host says otherwise.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
                                            port=a.port, log_level="warning", lifespan="on"))
     print(f"medusa-serve: {model_id} on http://{a.host}:{a.port}/v1 ({a.batch_size} rows of {a.context} "
           f"tokens)", file=sys.stderr, flush=True)
-    server.run()
+    server.run()  # on SIGTERM/SIGINT uvicorn drains, then re-raises the signal: the process ends by it
     engine.close(drain=False, timeout=60)
     return 0 if engine.failure is None else 1
 
