@@ -55,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the model id clients send and /v1/models lists (default: the model folder's name)")
     a = p.parse_args(argv)
     try:
+        validate.given("--host", a.host, "an address such as 127.0.0.1")
         validate.given("--served-model-name", a.served_model_name, "a model id")
         check_listen(a.host, a.port)
     except validate.UsageError as e:
