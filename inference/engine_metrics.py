@@ -3,6 +3,7 @@ Prometheus text exposition (format 0.0.4: `# HELP`, `# TYPE`, one `name{labels} 
 
 from __future__ import annotations
 
+import os
 import threading
 from bisect import bisect_left
 
@@ -70,4 +71,17 @@ class EngineMetrics:
             lines.extend(["# HELP medusa_time_to_first_token_seconds From submission to the first token.",
                           "# TYPE medusa_time_to_first_token_seconds histogram"])
             lines.extend(f"medusa_time_to_first_token_seconds{suffix} {value}" for suffix, value in samples)
+            resident = resident_bytes()
+            if resident is not None:
+                metric("process_resident_memory_bytes", "gauge", "Resident memory of the server process.",
+                       [("", resident)])
             return "\n".join(lines) + "\n"
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux's /proc/self/statm), None where that file does not exist."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

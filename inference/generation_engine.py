@@ -4,10 +4,11 @@ chunk by chunk as they are emitted; a request can be cancelled and its row freed
 
 The engine owns `config.rows` decode rows (`row_decode.Rows`) of `config.context` cache slots each. One
 iteration (`run_once`): drop cancelled requests (a cancelled row is released), admit queued requests into free
-rows (`row_decode.admit_rows`, prompts padded to 64 * 2**k tokens and rows to a power of two, so a few shapes
-compile), then run one chunk of `config.chunk_steps` decode steps (`row_decode.decode_chunk`). Each request's
-new tokens go to its `on_event` callback as a `TokenEvent` (the last one carries the finish reason: "stop" at
-an EOS or stop id, "length" at max_tokens, "cancelled"); the default callback puts them on `request.events`.
+rows (`row_decode.admit_rows`, prompts padded to 64 * 2**k tokens and rows to a power of 4, so a few shapes
+compile; `warm_up` compiles them all before serving), then run one chunk of `config.chunk_steps` decode steps
+(`row_decode.decode_chunk`). Each request's new tokens go to its `on_event` callback as a `TokenEvent` (the
+last one carries the finish reason: "stop" at an EOS or stop id, "length" at max_tokens, "cancelled"); the
+default callback puts them on `request.events`.
 
 Admission policies: "fifo" (refilled slots: any free row takes the oldest request, as a server takes them) and
 "sorted" (sorted batches: rows are filled only when all are free, longest prompts first, so a batch's rows
@@ -29,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
+from medusa_jax.inference.autoregressive import prefill_widths
 from medusa_jax.inference.engine import PROMPT_BUCKET, bucket_length
 from medusa_jax.inference.engine_metrics import EngineMetrics
 from medusa_jax.inference.row_decode import Rows, admit_rows, decode_chunk, release_rows, stop_ids_array
@@ -61,6 +63,15 @@ class RequestParams:
     sampling: SamplingConfig = SamplingConfig()  # temperature 0: greedy
     seed: int = 0
     stop_ids: tuple[int, ...] = ()  # tokens that end the reply besides the model's EOS ids
+
+
+def admission_sizes(rows: int) -> tuple[int, ...]:
+    """The row counts an admission call is padded to: 1, 4, 16, ... below `rows`, then `rows` (few shapes)."""
+    sizes, n = [], 1
+    while n < rows:
+        sizes.append(n)
+        n *= 4
+    return tuple(sizes) + (rows,)
 
 
 class QueueFull(RuntimeError):
@@ -102,7 +113,9 @@ class GenerationEngine:
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
         self._graphdef, self._params = nnx.split(model)
-        self._rows = Rows.empty(model.config, config.rows, config.context, config.max_stop_ids)
+        # committed to the device from the start, as every call's output is: the calls then share one compilation
+        self._rows = jax.device_put(Rows.empty(model.config, config.rows, config.context, config.max_stop_ids),
+                                    jax.devices()[0])
         self._row_request: list[Request | None] = [None] * config.rows
         self._pending: deque[Request] = deque()
         self._cv = threading.Condition()
@@ -164,6 +177,20 @@ class GenerationEngine:
 
     def prometheus_text(self) -> str:
         return self.metrics.prometheus_text(self.queue_depth, self.rows_busy, self.config.rows)
+
+    def warm_up(self) -> int:
+        """Compiles every call shape ahead of time (each admission size x prompt width, and the chunk; nothing
+        runs), so no request waits for XLA: a later call finds its executable in JAX's compilation caches (the
+        in-memory one, or the persistent one where the caller enabled it). Returns the number of shapes."""
+        shapes = [(n, w) for w in prefill_widths(self.config.context) for n in admission_sizes(self.config.rows)]
+        for n, width in shapes:
+            admit_rows.lower(self._graphdef, self._params, self._rows, np.zeros((n,), np.int32),
+                             np.zeros((n, width), np.int32), np.ones((n,), np.int32), np.ones((n,), np.int32),
+                             stop_ids_array([()] * n, self.config.max_stop_ids), RowSampling.greedy(n),
+                             eos_ids=self.eos_ids).compile()
+        decode_chunk.lower(self._graphdef, self._params, self._rows, steps=self.config.chunk_steps,
+                           eos_ids=self.eos_ids, pad_id=self.pad_id).compile()
+        return len(shapes) + 1
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._serve, name="generation-engine", daemon=True)
@@ -268,7 +295,7 @@ class GenerationEngine:
         return chosen
 
     def _admit_group(self, width: int, group: list[tuple[int, Request]]) -> None:
-        n = min(1 << (len(group) - 1).bit_length(), self.config.rows)  # rows padded to a power of two
+        n = next(size for size in admission_sizes(self.config.rows) if size >= len(group))
         prompt_nt = np.full((n, width), self.pad_id, np.int32)
         lens_n, rows_n = np.ones((n,), np.int32), np.full((n,), self.config.rows, np.int32)  # filler: dropped
         budget_n = np.ones((n,), np.int32)

@@ -8,8 +8,10 @@ POST /v1/completions and /v1/chat/completions (stream true or false; temperature
 max_tokens, stop, stop_token_ids), GET /v1/models, /health, /metrics (Prometheus text).
 One generation engine (inference/generation_engine.py) decodes --batch-size requests at once in rows of
 --context KV-cache slots, in jitted chunks of --chunk-steps steps; a request waits in a queue of at most
---max-queue for a free row (a full queue answers 429). SIGTERM or Ctrl-C: the server stops taking connections,
-finishes the requests it has, prints "drained" and ends by that signal (uvicorn's convention). It binds 127.0.0.1 unless --host says otherwise.
+--max-queue for a free row (a full queue answers 429). Every call shape is compiled before the port opens
+(JAX's persistent compilation cache makes a second start fast). SIGTERM or Ctrl-C: the server stops taking
+connections, finishes the requests it has, prints "drained" and ends by that signal (uvicorn's convention).
+It binds 127.0.0.1 unless --host says otherwise.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+import time
 from pathlib import Path
 
-from medusa_jax.compile_cache import enable_compile_cache
+from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
 from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
 from medusa_jax.model.config import UnsupportedModelError
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.hf.tensor_files import CheckpointError
-from medusa_jax.inference.engine_metrics import EngineMetrics
-from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
 from medusa_jax.hub import HubError
 from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
@@ -80,7 +82,7 @@ def check_listen(host: str, port: int) -> None:
 
 
 def build_engine(a: argparse.Namespace):
-    """(engine, tokenizer, model id) from checked flags; the engine compiled by one short request."""
+    """(engine, tokenizer, model id) from checked flags; every call shape of the engine compiled."""
     folder = validate.model_arg("--model", a.model)
     positions = validate.max_positions(folder)
     if a.context > positions:
@@ -91,8 +93,11 @@ def build_engine(a: argparse.Namespace):
     model = load_pretrained(folder, a.dtype)
     config = EngineConfig(rows=a.batch_size, context=a.context, chunk_steps=a.chunk_steps, max_queue=a.max_queue)
     engine = GenerationEngine(model, config, eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos))
-    engine.generate_all([[pad_token_id(tokenizer, eos)]], RequestParams(max_tokens=2))  # compiles the chunk
-    engine.metrics = EngineMetrics()
+    start = time.perf_counter()
+    with CompileCounter() as compiles:
+        shapes = engine.warm_up()
+    print(f"medusa-serve: {shapes} call shapes ready in {time.perf_counter() - start:.1f} s ({compiles.compiles} "
+          f"compiled, {compiles.cache_hits} from the persistent cache)", file=sys.stderr, flush=True)
     return engine, tokenizer, a.served_model_name or Path(folder).name
 
 
