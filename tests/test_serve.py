@@ -5,6 +5,7 @@ row; bad requests get OpenAI's error JSON with a 4xx status while the server ser
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -61,6 +62,13 @@ def free_port() -> int:
 def metrics(base: str) -> dict[str, float]:
     lines = httpx.get(f"{base}/metrics", timeout=10).text.splitlines()
     return {name: float(value) for name, value in (l.rsplit(" ", 1) for l in lines if not l.startswith("#"))}
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SERVE.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -256,11 +264,7 @@ def test_full_queue_answers_429_and_a_closed_engine_503(tiny_with_tokenizer):
 
 
 def test_bad_flags_are_one_error_line_before_loading(tiny_with_tokenizer, capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("serve", SERVE)
-    serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve)
+    serve = load_script("serve")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -276,6 +280,26 @@ def test_bad_flags_are_one_error_line_before_loading(tiny_with_tokenizer, capsys
     code = serve.main(["--model", str(tiny_with_tokenizer), "--port", str(free_port()), "--context", "100000"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: --context 100000: the model has 512 positions")
+
+
+def test_benchmark_load_levels_and_soak(server, tmp_path, capsys):
+    """scripts/benchmark_serve.py against this server: every request of the load levels answered; a short soak of
+    mixed streamed, whole, cancelled and bad requests: each good one answered exactly once, each bad one a 4xx."""
+    bench = load_script("benchmark_serve")
+    out = tmp_path / "load.json"
+    assert bench.main(["--url", server[0], "--concurrency", "1,3", "--requests-per-client", "2", "--max-tokens", "6",
+                       "--out", str(out)]) == 0
+    levels = json.loads(out.read_text())["levels"]
+    assert [(l["clients"], l["requests"], l["failed"]) for l in levels] == [(1, 2, 0), (3, 6, 0)]
+    assert all(l["tokens"] > 0 and l["ttft_s"]["p50"] > 0 for l in levels)
+    assert bench.main(["--url", server[0], "--concurrency", "4", "--max-tokens", "8", "--soak-seconds", "4",
+                       "--out", str(out)]) == 0
+    soak = json.loads(out.read_text())["soak"]
+    assert soak["good"] > 0 and soak["answered_once"] == soak["good"] and soak["bad_4xx"] == soak["bad"]
+    assert soak["server_errors"] == 0 and soak["other_failures"] == 0 and soak["rows_busy_after"] == 0
+    with pytest.raises(SystemExit):
+        bench.main(["--url", "http://example.com:80", "--out", str(out)])
+    assert "127.0.0.1" in capsys.readouterr().err
 
 
 def test_sigterm_drains_running_requests_and_exits(server, client):
