@@ -25,15 +25,16 @@ import time
 from collections import defaultdict, deque
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
-from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
+from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.heads.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.autoregressive import prefill_widths
 from medusa_jax.inference.engine import PROMPT_BUCKET, bucket_length
 from medusa_jax.inference.engine_metrics import EngineMetrics
-from medusa_jax.inference.row_decode import Rows, admit_rows, decode_chunk, release_rows, stop_ids_array
+from medusa_jax.inference.drafted_rows import DraftedDecoder
+from medusa_jax.inference.row_decode import PlainDecoder, stop_ids_array
 from medusa_jax.inference.row_sampling import RowSampling
 from medusa_jax.inference.sampling import SamplingConfig
 
@@ -107,15 +108,23 @@ class Request:
 
 
 class GenerationEngine:
+    """With `heads` and a `tree`, every row decodes with the tree (`drafted_rows.DraftedDecoder`: greedy
+    requests only); else plainly (`row_decode.PlainDecoder`)."""
+
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, eos_ids: tuple[int, ...],
-                 pad_id: int = 0):
+                 pad_id: int = 0, heads: MedusaHeads | None = None, tree: TreeBuffers | DynamicTree | None = None):
         self.config, self.eos_ids, self.pad_id = config, tuple(eos_ids), pad_id
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
-        self._graphdef, self._params = nnx.split(model)
-        # committed to the device from the start, as every call's output is: the calls then share one compilation
-        self._rows = jax.device_put(Rows.empty(model.config, config.rows, config.context, config.max_stop_ids),
-                                    jax.devices()[0])
+        if (heads is None) != (tree is None):
+            raise ValueError("tree decoding needs both heads and a tree")
+        self.drafted = heads is not None
+        if self.drafted:
+            self._decoder = DraftedDecoder(model, heads, tree, config.rows, config.context, eos_ids=self.eos_ids,
+                                           pad_id=pad_id)
+        else:
+            self._decoder = PlainDecoder(model, config.rows, config.context, config.max_stop_ids,
+                                         eos_ids=self.eos_ids, pad_id=pad_id)
         self._row_request: list[Request | None] = [None] * config.rows
         self._pending: deque[Request] = deque()
         self._cv = threading.Condition()
@@ -142,6 +151,8 @@ class GenerationEngine:
             raise ValueError(f"at most {self.config.max_stop_ids} stop token ids, got {len(params.stop_ids)}")
         if any(not 0 <= t < self.vocab_size for t in params.stop_ids):
             raise ValueError(f"stop token ids must be in [0, {self.vocab_size})")
+        if self.drafted and not params.sampling.greedy:
+            raise ValueError("this engine decodes with heads, greedily: the temperature must be 0")
 
     def submit(self, prompt_ids: Sequence[int], params: RequestParams,
                on_event: Callable[[TokenEvent], None] | None = None) -> Request:
@@ -183,13 +194,7 @@ class GenerationEngine:
         runs), so no request waits for XLA: a later call finds its executable in JAX's compilation caches (the
         in-memory one, or the persistent one where the caller enabled it). Returns the number of shapes."""
         shapes = [(n, w) for w in prefill_widths(self.config.context) for n in admission_sizes(self.config.rows)]
-        for n, width in shapes:
-            admit_rows.lower(self._graphdef, self._params, self._rows, np.zeros((n,), np.int32),
-                             np.zeros((n, width), np.int32), np.ones((n,), np.int32), np.ones((n,), np.int32),
-                             stop_ids_array([()] * n, self.config.max_stop_ids), RowSampling.greedy(n),
-                             eos_ids=self.eos_ids).compile()
-        decode_chunk.lower(self._graphdef, self._params, self._rows, steps=self.config.chunk_steps,
-                           eos_ids=self.eos_ids, pad_id=self.pad_id).compile()
+        self._decoder.compile(shapes, self.config.chunk_steps)
         return len(shapes) + 1
 
     def start(self) -> None:
@@ -269,7 +274,7 @@ class GenerationEngine:
         if released:
             release_b = np.zeros((self.config.rows,), bool)
             release_b[released] = True
-            self._rows = release_rows(self._rows, release_b)
+            self._decoder.release(release_b)
         for request in waiting + running:
             self._finish(request, "cancelled", ())
 
@@ -305,9 +310,7 @@ class GenerationEngine:
         params = [r.params for _, r in group] + [RequestParams()] * (n - len(group))
         sampling_n = RowSampling.of([p.sampling for p in params], [p.seed for p in params])
         stop_nq = stop_ids_array([p.stop_ids for p in params], self.config.max_stop_ids)
-        self._rows, first_n = admit_rows(self._graphdef, self._params, self._rows, rows_n, prompt_nt, lens_n,
-                                         budget_n, stop_nq, sampling_n, eos_ids=self.eos_ids)
-        first_n = np.asarray(jax.device_get(first_n))
+        first_n = self._decoder.admit(rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n)
         now = time.perf_counter()
         self.metrics.add(prompt_tokens=int(lens_n[: len(group)].sum()), generated_tokens=len(group))
         for k, (row, request) in enumerate(group):
@@ -316,16 +319,20 @@ class GenerationEngine:
             self._deliver(row, request, [int(first_n[k])])
 
     def _chunk(self, busy: list[int]) -> None:
-        self._rows, tokens_bc, emitted_b, steps = decode_chunk(
-            self._graphdef, self._params, self._rows, steps=self.config.chunk_steps, eos_ids=self.eos_ids,
-            pad_id=self.pad_id)
-        tokens_bc, emitted_b, steps = jax.device_get((tokens_bc, emitted_b, steps))
-        emitted = int(emitted_b.sum())
-        self.metrics.add(decode_steps=int(steps), row_steps=emitted, step_tokens=emitted, generated_tokens=emitted)
+        remaining_b = np.zeros((self.config.rows,), np.int32)  # idle rows: 0, so a drafted row stops at once
         for row in busy:
-            self._deliver(row, self._row_request[row], tokens_bc[row, : int(emitted_b[row])].tolist())
+            request = self._row_request[row]
+            remaining_b[row] = request.params.max_tokens - len(request.tokens)
+        tokens, steps, row_steps = self._decoder.chunk(self.config.chunk_steps, remaining_b)
+        emitted = sum(len(tokens[row]) for row in busy)
+        self.metrics.add(decode_steps=steps, row_steps=row_steps, step_tokens=emitted, generated_tokens=emitted)
+        for row in busy:
+            self._deliver(row, self._row_request[row], tokens[row])
 
     def _deliver(self, row: int, request: Request, tokens: list[int]) -> None:
+        stops = set(self.eos_ids) | set(request.params.stop_ids)
+        end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))  # a drafted step may run
+        tokens = tokens[: min(end, request.params.max_tokens - len(request.tokens))]  # past a stop id: cut there
         request.tokens.extend(tokens)
         reason = self._finish_reason(request)
         if reason is None:

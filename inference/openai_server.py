@@ -130,7 +130,8 @@ class OpenAIServer:
             try:
                 job = self.engine.submit(prompt_ids, params, on_event)
             except ValueError as e:
-                raise ApiError(400, str(e), "max_tokens" if "max_tokens" in str(e) else "prompt") from None
+                param = next((name for name in ("max_tokens", "temperature") if name in str(e)), "prompt")
+                raise ApiError(400, str(e), param) from None
             except QueueFull as e:
                 raise ApiError(429, f"the server is busy: {e}", kind="rate_limit_error",
                                code="queue_full") from None

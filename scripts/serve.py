@@ -1,8 +1,10 @@
-"""Serve a model over an OpenAI-compatible HTTP API (plain decoding, continuous batching).
+"""Serve a model over an OpenAI-compatible HTTP API (continuous batching; plain decoding, or greedy tree
+decoding with --heads).
 
 Examples:
   python scripts/serve.py --model default                       (SmolLM2 on http://127.0.0.1:8000)
   python scripts/serve.py --model DIR --port 8080 --batch-size 16 --context 1024 --max-queue 64
+  python scripts/serve.py --model default --heads default --tree mc_sim_7b_8     (greedy requests only)
 Then any OpenAI client talks to it, e.g. openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none"):
 POST /v1/completions and /v1/chat/completions (stream true or false; temperature, top_p, top_k, seed,
 max_tokens, stop, stop_token_ids), GET /v1/models, /health, /metrics (Prometheus text).
@@ -27,6 +29,10 @@ from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_t
 from medusa_jax.model.config import UnsupportedModelError
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.hf.tensor_files import CheckpointError
+from medusa_jax.heads.load import load_heads
+from medusa_jax.heads.tree import PRESETS
+from medusa_jax.heads.trees_file import trees_of
+from medusa_jax.inference.medusa import choose_tree
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
 from medusa_jax.hub import HubError
 from medusa_jax.scripts import validate
@@ -53,12 +59,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="requests waiting for a row at most; beyond, requests are answered 429 (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
+    p.add_argument("--heads", default=None,
+                   help="Medusa or Hydra heads (a folder in any supported layout, 'default', 'default-medusa' or a Hub "
+                        "id): every row decodes with the heads' tree, greedily (requests must set temperature 0; "
+                        "greedy output equals plain decoding's); EAGLE drafters are not served yet (default: plain "
+                        "decoding)")
+    p.add_argument("--tree", default=None,
+                   help=f"with --heads: a tree preset ({', '.join(PRESETS)}), a JSON file of paths or "
+                        f"dynamic:N[,k=K,d=D] (default: the heads' own trees.json choice for --batch-size, which may "
+                        f"be plain decoding)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the model folder's name)")
     a = p.parse_args(argv)
     try:
         validate.given("--host", a.host, "an address such as 127.0.0.1")
         validate.given("--served-model-name", a.served_model_name, "a model id")
+        validate.given("--heads", a.heads, "a heads folder, 'default' or a Hub id")
+        if a.tree is not None and a.heads is None:
+            raise validate.UsageError(f"--tree {a.tree}: needs --heads (tree decoding)")
+        validate.tree_arg("--tree", a.tree)
         check_listen(a.host, a.port)
     except validate.UsageError as e:
         p.error(str(e))
@@ -88,11 +107,19 @@ def build_engine(a: argparse.Namespace):
     if a.context > positions:
         raise validate.UsageError(f"--context {a.context}: the model has {positions} positions; lower it to at "
                                   f"most {positions}")
+    heads_dir = validate.heads_arg("--heads", a.heads) if a.heads else None
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(folder, tokenizer)
     model = load_pretrained(folder, a.dtype)
+    heads = tree = None
+    if heads_dir is not None:
+        heads = load_heads(heads_dir, base_config=model.config, base=model, dtype=a.dtype)
+        chosen = choose_tree(heads.config, trees_of(heads), a.batch_size, a.tree)
+        print(f"medusa-serve: {chosen.note}", file=sys.stderr, flush=True)
+        heads, tree = (heads, chosen.tree) if chosen.tree is not None else (None, None)
     config = EngineConfig(rows=a.batch_size, context=a.context, chunk_steps=a.chunk_steps, max_queue=a.max_queue)
-    engine = GenerationEngine(model, config, eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos))
+    engine = GenerationEngine(model, config, eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos), heads=heads,
+                              tree=tree)
     start = time.perf_counter()
     with CompileCounter() as compiles:
         shapes = engine.warm_up()

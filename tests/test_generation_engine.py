@@ -11,12 +11,16 @@ import numpy as np
 import pytest
 
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.inference.api import generate
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.tree import load_tree
+from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.generation_engine import (EngineClosed, EngineConfig, GenerationEngine, QueueFull,
                                                     RequestParams)
 from medusa_jax.inference.row_sampling import RowSampling, row_target_logits, sample_rows
 from medusa_jax.inference.sampling import SamplingConfig, target_logits
 from medusa_jax.inference.text_stream import TextStream
+from decode_helpers import randomise_kernels
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,41 @@ def test_engine_greedy_tokens_equal_generate(model, admission):
     assert finished == {"stop": sum(t[-1] in eos for t in want), "length": sum(t[-1] not in eos for t in want)}
     assert engine.rows_busy == 0 and engine.queue_depth == 0
     assert engine.metrics.generated_tokens == sum(map(len, want))
+
+
+def random_heads(model, head_type: str):
+    heads = init_heads(HeadsConfig(model.config.hidden_size, model.config.vocab_size, num_heads=3,
+                                   head_type=head_type), model, seed=0)
+    randomise_kernels([linear for head in heads.heads
+                       for linear in [block.linear for block in head.blocks] + [getattr(head, "input_proj", None)]
+                       if linear is not None], 0)
+    return heads
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+def test_engine_with_heads_decodes_trees_with_generates_greedy_tokens(model, head_type):
+    """The engine's drafter: rows refilled mid-run decode with the heads' tree and still make `generate`'s greedy
+    tokens (EOS, per-request budgets and stop ids cut a step's accepted run where they fall); the verify steps and
+    accepted tokens are those of `generate_medusa`; sampled requests are refused."""
+    heads = random_heads(model, head_type)
+    tree = load_tree("mc_sim_7b_8", num_heads=3, max_top_k=heads.config.head_vocab_size)
+    prompts = prompts_of((5, 70, 9, 2, 33, 17, 4))
+    eos = (generate(model, prompts[:1], max_new_tokens=11, eos_ids=())[0].token_ids[4],)
+    want = [generate(model, [p], max_new_tokens=11, eos_ids=eos)[0].token_ids for p in prompts]
+    engine = GenerationEngine(model, EngineConfig(rows=3, context=128, chunk_steps=3), eos_ids=eos, heads=heads,
+                              tree=tree)
+    assert engine.warm_up() == 2 * 2 + 1  # admission sizes (1, 3) x widths (64, 128), and the chunk
+    assert engine.generate_all(prompts, RequestParams(max_tokens=11)) == want
+    medusa = [generate_medusa(model, heads, [p], tree=tree, max_new_tokens=11, eos_ids=eos)[0] for p in prompts]
+    assert engine.metrics.row_steps == sum(len(r.accept_lengths) for r in medusa)
+    assert engine.metrics.step_tokens - engine.metrics.row_steps == sum(sum(r.accept_lengths) for r in medusa) > 0
+    short = engine.generate_all(prompts[:2], RequestParams(max_tokens=4))
+    assert short == [w[:4] for w in want[:2]]
+    stop_at = want[1][2]
+    assert engine.generate_all(prompts[1:2], RequestParams(max_tokens=11, stop_ids=(stop_at,)))[0] == \
+        want[1][: want[1].index(stop_at) + 1]
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        engine.submit(prompts[0], RequestParams(sampling=SamplingConfig(0.7)))
 
 
 def test_engine_rows_keep_their_own_settings(model):
