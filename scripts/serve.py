@@ -38,6 +38,8 @@ from medusa_jax.hub import HubError
 from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 
+DEFAULT_CONTEXT = 1024  # --context when not given (or the model's positions if fewer)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__)
@@ -49,9 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000, check=in_range(1, 65535), help="TCP port (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=16, check=at_least(1),
                    help="requests decoded at once (rows of the decode batch) (default: %(default)s)")
-    p.add_argument("--context", type=int, default=1024, check=at_least(2),
+    p.add_argument("--context", type=int, default=None, check=at_least(2),
                    help="KV-cache slots per row: a request's prompt tokens plus max_tokens must fit; at most the "
-                        "model's max_position_embeddings (default: %(default)s)")
+                        "model's max_position_embeddings (default: 1024, or the model's positions if fewer)")
     p.add_argument("--chunk-steps", type=int, default=8, check=at_least(1),
                    help="decode steps between two admissions of queued requests; streamed text arrives in pieces "
                         "of up to this many tokens (default: %(default)s)")
@@ -103,11 +105,12 @@ def check_listen(host: str, port: int) -> None:
 def build_engine(a: argparse.Namespace):
     """(engine, tokenizer, model id) from checked flags; every call shape of the engine compiled."""
     folder = validate.model_arg("--model", a.model)
+    heads_dir = validate.heads_arg("--heads", a.heads) if a.heads else None
     positions = validate.max_positions(folder)
-    if a.context > positions:
+    if a.context is not None and a.context > positions:
         raise validate.UsageError(f"--context {a.context}: the model has {positions} positions; lower it to at "
                                   f"most {positions}")
-    heads_dir = validate.heads_arg("--heads", a.heads) if a.heads else None
+    context = a.context or min(DEFAULT_CONTEXT, positions)
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(folder, tokenizer)
     model = load_pretrained(folder, a.dtype)
@@ -117,7 +120,7 @@ def build_engine(a: argparse.Namespace):
         chosen = choose_tree(heads.config, trees_of(heads), a.batch_size, a.tree)
         print(f"medusa-serve: {chosen.note}", file=sys.stderr, flush=True)
         heads, tree = (heads, chosen.tree) if chosen.tree is not None else (None, None)
-    config = EngineConfig(rows=a.batch_size, context=a.context, chunk_steps=a.chunk_steps, max_queue=a.max_queue)
+    config = EngineConfig(rows=a.batch_size, context=context, chunk_steps=a.chunk_steps, max_queue=a.max_queue)
     engine = GenerationEngine(model, config, eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos), heads=heads,
                               tree=tree)
     start = time.perf_counter()
@@ -142,8 +145,9 @@ def main(argv=None) -> int:
     engine.start()
     server = uvicorn.Server(uvicorn.Config(OpenAIServer(engine, tokenizer, model_id).app(), host=a.host,
                                            port=a.port, log_level="warning", lifespan="on"))
-    print(f"medusa-serve: {model_id} on http://{a.host}:{a.port}/v1 ({a.batch_size} rows of {a.context} "
-          f"tokens)", file=sys.stderr, flush=True)
+    print(f"medusa-serve: {model_id} on http://{a.host}:{a.port}/v1 ({a.batch_size} rows of "
+          f"{engine.config.context} tokens, {'tree' if engine.drafted else 'plain'} decoding)", file=sys.stderr,
+          flush=True)
     server.run()  # on SIGTERM/SIGINT uvicorn drains, then re-raises the signal: the process ends by it
     engine.close(drain=False, timeout=60)
     return 0 if engine.failure is None else 1

@@ -227,6 +227,8 @@ CASES = [  # (command, extra args, text the error line must hold)
     (SV, ["--max-queue", "0"], "--max-queue 0"), (SV, ["--host", ""], "--host"),
     (SV, ["--host", "no.such.host.invalid"], "--host no.such.host.invalid: cannot be resolved"),
     (SV, ["--served-model-name", " "], "--served-model-name"), (SV, ["--dtype", "float16"], "--dtype"),
+    (SV, ["--tree", "mc_sim_7b_8"], "--tree mc_sim_7b_8: needs --heads"), (SV, ["--heads", ""], "--heads"),
+    (SV, ["--heads", H, "--tree", "no_such_preset"], "--tree"), (SV, ["--heads", "{w}/nope"], "--heads"),
 ]
 
 

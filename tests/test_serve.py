@@ -23,6 +23,7 @@ from starlette.testclient import TestClient
 
 from medusa_jax.text import chat_prompt_ids, decode_tokens, eos_token_ids, load_tokenizer
 from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.tree import load_tree
 from medusa_jax.inference.api import generate
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams
 from medusa_jax.inference.openai_server import OpenAIServer
@@ -261,6 +262,36 @@ def test_full_queue_answers_429_and_a_closed_engine_503(tiny_with_tokenizer):
     closed = app.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "w1"}]})
     assert closed.status_code == 503 and "shutting down" in closed.json()["error"]["message"]
     assert 'medusa_requests_rejected_total 2' in app.get("/metrics").text
+
+
+def test_a_server_with_heads_answers_greedily_as_generate(tiny_with_tokenizer):
+    """In process: an engine with random Medusa heads and a tree behind the app; greedy answers, whole and
+    streamed, equal `generate`'s; a sampled request is a 400 naming the temperature."""
+    from test_generation_engine import random_heads
+
+    tokenizer, model = load_tokenizer(tiny_with_tokenizer), load_pretrained(tiny_with_tokenizer)
+    heads = random_heads(model, "medusa")
+    tree = load_tree("mc_sim_7b_8", num_heads=3, max_top_k=heads.config.head_vocab_size)
+    eos = eos_token_ids(tiny_with_tokenizer, tokenizer)
+    engine = GenerationEngine(model, EngineConfig(rows=2, context=64, chunk_steps=2), eos_ids=eos, heads=heads,
+                              tree=tree)
+    engine.start()
+    app = TestClient(OpenAIServer(engine, tokenizer, MODEL).app())
+    try:
+        for prompt in ("w3 w4 w5", "w9"):
+            want = generate(model, [tokenizer(prompt)["input_ids"]], max_new_tokens=10, eos_ids=eos)[0].token_ids
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0}
+            answer = app.post("/v1/completions", json=body).json()
+            assert answer["choices"][0]["text"] == decode_tokens(tokenizer, want)
+            assert answer["usage"]["completion_tokens"] == len(want)
+            with app.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+                chunks = [json.loads(line[6:]) for line in stream.iter_lines()
+                          if line.startswith("data: {")]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == answer["choices"][0]["text"]
+        refused = app.post("/v1/completions", json={"model": MODEL, "prompt": "w1", "temperature": 0.8})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
+    finally:
+        engine.close()
 
 
 def test_bad_flags_are_one_error_line_before_loading(tiny_with_tokenizer, capsys):
