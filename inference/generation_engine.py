@@ -2,11 +2,12 @@
 batching over a static KV cache), each with its own sampling settings, budget and stop ids; tokens handed out
 chunk by chunk as they are emitted; a request can be cancelled and its row freed.
 
-The engine owns `config.rows` decode rows (`row_decode.Rows`) of `config.context` cache slots each. One
-iteration (`run_once`): drop cancelled requests (a cancelled row is released), admit queued requests into free
-rows (`row_decode.admit_rows`, prompts padded to 64 * 2**k tokens and rows to a power of 4, so a few shapes
-compile; `warm_up` compiles them all before serving), then run one chunk of `config.chunk_steps` decode steps
-(`row_decode.decode_chunk`). Each request's new tokens go to its `on_event` callback as a `TokenEvent` (the
+The engine owns `config.rows` decode rows of `config.context` cache slots each and the device side that steps
+them: plain decoding (`row_decode.PlainDecoder`) or, given heads and a tree, greedy tree decoding
+(`drafted_rows.DraftedDecoder`: the engine owns the drafter). One iteration (`run_once`): drop cancelled
+requests (a cancelled row is released), admit queued requests into free rows (prompts padded to 64 * 2**k
+tokens and rows to a power of 4, so a few shapes compile; `warm_up` compiles them all before serving), then run
+one chunk of `config.chunk_steps` decode (or verify) steps. Each request's new tokens go to its `on_event` callback as a `TokenEvent` (the
 last one carries the finish reason: "stop" at an EOS or stop id, "length" at max_tokens, "cancelled"); the
 default callback puts them on `request.events`.
 
