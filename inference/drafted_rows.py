@@ -33,17 +33,18 @@ from medusa_jax.inference.sampling import greedy_tokens, is_eos
 GREEDY = AcceptanceConfig("greedy")
 
 
-def empty_state(model: MedusaModel, rows: int, cache_size: int, tree) -> MedusaState:
-    """Idle rows (each field its own buffer: the calls donate them)."""
+def empty_state(model: MedusaModel, rows: int, cache_size: int, tree, steps: int) -> MedusaState:
+    """Idle rows, every field shaped as a chunk leaves it (so the calls compile once), each its own buffer (the
+    calls donate them)."""
     b, e, d = rows, tree.depth + 1, model.base.config.hidden_size
 
     def no_move():
         return jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32), (b, e)) + 0
 
     return MedusaState(KVCache.zeros(model.base.config, b, cache_size), jnp.zeros((b,), jnp.int32),
-                       jnp.zeros((b, d), model.base.config.jnp_dtype), jnp.zeros((b, 1), jnp.int32),
+                       jnp.zeros((b, d), model.base.config.jnp_dtype), jnp.zeros((b, steps * e), jnp.int32),
                        jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32),
-                       jnp.zeros((b, 1), jnp.int32), jnp.zeros((), jnp.int32), jax.random.key(0), no_move(), no_move(),
+                       jnp.zeros((b, steps), jnp.int32), jnp.zeros((), jnp.int32), jax.random.key(0), no_move(), no_move(),
                        None)
 
 
@@ -93,15 +94,15 @@ def release_drafted(state: MedusaState, release_b) -> MedusaState:
 class DraftedDecoder:
     """`row_decode.PlainDecoder`'s interface over tree decoding with heads (greedy rows only)."""
 
-    def __init__(self, base, heads: MedusaHeads, tree: TreeBuffers | DynamicTree, rows: int, context: int, *,
-                 eos_ids: tuple[int, ...], pad_id: int):
+    def __init__(self, base, heads: MedusaHeads, tree: TreeBuffers | DynamicTree, rows: int, context: int,
+                 steps: int, *, eos_ids: tuple[int, ...], pad_id: int):
         if type(heads).init_draft is not HeadsBase.init_draft:
             raise ValueError(f"{type(heads).__name__} keeps a drafter state: serving it is not supported yet; "
                              f"use Medusa or Hydra heads")
         model = MedusaModel(base, heads)
         self.graphdef, self.params = nnx.split(model)
         self.tree, self.eos_ids, self.pad_id = tree, eos_ids, pad_id
-        state = empty_state(model, rows, context + scratch_slots(tree), tree)
+        state = empty_state(model, rows, context + scratch_slots(tree), tree, steps)
         self.state = jax.device_put(state, jax.devices()[0])
 
     def admit(self, rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n: RowSampling) -> np.ndarray:

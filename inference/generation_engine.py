@@ -121,8 +121,8 @@ class GenerationEngine:
             raise ValueError("tree decoding needs both heads and a tree")
         self.drafted = heads is not None
         if self.drafted:
-            self._decoder = DraftedDecoder(model, heads, tree, config.rows, config.context, eos_ids=self.eos_ids,
-                                           pad_id=pad_id)
+            self._decoder = DraftedDecoder(model, heads, tree, config.rows, config.context, config.chunk_steps,
+                                           eos_ids=self.eos_ids, pad_id=pad_id)
         else:
             self._decoder = PlainDecoder(model, config.rows, config.context, config.max_stop_ids,
                                          eos_ids=self.eos_ids, pad_id=pad_id)

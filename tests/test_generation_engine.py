@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
@@ -42,7 +43,10 @@ def test_engine_greedy_tokens_equal_generate(model, admission):
     want = [generate(model, [p], max_new_tokens=11, eos_ids=eos)[0].token_ids for p in prompts]
     assert any(t[-1] in eos and len(t) < 11 for t in want) and any(len(t) == 11 for t in want)
     engine = GenerationEngine(model, EngineConfig(rows=3, context=128, chunk_steps=4, admission=admission), eos_ids=eos)
-    assert engine.generate_all(prompts, RequestParams(max_tokens=11)) == want
+    engine.warm_up()
+    with CompileCounter() as compiles:
+        assert engine.generate_all(prompts, RequestParams(max_tokens=11)) == want
+    assert compiles.requests == 0  # every call shape was compiled ahead
     finished = engine.metrics.finished
     assert finished == {"stop": sum(t[-1] in eos for t in want), "length": sum(t[-1] not in eos for t in want)}
     assert engine.rows_busy == 0 and engine.queue_depth == 0
@@ -71,7 +75,9 @@ def test_engine_with_heads_decodes_trees_with_generates_greedy_tokens(model, hea
     engine = GenerationEngine(model, EngineConfig(rows=3, context=128, chunk_steps=3), eos_ids=eos, heads=heads,
                               tree=tree)
     assert engine.warm_up() == 2 * 2 + 1  # admission sizes (1, 3) x widths (64, 128), and the chunk
-    assert engine.generate_all(prompts, RequestParams(max_tokens=11)) == want
+    with CompileCounter() as compiles:  # every call shape was compiled ahead: requests wait for no compilation
+        assert engine.generate_all(prompts, RequestParams(max_tokens=11)) == want
+    assert compiles.requests == 0
     medusa = [generate_medusa(model, heads, [p], tree=tree, max_new_tokens=11, eos_ids=eos)[0] for p in prompts]
     assert engine.metrics.row_steps == sum(len(r.accept_lengths) for r in medusa)
     assert engine.metrics.step_tokens - engine.metrics.row_steps == sum(sum(r.accept_lengths) for r in medusa) > 0
