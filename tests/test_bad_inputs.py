@@ -65,6 +65,7 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 M, G2, NT, H, D = "{w}/model", "{w}/gpt2", "{w}/notok", "{w}/heads", "{w}/data.json"
+SV = ("serve", ["--model", M, "--port", "65533"])  # a port no case binds: each fails before listening
 GEN = ("generate", ["--model", M, "--prompt", "hi"])
 SD = ("self_distill", ["--model", M, "--data", D, "--output", "{w}/distilled.jsonl", "--no-progress"])
 TR = ("train_heads", ["--model", M, "--data", D, "--output", "{w}/trained", "--no-progress"])
@@ -218,6 +219,16 @@ CASES = [  # (command, extra args, text the error line must hold)
     (("plot_training", ["{w}/log.jsonl", "--output", "{w}/log.jsonl"]), [], "is the log file"),
     (("plot_training", ["{w}/blank.jsonl"]), [], "no training records"),
     (("plot_training", ["{w}/nohead.jsonl"]), [], "head_loss"),
+    (SV, ["--model", "{w}/nope"], "does not exist"), (SV, ["--model", G2], "gpt2"),
+    (SV, ["--model", NT], "tokenizer"), (SV, ["--context", "1"], "--context 1: must be >= 2"),
+    (SV, ["--context", "4096"], "--context 4096: the model has 512 positions"),
+    (SV, ["--port", "70000"], "--port 70000"), (SV, ["--port", "x"], "--port"),
+    (SV, ["--batch-size", "0"], "--batch-size 0"), (SV, ["--chunk-steps", "0"], "--chunk-steps 0"),
+    (SV, ["--max-queue", "0"], "--max-queue 0"), (SV, ["--host", ""], "--host"),
+    (SV, ["--host", "no.such.host.invalid"], "--host no.such.host.invalid: cannot be resolved"),
+    (SV, ["--served-model-name", " "], "--served-model-name"), (SV, ["--dtype", "float16"], "--dtype"),
+    (SV, ["--tree", "mc_sim_7b_8"], "--tree mc_sim_7b_8: needs --heads"), (SV, ["--heads", ""], "--heads"),
+    (SV, ["--heads", H, "--tree", "no_such_preset"], "--tree"), (SV, ["--heads", "{w}/nope"], "--heads"),
 ]
 
 
@@ -254,7 +265,7 @@ def test_a_bad_input_is_one_error_line_and_changes_nothing(world, offline_hub, c
 def test_the_table_covers_every_command_and_more_than_150_inputs():
     names = {c[0][0] for c in CASES}
     assert names == {"generate", "self_distill", "train_heads", "export_heads", "build_tree", "build_features", "plan",
-                     "benchmark", "benchmark_batch", "benchmark_loading", "prepare_model", "plot_training"}
+                     "benchmark", "benchmark_batch", "benchmark_loading", "prepare_model", "plot_training", "serve"}
     assert len(CASES) > 150
 
 

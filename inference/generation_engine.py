@@ -1,0 +1,345 @@
+"""One generation engine: requests queued, admitted into free rows of a running jitted decode (continuous
+batching over a static KV cache), each with its own sampling settings, budget and stop ids; tokens handed out
+chunk by chunk as they are emitted; a request can be cancelled and its row freed.
+
+The engine owns `config.rows` decode rows of `config.context` cache slots each and the device side that steps
+them: plain decoding (`row_decode.PlainDecoder`) or, given heads and a tree, greedy tree decoding
+(`drafted_rows.DraftedDecoder`: the engine owns the drafter). One iteration (`run_once`): drop cancelled
+requests (a cancelled row is released), admit queued requests into free rows (prompts padded to 64 * 2**k
+tokens and rows to a power of 4, so a few shapes compile; `warm_up` compiles them all before serving), then run
+one chunk of `config.chunk_steps` decode (or verify) steps. Each request's new tokens go to its `on_event` callback as a `TokenEvent` (the
+last one carries the finish reason: "stop" at an EOS or stop id, "length" at max_tokens, "cancelled"); the
+default callback puts them on `request.events`.
+
+Admission policies: "fifo" (refilled slots: any free row takes the oldest request, as a server takes them) and
+"sorted" (sorted batches: rows are filled only when all are free, longest prompts first, so a batch's rows
+finish together). `start()` runs the iterations in a thread of their own (a server's); `generate_all` drives
+them in the caller's thread (a batch client). Greedy tokens equal `api.generate`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Callable, Sequence
+
+import numpy as np
+
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.trees.tree import DynamicTree, TreeBuffers
+from medusa_jax.inference.autoregressive import prefill_widths
+from medusa_jax.inference.engine import PROMPT_BUCKET, bucket_length
+from medusa_jax.inference.engine_metrics import EngineMetrics
+from medusa_jax.inference.drafted_rows import DraftedDecoder
+from medusa_jax.inference.row_decode import PlainDecoder, stop_ids_array
+from medusa_jax.inference.row_sampling import RowSampling
+from medusa_jax.inference.sampling import SamplingConfig
+
+ADMISSIONS = ("fifo", "sorted")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    rows: int = 16  # requests decoded at once
+    context: int = 1024  # KV cache slots per row: a prompt plus its max_tokens must fit
+    chunk_steps: int = 8  # decode steps between admissions (and between streamed pieces)
+    max_queue: int = 64  # requests waiting for a row at most; more are refused (QueueFull)
+    max_stop_ids: int = 8  # stop ids per request at most
+    admission: str = "fifo"
+
+    def __post_init__(self):
+        for name in ("rows", "context", "chunk_steps", "max_queue", "max_stop_ids"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    max_tokens: int = 16
+    sampling: SamplingConfig = SamplingConfig()  # temperature 0: greedy
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()  # tokens that end the reply besides the model's EOS ids
+
+
+def admission_sizes(rows: int) -> tuple[int, ...]:
+    """The row counts an admission call is padded to: 1, 4, 16, ... below `rows`, then `rows` (few shapes)."""
+    sizes, n = [], 1
+    while n < rows:
+        sizes.append(n)
+        n *= 4
+    return tuple(sizes) + (rows,)
+
+
+class QueueFull(RuntimeError):
+    """The queue holds config.max_queue requests already."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down (or failed) and takes no new requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    request: "Request"
+    tokens: tuple[int, ...]  # new tokens
+    finish_reason: str | None  # set on the request's last event
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: RequestParams
+    on_event: Callable[[TokenEvent], None] | None = None  # called from the engine's thread
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    cancel_requested: bool = False
+    events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
+
+    def emit(self, tokens: Sequence[int], finish_reason: str | None) -> None:
+        event = TokenEvent(self, tuple(tokens), finish_reason)
+        (self.on_event or self.events.put)(event)
+
+
+class GenerationEngine:
+    """With `heads` and a `tree`, every row decodes with the tree (`drafted_rows.DraftedDecoder`: greedy
+    requests only); else plainly (`row_decode.PlainDecoder`)."""
+
+    def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, eos_ids: tuple[int, ...],
+                 pad_id: int = 0, heads: MedusaHeads | None = None, tree: TreeBuffers | DynamicTree | None = None):
+        self.config, self.eos_ids, self.pad_id = config, tuple(eos_ids), pad_id
+        self.vocab_size = model.config.vocab_size
+        self.max_positions = model.config.max_position_embeddings
+        if (heads is None) != (tree is None):
+            raise ValueError("tree decoding needs both heads and a tree")
+        self.drafted = heads is not None
+        if self.drafted:
+            self._decoder = DraftedDecoder(model, heads, tree, config.rows, config.context, config.chunk_steps,
+                                           eos_ids=self.eos_ids, pad_id=pad_id)
+        else:
+            self._decoder = PlainDecoder(model, config.rows, config.context, config.max_stop_ids,
+                                         eos_ids=self.eos_ids, pad_id=pad_id)
+        self._row_request: list[Request | None] = [None] * config.rows
+        self._pending: deque[Request] = deque()
+        self._cv = threading.Condition()
+        self._closing = self._drain = False
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what stopped the engine's thread, if anything did
+        self.metrics = EngineMetrics()
+
+    # ---- any thread ------------------------------------------------------------------------------------------
+    def check(self, prompt_ids: Sequence[int], params: RequestParams) -> None:
+        """Raises ValueError (one sentence naming the field and the fix) for a request the engine cannot serve."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        limit = min(self.config.context, self.max_positions)
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: "
+                             f"together they exceed the context of {limit} tokens; lower max_tokens to at most "
+                             f"{max(limit - len(prompt_ids), 0)} or shorten the prompt")
+        if len(params.stop_ids) > self.config.max_stop_ids:
+            raise ValueError(f"at most {self.config.max_stop_ids} stop token ids, got {len(params.stop_ids)}")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_ids):
+            raise ValueError(f"stop token ids must be in [0, {self.vocab_size})")
+        if self.drafted and not params.sampling.greedy:
+            raise ValueError("this engine decodes with heads, greedily: the temperature must be 0")
+
+    def submit(self, prompt_ids: Sequence[int], params: RequestParams,
+               on_event: Callable[[TokenEvent], None] | None = None) -> Request:
+        """Queues a request (ValueError: it cannot be served; QueueFull; EngineClosed)."""
+        self.check(prompt_ids, params)
+        request = Request([int(t) for t in prompt_ids], params, on_event)
+        with self._cv:
+            if self._closing or self.failure is not None:
+                self.metrics.add(rejected=1)
+                raise EngineClosed("the engine is shutting down" if self.failure is None else
+                                   f"the engine failed: {self.failure}")
+            if len(self._pending) >= self.config.max_queue:
+                self.metrics.add(rejected=1)
+                raise QueueFull(f"{len(self._pending)} requests are waiting already; retry later")
+            self._pending.append(request)
+            self.metrics.add(requests=1)
+            self._cv.notify_all()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Ends the request at the next chunk boundary (its row freed; its last event says "cancelled")."""
+        with self._cv:
+            request.cancel_requested = True
+            self._cv.notify_all()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def rows_busy(self) -> int:
+        return sum(r is not None for r in self._row_request)
+
+    def prometheus_text(self) -> str:
+        return self.metrics.prometheus_text(self.queue_depth, self.rows_busy, self.config.rows)
+
+    def warm_up(self) -> int:
+        """Compiles every call shape ahead of time (each admission size x prompt width, and the chunk; nothing
+        runs), so no request waits for XLA: a later call finds its executable in JAX's compilation caches (the
+        in-memory one, or the persistent one where the caller enabled it). Returns the number of shapes."""
+        shapes = [(n, w) for w in prefill_widths(self.config.context) for n in admission_sizes(self.config.rows)]
+        self._decoder.compile(shapes, self.config.chunk_steps)
+        return len(shapes) + 1
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name="generation-engine", daemon=True)
+        self._thread.start()
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stops taking requests; with drain, finishes every queued and running one first, else cancels them."""
+        with self._cv:
+            self._closing, self._drain = True, drain
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the engine's thread ---------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._pending or self.rows_busy or self._closing):
+                        self._cv.wait()
+                    if self._closing and (not self._drain or not (self._pending or self.rows_busy)):
+                        break
+                self.run_once()
+        except BaseException as e:  # answer every request rather than leave a client waiting forever
+            self.failure = e
+            raise
+        finally:
+            self._end_all("cancelled" if self.failure is None else "error")
+
+    def _end_all(self, reason: str) -> None:
+        with self._cv:
+            left = [r for r in self._row_request if r is not None] + list(self._pending)
+            self._pending.clear()
+            self._row_request = [None] * self.config.rows
+        for request in left:
+            self._finish(request, reason, ())
+
+    def run_once(self) -> bool:
+        """One iteration: cancellations, admissions, one decode chunk. Returns whether any request was served."""
+        self._drop_cancelled()
+        admitted = self._admit()
+        busy = [r for r in range(self.config.rows) if self._row_request[r] is not None]
+        if busy:
+            self._chunk(busy)
+        return bool(admitted or busy)
+
+    def generate_all(self, prompts: Sequence[Sequence[int]], params: RequestParams) -> list[list[int]]:
+        """Every prompt's tokens (EOS included), the engine driven in this thread (not started): a batch client."""
+        requests, todo = [], deque(prompts)
+        while todo or any(r.finish_reason is None for r in requests):
+            while todo and len(self._pending) < self.config.max_queue:
+                requests.append(self.submit(todo.popleft(), params))
+            self.run_once()
+        return [r.tokens for r in requests]
+
+    def _finish(self, request: Request, reason: str, tokens: Sequence[int]) -> None:
+        request.finish_reason = reason
+        self.metrics.finish(reason)
+        request.emit(tokens, reason)
+
+    def _finish_reason(self, request: Request) -> str | None:
+        last = request.tokens[-1] if request.tokens else None
+        if last is not None and (last in self.eos_ids or last in request.params.stop_ids):
+            return "stop"
+        return "length" if len(request.tokens) >= request.params.max_tokens else None
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            waiting = [r for r in self._pending if r.cancel_requested]
+            for request in waiting:
+                self._pending.remove(request)
+            released = [i for i, r in enumerate(self._row_request) if r is not None and r.cancel_requested]
+            running = [self._row_request[i] for i in released]
+            for i in released:
+                self._row_request[i] = None
+        if released:
+            release_b = np.zeros((self.config.rows,), bool)
+            release_b[released] = True
+            self._decoder.release(release_b)
+        for request in waiting + running:
+            self._finish(request, "cancelled", ())
+
+    def _admit(self) -> list[Request]:
+        with self._cv:
+            free = [i for i, r in enumerate(self._row_request) if r is None]
+            if self.config.admission == "sorted":
+                chosen = sorted(self._pending, key=lambda r: -len(r.prompt_ids))[: len(free)] \
+                    if len(free) == self.config.rows else []
+            else:
+                chosen = list(self._pending)[: len(free)]
+            for row, request in zip(free, chosen):
+                self._pending.remove(request)
+                self._row_request[row] = request  # reserved now: a failure below still answers it (_end_all)
+        if not chosen:
+            return []
+        by_width = defaultdict(list)
+        for row, request in zip(free, chosen):
+            width = min(bucket_length(len(request.prompt_ids), PROMPT_BUCKET), self.config.context)
+            by_width[width].append((row, request))
+        for width, group in sorted(by_width.items()):
+            self._admit_group(width, group)
+        return chosen
+
+    def _admit_group(self, width: int, group: list[tuple[int, Request]]) -> None:
+        n = next(size for size in admission_sizes(self.config.rows) if size >= len(group))
+        prompt_nt = np.full((n, width), self.pad_id, np.int32)
+        lens_n, rows_n = np.ones((n,), np.int32), np.full((n,), self.config.rows, np.int32)  # filler: dropped
+        budget_n = np.ones((n,), np.int32)
+        for k, (row, request) in enumerate(group):
+            prompt_nt[k, : len(request.prompt_ids)] = request.prompt_ids
+            lens_n[k], rows_n[k], budget_n[k] = len(request.prompt_ids), row, request.params.max_tokens
+        params = [r.params for _, r in group] + [RequestParams()] * (n - len(group))
+        sampling_n = RowSampling.of([p.sampling for p in params], [p.seed for p in params])
+        stop_nq = stop_ids_array([p.stop_ids for p in params], self.config.max_stop_ids)
+        first_n = self._decoder.admit(rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n)
+        now = time.perf_counter()
+        self.metrics.add(prompt_tokens=int(lens_n[: len(group)].sum()), generated_tokens=len(group))
+        for k, (row, request) in enumerate(group):
+            request.first_token_at = now
+            self.metrics.first_token(now - request.submitted)
+            self._deliver(row, request, [int(first_n[k])])
+
+    def _chunk(self, busy: list[int]) -> None:
+        remaining_b = np.zeros((self.config.rows,), np.int32)  # idle rows: 0, so a drafted row stops at once
+        for row in busy:
+            request = self._row_request[row]
+            remaining_b[row] = request.params.max_tokens - len(request.tokens)
+        tokens, steps, row_steps = self._decoder.chunk(self.config.chunk_steps, remaining_b)
+        emitted = sum(len(tokens[row]) for row in busy)
+        self.metrics.add(decode_steps=steps, row_steps=row_steps, step_tokens=emitted, generated_tokens=emitted)
+        for row in busy:
+            self._deliver(row, self._row_request[row], tokens[row])
+
+    def _deliver(self, row: int, request: Request, tokens: list[int]) -> None:
+        stops = set(self.eos_ids) | set(request.params.stop_ids)
+        end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))  # a drafted step may run
+        tokens = tokens[: min(end, request.params.max_tokens - len(request.tokens))]  # past a stop id: cut there
+        request.tokens.extend(tokens)
+        reason = self._finish_reason(request)
+        if reason is None:
+            if tokens:
+                request.emit(tokens, None)
+            return
+        with self._cv:
+            self._row_request[row] = None
+        self._finish(request, reason, tokens)

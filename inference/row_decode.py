@@ -1,0 +1,168 @@
+"""The generation engine's device side: b decode rows over one static KV cache, each row serving its own request
+with its own sampling settings, budget and stop ids (inference/generation_engine.py drives them).
+
+Three jitted calls, each taking and returning (donating) the `Rows`:
+- `admit_rows` prefills n new prompts into the rows named (continuous batching: any free rows, between chunks)
+  and draws each one's first token;
+- `decode_chunk` runs up to `steps` plain steps of every active row (one `jax.lax.while_loop`; it stops early
+  once no row is active) and returns the tokens each row emitted;
+- `release_rows` ends rows early (a cancelled request).
+A row is active while it is not done (idle, finished at an EOS or stop id) and has tokens of its budget left.
+An inactive row still computes in the step (the batch is one matmul) but never advances its cache length, so it
+writes only to the slot past its own tokens. Shapes: b rows, s cache slots, c chunk steps, n admitted rows,
+t padded prompt width, q per-row stop ids (padding -1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
+from medusa_jax.inference.autoregressive import prefill
+from medusa_jax.inference.row_sampling import RowSampling, sample_rows
+from medusa_jax.inference.sampling import is_eos
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    cache: KVCache  # lengths_b: tokens of each row in the cache
+    token_b: jax.Array  # the newest emitted token of each row, not yet in the cache
+    num_out_b: jax.Array  # tokens emitted for the row's current request
+    budget_b: jax.Array  # the request's max tokens
+    done_b: jax.Array  # idle, or finished at an EOS / stop id
+    stop_bq: jax.Array  # the request's own stop ids, -1 padded
+    sampling: RowSampling
+
+    @property
+    def active_b(self) -> jax.Array:
+        return ~self.done_b & (self.num_out_b < self.budget_b)
+
+    @classmethod
+    def empty(cls, model_config, rows: int, cache_size: int, stop_width: int) -> "Rows":
+        b = rows
+        return cls(KVCache.zeros(model_config, b, cache_size), jnp.zeros((b,), jnp.int32),
+                   jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool),
+                   jnp.full((b, stop_width), -1, jnp.int32), jax.tree.map(jnp.asarray, RowSampling.greedy(b)))
+
+
+def stops(token_b: jax.Array, stop_bq: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    """Which tokens end their row: the model's EOS ids or the row's own stop ids."""
+    return is_eos(token_b, eos_ids) | jnp.any(token_b[:, None] == stop_bq, axis=-1)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "eos_ids"), donate_argnames=("rows",))
+def admit_rows(graphdef, params, rows: Rows, rows_n, prompt_nt, prompt_lens_n, budget_n, stop_nq,
+               sampling_n: RowSampling, *, eos_ids: tuple[int, ...]):
+    """Prefills the n right-padded prompts into rows rows_n (index >= b: filler, dropped) with their budgets,
+    stop ids and sampling settings. Returns (rows, each prompt's first token [n])."""
+    model: CausalLM = nnx.merge(graphdef, params)
+    n, t = prompt_nt.shape
+    fresh = KVCache.zeros(model.config, n, t, dtype=rows.cache.dtype)
+    last_nd, fresh = prefill(model, prompt_nt, prompt_lens_n, fresh)
+    first_n = sample_rows(model.logits(last_nd), sampling_n, jnp.zeros((n,), jnp.int32))
+
+    def put(old, new):
+        return old.at[rows_n].set(new.astype(old.dtype), mode="drop")
+
+    rows = Rows(rows.cache.put_rows(rows_n, fresh), put(rows.token_b, first_n),
+                put(rows.num_out_b, jnp.ones((n,), jnp.int32)), put(rows.budget_b, budget_n),
+                put(rows.done_b, stops(first_n, stop_nq, eos_ids)), put(rows.stop_bq, stop_nq),
+                rows.sampling.put_rows(rows_n, sampling_n))
+    return rows, first_n
+
+
+def row_step(model: CausalLM, rows: Rows, eos_ids: tuple[int, ...]) -> tuple[Rows, jax.Array, jax.Array]:
+    """One plain step of every row: the forward of its newest token at slot `length`, the next token drawn with
+    the row's settings. Returns (rows, token [b], active [b]: the rows that emitted it)."""
+    active_b = rows.active_b
+    cache, lengths_b = rows.cache, rows.cache.lengths_b
+    mask_b1s = attention_mask(lengths_b, causal_block(1), cache.cache_size)
+    hidden_b1d, cache = model(rows.token_b[:, None], lengths_b[:, None], mask_b1s, cache)
+    token_b = sample_rows(model.logits(hidden_b1d[:, 0]), rows.sampling, rows.num_out_b)
+    step_b = active_b.astype(jnp.int32)
+    rows = dataclasses.replace(rows, cache=cache.replace(lengths_b=lengths_b + step_b),
+                               token_b=jnp.where(active_b, token_b, rows.token_b), num_out_b=rows.num_out_b + step_b,
+                               done_b=rows.done_b | (active_b & stops(token_b, rows.stop_bq, eos_ids)))
+    return rows, token_b, active_b
+
+
+@partial(jax.jit, static_argnames=("graphdef", "steps", "eos_ids", "pad_id"), donate_argnames=("rows",))
+def decode_chunk(graphdef, params, rows: Rows, *, steps: int, eos_ids: tuple[int, ...], pad_id: int):
+    """Up to `steps` row steps, while any row is active. Returns (rows, tokens [b, c], emitted [b], steps run):
+    row b's new tokens are tokens[b, :emitted[b]]."""
+    model: CausalLM = nnx.merge(graphdef, params)
+    b = rows.token_b.shape[0]
+    row_ids_b = jnp.arange(b)
+
+    def body(carry):
+        i, rows, out_bc, emitted_b = carry
+        rows, token_b, active_b = row_step(model, rows, eos_ids)
+        slot_b = jnp.where(active_b, emitted_b, steps)  # past the end: dropped
+        return i + 1, rows, out_bc.at[row_ids_b, slot_b].set(token_b, mode="drop"), emitted_b + active_b
+
+    carry = (jnp.int32(0), rows, jnp.full((b, steps), pad_id, jnp.int32), jnp.zeros((b,), jnp.int32))
+    i, rows, out_bc, emitted_b = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(c[1].active_b), body, carry)
+    return rows, out_bc, emitted_b, i
+
+
+@partial(jax.jit, donate_argnames=("rows",))
+def release_rows(rows: Rows, release_b) -> Rows:
+    """Rows with release_b set become idle (their cache rows are simply overwritten by the next admission)."""
+    return dataclasses.replace(rows, done_b=rows.done_b | release_b)
+
+
+def stop_ids_array(stop_ids: list[tuple[int, ...]], width: int) -> np.ndarray:
+    """Per-row stop ids as an int32 [n, width] array padded with -1."""
+    out = np.full((len(stop_ids), width), -1, np.int32)
+    for i, ids in enumerate(stop_ids):
+        out[i, : len(ids)] = ids
+    return out
+
+
+class PlainDecoder:
+    """The engine's device side for plain decoding: the Rows and the three calls on them. Every method takes
+    and returns host (NumPy) values; `chunk` gives each row's new tokens."""
+
+    def __init__(self, model: CausalLM, rows: int, context: int, stop_width: int, *, eos_ids: tuple[int, ...],
+                 pad_id: int):
+        self.graphdef, self.params = nnx.split(model)
+        self.eos_ids, self.pad_id, self.stop_width = eos_ids, pad_id, stop_width
+        # committed to the device from the start, as every call's output is: the calls then share one compilation
+        self.rows = jax.device_put(Rows.empty(model.config, rows, context, stop_width), jax.devices()[0])
+
+    def _admit_args(self, rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n):
+        return (self.graphdef, self.params, self.rows, rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n)
+
+    def admit(self, rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n: RowSampling) -> np.ndarray:
+        self.rows, first_n = admit_rows(*self._admit_args(rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n),
+                                        eos_ids=self.eos_ids)
+        return np.asarray(jax.device_get(first_n))
+
+    def chunk(self, steps: int, remaining_b: np.ndarray) -> tuple[list[list[int]], int, int]:
+        """Up to `steps` steps (budgets are on the device already). Returns (each row's new tokens, steps run,
+        active row steps)."""
+        self.rows, tokens_bc, emitted_b, run = decode_chunk(self.graphdef, self.params, self.rows, steps=steps,
+                                                            eos_ids=self.eos_ids, pad_id=self.pad_id)
+        tokens_bc, emitted_b, run = jax.device_get((tokens_bc, emitted_b, run))
+        return [tokens_bc[r, : int(e)].tolist() for r, e in enumerate(emitted_b)], int(run), int(emitted_b.sum())
+
+    def release(self, release_b: np.ndarray) -> None:
+        self.rows = release_rows(self.rows, release_b)
+
+    def compile(self, shapes: list[tuple[int, int]], steps: int) -> None:
+        """Compiles ahead of time (nothing runs) the admission of n prompts of each (n, width) and the chunk."""
+        for n, width in shapes:
+            zeros_n = np.zeros((n,), np.int32)
+            admit_rows.lower(*self._admit_args(zeros_n, np.zeros((n, width), np.int32), zeros_n + 1, zeros_n + 1,
+                                               stop_ids_array([()] * n, self.stop_width), RowSampling.greedy(n)),
+                             eos_ids=self.eos_ids).compile()
+        decode_chunk.lower(self.graphdef, self.params, self.rows, steps=steps, eos_ids=self.eos_ids,
+                           pad_id=self.pad_id).compile()

@@ -1,0 +1,78 @@
+"""Token selection with every row's own sampling settings, so greedy and sampled requests share one decode step
+(the generation engine's rows: inference/row_decode.py).
+
+`RowSampling` carries `SamplingConfig`'s three settings as per-row arrays plus a seed per row. A row draws its
+token number i (0 = the first token after the prompt) with the key fold_in(key(seed), i), so a request's tokens
+depend on its seed and prompt only, not on which row it got or what else shares the batch. The distribution a
+sampled row draws from is `sampling.target_logits`'s (temperature, then top-k with ties kept, then top-p);
+rows at temperature 0 take `sampling.greedy_tokens`. A step whose rows are all greedy skips the sampling work
+(one `lax.cond`): a full sort of the vocabulary per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.inference.sampling import SamplingConfig, greedy_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    temperature_b: jax.Array  # float32; 0: greedy
+    top_p_b: jax.Array  # float32 in (0, 1]
+    top_k_b: jax.Array  # int32; 0: no top-k cut
+    seed_b: jax.Array  # uint32
+
+    @classmethod
+    def of(cls, configs: Sequence[SamplingConfig], seeds: Sequence[int]) -> "RowSampling":
+        """NumPy arrays for these rows (each config already validated by SamplingConfig)."""
+        return cls(np.asarray([c.temperature for c in configs], np.float32),
+                   np.asarray([c.top_p for c in configs], np.float32),
+                   np.asarray([c.top_k for c in configs], np.int32),
+                   np.asarray([s % 2**32 for s in seeds], np.uint32))
+
+    @classmethod
+    def greedy(cls, rows: int) -> "RowSampling":
+        return cls.of([SamplingConfig()] * rows, [0] * rows)
+
+    def put_rows(self, rows_n: jax.Array, new: "RowSampling") -> "RowSampling":
+        """These settings with rows rows_n[i] (index >= b: dropped) set to new's row i."""
+        return jax.tree.map(lambda old, fresh: old.at[rows_n].set(fresh.astype(old.dtype), mode="drop"), self, new)
+
+
+def row_target_logits(logits_bv: jax.Array, sampling: RowSampling) -> jax.Array:
+    """[b, v] logits -> fp32 [b, v] logits of each row's sampling distribution: `sampling.target_logits` with
+    the row's own temperature, top-k and top-p (rows at temperature 0 are scaled by 1: their result is unused)."""
+    temperature_b1 = jnp.where(sampling.temperature_b > 0, sampling.temperature_b, 1.0)[:, None]
+    scaled_bv = logits_bv.astype(jnp.float32) / temperature_b1
+    v = scaled_bv.shape[-1]
+    sorted_bv = -jnp.sort(-scaled_bv, axis=-1)  # descending
+    k_b = jnp.where((sampling.top_k_b > 0) & (sampling.top_k_b < v), sampling.top_k_b, v)
+    kth_b1 = jnp.take_along_axis(sorted_bv, (k_b - 1)[:, None], axis=1)  # top-k keeps every value >= this
+    in_top_k_bv = sorted_bv >= kth_b1
+    probs_bv = jax.nn.softmax(jnp.where(in_top_k_bv, sorted_bv, -jnp.inf), axis=-1)
+    # top-p over what top-k left: keep a sorted entry while the mass before it is < top_p (the top one always)
+    mass_before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
+    keep_bv = in_top_k_bv & ((mass_before_bv < sampling.top_p_b[:, None]) | (sampling.top_p_b[:, None] >= 1.0))
+    threshold_b1 = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(scaled_bv >= threshold_b1, scaled_bv, -jnp.inf)
+
+
+def sample_rows(logits_bv: jax.Array, sampling: RowSampling, index_b: jax.Array) -> jax.Array:
+    """One token per row (int32 [b]): the argmax for rows at temperature 0, else a draw from
+    row_target_logits with the key fold_in(key(seed_b), index_b) (index_b: the token's number in its reply)."""
+    greedy_b = greedy_tokens(logits_bv)
+
+    def sampled():
+        keys_b = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(sampling.seed_b, index_b)
+        drawn_b = jax.vmap(lambda key, logits_v: jax.random.categorical(key, logits_v))(
+            keys_b, row_target_logits(logits_bv, sampling))
+        return jnp.where(sampling.temperature_b > 0, drawn_b.astype(jnp.int32), greedy_b)
+
+    return jax.lax.cond(jnp.any(sampling.temperature_b > 0), sampled, lambda: greedy_b)

@@ -1,0 +1,54 @@
+"""Token ids to text, piece by piece as a reply streams, with stop strings checked on the text.
+
+`TextStream.push(tokens)` returns the text that may be sent now. It decodes the reply's ids so far (special
+tokens dropped) and holds back what could still change: a trailing U+FFFD (a multi-byte character whose bytes
+have not all arrived) and the longest tail that starts a stop string. When a stop string appears, the text up to
+it is the reply's last piece and `stopped` is set: the caller cancels the request.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from medusa_jax.text import decode_tokens
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text handed out
+        self.stopped = False
+
+    def push(self, tokens: Sequence[int]) -> str:
+        """The new text that is final after these tokens ('' if none)."""
+        if self.stopped:
+            return ""
+        self.ids.extend(tokens)
+        text = decode_tokens(self.tokenizer, self.ids)
+        start = max(0, self.sent - max((len(s) for s in self.stop), default=0))
+        found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        if found:
+            self.stopped = True
+            return self._take(text, min(found))
+        end = len(text) - 1 if text.endswith("\ufffd") else len(text)
+        for s in self.stop:  # a tail that may become a stop string waits
+            for n in range(min(len(s) - 1, end), 0, -1):
+                if text[:end].endswith(s[:n]):
+                    end = min(end, len(text[:end]) - n)
+                    break
+        return self._take(text, end)
+
+    def finish(self) -> str:
+        """The rest of the text once the reply has ended (without a stop string)."""
+        if self.stopped:
+            return ""
+        return self._take(decode_tokens(self.tokenizer, self.ids), None)
+
+    def _take(self, text: str, end: int | None) -> str:
+        end = len(text) if end is None else end
+        if end <= self.sent:
+            return ""
+        piece, self.sent = text[self.sent: end], end
+        return piece

@@ -1,0 +1,157 @@
+"""Serve a model over an OpenAI-compatible HTTP API (continuous batching; plain decoding, or greedy tree
+decoding with --heads).
+
+Examples:
+  python scripts/serve.py --model default                       (SmolLM2 on http://127.0.0.1:8000)
+  python scripts/serve.py --model DIR --port 8080 --batch-size 16 --context 1024 --max-queue 64
+  python scripts/serve.py --model default --heads default --tree mc_sim_7b_8     (greedy requests only)
+Then any OpenAI client talks to it, e.g. openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none"):
+POST /v1/completions and /v1/chat/completions (stream true or false; temperature, top_p, top_k, seed,
+max_tokens, stop, stop_token_ids), GET /v1/models, /health, /metrics (Prometheus text).
+One generation engine (inference/generation_engine.py) decodes --batch-size requests at once in rows of
+--context KV-cache slots, in jitted chunks of --chunk-steps steps; a request waits in a queue of at most
+--max-queue for a free row (a full queue answers 429). Every call shape is compiled before the port opens
+(JAX's persistent compilation cache makes a second start fast). SIGTERM or Ctrl-C: the server stops taking
+connections, finishes the requests it has, prints "drained" and ends by that signal (uvicorn's convention).
+It binds 127.0.0.1 unless --host says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+from pathlib import Path
+
+from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
+from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
+from medusa_jax.model.config import UnsupportedModelError
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.hf.tensor_files import CheckpointError
+from medusa_jax.heads.load import load_heads
+from medusa_jax.trees.tree import PRESETS
+from medusa_jax.trees.trees_file import trees_of
+from medusa_jax.inference.medusa import choose_tree
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
+from medusa_jax.hub import HubError
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
+
+DEFAULT_CONTEXT = 1024  # --context when not given (or the model's positions if fewer)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="default",
+                   help="HF model folder (config.json, weights, tokenizer), 'default' for SmolLM2-135M-Instruct, or "
+                        "a Hub id ORG/NAME from the Hugging Face cache (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; 0.0.0.0 opens the server to the network (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, check=in_range(1, 65535), help="TCP port (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, check=at_least(1),
+                   help="requests decoded at once (rows of the decode batch) (default: %(default)s)")
+    p.add_argument("--context", type=int, default=None, check=at_least(2),
+                   help="KV-cache slots per row: a request's prompt tokens plus max_tokens must fit; at most the "
+                        "model's max_position_embeddings (default: 1024, or the model's positions if fewer)")
+    p.add_argument("--chunk-steps", type=int, default=8, check=at_least(1),
+                   help="decode steps between two admissions of queued requests; streamed text arrives in pieces "
+                        "of up to this many tokens (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=64, check=at_least(1),
+                   help="requests waiting for a row at most; beyond, requests are answered 429 (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
+    p.add_argument("--heads", default=None,
+                   help="Medusa or Hydra heads (a folder in any supported layout, 'default', 'default-medusa' or a Hub "
+                        "id): every row decodes with the heads' tree, greedily (requests must set temperature 0; "
+                        "greedy output equals plain decoding's); EAGLE drafters are not served yet (default: plain "
+                        "decoding)")
+    p.add_argument("--tree", default=None,
+                   help=f"with --heads: a tree preset ({', '.join(PRESETS)}), a JSON file of paths or "
+                        f"dynamic:N[,k=K,d=D] (default: the heads' own trees.json choice for --batch-size, which may "
+                        f"be plain decoding)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: the model folder's name)")
+    a = p.parse_args(argv)
+    try:
+        validate.given("--host", a.host, "an address such as 127.0.0.1")
+        validate.given("--served-model-name", a.served_model_name, "a model id")
+        validate.given("--heads", a.heads, "a heads folder, 'default' or a Hub id")
+        if a.tree is not None and a.heads is None:
+            raise validate.UsageError(f"--tree {a.tree}: needs --heads (tree decoding)")
+        validate.tree_arg("--tree", a.tree)
+        check_listen(a.host, a.port)
+    except validate.UsageError as e:
+        p.error(str(e))
+    return a
+
+
+def check_listen(host: str, port: int) -> None:
+    """The address resolves and the port can be bound now (checked before the model loads)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise validate.UsageError(f"--host {host}: cannot be resolved ({e}); give an address such as 127.0.0.1")
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise validate.UsageError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); pick another "
+                                      f"port or stop what uses it") from None
+
+
+def build_engine(a: argparse.Namespace):
+    """(engine, tokenizer, model id) from checked flags; every call shape of the engine compiled."""
+    folder = validate.model_arg("--model", a.model)
+    heads_dir = validate.heads_arg("--heads", a.heads) if a.heads else None
+    positions = validate.max_positions(folder)
+    if a.context is not None and a.context > positions:
+        raise validate.UsageError(f"--context {a.context}: the model has {positions} positions; lower it to at "
+                                  f"most {positions}")
+    context = a.context or min(DEFAULT_CONTEXT, positions)
+    tokenizer = load_tokenizer(folder)
+    eos = eos_token_ids(folder, tokenizer)
+    model = load_pretrained(folder, a.dtype)
+    heads = tree = None
+    if heads_dir is not None:
+        heads = load_heads(heads_dir, base_config=model.config, base=model, dtype=a.dtype)
+        chosen = choose_tree(heads.config, trees_of(heads), a.batch_size, a.tree)
+        print(f"medusa-serve: {chosen.note}", file=sys.stderr, flush=True)
+        heads, tree = (heads, chosen.tree) if chosen.tree is not None else (None, None)
+    config = EngineConfig(rows=a.batch_size, context=context, chunk_steps=a.chunk_steps, max_queue=a.max_queue)
+    engine = GenerationEngine(model, config, eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos), heads=heads,
+                              tree=tree)
+    start = time.perf_counter()
+    with CompileCounter() as compiles:
+        shapes = engine.warm_up()
+    print(f"medusa-serve: {shapes} call shapes ready in {time.perf_counter() - start:.1f} s ({compiles.compiles} "
+          f"compiled, {compiles.cache_hits} from the persistent cache)", file=sys.stderr, flush=True)
+    return engine, tokenizer, a.served_model_name or Path(folder).name
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    enable_compile_cache()
+    try:
+        engine, tokenizer, model_id = build_engine(a)
+    except (OSError, ValueError, CheckpointError, UnsupportedModelError, TokenizerError, HubError) as e:
+        return validate.fail(e)
+    import uvicorn  # lazy: only the server needs it
+
+    from medusa_jax.inference.openai_server import OpenAIServer
+
+    engine.start()
+    server = uvicorn.Server(uvicorn.Config(OpenAIServer(engine, tokenizer, model_id).app(), host=a.host,
+                                           port=a.port, log_level="warning", lifespan="on"))
+    print(f"medusa-serve: {model_id} on http://{a.host}:{a.port}/v1 ({a.batch_size} rows of "
+          f"{engine.config.context} tokens, {'tree' if engine.drafted else 'plain'} decoding)", file=sys.stderr,
+          flush=True)
+    server.run()  # on SIGTERM/SIGINT uvicorn drains, then re-raises the signal: the process ends by it
+    engine.close(drain=False, timeout=60)
+    return 0 if engine.failure is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
