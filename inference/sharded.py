@@ -348,15 +348,18 @@ def _placed(value: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 
 def load_sharded(model_dir, heads_dir=None, mesh: MeshConfig | Mesh | None = None, dtype: str = "float32",
-                 random_heads: int = 0) -> ShardedModel:
+                 random_heads: int = 0, drafter: Callable[[CausalLM], Any] | None = None) -> ShardedModel:
     """A HF model folder read straight into its mesh layout (each device reads its own slice), plus heads
     from a folder in any layout `heads.load.load_heads` reads, as a ShardedModel. `random_heads` = K > 0
-    instead adds K untrained heads sharing the base lm_head (for timing runs before trained heads exist)."""
+    instead adds K untrained heads sharing the base lm_head (for timing runs before trained heads exist);
+    `drafter` instead makes the heads from the base (e.g. `heads.recycle_file.recycle_drafter`: Token Recycling)."""
     if mesh is None or isinstance(mesh, MeshConfig):
         mesh = (mesh or MeshConfig()).make_mesh()
     base = load_pretrained(model_dir, dtype=dtype, sharding_for=sharding_for(mesh))
     heads = None
-    if heads_dir is not None:
+    if drafter is not None:
+        heads = drafter(base)
+    elif heads_dir is not None:
         # `base` lets heads whose lm_heads equal the base's load as shared; comparing needs the whole base on
         # this process, so multi-host runs load them as own copies instead (same outputs, more memory)
         same_process = jax.process_count() == 1
