@@ -1,7 +1,7 @@
 """Build a warm Token Recycling table (`--heads recycle`) from the base model's own logits over chat text.
 
 Example (the shipped SmolLM2 table, medusa_jax/assets/recycle/smollm2.npz):
-  python scripts/build_recycle_table.py --model default --data sharegpt --conversations 300 \
+  python scripts/build_recycle_table.py --model default --data sharegpt --conversations 160 --warmup 40 \
       --output medusa_jax/assets/recycle/smollm2.npz
 Each conversation (chat template applied, at most --seq-len tokens) is teacher-forced through the model once;
 the top-k ids of its logits at every position overwrite the table row of that position's token, in text order
