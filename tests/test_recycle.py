@@ -192,7 +192,7 @@ def test_generate_script_heads_recycle(script_and_model, tmp_path, capsys):
     saved = tmp_path / "table.npz"
     assert script.main(common + ["--heads", "recycle", "--save-recycle-table", str(saved)]) == 0
     row = json.loads(capsys.readouterr().out)
-    assert row["token_ids"] == plain["token_ids"] and "recycle_16" in row["tree"]
+    assert row["token_ids"] == plain["token_ids"] and "recycle_4" in row["tree"]  # the default template
     assert script.main(common + ["--heads", "recycle", "--recycle-table", str(saved), "--tree", "recycle_16"]) == 0
     warm = json.loads(capsys.readouterr().out)
     assert warm["token_ids"] == plain["token_ids"] and warm["steps"] < row["steps"]
