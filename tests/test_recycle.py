@@ -242,3 +242,29 @@ def test_smollm2_recycling_from_the_shipped_table_is_lossless(smollm2_dir):
     assert [r.token_ids for r in alone] == plain[:1] and [r.token_ids for r in batch] == plain
     tokens = sum(r.new_tokens for r in alone + batch)
     assert tokens / sum(r.steps for r in alone + batch) > 1.3  # the warm table drafts well from the first step
+
+
+def test_teacher_forced_table_holds_each_tokens_last_top_k_and_counts_ranks(tiny):
+    from medusa_jax.training.recycle_table import TableBuildConfig, table_from_sequences
+
+    base, _ = tiny("llama")
+    sequences = [([5, 9, 2, 9, 33, 4, 9], [0, 0, 1, 1, 1, 1, 1]), ([9, 7, 5], [1, 1, 1])]
+    built = table_from_sequences(base, sequences, TableBuildConfig(batch_size=2, seq_len=8, warmup=0))
+    logits_tv = {}  # the last position of each token, in text order: its logits' top-8 is the token's row
+    for ids, _ in sequences:
+        for p, token in enumerate(ids):
+            logits_tv[token] = np.asarray(base.logits(plain_hidden(base, ids[: p + 1])))
+    for token, logits_v in logits_tv.items():
+        assert (built.table_vr[token] == np.argsort(-logits_v, kind="stable")[:8]).all()
+    untouched = sorted(set(range(base.config.vocab_size)) - set(logits_tv))
+    assert (built.table_vr[untouched] == empty_table(base.config.vocab_size)[untouched]).all()
+    assert built.counted == 8 and built.tokens == 10 and built.rank_hits_r.sum() <= built.counted
+
+
+def plain_hidden(base, ids):
+    from medusa_jax.model.kv_cache import KVCache
+    from medusa_jax.inference.autoregressive import prefill
+
+    last_bd, _ = prefill(base, jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32),
+                         KVCache.zeros(base.config, 1, 8))
+    return last_bd[0]

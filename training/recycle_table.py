@@ -61,12 +61,20 @@ def build_table(base: CausalLM, tokenizer, conversations: list[dict], eos_ids: t
                 start_vr: np.ndarray | None = None) -> TableBuild:
     """The table after teacher-forcing `conversations` (ShareGPT records, training.sharegpt) through `base`,
     starting from `start_vr` (default: empty)."""
+    sequences = [tokenize_messages(tokenizer, record["messages"], eos_ids, f"conversation {i}")
+                 for i, record in enumerate(conversations)]
+    return table_from_sequences(base, sequences, config, progress, start_vr)
+
+
+def table_from_sequences(base: CausalLM, sequences: list[tuple[list[int], list[int]]],
+                         config: TableBuildConfig = TableBuildConfig(),
+                         progress: Callable[[int], None] | None = None, start_vr: np.ndarray | None = None
+                         ) -> TableBuild:
+    """`build_table` on (token ids, 0/1 assistant mask) pairs; rank acceptance is counted where the mask is 1."""
     vocab = base.config.vocab_size
     table_vr = empty_table(vocab, config.top_k) if start_vr is None else np.array(start_vr, np.int32)
     hits_r, counted, written = np.zeros(config.top_k, np.int64), 0, 0
     graphdef, params = nnx.split(base)
-    sequences = [tokenize_messages(tokenizer, record["messages"], eos_ids, f"conversation {i}")
-                 for i, record in enumerate(conversations)]
     for start in range(0, len(sequences), config.batch_size):
         chunk = [(ids[: config.seq_len], mask[: config.seq_len]) for ids, mask in
                  sequences[start: start + config.batch_size]]
