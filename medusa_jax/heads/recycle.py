@@ -140,6 +140,7 @@ class RecycleDrafter(nnx.Module):
 
     head_type = HEAD_TYPE
     needs_prompt_hidden = False
+    feature_layers: tuple[int, ...] = ()  # reads the final hidden states only (no EAGLE-3 taps)
     keeps_draft = True  # the decode call returns the final drafter state, handed back through keep_draft
 
     def __init__(self, config: RecycleConfig, table_vr: np.ndarray | jax.Array | None = None):
