@@ -46,9 +46,9 @@ def config_of(model: str, medusa2: bool, dtype: str, mesh: str) -> PlanConfig:
 
 def table(saved: dict) -> str:
     """Markdown rows: compiled / analytic GiB per device (the analytic recomputed), and the verdicts for an
-    H100-80G and a 16 GB v5e chip with 10% headroom."""
-    lines = ["| model | job | weights | mesh | compiled / analytic GiB | compiled / analytic | H100-80G | v5e 16 GB |",
-             "|---|---|---|---|---|---|---|---|"]
+    H100-80G, an H200-141G and (fsdp=16) a 16 GB v5e chip with 10% headroom."""
+    lines = ["| model | job | weights | mesh | compiled / analytic GiB | compiled / analytic | H100-80G | H200-141G "
+             "| v5e (16 chips) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in ROWS:
         entry = saved.get(key(*row))
         if entry is None:
@@ -62,8 +62,9 @@ def table(saved: dict) -> str:
             used = entry["lower_bound_bytes"]
             figures = f"> {used / GIB:.0f} (state alone)", "-"
         verdict = lambda capacity: "fits" if used <= 0.9 * capacity else "**no**"
+        v5e = verdict(DEVICES["tpu-v5e-16g"]) if mesh == "fsdp=16" else "-"
         lines.append(f"| {model} | Medusa-{2 if medusa2 else 1} | {dtype} | {mesh} | {figures[0]} | {figures[1]} | "
-                     f"{verdict(DEVICES['h100-80g'])} | {verdict(DEVICES['tpu-v5e-16g'])} |")
+                     f"{verdict(DEVICES['h100-80g'])} | {verdict(DEVICES['h200-141g'])} | {v5e} |")
     return "\n".join(lines)
 
 

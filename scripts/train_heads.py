@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--compute-dtype", "dtype the step computes in; weights and optimiser state stay float32 (use "
         "bfloat16 on GPU)", default=t.compute_dtype, choices=("float32", "bfloat16"))
     add(g, "--scan-layers", "run the backbone's layers under one scan over their stacked parameters: FSDP gathers "
-        "one layer at a time and the program stays small (GPU/TPU pods; on CPU the unrolled default is as fast)",
+        "one layer at a time and the program stays small (GPU/TPU pods; on CPU the unrolled default is faster)",
         action="store_true")
     add(g, "--remat", "what the backward pass keeps of each backbone layer (Medusa-2): none = everything, full = "
         "its input only (recompute the layer), dots = the matrix products' outputs",

@@ -218,3 +218,32 @@ def test_markdown_table_verdicts():
     assert cells[0].endswith("**no**") and cells[1].endswith("fits") and cells[2].startswith("> 200")
     # ... but cannot prove that 300 GiB suffice
     assert table.splitlines()[3].rstrip(" |").endswith("not planned")
+
+
+def test_cli_vs_device_train_puts_the_plan_beside_the_device_figures(tmp_path, monkeypatch, capsys):
+    """`vs-device --job train` plans the step (a subprocess on forced CPU devices) and prints it beside what the
+    accelerator measured; the accelerator is faked here (measure_train_step runs on a GPU or TPU only)."""
+    hf = {**PRESETS["llama3-8b"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+
+    class FakeAccelerator:
+        platform, device_kind = "gpu", "fake GPU"
+
+        def memory_stats(self):
+            return {"peak_bytes_in_use": 1, "bytes_in_use": 1}
+
+    measured = {}
+    monkeypatch.setattr(plan, "jax", SimpleNamespace(devices=lambda *a: [FakeAccelerator()]))
+    monkeypatch.setattr(plan, "measure_train_step",
+                        lambda config: measured.setdefault("config", config) and {"state": 2**20, "peak": 2**24,
+                                                                                  "compiled": 2**23})
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    code = plan.main(["vs-device", "--job", "train", "--model", str(tmp_path), "--batch", "2", "--seq", "32",
+                      "--medusa2", "--scan-layers", "--remat", "full", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert code == 0 and "compiler's figure for the step 8.0 MiB" in out and "peak 16.0 MiB" in out
+    config = measured["config"]
+    assert config.medusa2 and config.layers.scan and config.layers.remat == "full" and config.model.num_layers == 2
+    planned = float(out.split("plan (CPU compile): total ")[1].split(" MiB")[0])
+    assert f"plan / measured peak = {planned / 16:.2f}" in out

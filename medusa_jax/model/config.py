@@ -42,11 +42,11 @@ ATTENTION_KINDS = ("chunked", "xla", "cudnn")
 
 @dataclasses.dataclass(frozen=True)
 class LayerExecution:
-    """How a cache-free forward (training's packed rows) runs the decoder layers; no effect on the parameters,
-    so a model loaded with one setting runs with any other (`medusa_jax.model.layer_stack`).
+    """How a cache-free forward (training's packed rows) runs the decoder layers (`medusa_jax.model.layer_stack`;
+    `backbone.with_layer_execution` converts a model between the settings).
 
-    scan       False: the layers unrolled (one program per layer); True: one `jax.lax.scan` over the layers'
-               parameters stacked inside the step (FSDP gathers one layer at a time, the program stays small)
+    scan       False: the layers stored one by one and unrolled; True: stored stacked ([L, ...] parameters) and
+               run by one `jax.lax.scan` (FSDP gathers one layer at a time, the program holds one layer)
     remat      what the backward pass keeps of each layer: "none" everything (fastest, most memory), "full" only
                the layer's input (the layer is recomputed), "dots" the matrix products' outputs
     attention  "chunked" (queries in blocks, scores recomputed for the backward: no [B, heads, T, T] tensor is
