@@ -1,0 +1,49 @@
+"""The step costs a mixed-draft step chooses its size with (`draft_merge.DraftSizes.costs`, measured here), and the
+rule it chooses by (`draft_merge.choose_size`, run on device inside the decode loop).
+
+A size's cost is the time of the base forward of n + 1 tokens per row (the verify forward, lm_head included)
+over that of one token, after `context` cached tokens, at the batch size that decodes: the verify forward is
+most of a step, and on a CPU its time grows with n (GUIDE: T=2 1.28x, T=4 1.60x, T=16 2.33x on this 2-core
+machine), on a GPU it hardly does.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.kv_cache import KVCache, attention_mask
+from medusa_jax.inference.step_cost import time_interleaved
+
+
+def _forward_call(base: CausalLM, batch: int, tokens: int, context: int, cache_size: int) -> Callable[[], object]:
+    """A jitted verify-shaped forward: `tokens` tokens per row after `context` cached ones, lm_head included."""
+    cache = KVCache.zeros(base.config, batch, cache_size).replace(lengths_b=jnp.full((batch,), context, jnp.int32))
+    tokens_bt = jnp.zeros((batch, tokens), jnp.int32)
+    positions_bt = context + jnp.broadcast_to(jnp.arange(tokens), (batch, tokens))
+    mask_bts = attention_mask(cache.lengths_b, jnp.tril(jnp.ones((tokens, tokens), bool)), cache_size)
+
+    graphdef, params = nnx.split(base)
+
+    @jax.jit
+    def forward(params, tokens_bt, positions_bt, mask_bts, cache):
+        model = nnx.merge(graphdef, params)
+        hidden_btd, cache = model(tokens_bt, positions_bt, mask_bts, cache)
+        return jnp.argmax(model.logits(hidden_btd), axis=-1), cache.lengths_b
+
+    return lambda: jax.block_until_ready(forward(params, tokens_bt, positions_bt, mask_bts, cache))
+
+
+def measure_size_costs(base: CausalLM, sizes: Sequence[int], *, batch: int = 1, context: int = 256,
+                       rounds: int = 5) -> tuple[float, ...]:
+    """Seconds of a forward of n + 1 tokens per row over one of 1 token, for n in sizes (interleaved rounds, the
+    median; this machine, this batch size): the `costs` of a DraftSizes."""
+    cache_size = context + max(sizes) + 2
+    calls = [_forward_call(base, batch, n + 1, context, cache_size) for n in sizes]
+    plain = _forward_call(base, batch, 1, context, cache_size)
+    seconds = time_interleaved([plain] + calls, rounds)
+    return tuple(max(s / seconds[0], 1.0) for s in seconds[1:])

@@ -1,0 +1,93 @@
+"""Mixed drafts: several drafters (trained heads, prompt lookup, ...) propose into ONE tree per step and row.
+
+`MixedDrafter` has the drafter contract of `heads.medusa.HeadsBase` (init_draft / propose / accepted) over a list
+of drafters: each proposes its candidates (`dynamic_tree.TreeProposal`, scored with log predicted acceptance) on
+its own static spec (a trained drafter's `DynamicTree`; None for a drafter that sizes itself, as prompt lookup),
+`draft_merge.merge_proposals` deduplicates their union, and the best `DraftSizes.nodes` nodes go to the tree step,
+which verifies the best n of them, n chosen per step (`draft_merge.choose_size`). Each drafter keeps its own state
+(a tuple of them is the mix's).
+
+`config` is the trained heads' config (for what reads one: the model check, tree limits), or, with no trained
+drafter, a stand-in with the base's sizes and `num_heads` = the deepest draft.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from flax import nnx
+
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.draft_merge import DraftSizes, keep_best, merge_proposals
+from medusa_jax.heads.lookup import LookupConfig, LookupDrafter
+from medusa_jax.heads.tree import DynamicTree
+
+
+class MixedDrafter(nnx.Module):
+    def __init__(self, drafters: Sequence[nnx.Module], specs: Sequence[DynamicTree | None], names: Sequence[str],
+                 config: HeadsConfig):
+        if not drafters or len(drafters) != len(specs) or len(names) != len(drafters):
+            raise ValueError("a mix needs one or more drafters, each with a spec and a name")
+        self.drafters = nnx.List(list(drafters))
+        self.specs = tuple(specs)
+        self.names = tuple(names)
+        self.config = config
+        self.needs_prompt_hidden = any(getattr(d, "needs_prompt_hidden", False) for d in drafters)
+
+    @property
+    def depth(self) -> int:
+        """The deepest path any drafter proposes."""
+        return max(spec.depth if spec is not None else drafter.depth
+                   for drafter, spec in zip(self.drafters, self.specs))
+
+    @property
+    def candidates(self) -> int:
+        """Candidate nodes proposed per step and row, before deduplication (the largest useful draft size)."""
+        return sum(spec.nodes if spec is not None else drafter.lookup.num_nodes
+                   for drafter, spec in zip(self.drafters, self.specs))
+
+    def init_draft(self, base, prompt_bt, prompt_lens_b, hidden_btd, cache_size: int, max_depth: int):
+        return tuple(drafter.init_draft(base, prompt_bt, prompt_lens_b, hidden_btd, cache_size,
+                                        max_depth if spec is None else spec.depth)
+                     for drafter, spec in zip(self.drafters, self.specs))
+
+    def propose(self, hidden_bd, root_b, base, tree: DraftSizes, draft, active_b):
+        if not isinstance(tree, DraftSizes):
+            raise ValueError(f"mixed drafts decode with draft sizes (draft_merge.DraftSizes), got {tree!r}")
+        proposals, states = [], []
+        for drafter, spec, state in zip(self.drafters, self.specs, draft):
+            proposal, state = drafter.propose(hidden_bd, root_b, base, spec, state, active_b)
+            proposals.append(proposal)
+            states.append(state)
+        merged = merge_proposals(proposals, tree.depth)
+        return keep_best(merged, tree.nodes), tuple(states)
+
+    def accepted(self, draft, hidden_btd, tokens_bt, nodes_be, accept_b, active_b):
+        return tuple(drafter.accepted(state, hidden_btd, tokens_bt, nodes_be, accept_b, active_b)
+                     for drafter, state in zip(self.drafters, draft))
+
+
+def stand_in_config(hidden_size: int, vocab_size: int, depth: int) -> HeadsConfig:
+    """The config of a mix with no trained drafter (module docstring)."""
+    return HeadsConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=depth, num_layers=0,
+                       lm_head="shared")
+
+
+def make_mix(hidden_size: int, vocab_size: int, *, trained: nnx.Module | None = None,
+             trained_tree: DynamicTree | None = None, lookup: LookupConfig | None = None) -> MixedDrafter:
+    """A mix of trained heads (Medusa or Hydra, drafting the dynamic tree `trained_tree`) and prompt lookup
+    (`lookup`); either may be left out."""
+    drafters, specs, names = [], [], []
+    if trained is not None:
+        if trained_tree is None:
+            raise ValueError("trained heads in a mix need their dynamic tree (trained_tree)")
+        drafters.append(trained)
+        specs.append(trained_tree.check(trained.config.num_heads, trained.config.head_vocab_size))
+        names.append(trained.config.head_type)
+    if lookup is not None:
+        drafters.append(LookupDrafter(lookup))
+        specs.append(None)
+        names.append("lookup")
+    depth = max(spec.depth if spec is not None else d.depth for d, spec in zip(drafters, specs)) if drafters else 0
+    config = trained.config if trained is not None else stand_in_config(hidden_size, vocab_size, depth)
+    return MixedDrafter(drafters, specs, names, config)

@@ -1,0 +1,194 @@
+"""Prompt lookup and mixed drafts (medusa_jax/heads/lookup.py, draft_merge.py, mixed.py): the on-device match
+equals a brute-force search, the merged tree is deduplicated and ancestor-closed with parents first, the size
+choice follows predicted tokens per unit of time, and whole decodes are greedy token-identical to plain greedy
+(lookup alone and mixed with Medusa or Hydra heads; batch 1 and a ragged batch with a mid-run EOS; tiny
+Llama/Qwen2/Mistral; prompts that repeat, so that lookup hits and long chains are accepted). Exact sampling's law
+with lookup in the tree: tests/test_exact_sampling.py's check, here; meshes: tests/test_sharded_decode.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.draft_merge import DraftSizes, choose_size, expected_accepts, keep_best, merge_proposals
+from medusa_jax.heads.dynamic_tree import TreeProposal
+from medusa_jax.heads.lookup import LookupConfig, init_lookup, lookup_matches, lookup_proposal
+from medusa_jax.heads.mixed import make_mix
+from medusa_jax.heads.tree import DynamicTree
+from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.api import generate, generate_medusa
+
+from test_medusa import pick_eos, random_heads
+
+N = 40
+REPEATING = [5, 9, 2, 17, 33, 4, 8, 5, 9, 2, 17, 33, 4, 8, 5, 9, 2]
+PROMPTS = {
+    "batch1": [REPEATING],
+    "ragged4": [REPEATING[:11], [11, 3, 8, 21, 7, 2], [6, 1, 6, 1, 6, 1, 6] + REPEATING, [50, 22, 16, 90, 4, 3]],
+}
+SIZES = (0, 2, 8)
+COSTS = (1.0, 1.1, 1.3)  # cheap drafts: the chosen size varies between steps
+
+
+def brute_matches(tokens, config: LookupConfig):
+    """Every known position c whose n tokens before it equal the last n (n_min..n_max, its longest n; the end
+    itself excluded): [(c, n)] by n, then c, descending; at most `branches`."""
+    found = []
+    for c in range(len(tokens) - 1, 0, -1):
+        ns = [n for n in range(config.n_min, config.n_max + 1) if n <= c and tokens[c - n: c] == tokens[-n:]]
+        if ns:
+            found.append((c, max(ns)))
+    return sorted(found, key=lambda x: (x[1], x[0]), reverse=True)[: config.branches]
+
+
+def test_lookup_matches_equal_a_brute_force_search():
+    config = LookupConfig(n_max=3, n_min=1, length=4, branches=3)
+    rng = np.random.default_rng(0)
+    s = 40
+    rows = [rng.integers(0, 4, n).tolist() for n in (1, 2, 5, 17, 30, 39)]
+    tokens_bs = np.zeros((len(rows), s), np.int32)
+    for b, r in enumerate(rows):
+        tokens_bs[b, : len(r)] = r
+    next_bw, n_bw = lookup_matches(config, jnp.asarray(tokens_bs), jnp.asarray([len(r) for r in rows]))
+    for b, r in enumerate(rows):
+        want = brute_matches(r, config)
+        got = [(int(j), int(n)) for j, n in zip(next_bw[b], n_bw[b]) if n > 0]
+        assert got == want, (b, r)
+
+
+def test_lookup_proposal_drafts_what_followed_the_latest_longest_match():
+    config = LookupConfig(n_max=3, n_min=1, length=6, branches=2)
+    prompt = [7, 1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2]  # root 3: "1 2 3" matched twice, the later is followed by 4 5 1 2 3
+    state = init_lookup(jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)]), 32)
+    p = lookup_proposal(config, state, jnp.asarray([3]))
+    tokens, score = np.asarray(p.tokens_bt[0]), np.asarray(p.score_bt[0])
+    assert tokens[1:6].tolist() == [4, 5, 1, 2, 3] and np.isfinite(score[1:6]).all()
+    assert score[6] == -np.inf  # the chain stops where the known tokens end (the root is the last)
+    assert tokens[7:13].tolist() == [9, 1, 2, 3, 4, 5] and np.isfinite(score[7:13]).all()  # the earlier match
+    assert (np.diff(score[1:6]) < 0).all() and score[7] < score[1]
+    assert np.asarray(p.parent_bt[0]).tolist() == [0, 0, 1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11]
+    none = lookup_proposal(config, init_lookup(jnp.asarray([[1, 2, 3]]), jnp.asarray([3]), 8), jnp.asarray([4]))
+    assert (np.asarray(none.score_bt[0, 1:]) == -np.inf).all()  # no match: no candidate
+
+
+def paths_of(p: TreeProposal, b: int, finite_only: bool = True) -> dict:
+    """{path (tokens from depth 1): score} of row b's nodes."""
+    tokens, parents, scores = (np.asarray(x[b]).tolist() for x in (p.tokens_bt, p.parent_bt, p.score_bt))
+    out = {}
+    for t in range(1, len(tokens)):
+        if finite_only and not np.isfinite(scores[t]):
+            continue
+        path, u = [], t
+        while u != 0:
+            path.append(tokens[u])
+            u = parents[u]
+        out.setdefault(tuple(reversed(path)), []).append(scores[t])
+    return out
+
+
+def chain(tokens, logp, root=0):
+    t = len(tokens)
+    return TreeProposal(jnp.asarray([[root] + tokens], jnp.int32), jnp.asarray([[0] + list(range(t))], jnp.int32),
+                        jnp.asarray([list(range(t + 1))], jnp.int32),
+                        jnp.asarray([[0.0] + [logp * (i + 1) for i in range(t)]], jnp.float32))
+
+
+def test_merge_dedups_shared_prefixes_and_keeps_ancestor_closed_best_nodes():
+    a = chain([4, 5, 6, 7], -0.5)  # 4 5 6 7
+    b = chain([4, 5, 9], -0.2)  # shares the prefix 4 5: one copy, the better score
+    c = chain([8], -3.0)
+    bad = chain([4, 5, 6], -np.inf)  # no candidates at all
+    merged = merge_proposals([a, b, c, bad], depth=4)
+    paths = paths_of(merged, 0)
+    assert all(len(v) == 1 for v in paths.values())  # every path once
+    assert set(paths) == {(4,), (4, 5), (4, 5, 6), (4, 5, 6, 7), (4, 5, 9), (8,)}
+    assert paths[(4,)] == [pytest.approx(-0.2)] and paths[(4, 5)] == [pytest.approx(-0.4)]
+    for nodes in (1, 2, 3, 5, 6, 9):
+        kept = keep_best(merged, nodes)
+        parent = np.asarray(kept.parent_bt[0])
+        assert (parent[1:] < np.arange(1, nodes + 1)).all()  # parents first
+        real = paths_of(kept, 0)
+        assert all(p[:-1] in real for p in real if len(p) > 1)  # ancestor-closed
+        best = sorted((s[0] for s in paths.values()), reverse=True)[:nodes]
+        assert sorted((s[0] for s in real.values()), reverse=True) == pytest.approx(best)
+        siblings = {}
+        for t in range(1, nodes + 1):  # padding repeats a sibling; real siblings are distinct
+            siblings.setdefault(int(parent[t]), []).append(int(kept.tokens_bt[0, t]))
+        assert len(set(siblings[0])) == len({p[0] for p in real})
+    padded = keep_best(merged, 9)
+    assert np.asarray(padded.depth_bt[0, 7:]).tolist() == [1, 1, 1] and (padded.parent_bt[0, 7:] == 0).all()
+    np.testing.assert_allclose(np.asarray(expected_accepts(merged, (0, 1, 3))[0]),
+                               [0, np.exp(-0.2), np.exp(-0.2) + np.exp(-0.4) + np.exp(-0.6)], rtol=1e-5)
+
+
+def test_choose_size_follows_predicted_tokens_per_unit_of_time():
+    sizes = DraftSizes((0, 2, 8), (1.0, 1.3, 2.0), depth=8)
+    sure = chain([1] * 8, -0.01)  # a confident lookup hit: 1 + ~8 tokens for 2x the time
+    weak = chain([1] * 8, -3.0)  # unlikely drafts: plain
+    middling = chain([1, 2], -0.3)  # ~1.3 tokens more for 1.3x: two nodes
+    active = jnp.asarray([True])
+    for p, want in ((sure, 2), (weak, 0), (middling, 1)):
+        assert int(choose_size(keep_best(merge_proposals([p], 8), 8), sizes, active)) == want
+    assert int(choose_size(keep_best(merge_proposals([sure], 8), 8), sizes, jnp.asarray([False]))) == 0
+    with pytest.raises(ValueError, match="distinct ascending"):
+        DraftSizes((4, 2), (1.0, 1.0), depth=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """kind -> (base, {case: (eos_ids, plain greedy results)})."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            # a narrower init than test_medusa's 0.3: greedy continuations that fall into loops, which lookup finds
+            base = load_pretrained(tiny_model_dir(kind, initializer_range=0.1))
+            refs = {"batch1": ((), generate(base, PROMPTS["batch1"], max_new_tokens=N, eos_ids=()))}
+            free = generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=())
+            eos = pick_eos(free[2].token_ids, lo=N // 3)
+            refs["ragged4"] = ((eos,), generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=(eos,)))
+            assert any(len(r.token_ids) < N for r in refs["ragged4"][1])  # a row stops at the EOS, mid-generation
+            made[kind] = (base, refs)
+        return made[kind]
+
+    return get
+
+
+def mix_of(base, parts: str):
+    config = base.config
+    trained = random_heads(base, head_type=parts.split("+")[0]) if parts != "lookup" else None
+    return make_mix(config.hidden_size, config.vocab_size, trained=trained,
+                    trained_tree=DynamicTree(6, top_k=2, depth=3) if trained is not None else None,
+                    lookup=LookupConfig(length=6, branches=2))
+
+
+CASES = [("llama", "lookup", "batch1"), ("llama", "lookup", "ragged4"), ("llama", "medusa+lookup", "ragged4"),
+         ("qwen2", "hydra+lookup", "batch1"), ("qwen2", "medusa+lookup", "ragged4"),
+         ("mistral", "lookup", "ragged4")]
+
+
+@pytest.mark.parametrize("kind, parts, case", CASES)
+def test_mixed_drafts_greedy_equals_plain_greedy(tiny, kind, parts, case):
+    base, refs = tiny(kind)
+    eos_ids, reference = refs[case]
+    mix = mix_of(base, parts)
+    sizes = DraftSizes(SIZES, COSTS, depth=mix.depth)
+    got = generate_medusa(base, mix, PROMPTS[case], tree=sizes, max_new_tokens=N, eos_ids=eos_ids)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference]
+    accepts = [a for r in got for a in r.accept_lengths]
+    assert all(0 <= a <= mix.depth for a in accepts)
+    assert max(accepts) >= 2  # the repeats are found: chains of two or more tokens accepted
+
+
+def test_lookup_with_sampling_stays_seeded_and_typical_runs(tiny):
+    base, refs = tiny("llama")
+    mix = mix_of(base, "lookup")
+    sizes = DraftSizes(SIZES, COSTS, depth=mix.depth)
+    exact = AcceptanceConfig("exact", temperature=0.8)
+    runs = [generate_medusa(base, mix, PROMPTS["ragged4"], tree=sizes, max_new_tokens=N, eos_ids=(),
+                            acceptance=exact, seed=3) for _ in range(2)]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+    assert all(len(r.token_ids) == N for r in runs[0])
