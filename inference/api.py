@@ -189,7 +189,8 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
         chosen = choose_heads_tree(model, settings.batch_size, settings.calibration, progress)
     elif isinstance(settings.tree, DraftSizes):
         chosen = ChosenTree(settings.tree, f"mixed drafts ({settings.tree.name}: up to {settings.tree.nodes} nodes, "
-                                           f"the size chosen per step)")
+                                           f"the size chosen per step from costs "
+                                           f"{'/'.join(f'{c:.2f}' for c in settings.tree.costs)}x a plain step)")
     elif settings.tree is not None:
         chosen = choose_tree(model.heads_config, model.heads_trees, settings.batch_size, settings.tree)
     if chosen is not None:

@@ -39,11 +39,15 @@ def _forward_call(base: CausalLM, batch: int, tokens: int, context: int, cache_s
 
 
 def measure_size_costs(base: CausalLM, sizes: Sequence[int], *, batch: int = 1, context: int = 256,
-                       rounds: int = 5) -> tuple[float, ...]:
+                       rounds: int = 7) -> tuple[float, ...]:
     """Seconds of a forward of n + 1 tokens per row over one of 1 token, for n in sizes (interleaved rounds, the
-    median; this machine, this batch size): the `costs` of a DraftSizes."""
+    median, made non-decreasing in n; this machine, this batch size; size 0, a plain step, costs 1): the `costs` of a DraftSizes."""
     cache_size = context + max(sizes) + 2
-    calls = [_forward_call(base, batch, n + 1, context, cache_size) for n in sizes]
-    plain = _forward_call(base, batch, 1, context, cache_size)
-    seconds = time_interleaved([plain] + calls, rounds)
-    return tuple(max(s / seconds[0], 1.0) for s in seconds[1:])
+    drafted = sorted({n for n in sizes if n > 0})
+    calls = [_forward_call(base, batch, n + 1, context, cache_size) for n in [0] + drafted]
+    seconds = time_interleaved(calls, rounds)
+    relative, highest = {}, 1.0
+    for n, s in zip(drafted, seconds[1:]):  # a larger step never costs less (timing noise on a loaded machine)
+        highest = max(highest, s / seconds[0])
+        relative[n] = highest
+    return tuple(relative.get(n, 1.0) for n in sizes)

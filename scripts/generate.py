@@ -38,6 +38,7 @@ from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads.tree import DEFAULT_TREE, DYNAMIC_PREFIX, PRESETS, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.api import HEADS_TREE, BatchSettings
+from medusa_jax.inference.mixed_decoding import is_mix, load_mixed
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, generate_rows, read_prompts, write_jsonl
@@ -54,7 +55,9 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
                    help="Medusa heads folder (medusa-jax, FasterDecoding/TGI/TensorRT-LLM or vLLM layout), "
                         "'default' (the shipped Hydra heads) or 'default-medusa' (the shipped Medusa heads), or a "
                         "Hub id ORG/NAME of published heads (read from the Hugging Face cache); enables Medusa "
-                        "decoding (default: plain decoding)")
+                        "decoding; 'lookup' (prompt lookup, no heads) or drafters joined by '+' (e.g. "
+                        "default+lookup): mixed drafts, merged into one tree per step whose size is chosen per "
+                        "step from this machine's measured step costs (default: plain decoding)")
     p.add_argument("--tree", default=None,
                    help=f"Medusa candidate tree: a preset ({', '.join(PRESETS)}), a JSON file of "
                         f"medusa_choices paths, or dynamic:N[,k=K,d=D] (a dynamic tree, EAGLE-2 style: grown per step "
@@ -83,6 +86,8 @@ def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -
         if a.tree is not None or a.acceptance is not None or a.calibration is not None:
             p.error("--tree, --acceptance and --calibration need --heads (Medusa decoding)")
         return
+    if is_mix(a.heads) and (a.tree is not None or a.calibration is not None):
+        p.error(f"--heads {a.heads} (mixed drafts) chooses its draft size per step: drop --tree and --calibration")
     if a.tree is not None and a.calibration is not None:
         p.error(f"--calibration {a.calibration} chooses the heads' own tree, so it does nothing with --tree "
                 f"{a.tree}: drop one of them")
@@ -162,9 +167,11 @@ def check_paths(a: argparse.Namespace) -> None:
         validate.input_file("--input", a.input)
     validate.tree_arg("--tree", a.tree)
     tree_file = a.tree if a.tree and a.tree not in PRESETS and not a.tree.startswith(DYNAMIC_PREFIX) else None
+    heads_folder = validate.heads_mix_arg("--heads", a.heads) if is_mix(a.heads) else \
+        validate.heads_location(a.heads)
     if a.output is not None:
         validate.output_file("--output", a.output, {"--input": a.input, "--model": validate.model_location(a.model),
-                                                    "--heads": validate.heads_location(a.heads),
+                                                    "--heads": heads_folder,
                                                     "--tree": tree_file})
 
 
@@ -177,9 +184,14 @@ def decoder_fields(chosen) -> dict:
 
 def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
     """Generation on the mesh (a mesh of one device without --mesh); process 0 prints and writes the output."""
-    model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads else None, MeshConfig.parse(a.mesh), a.dtype)
     tree, acceptance = None, AcceptanceConfig()
-    if a.heads:
+    if is_mix(a.heads):
+        model, tree = load_mixed(folder, a.heads, MeshConfig.parse(a.mesh), a.dtype, batch=a.batch_size)
+        acceptance = acceptance_config(a)
+    else:
+        model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads else None, MeshConfig.parse(a.mesh),
+                             a.dtype)
+    if a.heads and not is_mix(a.heads):
         hc = model.heads_config
         tree = load_tree(a.tree, num_heads=hc.num_heads, max_top_k=hc.head_vocab_size) if a.tree else HEADS_TREE
         acceptance = acceptance_config(a)
@@ -232,7 +244,7 @@ def main(argv=None) -> int:
         if a.max_new_tokens >= positions:
             raise validate.UsageError(f"--max-new-tokens {a.max_new_tokens}: the model has {positions} positions in "
                                       f"all; lower it to at most {positions - 1} (less the prompt's tokens)")
-        if a.heads:
+        if a.heads and not is_mix(a.heads):
             validate.heads_arg("--heads", a.heads)
         records = read_prompts(a.input) if a.input else [PromptRecord(0, a.prompt)]
         tokenizer = load_tokenizer(folder)

@@ -7,20 +7,36 @@ with lookup in the tree: tests/test_exact_sampling.py's check, here; meshes: tes
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.draft_merge import DraftSizes, choose_size, expected_accepts, keep_best, merge_proposals
 from medusa_jax.heads.dynamic_tree import TreeProposal
 from medusa_jax.heads.lookup import LookupConfig, init_lookup, lookup_matches, lookup_proposal
+from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.heads.mixed import make_mix
 from medusa_jax.heads.tree import DynamicTree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.api import generate, generate_medusa
+from medusa_jax.inference.medusa import medusa_decode
 
+import test_exact_sampling as exact_sampling
+from test_exact_sampling import setup  # noqa: F401 (the fixture of the law check's model)
 from test_medusa import pick_eos, random_heads
 
 N = 40
@@ -192,3 +208,85 @@ def test_lookup_with_sampling_stays_seeded_and_typical_runs(tiny):
                             acceptance=exact, seed=3) for _ in range(2)]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
     assert all(len(r.token_ids) == N for r in runs[0])
+
+
+def test_mixed_drafts_on_meshes_equal_plain_greedy_on_one_device(tiny_model_dir, tmp_path):
+    """Lookup alone and mixed with Medusa heads on (1,1), (8,1) and (2,4) meshes of 8 forced CPU devices
+    (tests/mixed_sharded_worker.py): plain greedy's tokens, and the same steps on every mesh."""
+    folder = tiny_model_dir("llama", initializer_range=0.1, num_attention_heads=8, num_key_value_heads=8)
+    out = tmp_path / "report.json"
+    worker = Path(__file__).with_name("mixed_sharded_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(folder), str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    for name in ("lookup", "medusa+lookup"):
+        runs = [report[f"{name} {mesh}"] for mesh in ("1,1", "8,1", "2,4")]
+        for run in runs:
+            assert run["tokens"] == report["reference"], name
+            assert run["accepts"] == runs[0]["accepts"], name
+        assert max(a for row in runs[0]["accepts"] for a in row) >= 2  # lookup hits on the repeating rows
+
+
+@partial(jax.jit, static_argnames=("graphdef", "sizes", "config"))
+def draw_mixed(graphdef, params, prompt_bt, lens_b, keys_x, *, sizes, config):
+    """[X, B, 3] tokens and [X, B, 3] accept lengths of X independent exact-sampling runs of a mix."""
+    def one(key):
+        cache = KVCache.zeros(config, prompt_bt.shape[0], 16)
+        out_bo, _, _, accept_bo, _ = medusa_decode(graphdef, params, cache, prompt_bt, lens_b, key, tree=sizes,
+                                                   max_new_tokens=exact_sampling.N_OUT, acceptance=exact_sampling.EXACT,
+                                                   eos_ids=(), pad_id=0)
+        return out_bo, accept_bo
+
+    return jax.vmap(one)(keys_x)
+
+
+def test_exact_sampling_with_lookup_drafts_has_the_plain_samplers_law(setup):
+    """tests/test_exact_sampling.py's law check (chi-square and a total-variation bound over the first 3 tokens of
+    4 ragged prompts, 20,000 rows) with prompt lookup's deterministic drafts, alone and mixed with Medusa heads,
+    the draft size chosen per step."""
+    graphdef, params, laws, _ = setup
+    base = nnx.merge(graphdef, params).base
+    heads = nnx.merge(graphdef, params).heads
+    prompts = exact_sampling.PROMPTS
+    prompt_bt = np.zeros((len(prompts), exact_sampling.WIDTH), np.int32)
+    for i, q in enumerate(prompts):
+        prompt_bt[i, : len(q)] = q
+    for seed, trained in ((21, None), (22, heads)):
+        mix = make_mix(32, exact_sampling.V, trained=trained, lookup=LookupConfig(n_max=2, length=2, branches=2),
+                       trained_tree=DynamicTree(3, 2, 2) if trained is not None else None)
+        g, p = nnx.split(MedusaModel(base, mix))
+        sizes = DraftSizes((0, 1, 4), (1.0, 1.02, 1.05), depth=2)
+        out_xbo, accept_xbo = draw_mixed(g, p, jnp.asarray(prompt_bt), jnp.asarray([len(q) for q in prompts]),
+                                         jax.random.split(jax.random.key(seed), 5_000), sizes=sizes,
+                                         config=base.config)
+        check = exact_sampling.law_check(np.asarray(out_xbo), list(range(len(prompts))), laws)
+        assert check["n"] >= 20_000 and exact_sampling.passes(check), check
+        first = np.asarray(accept_xbo)[:, :, 0]
+        assert (first >= 1).mean() > 0.05, np.bincount(first.ravel())  # lookup's drafts are accepted often
+
+
+def test_generate_script_with_lookup_and_a_mix(tiny_model_dir, tmp_path, capsys):
+    """scripts/generate.py --heads lookup and --heads HEADS+lookup --json: plain's tokens, the mix named in the row."""
+    import transformers  # lazy, with tokenizers: only this test builds a tokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama", initializer_range=0.1), folder)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(100)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>",
+                                         pad_token="<unk>").save_pretrained(folder)
+    save_heads(random_heads(load_pretrained(folder)), tmp_path / "heads")
+    spec = importlib.util.spec_from_file_location("generate", Path(__file__).parents[1] / "scripts/generate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    common = ["--model", str(folder), "--prompt", "w1 w2 w3 w4 w1 w2 w3 w4 w1 w2", "--max-new-tokens", "16", "--json"]
+    assert script.main(common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    for heads in ("lookup", f"{tmp_path / 'heads'}+lookup"):
+        assert script.main(common + ["--heads", heads]) == 0
+        row = json.loads(capsys.readouterr().out)
+        assert row["token_ids"] == plain["token_ids"] and row["decoder"] == "medusa"
+        assert row["tree"].startswith("mixed drafts (mixed:0/")
