@@ -217,8 +217,10 @@ def verify_and_emit(model: MedusaModel, state: MedusaState, verified, draft: Any
     lengths_b = state.cache.lengths_b
     key, sub = jax.random.split(state.key)
     hidden_btd, cache = base(tokens_bt, positions_bt, mask_bts, state.finish_moves())
-    accept_b, nodes_be, bonus_b = accept_tree(verified, tokens_bt, base.logits(hidden_btd), sub, acceptance)
+    logits_btv = base.logits(hidden_btd)
+    accept_b, nodes_be, bonus_b = accept_tree(verified, tokens_bt, logits_btv, sub, acceptance)
     draft = model.heads.accepted(draft, hidden_btd, tokens_bt, nodes_be, accept_b, active_b)
+    draft = model.heads.verified(draft, tokens_bt, logits_btv, active_b)
     move_src_be, move_dst_be = accepted_moves(lengths_b, nodes_be)  # made by the next step (docstring, item 4)
     last_node_b = jnp.take_along_axis(nodes_be, accept_b[:, None], axis=1)[:, 0]
     hidden_bd = jnp.take_along_axis(hidden_btd, last_node_b[:, None, None], axis=1)[:, 0]
@@ -242,15 +244,42 @@ def verify_and_emit(model: MedusaModel, state: MedusaState, verified, draft: Any
                        accept_bo, state.step + 1, key, move_src_be, move_dst_be, draft)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tree", "max_new_tokens", "acceptance", "eos_ids", "pad_id",
-                                   "proposer", "prefill_groups"), donate_argnames=("cache",))
+DECODE_STATICS = ("graphdef", "tree", "max_new_tokens", "acceptance", "eos_ids", "pad_id", "proposer",
+                  "prefill_groups")
+
+
+@partial(jax.jit, static_argnames=DECODE_STATICS, donate_argnames=("cache",))
 def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key, proposer_data=None, *,
                   tree: TreeBuffers | DynamicTree, max_new_tokens: int, acceptance: AcceptanceConfig,
                   eos_ids: tuple[int, ...], pad_id: int, proposer: Proposer = heads_proposer,
                   prefill_groups: int = 1):
-    """Prefill (`autoregressive.grouped_prefill_states`; the heads' drafter state from it) + Medusa decoding in one call: a `jax.lax.while_loop`
-    whose body is `medusa_step`. Returns (tokens [b, o], number of new tokens [b], verify steps [b], accept
-    lengths [b, o] (the first steps[b] are valid), cache)."""
+    """Prefill (`autoregressive.grouped_prefill_states`; the heads' drafter state from it) + Medusa decoding in
+    one call: a `jax.lax.while_loop` whose body is `medusa_step`. Returns (tokens [b, o], number of new tokens
+    [b], verify steps [b], accept lengths [b, o] (the first steps[b] are valid), cache)."""
+    state = decode_states(graphdef, params, cache, prompt_bt, prompt_lens_b, key, proposer_data, tree=tree,
+                          max_new_tokens=max_new_tokens, acceptance=acceptance, eos_ids=eos_ids, pad_id=pad_id,
+                          proposer=proposer, prefill_groups=prefill_groups)
+    return state.out_bo, state.num_out_b, state.steps_b, state.accept_bo, state.finish_moves()
+
+
+@partial(jax.jit, static_argnames=DECODE_STATICS, donate_argnames=("cache",))
+def medusa_decode_keeping_draft(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key,
+                                proposer_data=None, *, tree: TreeBuffers | DynamicTree, max_new_tokens: int,
+                                acceptance: AcceptanceConfig, eos_ids: tuple[int, ...], pad_id: int,
+                                proposer: Proposer = heads_proposer, prefill_groups: int = 1):
+    """`medusa_decode` for heads that keep their drafter state across calls (`keeps_draft`, e.g. Token
+    Recycling's table): (tokens, new tokens, verify steps, accept lengths, final drafter state, cache)."""
+    state = decode_states(graphdef, params, cache, prompt_bt, prompt_lens_b, key, proposer_data, tree=tree,
+                          max_new_tokens=max_new_tokens, acceptance=acceptance, eos_ids=eos_ids, pad_id=pad_id,
+                          proposer=proposer, prefill_groups=prefill_groups)
+    return state.out_bo, state.num_out_b, state.steps_b, state.accept_bo, state.draft, state.finish_moves()
+
+
+def decode_states(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key, proposer_data=None, *,
+                  tree: TreeBuffers | DynamicTree, max_new_tokens: int, acceptance: AcceptanceConfig,
+                  eos_ids: tuple[int, ...], pad_id: int, proposer: Proposer = heads_proposer,
+                  prefill_groups: int = 1) -> MedusaState:
+    """The body of the decode calls (traced inside them): prefill, then the while_loop; the final MedusaState."""
     model: MedusaModel = nnx.merge(graphdef, params)
     base = model.base
     b, o = prompt_bt.shape[0], max_new_tokens
@@ -268,8 +297,7 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, ke
                         draft)
     step = partial(medusa_step, model, proposer_data=proposer_data, tree=tree, acceptance=acceptance,
                    eos_ids=eos_ids, proposer=proposer)
-    state = jax.lax.while_loop(lambda s: jnp.any(s.active_b), step, state)
-    return state.out_bo, state.num_out_b, state.steps_b, state.accept_bo, state.finish_moves()
+    return jax.lax.while_loop(lambda s: jnp.any(s.active_b), step, state)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""Mixed drafts from a name: `--heads lookup`, `--heads default+lookup`, any `+` combination of prompt lookup and
-one set of trained heads (a heads folder, `default`, `default-medusa` or a Hub id), built into a
-`heads.mixed.MixedDrafter` and the `DraftSizes` its decode chooses among per step.
+"""Mixed drafts from a name: `--heads lookup`, `--heads default+recycle+lookup`, any `+` combination of prompt
+lookup, Token Recycling and one set of trained heads (a heads folder, `default`, `default-medusa` or a Hub id),
+built into a `heads.mixed.MixedDrafter` and the `DraftSizes` its decode chooses among per step.
 
 Node budgets. A budget B (the most nodes a step verifies) gives the static sizes (0, ..., B) of `sizes_for`; the
-trained heads grow a dynamic tree of B nodes (K = the default for B, D = 4), and prompt lookup drafts `lookup_for(B)`.
+trained heads grow a dynamic tree of B nodes (K = the default for B, D = 4), Token Recycling fills its largest
+shipped template of at most B nodes (`recycle_template`), and prompt lookup drafts `lookup_for(B)`.
 The sizes' costs are measured on this machine at the batch size that decodes (`draft_size.measure_size_costs`).
 """
 
@@ -17,16 +18,18 @@ from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.sharding import MeshConfig, sharding_for
 from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads import recycle, recycle_file
 from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.heads.lookup import LookupConfig
-from medusa_jax.heads.mixed import MixedDrafter, make_mix
+from medusa_jax.heads.mixed import MixedDrafter, make_mix, template_spec
 from medusa_jax.heads.tree import DEFAULT_DYNAMIC_DEPTH, DynamicTree, default_dynamic_top_k
 from medusa_jax.inference.draft_size import measure_size_costs
 from medusa_jax.inference.sharded import ShardedModel
 
 LOOKUP = "lookup"
-UNTRAINED = (LOOKUP,)  # drafters that need no heads folder
+RECYCLE = recycle.HEAD_TYPE
+UNTRAINED = (LOOKUP, RECYCLE)  # drafters that need no heads folder
 DEFAULT_BUDGET = 16
 
 
@@ -35,8 +38,9 @@ class MixError(ValueError):
 
 
 def is_mix(heads: str | None) -> bool:
-    """Whether a --heads value names mixed drafts (a `+` combination or an untrained drafter alone)."""
-    return heads is not None and ("+" in heads or heads in UNTRAINED)
+    """Whether a --heads value names mixed drafts: a `+` combination, or prompt lookup alone (`--heads recycle`
+    alone is Token Recycling on its own static template, scripts/generate.py)."""
+    return heads is not None and ("+" in heads or heads == LOOKUP)
 
 
 def parse_mix(text: str) -> tuple[tuple[str, ...], str | None]:
@@ -64,17 +68,29 @@ def lookup_for(budget: int) -> LookupConfig:
     return LookupConfig(length=min(budget, 10), branches=max(1, min(4, budget // 10)))
 
 
+def recycle_template(budget: int) -> str:
+    """The largest shipped recycling template within a budget (the smallest when none fits)."""
+    fitting = [n for n in sorted(int(name.split("_")[1]) for name in recycle.TEMPLATES) if n <= budget]
+    return f"recycle_{fitting[-1] if fitting else min(int(n.split('_')[1]) for n in recycle.TEMPLATES)}"
+
+
 def build_mix(base: CausalLM, untrained: tuple[str, ...], trained_heads, budget: int = DEFAULT_BUDGET, *,
-              batch: int = 1, costs: Callable[[tuple[int, ...]], tuple[float, ...]] | None = None
-              ) -> tuple[MixedDrafter, DraftSizes]:
+              batch: int = 1, costs: Callable[[tuple[int, ...]], tuple[float, ...]] | None = None,
+              recycler=None) -> tuple[MixedDrafter, DraftSizes]:
     """The drafter and the draft sizes of a parsed mix; `costs` (sizes -> relative costs) defaults to measuring
-    them here (`measure_size_costs` at `batch`)."""
+    them here (`measure_size_costs` at `batch`); `recycler` is the Token Recycling drafter to mix (default: a new
+    one from `recycle_file.recycle_drafter`, the shipped warm table for SmolLM2)."""
+    template = None
+    if RECYCLE in untrained:
+        recycler = recycler if recycler is not None else recycle_file.recycle_drafter(base)
+        tree = recycle.template_tree(recycle_template(budget), recycler.config.top_k)
+        template = (recycler, template_spec(tree, recycle.RANK_ACCEPTANCE))
     trained_tree = None
     if trained_heads is not None:
         depth = min(DEFAULT_DYNAMIC_DEPTH, trained_heads.config.num_heads)
         trained_tree = DynamicTree(budget, default_dynamic_top_k(budget, depth), depth)
     mix = make_mix(base.config.hidden_size, base.config.vocab_size, trained=trained_heads, trained_tree=trained_tree,
-                   lookup=lookup_for(budget) if LOOKUP in untrained else None)
+                   lookup=lookup_for(budget) if LOOKUP in untrained else None, template=template)
     sizes = sizes_for(min(budget, mix.candidates))
     measured = costs(sizes) if costs is not None else measure_size_costs(base, sizes, batch=batch)
     return mix, DraftSizes(sizes, tuple(measured), depth=mix.depth)

@@ -154,6 +154,14 @@ def _medusa_decode(statics: MedusaStatics, params, cache, prompt_bt, prompt_lens
                                 proposer=statics.proposer, prefill_groups=statics.prefill_groups)
 
 
+def _medusa_decode_keeping_draft(statics: MedusaStatics, params, cache, prompt_bt, prompt_lens_b, key,
+                                 proposer_data):
+    return medusa.medusa_decode_keeping_draft(
+        statics.graphdef, params, cache, prompt_bt, prompt_lens_b, key, proposer_data, tree=statics.tree,
+        max_new_tokens=statics.max_new_tokens, acceptance=statics.acceptance, eos_ids=statics.eos_ids,
+        pad_id=statics.pad_id, proposer=statics.proposer, prefill_groups=statics.prefill_groups)
+
+
 class ShardedModel:
     """A base model (and optionally Medusa heads) placed on a mesh, with the decode loops jitted under explicit
     in/out shardings. Build it once and reuse it across batches: compilations are cached per batch shape and
@@ -172,6 +180,9 @@ class ShardedModel:
         self.config = base.config
         self.heads_config = None if heads is None else heads.config
         self.heads_trees = None if heads is None else trees_of(heads)  # the heads folder's trees.json
+        # heads that keep their drafter state across calls (Token Recycling's table): the state a call ends with
+        # replaces their variables in the params, and the heads object gets it too (heads.keep_draft)
+        self.heads = heads if heads is not None and heads.keeps_draft else None
         graphdef, state = nnx.split(base if heads is None else MedusaModel(base, heads))
         shardings = param_shardings(state, mesh)
         params = jax.tree.map(_placed, state, shardings)
@@ -220,15 +231,16 @@ class ShardedModel:
         return jax.jit(jax.random.key, out_shardings=replicated(self.mesh))(seed)
 
     def _jit(self, fn: Callable, params_shardings, batch_size: int, cache_size: int,
-             out_batch_ndims: tuple[int, ...]) -> Callable:
+             out_batch_ndims: tuple[int | None, ...]) -> Callable:
         """fn(statics, params, cache, prompt_bt, prompt_lens_b, key, data) with explicit shardings (data: a
-        replicated pytree, e.g. a proposer's); it returns batch-major arrays of `out_batch_ndims` and then the
-        cache (donated in, returned out)."""
+        replicated pytree, e.g. a proposer's); it returns batch-major arrays of `out_batch_ndims` (None: a
+        replicated pytree) and then the cache (donated in, returned out)."""
         memo = (fn, batch_size, cache_size, out_batch_ndims)
         if memo not in self._jits:
             kv_shardings = self.cache_sharding(batch_size, cache_size)
             rows_2d, rows_1d = batch_sharding(self.mesh, 2), batch_sharding(self.mesh, 1)
-            outs = tuple(batch_sharding(self.mesh, nd) for nd in out_batch_ndims) + (kv_shardings,)
+            outs = tuple(replicated(self.mesh) if nd is None else batch_sharding(self.mesh, nd)
+                         for nd in out_batch_ndims) + (kv_shardings,)
             self._jits[memo] = jax.jit(
                 fn, static_argnums=(0,), donate_argnums=(2,),
                 in_shardings=(params_shardings, kv_shardings, rows_2d, rows_1d, replicated(self.mesh),
@@ -262,7 +274,7 @@ class ShardedModel:
         with jax.set_mesh(self.mesh):  # lets row-local steps run per shard (sharding.map_cache_rows)
             *outs, cache = jitted(*args)
         self._spare_cache = cache
-        return tuple(fetch(o) for o in outs)
+        return outs
 
     # ---- decode loops ----------------------------------------------------------------------------------
     def plain_decode(self, prompt_bt: np.ndarray, prompt_lens_b: np.ndarray, *, cache_size: int,
@@ -273,8 +285,9 @@ class ShardedModel:
         prompts' shape is used)."""
         statics = PlainStatics(self.base_graphdef, max_new_tokens, sampling, tuple(eos_ids), pad_id,
                                autoregressive.prefill_groups(prompt_bt.shape[0], self.row_multiple))
-        return self._run(_plain_decode, statics, self.base_params, self.base_shardings, prompt_bt,
+        outs = self._run(_plain_decode, statics, self.base_params, self.base_shardings, prompt_bt,
                          prompt_lens_b, cache_size, seed, (2, 1), lowered_only)
+        return outs if lowered_only else tuple(fetch(o) for o in outs)
 
     def medusa_decode(self, prompt_bt: np.ndarray, prompt_lens_b: np.ndarray, *, tree: TreeBuffers | DynamicTree,
                       cache_size: int, max_new_tokens: int, acceptance: AcceptanceConfig = AcceptanceConfig(),
@@ -289,8 +302,24 @@ class ShardedModel:
         statics = MedusaStatics(self.medusa_graphdef, tree, max_new_tokens, acceptance, tuple(eos_ids), pad_id,
                                 proposer or MeshHeadsProposer(self.mesh),
                                 autoregressive.prefill_groups(prompt_bt.shape[0], self.row_multiple))
-        return self._run(_medusa_decode, statics, self.medusa_params, self.medusa_shardings, prompt_bt,
-                         prompt_lens_b, cache_size, seed, (2, 1, 1, 2), lowered_only, proposer_data)
+        if self.heads is None:
+            outs = self._run(_medusa_decode, statics, self.medusa_params, self.medusa_shardings, prompt_bt,
+                             prompt_lens_b, cache_size, seed, (2, 1, 1, 2), lowered_only, proposer_data)
+            return outs if lowered_only else tuple(fetch(o) for o in outs)
+        outs = self._run(_medusa_decode_keeping_draft, statics, self.medusa_params, self.medusa_shardings,
+                         prompt_bt, prompt_lens_b, cache_size, seed, (2, 1, 1, 2, None), lowered_only,
+                         proposer_data)
+        if lowered_only:
+            return outs
+        *outs, draft = outs
+        self.keep_draft(draft)
+        return tuple(fetch(o) for o in outs)
+
+    def keep_draft(self, draft) -> None:
+        """The drafter state a decode call ended with becomes the start of the next call: in the params (same
+        sharding: replicated) and in the heads object (`keep_draft`), so a new ShardedModel of them starts there."""
+        self.heads.keep_draft(draft)
+        self.medusa_params["heads"] = jax.tree.map(_placed, nnx.state(self.heads), self.medusa_shardings["heads"])
 
 
 @functools.lru_cache(maxsize=64)
@@ -319,15 +348,18 @@ def _placed(value: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 
 def load_sharded(model_dir, heads_dir=None, mesh: MeshConfig | Mesh | None = None, dtype: str = "float32",
-                 random_heads: int = 0) -> ShardedModel:
+                 random_heads: int = 0, drafter: Callable[[CausalLM], Any] | None = None) -> ShardedModel:
     """A HF model folder read straight into its mesh layout (each device reads its own slice), plus heads
     from a folder in any layout `heads.load.load_heads` reads, as a ShardedModel. `random_heads` = K > 0
-    instead adds K untrained heads sharing the base lm_head (for timing runs before trained heads exist)."""
+    instead adds K untrained heads sharing the base lm_head (for timing runs before trained heads exist);
+    `drafter` instead makes the heads from the base (e.g. `heads.recycle_file.recycle_drafter`: Token Recycling)."""
     if mesh is None or isinstance(mesh, MeshConfig):
         mesh = (mesh or MeshConfig()).make_mesh()
     base = load_pretrained(model_dir, dtype=dtype, sharding_for=sharding_for(mesh))
     heads = None
-    if heads_dir is not None:
+    if drafter is not None:
+        heads = drafter(base)
+    elif heads_dir is not None:
         # `base` lets heads whose lm_heads equal the base's load as shared; comparing needs the whole base on
         # this process, so multi-host runs load them as own copies instead (same outputs, more memory)
         same_process = jax.process_count() == 1

@@ -35,6 +35,7 @@ from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_t
 from medusa_jax.model.config import UnsupportedModelError
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.hf.tensor_files import CheckpointError
+from medusa_jax.heads import recycle, recycle_file
 from medusa_jax.heads.tree import DEFAULT_TREE, DYNAMIC_PREFIX, PRESETS, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.api import HEADS_TREE, BatchSettings
@@ -53,11 +54,20 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that choose the decoder: plain decoding, or Medusa decoding with --heads."""
     p.add_argument("--heads", default=None,
                    help="Medusa heads folder (medusa-jax, FasterDecoding/TGI/TensorRT-LLM or vLLM layout), "
-                        "'default' (the shipped Hydra heads) or 'default-medusa' (the shipped Medusa heads), or a "
-                        "Hub id ORG/NAME of published heads (read from the Hugging Face cache); enables Medusa "
-                        "decoding; 'lookup' (prompt lookup, no heads) or drafters joined by '+' (e.g. "
-                        "default+lookup): mixed drafts, merged into one tree per step whose size is chosen per "
-                        "step from this machine's measured step costs (default: plain decoding)")
+                        "'default' (the shipped Hydra heads) or 'default-medusa' (the shipped Medusa heads), a "
+                        "Hub id ORG/NAME of published heads (read from the Hugging Face cache), or 'recycle' (Token "
+                        "Recycling: drafts from a table of the tokens the model last ranked after each token, "
+                        "refreshed as it decodes; no heads needed; SmolLM2 starts from the shipped warm table); "
+                        "enables Medusa decoding; 'lookup' (prompt lookup, no heads) or drafters joined by '+' (e.g. "
+                        "default+recycle+lookup): mixed drafts, merged into one tree per step whose size is chosen "
+                        "per step from this machine's measured step costs (default: plain decoding)")
+    p.add_argument("--recycle-table", default=None,
+                   help="with --heads recycle: the table file to start from (.npz, scripts/build_recycle_table.py "
+                        "or --save-recycle-table; its vocabulary must be the model's) (default: the shipped SmolLM2 "
+                        "table where the model is SmolLM2-135M-Instruct, else an empty table)")
+    p.add_argument("--save-recycle-table", default=None,
+                   help="with --heads recycle: write the table as it is after the run to this file (.npz), to start "
+                        "a later run from it with --recycle-table")
     p.add_argument("--tree", default=None,
                    help=f"Medusa candidate tree: a preset ({', '.join(PRESETS)}), a JSON file of "
                         f"medusa_choices paths, or dynamic:N[,k=K,d=D] (a dynamic tree, EAGLE-2 style: grown per step "
@@ -65,7 +75,9 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
                         f"for D depths and verifying the N best nodes; defaults K=4 (raised until K + (D-1)K^2 >= N) "
                         f"and D=4 (at most the number of heads)); needs --heads (default: the heads' own tree for "
                         f"this backend and --batch-size from their trees.json (scripts/build_tree.py), which may be plain decoding "
-                        f"where no tree pays; {DEFAULT_TREE} for heads without trees.json)")
+                        f"where no tree pays; {DEFAULT_TREE} for heads without trees.json); with --heads recycle "
+                        f"also a recycling template ({', '.join(recycle.TEMPLATES)}; default "
+                        f"{recycle.DEFAULT_TEMPLATE}), never a dynamic tree")
     p.add_argument("--calibration", default=None, choices=("auto", "redo", "skip"),
                    help="without --tree, how the heads' own tree is chosen: auto times the plain and tree steps on "
                         "this machine the first time (seconds; cached per machine, model, heads and batch size "
@@ -82,12 +94,17 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.heads != recycle.HEAD_TYPE and (a.recycle_table is not None or a.save_recycle_table is not None):
+        p.error("--recycle-table and --save-recycle-table need --heads recycle")
     if a.heads is None:
         if a.tree is not None or a.acceptance is not None or a.calibration is not None:
             p.error("--tree, --acceptance and --calibration need --heads (Medusa decoding)")
         return
     if is_mix(a.heads) and (a.tree is not None or a.calibration is not None):
         p.error(f"--heads {a.heads} (mixed drafts) chooses its draft size per step: drop --tree and --calibration")
+    if a.heads == recycle.HEAD_TYPE and a.calibration is not None:
+        p.error(f"--calibration {a.calibration} chooses a heads folder's own tree; --heads recycle drafts a fixed "
+                f"template (--tree, default {recycle.DEFAULT_TEMPLATE}): drop --calibration")
     if a.tree is not None and a.calibration is not None:
         p.error(f"--calibration {a.calibration} chooses the heads' own tree, so it does nothing with --tree "
                 f"{a.tree}: drop one of them")
@@ -162,17 +179,30 @@ def check_paths(a: argparse.Namespace) -> None:
         raise validate.UsageError("--prompt: empty; give some text")
     validate.given("--input", a.input, "a JSONL file of prompts")
     validate.given("--output", a.output, "a file name")
-    validate.given("--heads", a.heads, "a heads folder, 'default' or a Hub id")
+    validate.given("--heads", a.heads, "a heads folder, 'default', 'recycle' or a Hub id")
     if a.input:
         validate.input_file("--input", a.input)
-    validate.tree_arg("--tree", a.tree)
-    tree_file = a.tree if a.tree and a.tree not in PRESETS and not a.tree.startswith(DYNAMIC_PREFIX) else None
+    recycling = a.heads == recycle.HEAD_TYPE
+    (validate.recycle_tree if recycling else validate.tree_arg)("--tree", a.tree)
+    validate.recycle_table_file("--recycle-table", a.recycle_table)
+    tree_file = (a.tree if a.tree and a.tree not in PRESETS and a.tree not in recycle.TEMPLATES
+                 and not a.tree.startswith(DYNAMIC_PREFIX) else None)
     heads_folder = validate.heads_mix_arg("--heads", a.heads) if is_mix(a.heads) else \
         validate.heads_location(a.heads)
+    inputs = {"--input": a.input, "--model": validate.model_location(a.model),
+              "--heads": heads_folder, "--tree": tree_file, "--recycle-table": a.recycle_table}
     if a.output is not None:
-        validate.output_file("--output", a.output, {"--input": a.input, "--model": validate.model_location(a.model),
-                                                    "--heads": heads_folder,
-                                                    "--tree": tree_file})
+        validate.output_file("--output", a.output, inputs)
+    if a.save_recycle_table is not None:
+        validate.output_file("--save-recycle-table", a.save_recycle_table, {**inputs, "--output": a.output})
+
+
+def recycle_drafter(base, table_file: str | None):
+    """The Token Recycling drafter; a --recycle-table that does not fit the model is a usage error."""
+    try:
+        return recycle_file.recycle_drafter(base, table_file)
+    except recycle_file.RecycleFileError as e:
+        raise validate.UsageError(f"--recycle-table {e}") from None
 
 
 def decoder_fields(chosen) -> dict:
@@ -184,16 +214,21 @@ def decoder_fields(chosen) -> dict:
 
 def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
     """Generation on the mesh (a mesh of one device without --mesh); process 0 prints and writes the output."""
+    recycling = a.heads == recycle.HEAD_TYPE
+    drafter = (lambda base: recycle_drafter(base, a.recycle_table)) if recycling else None
     tree, acceptance = None, AcceptanceConfig()
     if is_mix(a.heads):
         model, tree = load_mixed(folder, a.heads, MeshConfig.parse(a.mesh), a.dtype, batch=a.batch_size)
         acceptance = acceptance_config(a)
     else:
-        model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads else None, MeshConfig.parse(a.mesh),
-                             a.dtype)
+        model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads and not recycling else None,
+                             MeshConfig.parse(a.mesh), a.dtype, drafter=drafter)
     if a.heads and not is_mix(a.heads):
         hc = model.heads_config
-        tree = load_tree(a.tree, num_heads=hc.num_heads, max_top_k=hc.head_vocab_size) if a.tree else HEADS_TREE
+        if recycling and (a.tree is None or a.tree in recycle.TEMPLATES):
+            tree = recycle.template_tree(a.tree or recycle.DEFAULT_TEMPLATE, hc.top_k)
+        else:
+            tree = load_tree(a.tree, num_heads=hc.num_heads, max_top_k=hc.head_vocab_size) if a.tree else HEADS_TREE
         acceptance = acceptance_config(a)
     settings = BatchSettings(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, tree=tree,
                              acceptance=acceptance, sampling=sampling_config(a), seed=a.seed, eos_ids=tuple(eos),
@@ -201,6 +236,9 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
     with CompileCounter() as compiles, heartbeat("generating", enabled=not a.input):
         rows, run = generate_rows(model, tokenizer, records, settings, chat=a.chat, progress=bool(a.input))
     rows = [{**row, **compiles.summary()} for row in rows]
+    if recycling and a.save_recycle_table and jax.process_index() == 0:  # the table is the same on every process
+        recycle_file.save_table(a.save_recycle_table, model.heads.table, model=model.heads.fingerprint,
+                                note=f"after --heads recycle on {len(rows)} prompt(s)")
     if jax.process_index() != 0:
         return 0
     rows = [{**row, **decoder_fields(run.tree_choice)} for row in rows]
@@ -221,6 +259,10 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
               f"{compiles.cache_hits} from the persistent cache), {run.tokens_per_step:.2f} tokens/step]")
         if run.tree_choice:
             print(f"[tree: {run.tree_choice.note}]")
+        if recycling:
+            print(f"[drafter: Token Recycling, started from {model.heads.origin}]")
+        if a.save_recycle_table:
+            print(f"wrote {a.save_recycle_table}")
         if a.output:
             print(f"wrote {a.output}")
     return 0
@@ -244,7 +286,7 @@ def main(argv=None) -> int:
         if a.max_new_tokens >= positions:
             raise validate.UsageError(f"--max-new-tokens {a.max_new_tokens}: the model has {positions} positions in "
                                       f"all; lower it to at most {positions - 1} (less the prompt's tokens)")
-        if a.heads and not is_mix(a.heads):
+        if a.heads and a.heads != recycle.HEAD_TYPE and not is_mix(a.heads):
             validate.heads_arg("--heads", a.heads)
         records = read_prompts(a.input) if a.input else [PromptRecord(0, a.prompt)]
         tokenizer = load_tokenizer(folder)

@@ -28,7 +28,7 @@ import jax
 from medusa_jax.assets import SHIPPED_HEADS, is_default_model, resolve_heads_dir, shipped_heads_dir
 from medusa_jax.bench.demo_model import default_model_dir, resolve_model_dir
 from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
-from medusa_jax.heads import trees_file
+from medusa_jax.heads import recycle, recycle_file, trees_file
 from medusa_jax.heads.tree import DYNAMIC_PREFIX, PRESETS, TreeError, load_tree
 from medusa_jax.inference.mixed_decoding import UNTRAINED, MixError, parse_mix
 from medusa_jax.hub import cached_folder, is_hub_id
@@ -66,7 +66,7 @@ def model_location(arg: str | os.PathLike | None) -> Path | None:
 
 
 def heads_location(arg: str | os.PathLike | None) -> Path | None:
-    if arg is None:
+    if arg is None or str(arg) == recycle.HEAD_TYPE:  # Token Recycling reads no folder
         return None
     if str(arg) in SHIPPED_HEADS:
         return shipped_heads_dir(SHIPPED_HEADS[str(arg)])
@@ -94,6 +94,34 @@ def tree_arg(flag: str, spec: str | None) -> None:
         load_tree(spec)
     except (TreeError, ValueError, OSError) as e:
         raise UsageError(f"{flag} {spec}: {e}") from None
+
+
+def recycle_tree(flag: str, spec: str | None) -> None:
+    """A --tree for `--heads recycle`: a template (recycle.TEMPLATES), or a preset or tree file whose paths are
+    at most recycle.DEFAULT_MAX_DEPTH deep and use ranks below the table's width; never a dynamic tree."""
+    if spec is None or spec in recycle.TEMPLATES:
+        return
+    if spec.startswith(DYNAMIC_PREFIX):
+        raise UsageError(f"{flag} {spec}: Token Recycling drafts a static template, not a dynamic tree; give one of "
+                         f"{', '.join(recycle.TEMPLATES)}, a preset or a tree file")
+    tree_arg(flag, spec)
+    try:
+        load_tree(spec, num_heads=recycle.DEFAULT_MAX_DEPTH, max_top_k=recycle.DEFAULT_TOP_K)
+    except (TreeError, ValueError, OSError) as e:
+        raise UsageError(f"{flag} {spec}: {e} (Token Recycling drafts from a table of {recycle.DEFAULT_TOP_K} "
+                         f"successors per token, at most {recycle.DEFAULT_MAX_DEPTH} deep)") from None
+
+
+def recycle_table_file(flag: str, path: str | os.PathLike | None) -> None:
+    """A Token Recycling table file (heads.recycle_file) that loads; its vocabulary is checked with the model."""
+    if path is None:
+        return
+    given(flag, path, "a recycling table file (.npz)")
+    input_file(flag, path)
+    try:
+        recycle_file.load_table(path)
+    except recycle_file.RecycleFileError as e:
+        raise UsageError(f"{flag} {e}") from None
 
 
 def question_file(flag: str, path: str | os.PathLike | None) -> None:

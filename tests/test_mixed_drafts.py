@@ -29,7 +29,8 @@ from medusa_jax.heads.draft_merge import DraftSizes, choose_size, expected_accep
 from medusa_jax.heads.dynamic_tree import TreeProposal
 from medusa_jax.heads.lookup import LookupConfig, init_lookup, lookup_matches, lookup_proposal
 from medusa_jax.heads.medusa import MedusaModel
-from medusa_jax.heads.mixed import make_mix
+from medusa_jax.heads.mixed import make_mix, template_spec
+from medusa_jax.heads.recycle import RANK_ACCEPTANCE, RecycleConfig, RecycleDrafter, template_tree
 from medusa_jax.heads.tree import DynamicTree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.api import generate, generate_medusa
@@ -174,16 +175,22 @@ def tiny(tiny_model_dir):
 
 
 def mix_of(base, parts: str):
-    config = base.config
-    trained = random_heads(base, head_type=parts.split("+")[0]) if parts != "lookup" else None
+    """A mix of the '+'-joined parts: 'medusa' or 'hydra' (random heads), 'recycle' (a fresh table), 'lookup'."""
+    config, names = base.config, parts.split("+")
+    trained = next((random_heads(base, head_type=n) for n in names if n in ("medusa", "hydra")), None)
+    template = None
+    if "recycle" in names:
+        recycler = RecycleDrafter(RecycleConfig(config.hidden_size, config.vocab_size))
+        template = (recycler, template_spec(template_tree("recycle_8"), RANK_ACCEPTANCE))
     return make_mix(config.hidden_size, config.vocab_size, trained=trained,
                     trained_tree=DynamicTree(6, top_k=2, depth=3) if trained is not None else None,
-                    lookup=LookupConfig(length=6, branches=2))
+                    lookup=LookupConfig(length=6, branches=2) if "lookup" in names else None, template=template)
 
 
 CASES = [("llama", "lookup", "batch1"), ("llama", "lookup", "ragged4"), ("llama", "medusa+lookup", "ragged4"),
          ("qwen2", "hydra+lookup", "batch1"), ("qwen2", "medusa+lookup", "ragged4"),
-         ("mistral", "lookup", "ragged4")]
+         ("mistral", "lookup", "ragged4"), ("llama", "medusa+recycle+lookup", "ragged4"),
+         ("qwen2", "recycle+lookup", "batch1"), ("mistral", "hydra+recycle+lookup", "batch1")]
 
 
 @pytest.mark.parametrize("kind, parts, case", CASES)

@@ -79,13 +79,19 @@ class HeadsBase(nnx.Module):
     # candidates per (head, rank) or [b, t] tree tokens, or for a DynamicTree a dynamic_tree.TreeProposal (each
     # row's tree grown from the heads' own probabilities); `draft` is a drafter state carried from step to step
     # (None for heads that keep none). init_draft makes it after the prefill (given every prompt position's
-    # hidden state when needs_prompt_hidden); accepted() updates it with the verified path.
+    # hidden state when needs_prompt_hidden); accepted() updates it with the verified path, verified() with the
+    # base's logits at every verified tree node (Token Recycling's table, heads/recycle.py). keeps_draft: the
+    # decode call hands the final drafter state back (keep_draft) to start the next call from.
     needs_prompt_hidden = False
+    keeps_draft = False
 
     def init_draft(self, base: CausalLM, prompt_bt, prompt_lens_b, hidden_btd, cache_size: int, max_depth: int):
         return None
 
     def accepted(self, draft, hidden_btd, tokens_bt, nodes_be, accept_b, active_b):
+        return draft
+
+    def verified(self, draft, tokens_bt, logits_btv, active_b):
         return draft
 
 

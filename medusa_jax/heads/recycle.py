@@ -1,0 +1,172 @@
+"""Token Recycling (Luo et al., ACL 2025, "Turning Trash into Treasure"): drafts with no trained parameters.
+
+The drafter keeps one table `table_vr` [V, r] int32: row v holds the r tokens the base model's logits last
+ranked highest right after token v (best first). Each step it drafts a fixed tree template breadth first from
+the root: node (parent, rank) gets token table_vr[token of parent, rank], so a path (r1, r2, ...) of the
+template (the `medusa_choices` form of `heads.tree`) reads rank r1 after the root, rank r2 after that, ...
+Every verify pass already computes the base's logits at every tree node; their top-r ids overwrite the table
+rows of the nodes' tokens (`recycle_update`), inside the jitted decode loop, so the table follows the text
+being written and stays warm across calls (the drafter object keeps it; `heads.recycle_file` saves it).
+
+One table is shared by the rows of a batch. When several rows or nodes of one step write the same token id,
+the write of the largest flat index (row * T + node) wins: a scatter-max of the index picks it, then only the
+winners scatter, so the result is defined (JAX leaves duplicate-index scatters unordered) and, under a mesh,
+the replicated table is updated identically on every device.
+
+The drafter follows the proposer contract of `heads.medusa.HeadsBase` (init_draft / propose / accepted /
+verified): its drafter state (`MedusaState.draft`) is the table itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from medusa_jax.heads.tree import DynamicTree, TreeBuffers, build_tree
+
+HEAD_TYPE = "recycle"
+DEFAULT_TOP_K = 8  # table width r: the widest rank a template may use
+DEFAULT_MAX_DEPTH = 8  # the deepest template path accepted (drafting is a table lookup per depth: any depth works)
+
+# How often the true next token sat at rank 0..7 of the warm SmolLM2 table's row of the previous token
+# (scripts/build_recycle_table.py prints it for the text it builds from); the templates below follow from it.
+RANK_ACCEPTANCE = (0.45, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02)
+
+
+def best_first_paths(rank_acceptance: tuple[float, ...], nodes: int, max_depth: int = DEFAULT_MAX_DEPTH
+                     ) -> tuple[tuple[int, ...], ...]:
+    """The `nodes` template paths of highest predicted acceptance, a path's the product of its ranks'
+    (depth-independent) acceptance: wide at depth 1, narrowing with depth; every prefix of the result is a tree."""
+    frontier, chosen = [(-rank_acceptance[0], (0,))], []
+    while frontier and len(chosen) < nodes:
+        frontier.sort()
+        score, path = frontier.pop(0)
+        chosen.append(path)
+        if len(path) < max_depth:  # its first child and its next sibling become candidates
+            frontier.append((score * rank_acceptance[0], path + (0,)))
+        if path[-1] + 1 < len(rank_acceptance):
+            frontier.append((score / rank_acceptance[path[-1]] * rank_acceptance[path[-1] + 1],
+                             path[:-1] + (path[-1] + 1,)))
+    return tuple(chosen)
+
+
+# Templates (`medusa_choices` paths, ranks 0-based) of 4, 16 and 64 drafted nodes (the root comes on top)
+TEMPLATES: dict[str, tuple[tuple[int, ...], ...]] = {
+    f"recycle_{n}": best_first_paths(RANK_ACCEPTANCE, n) for n in (4, 8, 16, 32, 64)}
+DEFAULT_TEMPLATE = "recycle_16"
+
+
+class RecycleTable(nnx.Variable):
+    """The [V, r] int32 table of recycled top-r successors (not trained; replaced after each decode call)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RecycleConfig:
+    """What ShardedModel, MedusaModel and the tree checks read of a drafter's config (as of a HeadsConfig)."""
+
+    hidden_size: int
+    vocab_size: int
+    top_k: int = DEFAULT_TOP_K
+    max_depth: int = DEFAULT_MAX_DEPTH
+    head_type: ClassVar[str] = HEAD_TYPE
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.vocab_size or self.max_depth < 1:
+            raise ValueError(f"need 1 <= top_k <= vocab_size and max_depth >= 1, got top_k={self.top_k}, "
+                             f"max_depth={self.max_depth}")
+
+    @property
+    def num_heads(self) -> int:  # the deepest tree it drafts (tree.load_tree's num_heads limit)
+        return self.max_depth
+
+    @property
+    def head_vocab_size(self) -> int:  # the widest rank + 1 (tree.load_tree's max_top_k limit)
+        return self.top_k
+
+
+def empty_table(vocab_size: int, top_k: int = DEFAULT_TOP_K) -> np.ndarray:
+    """A table before any logits were seen: every row drafts ids 0..r-1 (distinct siblings, as top-r rows)."""
+    return np.broadcast_to(np.arange(top_k, dtype=np.int32), (vocab_size, top_k)).copy()
+
+
+def template_tree(name: str, max_top_k: int = DEFAULT_TOP_K, max_depth: int = DEFAULT_MAX_DEPTH) -> TreeBuffers:
+    """A shipped template (`TEMPLATES`) as TreeBuffers."""
+    if name not in TEMPLATES:
+        raise ValueError(f"unknown recycling template {name!r}; one of {', '.join(TEMPLATES)}")
+    return build_tree(TEMPLATES[name], name=name, num_heads=max_depth, max_top_k=max_top_k)
+
+
+def draft_tokens(table_vr: jax.Array, root_b: jax.Array, tree: TreeBuffers) -> jax.Array:
+    """[b, t] tree tokens of a static template, node 0 = root_b: depth by depth, node t gets
+    table_vr[token of parent_t[t], rank_t[t]] (static gathers; nodes are sorted by depth)."""
+    tokens_bt = jnp.zeros((root_b.shape[0], tree.num_tokens), jnp.int32).at[:, 0].set(root_b.astype(jnp.int32))
+    for depth in range(1, tree.depth + 1):
+        nodes_t = np.nonzero(tree.depth_t == depth)[0]
+        parent_tokens_bt = tokens_bt[:, tree.parent_t[nodes_t]]
+        tokens_bt = tokens_bt.at[:, nodes_t].set(table_vr[parent_tokens_bt, jnp.asarray(tree.rank_t[nodes_t])])
+    return tokens_bt
+
+
+def recycle_update(table_vr: jax.Array, tokens_bt: jax.Array, logits_btv: jax.Array,
+                   active_b: jax.Array | None = None) -> jax.Array:
+    """The table with row tokens_bt[b, t] set to the top-r ids of logits_btv[b, t], for every node of every
+    active row. Duplicate token ids: the largest flat index b * T + t wins (module docstring)."""
+    b, t = tokens_bt.shape
+    vocab, top_k = table_vr.shape
+    _, ids_btr = jax.lax.top_k(logits_btv, top_k)
+    order_bt = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t)
+    writes_bt = jnp.ones((b, t), bool) if active_b is None else jnp.broadcast_to(active_b[:, None], (b, t))
+    target_bt = jnp.where(writes_bt, tokens_bt, vocab)  # vocab: out of range, dropped
+    winner_v = jnp.full((vocab,), -1, jnp.int32).at[target_bt].max(order_bt, mode="drop")
+    wins_bt = writes_bt & (winner_v[jnp.minimum(target_bt, vocab - 1)] == order_bt)
+    rows_x = jnp.where(wins_bt, tokens_bt, vocab).reshape(-1)  # at most one write per token id now
+    return table_vr.at[rows_x].set(ids_btr.reshape(b * t, top_k).astype(table_vr.dtype), mode="drop")
+
+
+class RecycleDrafter(nnx.Module):
+    """Token Recycling behind the proposer contract of `HeadsBase`; `config` answers the tree-limit and model
+    checks a HeadsConfig answers. `recycle_table` holds the table the next decode call starts from;
+    `keep_draft` stores the table a call ended with (ShardedModel does, after each call)."""
+
+    head_type = HEAD_TYPE
+    needs_prompt_hidden = False
+    keeps_draft = True  # the decode call returns the final drafter state, handed back through keep_draft
+
+    def __init__(self, config: RecycleConfig, table_vr: np.ndarray | jax.Array | None = None):
+        table_vr = empty_table(config.vocab_size, config.top_k) if table_vr is None else table_vr
+        if tuple(table_vr.shape) != (config.vocab_size, config.top_k):
+            raise ValueError(f"a recycling table of shape {tuple(table_vr.shape)} does not fit vocab_size "
+                             f"{config.vocab_size} and top_k {config.top_k}")
+        self.config = config
+        self.recycle_table = RecycleTable(jnp.asarray(table_vr, jnp.int32))
+
+    @property
+    def table(self) -> np.ndarray:
+        """The current table on the host, [V, r] int32."""
+        return np.asarray(self.recycle_table[...])
+
+    def keep_draft(self, table_vr) -> None:
+        """The table a decode call ended with becomes the table the next call starts from."""
+        self.recycle_table[...] = jnp.asarray(table_vr, jnp.int32)
+
+    # ---- the proposer contract (inference/medusa.py; see HeadsBase) ---------------------------------------
+    def init_draft(self, base, prompt_bt, prompt_lens_b, hidden_btd, cache_size: int, max_depth: int):
+        return self.recycle_table[...]
+
+    def propose(self, hidden_bd, root_b, base, tree, draft, active_b):
+        """[b, t] tree tokens drafted from the table (`draft_tokens`); static templates only."""
+        if isinstance(tree, DynamicTree):
+            raise ValueError(f"Token Recycling drafts a static template, not the dynamic tree {tree.name}")
+        return draft_tokens(draft, root_b, tree), draft
+
+    def accepted(self, draft, hidden_btd, tokens_bt, nodes_be, accept_b, active_b):
+        return draft
+
+    def verified(self, draft, tokens_bt, logits_btv, active_b):
+        """The table refreshed from the verify logits at every node of every active row (`recycle_update`)."""
+        return recycle_update(draft, tokens_bt, logits_btv, active_b)

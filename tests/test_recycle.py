@@ -1,0 +1,224 @@
+"""Token Recycling (medusa_jax/heads/recycle.py): the table update and the drafts against NumPy references,
+lossless greedy decoding (fresh and warm tables, batch 1 and ragged batches with a mid-run EOS, tiny Llama, Qwen2
+and Mistral), the table kept warm across calls, table files, and the command line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads import recycle_file
+from medusa_jax.heads.recycle import (TEMPLATES, RecycleConfig, RecycleDrafter, best_first_paths, draft_tokens,
+                                      empty_table, recycle_update, template_tree)
+from medusa_jax.heads.tree import build_tree, load_tree
+from medusa_jax.inference.api import generate, generate_medusa
+
+N = 40
+PROMPTS = {
+    "batch1": [[5, 9, 2, 17, 33, 4]],
+    "ragged4": [[11, 3, 8, 21, 7, 2], [40, 41, 9, 13, 5, 77, 61, 2, 19, 30, 8, 4, 99], [6, 1, 3],
+                [50, 22, 16, 90, 4, 3, 8, 12, 70]],
+}
+
+
+def reference_update(table_vr, tokens_bt, logits_btv, active_b):
+    """Writes in flat order b * T + t, so the last (largest index) write of a token id wins."""
+    table_vr = table_vr.copy()
+    top_btr = np.argsort(-logits_btv, axis=-1, kind="stable")[..., : table_vr.shape[1]]
+    for b in range(tokens_bt.shape[0]):
+        for t in range(tokens_bt.shape[1]):
+            if active_b[b]:
+                table_vr[tokens_bt[b, t]] = top_btr[b, t]
+    return table_vr
+
+
+def test_update_writes_each_nodes_top_k_and_the_largest_index_wins_a_shared_token():
+    rng = np.random.default_rng(0)
+    vocab, r = 12, 3
+    tokens_bt = np.asarray([[1, 4, 4, 7], [4, 1, 9, 9], [2, 2, 2, 5]], np.int32)  # repeats within and across rows
+    logits_btv = rng.normal(size=(3, 4, vocab)).astype(np.float32)
+    active_b = np.asarray([True, True, False])
+    table = rng.integers(0, vocab, (vocab, r)).astype(np.int32)
+    got = np.asarray(jax.jit(recycle_update)(jnp.asarray(table), tokens_bt, logits_btv, active_b))
+    want = reference_update(table, tokens_bt, logits_btv, active_b)
+    np.testing.assert_array_equal(got, want)
+    assert (got[4] == np.argsort(-logits_btv[1, 0])[:r]).all()  # row 1's node 0 is the last write of token 4
+    assert (got[2] == table[2]).all() and (got[5] == table[5]).all()  # the inactive row wrote nothing
+
+
+def test_drafts_follow_the_table_breadth_first():
+    vocab, r = 20, 8
+    table = np.random.default_rng(1).integers(0, vocab, (vocab, r)).astype(np.int32)
+    tree = template_tree("recycle_16", r)
+    root_b = np.asarray([3, 11], np.int32)
+    got = np.asarray(draft_tokens(jnp.asarray(table), jnp.asarray(root_b), tree))
+    for b in range(2):
+        for t, path in enumerate(tree.paths, start=1):
+            token = root_b[b]
+            for rank in path:
+                token = table[token, rank]
+            assert got[b, t] == token
+        assert got[b, 0] == root_b[b]
+
+
+def test_templates_are_best_first_trees_that_narrow_with_depth():
+    for name, paths in TEMPLATES.items():
+        assert len(paths) == int(name.split("_")[1])
+        assert all(p[:-1] in paths or len(p) == 1 for p in paths)  # prefix-closed
+        assert all(p[:-1] + (p[-1] - 1,) in paths for p in paths if p[-1] > 0)  # a rank's better siblings too
+    big = build_tree(TEMPLATES["recycle_64"])
+    widths = np.bincount(big.depth_t)[1:]
+    # depth 1 holds at most the table's 8 ranks; below it the template narrows with depth
+    assert widths[0] == 8 and list(widths[1:]) == sorted(widths[1:], reverse=True) and widths[-1] < widths[0]
+    assert best_first_paths((0.5, 0.25), 3) == ((0,), (0, 0), (1,))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """kind -> (base, {case: (eos_ids, plain greedy results)})."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            base = load_pretrained(tiny_model_dir(kind, initializer_range=0.3))
+            refs = {"batch1": ((), generate(base, PROMPTS["batch1"], max_new_tokens=N, eos_ids=()))}
+            free = generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=())
+            eos = next(int(t) for p, t in enumerate(free[1].token_ids) if p >= N // 3 and t not in
+                       free[1].token_ids[:p])
+            refs["ragged4"] = ((eos,), generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=(eos,)))
+            assert len(refs["ragged4"][1][1].token_ids) < N  # row 1 stops at the EOS, mid-generation
+            made[kind] = (base, refs)
+        return made[kind]
+
+    return get
+
+
+def drafter_for(base, table=None):
+    return RecycleDrafter(RecycleConfig(base.config.hidden_size, base.config.vocab_size), table)
+
+
+# each case: one compile, run twice (a fresh table, then the table the first call ended with)
+CASES = [("llama", "recycle_16", "ragged4"), ("llama", "recycle_64", "batch1"), ("qwen2", "recycle_4", "ragged4"),
+         ("mistral", "mc_sim_7b_8", "ragged4")]
+
+
+@pytest.mark.parametrize("kind, tree_name, case", CASES)
+def test_greedy_recycling_equals_plain_greedy_fresh_and_warm(tiny, kind, tree_name, case):
+    base, refs = tiny(kind)
+    eos_ids, reference = refs[case]
+    drafter = drafter_for(base)
+    tree = template_tree(tree_name) if tree_name in TEMPLATES else load_tree(tree_name, num_heads=8, max_top_k=8)
+    fresh = generate_medusa(base, drafter, PROMPTS[case], tree=tree, max_new_tokens=N, eos_ids=eos_ids)
+    after_first = drafter.table
+    assert (after_first != empty_table(base.config.vocab_size)).any(axis=1).sum() > 20  # the loop filled rows
+    warm = generate_medusa(base, drafter, PROMPTS[case], tree=tree, max_new_tokens=N, eos_ids=eos_ids)
+    want = [r.token_ids for r in reference]
+    assert [r.token_ids for r in fresh] == want and [r.token_ids for r in warm] == want
+    # the second call started from the table the first one ended with (a drafter made from that table drafts
+    # the same), and that table drafts differently from the empty one
+    replay = generate_medusa(base, drafter_for(base, after_first), PROMPTS[case], tree=tree, max_new_tokens=N,
+                             eos_ids=eos_ids)
+    accepts = lambda results: [r.accept_lengths for r in results]  # noqa: E731
+    assert accepts(replay) == accepts(warm) != accepts(fresh)
+    assert max(max(r.accept_lengths) for r in fresh + warm) >= 1  # drafts were accepted
+
+
+def test_table_files_round_trip_and_bad_files_are_refused(tmp_path):
+    table = np.random.default_rng(2).integers(0, 300, (300, 8)).astype(np.int32)
+    path = recycle_file.save_table(tmp_path / "t.npz", table, model="m", note="n")
+    loaded, meta = recycle_file.load_table(path, 300)
+    assert (loaded == table).all() and loaded.dtype == np.int32 and meta["model"] == "m"
+    with np.load(path) as archive:
+        assert archive["table"].dtype == np.uint16
+    with pytest.raises(recycle_file.RecycleFileError, match="vocabulary of 300 tokens; the model has 301"):
+        recycle_file.load_table(path, 301)
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(recycle_file.RecycleFileError, match="not a recycling table"):
+        recycle_file.load_table(tmp_path / "junk.npz")
+    np.savez(tmp_path / "other.npz", weights=np.zeros(3))
+    with pytest.raises(recycle_file.RecycleFileError, match="entries"):
+        recycle_file.load_table(tmp_path / "other.npz")
+    bad = recycle_file.save_table(tmp_path / "bad.npz", np.full((4, 2), 4), model="m")
+    with pytest.raises(recycle_file.RecycleFileError, match="token id 4 >= its vocab_size 4"):
+        recycle_file.load_table(bad)
+
+
+def test_shipped_table_fits_smollm2_and_its_size():
+    path = recycle_file.shipped_table_path()
+    assert path.is_file() and path.stat().st_size <= 2 * 1024 * 1024
+    table, meta = recycle_file.load_table(path, 49152)
+    assert table.shape == (49152, 8) and meta["model"].startswith("llama-v49152-d576-")
+    assert (table != empty_table(49152)).any(axis=1).sum() > 3000  # rows filled from the base's logits
+
+
+def test_a_model_of_another_fingerprint_starts_empty(tiny):
+    base, _ = tiny("llama")
+    drafter = recycle_file.recycle_drafter(base)
+    assert "empty" in drafter.origin and (drafter.table == empty_table(base.config.vocab_size)).all()
+
+
+@pytest.fixture(scope="module")
+def script_and_model(tiny_model_dir, tmp_path_factory):
+    import transformers  # lazy: only the command-line tests build a tokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path_factory.mktemp("recycle-cli") / "model"
+    shutil.copytree(tiny_model_dir("llama", initializer_range=0.3), folder)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(100)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>",
+                                         pad_token="<unk>").save_pretrained(folder)
+    spec = importlib.util.spec_from_file_location("generate", Path(__file__).parents[1] / "scripts/generate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script, folder
+
+
+def test_generate_script_heads_recycle(script_and_model, tmp_path, capsys):
+    """--heads recycle: plain greedy's tokens; --save-recycle-table then --recycle-table starts warm."""
+    script, folder = script_and_model
+    common = ["--model", str(folder), "--prompt", "w1 w2 w3 w4 w1 w2", "--max-new-tokens", "24", "--json"]
+    assert script.main(common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    saved = tmp_path / "table.npz"
+    assert script.main(common + ["--heads", "recycle", "--save-recycle-table", str(saved)]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["token_ids"] == plain["token_ids"] and "recycle_16" in row["tree"]
+    assert script.main(common + ["--heads", "recycle", "--recycle-table", str(saved), "--tree", "recycle_16"]) == 0
+    warm = json.loads(capsys.readouterr().out)
+    assert warm["token_ids"] == plain["token_ids"] and warm["steps"] < row["steps"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--heads", "recycle", "--tree", "dynamic:10"], "static template, not a dynamic tree"),
+    (["--heads", "recycle", "--tree", "mc_sim_7b_63"], "but top-k is at most 8 (Token Recycling"),
+    (["--heads", "recycle", "--calibration", "auto"], "drop --calibration"),
+    (["--recycle-table", "t.npz"], "need --heads recycle"),
+    (["--heads", "recycle", "--recycle-table", "BAD"], "not a recycling table file"),
+])
+def test_bad_recycling_flags_are_one_error_line(script_and_model, tmp_path, capsys, extra, message):
+    script, folder = script_and_model
+    (tmp_path / "BAD").write_text("nonsense")
+    extra = [str(tmp_path / "BAD") if x == "BAD" else x for x in extra]
+    with pytest.raises(SystemExit) as refused:
+        script.main(["--model", str(folder), "--prompt", "w1", "--max-new-tokens", "4"] + extra)
+    err = capsys.readouterr().err.strip()
+    assert refused.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_a_table_of_another_vocabulary_is_one_error_line(script_and_model, tmp_path, capsys):
+    script, folder = script_and_model
+    path = recycle_file.save_table(tmp_path / "big.npz", empty_table(500), model="other")
+    assert script.main(["--model", str(folder), "--prompt", "w1", "--max-new-tokens", "4", "--heads", "recycle",
+                        "--recycle-table", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --recycle-table") and "vocabulary of 500 tokens; the model has" in err and len(err.splitlines()) == 1, err

@@ -1,0 +1,89 @@
+"""A warm Token Recycling table from the base model's own logits over chat text (teacher-forced).
+
+Each conversation (chat template applied, cut at `seq_len` tokens) runs through the base in one prefill; the
+top-r ids of its logits at every position p overwrite the table row of token p, position by position in text
+order, as decoding would (`heads.recycle`). Before each overwrite on an assistant token the builder records
+where the base's greedy next token (its argmax at p) sat in the row as it was: the rank acceptance of a
+depth-1 draft, the measure `heads.recycle.RANK_ACCEPTANCE` and its templates come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.heads.recycle import DEFAULT_TOP_K, empty_table
+from medusa_jax.inference.autoregressive import prefill_states
+from medusa_jax.training.data import tokenize_messages
+
+
+@dataclasses.dataclass(frozen=True)
+class TableBuildConfig:
+    conversations: int = 300  # conversations read (those without an assistant turn are skipped by the reader)
+    seq_len: int = 512  # tokens of a conversation used, at most
+    batch_size: int = 4  # conversations per prefill
+    top_k: int = DEFAULT_TOP_K  # table width r
+    warmup: int = 50  # conversations before the rank acceptance is counted (the table starts empty)
+
+
+@dataclasses.dataclass
+class TableBuild:
+    table_vr: np.ndarray  # [V, r] int32
+    rank_hits_r: np.ndarray  # [r] assistant positions whose greedy next token sat at rank r of the row
+    counted: int  # assistant positions counted (after the warm-up)
+    tokens: int  # positions written into the table
+
+    @property
+    def rank_acceptance(self) -> tuple[float, ...]:
+        return tuple(float(x) for x in self.rank_hits_r / max(self.counted, 1))
+
+
+@partial(jax.jit, static_argnames=("graphdef", "top_k"))
+def _top_ids(graphdef, params, tokens_bt, lens_b, *, top_k: int):
+    """[b, t, r] top-r ids of the base's logits at every position (one prefill)."""
+    base: CausalLM = nnx.merge(graphdef, params)
+    b, t = tokens_bt.shape
+    cache = KVCache.zeros(base.config, b, t)
+    _, _, hidden_btd = prefill_states(base, tokens_bt, lens_b, cache)
+    return jax.lax.top_k(base.logits(hidden_btd), top_k)[1].astype(jnp.int32)
+
+
+def build_table(base: CausalLM, tokenizer, conversations: list[dict], eos_ids: tuple[int, ...],
+                config: TableBuildConfig = TableBuildConfig(), progress: Callable[[int], None] | None = None
+                ) -> TableBuild:
+    """The table after teacher-forcing `conversations` (ShareGPT records, training.sharegpt) through `base`."""
+    vocab = base.config.vocab_size
+    table_vr = empty_table(vocab, config.top_k)
+    hits_r, counted, written = np.zeros(config.top_k, np.int64), 0, 0
+    graphdef, params = nnx.split(base)
+    sequences = [tokenize_messages(tokenizer, record["messages"], eos_ids, f"conversation {i}")
+                 for i, record in enumerate(conversations)]
+    for start in range(0, len(sequences), config.batch_size):
+        chunk = [(ids[: config.seq_len], mask[: config.seq_len]) for ids, mask in
+                 sequences[start: start + config.batch_size]]
+        tokens_bt = np.zeros((config.batch_size, config.seq_len), np.int32)
+        lens_b = np.ones((config.batch_size,), np.int32)
+        for row, (ids, _) in enumerate(chunk):
+            tokens_bt[row, : len(ids)], lens_b[row] = ids, max(len(ids), 1)
+        top_btr = np.asarray(_top_ids(graphdef, params, tokens_bt, lens_b, top_k=config.top_k))
+        for row, (ids, mask) in enumerate(chunk):
+            count = start + row >= config.warmup
+            for p, token in enumerate(ids):
+                if count and mask[p]:
+                    rank = np.nonzero(table_vr[token] == top_btr[row, p, 0])[0]
+                    counted += 1
+                    if rank.size:
+                        hits_r[rank[0]] += 1
+                table_vr[token] = top_btr[row, p]
+            written += len(ids)
+        if progress is not None:
+            progress(len(chunk))
+    return TableBuild(table_vr, hits_r, counted, written)
