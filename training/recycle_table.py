@@ -57,11 +57,12 @@ def _top_ids(graphdef, params, tokens_bt, lens_b, *, top_k: int):
 
 
 def build_table(base: CausalLM, tokenizer, conversations: list[dict], eos_ids: tuple[int, ...],
-                config: TableBuildConfig = TableBuildConfig(), progress: Callable[[int], None] | None = None
-                ) -> TableBuild:
-    """The table after teacher-forcing `conversations` (ShareGPT records, training.sharegpt) through `base`."""
+                config: TableBuildConfig = TableBuildConfig(), progress: Callable[[int], None] | None = None,
+                start_vr: np.ndarray | None = None) -> TableBuild:
+    """The table after teacher-forcing `conversations` (ShareGPT records, training.sharegpt) through `base`,
+    starting from `start_vr` (default: empty)."""
     vocab = base.config.vocab_size
-    table_vr = empty_table(vocab, config.top_k)
+    table_vr = empty_table(vocab, config.top_k) if start_vr is None else np.array(start_vr, np.int32)
     hits_r, counted, written = np.zeros(config.top_k, np.int64), 0, 0
     graphdef, params = nnx.split(base)
     sequences = [tokenize_messages(tokenizer, record["messages"], eos_ids, f"conversation {i}")

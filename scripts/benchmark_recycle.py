@@ -1,0 +1,83 @@
+"""Token Recycling (`--heads recycle`) on MT-Bench: tokens/step per template size and speed vs plain decoding.
+
+Example (bench/recycle):
+  python scripts/benchmark_recycle.py --model default --questions 16 --max-new-tokens 128 --out bench/recycle
+Writes OUT/results.json and OUT/results.md (bench/recycle_bench.py explains what is counted and timed).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from medusa_jax.compile_cache import enable_compile_cache
+from medusa_jax.heads.recycle import TEMPLATES
+from medusa_jax.heads.recycle_file import RecycleFileError, recycle_drafter, starting_table
+from medusa_jax.hub import HubError
+from medusa_jax.bench.bench_inputs import (command_line, git_revision, load_model, machine_description,
+                                           mtbench_questions, write_files)
+from medusa_jax.bench.bench_report import machine_line
+from medusa_jax.bench.mtbench import MTBenchError
+from medusa_jax.bench.recycle_bench import RecycleBenchConfig, markdown, run_recycle_bench
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
+from medusa_jax.paths import portable_path
+
+
+def parse_args(argv=None):
+    d = RecycleBenchConfig()
+    p = ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="default", help="HF model folder, 'default' or a Hub id (default: %(default)s)")
+    p.add_argument("--recycle-table", default=None,
+                   help="table file to start from (default: the shipped SmolLM2 table where the model matches it)")
+    p.add_argument("--questions", type=int, default=16, check=at_least(1),
+                   help="MT-Bench questions (first turns), categories in turn (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, check=at_least(1),
+                   help="new tokens per answer at most (default: %(default)s)")
+    p.add_argument("--templates", default=",".join(d.templates),
+                   help=f"comma-separated templates among {', '.join(TEMPLATES)} (default: %(default)s)")
+    p.add_argument("--batch-sizes", type=parse_positive_int_list, default=d.batch_sizes, check=each(at_least(1)),
+                   help="comma-separated batch sizes (default: 1)")
+    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+    a = p.parse_args(argv)
+    a.templates = tuple(t for t in a.templates.split(",") if t)
+    bad = [t for t in a.templates if t not in TEMPLATES]
+    if bad or not a.templates:
+        p.error(f"--templates {','.join(a.templates)}: unknown {bad}; choose among {', '.join(TEMPLATES)}")
+    try:
+        validate.recycle_table_file("--recycle-table", a.recycle_table)
+        validate.output_file("--out", f"{a.out}/results.json", {"--model": validate.model_location(a.model)})
+    except validate.UsageError as e:
+        p.error(str(e))
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    enable_compile_cache()
+    machine = machine_description()  # the load average before the run
+    try:
+        validate.model_arg("--model", a.model)
+        questions = mtbench_questions(a.questions)
+        loaded = load_model(a.model, None)
+        origin = starting_table(loaded.base, a.recycle_table)[1]
+        config = RecycleBenchConfig(a.templates, tuple(a.batch_sizes), a.max_new_tokens)
+        results = run_recycle_bench(loaded, loaded.encode_chat([q.first_turn for q in questions]),
+                                    lambda: recycle_drafter(loaded.base, a.recycle_table), config,
+                                    progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (OSError, ValueError, MTBenchError, HubError, RecycleFileError) as e:
+        return validate.fail(e)
+    meta = {"command": command_line("scripts/benchmark_recycle.py", argv), "machine": machine,
+            "machine_line": machine_line(machine), "git": git_revision(Path(__file__).resolve().parents[1]),
+            "model": portable_path(str(loaded.folder)), "questions": len(questions),
+            "max_new_tokens": a.max_new_tokens, "table": origin,
+            "templates": {name: [list(p) for p in TEMPLATES[name]] for name in a.templates}}
+    write_files(a.out, {"results.json": json.dumps({"meta": meta, "results": results}, indent=1) + "\n",
+                        "results.md": markdown(results, meta) + "\n"})
+    print(markdown(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
