@@ -33,7 +33,12 @@ class Method:
 
 
 def methods(mixes: Sequence[str], budgets: Sequence[int]) -> list[Method]:
-    return [Method("plain", None)] + [Method(f"{m}@{b}", m, b) for m in mixes for b in budgets]
+    """Plain, then each mix at each budget ("MIX@N": at N only)."""
+    out = [Method("plain", None)]
+    for m in mixes:
+        name, _, nodes = m.partition("@")
+        out += [Method(f"{name}@{b}", name, b) for b in ((int(nodes),) if nodes else budgets)]
+    return out
 
 
 def build_models(loaded: LoadedModel, chosen: Sequence[Method], heads_of) -> dict[str, tuple[ShardedModel, object]]:

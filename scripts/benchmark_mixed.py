@@ -16,7 +16,7 @@ from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_po
 
 from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.heads.load import load_heads
-from medusa_jax.inference.mixed_decoding import MixError, parse_mix
+from medusa_jax.inference.mixed_decoding import UNTRAINED, MixError, parse_mix
 from medusa_jax.bench import grounded_prompts, mixed_drafts
 from medusa_jax.bench.bench_inputs import (command_line, load_model, machine_description, mtbench_questions,
                                            write_files)
@@ -28,7 +28,8 @@ def parse(argv):
     p.add_argument("--heads", default="default", help="the trained heads a mix's 'default' part names "
                                                       "(default: %(default)s, the shipped Hydra heads)")
     p.add_argument("--mixes", default="lookup,default+lookup",
-                   help="comma-separated --heads mixes to compare with plain decoding (default: %(default)s)")
+                   help="comma-separated --heads mixes to compare with plain decoding, each at every --budgets "
+                        "value, or at one given as MIX@NODES (default: %(default)s)")
     p.add_argument("--budgets", check=each(at_least(1)), type=parse_positive_int_list, default=(4, 16, 64),
                    help="node budgets: the most nodes a step verifies (default: 4,16,64)")
     p.add_argument("--questions", check=at_least(0), type=int, default=16, help="MT-Bench questions (first turns)")
@@ -39,7 +40,10 @@ def parse(argv):
     try:
         mixes = tuple(m for m in a.mixes.split(","))
         for m in mixes:
-            _, trained = parse_mix(m) if "+" in m or m == "lookup" else ((), m)
+            m, _, nodes = m.partition("@")
+            if nodes and (not nodes.isdigit() or int(nodes) < 1):
+                raise validate.UsageError(f"--mixes {m}@{nodes}: the node budget after @ must be an integer >= 1")
+            _, trained = parse_mix(m) if "+" in m or m in UNTRAINED else ((), m)
             if trained is not None:
                 validate.heads_arg("--mixes", trained)
         validate.heads_arg("--heads", a.heads)
