@@ -55,6 +55,9 @@ def build_models(loaded: LoadedModel, chosen: Sequence[Method], heads_of) -> dic
     return out
 
 
+PROMPT_WIDTH = 512  # every prompt padded to one width: one compilation per method (the mixed steps compile slowly)
+
+
 def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids, pad_id: int,
             progress=None) -> dict[str, list[dict]]:
     """label -> per prompt {tokens, steps, seconds, token_ids}; methods interleaved prompt by prompt."""
@@ -62,7 +65,7 @@ def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids
     for i, prompt in enumerate(prompts):
         for label, (model, tree) in models.items():
             settings = BatchSettings(batch_size=1, max_new_tokens=max_new_tokens, tree=tree, eos_ids=tuple(eos_ids),
-                                     pad_id=pad_id, engine="batches")
+                                     pad_id=pad_id, engine="batches", bucket=PROMPT_WIDTH)
             r = generate_batch(model, [prompt], settings, progress=False).results[0]
             rows[label].append({"tokens": r.new_tokens, "steps": r.steps, "seconds": r.seconds,
                                 "token_ids": r.token_ids})

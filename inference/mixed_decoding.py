@@ -92,7 +92,8 @@ def build_mix(base: CausalLM, untrained: tuple[str, ...], trained_heads, budget:
     mix = make_mix(base.config.hidden_size, base.config.vocab_size, trained=trained_heads, trained_tree=trained_tree,
                    lookup=lookup_for(budget) if LOOKUP in untrained else None, template=template)
     sizes = sizes_for(min(budget, mix.candidates))
-    measured = costs(sizes) if costs is not None else measure_size_costs(base, sizes, batch=batch)
+    measured = costs(sizes) if costs is not None else measure_size_costs(base, sizes, batch=batch, drafter=mix,
+                                                                          depth=mix.depth)
     return mix, DraftSizes(sizes, tuple(measured), depth=mix.depth)
 
 

@@ -15,8 +15,9 @@ from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
 
 from medusa_jax.assets import resolve_heads_dir
+from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.heads.load import load_heads
-from medusa_jax.inference.mixed_decoding import UNTRAINED, MixError, parse_mix
+from medusa_jax.inference.mixed_decoding import UNTRAINED
 from medusa_jax.bench import grounded_prompts, mixed_drafts
 from medusa_jax.bench.bench_inputs import (command_line, load_model, machine_description, mtbench_questions,
                                            write_files)
@@ -43,18 +44,20 @@ def parse(argv):
             m, _, nodes = m.partition("@")
             if nodes and (not nodes.isdigit() or int(nodes) < 1):
                 raise validate.UsageError(f"--mixes {m}@{nodes}: the node budget after @ must be an integer >= 1")
-            _, trained = parse_mix(m) if "+" in m or m in UNTRAINED else ((), m)
-            if trained is not None:
-                validate.heads_arg("--mixes", trained)
+            if "+" in m or m in UNTRAINED:
+                validate.heads_mix_arg("--mixes", m)
+            else:
+                validate.heads_arg("--mixes", m)
         validate.heads_arg("--heads", a.heads)
         validate.output_folder("--out", a.out, {"--model": validate.model_location(a.model)})
-    except (MixError, validate.UsageError) as e:
+    except validate.UsageError as e:
         p.error(str(e))
     return a, mixes
 
 
 def main(argv=None) -> int:
     a, mixes = parse(argv)
+    enable_compile_cache()
     machine = machine_description()
     loaded = load_model(validate.model_arg("--model", a.model), a.heads)
     heads_of = lambda where: loaded.heads if where == a.heads else load_heads(resolve_heads_dir(where),  # noqa

@@ -35,6 +35,7 @@ from medusa_jax.heads.tree import DynamicTree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.medusa import medusa_decode
+from medusa_jax.inference.mixed_decoding import MixError, build_mix, is_mix, parse_mix, sizes_for
 
 import test_exact_sampling as exact_sampling
 from test_exact_sampling import setup  # noqa: F401 (the fixture of the law check's model)
@@ -297,3 +298,17 @@ def test_generate_script_with_lookup_and_a_mix(tiny_model_dir, tmp_path, capsys)
         row = json.loads(capsys.readouterr().out)
         assert row["token_ids"] == plain["token_ids"] and row["decoder"] == "medusa"
         assert row["tree"].startswith("mixed drafts (mixed:0/")
+
+
+def test_build_mix_sizes_its_budget_and_measures_non_decreasing_costs(tiny):
+    """`mixed_decoding.build_mix`: plain and three sizes up to the budget, lookup chained within it, and measured
+    costs (a step of more nodes never costs less; the drafting's cost is added to every size, plain included)."""
+    base, _ = tiny("llama")
+    mix, sizes = build_mix(base, ("lookup",), None, 16)
+    assert sizes.sizes == sizes_for(16) == (0, 2, 5, 16) and mix.candidates == 20 and sizes.depth == 10
+    assert len(sizes.costs) == 4 and all(b >= a for a, b in zip(sizes.costs, sizes.costs[1:]))
+    assert sizes.costs[0] >= 1.0  # plain: one forward, plus the drafting
+    with pytest.raises(MixError, match="empty part"):
+        parse_mix("lookup++default")
+    assert parse_mix("default+recycle+lookup") == (("recycle", "lookup"), "default")
+    assert is_mix("lookup") and is_mix("default+lookup") and not is_mix("recycle") and not is_mix("default")

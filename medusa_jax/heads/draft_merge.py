@@ -10,8 +10,8 @@ the best score of its copies; copies drop to -inf. So siblings are distinct toke
 its parent and comes after it: the N best nodes (`keep_best`: ties to the lower index) always include their
 ancestors. Kept nodes keep their order (parents first) and their parents are renumbered, as in `grow_tree`.
 
-Fewer than N candidates. Padding nodes are children of the root that repeat the root's first kept child (or the
-root's own token when there is none). A repeated sibling is never accepted in greedy acceptance (the first
+Fewer than N candidates. Padding nodes, listed after every real node, are children of the root that repeat the
+root's first kept child (or the root's own token when there is none). A repeated sibling is never accepted in greedy acceptance (the first
 longest path wins) and has probability 0 in exact acceptance (`exact_acceptance.trial_outcomes`), so the output
 is unchanged; they cost verify width only, which the draft-size choice (`inference.draft_size`) avoids.
 
