@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers, load_tree
@@ -60,9 +61,10 @@ SEED_RANGE = 2**31  # batch seeds (seed + batch number) wrap here: they reach th
 class BatchSettings:
     batch_size: int = 8
     max_new_tokens: int = 128
-    # None: plain decoding; a tree (static TreeBuffers or a DynamicTree): Medusa (the model needs heads); HEADS_TREE:
-    # the heads' own tree for this backend and batch_size, or plain decoding where none pays (`choose.choose_tree`)
-    tree: TreeBuffers | DynamicTree | HeadsOwnTree | None = None
+    # None: plain decoding; a tree (static TreeBuffers or a DynamicTree): Medusa (the model needs heads); DraftSizes:
+    # mixed drafts (the model's heads a heads.mixed.MixedDrafter); HEADS_TREE: the heads' own tree for this backend
+    # and batch_size, or plain decoding where none pays (`choose.choose_tree`)
+    tree: TreeBuffers | DynamicTree | DraftSizes | HeadsOwnTree | None = None
     acceptance: AcceptanceConfig = AcceptanceConfig()  # Medusa only
     sampling: SamplingConfig = SamplingConfig()  # plain only
     seed: int = 0  # batch i uses seed + i
@@ -180,10 +182,15 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     if settings.tree is not None and not model.has_heads:
         raise ValueError("Medusa decoding (a tree was given) needs a ShardedModel built with heads")
     chosen = None
-    if settings.tree is not None:
+    if isinstance(settings.tree, DraftSizes):
+        chosen = ChosenTree(settings.tree, f"mixed drafts ({settings.tree.name}: up to {settings.tree.nodes} nodes, "
+                                           f"the size chosen per step from costs "
+                                           f"{'/'.join(f'{c:.2f}' for c in settings.tree.costs)}x a plain step)")
+    elif settings.tree is not None:
         given = None if isinstance(settings.tree, HeadsOwnTree) else settings.tree
         chosen = choose_tree(model.heads_config, model.heads_trees, settings.batch_size, given, model=model,
                              calibration=settings.calibration, progress=progress)
+    if chosen is not None:
         settings = dataclasses.replace(settings, tree=chosen.tree)
     # on a mesh every batch is padded up to a multiple of its data x fsdp rows with filler rows (copies of the
     # batch's first prompt, dropped from the results; greedy fillers finish with the row they copy)
@@ -333,7 +340,8 @@ def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequen
     "tree" (the tree's origin, or why decoding was plain)."""
     limits = dict(num_heads=heads.config.num_heads, max_top_k=heads.config.head_vocab_size)
     settings = BatchSettings(batch_size=_one_batch(prompts, batch_size), max_new_tokens=_max_new_tokens(max_new_tokens),
-                             tree=HEADS_TREE if tree is None else load_tree(tree, **limits), acceptance=acceptance,
+                             tree=HEADS_TREE if tree is None else tree if isinstance(tree, DraftSizes)
+                             else load_tree(tree, **limits), acceptance=acceptance,
                              sampling=SamplingConfig() if acceptance.kind == "greedy" else acceptance.sampling,
                              seed=seed, eos_ids=resolve_eos(base, eos_ids), pad_id=pad_id, bucket=PROMPT_BUCKET,
                              cache_size=cache_size)

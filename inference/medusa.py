@@ -39,6 +39,7 @@ from flax import nnx
 
 from medusa_jax.model.kv_cache import KVCache, attention_mask, move_slots
 from medusa_jax.model.sharding import map_cache_rows
+from medusa_jax.heads.draft_merge import DraftSizes, choose_size, keep_best, plain_row_tree
 from medusa_jax.trees.dynamic_tree import TreeProposal, row_tree
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
@@ -171,15 +172,47 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
     verify, accept and record this step's move, then emit the accepted tokens and the bonus token (cut at an
     EOS and at the output buffer's end) and advance each active row's cache length by their number; an
     inactive row changes nothing but scratch slots."""
-    base, (b, o), e = model.base, state.out_bo.shape, tree.depth + 1
+    inputs = ProposeInputs(model, state.hidden_bd, state.root_b, state.num_out_b, state.step, tree, proposer_data,
+                           state.draft, state.active_b)
+    proposal, draft = proposer(inputs)
+    if isinstance(tree, DraftSizes):
+        return sized_verify(model, state, proposal, draft, tree, acceptance, eos_ids)
+    verified = verify_inputs(proposal, state.root_b, state.cache.lengths_b, state.cache.cache_size, tree)
+    return verify_and_emit(model, state, verified, draft, acceptance, eos_ids)
+
+
+def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal, draft: Any, sizes: DraftSizes,
+                 acceptance: AcceptanceConfig, eos_ids: tuple[int, ...]) -> MedusaState:
+    """A mixed-draft step (`draft_merge.DraftSizes`): the proposal's best n nodes are verified, n the size of
+    `sizes` with the most predicted tokens per second over the active rows (`draft_merge.choose_size`), one
+    `lax.switch` branch per static size (size 0: the root alone, a plain step)."""
+    lengths_b, b = state.cache.lengths_b, state.root_b.shape[0]
+
+    def branch(nodes: int):
+        def run(proposal_, draft_, state_):
+            if nodes == 0:
+                tokens_bt = state_.root_b.astype(jnp.int32)[:, None]
+                mask_bts = attention_mask(lengths_b, jnp.ones((1, 1), bool), state_.cache.cache_size)
+                verified = (tokens_bt, mask_bts, lengths_b[:, None], plain_row_tree(b, sizes.depth))
+            else:
+                verified = verify_inputs(keep_best(proposal_, nodes), state_.root_b, lengths_b,
+                                         state_.cache.cache_size, sizes.tree(nodes))
+            return verify_and_emit(model, state_, verified, draft_, acceptance, eos_ids)
+        return run
+
+    choice = choose_size(proposal, sizes, state.active_b)
+    return jax.lax.switch(choice, [branch(n) for n in sizes.sizes], proposal, draft, state)
+
+
+def verify_and_emit(model: MedusaModel, state: MedusaState, verified, draft: Any, acceptance: AcceptanceConfig,
+                    eos_ids: tuple[int, ...]) -> MedusaState:
+    """Items 2-4 of the module docstring for one proposed tree (`verify_inputs`' tuple): verify, accept, record
+    the move, emit."""
+    tokens_bt, mask_bts, positions_bt, verified = verified
+    base, (b, o), e = model.base, state.out_bo.shape, verified.depth + 1
     active_b = state.active_b
     lengths_b = state.cache.lengths_b
     key, sub = jax.random.split(state.key)
-    inputs = ProposeInputs(model, state.hidden_bd, state.root_b, state.num_out_b, state.step, tree, proposer_data,
-                           state.draft, active_b)
-    proposal, draft = proposer(inputs)
-    tokens_bt, mask_bts, positions_bt, verified = verify_inputs(proposal, state.root_b, lengths_b,
-                                                                state.cache.cache_size, tree)
     # the drafter's features of the tree nodes: the final hidden states, or (EAGLE-3) the residual stream
     # entering its feature_layers, from this same forward
     hidden_btd, cache, taps_btf = base.forward_taps(tokens_bt, positions_bt, mask_bts, state.finish_moves(),

@@ -39,6 +39,7 @@ from medusa_jax.heads import recycle, recycle_file
 from medusa_jax.trees.tree import DEFAULT_TREE, DYNAMIC_PREFIX, PRESETS, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.api import HEADS_TREE, BatchSettings
+from medusa_jax.inference.mixed_decoding import is_mix, load_mixed
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, generate_rows, read_prompts, write_jsonl
@@ -57,7 +58,9 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
                         "Hub id ORG/NAME of published heads (read from the Hugging Face cache), or 'recycle' (Token "
                         "Recycling: drafts from a table of the tokens the model last ranked after each token, "
                         "refreshed as it decodes; no heads needed; SmolLM2 starts from the shipped warm table); "
-                        "enables Medusa decoding (default: plain decoding)")
+                        "enables Medusa decoding; 'lookup' (prompt lookup, no heads) or drafters joined by '+' (e.g. "
+                        "default+recycle+lookup): mixed drafts, merged into one tree per step whose size is chosen "
+                        "per step from this machine's measured step costs (default: plain decoding)")
     p.add_argument("--recycle-table", default=None,
                    help="with --heads recycle: the table file to start from (.npz, scripts/build_recycle_table.py "
                         "or --save-recycle-table; its vocabulary must be the model's) (default: the shipped SmolLM2 "
@@ -97,6 +100,8 @@ def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -
         if a.tree is not None or a.acceptance is not None or a.calibration is not None:
             p.error("--tree, --acceptance and --calibration need --heads (Medusa decoding)")
         return
+    if is_mix(a.heads) and (a.tree is not None or a.calibration is not None):
+        p.error(f"--heads {a.heads} (mixed drafts) chooses its draft size per step: drop --tree and --calibration")
     if a.heads == recycle.HEAD_TYPE and a.calibration is not None:
         p.error(f"--calibration {a.calibration} chooses a heads folder's own tree; --heads recycle drafts a fixed "
                 f"template (--tree, default {recycle.DEFAULT_TEMPLATE}): drop --calibration")
@@ -182,8 +187,10 @@ def check_paths(a: argparse.Namespace) -> None:
     validate.recycle_table_file("--recycle-table", a.recycle_table)
     tree_file = (a.tree if a.tree and a.tree not in PRESETS and a.tree not in recycle.TEMPLATES
                  and not a.tree.startswith(DYNAMIC_PREFIX) else None)
+    heads_folder = validate.heads_mix_arg("--heads", a.heads) if is_mix(a.heads) else \
+        validate.heads_location(a.heads)
     inputs = {"--input": a.input, "--model": validate.model_location(a.model),
-              "--heads": validate.heads_location(a.heads), "--tree": tree_file, "--recycle-table": a.recycle_table}
+              "--heads": heads_folder, "--tree": tree_file, "--recycle-table": a.recycle_table}
     if a.output is not None:
         validate.output_file("--output", a.output, inputs)
     if a.save_recycle_table is not None:
@@ -209,10 +216,14 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
     """Generation on the mesh (a mesh of one device without --mesh); process 0 prints and writes the output."""
     recycling = a.heads == recycle.HEAD_TYPE
     drafter = (lambda base: recycle_drafter(base, a.recycle_table)) if recycling else None
-    model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads and not recycling else None,
-                         MeshConfig.parse(a.mesh), a.dtype, drafter=drafter)
     tree, acceptance = None, AcceptanceConfig()
-    if a.heads:
+    if is_mix(a.heads):
+        model, tree = load_mixed(folder, a.heads, MeshConfig.parse(a.mesh), a.dtype, batch=a.batch_size)
+        acceptance = acceptance_config(a)
+    else:
+        model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads and not recycling else None,
+                             MeshConfig.parse(a.mesh), a.dtype, drafter=drafter)
+    if a.heads and not is_mix(a.heads):
         hc = model.heads_config
         if recycling and (a.tree is None or a.tree in recycle.TEMPLATES):
             tree = recycle.template_tree(a.tree or recycle.DEFAULT_TEMPLATE, hc.top_k)
@@ -275,7 +286,7 @@ def main(argv=None) -> int:
         if a.max_new_tokens >= positions:
             raise validate.UsageError(f"--max-new-tokens {a.max_new_tokens}: the model has {positions} positions in "
                                       f"all; lower it to at most {positions - 1} (less the prompt's tokens)")
-        if a.heads and a.heads != recycle.HEAD_TYPE:
+        if a.heads and a.heads != recycle.HEAD_TYPE and not is_mix(a.heads):
             validate.heads_arg("--heads", a.heads)
         records = read_prompts(a.input) if a.input else [PromptRecord(0, a.prompt)]
         tokenizer = load_tokenizer(folder)

@@ -30,6 +30,7 @@ from medusa_jax.demo_model import default_model_dir, resolve_model_dir
 from medusa_jax.heads import recycle, recycle_file
 from medusa_jax.trees import trees_file
 from medusa_jax.trees.tree import DYNAMIC_PREFIX, PRESETS, TreeError, load_tree
+from medusa_jax.inference.mixed_decoding import UNTRAINED, MixError, parse_mix
 from medusa_jax.hub import cached_folder, is_hub_id
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.sharding import MeshConfig
@@ -207,6 +208,21 @@ def heads_arg(flag: str, arg: str) -> Path:
         raise UsageError(f"{flag} {folder}: its {trees_file.FILE_NAME} is unreadable ({e}); rebuild it with "
                          f"scripts/build_tree.py or remove it") from None
     return folder
+
+
+def heads_mix_arg(flag: str, arg: str) -> Path | None:
+    """A --heads mix (`inference.mixed_decoding`: drafters joined by '+', e.g. default+lookup): every part a
+    drafter that needs no folder or a heads folder (checked as `heads_arg`); returns the heads folder or None."""
+    for part in arg.split("+"):
+        if part.strip() and part not in UNTRAINED and part not in SHIPPED_HEADS and not is_hub_id(part) \
+                and not Path(part).exists():
+            raise UsageError(f"{flag} {arg}: {part!r} is neither a drafter ({', '.join(UNTRAINED)}) nor a heads "
+                             f"folder ('default', 'default-medusa', a folder or a Hub id)")
+    try:
+        _, trained = parse_mix(arg)
+    except MixError as e:
+        raise UsageError(f"{flag} {e}") from None
+    return None if trained is None else heads_arg(flag, trained)
 
 
 def data_arg(flag: str, arg: str | None) -> Path | None:

@@ -75,6 +75,7 @@ BF = ("build_features", ["--model", M, "--data", D, "--output", "{w}/features", 
 PL = ("plan", ["--model", "llama3-8b"])
 BM = ("benchmark", ["--model", M, "--heads", H])
 BB = ("benchmark_batch", ["--model", M, "--heads", H])
+BX = ("benchmark_mixed", ["--model", M, "--heads", H])
 
 CASES = [  # (command, extra args, text the error line must hold)
     (GEN, ["--temperature", "nan"], "--temperature nan"), (GEN, ["--temperature", "inf"], "--temperature"),
@@ -93,6 +94,11 @@ CASES = [  # (command, extra args, text the error line must hold)
     (GEN, ["--heads", H, "--calibration", "sometimes"], "--calibration"), (GEN, ["--heads", H, "--tree", "{w}/nope.json"], "--tree"),
     (GEN, ["--heads", H, "--acceptance", "greedy", "--temperature", "0.5"], "--acceptance"),
     (GEN, ["--heads", "{w}/nope"], "--heads"), (GEN, ["--heads", "{w}/empty"], "no config.json"),
+    (BX, ["--budgets", "0"], "--budgets"), (BX, ["--mixes", "lookup@0"], "budget after @"),
+    (BX, ["--mixes", "lookup+lokup"], "neither a drafter"), (BX, ["--questions", "-1"], "--questions"),
+    (GEN, ["--heads", "default+lokup"], "'lokup' is neither a drafter"), (GEN, ["--heads", "lookup++default"], "no empty part"),
+    (GEN, ["--heads", "{w}/nope+lookup"], "neither a drafter"), (GEN, ["--heads", "lookup+lookup"], "named twice"),
+    (GEN, ["--heads", "{w}/empty+lookup"], "no config.json"), (GEN, ["--heads", "lookup", "--tree", "mc_sim_7b_63"], "drop --tree"),
     (("generate", ["--model", "{w}/nope", "--prompt", "hi"]), [], "does not exist"),
     (("generate", ["--model", "{w}/afile", "--prompt", "hi"]), [], "is a file"),
     (("generate", ["--model", "{w}/empty", "--prompt", "hi"]), [], "no config.json"),
@@ -267,7 +273,8 @@ def test_a_bad_input_is_one_error_line_and_changes_nothing(world, offline_hub, c
 def test_the_table_covers_every_command_and_more_than_150_inputs():
     names = {c[0][0] for c in CASES}
     assert names == {"generate", "self_distill", "train_heads", "export_heads", "build_tree", "build_features", "plan",
-                     "benchmark", "benchmark_batch", "benchmark_loading", "prepare_model", "plot_training", "serve"}
+                     "benchmark", "benchmark_batch", "benchmark_loading", "prepare_model", "plot_training", "serve",
+                     "benchmark_mixed"}
     assert len(CASES) > 150
 
 

@@ -44,7 +44,8 @@ PARAM_RULES: tuple[tuple[str, tuple[Any, ...]], ...] = (
     (r"(^|heads\.)fc\.kernel$", ("fsdp", "tensor")),  # EAGLE drafter: [2D, D]
     (r"^(heads\.)?lm_head\.kernel$", ("fsdp", "tensor")),  # EAGLE drafter's draft vocabulary [D, V_head]
     (r"token_map$", (None,)),
-    (r"(^|heads\.)recycle_table$", (None, None)),  # Token Recycling's [V, r] table: replicated, updated alike
+    # Token Recycling's [V, r] table: replicated, updated alike (alone, or inside a mix: heads.drafters.N.recycle_table)
+    (r"(^|\.)recycle_table$", (None, None)),
 )
 
 

@@ -1,0 +1,147 @@
+"""Mixed drafts on a real model: plain decoding against prompt lookup, the trained heads through the mix, and their
+mix, at several node budgets, on MT-Bench and on the input-grounded set (`bench.grounded_prompts`).
+
+Every method decodes every prompt alone (batch 1) greedily; the methods take turns prompt by prompt, so a change
+in machine load hits them alike. Per prompt set and method: tokens/step = new tokens / forward passes (prefill
+included), tokens/s without compilation (each result's `seconds`), speedup = tokens/s over plain's in the same
+run, and mismatches: answers that differ from plain greedy by one token or more (must be 0). `lookup_acceptance`
+measures, on the plain answers, how often prompt lookup's drafted tokens are right after an n-token match: the
+acceptance `heads.lookup.MATCH_ACCEPTANCE` predicts with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+import numpy as np
+
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.heads.lookup import LookupConfig
+from medusa_jax.inference.api import BatchSettings, generate_batch
+from medusa_jax.inference.mixed_decoding import build_mix, parse_mix
+from medusa_jax.inference.sharded import ShardedModel
+from medusa_jax.inference.loaded_model import LoadedModel
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    label: str  # e.g. "default+lookup@16"
+    parts: str | None  # a --heads mix ("lookup", "default+lookup"); None: plain
+    budget: int = 0
+
+
+def methods(mixes: Sequence[str], budgets: Sequence[int]) -> list[Method]:
+    """Plain, then each mix at each budget ("MIX@N": at N only)."""
+    out = [Method("plain", None)]
+    for m in mixes:
+        name, _, nodes = m.partition("@")
+        out += [Method(f"{name}@{b}", name, b) for b in ((int(nodes),) if nodes else budgets)]
+    return out
+
+
+def build_models(loaded: LoadedModel, chosen: Sequence[Method], heads_of) -> dict[str, tuple[ShardedModel, object]]:
+    """label -> (ShardedModel, tree setting); heads_of(location) loads a trained part (the loaded heads for
+    'default')."""
+    out = {}
+    for m in chosen:
+        if m.parts is None:
+            out[m.label] = (ShardedModel(loaded.base, None, MeshConfig()), None)
+            continue
+        untrained, trained = parse_mix(m.parts)
+        mix, sizes = build_mix(loaded.base, untrained, heads_of(trained) if trained else None, m.budget)
+        out[m.label] = (ShardedModel(loaded.base, mix, MeshConfig()), sizes)
+    return out
+
+
+PROMPT_WIDTH = 512  # every prompt padded to one width: one compilation per method (the mixed steps compile slowly)
+
+
+def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids, pad_id: int,
+            progress=None) -> dict[str, list[dict]]:
+    """label -> per prompt {tokens, steps, seconds, token_ids}; methods interleaved prompt by prompt."""
+    rows = {label: [] for label in models}
+    for i, prompt in enumerate(prompts):
+        for label, (model, tree) in models.items():
+            settings = BatchSettings(batch_size=1, max_new_tokens=max_new_tokens, tree=tree, eos_ids=tuple(eos_ids),
+                                     pad_id=pad_id, engine="batches", bucket=PROMPT_WIDTH)
+            r = generate_batch(model, [prompt], settings, progress=False).results[0]
+            rows[label].append({"tokens": r.new_tokens, "steps": r.steps, "seconds": r.seconds,
+                                "token_ids": r.token_ids})
+        if progress is not None:
+            progress(f"prompt {i + 1}/{len(prompts)}")
+    return rows
+
+
+def summarise(rows: dict[str, list[dict]], budgets_of: dict[str, int]) -> list[dict]:
+    plain = rows["plain"]
+    plain_rate = sum(r["tokens"] for r in plain) / max(sum(r["seconds"] for r in plain), 1e-9)
+    out = []
+    for label, per in rows.items():
+        tokens, steps, seconds = (sum(r[k] for r in per) for k in ("tokens", "steps", "seconds"))
+        rate = tokens / max(seconds, 1e-9)
+        speedups = [(r["tokens"] / max(r["seconds"], 1e-9)) / (p["tokens"] / max(p["seconds"], 1e-9))
+                    for r, p in zip(per, plain)]
+        out.append({"method": label, "nodes": budgets_of.get(label, 0), "prompts": len(per), "new_tokens": tokens,
+                    "tokens_per_step": round(tokens / max(steps, 1), 3), "tokens_per_second": round(rate, 2),
+                    "speedup": round(rate / plain_rate, 3), "min_prompt_speedup": round(min(speedups), 3),
+                    "mismatches": sum(r["token_ids"] != p["token_ids"] for r, p in zip(per, plain))})
+    return out
+
+
+def lookup_acceptance(sequences: Sequence[Sequence[int]], starts: Sequence[int], config: LookupConfig) -> dict:
+    """On greedy sequences (prompt + answer; the answer from starts[i]): at each answer position, the latest
+    longest match (as `heads.lookup` finds it) and its drafted chain; per match length n, drafted tokens tried
+    (the first, and each one after an accepted one) and accepted. {n: {"tried", "accepted", "rate"}}."""
+    tried, accepted = np.zeros(config.n_max + 1, int), np.zeros(config.n_max + 1, int)
+    for seq, start in zip(sequences, starts):
+        seq = list(seq)
+        for end in range(max(start, 1), len(seq) - 1):  # the root is seq[end - 1]; the answer continues at end
+            known = seq[:end]
+            best = None
+            for c in range(end - 1, 0, -1):
+                ns = [n for n in range(config.n_min, config.n_max + 1) if n <= c and known[c - n: c] == known[-n:]]
+                if ns and (best is None or max(ns) > best[1]):
+                    best = (c, max(ns))
+                    if best[1] == config.n_max:
+                        break
+            if best is None:
+                continue
+            c, n = best
+            for i in range(config.length):
+                if c + i >= end or end + i >= len(seq):
+                    break
+                tried[n] += 1
+                if known[c + i] != seq[end + i]:
+                    break
+                accepted[n] += 1
+    return {n: {"tried": int(tried[n]), "accepted": int(accepted[n]),
+                "rate": round(accepted[n] / tried[n], 3) if tried[n] else None}
+            for n in range(config.n_min, config.n_max + 1)}
+
+
+def markdown(results: dict, machine: dict, command: str) -> str:
+    lines = ["# Mixed drafts: prompt lookup, the shipped heads and their mix (SmolLM2-135M-Instruct, greedy)", "",
+             f"Command: `{command}`", "",
+             f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, {machine['backend']}, JAX {machine['jax']}, "
+             f"load average {machine['load_average_1m']:.1f} at the start (shared with other jobs: the speedups are "
+             f"ratios measured in the same run, methods interleaved prompt by prompt).", ""]
+    for name, summary in results["sets"].items():
+        lines += [f"## {name} ({summary[0]['prompts']} prompts, batch 1, {results['max_new_tokens']} new tokens)", "",
+                  "| method | nodes | tokens/step | tokens/s | speedup vs plain | worst prompt | mismatches |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in summary:
+            lines.append(f"| {row['method']} | {row['nodes'] or '-'} | {row['tokens_per_step']:.2f} | "
+                         f"{row['tokens_per_second']:.1f} | {row['speedup']:.2f}x | {row['min_prompt_speedup']:.2f}x | "
+                         f"{row['mismatches']} |")
+        lines.append("")
+    lines += ["## Prompt lookup's acceptance by match length (on the plain answers, all sets)", "",
+              "| n | drafted tokens tried | accepted | rate |", "|---|---|---|---|"]
+    for n, row in results["lookup_acceptance"].items():
+        lines.append(f"| {n} | {row['tried']} | {row['accepted']} | {row['rate']} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(results: dict) -> str:
+    return json.dumps(results, indent=1) + "\n"

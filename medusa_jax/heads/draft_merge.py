@@ -1,0 +1,164 @@
+"""Several drafters' candidates merged into ONE tree per step and row, and the few static draft sizes a step
+chooses among (`DraftSizes`).
+
+Candidates. Every drafter proposes a `dynamic_tree.TreeProposal`: node 0 the root, parents before children, each
+node scored with the log of its predicted acceptance (the probability that the whole path to it is accepted: the
+heads' probabilities along the path, prompt lookup's measured acceptance after an n-token match, ...), -inf for a
+node that is no candidate. `merge_proposals` concatenates them under one root and deduplicates: D rounds (one per
+depth) map every node to the first node with the same token under the same (deduplicated) parent, which takes
+the best score of its copies; copies drop to -inf. So siblings are distinct tokens, and every node scores at most
+its parent and comes after it: the N best nodes (`keep_best`: ties to the lower index) always include their
+ancestors. Kept nodes keep their order (parents first) and their parents are renumbered, as in `grow_tree`.
+
+Fewer than N candidates. Padding nodes, listed after every real node, are children of the root that repeat the
+root's first kept child (or the root's own token when there is none). A repeated sibling is never accepted in greedy acceptance (the first
+longest path wins) and has probability 0 in exact acceptance (`exact_acceptance.trial_outcomes`), so the output
+is unchanged; they cost verify width only, which the draft-size choice (`inference.draft_size`) avoids.
+
+Axes as in dynamic_tree.py; a: the merged candidates of a step (all drafters' nodes without their roots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from medusa_jax.trees.dynamic_tree import RowTree, TreeProposal
+from medusa_jax.trees.tree import DynamicTree
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSizes:
+    """The static shapes of a mixed-draft step: `sizes` verified node counts (0: a plain step) the step chooses
+    among by predicted tokens per second (`inference.draft_size`), `costs` the measured time of a step of each
+    size relative to a plain step, on this machine at this batch size, and `depth` the deepest path. Hashable:
+    a static argument of the jitted loop."""
+
+    sizes: tuple[int, ...]  # ascending, distinct, each >= 0
+    costs: tuple[float, ...]  # same length; a plain step (size 0) costs 1
+    depth: int  # D: the deepest drafted path (the accept-length axis is D + 1)
+
+    def __post_init__(self):
+        sizes = tuple(self.sizes)
+        if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes) or \
+                list(sizes) != sorted(set(sizes)) or sizes[-1] < 1:
+            raise ValueError(f"draft sizes must be distinct ascending integers >= 0, one >= 1; got {self.sizes!r}")
+        if len(self.costs) != len(sizes) or not all(c > 0 for c in self.costs):
+            raise ValueError(f"draft sizes {sizes} need one cost > 0 each, got {self.costs!r}")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
+            raise ValueError(f"draft depth must be an integer >= 1, got {self.depth!r}")
+
+    @property
+    def nodes(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        """T of the largest step: verified tokens, the root included (the cache's scratch slots)."""
+        return self.nodes + 1
+
+    @property
+    def name(self) -> str:
+        return "mixed:" + "/".join(str(n) for n in self.sizes) + f",d={self.depth}"
+
+    def tree(self, nodes: int) -> DynamicTree:
+        """The per-row tree spec of one size (any node may have up to `nodes` children)."""
+        return DynamicTree(nodes, top_k=max(nodes, 1), depth=self.depth)
+
+
+def merge_proposals(proposals: list[TreeProposal], depth: int) -> TreeProposal:
+    """One candidate tree from several (module docstring); T = 1 + the sum of their non-root nodes. The roots are
+    the same token (node 0); the result is deduplicated but not cut: `keep_best` cuts it."""
+    tokens, parents, depths, scores = [], [], [], []
+    offset = 0
+    for p in proposals:
+        parents.append(jnp.where(p.parent_bt[:, 1:] == 0, 0, p.parent_bt[:, 1:] + offset))
+        tokens.append(p.tokens_bt[:, 1:])
+        depths.append(p.depth_bt[:, 1:])
+        scores.append(p.score_bt[:, 1:])
+        offset += p.tokens_bt.shape[1] - 1
+    root = proposals[0]
+    token_bt = jnp.concatenate([root.tokens_bt[:, :1]] + tokens, axis=1).astype(jnp.int32)
+    parent_bt = jnp.concatenate([root.parent_bt[:, :1] * 0] + parents, axis=1).astype(jnp.int32)
+    depth_bt = jnp.concatenate([root.depth_bt[:, :1] * 0] + depths, axis=1).astype(jnp.int32)
+    score_bt = jnp.concatenate([root.score_bt[:, :1] * 0] + scores, axis=1).astype(jnp.float32)
+    b, t = token_bt.shape
+    node_t = jnp.arange(t, dtype=jnp.int32)
+    for _ in range(depth):  # every node scores at most its parent (-inf under a non-candidate)
+        score_bt = jnp.minimum(score_bt, jnp.take_along_axis(score_bt, parent_bt, axis=1))
+    valid_bt = (score_bt > -jnp.inf) | (node_t == 0)
+    same_bt_t = (token_bt[:, :, None] == token_bt[:, None, :]) & valid_bt[:, :, None] & valid_bt[:, None, :]
+    same_bt_t &= (node_t[:, None] > 0) & (node_t[None, :] > 0)
+    canon_bt = jnp.broadcast_to(node_t, (b, t))
+    for _ in range(depth):  # a node's parent is settled one round before the node itself
+        canon_parent_bt = jnp.take_along_axis(canon_bt, parent_bt, axis=1)
+        equal_btt = same_bt_t & (canon_parent_bt[:, :, None] == canon_parent_bt[:, None, :])
+        canon_bt = jnp.where(valid_bt & (node_t > 0), jnp.argmax(equal_btt, axis=2).astype(jnp.int32), node_t)
+    parent_bt = jnp.take_along_axis(canon_bt, parent_bt, axis=1)
+    copies_btt = canon_bt[:, None, :] == node_t[None, :, None]  # [b, t, a]: a is a copy of t (or t itself)
+    best_bt = jnp.max(jnp.where(copies_btt, score_bt[:, None, :], -jnp.inf), axis=2)
+    score_bt = jnp.where(canon_bt == node_t, best_bt, -jnp.inf).at[:, 0].set(0.0)
+    return TreeProposal(token_bt, parent_bt, depth_bt, score_bt)
+
+
+def keep_best(proposal: TreeProposal, nodes: int) -> TreeProposal:
+    """The `nodes` best non-root nodes of a deduplicated candidate tree, parents first, padded where fewer score
+    above -inf (module docstring); T = nodes + 1."""
+    b, t = proposal.tokens_bt.shape
+    rows_b1 = jnp.arange(b)[:, None]
+    score_ba = proposal.score_bt[:, 1:]
+    if nodes > t - 1:  # fewer candidates than nodes: pad the candidate list itself
+        extra = nodes - (t - 1)
+        score_ba = jnp.concatenate([score_ba, jnp.full((b, extra), -jnp.inf)], axis=1)
+    best_bn, keep_bn = jax.lax.top_k(score_ba, nodes)
+    keep_bn = jnp.sort(jnp.where(best_bn > -jnp.inf, keep_bn, keep_bn + score_ba.shape[1]), axis=1)  # pads last
+    keep_bn = keep_bn % score_ba.shape[1]
+    real_bn = jnp.take_along_axis(score_ba, keep_bn, axis=1) > -jnp.inf
+    source_bn = jnp.minimum(keep_bn + 1, t - 1)  # node index in the proposal
+    node_of_bt = jnp.zeros((b, t), jnp.int32).at[rows_b1, jnp.where(real_bn, source_bn, t)].set(
+        jnp.arange(1, nodes + 1, dtype=jnp.int32), mode="drop")
+    parent_bn = node_of_bt[rows_b1, proposal.parent_bt[rows_b1, source_bn]]
+    token_bn = proposal.tokens_bt[rows_b1, source_bn]
+    depth_bn = proposal.depth_bt[rows_b1, source_bn]
+    # padding: a child of the root repeating the first kept depth-1 node's token (the root's when none)
+    first_child_b = jnp.argmax(real_bn & (depth_bn == 1), axis=1)
+    has_child_b = jnp.any(real_bn & (depth_bn == 1), axis=1)
+    pad_token_b = jnp.where(has_child_b, token_bn[jnp.arange(b), first_child_b], proposal.tokens_bt[:, 0])
+    zeros_b1 = jnp.zeros((b, 1), jnp.int32)
+    return TreeProposal(
+        jnp.concatenate([proposal.tokens_bt[:, :1], jnp.where(real_bn, token_bn, pad_token_b[:, None])], axis=1),
+        jnp.concatenate([zeros_b1, jnp.where(real_bn, parent_bn, 0)], axis=1),
+        jnp.concatenate([zeros_b1, jnp.where(real_bn, depth_bn, 1)], axis=1),
+        jnp.concatenate([jnp.zeros((b, 1), jnp.float32), jnp.where(real_bn, score_ba[rows_b1, keep_bn], -jnp.inf)],
+                        axis=1))
+
+
+def expected_accepts(proposal: TreeProposal, sizes: tuple[int, ...]) -> jax.Array:
+    """[b, len(sizes)] predicted accepted tokens if the best n nodes are verified, n in sizes: the sum of their
+    acceptance probabilities (node n is accepted with the probability that its whole path is)."""
+    t = proposal.score_bt.shape[1]
+    top_bn, _ = jax.lax.top_k(proposal.score_bt[:, 1:], min(max(sizes), t - 1))
+    cumulative_bn = jnp.concatenate([jnp.zeros_like(top_bn[:, :1]), jnp.cumsum(jnp.exp(top_bn), axis=1)], axis=1)
+    return cumulative_bn[:, jnp.asarray([min(n, t - 1) for n in sizes])]
+
+
+def choose_size(proposal: TreeProposal, sizes: DraftSizes, active_b: jax.Array) -> jax.Array:
+    """The index into sizes.sizes (int32 scalar) with the most predicted tokens per unit of time, summed over the
+    active rows (one size for the batch: the verify forward has one shape): a step verifying the best n nodes emits
+    1 + E_n tokens on average (`expected_accepts`) and costs c_n plain steps (`sizes.costs`, measured on this
+    machine by `inference.draft_size.measure_size_costs`). On a CPU at batch 1 a long lookup hit thus runs as a
+    long chain, and a step where no drafter is confident runs plain (size 0)."""
+    gain_bk = (1.0 + expected_accepts(proposal, sizes.sizes)) / jnp.asarray(sizes.costs, jnp.float32)
+    gain_k = jnp.sum(jnp.where(active_b[:, None], gain_bk, 0.0), axis=0)
+    return jnp.argmax(gain_k).astype(jnp.int32)
+
+
+def plain_row_tree(batch: int, depth: int) -> RowTree:
+    """A one-node tree (the root alone) in RowTree form: verifying it is a plain step (accept length 0, the bonus
+    token from the root's logits)."""
+    zeros_b1 = jnp.zeros((batch, 1), jnp.int32)
+    return RowTree(zeros_b1, zeros_b1, jnp.ones((batch, 1, 1), bool), jnp.zeros((batch, 1, depth + 1), jnp.int32),
+                   jnp.zeros((batch, 1, depth + 1), bool), jnp.full((batch, 1, 1), -1, jnp.int32),
+                   jnp.zeros((batch, 1, 1), bool), depth)

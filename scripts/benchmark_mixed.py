@@ -1,0 +1,96 @@
+"""Mixed drafts against plain decoding on MT-Bench and the input-grounded set (`medusa_jax.bench.mixed_drafts`):
+
+  python scripts/benchmark_mixed.py --model default --heads default --mixes lookup,default+lookup \
+      --budgets 4,16,64 --questions 16 --grounded 16 --max-new-tokens 128 --out bench/mixed_drafts
+
+Writes OUT/results.json and OUT/README.md (tokens/step, tokens/s, speedup vs plain in the same run, mismatches
+against plain greedy, prompt lookup's acceptance by match length) with the command and the machine.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from medusa_jax.scripts import validate
+from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
+
+from medusa_jax.assets import resolve_heads_dir
+from medusa_jax.compile_cache import enable_compile_cache
+from medusa_jax.heads.load import load_heads
+from medusa_jax.inference.mixed_decoding import UNTRAINED
+from medusa_jax.bench import grounded_prompts, mixed_drafts
+from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
+from medusa_jax.inference.loaded_model import load_model
+from medusa_jax.paths import command_line
+from medusa_jax.trees.policy.calibration import machine_description
+
+
+def parse(argv):
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default", help="model folder or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument("--heads", default="default", help="the trained heads a mix's 'default' part names "
+                                                      "(default: %(default)s, the shipped Hydra heads)")
+    p.add_argument("--mixes", default="lookup,default+lookup",
+                   help="comma-separated --heads mixes to compare with plain decoding, each at every --budgets "
+                        "value, or at one given as MIX@NODES (default: %(default)s)")
+    p.add_argument("--budgets", check=each(at_least(1)), type=parse_positive_int_list, default=(4, 16, 64),
+                   help="node budgets: the most nodes a step verifies (default: 4,16,64)")
+    p.add_argument("--questions", check=at_least(0), type=int, default=16, help="MT-Bench questions (first turns)")
+    p.add_argument("--grounded", check=at_least(0), type=int, default=16, help="input-grounded prompts")
+    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=128)
+    p.add_argument("--out", default="artifacts/mixed_drafts", help="report folder (default: %(default)s)")
+    a = p.parse_args(argv)
+    try:
+        mixes = tuple(m for m in a.mixes.split(","))
+        for m in mixes:
+            m, _, nodes = m.partition("@")
+            if nodes and (not nodes.isdigit() or int(nodes) < 1):
+                raise validate.UsageError(f"--mixes {m}@{nodes}: the node budget after @ must be an integer >= 1")
+            if "+" in m or m in UNTRAINED:
+                validate.heads_mix_arg("--mixes", m)
+            else:
+                validate.heads_arg("--mixes", m)
+        validate.heads_arg("--heads", a.heads)
+        validate.output_folder("--out", a.out, {"--model": validate.model_location(a.model)})
+    except validate.UsageError as e:
+        p.error(str(e))
+    return a, mixes
+
+
+def main(argv=None) -> int:
+    a, mixes = parse(argv)
+    enable_compile_cache()
+    machine = machine_description()
+    loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+    heads_of = lambda where: loaded.heads if where == a.heads else load_heads(resolve_heads_dir(where),  # noqa
+                                                                             base=loaded.base)
+    chosen = mixed_drafts.methods(mixes, a.budgets)
+    models = mixed_drafts.build_models(loaded, chosen, heads_of)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    sets = {}
+    if a.questions:
+        sets["MT-Bench"] = loaded.encode_chat([q.first_turn for q in mtbench_questions(a.questions)])
+    if a.grounded:
+        sets["input-grounded"] = loaded.encode_chat([r["prompt"] for r in grounded_prompts.load()[: a.grounded]])
+    results = {"max_new_tokens": a.max_new_tokens, "machine": machine, "sets": {}, "draft_sizes": {
+        label: None if tree is None else {"sizes": tree.sizes, "costs": [round(c, 3) for c in tree.costs],
+                                          "depth": tree.depth} for label, (_, tree) in models.items()}}
+    sequences, starts = [], []
+    for name, prompts in sets.items():
+        say(f"{name}: {len(prompts)} prompts x {len(models)} methods")
+        rows = mixed_drafts.run_set(models, prompts, a.max_new_tokens, loaded.eos_ids, loaded.pad_id, say)
+        results["sets"][name] = mixed_drafts.summarise(rows, {m.label: m.budget for m in chosen})
+        sequences += [p + r["token_ids"] for p, r in zip(prompts, rows["plain"])]
+        starts += [len(p) for p in prompts]
+    results["lookup_acceptance"] = mixed_drafts.lookup_acceptance(sequences, starts,
+                                                                  mixed_drafts.LookupConfig(length=10))
+    command = command_line("scripts/benchmark_mixed.py", argv)
+    results["command"] = command
+    write_files(a.out, {"results.json": mixed_drafts.to_json(results),
+                        "README.md": mixed_drafts.markdown(results, machine, command)})
+    print(mixed_drafts.markdown(results, machine, command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

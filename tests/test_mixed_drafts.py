@@ -1,0 +1,315 @@
+"""Prompt lookup and mixed drafts (medusa_jax/heads/lookup.py, draft_merge.py, mixed.py): the on-device match
+equals a brute-force search, the merged tree is deduplicated and ancestor-closed with parents first, the size
+choice follows predicted tokens per unit of time, and whole decodes are greedy token-identical to plain greedy
+(lookup alone and mixed with Medusa or Hydra heads; batch 1 and a ragged batch with a mid-run EOS; tiny
+Llama/Qwen2/Mistral; prompts that repeat, so that lookup hits and long chains are accepted). Exact sampling's law
+with lookup in the tree: tests/test_exact_sampling.py's check, here; meshes: tests/test_sharded_decode.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.heads.folder import save_heads
+from medusa_jax.heads.draft_merge import DraftSizes, choose_size, expected_accepts, keep_best, merge_proposals
+from medusa_jax.trees.dynamic_tree import TreeProposal
+from medusa_jax.heads.lookup import LookupConfig, init_lookup, lookup_matches, lookup_proposal
+from medusa_jax.heads.medusa import MedusaModel
+from medusa_jax.heads.mixed import make_mix, template_spec
+from medusa_jax.heads.recycle import RANK_ACCEPTANCE, RecycleConfig, RecycleDrafter, template_tree
+from medusa_jax.trees.tree import DynamicTree
+from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.api import generate, generate_medusa
+from medusa_jax.inference.medusa import medusa_decode
+from medusa_jax.inference.mixed_decoding import MixError, build_mix, is_mix, parse_mix, sizes_for
+
+import test_exact_sampling as exact_sampling
+from test_exact_sampling import setup  # noqa: F401 (the fixture of the law check's model)
+from test_medusa import pick_eos, random_heads
+
+N = 40
+REPEATING = [5, 9, 2, 17, 33, 4, 8, 5, 9, 2, 17, 33, 4, 8, 5, 9, 2]
+PROMPTS = {
+    "batch1": [REPEATING],
+    "ragged4": [REPEATING[:11], [11, 3, 8, 21, 7, 2], [6, 1, 6, 1, 6, 1, 6] + REPEATING, [50, 22, 16, 90, 4, 3]],
+}
+SIZES = (0, 2, 8)
+COSTS = (1.0, 1.1, 1.3)  # cheap drafts: the chosen size varies between steps
+
+
+def brute_matches(tokens, config: LookupConfig):
+    """Every known position c whose n tokens before it equal the last n (n_min..n_max, its longest n; the end
+    itself excluded): [(c, n)] by n, then c, descending; at most `branches`."""
+    found = []
+    for c in range(len(tokens) - 1, 0, -1):
+        ns = [n for n in range(config.n_min, config.n_max + 1) if n <= c and tokens[c - n: c] == tokens[-n:]]
+        if ns:
+            found.append((c, max(ns)))
+    return sorted(found, key=lambda x: (x[1], x[0]), reverse=True)[: config.branches]
+
+
+def test_lookup_matches_equal_a_brute_force_search():
+    config = LookupConfig(n_max=3, n_min=1, length=4, branches=3)
+    rng = np.random.default_rng(0)
+    s = 40
+    rows = [rng.integers(0, 4, n).tolist() for n in (1, 2, 5, 17, 30, 39)]
+    tokens_bs = np.zeros((len(rows), s), np.int32)
+    for b, r in enumerate(rows):
+        tokens_bs[b, : len(r)] = r
+    next_bw, n_bw = lookup_matches(config, jnp.asarray(tokens_bs), jnp.asarray([len(r) for r in rows]))
+    for b, r in enumerate(rows):
+        want = brute_matches(r, config)
+        got = [(int(j), int(n)) for j, n in zip(next_bw[b], n_bw[b]) if n > 0]
+        assert got == want, (b, r)
+
+
+def test_lookup_proposal_drafts_what_followed_the_latest_longest_match():
+    config = LookupConfig(n_max=3, n_min=1, length=6, branches=2)
+    prompt = [7, 1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2]  # root 3: "1 2 3" matched twice, the later is followed by 4 5 1 2 3
+    state = init_lookup(jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)]), 32)
+    p = lookup_proposal(config, state, jnp.asarray([3]))
+    tokens, score = np.asarray(p.tokens_bt[0]), np.asarray(p.score_bt[0])
+    assert tokens[1:6].tolist() == [4, 5, 1, 2, 3] and np.isfinite(score[1:6]).all()
+    assert score[6] == -np.inf  # the chain stops where the known tokens end (the root is the last)
+    assert tokens[7:13].tolist() == [9, 1, 2, 3, 4, 5] and np.isfinite(score[7:13]).all()  # the earlier match
+    assert (np.diff(score[1:6]) < 0).all() and score[7] < score[1]
+    assert np.asarray(p.parent_bt[0]).tolist() == [0, 0, 1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11]
+    none = lookup_proposal(config, init_lookup(jnp.asarray([[1, 2, 3]]), jnp.asarray([3]), 8), jnp.asarray([4]))
+    assert (np.asarray(none.score_bt[0, 1:]) == -np.inf).all()  # no match: no candidate
+
+
+def paths_of(p: TreeProposal, b: int, finite_only: bool = True) -> dict:
+    """{path (tokens from depth 1): score} of row b's nodes."""
+    tokens, parents, scores = (np.asarray(x[b]).tolist() for x in (p.tokens_bt, p.parent_bt, p.score_bt))
+    out = {}
+    for t in range(1, len(tokens)):
+        if finite_only and not np.isfinite(scores[t]):
+            continue
+        path, u = [], t
+        while u != 0:
+            path.append(tokens[u])
+            u = parents[u]
+        out.setdefault(tuple(reversed(path)), []).append(scores[t])
+    return out
+
+
+def chain(tokens, logp, root=0):
+    t = len(tokens)
+    return TreeProposal(jnp.asarray([[root] + tokens], jnp.int32), jnp.asarray([[0] + list(range(t))], jnp.int32),
+                        jnp.asarray([list(range(t + 1))], jnp.int32),
+                        jnp.asarray([[0.0] + [logp * (i + 1) for i in range(t)]], jnp.float32))
+
+
+def test_merge_dedups_shared_prefixes_and_keeps_ancestor_closed_best_nodes():
+    a = chain([4, 5, 6, 7], -0.5)  # 4 5 6 7
+    b = chain([4, 5, 9], -0.2)  # shares the prefix 4 5: one copy, the better score
+    c = chain([8], -3.0)
+    bad = chain([4, 5, 6], -np.inf)  # no candidates at all
+    merged = merge_proposals([a, b, c, bad], depth=4)
+    paths = paths_of(merged, 0)
+    assert all(len(v) == 1 for v in paths.values())  # every path once
+    assert set(paths) == {(4,), (4, 5), (4, 5, 6), (4, 5, 6, 7), (4, 5, 9), (8,)}
+    assert paths[(4,)] == [pytest.approx(-0.2)] and paths[(4, 5)] == [pytest.approx(-0.4)]
+    for nodes in (1, 2, 3, 5, 6, 9):
+        kept = keep_best(merged, nodes)
+        parent = np.asarray(kept.parent_bt[0])
+        assert (parent[1:] < np.arange(1, nodes + 1)).all()  # parents first
+        real = paths_of(kept, 0)
+        assert all(p[:-1] in real for p in real if len(p) > 1)  # ancestor-closed
+        best = sorted((s[0] for s in paths.values()), reverse=True)[:nodes]
+        assert sorted((s[0] for s in real.values()), reverse=True) == pytest.approx(best)
+        siblings = {}
+        for t in range(1, nodes + 1):  # padding repeats a sibling; real siblings are distinct
+            siblings.setdefault(int(parent[t]), []).append(int(kept.tokens_bt[0, t]))
+        assert len(set(siblings[0])) == len({p[0] for p in real})
+    padded = keep_best(merged, 9)
+    assert np.asarray(padded.depth_bt[0, 7:]).tolist() == [1, 1, 1] and (padded.parent_bt[0, 7:] == 0).all()
+    np.testing.assert_allclose(np.asarray(expected_accepts(merged, (0, 1, 3))[0]),
+                               [0, np.exp(-0.2), np.exp(-0.2) + np.exp(-0.4) + np.exp(-0.6)], rtol=1e-5)
+
+
+def test_choose_size_follows_predicted_tokens_per_unit_of_time():
+    sizes = DraftSizes((0, 2, 8), (1.0, 1.3, 2.0), depth=8)
+    sure = chain([1] * 8, -0.01)  # a confident lookup hit: 1 + ~8 tokens for 2x the time
+    weak = chain([1] * 8, -3.0)  # unlikely drafts: plain
+    middling = chain([1, 2], -0.3)  # ~1.3 tokens more for 1.3x: two nodes
+    active = jnp.asarray([True])
+    for p, want in ((sure, 2), (weak, 0), (middling, 1)):
+        assert int(choose_size(keep_best(merge_proposals([p], 8), 8), sizes, active)) == want
+    assert int(choose_size(keep_best(merge_proposals([sure], 8), 8), sizes, jnp.asarray([False]))) == 0
+    with pytest.raises(ValueError, match="distinct ascending"):
+        DraftSizes((4, 2), (1.0, 1.0), depth=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """kind -> (base, {case: (eos_ids, plain greedy results)})."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            # a narrower init than test_medusa's 0.3: greedy continuations that fall into loops, which lookup finds
+            base = load_pretrained(tiny_model_dir(kind, initializer_range=0.1))
+            refs = {"batch1": ((), generate(base, PROMPTS["batch1"], max_new_tokens=N, eos_ids=()))}
+            free = generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=())
+            eos = pick_eos(free[2].token_ids, lo=N // 3)
+            refs["ragged4"] = ((eos,), generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=(eos,)))
+            assert any(len(r.token_ids) < N for r in refs["ragged4"][1])  # a row stops at the EOS, mid-generation
+            made[kind] = (base, refs)
+        return made[kind]
+
+    return get
+
+
+def mix_of(base, parts: str):
+    """A mix of the '+'-joined parts: 'medusa' or 'hydra' (random heads), 'recycle' (a fresh table), 'lookup'."""
+    config, names = base.config, parts.split("+")
+    trained = next((random_heads(base, head_type=n) for n in names if n in ("medusa", "hydra")), None)
+    template = None
+    if "recycle" in names:
+        recycler = RecycleDrafter(RecycleConfig(config.hidden_size, config.vocab_size))
+        template = (recycler, template_spec(template_tree("recycle_8"), RANK_ACCEPTANCE))
+    return make_mix(config.hidden_size, config.vocab_size, trained=trained,
+                    trained_tree=DynamicTree(6, top_k=2, depth=3) if trained is not None else None,
+                    lookup=LookupConfig(length=6, branches=2) if "lookup" in names else None, template=template)
+
+
+CASES = [("llama", "lookup", "batch1"), ("llama", "lookup", "ragged4"), ("llama", "medusa+lookup", "ragged4"),
+         ("qwen2", "hydra+lookup", "batch1"), ("qwen2", "medusa+lookup", "ragged4"),
+         ("mistral", "lookup", "ragged4"), ("llama", "medusa+recycle+lookup", "ragged4"),
+         ("qwen2", "recycle+lookup", "batch1"), ("mistral", "hydra+recycle+lookup", "batch1")]
+
+
+@pytest.mark.parametrize("kind, parts, case", CASES)
+def test_mixed_drafts_greedy_equals_plain_greedy(tiny, kind, parts, case):
+    base, refs = tiny(kind)
+    eos_ids, reference = refs[case]
+    mix = mix_of(base, parts)
+    sizes = DraftSizes(SIZES, COSTS, depth=mix.depth)
+    got = generate_medusa(base, mix, PROMPTS[case], tree=sizes, max_new_tokens=N, eos_ids=eos_ids)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference]
+    accepts = [a for r in got for a in r.accept_lengths]
+    assert all(0 <= a <= mix.depth for a in accepts)
+    assert max(accepts) >= 2  # the repeats are found: chains of two or more tokens accepted
+
+
+def test_lookup_with_sampling_stays_seeded_and_typical_runs(tiny):
+    base, refs = tiny("llama")
+    mix = mix_of(base, "lookup")
+    sizes = DraftSizes(SIZES, COSTS, depth=mix.depth)
+    exact = AcceptanceConfig("exact", temperature=0.8)
+    runs = [generate_medusa(base, mix, PROMPTS["ragged4"], tree=sizes, max_new_tokens=N, eos_ids=(),
+                            acceptance=exact, seed=3) for _ in range(2)]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+    assert all(len(r.token_ids) == N for r in runs[0])
+
+
+def test_mixed_drafts_on_meshes_equal_plain_greedy_on_one_device(tiny_model_dir, tmp_path):
+    """Lookup alone and mixed with Medusa heads on (1,1), (8,1) and (2,4) meshes of 8 forced CPU devices
+    (tests/mixed_sharded_worker.py): plain greedy's tokens, and the same steps on every mesh."""
+    folder = tiny_model_dir("llama", initializer_range=0.1, num_attention_heads=8, num_key_value_heads=8)
+    out = tmp_path / "report.json"
+    worker = Path(__file__).with_name("mixed_sharded_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(folder), str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    for name in ("lookup", "medusa+lookup"):
+        runs = [report[f"{name} {mesh}"] for mesh in ("1,1", "8,1", "2,4")]
+        for run in runs:
+            assert run["tokens"] == report["reference"], name
+            assert run["accepts"] == runs[0]["accepts"], name
+        assert max(a for row in runs[0]["accepts"] for a in row) >= 2  # lookup hits on the repeating rows
+
+
+@partial(jax.jit, static_argnames=("graphdef", "sizes", "config"))
+def draw_mixed(graphdef, params, prompt_bt, lens_b, keys_x, *, sizes, config):
+    """[X, B, 3] tokens and [X, B, 3] accept lengths of X independent exact-sampling runs of a mix."""
+    def one(key):
+        cache = KVCache.zeros(config, prompt_bt.shape[0], 16)
+        out_bo, _, _, accept_bo, _ = medusa_decode(graphdef, params, cache, prompt_bt, lens_b, key, tree=sizes,
+                                                   max_new_tokens=exact_sampling.N_OUT, acceptance=exact_sampling.EXACT,
+                                                   eos_ids=(), pad_id=0)
+        return out_bo, accept_bo
+
+    return jax.vmap(one)(keys_x)
+
+
+def test_exact_sampling_with_lookup_drafts_has_the_plain_samplers_law(setup):
+    """tests/test_exact_sampling.py's law check (chi-square and a total-variation bound over the first 3 tokens of
+    4 ragged prompts, 20,000 rows) with prompt lookup's deterministic drafts, alone and mixed with Medusa heads,
+    the draft size chosen per step."""
+    graphdef, params, laws, _ = setup
+    base = nnx.merge(graphdef, params).base
+    heads = nnx.merge(graphdef, params).heads
+    prompts = exact_sampling.PROMPTS
+    prompt_bt = np.zeros((len(prompts), exact_sampling.WIDTH), np.int32)
+    for i, q in enumerate(prompts):
+        prompt_bt[i, : len(q)] = q
+    for seed, trained in ((21, None), (22, heads)):
+        mix = make_mix(32, exact_sampling.V, trained=trained, lookup=LookupConfig(n_max=2, length=2, branches=2),
+                       trained_tree=DynamicTree(3, 2, 2) if trained is not None else None)
+        g, p = nnx.split(MedusaModel(base, mix))
+        sizes = DraftSizes((0, 1, 4), (1.0, 1.02, 1.05), depth=2)
+        out_xbo, accept_xbo = draw_mixed(g, p, jnp.asarray(prompt_bt), jnp.asarray([len(q) for q in prompts]),
+                                         jax.random.split(jax.random.key(seed), 5_000), sizes=sizes,
+                                         config=base.config)
+        check = exact_sampling.law_check(np.asarray(out_xbo), list(range(len(prompts))), laws)
+        assert check["n"] >= 20_000 and exact_sampling.passes(check), check
+        first = np.asarray(accept_xbo)[:, :, 0]
+        assert (first >= 1).mean() > 0.05, np.bincount(first.ravel())  # lookup's drafts are accepted often
+
+
+def test_generate_script_with_lookup_and_a_mix(tiny_model_dir, tmp_path, capsys):
+    """scripts/generate.py --heads lookup and --heads HEADS+lookup --json: plain's tokens, the mix named in the row."""
+    import transformers  # lazy, with tokenizers: only this test builds a tokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama", initializer_range=0.1), folder)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(100)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>",
+                                         pad_token="<unk>").save_pretrained(folder)
+    save_heads(random_heads(load_pretrained(folder)), tmp_path / "heads")
+    spec = importlib.util.spec_from_file_location("generate", Path(__file__).parents[1] / "scripts/generate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    common = ["--model", str(folder), "--prompt", "w1 w2 w3 w4 w1 w2 w3 w4 w1 w2", "--max-new-tokens", "16", "--json"]
+    assert script.main(common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    for heads in ("lookup", f"{tmp_path / 'heads'}+lookup"):
+        assert script.main(common + ["--heads", heads]) == 0
+        row = json.loads(capsys.readouterr().out)
+        assert row["token_ids"] == plain["token_ids"] and row["decoder"] == "medusa"
+        assert row["tree"].startswith("mixed drafts (mixed:0/")
+
+
+def test_build_mix_sizes_its_budget_and_measures_non_decreasing_costs(tiny):
+    """`mixed_decoding.build_mix`: plain and three sizes up to the candidates within the budget, and measured
+    costs (a step of more nodes never costs less; the drafting's cost is added to every size, plain included)."""
+    base, _ = tiny("llama")
+    mix, sizes = build_mix(base, ("lookup",), None, 16)
+    assert mix.candidates == 10 and sizes.depth == 10  # one chain of 10 (lookup_for(16))
+    assert sizes.sizes == sizes_for(10) == (0, 1, 3, 10) and sizes_for(64) == (0, 8, 21, 64)
+    assert len(sizes.costs) == 4 and all(b >= a for a, b in zip(sizes.costs, sizes.costs[1:]))
+    assert sizes.costs[0] >= 1.0  # plain: one forward, plus the drafting
+    with pytest.raises(MixError, match="empty part"):
+        parse_mix("lookup++default")
+    assert parse_mix("default+recycle+lookup") == (("recycle", "lookup"), "default")
+    assert is_mix("lookup") and is_mix("default+lookup") and not is_mix("recycle") and not is_mix("default")
