@@ -32,7 +32,7 @@ from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads.load import load_heads
 from medusa_jax.trees.tree import PRESETS
 from medusa_jax.trees.trees_file import trees_of
-from medusa_jax.inference.medusa import choose_tree
+from medusa_jax.trees.policy.choose import choose_tree
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
 from medusa_jax.hub import HubError
 from medusa_jax.scripts import validate
