@@ -66,6 +66,8 @@ DC = ("benchmark_batch", ["decode", "--model", M, "--out", "{w}/dc"])
 GP = ("benchmark_batch", ["gpu", "--tiny", "--out", "{w}/gp"])
 LD = ("benchmark_loading", ["--model", M, "--out", "{w}/ld"])
 PT = ("plot_training", ["{w}/log.jsonl", "--output", "{w}/curves.png"])
+SV = ("serve", ["--model", M, "--port", "65533"])  # a port no case binds
+BX = ("benchmark_mixed", ["--model", M, "--heads", H, "--out", "{w}/bx"])
 
 
 def cmd(name: str, *argv: str):
@@ -319,6 +321,14 @@ CASES = [  # (command, extra args, text the error line must hold)
     (cmd("plot_training", "{w}/log_eval.jsonl"), [], "top1"),
     (cmd("plot_training", "{w}/log_str.jsonl"), [], "head_loss"),
     (cmd("plot_training", "{w}/log.jsonl", "--output", "{w}/link_log.png"), [], "--output"),
+    # ---- serve, benchmark_mixed: numbers written oddly, empty values, outputs inside inputs
+    (SV, ["--port", "1e3"], "--port"), (SV, ["--port", "-1"], "--port"), (SV, ["--batch-size", "nan"], "--batch-size"),
+    (SV, ["--max-queue", "²"], "--max-queue"), (SV, ["--context", ""], "--context"),
+    (SV, ["--chunk-steps", "0x10"], "--chunk-steps"), (SV, ["--heads", "{w}/badcfg"], "--heads"),
+    (BX, ["--budgets", ""], "--budgets"), (BX, ["--budgets", "1e3"], "--budgets"),
+    (BX, ["--questions", "1.5"], "--questions"), (BX, ["--max-new-tokens", "²"], "--max-new-tokens"),
+    (BX, ["--mixes", ""], "--mixes"), (BX, ["--out", ""], "--out"), (BX, ["--grounded", "-1"], "--grounded"),
+    (BX, ["--out", "{w}/link_model"], "is the --model folder"),
 ]
 
 
