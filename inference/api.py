@@ -78,8 +78,9 @@ class BatchSettings:
     calibration: str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.tree, (TreeBuffers, DynamicTree, HeadsOwnTree, type(None))):
-            raise ValueError(f"tree must be TreeBuffers, None (plain), a DynamicTree or HEADS_TREE, got {self.tree!r}")
+        if not isinstance(self.tree, (TreeBuffers, DynamicTree, DraftSizes, HeadsOwnTree, type(None))):
+            raise ValueError(f"tree must be TreeBuffers, None (plain), a DynamicTree, DraftSizes (mixed drafts) or "
+                             f"HEADS_TREE, got {self.tree!r}")
         if self.calibration is not None:
             check_mode(self.calibration)
         if self.engine not in ENGINES:
