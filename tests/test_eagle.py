@@ -24,7 +24,6 @@ from medusa_jax.heads.eagle_layout import export_eagle
 from medusa_jax.heads.folder import load_native_heads, save_heads
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
-from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.trees.tree import DynamicTree, build_tree, load_tree
@@ -32,11 +31,9 @@ from medusa_jax.training import hidden_store as fs
 from medusa_jax.training import trainer as trainer_mod
 from medusa_jax.training.data import segment_mask
 from medusa_jax.trees.policy import step_cost
-from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.autoregressive import prefill_states
-from medusa_jax.inference.medusa import MedusaState, medusa_step
 
-from decode_helpers import randomise_kernels
+from decode_helpers import planted_drafter_step, randomise_kernels
 from training_helpers import build_tiny_chat_model, chat_records, write_json
 
 
@@ -149,22 +146,8 @@ def test_drafts_after_an_accepted_path_equal_plain_forwards(base, accept):
     p = jnp.asarray([prompt], jnp.int32)
     last, cache, hidden = prefill_states(base, p, jnp.asarray([n]), KVCache.zeros(base.config, 1, size))
     draft = d.init_draft(base, p, jnp.asarray([n]), hidden, size, tree.depth)
-    vocab = base.config.vocab_size
-    chain = [truth[n + 1 + i] if i < accept else (truth[n + 1 + i] + 1) % vocab for i in range(3)]
     # the chain [0], [0, 0], [0, 0, 0] holds the true tokens up to `accept`; node [1] a wrong one
-    planted_t = [truth[n]] + [chain[len(p) - 1] if not any(p) else (truth[n + 1] + 2) % vocab for p in tree.paths]
-
-    def planted(inputs):
-        _, draft = d.propose(inputs.hidden_bd, inputs.root_b, base, tree, inputs.draft, inputs.active_b)
-        return jnp.asarray([planted_t], jnp.int32), draft
-
-    out = jnp.zeros((1, 16), jnp.int32).at[0, 0].set(truth[n])
-    moves = jnp.asarray([[n + i for i in range(tree.depth + 1)]], jnp.int32)
-    state = MedusaState(cache, jnp.asarray([truth[n]]), last, out, jnp.ones((1,), jnp.int32),
-                        jnp.zeros((1,), bool), jnp.zeros((1,), jnp.int32), jnp.zeros((1, 16), jnp.int32),
-                        jnp.zeros((), jnp.int32), jax.random.key(0), moves, moves, draft)
-    step = jax.jit(medusa_step, static_argnames=("tree", "acceptance", "eos_ids", "proposer"))
-    state = step(MedusaModel(base, d), state, tree=tree, acceptance=AcceptanceConfig(), eos_ids=(), proposer=planted)
+    state = planted_drafter_step(base, d, tree, truth, n, accept, cache, last, draft)
     assert int(state.accept_bo[0, 0]) == accept
     committed = truth[: n + accept + 2]  # prompt, root, the accepted drafts, then the bonus (the new root)
     assert int(state.root_b[0]) == committed[-1]

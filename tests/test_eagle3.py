@@ -5,7 +5,6 @@ one drafted by plain forwards over the committed text. (Against the authors' cod
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,15 +14,14 @@ from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.eagle3 import Eagle3Drafter, default_feature_layers
 from medusa_jax.heads.folder import load_native_heads, save_heads
 from medusa_jax.heads.init import init_heads
-from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.trees.tree import build_tree
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.autoregressive import prefill_states
-from medusa_jax.inference.medusa import MedusaState, medusa_step
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.training.data import segment_mask
+
+from decode_helpers import planted_drafter_step
 
 LAYERS = (0, 1, 2)  # every tap the tiny 2-layer bases have: the embeddings, after layer 0, after layer 1
 
@@ -127,24 +125,11 @@ def test_drafts_after_an_accepted_path_equal_plain_forwards(bases, accept):
     tree = build_tree([[0], [0, 0], [0, 0, 0], [1]])
     prompt = [7, 3, 12, 40, 2]
     truth = prompt + generate(base, [prompt], max_new_tokens=8, eos_ids=())[0].token_ids
-    n, size, vocab = len(prompt), 64, base.config.vocab_size
+    n, size = len(prompt), 64
     p = jnp.asarray([prompt], jnp.int32)
     last, cache, fused = prefill_states(base, p, jnp.asarray([n]), KVCache.zeros(base.config, 1, size), LAYERS)
     draft = d.init_draft(base, p, jnp.asarray([n]), fused, size, tree.depth)
-    chain = [truth[n + 1 + i] if i < accept else (truth[n + 1 + i] + 1) % vocab for i in range(3)]
-    planted_t = [truth[n]] + [chain[len(q) - 1] if not any(q) else (truth[n + 1] + 2) % vocab for q in tree.paths]
-
-    def planted(inputs):
-        _, draft = d.propose(inputs.hidden_bd, inputs.root_b, base, tree, inputs.draft, inputs.active_b)
-        return jnp.asarray([planted_t], jnp.int32), draft
-
-    out = jnp.zeros((1, 16), jnp.int32).at[0, 0].set(truth[n])
-    moves = jnp.asarray([[n + i for i in range(tree.depth + 1)]], jnp.int32)
-    state = MedusaState(cache, jnp.asarray([truth[n]]), last, out, jnp.ones((1,), jnp.int32),
-                        jnp.zeros((1,), bool), jnp.zeros((1,), jnp.int32), jnp.zeros((1, 16), jnp.int32),
-                        jnp.zeros((), jnp.int32), jax.random.key(0), moves, moves, draft)
-    step = jax.jit(medusa_step, static_argnames=("tree", "acceptance", "eos_ids", "proposer"))
-    state = step(MedusaModel(base, d), state, tree=tree, acceptance=AcceptanceConfig(), eos_ids=(), proposer=planted)
+    state = planted_drafter_step(base, d, tree, truth, n, accept, cache, last, draft)
     assert int(state.accept_bo[0, 0]) == accept
     committed = truth[: n + accept + 2]
     tokens, _ = d.propose(state.hidden_bd, state.root_b, base, tree, state.draft, jnp.asarray([True]))
