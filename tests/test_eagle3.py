@@ -14,6 +14,7 @@ from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.eagle3 import Eagle3Drafter, default_feature_layers
 from medusa_jax.heads.folder import load_native_heads, save_heads
 from medusa_jax.heads.init import init_heads
+from medusa_jax.trees.search.head_accuracy import _top_k_along
 from medusa_jax.trees.tree import build_tree
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.api import generate, generate_medusa
@@ -235,3 +236,24 @@ def test_step_cost_times_the_drafter_static_and_dynamic(bases):
     d = drafter(bases["llama"], seed=5)
     for tree in ("mc_sim_7b_8", "dynamic:6,k=2,d=3"):
         assert step_cost.medusa_step_seconds(bases["llama"], d, load_tree(tree), 2, 32, 96, repeats=2) > 0
+
+
+def test_teacher_forced_guesses_start_from_the_fused_taps(bases):
+    """The tree search's held-out guesses (trees.search.head_accuracy) of an EAGLE-3 drafter: depth 1 at t reads
+    the pairs (fc(fused tap_i), x_{i+1}), i <= t; depth 2 adds (its own depth-1 output, the true x_{t+2}); each
+    equals a plain forward of the drafter over those pairs."""
+    base = bases["llama"]
+    d = drafter(base, seed=4)
+    seq = np.random.RandomState(5).randint(0, base.config.vocab_size, 12).tolist()
+    top_mbtr = np.asarray(_top_k_along(*nnx.split((base, d)), jnp.asarray([seq], jnp.int32), top_k=3))
+    assert top_mbtr.shape == (4, 1, 12, 3)
+    for t in (2, 6, 9):
+        _, _, fused = base.forward_taps(jnp.asarray([seq[: t + 1]]), jnp.arange(t + 1)[None],
+                                        segment_mask(np.ones((1, t + 1), np.int32)), None, d.feature_layers)
+        hs = list(np.asarray(d.project(fused[0])))
+        for depth in (1, 2):
+            m = t + depth
+            out, _ = d(jnp.asarray(np.stack(hs))[None], jnp.asarray([seq[1: m + 1]]), jnp.arange(m)[None],
+                       segment_mask(np.ones((1, m), np.int32)), None, base)
+            np.testing.assert_array_equal(top_mbtr[depth - 1, 0, t], np.asarray(d.top_k(out[0, -1], base, 3)))
+            hs.append(np.asarray(out[0, -1]))

@@ -119,6 +119,10 @@ class Eagle3Drafter(EagleDrafter):
         """[..., D] drafter outputs g -> [..., V_head] fp32 draft logits: lm_head(norm(g))."""
         return head_logits(self, self.norm(out_xd), base)
 
+    def teacher_forced_top_k(self, feats_btf, tokens_bt, base: CausalLM, k: int) -> jax.Array:
+        """[M, B, T, k]: EAGLE-1's chains drafted from every position, started from fc of the fused taps."""
+        return super().teacher_forced_top_k(self.project(feats_btf), tokens_bt, base, k)
+
     # ---- the tree step's proposer contract: EAGLE-1's, over projected features -------------------------------
     def init_draft(self, base: CausalLM, prompt_bt, prompt_lens_b, feats_btf, cache_size: int,
                    max_depth: int) -> Eagle3DraftState:

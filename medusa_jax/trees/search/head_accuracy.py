@@ -50,8 +50,11 @@ def _top_k_along(graphdef, params, tokens_bt, *, top_k: int):
     b, t = tokens_bt.shape
     cache = KVCache.zeros(base.config, b, t)
     positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    hidden_btd, _ = base(tokens_bt, positions_bt, attention_mask(cache.lengths_b, causal_block(t), t), cache)
-    return heads.teacher_forced_top_k(hidden_btd, tokens_bt, base, top_k)  # each kind: its own teacher forcing
+    taps = heads.feature_layers  # () for every kind but EAGLE-3
+    hidden_btd, _, taps_btf = base.forward_taps(tokens_bt, positions_bt,
+                                                attention_mask(cache.lengths_b, causal_block(t), t), cache, taps)
+    features = taps_btf if taps else hidden_btd  # what the kind's decode reads: EAGLE-3 its fused taps
+    return heads.teacher_forced_top_k(features, tokens_bt, base, top_k)  # each kind: its own teacher forcing
 
 
 def count_hits_by_sequence(top_k_mbtr: np.ndarray, sequences: Sequence[Sequence[int]], starts: Sequence[int]):
