@@ -78,6 +78,12 @@ def main_meshes(model_dir: str, out: str) -> None:
     randomise_kernels([eagle.fc] + [getattr(eagle.layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj",
                                                                               "o_proj")], 3)  # varied drafts
     ref_eagle = generate_medusa(base0, eagle, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos)
+    # EAGLE-3: fused taps of every layer of the 2-layer base, read from the verify forward under the mesh
+    eagle3 = init_heads(dataclasses.replace(heads_cfg, head_type="eagle3", lm_head="shared", feature_layers=(0, 1, 2)),
+                        base0, seed=1)
+    randomise_kernels([eagle3.fc] + [getattr(eagle3.layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj",
+                                                                                "o_proj")], 4)
+    ref_eagle3 = generate_medusa(base0, eagle3, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos)
     dynamic = load_tree(DYNAMIC, num_heads=NUM_HEADS)
     ref_dynamic = {name: generate_medusa(base0, h, prompts, tree=dynamic, max_new_tokens=MAX_NEW, eos_ids=eos)
                    for name, h in (("medusa", heads), ("hydra", hydra))}
@@ -89,6 +95,7 @@ def main_meshes(model_dir: str, out: str) -> None:
         "exact": [r.token_ids for r in ref_exact],
         "hydra": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_hydra],
         "eagle": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_eagle],
+        "eagle3": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_eagle3],
         **{f"{name}_dynamic": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in run]
            for name, run in ref_dynamic.items()}},
         "meshes": {}}
@@ -107,7 +114,7 @@ def main_meshes(model_dir: str, out: str) -> None:
                                 for a in model.cache_sharding(8, 64).k_bkhs[0].spec],
                  "q_proj_shards": len(base.layers[0].self_attn.q_proj.kernel[...].addressable_shards)}
         if (data, tensor) == (2, 4):  # Hydra heads, the EAGLE drafter, dynamic trees: the same loop, data x tensor
-            for name, drafter in (("hydra", hydra), ("eagle", eagle)):
+            for name, drafter in (("hydra", hydra), ("eagle", eagle), ("eagle3", eagle3)):
                 entry[name] = rows(generate_batch(ShardedModel(base, drafter, mesh), prompts,
                                                   dataclasses.replace(settings, tree=tree), progress=False))
             for name, h in (("medusa", heads), ("hydra", hydra)):

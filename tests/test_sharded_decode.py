@@ -56,9 +56,9 @@ def test_sharded_plain_and_medusa_equal_one_device(mesh_report, mesh):
     assert [r["steps"] for r in got["medusa"]] == [r["steps"] for r in ref["medusa"]]
     assert [r["accepts"] for r in got["medusa"]] == [r["accepts"] for r in ref["medusa"]]
     if mesh == "2,4":
-        assert {"hydra", "eagle", "medusa_dynamic", "hydra_dynamic"} <= set(got)
-    # Hydra heads, the EAGLE drafter and dynamic trees: lossless and the same steps on data=2 x tensor=4
-    for name in ("hydra", "eagle", "medusa_dynamic", "hydra_dynamic"):
+        assert {"hydra", "eagle", "eagle3", "medusa_dynamic", "hydra_dynamic"} <= set(got)
+    # Hydra heads, the EAGLE-1 and EAGLE-3 drafters and dynamic trees: lossless and the same steps on data=2 x tensor=4
+    for name in ("hydra", "eagle", "eagle3", "medusa_dynamic", "hydra_dynamic"):
         if name in got:
             assert [r["tokens"] for r in got[name]] == [r["tokens"] for r in ref[name]] == \
                 [r["tokens"] for r in ref["plain"]], name
