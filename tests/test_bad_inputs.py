@@ -96,6 +96,8 @@ CASES = [  # (command, extra args, text the error line must hold)
     (GEN, ["--heads", "{w}/nope"], "--heads"), (GEN, ["--heads", "{w}/empty"], "no config.json"),
     (BX, ["--budgets", "0"], "--budgets"), (BX, ["--mixes", "lookup@0"], "budget after @"),
     (BX, ["--mixes", "lookup+lokup"], "neither a drafter"), (BX, ["--questions", "-1"], "--questions"),
+    (BX, ["--questions", "2", "--second-turns", "3"], "--second-turns 3: at most --questions"),
+    (BX, ["--batch-size", "0"], "--batch-size"), (BX, ["--humaneval", "-1"], "--humaneval"),
     (GEN, ["--heads", "default+lokup"], "'lokup' is neither a drafter"), (GEN, ["--heads", "lookup++default"], "no empty part"),
     (GEN, ["--heads", "{w}/nope+lookup"], "neither a drafter"), (GEN, ["--heads", "lookup+lookup"], "named twice"),
     (GEN, ["--heads", "{w}/empty+lookup"], "no config.json"), (GEN, ["--heads", "lookup", "--tree", "mc_sim_7b_63"], "drop --tree"),

