@@ -55,7 +55,7 @@ from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
 from medusa_jax.bench.quick import PROMPTS, QuickConfig, run_quick
 from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_sampling_benchmark, write_sampling_report
 from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (SEED, ArgumentParser, above, at_least, each, each_or_none, in_range,
                                          parse_float_list, parse_int_list, parse_positive_int_list)
 
@@ -135,9 +135,9 @@ def mtbench_main(argv: list[str]) -> int:
         p.error(f"--calibration {a.calibration} chooses the heads' own tree, so it does nothing with --tree "
                 f"{a.tree}: drop one of them")
     try:
-        validate.tree_arg("--tree", a.tree)
+        options.tree_arg("--tree", a.tree)
         check_out(a, heads=a.heads)
-        validate.heads_arg("--heads", a.heads)
+        options.heads_arg("--heads", a.heads)
     except validate.UsageError as e:
         p.error(str(e))
     if a.temperatures is not None:
@@ -148,7 +148,7 @@ def mtbench_main(argv: list[str]) -> int:
 
 def check_out(a: argparse.Namespace, heads=None, data=None) -> None:
     """--out writable and no input; --question-file readable: before anything loads."""
-    inputs = {"--model": validate.model_location(a.model), "--heads": validate.heads_location(heads),
+    inputs = {"--model": options.model_location(a.model), "--heads": options.heads_location(heads),
               "--data": validate.data_arg("--data", data), "--question-file": getattr(a, "question_file", None)}
     validate.file_read_by("--question-file", inputs["--question-file"], load_mtbench_questions)
     validate.output_folder("--out", a.out, inputs)
@@ -166,7 +166,7 @@ def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
     machine = machine_description()
     try:
         questions = mtbench_questions(a.questions, a.question_file)
-        loaded = load_model(validate.model_arg("--model", a.model), a.heads, dtype=a.dtype)
+        loaded = load_model(options.model_arg("--model", a.model), a.heads, dtype=a.dtype)
         results = run(loaded, questions, config, progress=lambda m: print(m, flush=True))
     except (OSError, CheckpointError, MTBenchError, TreeError, validate.UsageError) as e:
         return validate.fail(e)
@@ -203,9 +203,9 @@ def quick_main(argv: list[str]) -> int:
         p.error(f"--trees {a.trees!r}: give at least one tree preset or JSON file, comma-separated")
     try:
         for tree in trees:
-            validate.tree_arg("--trees", tree)
+            options.tree_arg("--trees", tree)
         if a.heads is not None:
-            validate.heads_arg("--heads", a.heads)
+            options.heads_arg("--heads", a.heads)
     except validate.UsageError as e:
         p.error(str(e))
     try:
@@ -215,7 +215,7 @@ def quick_main(argv: list[str]) -> int:
         p.error(str(e))
 
     try:
-        loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+        loaded = load_model(options.model_arg("--model", a.model), a.heads)
         heads = loaded.heads or init_heads(
             HeadsConfig(loaded.base.config.hidden_size, loaded.base.config.vocab_size, num_heads=4), loaded.base)
         run_quick(loaded.base, heads, loaded.encode_chat(PROMPTS), config, eos_ids=loaded.eos_ids,
@@ -251,7 +251,7 @@ def teacher_mass_main(argv: list[str]) -> int:
     if not is_store(a.data):
         p.error(f"--data {a.data} is not a self-distilled Arrow store")
     try:
-        base = load_pretrained(validate.model_arg("--model", a.model, tokenizer=False))
+        base = load_pretrained(options.model_arg("--model", a.model, tokenizer=False))
     except (OSError, CheckpointError, validate.UsageError) as e:
         return validate.fail(e)
     print(json.dumps(outside_mass(base, a.data, config), indent=1))
@@ -326,8 +326,8 @@ def heads_main(argv: list[str]) -> int:
         p.error(str(e))
 
     try:
-        folders = {label: validate.heads_arg("--heads", f) for label, f in labels.items()}
-        loaded = load_model(validate.model_arg("--model", a.model), None)
+        folders = {label: options.heads_arg("--heads", f) for label, f in labels.items()}
+        loaded = load_model(options.model_arg("--model", a.model), None)
         heads = {label: (load_heads(f, base=loaded.base), portable_path(f)) for label, f in folders.items()}
     except (OSError, ValueError) as e:
         return validate.fail(e)
@@ -367,8 +367,8 @@ def calibration_main(argv: list[str]) -> int:
     except validate.UsageError as e:
         p.error(str(e))
     try:
-        validate.heads_arg("--heads", a.heads)
-        loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+        options.heads_arg("--heads", a.heads)
+        loaded = load_model(options.model_arg("--model", a.model), a.heads)
     except (OSError, ValueError) as e:
         return validate.fail(e)
     prompts = loaded.encode_chat([q.turns[0] for q in mtbench_questions(a.questions, a.question_file)])

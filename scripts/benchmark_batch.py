@@ -41,7 +41,7 @@ from medusa_jax.trees.policy.calibration import machine_description
 from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
 from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
 from medusa_jax.bench.op_profile import op_times
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, mesh_spec, parse_int_list,
                                          parse_positive_int_list)
 
@@ -94,14 +94,14 @@ def throughput_main(argv: list[str]) -> int:
 
     try:
         if "medusa" in methods:
-            validate.tree_arg("--tree", a.tree)
+            options.tree_arg("--tree", a.tree)
         config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
                                   methods=methods, chunk_steps=a.chunk_steps)
         heads = None if a.heads == "random" or "medusa" not in config.methods else a.heads
         check_out(a, heads)
-        validate.mesh_devices("--mesh", a.mesh)
-        folder = validate.model_arg("--model", a.model)
-        heads_dir = validate.heads_arg("--heads", heads) if heads else None
+        options.mesh_devices("--mesh", a.mesh)
+        folder = options.model_arg("--model", a.model)
+        heads_dir = options.heads_arg("--heads", heads) if heads else None
         questions = mtbench_questions(a.prompts, a.question_file)
     except (ValueError, OSError, MTBenchError) as e:
         return validate.fail(e)
@@ -132,8 +132,8 @@ def throughput_main(argv: list[str]) -> int:
 
 def check_out(a: argparse.Namespace, heads=None) -> None:
     """--out writable and no input; --question-file readable: before anything loads."""
-    inputs = {"--model": validate.model_location(getattr(a, "model", None)),
-              "--heads": validate.heads_location(heads), "--question-file": getattr(a, "question_file", None)}
+    inputs = {"--model": options.model_location(getattr(a, "model", None)),
+              "--heads": options.heads_location(heads), "--question-file": getattr(a, "question_file", None)}
     validate.file_read_by("--question-file", inputs["--question-file"], load_mtbench_questions)
     validate.output_folder("--out", a.out, inputs)
 
@@ -164,9 +164,9 @@ def scaling_main(argv: list[str]) -> int:
     try:
         check_out(a, a.heads)
         if a.heads is not None:
-            validate.heads_arg("--heads", a.heads)
-            validate.tree_arg("--tree", a.tree)
-        loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+            options.heads_arg("--heads", a.heads)
+            options.tree_arg("--tree", a.tree)
+        loaded = load_model(options.model_arg("--model", a.model), a.heads)
     except (OSError, ValueError) as e:
         return validate.fail(e)
     heads = loaded.heads
@@ -212,8 +212,8 @@ def decode_main(argv: list[str]) -> int:
     try:
         check_out(a)
         questions = mtbench_questions(a.prompts)
-        folder = validate.model_arg("--model", a.model)
-        positions = validate.max_positions(folder)
+        folder = options.model_arg("--model", a.model)
+        positions = options.max_positions(folder)
         if a.max_new_tokens >= positions:
             raise validate.UsageError(f"--max-new-tokens {a.max_new_tokens}: the model has {positions} positions "
                                       f"in all; lower it to at most {positions - 1} (less the prompt's tokens)")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from medusa_jax.paths import portable_path
 from medusa_jax.bench.bench_inputs import write_files
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.scripts.cli_args import ArgumentParser, mesh_spec
 from medusa_jax.bench.load_memory import measure
@@ -59,8 +59,8 @@ def main(argv=None) -> int:
             p.error(f"--runs {run!r}: {problem or 'the mesh needs more devices than given'}")
         runs.append(parts)
     try:
-        validate.output_folder("--out", a.out, {"--model": validate.model_location(a.model)})
-        folder = str(validate.model_arg("--model", a.model, tokenizer=False))
+        validate.output_folder("--out", a.out, {"--model": options.model_location(a.model)})
+        folder = str(options.model_arg("--model", a.model, tokenizer=False))
     except (ValueError, OSError) as e:
         return validate.fail(e)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
 
 from medusa_jax.assets import resolve_heads_dir
@@ -47,11 +47,11 @@ def parse(argv):
             if nodes and (not nodes.isdigit() or int(nodes) < 1):
                 raise validate.UsageError(f"--mixes {m}@{nodes}: the node budget after @ must be an integer >= 1")
             if "+" in m or m in UNTRAINED:
-                validate.heads_mix_arg("--mixes", m)
+                options.heads_mix_arg("--mixes", m)
             else:
-                validate.heads_arg("--mixes", m)
-        validate.heads_arg("--heads", a.heads)
-        validate.output_folder("--out", a.out, {"--model": validate.model_location(a.model)})
+                options.heads_arg("--mixes", m)
+        options.heads_arg("--heads", a.heads)
+        validate.output_folder("--out", a.out, {"--model": options.model_location(a.model)})
     except validate.UsageError as e:
         p.error(str(e))
     return a, mixes
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     a, mixes = parse(argv)
     enable_compile_cache()
     machine = machine_description()
-    loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+    loaded = load_model(options.model_arg("--model", a.model), a.heads)
     heads_of = lambda where: loaded.heads if where == a.heads else load_heads(resolve_heads_dir(where),  # noqa
                                                                              base=loaded.base)
     chosen = mixed_drafts.methods(mixes, a.budgets)

@@ -22,7 +22,7 @@ from medusa_jax.paths import command_line
 from medusa_jax.trees.policy.calibration import machine_description
 from medusa_jax.bench.mtbench import MTBenchError
 from medusa_jax.bench.recycle_bench import RecycleBenchConfig, markdown, run_recycle_bench
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
 from medusa_jax.paths import portable_path
 
@@ -49,7 +49,7 @@ def parse_args(argv=None):
         p.error(f"--templates {','.join(a.templates)}: unknown {bad}; choose among {', '.join(TEMPLATES)}")
     try:
         validate.recycle_table_file("--recycle-table", a.recycle_table)
-        validate.output_file("--out", f"{a.out}/results.json", {"--model": validate.model_location(a.model)})
+        validate.output_file("--out", f"{a.out}/results.json", {"--model": options.model_location(a.model)})
     except validate.UsageError as e:
         p.error(str(e))
     return a
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     enable_compile_cache()
     machine = machine_description()  # the load average before the run
     try:
-        validate.model_arg("--model", a.model)
+        options.model_arg("--model", a.model)
         questions = mtbench_questions(a.questions)
         loaded = load_model(a.model, None)
         origin = starting_table(loaded.base, a.recycle_table)[1]

@@ -27,7 +27,7 @@ from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer
 from medusa_jax.training.teacher_forced import FeatureStoreConfig, build_feature_store
 from medusa_jax.training.output_folder import FileLock, OutputFolderError, made_folders
 from medusa_jax.training.sharegpt import DataError
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, mesh_spec
 
 
@@ -69,12 +69,12 @@ def main(argv=None) -> int:
                                 chunk_tokens=a.chunk_tokens, seed=a.seed, limit=a.limit)
     try:
         data = validate.data_arg("--data", a.data)
-        validate.output_folder("--output", a.output, {"--model": validate.model_location(a.model), "--data": data})
-        validate.divides_rows("--rows-per-call", a.rows_per_call, "--mesh", a.mesh)
-        validate.mesh_devices("--mesh", a.mesh)
-        model_dir = validate.model_arg("--model", a.model)
-        if a.seq_len > validate.max_positions(model_dir):
-            raise validate.UsageError(f"--seq-len {a.seq_len}: the model has only {validate.max_positions(model_dir)} "
+        validate.output_folder("--output", a.output, {"--model": options.model_location(a.model), "--data": data})
+        options.divides_rows("--rows-per-call", a.rows_per_call, "--mesh", a.mesh)
+        options.mesh_devices("--mesh", a.mesh)
+        model_dir = options.model_arg("--model", a.model)
+        if a.seq_len > options.max_positions(model_dir):
+            raise validate.UsageError(f"--seq-len {a.seq_len}: the model has only {options.max_positions(model_dir)} "
                                       f"positions; lower it")
         with made_folders(a.output, include_path=True), FileLock(a.output, "--output"):
             enable_compile_cache()

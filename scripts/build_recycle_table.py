@@ -23,7 +23,7 @@ from medusa_jax.heads.recycle import empty_table
 from medusa_jax.heads.recycle_file import model_fingerprint, save_table
 from medusa_jax.training.recycle_table import TableBuildConfig, build_table
 from medusa_jax.training.sharegpt import DataError, read_conversations
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 
 
@@ -48,7 +48,7 @@ def parse_args(argv=None):
                    help="conversations before the rank acceptance is counted (default: %(default)s)")
     a = p.parse_args(argv)
     try:
-        validate.output_file("--output", a.output, {"--model": validate.model_location(a.model)})
+        validate.output_file("--output", a.output, {"--model": options.model_location(a.model)})
     except validate.UsageError as e:
         p.error(str(e))
     return a
@@ -58,9 +58,9 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     enable_compile_cache()
     try:
-        folder = validate.model_arg("--model", a.model)
-        if a.seq_len > validate.max_positions(folder):
-            raise validate.UsageError(f"--seq-len {a.seq_len}: the model has {validate.max_positions(folder)} "
+        folder = options.model_arg("--model", a.model)
+        if a.seq_len > options.max_positions(folder):
+            raise validate.UsageError(f"--seq-len {a.seq_len}: the model has {options.max_positions(folder)} "
                                       f"positions; lower it")
         conversations, report = read_conversations(None if a.data == "sharegpt" else a.data, a.conversations)
         tokenizer = load_tokenizer(folder)

@@ -25,7 +25,7 @@ from medusa_jax.training.sharegpt import DataError
 from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.trees.search.tree_builder import BuildTreeConfig, build, summary_lines
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, each_or_none, in_range, parse_int_list,
                                          parse_positive_int_list)
 
@@ -91,16 +91,16 @@ def main(argv=None) -> int:
 
     try:
         data = validate.data_arg("--data", a.data)
-        inputs = {"--model": validate.model_location(a.model), "--data": data}
+        inputs = {"--model": options.model_location(a.model), "--data": data}
         if a.out is not None:
-            validate.output_file("--out", a.out, {**inputs, "--heads": validate.heads_location(a.heads)})
-        heads_dir = validate.heads_arg("--heads", a.heads)
+            validate.output_file("--out", a.out, {**inputs, "--heads": options.heads_location(a.heads)})
+        heads_dir = options.heads_arg("--heads", a.heads)
         out = Path(a.out) if a.out is not None else heads_dir / trees_file.FILE_NAME
         if a.out is None:
             validate.output_file("--out", out, inputs)  # HEADS/trees.json: the heads folder must be writable
         # an existing file must be valid: its other backends are kept (checked before the slow work)
         existing = trees_file.read_trees_file(out)
-        loaded = load_model(validate.model_arg("--model", a.model), heads_dir)
+        loaded = load_model(options.model_arg("--model", a.model), heads_dir)
     except (OSError, ValueError, TreeError) as e:
         return validate.fail(e)
     backend = jax.default_backend()

@@ -20,7 +20,7 @@ from medusa_jax.heads.eagle3_layout import eagle3_serving_notes, export_eagle3
 from medusa_jax.heads.eagle_layout import eagle_serving_notes, export_eagle
 from medusa_jax.heads.export import ExportError, export_heads, not_an_export, serving_notes
 from medusa_jax.heads.load import load_heads
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # exporting is host work; never grab an accelerator for it
@@ -81,9 +81,9 @@ def check_paths(args: argparse.Namespace) -> None:
         raise validate.UsageError(f"--format {args.format} needs --model: the drafter's file carries the base's "
                                   f"input embedding")
     out = Path(args.out)
-    inputs = {"--heads": validate.heads_location(args.heads), "--model": validate.model_location(args.model)}
-    if out.exists() and validate.heads_location(args.heads) is not None and \
-            out.resolve() == validate.heads_location(args.heads).resolve():
+    inputs = {"--heads": options.heads_location(args.heads), "--model": options.model_location(args.model)}
+    if out.exists() and options.heads_location(args.heads) is not None and \
+            out.resolve() == options.heads_location(args.heads).resolve():
         raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
                           f"checkpoints); choose another --out")
     validate.output_folder("--out", args.out, inputs)
@@ -98,11 +98,11 @@ def check_paths(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_paths(args)
-    heads_dir = validate.heads_arg("--heads", args.heads)  # 'default' / 'default-medusa': the shipped heads
+    heads_dir = options.heads_arg("--heads", args.heads)  # 'default' / 'default-medusa': the shipped heads
     if Path(args.out).resolve() == Path(heads_dir).resolve():
         raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
                           f"checkpoints); choose another --out")
-    model_dir = validate.model_arg("--model", args.model, tokenizer=False) if args.model else None
+    model_dir = options.model_arg("--model", args.model, tokenizer=False) if args.model else None
     base = load_pretrained(model_dir, dtype="float32") if model_dir else None
     heads = load_heads(heads_dir, base_config=base.config if base is not None else None)
     if heads.export_formats and args.format not in heads.export_formats:  # none: export_heads says why

@@ -45,7 +45,7 @@ from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, generate_rows, read_prompts, write_jsonl
 from medusa_jax.hub import HubError
 from medusa_jax.progress import heartbeat
-from medusa_jax.scripts import distributed, validate
+from medusa_jax.scripts import distributed, options, validate
 from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, in_range, mesh_spec
 from medusa_jax.scripts.distributed import add_distributed_args
 
@@ -183,13 +183,13 @@ def check_paths(a: argparse.Namespace) -> None:
     if a.input:
         validate.input_file("--input", a.input)
     recycling = a.heads == recycle.HEAD_TYPE
-    (validate.recycle_tree if recycling else validate.tree_arg)("--tree", a.tree)
+    (options.recycle_tree if recycling else options.tree_arg)("--tree", a.tree)
     validate.recycle_table_file("--recycle-table", a.recycle_table)
     tree_file = (a.tree if a.tree and a.tree not in PRESETS and a.tree not in recycle.TEMPLATES
                  and not a.tree.startswith(DYNAMIC_PREFIX) else None)
-    heads_folder = validate.heads_mix_arg("--heads", a.heads) if is_mix(a.heads) else \
-        validate.heads_location(a.heads)
-    inputs = {"--input": a.input, "--model": validate.model_location(a.model),
+    heads_folder = options.heads_mix_arg("--heads", a.heads) if is_mix(a.heads) else \
+        options.heads_location(a.heads)
+    inputs = {"--input": a.input, "--model": options.model_location(a.model),
               "--heads": heads_folder, "--tree": tree_file, "--recycle-table": a.recycle_table}
     if a.output is not None:
         validate.output_file("--output", a.output, inputs)
@@ -280,14 +280,14 @@ def main(argv=None) -> int:
     enable_compile_cache()
 
     try:
-        validate.mesh_devices("--mesh", a.mesh)
-        folder = validate.model_arg("--model", a.model)
-        positions = validate.max_positions(folder)
+        options.mesh_devices("--mesh", a.mesh)
+        folder = options.model_arg("--model", a.model)
+        positions = options.max_positions(folder)
         if a.max_new_tokens >= positions:
             raise validate.UsageError(f"--max-new-tokens {a.max_new_tokens}: the model has {positions} positions in "
                                       f"all; lower it to at most {positions - 1} (less the prompt's tokens)")
         if a.heads and a.heads != recycle.HEAD_TYPE and not is_mix(a.heads):
-            validate.heads_arg("--heads", a.heads)
+            options.heads_arg("--heads", a.heads)
         records = read_prompts(a.input) if a.input else [PromptRecord(0, a.prompt)]
         tokenizer = load_tokenizer(folder)
         return run(a, folder, records, tokenizer, eos_token_ids(folder, tokenizer))

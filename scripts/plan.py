@@ -34,7 +34,7 @@ from medusa_jax.training.plan import (PlanConfig, compile_plan, device_capacity,
 from medusa_jax.training.plan_report import build_table, describe, warnings
 from medusa_jax.training.presets import PRESETS, model_config
 from medusa_jax.progress import heartbeat
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, in_range, mesh_spec
 
 MAX_BATCH = 1 << 20  # prompts or packed rows: far beyond any real job, far below what would overflow a plan
@@ -111,9 +111,9 @@ def plan_main(argv: list[str]) -> int:
         seq = args.seq or (2048 if args.job == "train" else 1024)
         dtype = args.dtype or ("float32" if args.job == "train" else "bfloat16")
         if args.model not in PRESETS and Path(args.model).is_dir():
-            validate.model_folder("--model", args.model, tokenizer=False, weights=False)
+            options.model_folder("--model", args.model, tokenizer=False, weights=False)
         if args.job == "decode":
-            validate.tree_arg("--tree", args.tree)
+            options.tree_arg("--tree", args.tree)
         model = model_config(args.model, dtype)
         positions = model.max_position_embeddings
         if seq > positions:
@@ -232,10 +232,10 @@ def vs_device_main(argv: list[str]) -> int:
         return 2
     try:
         if args.job == "train":
-            validate.model_folder("--model", args.model, tokenizer=False, weights=False)
+            options.model_folder("--model", args.model, tokenizer=False, weights=False)
             folder = args.model
         else:
-            folder = str(validate.model_arg("--model", args.model, tokenizer=False))
+            folder = str(options.model_arg("--model", args.model, tokenizer=False))
     except (ValueError, OSError) as e:
         return validate.fail(e)
     common = ["--model", folder, "--job", args.job, "--batch", str(args.batch), "--seq", str(args.seq), "--heads",

@@ -25,7 +25,7 @@ from medusa_jax.training.output_folder import OutputFolderError
 from medusa_jax.training.self_distill import DistillConfig, read_done, self_distill, shard_output
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.hidden_store import store_path
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, mesh_spec
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
@@ -87,7 +87,7 @@ def build_parser() -> ArgumentParser:
 def check_paths(a, output) -> None:
     """--data readable, --output (and its .arrow store) writable and no input; before anything loads."""
     data = validate.data_arg("--data", a.data)
-    inputs = {"--data": data, "--model": validate.model_location(a.model)}
+    inputs = {"--data": data, "--model": options.model_location(a.model)}
     validate.output_file("--output", output, inputs)
     if Path(output).is_file():  # resumed: it must be a self-distilled JSONL (DataError), checked before any load
         read_done(Path(output))
@@ -108,13 +108,13 @@ def main(argv=None) -> int:
             a.num_shards, a.shard_index = jax.process_count(), jax.process_index()
             output = shard_output(a.output, a.shard_index, a.num_shards)
             check_paths(a, output)
-        validate.mesh_devices("--mesh", a.mesh, local=True)
-        folder = validate.model_arg("--model", a.model)
+        options.mesh_devices("--mesh", a.mesh, local=True)
+        folder = options.model_arg("--model", a.model)
         config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, chunk_steps=a.chunk_steps,
                                max_prompt_tokens=a.max_prompt_tokens, turns=a.turns, temperature=a.temperature,
                                seed=a.seed, limit=a.limit, save_hidden=a.save_hidden, num_shards=a.num_shards,
                                shard_index=a.shard_index, mesh=a.mesh)
-        positions, needed = validate.max_positions(folder), a.turns * (a.max_prompt_tokens + a.max_new_tokens)
+        positions, needed = options.max_positions(folder), a.turns * (a.max_prompt_tokens + a.max_new_tokens)
         if needed > positions:
             raise validate.UsageError(
                 f"--turns {a.turns} x (--max-prompt-tokens {a.max_prompt_tokens} + --max-new-tokens "

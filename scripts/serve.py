@@ -35,7 +35,7 @@ from medusa_jax.trees.trees_file import trees_of
 from medusa_jax.trees.policy.choose import choose_tree
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
 from medusa_jax.hub import HubError
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 
 DEFAULT_CONTEXT = 1024  # --context when not given (or the model's positions if fewer)
@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         validate.given("--heads", a.heads, "a heads folder, 'default' or a Hub id")
         if a.tree is not None and a.heads is None:
             raise validate.UsageError(f"--tree {a.tree}: needs --heads (tree decoding)")
-        validate.tree_arg("--tree", a.tree)
+        options.tree_arg("--tree", a.tree)
         check_listen(a.host, a.port)
     except validate.UsageError as e:
         p.error(str(e))
@@ -104,9 +104,9 @@ def check_listen(host: str, port: int) -> None:
 
 def build_engine(a: argparse.Namespace):
     """(engine, tokenizer, model id) from checked flags; every call shape of the engine compiled."""
-    folder = validate.model_arg("--model", a.model)
-    heads_dir = validate.heads_arg("--heads", a.heads) if a.heads else None
-    positions = validate.max_positions(folder)
+    folder = options.model_arg("--model", a.model)
+    heads_dir = options.heads_arg("--heads", a.heads) if a.heads else None
+    positions = options.max_positions(folder)
     if a.context is not None and a.context > positions:
         raise validate.UsageError(f"--context {a.context}: the model has {positions} positions; lower it to at "
                                   f"most {positions}")

@@ -33,7 +33,7 @@ from medusa_jax.training.output_folder import OutputFolderError
 from medusa_jax.training.run import RunConfig, TrainingDiverged, parse_lm_head, train_heads
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.trainer import TrainConfig
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import SEED, ArgumentParser, above, at_least, in_range, mesh_spec
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
@@ -205,15 +205,15 @@ def check_args(args: argparse.Namespace) -> None:
     if args.wandb is not None:
         if importlib.util.find_spec("wandb") is None:
             raise fail("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
-    validate.divides_rows("--cached-batch-size" if args.cache_hidden else "--batch-size",
+    options.divides_rows("--cached-batch-size" if args.cache_hidden else "--batch-size",
                           args.cached_batch_size if args.cache_hidden else args.batch_size, "--mesh", args.mesh)
     data = validate.data_arg("--data", args.data)
-    inputs = {"--model": validate.model_location(args.model), "--data": data}
+    inputs = {"--model": options.model_location(args.model), "--data": data}
     validate.output_folder("--output", args.output, inputs)
     if args.checkpoint_dir is not None:
         validate.output_folder("--checkpoint-dir", args.checkpoint_dir, inputs)
     if not is_default_model(args.model) and not is_hub_id(args.model):
-        validate.model_folder("--model", args.model)
+        options.model_folder("--model", args.model)
 
 
 def main(argv=None) -> int:
@@ -222,11 +222,11 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         initialize(config_from_args(args))  # before any other JAX call
-        validate.mesh_devices("--mesh", args.mesh)
+        options.mesh_devices("--mesh", args.mesh)
         if args.base_model_name is None and is_hub_id(args.model):
             args.base_model_name = args.model  # the heads' config names the Hub id, not this machine's cache
-        args.model = str(validate.model_arg("--model", args.model))  # 'default' built, a Hub id resolved
-        positions = validate.max_positions(args.model)
+        args.model = str(options.model_arg("--model", args.model))  # 'default' built, a Hub id resolved
+        positions = options.max_positions(args.model)
         if args.seq_len > positions:
             raise validate.UsageError(f"--seq-len {args.seq_len}: the model has {positions} positions; lower it to "
                                       f"at most {positions}")
