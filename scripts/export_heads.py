@@ -28,13 +28,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # exporting is host work; never g
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--heads", required=True,
-                   help="heads folder in any layout medusa-jax reads (ours, FasterDecoding/TGI/TensorRT-LLM, vLLM), "
-                        "'default-medusa' for the shipped Medusa heads ('default' is the shipped Hydra heads, "
-                        "which no PyTorch layout describes), or a Hub id ORG/NAME of published heads")
-    p.add_argument("--out", required=True,
-                   help="output folder (written atomically; must not exist or be empty; temp folders left by a "
-                        "killed export are removed)")
+    options.HEADS.add(p, required=True, more="('default' is the shipped Hydra heads, which no PyTorch layout "
+                      "describes: export 'default-medusa')")
+    options.OUT.add(p, required=True, more="folder (written atomically; must not exist or be empty; temp "
+                    "folders left by a killed export are removed)")
     p.add_argument("--format", choices=("medusa", "vllm", "eagle", "eagle-sglang", "eagle3"), default="medusa",
                    help="'medusa': medusa_lm_head.safetensors + config.json for the official Medusa code, TGI and "
                         "TensorRT-LLM (default); 'vllm': model.safetensors + config.json for vLLM; for an EAGLE "
@@ -50,11 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Medusa code and TensorRT-LLM); without it the medusa format is TGI's ResBlock-only 'v2' "
                         "and the vllm format stores it once with original_lm_head. Needs --model. Own and "
                         "truncated heads already have an lm_head per head: a no-op for them")
-    p.add_argument("--model", default=None,
-                   help="base model folder (HF layout), 'default' (SmolLM2-135M-Instruct) or a Hub id ORG/NAME; "
-                        "needed to write a "
-                        "shared lm_head (vllm format or --materialize-lm-head) and used to check the heads' hidden "
-                        "size and vocabulary")
+    options.MODEL.add(p, more="(the base model): needed to write a shared lm_head (vllm format or "
+                      "--materialize-lm-head) and used to check the heads' hidden size and vocabulary")
     p.add_argument("--base-model-name-or-path", default=None,
                    help="value written to config.json's base_model_name_or_path, which TGI and the official code "
                         "load as the base model (default: the heads' own value, else the --model path)")

