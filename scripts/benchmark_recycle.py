@@ -35,8 +35,7 @@ def parse_args(argv=None):
                    help="table file to start from (default: the shipped SmolLM2 table where the model matches it)")
     p.add_argument("--questions", type=int, default=16, check=at_least(1),
                    help="MT-Bench questions (first turns), categories in turn (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, check=at_least(1),
-                   help="new tokens per answer at most (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     p.add_argument("--templates", default=",".join(d.templates),
                    help=f"comma-separated templates among {', '.join(TEMPLATES)} (default: %(default)s)")
     p.add_argument("--batch-sizes", type=parse_positive_int_list, default=d.batch_sizes, check=each(at_least(1)),

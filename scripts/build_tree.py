@@ -51,8 +51,7 @@ def main(argv=None) -> int:
                    help="keep a tree only if its predicted speedup over plain decoding reaches this: a margin "
                         "for timing noise and for heads less independent than the prediction assumes "
                         "(default: %(default)s)")
-    p.add_argument("--data", default=None, help="conversations for the held-out prompts: a ShareGPT .json/.jsonl, "
-                                                "a saved dataset or a datasets name (default: packaged ShareGPT)")
+    options.DATA.add(p, more="for the held-out prompts (default: packaged ShareGPT)")
     p.add_argument("--heldout", type=int, default=d.heldout, check=at_least(1),
                    help="prompts taken from the END of the data, away from what training reads first "
                         "(default: %(default)s)")
@@ -85,7 +84,7 @@ def main(argv=None) -> int:
         p.error(str(e))
 
     try:
-        data = validate.data_arg("--data", a.data)
+        data = options.data_arg("--data", a.data)
         inputs = {"--model": options.model_location(a.model), "--data": data}
         if a.out is not None:
             validate.output_file("--out", a.out, {**inputs, "--heads": options.heads_location(a.heads)})

