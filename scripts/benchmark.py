@@ -51,7 +51,7 @@ from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions, write
 from medusa_jax.bench.bench_report import machine_line, write_report
 from medusa_jax.bench.benchmark import BenchmarkConfig, run_benchmark
 from medusa_jax.bench.heads_comparison import CompareConfig
-from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
+from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.quick import PROMPTS, QuickConfig, run_quick
 from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_sampling_benchmark, write_sampling_report
 from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
@@ -126,7 +126,7 @@ def mtbench_main(argv: list[str]) -> int:
                 f"{a.tree}: drop one of them")
     try:
         options.tree_arg("--tree", a.tree)
-        check_out(a, heads=a.heads)
+        options.out_folder(a, heads=a.heads)
         options.heads_arg("--heads", a.heads)
     except validate.UsageError as e:
         p.error(str(e))
@@ -134,14 +134,6 @@ def mtbench_main(argv: list[str]) -> int:
         return sampling_main(a, argv)
 
     return _run_and_report(a, argv, run_benchmark, write_report, config)
-
-
-def check_out(a: argparse.Namespace, heads=None, data=None) -> None:
-    """--out writable and no input; --question-file readable: before anything loads."""
-    inputs = {"--model": options.model_location(a.model), "--heads": options.heads_location(heads),
-              "--data": options.data_arg("--data", data), "--question-file": getattr(a, "question_file", None)}
-    validate.file_read_by("--question-file", inputs["--question-file"], load_mtbench_questions)
-    validate.output_folder("--out", a.out, inputs)
 
 
 def sampling_main(a: argparse.Namespace, argv) -> int:
@@ -303,7 +295,7 @@ def heads_main(argv: list[str]) -> int:
         p.error(str(e))
     try:
         for folder in labels.values():
-            check_out(a, heads=folder, data=a.data)
+            options.out_folder(a, heads=folder, data=a.data)
     except validate.UsageError as e:
         p.error(str(e))
 
@@ -344,7 +336,7 @@ def calibration_main(argv: list[str]) -> int:
                     "the committed bench/calibration is written only when named here)")
     a = p.parse_args(argv)
     try:
-        check_out(a, heads=a.heads)
+        options.out_folder(a, heads=a.heads)
     except validate.UsageError as e:
         p.error(str(e))
     try:

@@ -21,7 +21,6 @@ tokens per step, rows where Medusa differs from plain) and OUT/batch.md (the tab
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.trees.policy.calibration import machine_description
 from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
-from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
+from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.op_profile import op_times
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, parse_int_list,
@@ -89,7 +88,7 @@ def throughput_main(argv: list[str]) -> int:
         config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
                                   methods=methods, chunk_steps=a.chunk_steps)
         heads = None if a.heads == "random" or "medusa" not in config.methods else a.heads
-        check_out(a, heads)
+        options.out_folder(a, heads)
         options.mesh_devices("--mesh", a.mesh)
         folder = options.model_arg("--model", a.model)
         heads_dir = options.heads_arg("--heads", heads) if heads else None
@@ -121,14 +120,6 @@ def throughput_main(argv: list[str]) -> int:
     return 0
 
 
-def check_out(a: argparse.Namespace, heads=None) -> None:
-    """--out writable and no input; --question-file readable: before anything loads."""
-    inputs = {"--model": options.model_location(getattr(a, "model", None)),
-              "--heads": options.heads_location(heads), "--question-file": getattr(a, "question_file", None)}
-    validate.file_read_by("--question-file", inputs["--question-file"], load_mtbench_questions)
-    validate.output_folder("--out", a.out, inputs)
-
-
 def scaling_main(argv: list[str]) -> int:
     """`benchmark_batch.py scaling`: bench/scaling_benchmark.py."""
     p = ArgumentParser(prog="benchmark_batch.py scaling", description=scaling_benchmark.__doc__,
@@ -147,7 +138,7 @@ def scaling_main(argv: list[str]) -> int:
     options.OUT.add(p, default="artifacts/benchmark_scaling", more="folder for results.json, results.md and scaling.png")
     a = p.parse_args(argv)
     try:
-        check_out(a, a.heads)
+        options.out_folder(a, a.heads)
         if a.heads is not None:
             options.heads_arg("--heads", a.heads)
             options.tree_arg("--tree", a.tree)
@@ -192,7 +183,7 @@ def decode_main(argv: list[str]) -> int:
     options.OUT.add(p, default="artifacts/benchmark_decode", more="folder for results.json and results.md")
     a = p.parse_args(argv)
     try:
-        check_out(a)
+        options.out_folder(a)
         questions = mtbench_questions(a.prompts)
         folder = options.model_arg("--model", a.model)
         positions = options.max_positions(folder)
@@ -257,7 +248,7 @@ def gpu_main(argv: list[str]) -> int:
     if not models or set(models) - set(known):  # checked with --tiny too, which ignores it
         p.error(f"--models {a.models!r}: give a comma-separated subset of {', '.join(known)}")
     try:
-        check_out(a)
+        options.out_folder(a)
     except validate.UsageError as e:
         p.error(str(e))
     if a.tiny:

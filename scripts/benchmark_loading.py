@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             p.error(f"--runs {run!r}: {problem or 'the mesh needs more devices than given'}")
         runs.append(parts)
     try:
-        validate.output_folder("--out", a.out, {"--model": options.model_location(a.model)})
+        options.out_folder(a)
         folder = str(options.model_arg("--model", a.model, tokenizer=False))
     except (ValueError, OSError) as e:
         return validate.fail(e)

@@ -50,7 +50,7 @@ def parse(argv):
             else:
                 options.heads_arg("--mixes", m)
         options.heads_arg("--heads", a.heads)
-        validate.output_folder("--out", a.out, {"--model": options.model_location(a.model)})
+        options.out_folder(a, heads=a.heads)
     except validate.UsageError as e:
         p.error(str(e))
     return a, mixes

@@ -26,7 +26,8 @@ from medusa_jax.inference.mixed_decoding import UNTRAINED, MixError, parse_mix
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.scripts.cli_args import SEED, Rule, at_least, in_range, mesh_spec
-from medusa_jax.scripts.validate import UsageError, given, input_file
+from medusa_jax.mtbench import load_mtbench_questions
+from medusa_jax.scripts.validate import UsageError, file_read_by, given, input_file, output_folder
 from medusa_jax.training import hidden_store
 from medusa_jax.training.sharegpt import DataError, read_conversation_file
 from medusa_jax.trees import trees_file
@@ -227,6 +228,16 @@ def divides_rows(flag: str, value: int, mesh_flag: str, spec: str | None) -> Non
 
 # ---- --out -------------------------------------------------------------------------------------------------------
 OUT = Option("--out", "where the results are written (refused when it is an input or inside one):")
+
+
+def out_folder(a: argparse.Namespace, heads: str | None = None, data: str | None = None) -> Path:
+    """--out a writable folder that is none of the inputs (--model, `heads`, `data`, --question-file, each where
+    the command has it) nor inside one; --question-file read first. Before anything loads."""
+    questions = getattr(a, "question_file", None)
+    file_read_by("--question-file", questions, load_mtbench_questions)
+    inputs = {"--model": model_location(getattr(a, "model", None)), "--heads": heads_location(heads),
+              "--data": data_arg("--data", data), "--question-file": questions}
+    return output_folder("--out", a.out, inputs)
 
 
 # ---- --data ------------------------------------------------------------------------------------------------------

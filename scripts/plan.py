@@ -182,7 +182,7 @@ def table_main(argv: list[str]) -> int:
                         "shown as 'not planned'")
     args = p.parse_args(argv)
     try:
-        validate.output_folder("--out", args.out)
+        options.out_folder(args)
     except validate.UsageError as e:
         p.error(str(e))
 
