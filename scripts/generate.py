@@ -46,7 +46,7 @@ from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, 
 from medusa_jax.hub import HubError
 from medusa_jax.progress import heartbeat
 from medusa_jax.scripts import distributed, options, validate
-from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, in_range
+from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 from medusa_jax.scripts.distributed import add_distributed_args
 
 
@@ -126,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                     "must not be the --input file nor inside the --model or --heads folder)")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message with the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128, check=at_least(1), help="new tokens per prompt at most (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=128)
     p.add_argument("--temperature", type=float, default=0.0, check=at_least(0.0),
                    help="sampling temperature; 0 means greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, check=in_range(0.0, 1.0, low_open=True),
@@ -134,8 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, check=at_least(0),
                    help="sample only among the k most likely tokens (applied before --top-p); 0 means no cut "
                         "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, check=SEED,
-                   help="random seed for sampling, 0 .. 2**31 - 1 (default: %(default)s)")
+    options.SEED_OPTION.add(p, default=0, more="sampling")
     options.BATCH_SIZE.add(p, default=1, more="prompts per jitted call; rows of different lengths are fine; on a "
                            "mesh the rows are padded up to a multiple of data x fsdp with inactive rows")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),

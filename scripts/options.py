@@ -25,8 +25,8 @@ from medusa_jax.hub import cached_folder, is_hub_id
 from medusa_jax.inference.mixed_decoding import UNTRAINED, MixError, parse_mix
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.sharding import MeshConfig
-from medusa_jax.scripts.cli_args import SEED, Rule, at_least, in_range, mesh_spec
 from medusa_jax.mtbench import load_mtbench_questions
+from medusa_jax.scripts.cli_args import SEED, Rule, at_least, in_range, mesh_spec
 from medusa_jax.scripts.validate import UsageError, file_read_by, given, input_file, output_folder
 from medusa_jax.training import hidden_store
 from medusa_jax.training.sharegpt import DataError, read_conversation_file
@@ -39,12 +39,14 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 @dataclasses.dataclass(frozen=True)
 class Option:
+    """One command-line option as every command shows it: flag, type, parse-time rule (`cli_args`) and help."""
     flag: str
     help: str
     type: Callable | None = None
     check: Rule | None = None
 
     def add(self, parser, *, more: str = "", help: str | None = None, **kwargs) -> argparse.Action:
+        """The option on `parser` (a cli_args.ArgumentParser or one of its groups), with the default shown."""
         text = help if help is not None else f"{self.help}{'' if more[:1] in ';:,.)' else ' '}{more}".strip()
         if kwargs.get("default") not in (None, "") and "(default" not in text:
             text += " (default: %(default)s)"
