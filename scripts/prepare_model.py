@@ -11,15 +11,14 @@ from __future__ import annotations
 import sys
 
 from medusa_jax.demo_model import ModelPreparationError, prepare_smollm2
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser
 
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--out", default=None,
-                   help="folder to create (default: the cache folder above); must be absent, empty, or already "
-                        "prepared")
+    options.OUT.add(p, more="folder to create (default: the cache folder above); must be absent, empty, "
+                    "or already prepared")
     a = p.parse_args(argv)
 
     try:

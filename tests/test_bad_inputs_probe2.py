@@ -249,6 +249,8 @@ CASES = [  # (command, extra args, text the error line must hold)
     (cmd("build_features", "--model", "{w}/notok", "--data", D, "--output", "{w}/f"), [], "no tokenizer"),
     # ---- plan
     (PL, ["--batch", "1e3"], "--batch"), (PL, ["--seq", "-1"], "--seq"), (PL, ["--heads", "65"], "--heads"),
+    (PL, ["--num-heads", "0"], "--num-heads"), (PL, ["--num-heads", "65"], "--num-heads"),
+    (cmd("plan", "vs-device", "--heads", "4"), [], "--num-heads"),
     (PL, ["--headroom", "1e309"], "--headroom"), (PL, ["--device", "0"], "--device"), (PL, ["--device", "-5"], "--device"),
     (PL, ["--device", "1e9"], "--device"), (PL, ["--device", "²"], "--device"), (PL, ["--device", ""], "--device"),
     (PL, ["--mesh", "data=2,data=2"], "--mesh"), (PL, ["--tree", "bogus"], "--tree"), (PL, ["--tree", "dynamic:0"], "--tree"),

@@ -64,9 +64,9 @@ def _named_modules() -> dict[str, set[str]]:
 
 def test_modules_named_in_docs_and_scripts_exist():
     """A module or name that moved breaks the commands users copy (demo.sh imported medusa_jax.mtbench after
-    it had moved to medusa_jax.bench.mtbench)."""
+    it had moved to medusa_jax.bench.mtbench; the loader is product data now, medusa_jax.mtbench)."""
     named = _named_modules()
-    assert "medusa_jax.bench.mtbench" in named  # the demo's question loader is among them
+    assert "medusa_jax.mtbench" in named  # the demo's question loader is among them
     missing = []
     for name, files in sorted(named.items()):
         parts = name.split(".")
