@@ -138,15 +138,30 @@ class LookupDrafter(nnx.Module):
     owns no parameters. `propose` returns the candidate forest (`lookup_proposal`); the mix
     (`heads.mixed.MixedDrafter`) merges it with the other drafters' into the tree that is verified."""
 
+    head_type = "lookup"  # its kind in heads.kinds.DRAFTERS
+    trained = False  # no heads folder
+    decodes_alone = False  # its candidate forest is verified through a mix (`--heads lookup` is a mix of one)
     needs_prompt_hidden = False
     feature_layers: tuple[int, ...] = ()  # reads no hidden state at all
 
     def __init__(self, config: LookupConfig = LookupConfig()):
         self.lookup = config
 
+    @classmethod
+    def mix_member(cls, base, budget: int, drafter: "LookupDrafter | None" = None) -> tuple["LookupDrafter", None]:
+        """This kind in a mix of `budget` nodes (heads.kinds): `drafter`, or a chain of up to 10 tokens with one
+        more matched branch per 10 nodes (at most 4); it sizes itself (no spec)."""
+        return (drafter if drafter is not None else
+                cls(LookupConfig(length=min(budget, 10), branches=max(1, min(4, budget // 10))))), None
+
     @property
     def depth(self) -> int:
         return self.lookup.length
+
+    @property
+    def num_nodes(self) -> int:
+        """Candidate nodes proposed per step (the root excluded)."""
+        return self.lookup.num_nodes
 
     def init_draft(self, base, prompt_bt, prompt_lens_b, hidden_btd, cache_size: int, max_depth: int) -> LookupState:
         return init_lookup(prompt_bt, prompt_lens_b, cache_size)
