@@ -7,7 +7,7 @@ Node budgets. A budget B (the most nodes a step verifies) gives the static sizes
 trained heads grow a dynamic tree of B nodes (K = the default for B, D = 4), and each training-free kind joins as
 its `mix_member(base, B)` says (Token Recycling fills its largest shipped template of at most B nodes, prompt
 lookup drafts chains sized by B). The sizes' costs are measured on this machine at the batch size that decodes
-(`draft_size.measure_size_costs`).
+(`draft_size.measure_size_costs`), once: later builds read them from the cache (`draft_size_cache`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from medusa_jax.heads.load import load_heads
 from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.heads.mixed import MixedDrafter, stand_in_config
 from medusa_jax.trees.tree import DEFAULT_DYNAMIC_DEPTH, DynamicTree, default_dynamic_top_k
-from medusa_jax.inference.draft_size import measure_size_costs
+from medusa_jax.inference.draft_size_cache import size_costs
 from medusa_jax.inference.sharded import ShardedModel
 
 UNTRAINED = training_free_kinds()  # drafters that need no heads folder (for the command lines' checks)
@@ -92,18 +92,20 @@ def make_members(base: CausalLM, untrained: tuple[str, ...], trained_heads, budg
 
 def build_mix(base: CausalLM, untrained: tuple[str, ...], trained_heads, budget: int = DEFAULT_BUDGET, *,
               batch: int = 1, costs: Callable[[tuple[int, ...]], tuple[float, ...]] | None = None,
-              given: Mapping[str, nnx.Module] | None = None) -> tuple[MixedDrafter, DraftSizes]:
+              given: Mapping[str, nnx.Module] | None = None,
+              calibration: str | None = None) -> tuple[MixedDrafter, DraftSizes]:
     """The drafter and the draft sizes of a parsed mix (`make_members`); `costs` (sizes -> relative costs)
-    defaults to measuring them here (`measure_size_costs` at `batch`)."""
+    defaults to this machine's at `batch`, measured once and cached (`draft_size_cache.size_costs`; `calibration`
+    auto / redo / skip as there)."""
     mix = make_members(base, untrained, trained_heads, budget, given)
     sizes = sizes_for(min(budget, mix.candidates))
-    measured = costs(sizes) if costs is not None else measure_size_costs(base, sizes, batch=batch, drafter=mix,
-                                                                          depth=mix.depth)
+    measured = costs(sizes) if costs is not None else size_costs(base, mix, sizes, batch=batch,
+                                                                 mode=calibration)[0]
     return mix, DraftSizes(sizes, tuple(measured), depth=mix.depth)
 
 
 def load_mixed(model_dir, heads: str, mesh: MeshConfig | None = None, dtype: str = "float32", batch: int = 1,
-               budget: int = DEFAULT_BUDGET) -> tuple[ShardedModel, DraftSizes]:
+               budget: int = DEFAULT_BUDGET, calibration: str | None = None) -> tuple[ShardedModel, DraftSizes]:
     """`sharded.load_sharded` for a --heads mix: the base on its mesh, the mix's trained heads (if any) beside it,
     and the draft sizes with this machine's costs at `batch` rows."""
     untrained, trained = parse_mix(heads)
@@ -113,6 +115,6 @@ def load_mixed(model_dir, heads: str, mesh: MeshConfig | None = None, dtype: str
     if trained is not None:
         trained_heads = load_heads(resolve_heads_dir(trained), base_config=base.config,
                                    base=base if jax.process_count() == 1 else None, dtype=dtype)
-    mix, sizes = build_mix(base, untrained, trained_heads, budget, batch=batch)
+    mix, sizes = build_mix(base, untrained, trained_heads, budget, batch=batch, calibration=calibration)
     return ShardedModel(base, mix, mesh), sizes
 
