@@ -102,7 +102,7 @@ class MeshHeadsProposer:
 
     def __call__(self, inputs: medusa.ProposeInputs) -> tuple[Any, Any]:
         tree, heads = inputs.tree, inputs.model.heads
-        if not isinstance(heads, MedusaHeads):  # Hydra, EAGLE: small per-round top-k, left to the compiler
+        if not getattr(heads, "proposes_top_k_of_logits", False):  # Hydra, EAGLE, mixes: left to the compiler
             return medusa.heads_proposer(inputs)
         logits_mbv = heads.logits(inputs.hidden_bd, inputs.model.base, num_heads=tree.depth)
         if isinstance(tree, DynamicTree):
@@ -352,7 +352,7 @@ def load_sharded(model_dir, heads_dir=None, mesh: MeshConfig | Mesh | None = Non
     """A HF model folder read straight into its mesh layout (each device reads its own slice), plus heads
     from a folder in any layout `heads.load.load_heads` reads, as a ShardedModel. `random_heads` = K > 0
     instead adds K untrained heads sharing the base lm_head (for timing runs before trained heads exist);
-    `drafter` instead makes the heads from the base (e.g. `heads.recycle_file.recycle_drafter`: Token Recycling)."""
+    `drafter` instead makes the heads from the base (e.g. `heads.recycle.recycle_drafter`: Token Recycling)."""
     if mesh is None or isinstance(mesh, MeshConfig):
         mesh = (mesh or MeshConfig()).make_mesh()
     base = load_pretrained(model_dir, dtype=dtype, sharding_for=sharding_for(mesh))

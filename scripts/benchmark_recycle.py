@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from medusa_jax.compile_cache import enable_compile_cache
-from medusa_jax.heads.recycle import TEMPLATES
-from medusa_jax.heads.recycle_file import RecycleFileError, recycle_drafter, starting_table
+from medusa_jax.heads.recycle import TEMPLATES, recycle_drafter
+from medusa_jax.heads.recycle_file import RecycleFileError, starting_table
 from medusa_jax.hub import HubError
 from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions, write_files
 from medusa_jax.bench.bench_report import machine_line

@@ -184,7 +184,7 @@ def check_paths(a: argparse.Namespace) -> None:
 def recycle_drafter(base, table_file: str | None):
     """The Token Recycling drafter; a --recycle-table that does not fit the model is a usage error."""
     try:
-        return recycle_file.recycle_drafter(base, table_file)
+        return recycle.recycle_drafter(base, table_file)
     except recycle_file.RecycleFileError as e:
         raise validate.UsageError(f"--recycle-table {e}") from None
 

@@ -36,6 +36,8 @@ from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.medusa import medusa_decode
 from medusa_jax.inference.mixed_decoding import MixError, build_mix, is_mix, parse_mix, sizes_for
+from medusa_jax.inference import draft_size
+from medusa_jax.inference.draft_size_cache import size_costs
 
 import test_exact_sampling as exact_sampling
 from test_exact_sampling import setup  # noqa: F401 (the fixture of the law check's model)
@@ -313,3 +315,27 @@ def test_build_mix_sizes_its_budget_and_measures_non_decreasing_costs(tiny):
         parse_mix("lookup++default")
     assert parse_mix("default+recycle+lookup") == (("recycle", "lookup"), "default")
     assert is_mix("lookup") and is_mix("default+lookup") and not is_mix("recycle") and not is_mix("default")
+
+
+def test_a_second_build_reads_the_step_costs_cached_for_this_machine(tiny, tmp_path, monkeypatch):
+    """`draft_size_cache.size_costs` under build_mix: auto measures once and caches under the cache folder (keyed by
+    machine, model, batch, sizes and mix), a second build reads the file (timing would fail), redo times again,
+    another batch size is another entry, skip never touches the cache."""
+    base, _ = tiny("llama")
+    monkeypatch.setenv("MEDUSA_JAX_CACHE", str(tmp_path))
+    _, first = build_mix(base, ("lookup",), None, 16, calibration="auto")
+    files = sorted((tmp_path / "calibration").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["costs"] == list(first.costs)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(draft_size, "measure_size_costs", no_timing)
+    _, second = build_mix(base, ("lookup",), None, 16, calibration="auto")
+    assert second == first
+    assert size_costs(base, build_mix(base, ("lookup",), None, 16, costs=lambda s: (1.0,) * len(s))[0], first.sizes,
+                      mode="auto") == (first.costs, "cached")
+    for mode, batch in (("redo", 1), ("auto", 2), ("skip", 1)):
+        with pytest.raises(AssertionError, match="timed again"):
+            build_mix(base, ("lookup",), None, 16, batch=batch, calibration=mode)
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1  # nothing written by a failed timing

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.heads import recycle_file
+from medusa_jax.heads import recycle, recycle_file
 from medusa_jax.heads.recycle import (TEMPLATES, RecycleConfig, RecycleDrafter, best_first_paths, draft_tokens,
                                       empty_table, recycle_update, template_tree)
 from medusa_jax.trees.tree import build_tree, load_tree
@@ -161,7 +161,7 @@ def test_shipped_table_fits_smollm2_and_its_size():
 
 def test_a_model_of_another_fingerprint_starts_empty(tiny):
     base, _ = tiny("llama")
-    drafter = recycle_file.recycle_drafter(base)
+    drafter = recycle.recycle_drafter(base)
     assert "empty" in drafter.origin and (drafter.table == empty_table(base.config.vocab_size)).all()
 
 
@@ -234,7 +234,7 @@ def test_smollm2_recycling_from_the_shipped_table_is_lossless(smollm2_dir):
     prompts = [encode_prompt(tok, questions[i].first_turn, chat=True) for i in (0, 30, 60)]
     eos = eos_token_ids(smollm2_dir, tok)
     plain = [r.token_ids for r in generate(base, prompts, max_new_tokens=48, eos_ids=eos)]
-    drafter = recycle_file.recycle_drafter(base)
+    drafter = recycle.recycle_drafter(base)
     assert drafter.origin == "the shipped warm SmolLM2 recycling table"
     alone = generate_medusa(base, drafter, prompts[:1], tree=template_tree("recycle_16"), max_new_tokens=48,
                             eos_ids=eos)

@@ -23,7 +23,7 @@ from medusa_jax.model.config import resolve_dtype
 from medusa_jax.model.param_paths import fill_state, param_paths
 from medusa_jax.hf.tensor_files import CheckpointError, SafetensorsFile, write_safetensors
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.kinds import drafter_class
+from medusa_jax.heads.kinds import heads_class
 from medusa_jax.heads.medusa import MedusaHeads
 
 FORMAT = "medusa-jax"
@@ -73,7 +73,7 @@ def write_heads_files(heads: MedusaHeads, folder: str | os.PathLike, extra_confi
 def heads_from_tensors(config: HeadsConfig, tensors: dict[str, np.ndarray], origin: str) -> MedusaHeads:
     """Builds the drafter of config.head_type (MedusaHeads, HydraHeads, ...) from dotted-path tensors; every key
     must match, with the right shape."""
-    abstract = nnx.eval_shape(lambda: drafter_class(config.head_type)(config, nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: heads_class(config.head_type)(config, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     expected = {".".join(p): leaf for p, leaf in param_paths(state)}
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))

@@ -7,7 +7,7 @@ from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.kinds import drafter_class
+from medusa_jax.heads.kinds import heads_class
 from medusa_jax.heads.medusa import HeadsBase
 
 
@@ -18,7 +18,7 @@ def init_heads(config: HeadsConfig, base: CausalLM, seed: int = 0,
     if config.hidden_size != base.config.hidden_size or config.vocab_size != base.config.vocab_size:
         raise ValueError(f"heads (hidden {config.hidden_size}, vocab {config.vocab_size}) do not match the base "
                          f"model (hidden {base.config.hidden_size}, vocab {base.config.vocab_size})")
-    cls = drafter_class(config.head_type)
+    cls = heads_class(config.head_type)
     config = cls.complete_config(config, base)
     heads = cls(config, nnx.Rngs(seed), token_map=token_map)
     if config.lm_head != "shared":

@@ -1,13 +1,20 @@
-"""The drafter kinds, registered by name: `HeadsConfig.head_type` names a class of DRAFTERS. A kind's class owns its
-parameters or tables, its decode-loop state and proposal (init_draft / propose / accepted: the tree step's proposer
-contract, inference/medusa.py), what it takes from the base (`complete_config`, `lm_head_modules`), its file
-layouts (`folder_fields`, `export_formats`) and, for a kind whose trees are searched, its teacher-forced guesses
-(`teacher_forced_top_k`, trees.search.head_accuracy); `heads.medusa.HeadsBase` holds the defaults. Its training loss and data
-needs sit one layer up under the same name (`medusa_jax.training.objectives`).
+"""The drafter kinds, registered by name: `HeadsConfig.head_type` or a `--heads` name names a class of DRAFTERS. A
+kind's class owns its parameters or tables, its decode-loop state and proposal (init_draft / propose / accepted /
+verified: the tree step's proposer contract, inference/medusa.py), and answers for itself (class attributes):
+`trained` (its parameters live in a heads folder), `decodes_alone` (it drafts a tree by itself, not only inside a
+mix), `proposes_top_k_of_logits` (a mesh may take its heads' top-k per vocabulary shard, inference/sharded.py).
 
-A new drafter is one module and one line in DRAFTERS; a training-free one (Token Recycling, prompt lookup) too,
-e.g. `"recycle": RecycleDrafter` (its class keeping the init_draft / propose / accepted contract, `head_type =
-"recycle"`, imported from medusa_jax.heads.recycle), and no objective.
+A trained kind (Medusa, Hydra, EAGLE, EAGLE-3; `heads.medusa.HeadsBase` holds the defaults) also answers what it
+takes from the base (`complete_config`, `lm_head_modules`), its file layouts (`folder_fields`, `export_formats`)
+and, where its trees are searched, its teacher-forced guesses (`teacher_forced_top_k`,
+trees.search.head_accuracy); it is built from a HeadsConfig as cls(config, rngs, token_map). Its training loss and
+data needs sit one layer up under the same name (`medusa_jax.training.objectives`).
+
+A training-free kind (Token Recycling, prompt lookup) is built from the base alone: `cls.mix_member(base, budget,
+drafter=None)` gives (the drafter, its spec in a mix of `budget` nodes: a `heads.mixed.TemplateSpec` for a static
+template it fills, or None when it sizes itself from its own `depth` and `num_nodes`); the mix parser
+(inference/mixed_decoding.py) looks it up here by its `--heads` name. A new drafter is one module and one line in
+DRAFTERS.
 """
 
 from __future__ import annotations
@@ -15,16 +22,33 @@ from __future__ import annotations
 from medusa_jax.heads.eagle import EagleDrafter
 from medusa_jax.heads.eagle3 import Eagle3Drafter
 from medusa_jax.heads.hydra import HydraHeads
+from medusa_jax.heads.lookup import LookupDrafter
 from medusa_jax.heads.medusa import HeadsBase, MedusaHeads
+from medusa_jax.heads.recycle import RecycleDrafter
 
-# kind name -> drafter class (its `head_type` is the name); every class takes (config, rngs, token_map=None)
-DRAFTERS: dict[str, type[HeadsBase]] = {"medusa": MedusaHeads, "hydra": HydraHeads, "eagle": EagleDrafter,
-                                        "eagle3": Eagle3Drafter}
+# kind name -> drafter class (its `head_type` is the name)
+DRAFTERS: dict[str, type] = {"medusa": MedusaHeads, "hydra": HydraHeads, "eagle": EagleDrafter,
+                             "eagle3": Eagle3Drafter, "recycle": RecycleDrafter, "lookup": LookupDrafter}
 assert all(cls.head_type == name for name, cls in DRAFTERS.items()), "a kind registers under its head_type"
 
 
-def drafter_class(kind: str) -> type[HeadsBase]:
-    """The class of drafter kind `kind` (MedusaHeads, HydraHeads, ...); ValueError naming the known kinds."""
+def training_free_kinds() -> tuple[str, ...]:
+    """The kinds that need no heads folder (recycle, lookup, ...), in registration order."""
+    return tuple(name for name, cls in DRAFTERS.items() if not cls.trained)
+
+
+def drafter_class(kind: str) -> type:
+    """The class of drafter kind `kind` (MedusaHeads, RecycleDrafter, ...); a one-line ValueError naming the
+    known kinds."""
     if kind not in DRAFTERS:
-        raise ValueError(f"head_type must be one of {tuple(DRAFTERS)}, got {kind!r}")
+        raise ValueError(f"unknown drafter kind: head_type must be one of {tuple(DRAFTERS)}, got {kind!r}")
+    return DRAFTERS[kind]
+
+
+def heads_class(kind: str) -> type[HeadsBase]:
+    """The class of a trained kind, as a heads folder's or HeadsConfig's `head_type` names it; a one-line
+    ValueError naming the trained kinds."""
+    if kind not in DRAFTERS or not DRAFTERS[kind].trained:
+        raise ValueError(f"head_type must be one of {tuple(k for k, c in DRAFTERS.items() if c.trained)}, got "
+                         f"{kind!r}")
     return DRAFTERS[kind]

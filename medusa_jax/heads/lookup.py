@@ -30,9 +30,10 @@ from flax import nnx
 from medusa_jax.trees.dynamic_tree import TreeProposal
 
 # P(a drafted token is accepted | its predecessor was) after an n-token match, n = 1, 2, 3, ...: measured on greedy
-# SmolLM2-135M-Instruct answers to MT-Bench and input-grounded prompts (bench/mixed_drafts/README.md: 0.21, 0.69,
-# 0.93 on a first 4-prompt run), rounded down
-MATCH_ACCEPTANCE = (0.2, 0.65, 0.9)
+# SmolLM2-135M-Instruct answers to 6 MT-Bench and 6 input-grounded prompts (bench/mixed_drafts/README.md, "Prompt
+# lookup's acceptance by match length": 164/435, 218/320 and 2094/2365 drafted tokens accepted; results.json's
+# lookup_acceptance, from bench/mixed_drafts.lookup_acceptance)
+MATCH_ACCEPTANCE = (0.377, 0.681, 0.885)
 BRANCH_DISCOUNT = 0.9  # a later match's chain scores this factor (per node) below the latest's
 
 
@@ -137,15 +138,30 @@ class LookupDrafter(nnx.Module):
     owns no parameters. `propose` returns the candidate forest (`lookup_proposal`); the mix
     (`heads.mixed.MixedDrafter`) merges it with the other drafters' into the tree that is verified."""
 
+    head_type = "lookup"  # its kind in heads.kinds.DRAFTERS
+    trained = False  # no heads folder
+    decodes_alone = False  # its candidate forest is verified through a mix (`--heads lookup` is a mix of one)
     needs_prompt_hidden = False
     feature_layers: tuple[int, ...] = ()  # reads no hidden state at all
 
     def __init__(self, config: LookupConfig = LookupConfig()):
         self.lookup = config
 
+    @classmethod
+    def mix_member(cls, base, budget: int, drafter: "LookupDrafter | None" = None) -> tuple["LookupDrafter", None]:
+        """This kind in a mix of `budget` nodes (heads.kinds): `drafter`, or a chain of up to 10 tokens with one
+        more matched branch per 10 nodes (at most 4); it sizes itself (no spec)."""
+        return (drafter if drafter is not None else
+                cls(LookupConfig(length=min(budget, 10), branches=max(1, min(4, budget // 10))))), None
+
     @property
     def depth(self) -> int:
         return self.lookup.length
+
+    @property
+    def num_nodes(self) -> int:
+        """Candidate nodes proposed per step (the root excluded)."""
+        return self.lookup.num_nodes
 
     def init_draft(self, base, prompt_bt, prompt_lens_b, hidden_btd, cache_size: int, max_depth: int) -> LookupState:
         return init_lookup(prompt_bt, prompt_lens_b, cache_size)

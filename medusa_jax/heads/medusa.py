@@ -59,6 +59,11 @@ class HeadsBase(nnx.Module):
     export_formats: tuple[str, ...] = ()  # the serving layouts it exports to (heads.export, heads.eagle_layout)
     fc_options = False  # takes HeadsConfig.fc_bias / embed_scale (the EAGLE-1 drafter's input fc)
     reads_feature_layers = False  # takes HeadsConfig.feature_layers (the EAGLE-3 drafter)
+    trained = True  # a heads folder holds its parameters (heads.kinds: the training-free kinds say False)
+    decodes_alone = True
+    # its proposal is each head's top-k of `logits(hidden, base, num_heads)` (Medusa heads): a mesh may take that
+    # top-k per vocabulary shard (inference.sharded.MeshHeadsProposer); other kinds leave theirs to the compiler
+    proposes_top_k_of_logits = False
 
     def __init__(self, config: HeadsConfig, heads: list[nnx.Module], token_map: np.ndarray | None):
         if config.head_type != self.head_type:
@@ -139,6 +144,7 @@ class MedusaHead(nnx.Module):
 class MedusaHeads(HeadsBase):
     head_type = "medusa"
     export_formats = ("medusa", "vllm")
+    proposes_top_k_of_logits = True
 
     def folder_fields(self) -> dict:
         return {"medusa_num_heads": self.config.num_heads, "medusa_num_layers": self.config.num_layers}

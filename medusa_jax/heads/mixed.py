@@ -89,7 +89,7 @@ class MixedDrafter(nnx.Module):
     @property
     def candidates(self) -> int:
         """Candidate nodes proposed per step and row, before deduplication (the largest useful draft size)."""
-        return sum(spec.nodes if spec is not None else drafter.lookup.num_nodes
+        return sum(spec.nodes if spec is not None else drafter.num_nodes
                    for drafter, spec in zip(self.drafters, self.specs))
 
     def init_draft(self, base, prompt_bt, prompt_lens_b, hidden_btd, cache_size: int, max_depth: int):

@@ -14,12 +14,15 @@ winners scatter, so the result is defined (JAX leaves duplicate-index scatters u
 the replicated table is updated identically on every device.
 
 The drafter follows the proposer contract of `heads.medusa.HeadsBase` (init_draft / propose / accepted /
-verified): its drafter state (`MedusaState.draft`) is the table itself.
+verified): its drafter state (`MedusaState.draft`) is the table itself. It is the drafter kind "recycle" of
+`heads.kinds.DRAFTERS`: it decodes alone on a static template (`--heads recycle`) or joins a mix filling the
+largest template within the mix's node budget (`RecycleDrafter.mix_member`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import ClassVar
 
 import jax
@@ -27,6 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.heads.mixed import TemplateSpec, template_spec
+from medusa_jax.heads.recycle_file import model_fingerprint, starting_table
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers, build_tree
 
 HEAD_TYPE = "recycle"
@@ -99,6 +105,13 @@ def empty_table(vocab_size: int, top_k: int = DEFAULT_TOP_K) -> np.ndarray:
     return np.broadcast_to(np.arange(top_k, dtype=np.int32), (vocab_size, top_k)).copy()
 
 
+def template_within(budget: int) -> str:
+    """The largest shipped template of at most `budget` nodes (the smallest when none fits)."""
+    sizes = sorted(int(name.split("_")[1]) for name in TEMPLATES)
+    fitting = [n for n in sizes if n <= budget]
+    return f"recycle_{fitting[-1] if fitting else sizes[0]}"
+
+
 def template_tree(name: str, max_top_k: int = DEFAULT_TOP_K, max_depth: int = DEFAULT_MAX_DEPTH) -> TreeBuffers:
     """A shipped template (`TEMPLATES`) as TreeBuffers."""
     if name not in TEMPLATES:
@@ -139,6 +152,8 @@ class RecycleDrafter(nnx.Module):
     `keep_draft` stores the table a call ended with (ShardedModel does, after each call)."""
 
     head_type = HEAD_TYPE
+    trained = False  # no heads folder: heads.kinds lists it among the training-free kinds
+    decodes_alone = True  # drafts a static template by itself (`--heads recycle`), not only inside a mix
     needs_prompt_hidden = False
     feature_layers: tuple[int, ...] = ()  # reads the final hidden states only (no EAGLE-3 taps)
     keeps_draft = True  # the decode call returns the final drafter state, handed back through keep_draft
@@ -150,6 +165,16 @@ class RecycleDrafter(nnx.Module):
                              f"{config.vocab_size} and top_k {config.top_k}")
         self.config = config
         self.recycle_table = RecycleTable(jnp.asarray(table_vr, jnp.int32))
+
+    @classmethod
+    def mix_member(cls, base: CausalLM, budget: int, drafter: "RecycleDrafter | None" = None
+                   ) -> tuple["RecycleDrafter", TemplateSpec]:
+        """This kind in a mix of `budget` nodes (heads.kinds): `drafter` (default: `recycle_drafter(base)`, the
+        shipped warm table where it fits) filling the largest template within the budget, each node scored by
+        the measured acceptance of its path's ranks (RANK_ACCEPTANCE)."""
+        drafter = drafter if drafter is not None else recycle_drafter(base)
+        tree = template_tree(template_within(budget), drafter.config.top_k)
+        return drafter, template_spec(tree, RANK_ACCEPTANCE)
 
     @property
     def table(self) -> np.ndarray:
@@ -176,3 +201,15 @@ class RecycleDrafter(nnx.Module):
     def verified(self, draft, tokens_bt, logits_btv, active_b):
         """The table refreshed from the verify logits at every node of every active row (`recycle_update`)."""
         return recycle_update(draft, tokens_bt, logits_btv, active_b)
+
+
+def recycle_drafter(base: CausalLM, table_path: str | os.PathLike | None = None,
+                    top_k: int = DEFAULT_TOP_K) -> RecycleDrafter:
+    """The Token Recycling drafter for `base`, starting from `recycle_file.starting_table` (its `origin` says
+    which; its `fingerprint` is the model's, for `recycle_file.save_table`)."""
+    fingerprint = model_fingerprint(base)
+    table, origin = starting_table(base, table_path, fingerprint)
+    top_k = top_k if table is None else table.shape[1]
+    drafter = RecycleDrafter(RecycleConfig(base.config.hidden_size, base.config.vocab_size, top_k=top_k), table)
+    drafter.origin, drafter.fingerprint = origin, fingerprint
+    return drafter

@@ -1,4 +1,5 @@
-"""Token Recycling tables on disk, the shipped SmolLM2 table, and the drafter a command line starts from.
+"""Token Recycling tables on disk and the shipped SmolLM2 table (`heads.recycle.recycle_drafter` starts a drafter
+from them).
 
 A table file is a NumPy .npz archive (read with allow_pickle=False) of two entries:
     table  [V, r] uint16 when V <= 65,536 (SmolLM2's 49,152 ids: 0.8 MB before compression), else uint32
@@ -24,7 +25,6 @@ import numpy as np
 
 from medusa_jax.atomic import atomic_file
 from medusa_jax.model.backbone import CausalLM
-from medusa_jax.heads.recycle import DEFAULT_TOP_K, RecycleConfig, RecycleDrafter
 
 FORMAT = "medusa-jax-recycle-table"
 VERSION = 1
@@ -107,15 +107,3 @@ def starting_table(base: CausalLM, path: str | os.PathLike | None = None, finger
         if table.shape[0] == base.config.vocab_size and meta["model"] == (fingerprint or model_fingerprint(base)):
             return table, "the shipped warm SmolLM2 recycling table"
     return None, "an empty recycling table (warms up as it decodes)"
-
-
-def recycle_drafter(base: CausalLM, table_path: str | os.PathLike | None = None,
-                    top_k: int = DEFAULT_TOP_K) -> RecycleDrafter:
-    """The Token Recycling drafter for `base`, starting from `starting_table` (its `origin` says which; its
-    `fingerprint` is the model's, for `save_table`)."""
-    fingerprint = model_fingerprint(base)
-    table, origin = starting_table(base, table_path, fingerprint)
-    top_k = top_k if table is None else table.shape[1]
-    drafter = RecycleDrafter(RecycleConfig(base.config.hidden_size, base.config.vocab_size, top_k=top_k), table)
-    drafter.origin, drafter.fingerprint = origin, fingerprint
-    return drafter

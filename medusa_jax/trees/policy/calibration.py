@@ -206,15 +206,20 @@ def machine_description() -> dict:
     }
 
 
+def keyed_cache_file(what: dict, root: Path | None = None) -> Path:
+    """The file under `$MEDUSA_JAX_CACHE/calibration/` of a measurement keyed by `what` (JSON-able: the machine,
+    the model, the batch size, what was timed): a digest of it names the file."""
+    name = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
+    return (root or cache_root()) / "calibration" / f"{name}.json"
+
+
 def cache_file(machine: dict, model_config, heads_config, batch: int, tree_tokens, *, root: Path | None = None,
                dynamic: Sequence[DynamicTree] = ()) -> Path:
     what = {"machine": machine, "model": repr(model_config), "heads": repr(heads_config), "batch": batch,
             "tree_tokens": list(tree_tokens), "context": CONTEXT}
     if dynamic:
         what["dynamic"] = [t.name for t in dynamic]
-    key = json.dumps(what, sort_keys=True)
-    name = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return (root or cache_root()) / "calibration" / f"{name}.json"
+    return keyed_cache_file(what, root)
 
 
 def read_costs(path: Path) -> step_cost.StepCostTable | None:

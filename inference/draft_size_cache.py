@@ -1,0 +1,88 @@
+"""The draft sizes' step costs of a mix, measured once per machine and cached (as the heads' tree calibrations are).
+
+`draft_size.measure_size_costs` times a verify forward of every draft size and the mix's proposal on this machine
+(a few seconds of timing plus its compilations). What it measures depends on the machine, the model, the batch
+size, the sizes and the drafters of the mix, so those key a file under `$MEDUSA_JAX_CACHE/calibration/`
+(`trees.policy.calibration.keyed_cache_file`, beside the tree calibrations) and a second build with the same
+key reads it instead of timing again.
+
+Modes, as tree calibration's (`--calibration`, `$MEDUSA_JAX_CALIBRATION`): "auto" reads the cache and measures on
+a miss, "redo" measures again and replaces the entry (after a code or load change), "skip" measures without
+reading or writing the cache (the test suite's default: no test fills the user's cache).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from medusa_jax.atomic import write_text_atomic
+from medusa_jax.model.backbone import CausalLM
+from medusa_jax.heads.mixed import MixedDrafter, TemplateSpec
+from medusa_jax.heads.recycle_file import model_fingerprint
+from medusa_jax.trees.policy.calibration import check_mode, keyed_cache_file, machine_key
+from medusa_jax.inference import draft_size
+
+FORMAT = "medusa-jax-draft-size-costs-v1"
+
+
+def mix_key(mix: MixedDrafter) -> list[list[str]]:
+    """What the drafting cost depends on: each member's kind and what it drafts (its tree, template or size)."""
+    out = []
+    for name, drafter, spec in zip(mix.names, mix.drafters, mix.specs):
+        if isinstance(spec, TemplateSpec):
+            what = f"template {spec.tree.name}"
+        elif spec is not None:
+            what = f"dynamic tree {spec.name}"
+        else:
+            what = f"{drafter.num_nodes} nodes, depth {drafter.depth}"
+        out.append([name, what])
+    return out
+
+
+def cost_file(base: CausalLM, mix: MixedDrafter, sizes: Sequence[int], batch: int,
+              root: Path | None = None) -> Path:
+    what = {"format": FORMAT, "machine": machine_key(), "model": repr(base.config),
+            "model_fingerprint": model_fingerprint(base), "batch": batch, "sizes": list(sizes), "mix": mix_key(mix),
+            "trained": repr(mix.config)}
+    return keyed_cache_file(what, root)
+
+
+def read_costs(path: Path, sizes: Sequence[int]) -> tuple[float, ...] | None:
+    """The cached costs, or None when absent, unreadable or not of these sizes (then they are measured)."""
+    try:
+        doc = json.loads(path.read_text())
+        costs = tuple(float(c) for c in doc["costs"])
+        if doc.get("format") != FORMAT or list(doc["sizes"]) != list(sizes) or len(costs) != len(sizes):
+            return None
+        return costs
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def size_costs(base: CausalLM, mix: MixedDrafter, sizes: Sequence[int], *, batch: int = 1,
+               mode: str | None = None, progress: Callable[[str], None] | None = None,
+               root: Path | None = None) -> tuple[tuple[float, ...], str]:
+    """(the costs of `sizes` for `mix` at `batch` on this machine, where they came from: "cached", "measured now
+    (cached in ...)" or "measured now"); `mode` as the module docstring (None: $MEDUSA_JAX_CALIBRATION or auto);
+    `progress` gets one line before a measurement (default: stderr)."""
+    mode = check_mode(mode)
+    path = None if mode == "skip" else cost_file(base, mix, sizes, batch, root)
+    if mode == "auto":
+        cached = read_costs(path, sizes)
+        if cached is not None:
+            return cached, "cached"
+    if path is not None:
+        say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+        say(f"timing the draft sizes {', '.join(map(str, sizes))} of {'+'.join(mix.names)} at batch {batch} on this "
+            f"machine (once; cached in $MEDUSA_JAX_CACHE/calibration/{path.name})")
+    costs = tuple(draft_size.measure_size_costs(base, sizes, batch=batch, drafter=mix, depth=mix.depth))
+    if path is None:
+        return costs, "measured now"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"format": FORMAT, "machine": machine_key(), "batch": batch,
+                                        "mix": mix_key(mix), "sizes": list(sizes), "costs": list(costs)},
+                                       indent=1) + "\n")
+    return costs, f"measured now (cached in $MEDUSA_JAX_CACHE/calibration/{path.name})"
