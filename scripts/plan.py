@@ -69,7 +69,8 @@ def parse_args(argv):
     p.add_argument("--medusa2", action="store_true", help="train: joint training of the backbone (Medusa-2)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weight storage dtype (default: float32 for train, as train_heads.py stores master "
-                        "weights; bfloat16 for decode)")
+                        "weights; a frozen Medusa-1 backbone in bfloat16 is train_heads.py --backbone-dtype "
+                        "bfloat16; bfloat16 for decode)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="train: the dtype the step computes in (default: %(default)s)")
     p.add_argument("--scan-layers", action="store_true",
@@ -80,6 +81,12 @@ def parse_args(argv):
     p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
                    help="train: attention of the rows (train_heads.py --attention; cudnn, a GPU kernel, is "
                         "planned as chunked: neither keeps scores for the backward) "
+                        "(default: %(default)s)")
+    p.add_argument("--loss-chunk", check=in_range(0, MAX_SEQ), type=int, default=0,
+                   help="train: tokens per chunk of the heads' and LM loss (train_heads.py --loss-chunk; 0 = whole "
+                        "rows) (default: %(default)s)")
+    p.add_argument("--optimizer-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="train: storage dtype of Adam's moments (train_heads.py --optimizer-dtype) "
                         "(default: %(default)s)")
     p.add_argument("--device", default="h100-80g",
                    help="h100-80g, h200-141g, tpu-v5e-16g or a byte count per device (default: %(default)s)")
@@ -130,7 +137,8 @@ def plan_main(argv: list[str]) -> int:
         config = PlanConfig(model, mesh, job=args.job, batch=args.batch, seq=seq,
                             cache=args.cache, tree=args.tree, num_heads=args.num_heads, lm_head=args.lm_head,
                             medusa2=args.medusa2, compute_dtype=args.compute_dtype,
-                            layers=LayerExecution(scan=args.scan_layers, remat=args.remat, attention=args.attention))
+                            layers=LayerExecution(scan=args.scan_layers, remat=args.remat, attention=args.attention),
+                            loss_chunk=args.loss_chunk, optimizer_dtype=args.optimizer_dtype)
     except (ValueError, OSError) as e:
         return validate.fail(e)
     force_host_devices(max(mesh.size, 1))

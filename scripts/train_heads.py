@@ -125,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
         "medusa_jax/heads/eagle_init.py)", default=r.eagle_init, choices=("random", "identity"))
     add(g, "--compute-dtype", "dtype the step computes in; weights and optimiser state stay float32 (use "
         "bfloat16 on GPU)", default=t.compute_dtype, choices=("float32", "bfloat16"))
+    add(g, "--backbone-dtype", "storage dtype of the frozen backbone's weights (Medusa-1): bfloat16 halves their "
+        "memory (a 70B backbone fits 8 x 80 GB with room for the step); the heads and their optimiser state stay "
+        "float32", default=r.backbone_dtype, choices=("float32", "bfloat16"))
+    add(g, "--optimizer-dtype", "storage dtype of Adam's two moments: bfloat16 halves the optimiser state (what "
+        "lets 70B Medusa-2 fit 16 x 80 GB); they are updated in float32 within each step",
+        default=t.optimizer_dtype, choices=("float32", "bfloat16"))
+    add(g, "--loss-chunk", check=at_least(0), help="tokens per chunk of the heads' (and Medusa-2's LM) loss: "
+        "only one chunk's [tokens, vocabulary] logits exist at a time, in the forward and the backward (exact; "
+        "0 = whole rows)", type=int, default=t.loss_chunk)
     add(g, "--scan-layers", "run the backbone's layers under one scan over their stacked parameters: FSDP gathers "
         "one layer at a time and the program stays small (GPU/TPU pods; on CPU the unrolled default is faster)",
         action="store_true")
@@ -179,6 +188,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise fail("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
     if args.distill_kl and not args.medusa2:
         raise fail("--distill-kl trains the backbone: it needs --medusa2")
+    if args.backbone_dtype != "float32" and args.medusa2:
+        raise fail(f"--backbone-dtype {args.backbone_dtype} is for a frozen backbone (Medusa-1): Medusa-2 trains "
+                   f"float32 master weights (halve its optimiser state with --optimizer-dtype bfloat16 instead); "
+                   f"drop one")
     if objective.feature_rows and args.cache_hidden:
         raise fail(f"--head-type {args.head_type} reads the hidden states of every position: give a feature store "
                    "(scripts/build_features.py) as --data instead of --cache-hidden")
@@ -247,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         cache_hidden=args.cache_hidden, mesh=args.mesh, checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
         eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every,
-        heads_dtype=args.heads_dtype, base_model_name=args.base_model_name, seed=args.seed,
+        heads_dtype=args.heads_dtype, backbone_dtype=args.backbone_dtype, base_model_name=args.base_model_name, seed=args.seed,
         progress=not args.no_progress, force_output=args.force_output,
         memory_limit_gib=args.memory_limit if args.memory_limit is not None or jax.default_backend() == "cpu" else 0,
         max_tokens=args.max_tokens, wandb_project=args.wandb,
@@ -262,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
                           eagle_noise=args.eagle_noise, eagle_feature_weight=args.eagle_feature_weight,
                           eagle_ce_weight=args.eagle_ce_weight, eagle_train_depth=args.eagle_train_depth,
                           layers=LayerExecution(scan=args.scan_layers, remat=args.remat,
-                                                attention=args.attention)))
+                                                attention=args.attention),
+                          loss_chunk=args.loss_chunk, optimizer_dtype=args.optimizer_dtype))
     with CompileCounter() as compiles:
         result = train_heads(config)
     print(json.dumps({**result, **compiles.summary()}))

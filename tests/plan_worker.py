@@ -23,9 +23,9 @@ from medusa_jax.model.backbone import CausalLM  # noqa: E402
 from medusa_jax.model.config import ModelConfig  # noqa: E402
 from medusa_jax.model.sharding import MeshConfig  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
-from medusa_jax.training.plan import PlanConfig, compile_plan, largest_batch  # noqa: E402
+from medusa_jax.training.plan import PlanConfig, compile_plan, largest_batch, train_config  # noqa: E402
 from medusa_jax.training.memory_plan import estimate_per_device as estimate  # noqa: E402
-from medusa_jax.training.trainer import TrainConfig, Trainer  # noqa: E402
+from medusa_jax.training.trainer import Trainer  # noqa: E402
 from medusa_jax.training.presets import PRESETS, model_config  # noqa: E402
 
 # Llama-3's architecture (GQA 4:1, untied lm_head, llama3 RoPE) at a size that compiles in seconds
@@ -43,7 +43,7 @@ def real_trainer_bytes(config: PlanConfig) -> int:
     base = CausalLM(config.model, nnx.Rngs(0))
     heads = init_heads(config.heads_config(), base)
     mesh = config.mesh.make_mesh(jax.devices()[: config.mesh.size])
-    trainer = Trainer(base, heads, TrainConfig(medusa2=config.medusa2, compute_dtype=config.compute_dtype), mesh)
+    trainer = Trainer(base, heads, train_config(config), mesh)
     device = jax.devices()[0]
     total = 0
     for leaf in jax.tree.leaves((trainer.params, trainer.frozen, trainer.opt_state)):
@@ -58,6 +58,9 @@ def main_small(out: str) -> None:
                                compute_dtype="float32"),
         "train_m2": PlanConfig(SMALL, MeshConfig(data=2, fsdp=2, tensor=2), job="train", batch=8, seq=128,
                                medusa2=True, compute_dtype="float32"),
+        # the memory options: losses in token chunks, Adam's moments in bfloat16
+        "train_m2_lean": PlanConfig(SMALL, MeshConfig(data=2, fsdp=4), job="train", batch=8, seq=128, medusa2=True,
+                                    compute_dtype="float32", loss_chunk=32, optimizer_dtype="bfloat16"),
         "decode": PlanConfig(SMALL.replace(dtype="float32"), MeshConfig(data=2, tensor=4), job="decode", batch=8,
                              seq=64, cache=256, tree="mc_sim_7b_63"),
     }

@@ -27,7 +27,8 @@ from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.trees.policy import step_cost as whole_step
 from medusa_jax.training import trainer as trainer_mod
 from medusa_jax.training.hidden_examples import HiddenRows, reply_examples
-from medusa_jax.training.losses import distill_loss, head_targets, hydra_head_stats
+from medusa_jax.training.chunked_loss import hydra_head_stats
+from medusa_jax.training.losses import distill_loss, head_targets
 from medusa_jax.training.objectives import backbone_hidden
 from medusa_jax.training.trainer import TrainConfig, Trainer
 from medusa_jax.bench import step_cost

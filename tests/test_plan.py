@@ -49,14 +49,14 @@ def small(tmp_path_factory):
     return run_worker("small", tmp_path_factory.mktemp("plan") / "small.json")
 
 
-@pytest.mark.parametrize("case", ["train_m1", "train_m2"])
+@pytest.mark.parametrize("case", ["train_m1", "train_m2", "train_m2_lean"])
 def test_plan_state_equals_the_real_trainer_on_device(small, case):
     plan = small[case]["plan"]
     assert plan["arguments"]["params"] + plan["arguments"]["optimizer"] == small[case]["real_state_bytes"]
     assert plan["replicated_optimizer_bytes"] == 0
 
 
-@pytest.mark.parametrize("case", ["train_m1", "train_m2", "decode"])
+@pytest.mark.parametrize("case", ["train_m1", "train_m2", "train_m2_lean", "decode"])
 def test_analytic_estimate_agrees(small, case):
     plan, est = small[case]["plan"], small[case]["estimate"]
     for name in ("params", "optimizer", "kv_cache"):

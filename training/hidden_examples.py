@@ -3,7 +3,7 @@
 An example is a position t: the row of the base's final hidden state at t, head i's target token t + 2 + i
 (targets [M] full-vocabulary ids, -1 = none) and the row of the hidden state at t + 1 + i, whose base
 distribution is head i's distilled target (teacher rows [M], -1 where head i has no target); for Hydra heads
-also the path tokens [E], t + 1 .. t + M (0 past the end; losses.hydra_head_stats). Examples are the x axis
+also the path tokens [E], t + 1 .. t + M (0 past the end; chunked_loss.hydra_head_stats). Examples are the x axis
 of the arrays below (m: heads, e: depth along the path). Hidden states
 live in `HiddenRows`: one or more [X_c, D] float16 arrays (the memory-mapped Arrow buffers of a hidden-state
 store, hidden_store.py). A batch reads only the rows it needs, so a store larger than memory streams

@@ -30,13 +30,10 @@ Statistics are sums and counts (not means), so they add up over batches and devi
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 NO_TARGET = -1
 
@@ -177,43 +174,3 @@ def head_stats_with_teacher(logits_xv, targets_x, inverse_map_v=None, teacher_hi
 def kl_to_reference(logits_btv, reference_logits_btv, valid_bt) -> tuple[jax.Array, jax.Array]:
     """Medusa-2: KL(reference || model) of the backbone's next-token distributions. Returns (sum, count)."""
     return distill_loss(logits_btv, reference_logits_btv, valid_bt)
-
-
-def _one_head(graphdef, state, inputs: tuple, lm_w_dv, targets_x, inverse_v, teacher_hidden_xd=None,
-              teacher_w_dv=None):
-    head = nnx.merge(graphdef, state)
-    h_xd = head(*inputs)
-    logits_xv = jnp.dot(h_xd, lm_w_dv.astype(h_xd.dtype)) if head.lm_head is None else head.lm_head(h_xd)
-    return head_stats_with_teacher(logits_xv, targets_x, inverse_v, teacher_hidden_xd, teacher_w_dv)
-
-
-def checkpointed_head_stats(heads, base, head_inputs: Callable[[int], tuple], targets_mx,
-                            teacher_hidden_mxd=None) -> HeadStats:
-    """Per-head sums of Medusa or Hydra heads: head i runs on `head_inputs(i)` (its call's arguments) and is
-    scored on targets_mx[i]. Each head's logits (and its teacher's) are rematerialised in the backward pass, so
-    only one [..., V] block is live. With teacher_hidden_mxd (head i's teacher hidden states [..., D] at index
-    i) the stats include the distillation KL."""
-    inverse_v = None
-    if heads.token_map is not None:
-        inverse_v = inverse_token_map(heads.token_map[...], heads.config.vocab_size)
-    lm_w_dv = base.lm_head_weight() if heads.config.lm_head == "shared" else None
-    teacher_w_dv = None
-    if teacher_hidden_mxd is not None:
-        token_map_u = None if heads.token_map is None else heads.token_map[...]
-        teacher_w_dv = teacher_lm_weight(base.lm_head_weight(), token_map_u)
-    per_head = []
-    for i, head in enumerate(heads.heads):
-        graphdef, state = nnx.split(head)
-        fn = jax.checkpoint(partial(_one_head, graphdef))
-        teacher_xd = None if teacher_hidden_mxd is None else teacher_hidden_mxd[i]
-        per_head.append(fn(state, head_inputs(i), lm_w_dv, targets_mx[i], inverse_v, teacher_xd, teacher_w_dv))
-    return stack_stats(per_head)
-
-
-def hydra_head_stats(heads, base, hidden_xd, path_xe, targets_mx, teacher_hidden_mxd=None) -> HeadStats:
-    """Per-head sums of M Hydra heads. hidden [..., D], path tokens [..., M], targets [M, ...], optional teacher
-    hidden states for the KL. Head i reads the embeddings of path[..., :i + 1] in the base's input table
-    (frozen and shared: no gradient flows into it)."""
-    embeds_xed = jax.lax.stop_gradient(base.embed_tokens(path_xe))
-    return checkpointed_head_stats(heads, base, lambda i: (hidden_xd, embeds_xed[..., : i + 1, :]), targets_mx,
-                                   teacher_hidden_mxd)

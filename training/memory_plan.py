@@ -27,15 +27,16 @@ each layer's K and V cache buffers split over rows (data x fsdp) and KV heads (t
 like their parameters. Activations are the largest working sets, not a full liveness analysis:
   decode  prefill: one layer's attention scores and probabilities (fp32) and MLP activations of the prompt;
           loop: the tree's base logits and the heads' logits (fp32)
-  train   every head's logits and their gradient (fp32; XLA runs the heads side by side), with fsdp > 1 each
-          own lm_head whole twice (gathered, and its gradient before the reduction); the backbone's
-          forward one layer at a time with one query block's attention scores (Medusa-1: nothing is kept for the
-          backward pass), or what `--remat` saves of every layer (none: its activations; full: its input; dots:
-          its products) plus two layers' working sets and the LM loss's logits (Medusa-2); the trainable
-          parameters' gradients; with fsdp > 1 and the layers scanned (`--scan-layers`), two layers' weights
-          gathered (one in use, the next arriving; each layer is cast to the compute dtype inside the scan),
-          the embedding and lm_head gathered; unrolled, every
-          weight gathered (XLA's CPU schedule of the unrolled step keeps many gathered weights live).
+  train   every head's logits and their gradient (fp32; XLA runs the heads side by side; one chunk of tokens
+          with `--loss-chunk`), with fsdp > 1 each own lm_head whole twice (gathered, and its gradient before the
+          reduction; one head's at a time with `--loss-chunk`); the backbone's forward one layer at a time with
+          one query block's attention scores (Medusa-1: nothing is kept for the backward pass), or what `--remat`
+          saves of every layer (none: its activations; full: its input; dots: its products) plus two layers'
+          working sets and the LM loss's logits (Medusa-2); the trainable parameters' gradients; with fsdp > 1
+          and the layers scanned (`--scan-layers`), two layers' weights gathered (one in use, the next arriving;
+          each layer is cast to the compute dtype inside the scan) and the base lm_head where the step reads it;
+          unrolled, every weight gathered (XLA's CPU schedule of the unrolled step keeps many gathered weights
+          live). Adam's moments take `optimizer_dtype`.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class MemoryEstimate:
 
 def estimate_run(model: ModelConfig, *, num_heads: int, num_layers: int, head_vocab: int | None, batch_size: int,
                  seq_len: int, cached_batch_size: int, cache_hidden: bool, medusa2: bool, distill_kl: bool,
-                 freeze_lm_heads: bool) -> MemoryEstimate:
+                 freeze_lm_heads: bool, optimizer_dtype: str = "float32") -> MemoryEstimate:
     """A training run's peak host bytes (module docstring). `head_vocab` is the heads' own output width (None:
     shared lm_head, which computes full-vocabulary logits)."""
     d, f, v = model.hidden_size, model.intermediate_size, model.vocab_size
@@ -114,7 +115,7 @@ def estimate_run(model: ModelConfig, *, num_heads: int, num_layers: int, head_vo
     blocks = heads_params(model, num_heads, num_layers, None)
     own_lm = heads_params(model, num_heads, 0, head_vocab)
     trainable = blocks + (0 if freeze_lm_heads else own_lm) + (base if medusa2 else 0)
-    weights = 4 * (base + blocks + own_lm + (base if medusa2 and distill_kl else 0))
+    weights = _bytes(model.dtype) * base * (2 if medusa2 and distill_kl else 1) + 4 * (blocks + own_lm)
     positions = cached_batch_size if cache_hidden else batch_size * seq_len
     logits = 12 * positions * num_heads * (head_vocab or v) + (12 * positions * v if medusa2 else 0)
     backbone = 0
@@ -122,7 +123,8 @@ def estimate_run(model: ModelConfig, *, num_heads: int, num_layers: int, head_vo
         per_layer = 4 * positions * (4 * d + 2 * f)
         scores = 4 * batch_size * model.num_heads * min(seq_len, QUERY_CHUNK) * seq_len  # one query block
         backbone = per_layer * (model.num_layers if medusa2 else 1) + scores
-    return MemoryEstimate(int(weights), int(12 * trainable), int(logits), int(backbone))
+    per_trainable = 4 + 2 * _bytes(optimizer_dtype)  # its float32 gradient and Adam's two moments
+    return MemoryEstimate(int(weights), int(per_trainable * trainable), int(logits), int(backbone))
 
 
 def available_bytes() -> int | None:
@@ -205,6 +207,7 @@ def estimate_per_device(config) -> DeviceEstimate:
         loop = dev_rows * (config.tree_tokens * vocab_part * 4 + config.num_heads * vocab_part * 4)
         return DeviceEstimate(int(params), 0, int(cache), int(max(prefill, loop)))
     trainable = head_params * _bytes(heads_dtype) + (base_params * _bytes(m.dtype) if config.medusa2 else 0)
+    optimizer = 2 * (head_params + (base_params if config.medusa2 else 0)) * _bytes(config.optimizer_dtype)
     act = _bytes(config.compute_dtype)
     layers = config.layers
     tokens = dev_rows * config.seq
@@ -216,25 +219,29 @@ def estimate_per_device(config) -> DeviceEstimate:
     # every head's logits and their gradient (fp32; the softmax is fused into its reductions) at once: XLA
     # schedules the heads side by side; with fsdp > 1 each own lm_head is also held whole, gathered and as its
     # full gradient before the reduction
+    # (`loss_chunk`: one chunk of tokens at a time, and XLA then holds one head's lm_head at a time)
     head_weights = 2 * m.hidden_size * vocab_part * 4 if own_vocab and mesh.fsdp > 1 else 0
-    head_logits = config.num_heads * (2 * tokens * vocab_part * 4 + head_weights)
+    loss_tokens = dev_rows * min(config.seq, config.loss_chunk or config.seq)
+    head_logits = config.num_heads * 2 * loss_tokens * vocab_part * 4 + (
+        1 if config.loss_chunk else config.num_heads) * head_weights
     if config.medusa2:  # saved for the backward pass, one layer's backward working set, the LM loss's logits
         saved = {"none": tokens * (4 * m.hidden_size + 3 * mlp_part) * act + (scores if queries == config.seq
                                                                                else 0),
                  "full": tokens * m.hidden_size * act,
                  "dots": tokens * (3 * m.hidden_size + 3 * mlp_part) * act}[layers.remat]
-        backbone = m.num_layers * saved + 2 * layer + 2 * tokens * vocab_part * 4
+        backbone = m.num_layers * saved + 2 * layer + 2 * loss_tokens * vocab_part * 4
     else:
         backbone = layer
     gathered = 0
-    if mesh.fsdp > 1 and layers.scan:  # two layers gathered at once (one in use, the next one arriving), the
-        # embedding and lm_head (the heads' own lm_heads are counted with their logits)
+    if mesh.fsdp > 1 and layers.scan:  # two layers gathered at once (one in use, the next one arriving) and the
+        # base lm_head where the step reads it (Medusa-2's LM loss, shared heads); the embedding's lookup reads
+        # its rows where they are stored, and the heads' own lm_heads are counted with their logits
         whole = lambda params: params * mesh.fsdp * act
-        gathered = 2 * whole(layer_params(m, split, tensor)) + whole(
-            backbone_params(m, split, tensor) - m.num_layers * layer_params(m, split, tensor))
+        lm_head = m.hidden_size * vocab_part / mesh.fsdp if config.medusa2 or not own_vocab else 0
+        gathered = 2 * whole(layer_params(m, split, tensor)) + whole(lm_head)
     elif mesh.fsdp > 1:
         gathered = (base_params + head_params) * (mesh.fsdp - 1) * act
-    return DeviceEstimate(int(params), int(2 * trainable),
+    return DeviceEstimate(int(params), int(optimizer),
                           0, int(trainable + backbone + head_logits + gathered))
 
 
@@ -242,4 +249,10 @@ def lower_bound(config) -> int:
     """Bytes a device must hold at once whatever the compiler does: parameters, optimiser state and KV cache,
     plus (train) every trainable gradient, since the global-norm clip reads all of them before any update."""
     est = estimate_per_device(config)
-    return est.params + est.optimizer + est.kv_cache + est.optimizer // 2
+    if config.job != "train":
+        return est.params + est.optimizer + est.kv_cache
+    m, split, tensor = config.model, config.mesh.fsdp * config.mesh.tensor, config.mesh.tensor
+    own_vocab = m.vocab_size if config.lm_head == "own" else None
+    gradients = heads_params(m, config.num_heads, 1, own_vocab, split, tensor) * _bytes(config.heads_dtype) + (
+        backbone_params(m, split, tensor) * _bytes(m.dtype) if config.medusa2 else 0)
+    return int(est.params + est.optimizer + est.kv_cache + gradients)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import resolve_dtype
 from medusa_jax.heads.hydra import path_tokens
-from medusa_jax.training import losses
+from medusa_jax.training import chunked_loss, losses
 from medusa_jax.training.data import segment_mask
 from medusa_jax.training.eagle3_loss import eagle3_stats, with_features
 from medusa_jax.training.eagle_loss import eagle_stats
@@ -63,32 +63,31 @@ def _head_inputs(base: CausalLM, heads, batch: dict, s: LossSettings):
     return hidden, targets, path_tokens(batch["tokens"], num_heads), teacher
 
 
-def medusa_stats(heads, base, hidden, path, targets, teacher) -> losses.HeadStats:
-    return losses.checkpointed_head_stats(heads, base, lambda i: (hidden,), targets, teacher)
+def medusa_stats(heads, base, hidden, path, targets, teacher, config) -> losses.HeadStats:
+    return chunked_loss.checkpointed_head_stats(heads, base, lambda i: (hidden,), targets, teacher, config.loss_chunk)
 
 
-def hydra_stats(heads, base, hidden, path, targets, teacher) -> losses.HeadStats:
+def hydra_stats(heads, base, hidden, path, targets, teacher, config) -> losses.HeadStats:
     if path is None:
         raise ValueError("Hydra heads need the path tokens ('path') in cached batches")
-    return losses.hydra_head_stats(heads, base, hidden, path, targets, teacher)
+    return chunked_loss.hydra_head_stats(heads, base, hidden, path, targets, teacher, config.loss_chunk)
 
 
 def heads_loss(head_stats, base: CausalLM, heads, batch: dict, s: LossSettings):
     """Medusa and Hydra heads: each head's loss against the token at t + 2 + i (and its teacher), decayed per
     head; in Medusa-2 plus the base's LM loss (or KL to the original backbone)."""
     hidden, targets, path, teacher = _head_inputs(base, heads, batch, s)
-    stats = head_stats(heads, base, hidden, path, targets, teacher)
     config, extras = s.config, {}
+    stats = head_stats(heads, base, hidden, path, targets, teacher, config)
     loss = losses.medusa_loss(stats, config.loss_decay, *config.head_loss_weights)
     if config.medusa2:
         next_bt = losses.shifted_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], 1)
-        logits = base.logits(hidden)
         if config.distill_kl:
             reference = s.reference()
-            ref_logits = reference.logits(backbone_hidden(reference, batch))
-            base_sum, base_count = losses.kl_to_reference(logits, ref_logits, next_bt >= 0)
+            base_sum, base_count = chunked_loss.reference_kl_sums(
+                base, reference, hidden, backbone_hidden(reference, batch), next_bt, config.loss_chunk)
         else:
-            base_sum, base_count = losses.lm_loss(logits, next_bt)
+            base_sum, base_count = chunked_loss.lm_sums(base, hidden, next_bt, config.loss_chunk)
         extras["base_loss"] = base_sum / jnp.maximum(base_count, 1.0)
         loss = loss + config.lm_loss_weight * extras["base_loss"]
     return loss, stats, extras

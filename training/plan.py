@@ -54,6 +54,8 @@ class PlanConfig:
     compute_dtype: str = "bfloat16"  # train only: the dtype the step computes in
     heads_dtype: str = "float32"  # train: heads are trained in float32; decode uses the model's dtype
     layers: LayerExecution = LayerExecution()  # train: the backbone's scan, remat and attention (train_heads flags)
+    loss_chunk: int = 0  # train: tokens per chunk of the vocabulary-wide losses (TrainConfig.loss_chunk)
+    optimizer_dtype: str = "float32"  # train: storage dtype of Adam's moments (TrainConfig.optimizer_dtype)
 
     def __post_init__(self):
         if self.job not in JOBS:
@@ -173,7 +175,8 @@ def train_config(config: PlanConfig, planned: bool = True) -> TrainConfig:
     if planned and layers.attention == "cudnn":
         layers = dataclasses.replace(layers, attention="chunked")
     return TrainConfig(medusa2=config.medusa2, compute_dtype=config.compute_dtype, head_lr_multiplier=4.0
-                       if config.medusa2 else 1.0, layers=layers)
+                       if config.medusa2 else 1.0, layers=layers, loss_chunk=config.loss_chunk,
+                       optimizer_dtype=config.optimizer_dtype)
 
 
 def lower_train(config: PlanConfig):

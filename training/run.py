@@ -73,6 +73,7 @@ class RunConfig:
     eval_batches: int = 50  # at most this many held-out batches per evaluation
     log_every: int = 10
     heads_dtype: str = "float32"  # storage dtype of the saved heads file (they load as float32)
+    backbone_dtype: str = "float32"  # storage dtype of the backbone's weights in memory (bfloat16: Medusa-1 only)
     base_model_name: str | None = None  # recorded in the heads config (default: the --model path)
     seed: int = 0
     progress: bool = True
@@ -134,11 +135,12 @@ def plan_memory(cfg: RunConfig) -> memory_plan.MemoryEstimate:
     if missing:
         raise ValueError(f"--model {cfg.model}: config.json lacks {missing}; not a Llama-family model")
     return memory_plan.estimate_run(
-        ModelConfig.from_hf_config(hf), num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+        ModelConfig.from_hf_config(hf, dtype=cfg.backbone_dtype), num_heads=cfg.num_heads, num_layers=cfg.num_layers,
         head_vocab=None if mode == "shared" else min(n_trunc or hf["vocab_size"], hf["vocab_size"]),
         batch_size=cfg.batch_size,
         seq_len=cfg.data_config.seq_len, cached_batch_size=cfg.cached_batch_size, cache_hidden=cfg.cache_hidden,
-        medusa2=cfg.train.medusa2, distill_kl=cfg.train.distill_kl, freeze_lm_heads=cfg.train.freeze_head_lm_heads)
+        medusa2=cfg.train.medusa2, distill_kl=cfg.train.distill_kl, freeze_lm_heads=cfg.train.freeze_head_lm_heads,
+        optimizer_dtype=cfg.train.optimizer_dtype)
 
 
 def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -147,6 +149,10 @@ def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
         raise ValueError("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
     if cfg.train.medusa2 and not objective_for(cfg.head_type).joint_backbone:
         raise ValueError(f"--head-type {cfg.head_type} trains with a frozen backbone (Medusa-1) only; drop --medusa2")
+    if cfg.backbone_dtype != "float32" and cfg.train.medusa2:
+        raise ValueError(f"--backbone-dtype {cfg.backbone_dtype} is for a frozen backbone (Medusa-1): Medusa-2 "
+                         f"trains float32 master weights (halve its optimiser state with --optimizer-dtype "
+                         f"bfloat16 instead); drop one")
     parse_lm_head(cfg.lm_head)
     output_folder.check_output(cfg.output, cfg.force_output)
     plan = plan_memory(cfg)
@@ -164,7 +170,8 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     output = Path(cfg.output)
     mesh = shd.MeshConfig.parse(cfg.mesh).make_mesh()
     tokenizer = load_tokenizer(cfg.model)
-    base = load_pretrained(cfg.model, sharding_for=shd.sharding_for(mesh) if mesh.size > 1 else None)
+    base = load_pretrained(cfg.model, dtype=cfg.backbone_dtype,
+                           sharding_for=shd.sharding_for(mesh) if mesh.size > 1 else None)
     eos = tuple(base.config.eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     mode, n_trunc = parse_lm_head(cfg.lm_head)
     if n_trunc is not None and n_trunc > base.config.vocab_size:  # e.g. the default truncated:3072, tiny vocab

@@ -17,7 +17,7 @@ Distilled head targets (`head_loss` kl or ce+kl, losses.distill_loss): head i's 
 applied to the base's hidden state at t + 1 + i, shifted out of the rows' own forward or read from the cache:
 no second model. Its logits are recomputed per head inside the head's rematerialised block (only the token_map
 columns for a truncated head). In Medusa-2 the teacher is the current backbone (gradient stopped): the heads
-are verified against that backbone when decoding. Hydra heads take the same teachers (losses.hydra_head_stats).
+are verified against that backbone when decoding. Hydra heads take the same teachers (chunked_loss.hydra_head_stats).
 The step is `jax.jit` with explicit in/out shardings from `medusa_jax.model.sharding` (parameters by PARAM_RULES,
 optimiser moments like their parameters, batches over (data, fsdp)).
 """
@@ -70,6 +70,10 @@ class TrainConfig:
     eagle_ce_weight: float = 0.1
     eagle_train_depth: int = 1  # > 1: also train depths 2..N on the drafter's own outputs (loss_decay**(k-1))
     layers: LayerExecution = LayerExecution()  # the backbone's layers in the step: scan, remat, attention kernel
+    # tokens per chunk of the heads' and Medusa-2's LM loss: one chunk's logits live at a time (training/
+    # chunked_loss.py; exact); 0 = whole rows
+    loss_chunk: int = 0
+    optimizer_dtype: str = "float32"  # storage dtype of Adam's moments (bfloat16 halves them; updated in float32)
 
     def __post_init__(self):
         resolve_dtype(self.compute_dtype)
@@ -79,6 +83,10 @@ class TrainConfig:
             raise ValueError(f"ce_weight and kl_weight must be >= 0 and the used ones not all 0: {self}")
         if self.distill_kl and not self.medusa2:
             raise ValueError("distill_kl only applies to Medusa-2 (the backbone must be trained)")
+        if self.optimizer_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"optimizer_dtype must be float32 or bfloat16, got {self.optimizer_dtype!r}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be >= 0 (0 = whole rows), got {self.loss_chunk}")
         if self.max_steps < 1 or self.warmup_steps < 0 or self.learning_rate <= 0 or self.head_lr_multiplier <= 0:
             raise ValueError(f"bad schedule: {self}")
         if self.eagle_noise < 0 or self.eagle_feature_weight < 0 or self.eagle_ce_weight < 0 or \
@@ -101,11 +109,27 @@ def schedule(peak: float, config: TrainConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(config.max_steps, warmup + 1), peak * 0.01)
 
 
+def stored_in(inner: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
+    """`inner` with its floating-point state stored in `dtype` between steps, updated in float32 within one."""
+    if dtype == "float32":
+        return inner
+
+    def init(params):
+        return cast_floating(inner.init(params), resolve_dtype(dtype))
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, cast_floating(state, jnp.float32), params)
+        return updates, cast_floating(state, resolve_dtype(dtype))
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """AdamW + warmup/cosine, heads at learning_rate * head_lr_multiplier (optax.multi_transform), after a
-    global-norm clip over all trainable parameters."""
+    global-norm clip over all trainable parameters; Adam's moments stored in config.optimizer_dtype."""
     def adamw(peak):
-        return optax.adamw(schedule(peak, config), b1=0.9, b2=0.999, weight_decay=config.weight_decay)
+        return stored_in(optax.adamw(schedule(peak, config), b1=0.9, b2=0.999, weight_decay=config.weight_decay),
+                         config.optimizer_dtype)
 
     def labels(params):
         return {name: jax.tree.map(lambda _: name, tree) for name, tree in params.items()}

@@ -1,0 +1,73 @@
+"""SmolLM2 on this CPU: train steps with the vocabulary-wide losses on whole rows or in token chunks
+(TrainConfig.loss_chunk, training/chunked_loss.py; issue 41).
+
+Each round times every setting once more (the fastest of --repeats calls after a compiling call), so the settings
+interleave and the machine's load swings hit all of them; one JSON line per (round, case, setting).
+
+  python bench/loss_memory_benchmark.py --rows 2 --seq 512 --rounds 2 >> bench/loss_memory/results.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+
+from medusa_jax.demo_model import resolve_model_dir
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.training.trainer import TrainConfig, Trainer
+
+SETTINGS = {"whole": dict(), "chunk-128": dict(loss_chunk=128), "chunk-256": dict(loss_chunk=256),
+            "chunk-512": dict(loss_chunk=512)}
+
+
+def fastest(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=2, help="packed rows per train step")
+    p.add_argument("--seq", type=int, default=512, help="tokens per row")
+    p.add_argument("--repeats", type=int, default=2, help="timed calls per case and round (the fastest counts)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the settings")
+    p.add_argument("--lm-head", default="own", choices=("own", "shared"), help="the heads' lm_head")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"from {list(SETTINGS)}")
+    args = p.parse_args()
+    base = load_pretrained(resolve_model_dir("default"))
+    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, num_layers=1,
+                                   lm_head=args.lm_head), base)
+    rng = np.random.default_rng(0)
+    shape = (args.rows, args.seq)
+    batch = {"tokens": rng.integers(0, base.config.vocab_size, shape).astype(np.int32),
+             "segment_ids": np.ones(shape, np.int32),
+             "positions": np.broadcast_to(np.arange(args.seq, dtype=np.int32), shape).copy(),
+             "loss_mask": np.ones(shape, bool)}
+    trainers = {}
+    for setting in args.settings.split(","):
+        for medusa2 in (False, True):
+            trainer = Trainer(base, heads, TrainConfig(medusa2=medusa2, warmup_steps=0, **SETTINGS[setting]),
+                              MeshConfig().make_mesh())
+            trainer.train_step(batch)  # compile
+            trainers[setting, medusa2] = trainer
+    for round_ in range(1, args.rounds + 1):
+        for (setting, medusa2), trainer in trainers.items():
+            seconds = fastest(lambda: jax.block_until_ready(trainer.train_step(batch)["loss"]), args.repeats)
+            print(json.dumps({"round": round_, "case": f"train-m{2 if medusa2 else 1}", "setting": setting,
+                              "lm_head": args.lm_head, "rows": args.rows, "seq": args.seq,
+                              "seconds": round(seconds, 4)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

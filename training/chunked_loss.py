@@ -1,0 +1,126 @@
+"""The train step's vocabulary-wide losses (the heads', Medusa-2's LM loss or KL) with logits in token chunks.
+
+A loss over a 128k vocabulary holds [tokens, V] logits in float32 (and their gradient in the backward): at 2048
+tokens per row that is 1 GiB per row and per head, and XLA schedules the heads side by side. `chunked_sums` runs
+a function of [B, T, ...] arrays over chunks of `chunk` tokens along T, each chunk under `jax.checkpoint` inside
+one `jax.lax.scan`: one chunk's logits exist at a time, in the forward and in the backward (which recomputes
+them), and the gradient of the weights the function closes over accumulates across chunks. It is exact: the same
+sums, added in another order. `TrainConfig.loss_chunk` sets the chunk (tokens; 0 = whole rows).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from medusa_jax.training import losses
+
+
+def _chunked(x_bt, chunk: int, count: int, pad_value):
+    """[B, T, ...] -> [count, B, chunk, ...], padded at the end of T with `pad_value`."""
+    pad = count * chunk - x_bt.shape[1]
+    if pad:
+        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x_bt.ndim - 2)
+        x_bt = jnp.pad(x_bt, widths, constant_values=pad_value)
+    x_bt = x_bt.reshape(x_bt.shape[0], count, chunk, *x_bt.shape[2:])
+    return jnp.moveaxis(x_bt, 1, 0)
+
+
+def chunked_sums(sums_fn: Callable[..., tuple], arrays: tuple, pads: tuple, chunk: int) -> tuple:
+    """sums_fn(*arrays) (a tuple of scalar sums) computed over chunks of `chunk` tokens along axis 1 of the
+    [B, T, ...] arrays (arrays[0]: hidden states [B, T, D]) and added up. The padding of the last chunk takes
+    `pads` (one value per array), which must make sums_fn add nothing (a target of NO_TARGET). chunk 0, a T of at
+    most one chunk, or no token axis (cached hidden states [N, D]): one call, as is. None entries stay None."""
+    t = arrays[0].shape[1] if arrays[0].ndim >= 3 else 0
+    if chunk <= 0 or t <= chunk:
+        return sums_fn(*arrays)
+    count = -(-t // chunk)
+    xs = tuple(None if a is None else _chunked(a, chunk, count, p) for a, p in zip(arrays, pads))
+
+    @jax.checkpoint
+    def body(total, chunk_xs):
+        return jax.tree.map(jnp.add, total, tuple(sums_fn(*chunk_xs))), None
+
+    first = jax.eval_shape(lambda: tuple(sums_fn(*(None if x is None else x[0] for x in xs))))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first)
+    total, _ = jax.lax.scan(body, zeros, xs)
+    return total
+
+
+def _one_head(graphdef, state, inputs: tuple, lm_w_dv, targets_x, inverse_v, teacher_hidden_xd=None,
+              teacher_w_dv=None):
+    head = nnx.merge(graphdef, state)
+    h_xd = head(*inputs)
+    logits_xv = jnp.dot(h_xd, lm_w_dv.astype(h_xd.dtype)) if head.lm_head is None else head.lm_head(h_xd)
+    return losses.head_stats_with_teacher(logits_xv, targets_x, inverse_v, teacher_hidden_xd, teacher_w_dv)
+
+
+def head_sums(graphdef, state, inputs: tuple, lm_w_dv, targets_x, inverse_v, teacher_xd, teacher_w_dv,
+              chunk: int) -> tuple:
+    """One head's sums (losses.head_stats_with_teacher) on `inputs` (its call's arguments, [B, T, ...]) in token
+    chunks."""
+    def sums(*arrays):
+        *inputs, targets_x, teacher_xd = arrays
+        return _one_head(graphdef, state, tuple(inputs), lm_w_dv, targets_x, inverse_v, teacher_xd, teacher_w_dv)
+
+    return chunked_sums(sums, (*inputs, targets_x, teacher_xd), (0,) * len(inputs) + (losses.NO_TARGET, 0), chunk)
+
+
+def _shared_weights(heads, base, with_teacher: bool):
+    """(inverse token map or None, the base lm_head for shared heads or None, the teacher's weight or None)."""
+    inverse_v = None
+    if heads.token_map is not None:
+        inverse_v = losses.inverse_token_map(heads.token_map[...], heads.config.vocab_size)
+    lm_w_dv = base.lm_head_weight() if heads.config.lm_head == "shared" else None
+    teacher_w_dv = None
+    if with_teacher:
+        token_map_u = None if heads.token_map is None else heads.token_map[...]
+        teacher_w_dv = losses.teacher_lm_weight(base.lm_head_weight(), token_map_u)
+    return inverse_v, lm_w_dv, teacher_w_dv
+
+
+def checkpointed_head_stats(heads, base, head_inputs: Callable[[int], tuple], targets_mx, teacher_hidden_mxd=None,
+                            chunk: int = 0) -> losses.HeadStats:
+    """Per-head sums of Medusa or Hydra heads, one head after another in a Python loop: head i runs on
+    `head_inputs(i)` (its call's arguments) and is scored on targets_mx[i]. Each head's logits (and its
+    teacher's) are rematerialised in the backward pass, in token chunks of `chunk` (0 = whole rows). With
+    teacher_hidden_mxd (head i's teacher hidden states [..., D] at index i) the stats include the distillation
+    KL."""
+    inverse_v, lm_w_dv, teacher_w_dv = _shared_weights(heads, base, teacher_hidden_mxd is not None)
+    per_head = []
+    for i, head in enumerate(heads.heads):
+        graphdef, state = nnx.split(head)
+        fn = jax.checkpoint(partial(head_sums, graphdef, chunk=chunk))
+        teacher_xd = None if teacher_hidden_mxd is None else teacher_hidden_mxd[i]
+        per_head.append(fn(state, head_inputs(i), lm_w_dv, targets_mx[i], inverse_v, teacher_xd, teacher_w_dv))
+    return losses.stack_stats(per_head)
+
+
+def hydra_head_stats(heads, base, hidden_xd, path_xe, targets_mx, teacher_hidden_mxd=None,
+                     chunk: int = 0) -> losses.HeadStats:
+    """Per-head sums of M Hydra heads. hidden [..., D], path tokens [..., M], targets [M, ...], optional teacher
+    hidden states for the KL. Head i reads the embeddings of path[..., :i + 1] in the base's input table
+    (frozen and shared: no gradient flows into it)."""
+    embeds_xed = jax.lax.stop_gradient(base.embed_tokens(path_xe))
+    return checkpointed_head_stats(heads, base, lambda i: (hidden_xd, embeds_xed[..., : i + 1, :]), targets_mx,
+                                   teacher_hidden_mxd, chunk)
+
+
+def lm_sums(base, hidden_btd, targets_bt, chunk: int) -> tuple:
+    """Medusa-2's base next-token loss (losses.lm_loss on base.logits(hidden)) in token chunks: (sum, count)."""
+    def sums(h_btd, t_bt):
+        return losses.lm_loss(base.logits(h_btd), t_bt)
+
+    return chunked_sums(sums, (hidden_btd, targets_bt), (0, losses.NO_TARGET), chunk)
+
+
+def reference_kl_sums(base, reference, hidden_btd, reference_hidden_btd, targets_bt, chunk: int) -> tuple:
+    """Medusa-2's KL to the original backbone (losses.kl_to_reference) in token chunks: (sum, count)."""
+    def sums(h_btd, ref_btd, t_bt):
+        return losses.kl_to_reference(base.logits(h_btd), reference.logits(ref_btd), t_bt >= 0)
+
+    return chunked_sums(sums, (hidden_btd, reference_hidden_btd, targets_bt), (0, 0, losses.NO_TARGET), chunk)
