@@ -191,10 +191,9 @@ def _self_distill(model_dir, data, output: Path, config: DistillConfig, progress
     mesh = shd.MeshConfig.parse(config.mesh).make_mesh(jax.local_devices()) if config.mesh else None
     if mesh is not None:
         model = _model_on_mesh(model, mesh)
-    # on a mesh the rows are padded up to a multiple of its data x fsdp rows
-    engine = GenerationEngine(model, EngineConfig(rows=round_up(config.batch_size, _mesh_rows(config.mesh)),
-                                                  context=config.cache_size, chunk_steps=config.chunk_steps),
-                              eos_ids=eos, pad_id=pad_id)
+    rows = round_up(config.batch_size, _mesh_rows(config.mesh))  # on a mesh: a multiple of its data x fsdp rows
+    engine = GenerationEngine(model, EngineConfig(rows=rows, context=config.cache_size, chunk_steps=config.chunk_steps,
+                                                  max_queue=rows), eos_ids=eos, pad_id=pad_id)
     if mesh is not None:
         _engine_rows_on_mesh(engine, mesh)
     sampling = SamplingConfig(temperature=config.temperature)
@@ -255,7 +254,7 @@ def _self_distill(model_dir, data, output: Path, config: DistillConfig, progress
             flush()
 
     while True:
-        while len(inflight) < engine.config.rows:  # the engine's queue never holds more than its free rows
+        while len(inflight) < rows:  # the engine's queue never holds more than its free rows
             item = ready.popleft() if ready else first_turn()
             if item is None:
                 break
