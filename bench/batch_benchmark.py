@@ -1,27 +1,31 @@
 """Throughput of batch generation (`inference.api.generate_batch`): MT-Bench first turns at several batch
-sizes, plain vs Medusa greedy decoding, in one run; and plain decoding with finished rows refilled
-(`refill`: inference/refill.py, continuous batching) against length-sorted batches (`plain`: generate_batch with
-engine="batches", so the comparison holds at the batch sizes where "auto" itself refills).
+sizes, plain vs Medusa greedy decoding, in one run; and plain decoding with finished rows refilled (`refill`:
+the generation engine's fifo admission, continuous batching) against length-sorted batches (`plain`:
+generate_batch with engine="batches", so the comparison holds at the batch sizes where "auto" itself refills).
 
 For every batch size the methods run back to back on the same prompts, so machine load hits them alike.
 Per run: new tokens, wall seconds, the part of them spent tracing and compiling (JAX's compile events;
 each new batch shape compiles once), tokens/s with and without that part, tokens per step, and for Medusa
 the number of rows whose output differs from plain greedy at the same batch size (must be 0). `refill`
-rows add the fraction of slot-steps that produced a token (`slot_use`) and their rows differing from plain
-(greedy either way; float summation order differs with the batch composition, so a rare near-tie may flip).
-"""
+rows add the engine iterations (`chunks`, a decode chunk each), the fraction of row-steps that produced a
+token (`slot_use`: new tokens / (rows x decode steps); each prompt's first token comes from its prefill, so it
+can slightly exceed the true fraction) and their rows differing from plain (greedy either way; float summation
+order differs with the batch composition, so a rare near-tie may flip)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from typing import Callable, Sequence
 
 from flax import nnx
 
+from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.trees.tree import DEFAULT_TREE, load_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch
-from medusa_jax.inference.refill import refill_generate
+from medusa_jax.inference.engine import PROMPT_BUCKET, check_prompts, round_up
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams
 from medusa_jax.inference.sharded import ShardedModel
 
 METHODS = ("plain", "medusa", "refill")
@@ -87,16 +91,27 @@ def _refill_row(model: ShardedModel, prompts, config: BatchBenchConfig, batch_si
     if model.mesh.size > 1:
         raise ValueError("the refill runs use one device (run them without --mesh)")
     base = nnx.merge(model.base_graphdef, model.base_params)
-    run = refill_generate(base, prompts, batch_size=batch_size, max_new_tokens=config.max_new_tokens,
-                          eos_ids=eos_ids, pad_id=pad_id, chunk_steps=config.chunk_steps)
-    decode_s = max(run.seconds - run.compile_seconds, 1e-9)
-    row = {"batch_size": batch_size, "method": "refill", "prompts": len(prompts), "new_tokens": run.new_tokens,
-           "seconds": round(run.seconds, 2), "compile_seconds": round(run.compile_seconds, 2),
-           "tokens_per_s": round(run.new_tokens / max(run.seconds, 1e-9), 2),
-           "tokens_per_s_excl_compile": round(run.new_tokens / decode_s, 2), "tokens_per_step": 1.0,
-           "chunks": run.chunks, "slot_use": round(run.slot_use, 3)}
+    check_prompts(prompts, base.config.max_position_embeddings, config.max_new_tokens)
+    context = round_up(max(map(len, prompts)) + config.max_new_tokens, PROMPT_BUCKET)
+    engine = GenerationEngine(base, EngineConfig(rows=batch_size, context=context, chunk_steps=config.chunk_steps,
+                                                 max_queue=len(prompts)), eos_ids=eos_ids, pad_id=pad_id)
+    start, chunks = time.perf_counter(), 0
+    with CompileCounter() as compiles:
+        requests = [engine.submit(p, RequestParams(max_tokens=config.max_new_tokens)) for p in prompts]
+        while any(r.finish_reason is None for r in requests):
+            engine.run_once()
+            chunks += 1
+    seconds = time.perf_counter() - start
+    compile_s = min(compiles.compile_seconds, seconds)
+    tokens = [r.tokens for r in requests]
+    new_tokens = sum(map(len, tokens))
+    row = {"batch_size": batch_size, "method": "refill", "prompts": len(prompts), "new_tokens": new_tokens,
+           "seconds": round(seconds, 2), "compile_seconds": round(compile_s, 2),
+           "tokens_per_s": round(new_tokens / max(seconds, 1e-9), 2),
+           "tokens_per_s_excl_compile": round(new_tokens / max(seconds - compile_s, 1e-9), 2), "tokens_per_step": 1.0,
+           "chunks": chunks, "slot_use": round(new_tokens / max(batch_size * engine.metrics.decode_steps, 1), 3)}
     if plain_outputs is not None:
-        row["rows_differing_from_plain"] = sum(a != b for a, b in zip(plain_outputs, run.token_ids))
+        row["rows_differing_from_plain"] = sum(a != b for a, b in zip(plain_outputs, tokens))
     return row
 
 

@@ -12,8 +12,9 @@ times a power of two (`engine.bucket_length`) and its cache size follows the wid
 compilations is bounded by the number of distinct prompt buckets (3 for 64 MT-Bench prompts at batch 8). Each
 batch is one jitted call whose `while_loop` runs until every row has finished, so a long answer holds only
 the rows of its own batch, and at most for `max_new_tokens` steps; Medusa trees decode this way.
-Refilled slots (`engine="refill"`, `inference.refill`): `batch_size` slots run plain steps in jitted chunks and
-a finished slot takes the next prompt between chunks (continuous batching). On a 2-core CPU it measured faster
+Refilled slots (`engine="refill"`: a client of `generation_engine.GenerationEngine`, admission "fifo"):
+`batch_size` rows run plain steps in jitted chunks and a finished row takes the next prompt between chunks
+(continuous batching). On a 2-core CPU it measured faster
 than sorted batches at batch 64 and slower at 16 and 32 (bench/refill/, docs/design.md "Refilled slots"), so
 `engine="auto"` (the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and
 there are at least batch_size prompts, and forms sorted batches otherwise. Greedy outputs are the same tokens
@@ -44,10 +45,10 @@ from medusa_jax.trees.tree import DynamicTree, TreeBuffers, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.trees.policy.calibration import check_mode
 from medusa_jax.trees.policy.choose import HEADS_TREE, ChosenTree, HeadsOwnTree, choose_tree
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams, TokenEvent
 from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_prompts, pad_prompts,
                                          resolve_eos, round_up)
 from medusa_jax.inference.medusa import Proposer
-from medusa_jax.inference.refill import refill_generate
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
@@ -132,8 +133,9 @@ class BatchRun:
     results: list[GenerationResult]  # in input order
     seconds: float  # wall-clock time of all batches, compilation included
     compile_seconds: float  # of which tracing and compiling (`compile_cache.CompileCounter`)
-    num_batches: int  # sorted batches; refill: decode chunks
-    num_shapes: int  # distinct jitted call shapes (sorted batches: (prompt width, cache size) pairs)
+    num_batches: int  # sorted batches; refill: engine iterations (a decode chunk each)
+    num_shapes: int  # distinct jitted call shapes (sorted batches: (prompt width, cache size) pairs; refill: the
+    # executables the run asked XLA for)
     tree_choice: ChosenTree | None = None  # Medusa: the tree used (None: plain) and its origin / why plain
     compiles: CompileCounter | None = None  # executables compiled afresh / read from the persistent cache
     engine: str = "batches"  # which engine ran: "batches" or "refill"
@@ -259,24 +261,41 @@ def uses_refill(model: ShardedModel, settings: BatchSettings, num_prompts: int, 
 
 def _refill(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings, progress: bool,
             on_batch: Callable[[list[GenerationResult]], None] | None) -> BatchRun:
-    """`generate_batch` on refilled slots (`refill.refill_generate`): one run, every row shares its times."""
+    """`generate_batch` on refilled slots: a client of `GenerationEngine` (admission "fifo", `batch_size` rows,
+    chunks of REFILL_CHUNK_STEPS steps); prompt i samples with seed + i. One run: every row shares its times."""
     bar = _progress(len(prompts), progress)
     base = nnx.merge(model.base_graphdef, model.base_params)
+    context = round_up(max(map(len, prompts)) + settings.max_new_tokens, PROMPT_BUCKET)
+    config = EngineConfig(rows=settings.batch_size, context=context, chunk_steps=REFILL_CHUNK_STEPS,
+                          max_queue=len(prompts), admission="fifo")
+    start = time.perf_counter()
     with CompileCounter() as compiles:
-        run = refill_generate(base, prompts, batch_size=settings.batch_size, max_new_tokens=settings.max_new_tokens,
-                              eos_ids=settings.eos_ids, pad_id=settings.pad_id, sampling=settings.sampling,
-                              seed=settings.seed, chunk_steps=REFILL_CHUNK_STEPS,
-                              on_finish=None if bar is None else lambda i: bar.update(1))
+        engine = GenerationEngine(base, config, eos_ids=settings.eos_ids, pad_id=settings.pad_id)
+
+        def on_event(event: TokenEvent) -> None:
+            if event.finish_reason is not None and bar is not None:
+                bar.update(1)
+
+        requests = [engine.submit(p, RequestParams(max_tokens=settings.max_new_tokens, sampling=settings.sampling,
+                                                   seed=(settings.seed + i) % SEED_RANGE), on_event)
+                    for i, p in enumerate(prompts)]
+        iterations = 0
+        while any(r.finish_reason is None for r in requests):
+            engine.run_once()
+            iterations += 1
+    seconds = time.perf_counter() - start
+    compiling = min(compiles.compile_seconds, seconds)
     if bar is not None:
         bar.close()
     results = []
-    for index, ids in enumerate(run.token_ids):
+    for index, request in enumerate(requests):
+        ids = request.tokens
         eos = bool(ids) and ids[-1] in settings.eos_ids
         results.append(GenerationResult(ids, len(ids), len(prompts[index]), "eos" if eos else "length", index, 0,
-                                        run.seconds, run.compile_seconds))
+                                        seconds, compiling))
     if on_batch is not None:
         on_batch(results)
-    return BatchRun(results, run.seconds, run.compile_seconds, run.chunks, run.shapes, None, compiles, "refill")
+    return BatchRun(results, seconds, compiling, iterations, compiles.requests, None, compiles, "refill")
 
 
 def _decode(model: ShardedModel, prompt_bt: np.ndarray, lengths_b: np.ndarray, cache_size: int,

@@ -5,9 +5,9 @@ Shapes: b rows, t padded prompt length, o = max_new_tokens (the width of the out
 (s >= t + o). Rows finish independently at an EOS id; a finished row keeps computing (the batch is one
 matmul) but never advances its cache length again, so it writes only to scratch slots.
 
-`plain_step` (a PlainState in, a PlainState out) is THE plain step: the decode loop's body, the step the refill
-engine runs between slot refills (inference/refill.py: batch generation, self-distillation) and the one the
-step-cost timing jits (medusa_jax/trees/policy/step_cost.py).
+`plain_step` (a PlainState in, a PlainState out) is THE plain step of sorted batches: the decode loop's body and
+the step the step-cost timing jits (medusa_jax/trees/policy/step_cost.py). The generation engine's rows
+(inference/row_decode.py) step with their own per-row sampling settings.
 """
 
 from __future__ import annotations

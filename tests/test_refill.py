@@ -1,5 +1,5 @@
-"""Continuous batching (inference/refill.py): refilled slots make the tokens length-sorted batches make, and
-generate_batch takes them where they measured faster."""
+"""Continuous batching (`generate_batch` on refilled slots, a client of the generation engine): refilled slots
+make the tokens length-sorted batches make, and generate_batch takes them where they measured faster."""
 
 from __future__ import annotations
 
@@ -11,35 +11,38 @@ import pytest
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch, uses_refill
-from medusa_jax.inference.refill import refill_generate
+from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
 
 def test_refill_generation_matches_length_sorted_batches(tiny_model_dir):
-    """Continuous batching admits prompts into rows freed mid-run and still makes every prompt's greedy tokens,
-    EOS included, as length-sorted batches do; bad settings are one clear error."""
+    """Continuous batching (the generation engine's fifo admission) admits prompts into rows freed mid-run and
+    still makes every prompt's greedy tokens, EOS included, as length-sorted batches do; a sampled prompt's
+    tokens depend on its seed only, not on the rows beside it; bad prompts are one clear error."""
     folder = tiny_model_dir("llama", seed=1)
     model = load_pretrained(folder)
     rng = np.random.RandomState(3)
     prompts = [rng.randint(3, 128, size=n).tolist() for n in (5, 70, 9, 2, 33, 17, 4)]
     sharded = ShardedModel(model)
 
-    def plain(eos_ids):
-        return [r.token_ids for r in generate_batch(sharded, prompts, BatchSettings(
-            batch_size=1, max_new_tokens=11, eos_ids=eos_ids, pad_id=0, engine="batches"), progress=False).results]
+    def run(eos_ids, **settings):
+        return generate_batch(sharded, prompts, BatchSettings(**{**dict(
+            batch_size=1, max_new_tokens=11, eos_ids=eos_ids, pad_id=0, engine="batches"), **settings}),
+            progress=False)
 
-    eos = (plain(())[0][4],)  # a token the first answer makes: it ends early there, others may run to 11
-    want = plain(eos)
+    eos = (run(()).results[0].token_ids[4],)  # a token the first answer makes: it ends there, others may run to 11
+    want = [r.token_ids for r in run(eos).results]
     assert any(t[-1] in eos and len(t) < 11 for t in want) and any(len(t) == 11 for t in want)  # both endings
-    run = refill_generate(model, prompts, batch_size=3, max_new_tokens=11, eos_ids=eos, pad_id=0, chunk_steps=4)
-    assert run.token_ids == want
-    assert run.new_tokens == sum(map(len, want)) and run.chunks >= 3
-    assert 0 < run.slot_use <= 1.0 + len(prompts) / run.slot_steps  # prefill tokens are the only excess
-    for bad in (dict(batch_size=0), dict(chunk_steps=0), dict(max_new_tokens=0)):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            refill_generate(model, prompts, **{**dict(batch_size=2, max_new_tokens=4, eos_ids=eos, pad_id=0), **bad})
+    refilled = run(eos, batch_size=3, engine="refill")
+    assert refilled.engine == "refill" and [r.token_ids for r in refilled.results] == want
+    assert refilled.new_tokens == sum(map(len, want)) and refilled.num_batches >= 3  # 7 prompts in 3 rows
+    assert [r.finish_reason for r in refilled.results] == ["eos" if t[-1] in eos else "length" for t in want]
+    sampling = SamplingConfig(temperature=1.0, top_k=20)
+    sampled = [[r.token_ids for r in run(eos, batch_size=b, engine="refill", sampling=sampling, seed=5).results]
+               for b in (2, 4)]
+    assert sampled[0] == sampled[1] and sampled[0] != want
     with pytest.raises(ValueError, match="prompt 1 is empty"):  # engine.check_prompts, as every path
-        refill_generate(model, [[1, 2], []], batch_size=2, max_new_tokens=4, eos_ids=eos, pad_id=0)
+        generate_batch(sharded, [[1, 2], []], BatchSettings(batch_size=2, engine="refill"), progress=False)
 
 
 def test_generate_batch_refills_slots_at_large_batches_with_the_same_greedy_tokens(tiny_model_dir):

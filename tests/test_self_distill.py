@@ -9,16 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.inference.api import generate
-from medusa_jax.inference.refill import Slots, _admit_cost, admission_groups, admit, admit_prompts, run_chunk
-from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.training import hidden_store
 from medusa_jax.training.hidden_store import StoreWriter, open_store
 from medusa_jax.training.self_distill import DistillConfig, done_ids, self_distill, shard_output
@@ -75,87 +70,19 @@ def test_self_distill_writes_sharegpt_resumes_and_keeps_hidden_states(tmp_path):
                                    atol=2e-2)
 
 
-def test_refilled_slots_generate_what_the_engine_generates(tmp_path):
-    """Prompts admitted into free slots mid-run (next to rows still decoding) get the engine's greedy tokens,
-    and each token comes with the hidden state that produced it."""
-    base = load_pretrained(build_tiny_chat_model(tmp_path / "m", seed=3))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 300, n).tolist() for n in (5, 17, 9, 30, 3)]
-    expected = [r.token_ids for r in generate(base, prompts, max_new_tokens=20, eos_ids=(), pad_id=0)]
-    graphdef, params = nnx.split(base)
-    slots = Slots.empty(base.config, 2, 64)
-    got = {i: ([], []) for i in range(len(prompts))}
-    queue, rows = list(range(len(prompts))), [None, None]
-    greedy = SamplingConfig()
-    while queue or any(r is not None for r in rows):
-        free = [r for r in range(2) if rows[r] is None]
-        take = [(r, queue.pop(0)) for r in free if queue]
-        if take:
-            width = max(len(prompts[i]) for _, i in take)
-            p = np.zeros((len(take), width), np.int32)
-            for j, (_, i) in enumerate(take):
-                p[j, : len(prompts[i])] = prompts[i]
-            slots, first, h0 = admit(graphdef, params, slots, jnp.asarray([r for r, _ in take]), jnp.asarray(p),
-                                     jnp.asarray([len(prompts[i]) for _, i in take]), jax.random.key(0),
-                                     sampling=greedy, eos_ids=())
-            for j, (r, i) in enumerate(take):
-                rows[r] = i
-                got[i][0].append(int(first[j]))
-                got[i][1].append(np.asarray(h0[j: j + 1]))
-        slots, toks, hid, emitted = run_chunk(graphdef, params, slots, jax.random.key(1), steps=7,
-                                              max_new_tokens=20, sampling=greedy, eos_ids=(), pad_id=0)
-        for r, i in enumerate(rows):
-            if i is None:
-                continue
-            e = int(emitted[r])
-            got[i][0].extend(np.asarray(toks[r, :e]).tolist())
-            got[i][1].append(np.asarray(hid[r, :e]))
-            if len(got[i][0]) >= 20:
-                rows[r] = None
-    for i, prompt in enumerate(prompts):
-        assert got[i][0] == expected[i], i
-        full = prompt + got[i][0]
-        h = backbone_hidden(base, {"tokens": jnp.asarray([full]), "positions": jnp.arange(len(full))[None],
-                                   "segment_ids": jnp.ones((1, len(full)), jnp.int32)})[0]
-        np.testing.assert_allclose(np.concatenate(got[i][1]), np.asarray(h[len(prompt) - 1: len(full) - 1]),
-                                   rtol=1e-4, atol=1e-4)
-
-
-def test_admission_groups_cut_prompts_by_length():
-    """A 5-token prompt is not padded to the width of a 380-token one: admission splits by length, covers
-    every prompt once, never costs more than one call, and keeps similar prompts in one call."""
-    lengths = [60, 380, 62, 370, 5]
-    groups = admission_groups(lengths, 64)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    assert [sorted(g) for g in groups] == [[4], [0, 1, 2, 3]]  # rows come in buckets of >= 4: 5 waits alone
-    assert admission_groups([60, 380, 62, 370, 5, 58, 375, 61], 64) == [[4, 5, 0, 7], [2, 3, 6, 1]]
-    assert sum(_admit_cost(len(g), max(lengths[i] for i in g), 64) for g in groups) < _admit_cost(5, 380, 64)
-    assert admission_groups([100] * 9, 64) == [list(range(9))]
-    assert all(len(g) <= 4 for g in admission_groups(list(range(10, 210, 20)), 4))
-    assert admission_groups([], 8) == []
-
-
-def test_grouped_admission_matches_admitting_each_prompt_alone(tmp_path):
-    base = load_pretrained(build_tiny_chat_model(tmp_path / "m", seed=3))
-    graphdef, params = nnx.split(base)
-    rng = np.random.default_rng(1)
-    lengths = (5, 250, 7, 240, 6, 245, 9, 230)
-    prompts = [rng.integers(3, 300, n).tolist() for n in lengths]
-    assert len(admission_groups(list(lengths), 8)) == 2
-    rows = [7, 0, 5, 2, 1, 3, 6, 4]
-    kw = dict(pad_id=0, sampling=SamplingConfig(), eos_ids=())
-    slots, first, hidden = admit_prompts(graphdef, params, Slots.empty(base.config, 8, 256), rows, prompts,
-                                         jax.random.key(0), **kw)
-    np.testing.assert_array_equal(np.asarray(slots.cache.lengths_b)[rows], lengths)
-    for j in (0, 1, 6):
-        row = rows[j]
-        alone, f1, h1 = admit_prompts(graphdef, params, Slots.empty(base.config, 8, 256), [row], [prompts[j]],
-                                      jax.random.key(0), **kw)
-        assert first[j] == f1[0]
-        np.testing.assert_allclose(hidden[j], h1[0], rtol=1e-4, atol=1e-5)
-        n = len(prompts[j])
-        np.testing.assert_allclose(np.asarray(slots.cache.k_bkhs[0][row, :, :, :n]),
-                                   np.asarray(alone.cache.k_bkhs[0][row, :, :, :n]), rtol=1e-4, atol=1e-5)
+def test_sampled_replies_depend_on_their_conversation_not_on_the_batch(tmp_path):
+    """At a temperature, each reply draws with its own seed (the run's seed, the conversation's id and the
+    turn): batch sizes 1 and 3 write the same conversations, and they are not the greedy ones."""
+    model = build_tiny_chat_model(tmp_path / "m")
+    source = write_json(tmp_path / "src.json", chat_records(6, seed=8, turns=2))
+    texts = {}
+    for name, batch_size, temperature in (("one", 1, 1.0), ("three", 3, 1.0), ("greedy", 3, 0.0)):
+        out = tmp_path / f"{name}.jsonl"
+        self_distill(model, str(source), out, DistillConfig(max_new_tokens=6, batch_size=batch_size, turns=2,
+                                                            temperature=temperature, seed=3),
+                     progress=False, log=lambda _: None)
+        texts[name] = sorted(out.read_text().splitlines())
+    assert len(texts["one"]) == 6 and texts["one"] == texts["three"] != texts["greedy"]
 
 
 def test_resume_drops_a_shard_whose_conversations_never_reached_the_jsonl(tmp_path):
