@@ -266,7 +266,9 @@ def heads_main(argv: list[str]) -> int:
                                        "--heads before=default --heads kl=heads/smollm2-kl --out bench/heads")
     p.add_argument("--model", default="default", help="HF model folder, or 'default' for SmolLM2-135M-Instruct")
     p.add_argument("--heads", action="append", required=True, metavar="LABEL=FOLDER",
-                   help="a heads folder to compare under a label ('default' = the shipped heads); repeat the flag")
+                   help="a heads folder to compare under a label ('default' = the shipped heads), or drafts that "
+                        "need no training: 'recycle', 'lookup' or a mix joined by '+' (e.g. "
+                        "mix=default+recycle+lookup); repeat the flag")
     p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns, the 8 categories in turn (default: %(default)s)")
     p.add_argument("--max-new-tokens", check=at_least(1), type=int, default=d.max_new_tokens,
@@ -319,20 +321,25 @@ def heads_main(argv: list[str]) -> int:
                                dynamic_top_k=a.dynamic_top_k, dynamic_depth=a.dynamic_depth)
     except ValueError as e:
         p.error(str(e))
+    drafts = {label: name for label, name in labels.items() if heads_comparison.is_drafts(name)}
     try:
-        for folder in labels.values():
-            check_out(a, heads=folder, data=a.data)
+        for label, folder in labels.items():
+            check_out(a, heads=validate.heads_mix_arg("--heads", folder) if label in drafts else folder, data=a.data)
     except validate.UsageError as e:
         p.error(str(e))
 
     try:
-        folders = {label: validate.heads_arg("--heads", f) for label, f in labels.items()}
+        folders = {label: validate.heads_arg("--heads", f) for label, f in labels.items() if label not in drafts}
         loaded = load_model(validate.model_arg("--model", a.model), None)
         heads = {label: (load_heads(f, base=loaded.base), portable_path(f)) for label, f in folders.items()}
     except (OSError, ValueError) as e:
         return validate.fail(e)
+
+    def heads_of(location: str):  # a mix's trained part
+        return load_heads(validate.heads_arg("--heads", location), base=loaded.base)
+
     prompts = loaded.encode_chat([q.turns[0] for q in mtbench_questions(a.questions, a.question_file)])
-    results = heads_comparison.compare(loaded, heads, prompts, config)
+    results = heads_comparison.compare(loaded, heads, prompts, config, drafts_by_label=drafts, heads_of=heads_of)
     command, machine = command_line("scripts/benchmark.py heads", argv), machine_description()
     out = Path(a.out)
     write_files(out, {"heads.json": heads_comparison.report_json(results, command, machine),
