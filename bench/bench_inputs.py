@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from medusa_jax.atomic import write_text_atomic
-from medusa_jax.bench.mtbench import MTBenchQuestion, load_mtbench_questions
+from medusa_jax.mtbench import MTBenchQuestion, load_mtbench_questions
 
 
 def git_revision(folder: Path) -> str | None:

@@ -35,7 +35,7 @@ from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.bench import step_cost
 from medusa_jax.inference.loaded_model import LoadedModel
 from medusa_jax.bench.decode_benchmark import TorchGenerate
-from medusa_jax.bench.mtbench import MTBenchQuestion
+from medusa_jax.mtbench import MTBenchQuestion
 
 METHODS = ("plain", "medusa", "hf")
 

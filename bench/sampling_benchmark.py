@@ -29,7 +29,7 @@ from medusa_jax.trees.policy.choose import choose_tree
 from medusa_jax.inference.loaded_model import LoadedModel
 from medusa_jax.bench.bench_inputs import write_files
 from medusa_jax.bench.bench_report import fmt, machine_line
-from medusa_jax.bench.mtbench import MTBenchQuestion
+from medusa_jax.mtbench import MTBenchQuestion
 
 SAMPLED = ("plain", "exact", "typical")  # methods timed at each temperature
 RATIO_TARGET = {"temperature": 0.7, "min_ratio": 0.85}

@@ -51,7 +51,7 @@ from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions, write
 from medusa_jax.bench.bench_report import machine_line, write_report
 from medusa_jax.bench.benchmark import BenchmarkConfig, run_benchmark
 from medusa_jax.bench.heads_comparison import CompareConfig
-from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
+from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
 from medusa_jax.bench.quick import PROMPTS, QuickConfig, run_quick
 from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_sampling_benchmark, write_sampling_report
 from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass

@@ -39,7 +39,7 @@ from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.trees.policy.calibration import machine_description
 from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
-from medusa_jax.bench.mtbench import MTBenchError, load_mtbench_questions
+from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
 from medusa_jax.bench.op_profile import op_times
 from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, mesh_spec, parse_int_list,

@@ -20,7 +20,7 @@ from medusa_jax.bench.bench_report import machine_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.paths import command_line
 from medusa_jax.trees.policy.calibration import machine_description
-from medusa_jax.bench.mtbench import MTBenchError
+from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.recycle_bench import RecycleBenchConfig, markdown, run_recycle_bench
 from medusa_jax.scripts import validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from medusa_jax.bench.mtbench import load_mtbench_questions
+from medusa_jax.mtbench import load_mtbench_questions
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.inference.api import BatchSettings, plan_batches
 from medusa_jax.inference.engine import bucket_length, cache_size_for, pad_prompts

@@ -226,7 +226,7 @@ def test_a_table_of_another_vocabulary_is_one_error_line(script_and_model, tmp_p
 
 @pytest.mark.slow
 def test_smollm2_recycling_from_the_shipped_table_is_lossless(smollm2_dir):
-    from medusa_jax.bench.mtbench import load_mtbench_questions
+    from medusa_jax.mtbench import load_mtbench_questions
     from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer
 
     tok, base = load_tokenizer(smollm2_dir), load_pretrained(smollm2_dir)

@@ -19,7 +19,7 @@ from medusa_jax.heads.init import init_heads
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.api import generate, generate_medusa
-from medusa_jax.bench.mtbench import load_mtbench_questions
+from medusa_jax.mtbench import load_mtbench_questions
 from medusa_jax.trees.search.oracle import planted_data
 
 from decode_helpers import cycling_targets, heads_or_planted

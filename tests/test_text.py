@@ -7,7 +7,7 @@ import json
 import pytest
 
 from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
-from medusa_jax.bench.mtbench import MTBenchError, default_question_file, load_mtbench_questions
+from medusa_jax.mtbench import MTBenchError, default_question_file, load_mtbench_questions
 
 
 def test_packaged_mtbench_has_80_two_turn_questions_in_8_categories():
