@@ -15,6 +15,8 @@ For every heads folder (the shipped heads, heads trained with another loss, Hydr
    count for every N of `dynamic_nodes` and every (K, D) of `dynamic_top_k` x `dynamic_depth` (None: the
    default K for N; the default D, at most the heads' number), against the best static tree of N nodes
    (the greedy tree of item 2, counted again when N is not one of `tree_sizes`).
+Training-free drafters and mixes (`recycle`, `lookup`, `default+recycle+lookup`) join the same table
+(`compare_drafts` says what is counted for them); they have no held-out accuracy ('-').
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from medusa_jax.atomic import save_figure_atomic
+from medusa_jax.paths import portable_path
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import DEFAULT_DYNAMIC_DEPTH, DynamicTree, TreeError, build_tree, parse_dynamic_tree
 from medusa_jax.trees.trees_file import trees_of
 from medusa_jax.trees.policy import tree_choice
 from medusa_jax.trees.policy.choose import HEADS_TREE
+from medusa_jax.heads.kinds import training_free_kinds
+from medusa_jax.heads.recycle import DEFAULT_TEMPLATE, recycle_drafter, template_tree, template_within
 from medusa_jax.inference.api import BatchSettings, generate_batch, plan_batches
+from medusa_jax.inference.mixed_decoding import DEFAULT_BUDGET, build_mix, parse_mix
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.trees.search import head_accuracy
 from medusa_jax.inference.loaded_model import LoadedModel
@@ -153,17 +159,26 @@ def count_dynamic(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts,
 
 
 def time_speedup(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, config: CompareConfig) -> list[dict]:
-    """Plain and Medusa (the heads' own tree per batch size) over the same prompts, compilation excluded,
-    interleaved batch by batch (plain first in even batches, Medusa first in odd ones) so that a drift in the
-    machine's speed falls on both alike."""
-    plain, medusa = ShardedModel(loaded.base, None), ShardedModel(loaded.base, heads)
+    """Plain and Medusa with the heads' own tree per batch size (`time_against_plain`)."""
+    medusa = ShardedModel(loaded.base, heads)
     own = trees_of(heads) is not None
     fallback = build_tree([p for p, _ in tree_choice.greedy_tree(accuracy_mr, config.timed_nodes)],
                           name=f"greedy_{config.timed_nodes}")
+    return time_against_plain(loaded, prompts, config,
+                              lambda batch: (medusa, HEADS_TREE if own else fallback, fallback.name))
+
+
+def time_against_plain(loaded: LoadedModel, prompts, config: CompareConfig,
+                       drafted: Callable[[int], tuple[ShardedModel, object, str]]) -> list[dict]:
+    """Plain and drafted decoding (drafted(batch): the model, its tree setting and the tree's name for the report)
+    over the same prompts at each batch size, compilation excluded, interleaved batch by batch (plain first in
+    even batches, drafted first in odd ones) so that a drift in the machine's speed falls on both alike."""
+    plain = ShardedModel(loaded.base, None)
     rows = []
     for batch in config.batch_sizes:
+        model, tree, tree_name = drafted(batch)
         settings = {"plain": (plain, _settings(loaded, config, batch)),
-                    "medusa": (medusa, _settings(loaded, config, batch, HEADS_TREE if own else fallback))}
+                    "medusa": (model, _settings(loaded, config, batch, tree))}
         tokens = {"plain": [None] * len(prompts), "medusa": [None] * len(prompts)}
         seconds, steps, choice = {"plain": 0.0, "medusa": 0.0}, 0, None
         for number, indices in enumerate(plan_batches([len(p) for p in prompts], batch)):
@@ -180,23 +195,80 @@ def time_speedup(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, 
         rate = {name: new[name] / max(seconds[name], 1e-9) for name in tokens}
         rows.append({"batch": batch, "plain_tokens_per_s": rate["plain"], "medusa_tokens_per_s": rate["medusa"],
                      "speedup": rate["medusa"] / rate["plain"], "tokens_per_step": new["medusa"] / max(steps, 1),
-                     "tree": choice.note if choice is not None else fallback.name,
+                     "tree": choice.note if choice is not None else tree_name,
                      "mismatches": sum(a != b for a, b in zip(tokens["medusa"], tokens["plain"]))})
     return rows
 
 
+def is_drafts(name: str) -> bool:
+    """Whether a `--heads LABEL=NAME` names training-free drafters or a mix rather than a heads folder."""
+    return name in training_free_kinds() or "+" in name
+
+
+def drafts_model(loaded: LoadedModel, name: str, budget: int, batch: int, heads_of) -> tuple[ShardedModel, object]:
+    """(the model, its tree setting) of drafts `name` within `budget` nodes: `recycle` alone its largest template
+    within the budget (a fresh drafter from the shipped table where it fits); anything else the mix
+    (`mixed_decoding.build_mix`, its draft sizes' step costs of this machine at `batch`)."""
+    if name == "recycle":
+        drafter = recycle_drafter(loaded.base)
+        return ShardedModel(loaded.base, drafter), template_tree(template_within(budget), drafter.config.top_k)
+    untrained, trained = parse_mix(name)
+    mix, sizes = build_mix(loaded.base, untrained, heads_of(trained) if trained else None, budget, batch=batch)
+    return ShardedModel(loaded.base, mix), sizes
+
+
+def compare_drafts(loaded: LoadedModel, name: str, prompts, reference, config: CompareConfig, heads_of,
+                   progress: Callable[[str], None] = print) -> dict:
+    """A row of the table for training-free drafts `name` (`recycle`, `lookup`, `default+recycle+lookup`): no
+    held-out accuracy; tokens/step and mismatches with a node budget of each N of `tree_sizes` (a mix chooses a
+    size of at most N per step from the step costs at the counting batch size; `recycle` alone drafts its
+    largest template within N); timed against plain at each batch size within the default budget (a mix:
+    DEFAULT_BUDGET nodes; recycle alone: its DEFAULT_TEMPLATE, as `--heads recycle`)."""
+    count_batch = min(config.count_batch, len(prompts))
+    counted = []
+    for nodes in config.tree_sizes:
+        model, tree = drafts_model(loaded, name, nodes, count_batch, heads_of)
+        run = generate_batch(model, prompts, _settings(loaded, config, count_batch, tree), progress=False)
+        counted.append({"nodes": nodes, "tokens_per_step": run.tokens_per_step,
+                        "mismatches": sum(a != b for a, b in zip(_tokens(run), reference))})
+    progress("tokens/step " + ", ".join(f"{r['nodes']} nodes {r['tokens_per_step']:.2f}" for r in counted))
+    budget = int(DEFAULT_TEMPLATE.split("_")[1]) if name == "recycle" else DEFAULT_BUDGET
+
+    def drafted(batch: int):
+        model, tree = drafts_model(loaded, name, budget, batch, heads_of)
+        return model, tree, getattr(tree, "name", str(tree))
+
+    timed = time_against_plain(loaded, prompts, config, drafted) if config.batch_sizes else []
+    for r in timed:
+        progress(f"batch {r['batch']} speedup x{r['speedup']:.2f} ({r['tree']})")
+    origin = "+".join(portable_path(part) if Path(part).exists() else part for part in name.split("+"))
+    return {"origin": origin, "head_type": "training-free" if "+" not in name else "mix", "num_heads": 0,
+            "heldout_top1": [], "heldout_top5": [], "positions_per_head": [], "tree_sizes": counted, "chains": [],
+            "dynamic": [], "timed": timed}
+
+
 def compare(loaded: LoadedModel, heads_by_label: dict[str, tuple[MedusaHeads, str]], prompts: Sequence[Sequence[int]],
-            config: CompareConfig, progress: Callable[[str], None] = print) -> dict:
-    """Runs the comparison. heads_by_label: label -> (heads, where they came from, for the report)."""
-    held = BuildTreeConfig(data=config.data, heldout=config.heldout, continuation_tokens=config.continuation_tokens)
-    held_prompts, source = heldout_prompts(loaded, held)
-    progress(f"held-out text: greedy continuations of {len(held_prompts)} prompts ({source})")
-    text = head_accuracy.self_distill(loaded.base, held_prompts, max_new_tokens=config.continuation_tokens,
-                                      eos_ids=loaded.eos_ids, pad_id=loaded.pad_id)
+            config: CompareConfig, progress: Callable[[str], None] = print,
+            drafts_by_label: dict[str, str] | None = None, heads_of: Callable[[str], MedusaHeads] | None = None
+            ) -> dict:
+    """Runs the comparison. heads_by_label: label -> (heads, where they came from, for the report);
+    drafts_by_label: label -> a training-free drafter or mix (`bench.drafts_comparison`), whose trained part
+    heads_of(location) loads."""
+    source, text = "none (no trained heads compared)", None
+    if heads_by_label:
+        held = BuildTreeConfig(data=config.data, heldout=config.heldout,
+                               continuation_tokens=config.continuation_tokens)
+        held_prompts, source = heldout_prompts(loaded, held)
+        progress(f"held-out text: greedy continuations of {len(held_prompts)} prompts ({source})")
+        text = head_accuracy.self_distill(loaded.base, held_prompts, max_new_tokens=config.continuation_tokens,
+                                          eos_ids=loaded.eos_ids, pad_id=loaded.pad_id)
     reference = _tokens(generate_batch(ShardedModel(loaded.base, None), prompts,
                                        _settings(loaded, config, min(config.count_batch, len(prompts))),
                                        progress=False))
     results = {"heldout": source, "questions": len(prompts), "config": dataclasses.asdict(config), "heads": {}}
+    for label, name in (drafts_by_label or {}).items():
+        results["heads"][label] = compare_drafts(loaded, name, prompts, reference, config, heads_of,
+                                                 lambda line, label=label: progress(f"{label}: {line}"))
     for label, (heads, origin) in heads_by_label.items():
         acc = heads_accuracy(loaded, heads, text, config)
         top5 = acc.topk_cumulative()[:, min(4, acc.accuracy_mr.shape[1] - 1)]
@@ -236,8 +308,8 @@ def markdown(results: dict, command: str, machine: str) -> str:
         chain = {r["chain"]: r["tokens_per_step"] for r in h.get("chains", [])}
         spd = {r["batch"]: r["speedup"] for r in h["timed"]}
         bad = sum(r["mismatches"] for key in ("tree_sizes", "chains", "timed", "dynamic") for r in h.get(key, []))
-        cells = ([label, " / ".join(f"{a:.2f}" for a in h["heldout_top1"]),
-                  " / ".join(f"{a:.2f}" for a in h["heldout_top5"])]
+        cells = ([label, " / ".join(f"{a:.2f}" for a in h["heldout_top1"]) or "-",
+                  " / ".join(f"{a:.2f}" for a in h["heldout_top5"]) or "-"]
                  + [f"{tps[n]:.2f}" if n in tps else "-" for n in sizes]
                  + [f"{chain[c]:.2f}" if c in chain else "-" for c in chains]
                  + [f"{spd[b]:.2f}x" if b in spd else "-" for b in batches] + [str(bad)])

@@ -245,7 +245,8 @@ def heads_main(argv: list[str]) -> int:
                                        "--heads before=default --heads kl=heads/smollm2-kl --out bench/heads")
     options.MODEL.add(p, default="default")
     options.HEADS.add(p, action="append", required=True, metavar="LABEL=FOLDER",
-                      more="to compare under a label (LABEL=FOLDER); repeat the flag")
+                      more="to compare under a label (LABEL=FOLDER), or drafts that need no training: 'recycle', "
+                           "'lookup' or a mix joined by '+' (e.g. mix=default+recycle+lookup); repeat the flag")
     p.add_argument("--questions", check=at_least(1), type=int, default=16,
                    help="MT-Bench first turns, the 8 categories in turn (default: %(default)s)")
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
@@ -293,20 +294,26 @@ def heads_main(argv: list[str]) -> int:
                                dynamic_top_k=a.dynamic_top_k, dynamic_depth=a.dynamic_depth)
     except ValueError as e:
         p.error(str(e))
+    drafts = {label: name for label, name in labels.items() if heads_comparison.is_drafts(name)}
     try:
-        for folder in labels.values():
-            options.out_folder(a, heads=folder, data=a.data)
+        for label, folder in labels.items():
+            options.out_folder(a, heads=options.heads_mix_arg("--heads", folder) if label in drafts else folder,
+                               data=a.data)
     except validate.UsageError as e:
         p.error(str(e))
 
     try:
-        folders = {label: options.heads_arg("--heads", f) for label, f in labels.items()}
+        folders = {label: options.heads_arg("--heads", f) for label, f in labels.items() if label not in drafts}
         loaded = load_model(options.model_arg("--model", a.model), None)
         heads = {label: (load_heads(f, base=loaded.base), portable_path(f)) for label, f in folders.items()}
     except (OSError, ValueError) as e:
         return validate.fail(e)
+
+    def heads_of(location: str):  # a mix's trained part
+        return load_heads(validate.heads_arg("--heads", location), base=loaded.base)
+
     prompts = loaded.encode_chat([q.turns[0] for q in mtbench_questions(a.questions, a.question_file)])
-    results = heads_comparison.compare(loaded, heads, prompts, config)
+    results = heads_comparison.compare(loaded, heads, prompts, config, drafts_by_label=drafts, heads_of=heads_of)
     command, machine = command_line("scripts/benchmark.py heads", argv), machine_description()
     out = Path(a.out)
     write_files(out, {"heads.json": heads_comparison.report_json(results, command, machine),

@@ -441,6 +441,35 @@ def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_p
     assert (out / "heads.png").stat().st_size > 0
 
 
+def test_benchmark_heads_mode_adds_training_free_drafts_and_mixes_to_the_table(tiny_chat_model, tmp_path, capsys):
+    """`--heads mix=HEADS+recycle+lookup --heads recycle=recycle` beside a heads folder: the same table, their rows
+    counted within each node budget and timed against plain, lossless, no held-out accuracy ('-')."""
+    folder, heads_dir = tiny_chat_model
+    out = tmp_path / "cmp"
+    argv = ["heads", "--model", str(folder), "--heads", f"a={heads_dir}", "--heads", f"mix={heads_dir}+recycle+lookup",
+            "--heads", "recycle=recycle", "--question-file", str(write_questions(tmp_path / "q.jsonl")),
+            "--questions", "3", "--max-new-tokens", "10", "--tree-sizes", "4,8", "--batch-sizes", "1",
+            "--heldout", "2", "--continuation-tokens", "8", "--chains", "", "--out", str(out)]
+    assert load_script("benchmark").main(argv) == 0
+    doc = json.loads((out / "heads.json").read_text())
+    assert list(doc["heads"]) == ["mix", "recycle", "a"]
+    for label in ("mix", "recycle"):
+        h = doc["heads"][label]
+        assert h["heldout_top1"] == [] and h["origin"] == {"mix": f"{heads_dir.name}+recycle+lookup"}.get(label, label)
+        assert [r["nodes"] for r in h["tree_sizes"]] == [4, 8]
+        assert all(r["tokens_per_step"] >= 1 and r["mismatches"] == 0 for r in h["tree_sizes"])  # lossless
+        assert [r["batch"] for r in h["timed"]] == [1] and h["timed"][0]["mismatches"] == 0
+    assert doc["heads"]["recycle"]["timed"][0]["tree"].startswith("tree recycle_4")  # --heads recycle's default
+    assert "mixed" in doc["heads"]["mix"]["timed"][0]["tree"]
+    md = (out / "heads.md").read_text()
+    assert "| mix | - | - |" in md and "| recycle | - | - |" in md and "| a |" in md
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        load_script("benchmark").main(["heads", "--model", str(folder), "--heads", "m=lookup+lookup", "--out",
+                                       str(tmp_path / "bad")])
+    assert e.value.code == 2 and "named twice" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
 def test_benchmark_heads_mode_rejects_a_heads_flag_without_a_label(capsys):
     with pytest.raises(SystemExit) as e:
         load_script("benchmark").main(["heads", "--heads", "just-a-folder"])

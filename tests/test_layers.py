@@ -1,6 +1,6 @@
 """The package's layers, from the bottom:
 
-    core root (medusa_jax/*.py: atomic, paths, text, assets, hub, demo_model, compile_cache)
+    core root (medusa_jax/*.py: atomic, paths, text, assets, hub, demo_model, compile_cache, mtbench)
       <- model (medusa_jax/model/)  <- hf (medusa_jax/hf/)  <- trees (medusa_jax/trees/: tree structures)
       <- heads (medusa_jax/heads/)  <- inference/ + tree policy (medusa_jax/trees/policy/)
       <- training/ + tree search (medusa_jax/trees/search/)  <- bench/  <- scripts/
