@@ -14,10 +14,11 @@ batch is one jitted call whose `while_loop` runs until every row has finished, s
 the rows of its own batch, and at most for `max_new_tokens` steps; Medusa trees decode this way.
 Refilled slots (`engine="refill"`: a client of `generation_engine.GenerationEngine`, admission "fifo"):
 `batch_size` rows run plain steps in jitted chunks and a finished row takes the next prompt between chunks
-(continuous batching). On a 2-core CPU it measured faster
-than sorted batches at batch 64 and slower at 16 and 32 (bench/refill/, docs/design.md "Refilled slots"), so
+(continuous batching). On a 2-core CPU the former slot engine (inference/refill.py) measured faster than sorted
+batches at batch 64 and slower at 16 and 32 (bench/refill/, docs/design.md "Refilled slots"), so
 `engine="auto"` (the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and
-there are at least batch_size prompts, and forms sorted batches otherwise. Greedy outputs are the same tokens
+there are at least batch_size prompts, and forms sorted batches otherwise; the engine's rows are yet to be
+measured on a quiet machine (bench/refill/engine_client.md). Greedy outputs are the same tokens
 either way.
 
 Results come back in input order with per-row stats. Under several processes every process passes the same
