@@ -112,7 +112,8 @@ def mtbench_main(argv: list[str]) -> int:
                         "and sampling.md (default: the greedy benchmark)")
     options.SEED_OPTION.add(p, default=0, more="sampling mode: question i samples with seed + i")
     options.OUT.add(p, default="artifacts/benchmark", more="folder for results.json, results.md and plots "
-                    "(sampling: sampling.json, sampling.md); the committed results in bench/ are written only when named here")
+                    "(sampling: sampling.json, sampling.md); the committed results in bench/ are written only when "
+                    "named here")
     a = p.parse_args(argv)
     try:
         config = BenchmarkConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, tree=a.tree, hf=a.hf,
@@ -271,7 +272,8 @@ def heads_main(argv: list[str]) -> int:
                    help="greedy tree size timed for heads without trees.json (default: %(default)s)")
     p.add_argument("--heldout", check=at_least(1), type=int, default=d.heldout,
                    help="held-out ShareGPT prompts (the last of the file) for the accuracy table (default: %(default)s)")
-    options.DATA.add(p, help="ShareGPT-style conversations for the held-out prompts (default: the packaged ShareGPT file)")
+    options.DATA.add(p, help="ShareGPT-style conversations for the held-out prompts (default: the packaged ShareGPT "
+                             "file)")
     p.add_argument("--continuation-tokens", check=at_least(4), type=int, default=d.continuation_tokens,
                    help="greedy tokens generated per held-out prompt (default: %(default)s)")
     options.QUESTION_FILE.add(p)

@@ -135,7 +135,8 @@ def scaling_main(argv: list[str]) -> int:
     p.add_argument("--context-fraction", check=in_range(0.0, 1.0, low_open=True, high_open=True), type=float, default=0.75,
                    help="committed tokens per row as a fraction of the cache (default: %(default)s)")
     p.add_argument("--rounds", check=at_least(1), type=int, default=3, help="interleaved timing rounds per point (default: %(default)s)")
-    options.OUT.add(p, default="artifacts/benchmark_scaling", more="folder for results.json, results.md and scaling.png")
+    options.OUT.add(p, default="artifacts/benchmark_scaling",
+                    more="folder for results.json, results.md and scaling.png")
     a = p.parse_args(argv)
     try:
         options.out_folder(a, a.heads)

@@ -8,7 +8,9 @@
   (nan and inf are refused for every float flag, whatever its rule).
 - errors are one line, `error: MESSAGE`, on stderr, exit status 2 (argparse prints the usage first).
 Rules: `at_least`, `above`, `in_range`, `SEED` (0 .. 2**31 - 1: seeds reach jitted code as int32),
-`each(rule)` for comma-separated lists, `optional(rule)` passes None; `mesh_spec` checks a --mesh string's form.
+`each(rule)` for comma-separated lists, `each_or_none(rule)` also takes an empty list, `no_check` any value;
+`mesh_spec` checks a --mesh string's form.
+Options several commands share are declared once, with their rules, in `options`.
 """
 
 from __future__ import annotations

@@ -53,10 +53,10 @@ from medusa_jax.scripts.distributed import add_distributed_args
 def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that choose the decoder: plain decoding, or Medusa decoding with --heads."""
     options.HEADS.add(p, more="enables Medusa decoding; 'recycle' (Token Recycling: drafts from a table of the "
-                      "tokens the model last ranked after each token, refreshed as it decodes; no heads needed; SmolLM2 "
-                      "starts from the shipped warm table); 'lookup' (prompt lookup, no heads) or drafters joined by "
-                      "'+' (e.g. default+recycle+lookup): mixed drafts, merged into one tree per step whose size is "
-                      "chosen per step from this machine's measured step costs (default: plain decoding)")
+                      "tokens the model last ranked after each token, refreshed as it decodes; no heads needed; "
+                      "SmolLM2 starts from the shipped warm table); 'lookup' (prompt lookup, no heads) or drafters "
+                      "joined by '+' (e.g. default+recycle+lookup): mixed drafts, merged into one tree per step whose "
+                      "size is chosen per step from this machine's measured step costs (default: plain decoding)")
     p.add_argument("--recycle-table", default=None,
                    help="with --heads recycle: the table file to start from (.npz, scripts/build_recycle_table.py "
                         "or --save-recycle-table; its vocabulary must be the model's) (default: the shipped SmolLM2 "
@@ -66,9 +66,9 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
                         "a later run from it with --recycle-table")
     options.TREE.add(p, more=f"; needs --heads (default: the heads' own tree for this backend and --batch-size from "
                              f"their trees.json (scripts/build_tree.py), which may be plain decoding where no tree "
-                             f"pays; {DEFAULT_TREE} for heads without trees.json); with --heads recycle also a recycling "
-                             f"template ({', '.join(recycle.TEMPLATES)}; default {recycle.DEFAULT_TEMPLATE}), never a "
-                             f"dynamic tree")
+                             f"pays; {DEFAULT_TREE} for heads without trees.json); with --heads recycle also a "
+                             f"recycling template ({', '.join(recycle.TEMPLATES)}; default "
+                             f"{recycle.DEFAULT_TEMPLATE}), never a dynamic tree")
     p.add_argument("--calibration", default=None, choices=("auto", "redo", "skip"),
                    help="without --tree, how the heads' own tree is chosen: auto times the plain and tree steps on "
                         "this machine the first time (seconds; cached per machine, model, heads and batch size "

@@ -57,9 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="requests waiting for a row at most; beyond, requests are answered 429 (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
-    options.HEADS.add(p, more=": every row decodes with the heads' tree, greedily (requests "
-                      "must set temperature 0; greedy output equals plain decoding's); EAGLE drafters are not served yet "
-                      "(default: plain decoding)")
+    options.HEADS.add(p, more=": every row decodes with the heads' tree, greedily (requests must set temperature "
+                      "0; greedy output equals plain decoding's); EAGLE drafters are not served yet (default: plain "
+                      "decoding)")
     options.TREE.add(p, more="; needs --heads (default: the heads' own trees.json choice for --batch-size, which "
                      "may be plain decoding)")
     p.add_argument("--served-model-name", default=None,

@@ -1,6 +1,6 @@
-"""The command lines' checks of inputs and outputs that are not one shared option's, run before any model loads
-or work starts. The shared options (--model, --heads, --tree, --mesh, --batch-size, --out, --data, ...) and the checks of what
-their values name are in `options`; numbers are checked at parse time (`cli_args.ArgumentParser`). Here:
+"""The command lines' checks of inputs and outputs, run before any model loads or work starts. The shared options
+(--model, --heads, --tree, --mesh, --batch-size, --out, --data, ...) and the checks of what their values name are in
+`options`; numbers are checked at parse time (`cli_args.ArgumentParser`). Here, the checks any path flag uses:
 - input files (prompt and question files, a recycling table) exist, are readable and parse as far as is
   cheap; a flag given as '' is refused, not ignored;
 - outputs can be written (the nearest existing parent is a writable folder where a file can really be created —
