@@ -3,8 +3,9 @@ batching over a static KV cache), each with its own sampling settings, budget an
 chunk by chunk as they are emitted; a request can be cancelled and its row freed.
 
 The engine owns `config.rows` decode rows of `config.context` cache slots each and the device side that steps
-them: plain decoding (`row_decode.PlainDecoder`) or, given heads and a tree, greedy tree decoding
-(`drafted_rows.DraftedDecoder`: the engine owns the drafter). One iteration (`run_once`): drop cancelled
+them: plain decoding (`row_decode.PlainDecoder`) or, given heads and a tree, tree decoding
+(`drafted_rows.DraftedDecoder`: the engine owns the drafter; greedy rows accept greedily, sampled rows exactly,
+in one step). One iteration (`run_once`): drop cancelled
 requests (a cancelled row is released), admit queued requests into free rows (prompts padded to 64 * 2**k
 tokens and rows to a power of 4, so a few shapes compile; `warm_up` compiles them all before serving), then run
 one chunk of `config.chunk_steps` decode (or verify) steps. Each request's new tokens go to its `on_event` callback as a `TokenEvent` (the
@@ -14,7 +15,7 @@ default callback puts them on `request.events`.
 Admission policies: "fifo" (refilled slots: any free row takes the oldest request, as a server takes them) and
 "sorted" (sorted batches: rows are filled only when all are free, longest prompts first, so a batch's rows
 finish together). `start()` runs the iterations in a thread of their own (a server's); `generate_all` drives
-them in the caller's thread (a batch client). Greedy tokens equal `api.generate`'s.
+them in the caller's thread (a batch client). Greedy tokens equal `api.generate`'s, with or without heads.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ class Request:
 
 
 class GenerationEngine:
-    """With `heads` and a `tree`, every row decodes with the tree (`drafted_rows.DraftedDecoder`: greedy
-    requests only); else plainly (`row_decode.PlainDecoder`)."""
+    """With `heads` and a `tree`, every row decodes with the tree (`drafted_rows.DraftedDecoder`); else plainly
+    (`row_decode.PlainDecoder`)."""
 
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, eos_ids: tuple[int, ...],
                  pad_id: int = 0, heads: MedusaHeads | None = None, tree: TreeBuffers | DynamicTree | None = None):
@@ -152,8 +153,6 @@ class GenerationEngine:
             raise ValueError(f"at most {self.config.max_stop_ids} stop token ids, got {len(params.stop_ids)}")
         if any(not 0 <= t < self.vocab_size for t in params.stop_ids):
             raise ValueError(f"stop token ids must be in [0, {self.vocab_size})")
-        if self.drafted and not params.sampling.greedy:
-            raise ValueError("this engine decodes with heads, greedily: the temperature must be 0")
 
     def submit(self, prompt_ids: Sequence[int], params: RequestParams,
                on_event: Callable[[TokenEvent], None] | None = None) -> Request:

@@ -1,10 +1,10 @@
-"""Serve a model over an OpenAI-compatible HTTP API (continuous batching; plain decoding, or greedy tree
-decoding with --heads).
+"""Serve a model over an OpenAI-compatible HTTP API (continuous batching; plain decoding, or tree decoding with
+--heads: greedy and sampled requests share its steps).
 
 Examples:
   python scripts/serve.py --model default                       (SmolLM2 on http://127.0.0.1:8000)
   python scripts/serve.py --model DIR --port 8080 --batch-size 16 --context 1024 --max-queue 64
-  python scripts/serve.py --model default --heads default --tree mc_sim_7b_8     (greedy requests only)
+  python scripts/serve.py --model default --heads default --tree mc_sim_7b_8
 Then any OpenAI client talks to it, e.g. openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none"):
 POST /v1/completions and /v1/chat/completions (stream true or false; temperature, top_p, top_k, seed,
 max_tokens, stop, stop_token_ids), GET /v1/models, /health, /metrics (Prometheus text).
@@ -63,9 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
     p.add_argument("--heads", default=None,
                    help="Medusa or Hydra heads (a folder in any supported layout, 'default', 'default-medusa' or a Hub "
-                        "id): every row decodes with the heads' tree, greedily (requests must set temperature 0; "
-                        "greedy output equals plain decoding's); EAGLE drafters are not served yet (default: plain "
-                        "decoding)")
+                        "id): every row decodes with the heads' tree (greedy output equals plain decoding's; sampled "
+                        "requests accept exactly: the law of plain sampling); EAGLE drafters are not served yet "
+                        "(default: plain decoding)")
     p.add_argument("--tree", default=None,
                    help=f"with --heads: a tree preset ({', '.join(PRESETS)}), a JSON file of paths or "
                         f"dynamic:N[,k=K,d=D] (default: the heads' own trees.json choice for --batch-size, which may "

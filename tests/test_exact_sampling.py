@@ -50,7 +50,9 @@ from medusa_jax.inference import exact_acceptance
 from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
 from medusa_jax.inference.autoregressive import prefill
 from medusa_jax.inference.exact_acceptance import exact_accept, trial_outcomes
-from medusa_jax.inference.medusa import medusa_decode
+from medusa_jax.inference.medusa import decode_states, medusa_decode
+from medusa_jax.inference.row_acceptance import RowAcceptance
+from medusa_jax.inference.row_sampling import RowSampling
 from medusa_jax.inference.sampling import SamplingConfig, sample_tokens, target_logits
 
 V, N_OUT, WIDTH = 16, 3, 5
@@ -243,6 +245,48 @@ def test_exact_medusa_on_a_dynamic_tree_has_the_plain_samplers_law(setup):
     assert passes(check), check
     share = np.bincount(accept_xb.ravel(), minlength=3) / accept_xb.size
     assert (share > 0.05).all(), share
+
+
+@partial(jax.jit, static_argnames=("graphdef", "graphdef_config"))
+def draw_rows(graphdef, params, prompt_bt, lens_b, temperature_b, seeds_xb, table, *, graphdef_config):
+    """draw() with each row's own settings (`RowAcceptance`, the generation engine's): run x's row b has
+    temperature_b[b] (0: greedy) and the seed seeds_xb[x, b]; the coins come from the seeds alone."""
+    def one(seed_b):
+        sampling = RowSampling(temperature_b, jnp.full(temperature_b.shape, SAMPLING.top_p),
+                               jnp.full(temperature_b.shape, SAMPLING.top_k), seed_b)
+        cache = KVCache.zeros(graphdef_config, prompt_bt.shape[0], 16)
+        state = decode_states(graphdef, params, cache, prompt_bt, lens_b, jax.random.key(0), table, tree=TREE,
+                              max_new_tokens=N_OUT, acceptance=RowAcceptance(sampling), eos_ids=(), pad_id=0,
+                              proposer=table_proposer)
+        return state.out_bo, state.accept_bo[:, 0]
+
+    return jax.vmap(one)(seeds_xb)
+
+
+def test_per_row_exact_sampling_beside_greedy_rows_has_the_plain_samplers_law(setup):
+    """The engine's per-row acceptance: sampled rows (0 and 2) beside greedy rows (1 and 3) in one batch; the
+    sampled rows pass the law check, the greedy rows always give the argmax chain, and the same seeds give the
+    same samples."""
+    graphdef, params, laws, table = setup
+    prompt_bt = np.zeros((len(PROMPTS), WIDTH), np.int32)
+    for i, p in enumerate(PROMPTS):
+        prompt_bt[i, : len(p)] = p
+    temperature_b = jnp.asarray([SAMPLING.temperature, 0.0, SAMPLING.temperature, 0.0], jnp.float32)
+    seeds_xb = jnp.asarray(np.arange(10_000 * 4, dtype=np.uint32).reshape(10_000, 4))
+    args = (graphdef, params, jnp.asarray(prompt_bt), jnp.asarray([len(p) for p in PROMPTS]), temperature_b)
+    out_xbo, accept_xb = draw_rows(*args, seeds_xb, table, graphdef_config=graphdef_config(graphdef, params))
+    out_xbo, accept_xb = np.asarray(out_xbo), np.asarray(accept_xb)
+    check = law_check(out_xbo[:, [0, 2]], [0, 2], laws)
+    assert check["n"] >= 20_000 and passes(check), check
+    share = np.bincount(accept_xb[:, [0, 2]].ravel(), minlength=3) / (2 * accept_xb.shape[0])
+    assert (share > 0.05).all(), share  # the tree walk is exercised
+    greedy = graphdef, params, jnp.asarray(prompt_bt[1::2]), jnp.asarray([len(p) for p in PROMPTS[1::2]])
+    argmax_bo = np.asarray(medusa_decode(*greedy[:2], KVCache.zeros(graphdef_config(graphdef, params), 2, 16),
+                                         *greedy[2:], jax.random.key(0), tree=TREE, max_new_tokens=N_OUT,
+                                         acceptance=AcceptanceConfig(), eos_ids=(), pad_id=0)[0])
+    assert (out_xbo[:, 1::2] == argmax_bo[None]).all()
+    again, _ = draw_rows(*args, seeds_xb[:500], table, graphdef_config=graphdef_config(graphdef, params))
+    assert (np.asarray(again) == out_xbo[:500]).all()
 
 
 def test_the_check_rejects_typical_acceptance(setup):
