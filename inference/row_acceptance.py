@@ -10,7 +10,7 @@ its row, the step count or what else shares the batch (a request with a fixed se
 whose rows are all greedy skips the sampling work (one `lax.cond`): a sort of the vocabulary per tree node.
 
 `accept_step` and `first_token` are what the tree decoder calls: they take either this per-row acceptance or
-the batch-wide static `AcceptanceConfig` (inference/acceptance.py) of `api.generate_batch`.
+the batch-wide static `DecodeConfig` (inference/acceptance.py) of `api.generate_batch`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import jax.numpy as jnp
 
 from medusa_jax.trees.dynamic_tree import RowTree
 from medusa_jax.trees.tree import TreeBuffers
-from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
+from medusa_jax.inference.acceptance import GREEDY, DecodeConfig, accept_tree, sample_next
 from medusa_jax.inference.exact_acceptance import exact_walk
 from medusa_jax.inference.row_sampling import RowSampling, row_keys, row_target_logits, sample_rows
 
 DRAFTED_STREAM = 1  # folded into a row's seed key before its position: tree steps' coins, apart from sample_rows'
-GREEDY = AcceptanceConfig("greedy")
 
 
 @jax.tree_util.register_dataclass
@@ -65,14 +64,14 @@ def accept_rows(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: j
 
 
 def accept_step(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: jax.Array, key: jax.Array,
-                lengths_b: jax.Array, acceptance: AcceptanceConfig | RowAcceptance):
+                lengths_b: jax.Array, acceptance: DecodeConfig | RowAcceptance):
     """The tree step's acceptance: per row (`accept_rows`) or batch-wide (`acceptance.accept_tree`, with `key`)."""
     if isinstance(acceptance, RowAcceptance):
         return accept_rows(tree, tokens_bt, logits_btv, lengths_b, acceptance)
     return accept_tree(tree, tokens_bt, logits_btv, key, acceptance)
 
 
-def first_token(logits_bv: jax.Array, key: jax.Array, acceptance: AcceptanceConfig | RowAcceptance) -> jax.Array:
+def first_token(logits_bv: jax.Array, key: jax.Array, acceptance: DecodeConfig | RowAcceptance) -> jax.Array:
     """The token after the prompt: each row's own (`sample_rows`, its token number 0) or batch-wide
     (`acceptance.sample_next`, with `key`)."""
     if isinstance(acceptance, RowAcceptance):

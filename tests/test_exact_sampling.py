@@ -47,7 +47,7 @@ from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.trees.tree import DynamicTree, build_tree
 from medusa_jax.inference import exact_acceptance
-from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
+from medusa_jax.inference.acceptance import GREEDY, AcceptanceConfig, DecodeConfig
 from medusa_jax.inference.autoregressive import prefill
 from medusa_jax.inference.exact_acceptance import exact_accept, trial_outcomes
 from medusa_jax.inference.medusa import decode_states, medusa_decode
@@ -188,7 +188,7 @@ def passes(check: dict) -> bool:
     return check["p_value"] > 1e-3 and check["tv"] < check["tv_bound"]
 
 
-EXACT = acceptance_for("exact", SAMPLING)
+EXACT = DecodeConfig(SAMPLING, AcceptanceConfig("exact"))
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -283,7 +283,7 @@ def test_per_row_exact_sampling_beside_greedy_rows_has_the_plain_samplers_law(se
     greedy = graphdef, params, jnp.asarray(prompt_bt[1::2]), jnp.asarray([len(p) for p in PROMPTS[1::2]])
     argmax_bo = np.asarray(medusa_decode(*greedy[:2], KVCache.zeros(graphdef_config(graphdef, params), 2, 16),
                                          *greedy[2:], jax.random.key(0), tree=TREE, max_new_tokens=N_OUT,
-                                         acceptance=AcceptanceConfig(), eos_ids=(), pad_id=0)[0])
+                                         acceptance=GREEDY, eos_ids=(), pad_id=0)[0])
     assert (out_xbo[:, 1::2] == argmax_bo[None]).all()
     again, _ = draw_rows(*args, seeds_xb[:500], table, graphdef_config=graphdef_config(graphdef, params))
     assert (np.asarray(again) == out_xbo[:500]).all()
@@ -291,7 +291,7 @@ def test_per_row_exact_sampling_beside_greedy_rows_has_the_plain_samplers_law(se
 
 def test_the_check_rejects_typical_acceptance(setup):
     """Typical acceptance (a real, deliberately different sampler) on the same run: the check must fail."""
-    typical = AcceptanceConfig("typical", temperature=SAMPLING.temperature)
+    typical = DecodeConfig(SamplingConfig(SAMPLING.temperature), AcceptanceConfig("typical"))
     out_xbo, _, rows = run(setup, PROMPTS[:1], 4_000, typical, seed=4)
     check = law_check(out_xbo, rows, setup[2])
     assert not passes(check), check
@@ -345,11 +345,16 @@ def test_repeated_sibling_is_never_accepted_and_does_not_count_twice():
         assert int(bonus_b[0]) not in (5, 6)  # the rejected children's tokens are excluded from the bonus
 
 
-def test_acceptance_for_defaults_and_errors():
-    assert acceptance_for(None, SamplingConfig(0.7, top_k=5)) == AcceptanceConfig(
-        "exact", temperature=0.7, top_k=5)
-    assert acceptance_for(None, SamplingConfig()).kind == "greedy"
+def test_decode_config_resolves_the_kind_and_refuses_conflicts():
+    """One decode config: the sampling settings once, the acceptance beside them (kind None: greedy at
+    temperature 0, exact otherwise)."""
+    assert DecodeConfig(SamplingConfig(0.7, top_k=5)).kind == "exact"
+    assert DecodeConfig().kind == "greedy" and GREEDY.kind == "greedy"
     with pytest.raises(ValueError, match="typical"):
-        acceptance_for("typical", SamplingConfig(0.7, top_p=0.9))
+        DecodeConfig(SamplingConfig(0.7, top_p=0.9), AcceptanceConfig("typical"))
     with pytest.raises(ValueError, match="temperature"):
-        acceptance_for("exact", SamplingConfig())
+        DecodeConfig(SamplingConfig(), AcceptanceConfig("exact"))
+    with pytest.raises(ValueError, match="temperature 0"):
+        DecodeConfig(SamplingConfig(0.7), AcceptanceConfig("greedy"))
+    with pytest.raises(ValueError, match="kind"):
+        AcceptanceConfig("sampled")
