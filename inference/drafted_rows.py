@@ -9,8 +9,8 @@ and a row with R tokens of its budget left starts writing at c * e - R, so the s
 end stops it at its budget (rows with more left than the buffer stop at the buffer's end and go on in the next
 chunk). Admission prefills new prompts into their rows, records their sampling settings (`RowSampling`, kept
 beside the state) and draws each one's first token (`sample_rows`). Stop ids besides the model's EOS are
-checked by the engine on the host. Heads that carry a drafter state from the
-prompt (EAGLE) are not served here yet.
+checked by the engine on the host. A drafter that keeps a state through a reply (EAGLE, EAGLE-3) gets its
+row's state built from the prompt at admission (`row_drafts`), so its greedy rows are lossless too.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from flax import nnx
 
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.trees.dynamic_tree import scratch_slots
-from medusa_jax.heads.medusa import HeadsBase, MedusaHeads, MedusaModel
+from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
-from medusa_jax.inference.autoregressive import prefill
 from medusa_jax.inference.medusa import MedusaState, medusa_step
 from medusa_jax.inference.row_acceptance import RowAcceptance
+from medusa_jax.inference.row_drafts import check_servable, empty_draft, prompt_prefill, put_draft_rows
 from medusa_jax.inference.row_sampling import RowSampling, sample_rows
 from medusa_jax.inference.sampling import is_eos
 
@@ -46,7 +46,7 @@ def empty_state(model: MedusaModel, rows: int, cache_size: int, tree, steps: int
                        jnp.zeros((b, d), model.base.config.jnp_dtype), jnp.zeros((b, steps * e), jnp.int32),
                        jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32),
                        jnp.zeros((b, steps), jnp.int32), jnp.zeros((), jnp.int32), jax.random.key(0), no_move(), no_move(),
-                       None)
+                       empty_draft(model, rows, cache_size, tree.depth))
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree", "eos_ids"), donate_argnames=("state", "sampling"))
@@ -56,8 +56,7 @@ def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, r
     (state, every row's sampling settings, first token [n])."""
     model: MedusaModel = nnx.merge(graphdef, params)
     n, t = prompt_nt.shape
-    fresh = KVCache.zeros(model.base.config, n, t, dtype=state.cache.dtype)
-    last_nd, fresh = prefill(model.base, prompt_nt, prompt_lens_n, fresh)
+    last_nd, fresh, draft_n = prompt_prefill(model, prompt_nt, prompt_lens_n, t, tree.depth, state.cache.dtype)
     first_n = sample_rows(model.base.logits(last_nd), sampling_n, jnp.zeros((n,), jnp.int32))
     no_move_ne = prompt_lens_n[:, None] + jnp.arange(tree.depth + 1, dtype=jnp.int32)[None, :]
 
@@ -68,7 +67,8 @@ def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, r
                                hidden_bd=put(state.hidden_bd, last_nd),
                                done_b=put(state.done_b, is_eos(first_n, eos_ids)),
                                move_src_be=put(state.move_src_be, no_move_ne),
-                               move_dst_be=put(state.move_dst_be, no_move_ne)), \
+                               move_dst_be=put(state.move_dst_be, no_move_ne),
+                               draft=put_draft_rows(state.draft, rows_n, draft_n)), \
         sampling.put_rows(rows_n, sampling_n), first_n
 
 
@@ -99,9 +99,7 @@ class DraftedDecoder:
 
     def __init__(self, base, heads: MedusaHeads, tree: TreeBuffers | DynamicTree, rows: int, context: int,
                  steps: int, *, eos_ids: tuple[int, ...], pad_id: int):
-        if type(heads).init_draft is not HeadsBase.init_draft:
-            raise ValueError(f"{type(heads).__name__} keeps a drafter state: serving it is not supported yet; "
-                             f"use Medusa or Hydra heads")
+        check_servable(heads)
         model = MedusaModel(base, heads)
         self.graphdef, self.params = nnx.split(model)
         self.tree, self.eos_ids, self.pad_id = tree, eos_ids, pad_id

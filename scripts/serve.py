@@ -62,10 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
     p.add_argument("--heads", default=None,
-                   help="Medusa or Hydra heads (a folder in any supported layout, 'default', 'default-medusa' or a Hub "
-                        "id): every row decodes with the heads' tree (greedy output equals plain decoding's; sampled "
-                        "requests accept exactly: the law of plain sampling); EAGLE drafters are not served yet "
-                        "(default: plain decoding)")
+                   help="Medusa, Hydra, EAGLE or EAGLE-3 heads (a folder in any supported layout, 'default', "
+                        "'default-medusa' or a Hub id): every row decodes with the heads' tree (greedy output equals "
+                        "plain decoding's; sampled requests accept exactly: the law of plain sampling) (default: "
+                        "plain decoding)")
     p.add_argument("--tree", default=None,
                    help=f"with --heads: a tree preset ({', '.join(PRESETS)}), a JSON file of paths or "
                         f"dynamic:N[,k=K,d=D] (default: the heads' own trees.json choice for --batch-size, which may "

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.hf.load import load_pretrained
@@ -86,6 +87,35 @@ def test_engine_with_heads_decodes_trees_with_generates_greedy_tokens(model, hea
     stop_at = want[1][2]
     assert engine.generate_all(prompts[1:2], RequestParams(max_tokens=11, stop_ids=(stop_at,)))[0] == \
         want[1][: want[1].index(stop_at) + 1]
+
+
+def random_drafter(model, head_type: str):
+    """An EAGLE-1 or EAGLE-3 drafter (a state built from the prompt) with random weights that vary its drafts."""
+    extra = dict(feature_layers=(0, 1, 2)) if head_type == "eagle3" else {}
+    drafter = init_heads(HeadsConfig(model.config.hidden_size, model.config.vocab_size, num_heads=3,
+                                     head_type=head_type, **extra), model, seed=0)
+    rng = np.random.RandomState(0)
+    for path, var in nnx.iter_graph(drafter):
+        if isinstance(var, nnx.Param) and var[...].ndim == 2 and "lm_head" not in map(str, path):
+            var[...] = jnp.asarray(rng.normal(0, 0.3, var[...].shape), var[...].dtype)
+    return drafter
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
+def test_engine_with_a_drafter_state_per_row_decodes_generates_greedy_tokens(model, head_type):
+    """Drafters that keep a state (EAGLE, EAGLE-3): each admitted row's state is built from its prompt, rows are
+    refilled mid-run, and every reply equals `generate`'s greedy tokens (EOS included); the accepted tokens are
+    `generate_medusa`'s."""
+    drafter = random_drafter(model, head_type)
+    tree = load_tree("mc_sim_7b_8", num_heads=3)
+    prompts = prompts_of((5, 70, 9, 2, 33))
+    eos = (generate(model, prompts[:1], max_new_tokens=10, eos_ids=())[0].token_ids[4],)
+    want = [generate(model, [p], max_new_tokens=10, eos_ids=eos)[0].token_ids for p in prompts]
+    engine = GenerationEngine(model, EngineConfig(rows=2, context=128, chunk_steps=3), eos_ids=eos, heads=drafter,
+                              tree=tree)
+    assert engine.generate_all(prompts, RequestParams(max_tokens=10)) == want
+    medusa = [generate_medusa(model, drafter, [p], tree=tree, max_new_tokens=10, eos_ids=eos)[0] for p in prompts]
+    assert engine.metrics.step_tokens - engine.metrics.row_steps == sum(sum(r.accept_lengths) for r in medusa)
 
 
 def test_engine_with_heads_shares_steps_between_greedy_and_sampled_rows(model):
