@@ -27,6 +27,7 @@ from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
+from medusa_jax.inference.engine_mesh import Placement
 from medusa_jax.inference.medusa import MedusaState, medusa_step
 from medusa_jax.inference.row_acceptance import RowAcceptance
 from medusa_jax.inference.row_drafts import check_servable, empty_draft, prompt_prefill, put_draft_rows
@@ -98,39 +99,44 @@ class DraftedDecoder:
     """`row_decode.PlainDecoder`'s interface over tree decoding with heads."""
 
     def __init__(self, base, heads: MedusaHeads, tree: TreeBuffers | DynamicTree, rows: int, context: int,
-                 steps: int, *, eos_ids: tuple[int, ...], pad_id: int):
+                 steps: int, *, eos_ids: tuple[int, ...], pad_id: int, placement: Placement | None = None):
         check_servable(heads)
         model = MedusaModel(base, heads)
-        self.graphdef, self.params = nnx.split(model)
+        self.placement = placement or Placement(None, rows)
+        self.graphdef, params = nnx.split(model)
+        self.params = self.placement.params(params)
         self.tree, self.eos_ids, self.pad_id = tree, eos_ids, pad_id
-        state = empty_state(model, rows, context + scratch_slots(tree), tree, steps)
-        self.state = jax.device_put(state, jax.devices()[0])
-        self.sampling = jax.device_put(jax.tree.map(jnp.asarray, RowSampling.greedy(rows)), jax.devices()[0])
+        self.state = self.placement.state(empty_state(model, rows, context + scratch_slots(tree), tree, steps))
+        self.sampling = self.placement.state(jax.tree.map(jnp.asarray, RowSampling.greedy(rows)))
 
     def admit(self, rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n: RowSampling) -> np.ndarray:
-        self.state, self.sampling, first_n = drafted_admit(self.graphdef, self.params, self.state, self.sampling,
-                                                           rows_n, prompt_nt, lens_n, sampling_n, tree=self.tree,
-                                                           eos_ids=self.eos_ids)
+        with self.placement.active():
+            self.state, self.sampling, first_n = drafted_admit(self.graphdef, self.params, self.state, self.sampling,
+                                                               rows_n, prompt_nt, lens_n, sampling_n, tree=self.tree,
+                                                               eos_ids=self.eos_ids)
         return np.asarray(jax.device_get(first_n))
 
     def chunk(self, steps: int, remaining_b: np.ndarray) -> tuple[list[list[int]], int, int]:
-        self.state, out_bo, start_b, end_b = drafted_chunk(
-            self.graphdef, self.params, self.state, self.sampling, np.asarray(remaining_b, np.int32), tree=self.tree,
-            steps=steps, eos_ids=self.eos_ids, pad_id=self.pad_id)
+        with self.placement.active():
+            self.state, out_bo, start_b, end_b = drafted_chunk(
+                self.graphdef, self.params, self.state, self.sampling, np.asarray(remaining_b, np.int32),
+                tree=self.tree, steps=steps, eos_ids=self.eos_ids, pad_id=self.pad_id)
         out_bo, start_b, end_b, run, steps_b = jax.device_get((out_bo, start_b, end_b, self.state.step,
                                                                self.state.steps_b))
         return ([out_bo[r, s:e].tolist() for r, (s, e) in enumerate(zip(start_b, end_b))], int(run),
                 int(steps_b.sum()))
 
     def release(self, release_b: np.ndarray) -> None:
-        self.state = release_drafted(self.state, release_b)
+        with self.placement.active():
+            self.state = release_drafted(self.state, release_b)
 
     def compile(self, shapes: list[tuple[int, int]], steps: int) -> None:
-        for n, width in shapes:
-            zeros_n = np.zeros((n,), np.int32)
-            drafted_admit.lower(self.graphdef, self.params, self.state, self.sampling, zeros_n,
-                                np.zeros((n, width), np.int32), zeros_n + 1, RowSampling.greedy(n), tree=self.tree,
-                                eos_ids=self.eos_ids).compile()
-        drafted_chunk.lower(self.graphdef, self.params, self.state, self.sampling,
-                            np.zeros(self.state.root_b.shape, np.int32), tree=self.tree, steps=steps,
-                            eos_ids=self.eos_ids, pad_id=self.pad_id).compile()
+        with self.placement.active():
+            for n, width in shapes:
+                zeros_n = np.zeros((n,), np.int32)
+                drafted_admit.lower(self.graphdef, self.params, self.state, self.sampling, zeros_n,
+                                    np.zeros((n, width), np.int32), zeros_n + 1, RowSampling.greedy(n),
+                                    tree=self.tree, eos_ids=self.eos_ids).compile()
+            drafted_chunk.lower(self.graphdef, self.params, self.state, self.sampling,
+                                np.zeros(self.state.root_b.shape, np.int32), tree=self.tree, steps=steps,
+                                eos_ids=self.eos_ids, pad_id=self.pad_id).compile()

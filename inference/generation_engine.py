@@ -28,12 +28,14 @@ from collections import defaultdict, deque
 from typing import Callable, Sequence
 
 import numpy as np
+from jax.sharding import Mesh
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.autoregressive import prefill_widths
 from medusa_jax.inference.engine import PROMPT_BUCKET, bucket_length
+from medusa_jax.inference.engine_mesh import Placement
 from medusa_jax.inference.engine_metrics import EngineMetrics
 from medusa_jax.inference.drafted_rows import DraftedDecoder
 from medusa_jax.inference.row_decode import PlainDecoder, stop_ids_array
@@ -111,22 +113,25 @@ class Request:
 
 class GenerationEngine:
     """With `heads` and a `tree`, every row decodes with the tree (`drafted_rows.DraftedDecoder`); else plainly
-    (`row_decode.PlainDecoder`)."""
+    (`row_decode.PlainDecoder`). With a `mesh`, the parameters and the rows' state are sharded over it
+    (`engine_mesh.Placement`: rows over data x fsdp, which must divide config.rows)."""
 
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, eos_ids: tuple[int, ...],
-                 pad_id: int = 0, heads: MedusaHeads | None = None, tree: TreeBuffers | DynamicTree | None = None):
+                 pad_id: int = 0, heads: MedusaHeads | None = None, tree: TreeBuffers | DynamicTree | None = None,
+                 mesh: Mesh | None = None):
         self.config, self.eos_ids, self.pad_id = config, tuple(eos_ids), pad_id
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
         if (heads is None) != (tree is None):
             raise ValueError("tree decoding needs both heads and a tree")
         self.drafted = heads is not None
+        placement = Placement(mesh, config.rows, model.config)
         if self.drafted:
             self._decoder = DraftedDecoder(model, heads, tree, config.rows, config.context, config.chunk_steps,
-                                           eos_ids=self.eos_ids, pad_id=pad_id)
+                                           eos_ids=self.eos_ids, pad_id=pad_id, placement=placement)
         else:
             self._decoder = PlainDecoder(model, config.rows, config.context, config.max_stop_ids,
-                                         eos_ids=self.eos_ids, pad_id=pad_id)
+                                         eos_ids=self.eos_ids, pad_id=pad_id, placement=placement)
         self._row_request: list[Request | None] = [None] * config.rows
         self._pending: deque[Request] = deque()
         self._cv = threading.Condition()

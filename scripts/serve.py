@@ -5,6 +5,7 @@ Examples:
   python scripts/serve.py --model default                       (SmolLM2 on http://127.0.0.1:8000)
   python scripts/serve.py --model DIR --port 8080 --batch-size 16 --context 1024 --max-queue 64
   python scripts/serve.py --model default --heads default --tree mc_sim_7b_8
+  python scripts/serve.py --model DIR --mesh data=2,tensor=4 --batch-size 16    (sharded over 8 devices)
 Then any OpenAI client talks to it, e.g. openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none"):
 POST /v1/completions and /v1/chat/completions (stream true or false; temperature, top_p, top_k, seed,
 max_tokens, stop, stop_token_ids), GET /v1/models, /health, /metrics (Prometheus text).
@@ -36,7 +37,8 @@ from medusa_jax.trees.policy.choose import choose_tree
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
 from medusa_jax.hub import HubError
 from medusa_jax.scripts import validate
-from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range, mesh_spec
 
 DEFAULT_CONTEXT = 1024  # --context when not given (or the model's positions if fewer)
 
@@ -70,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"with --heads: a tree preset ({', '.join(PRESETS)}), a JSON file of paths or "
                         f"dynamic:N[,k=K,d=D] (default: the heads' own trees.json choice for --batch-size, which may "
                         f"be plain decoding)")
+    p.add_argument("--mesh", default=None, check=mesh_spec,
+                   help="device mesh for sharded decoding, e.g. data=2,tensor=4 (axes data, fsdp, tensor; missing "
+                        "axes are 1; data x fsdp must divide --batch-size; for decoding prefer data x tensor) "
+                        "(default: one device)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the model folder's name)")
     a = p.parse_args(argv)
@@ -80,6 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if a.tree is not None and a.heads is None:
             raise validate.UsageError(f"--tree {a.tree}: needs --heads (tree decoding)")
         validate.tree_arg("--tree", a.tree)
+        mesh = validate.mesh_devices("--mesh", a.mesh)
+        if a.batch_size % (mesh.data * mesh.fsdp):
+            raise validate.UsageError(f"--batch-size {a.batch_size}: does not split over --mesh {a.mesh} (data x "
+                                      f"fsdp = {mesh.data * mesh.fsdp}); use a multiple of {mesh.data * mesh.fsdp}")
         check_listen(a.host, a.port)
     except validate.UsageError as e:
         p.error(str(e))
@@ -122,7 +132,7 @@ def build_engine(a: argparse.Namespace):
         heads, tree = (heads, chosen.tree) if chosen.tree is not None else (None, None)
     config = EngineConfig(rows=a.batch_size, context=context, chunk_steps=a.chunk_steps, max_queue=a.max_queue)
     engine = GenerationEngine(model, config, eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos), heads=heads,
-                              tree=tree)
+                              tree=tree, mesh=MeshConfig.parse(a.mesh).make_mesh() if a.mesh else None)
     start = time.perf_counter()
     with CompileCounter() as compiles:
         shapes = engine.warm_up()
