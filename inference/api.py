@@ -83,8 +83,8 @@ class BatchSettings:
                              f"HEADS_TREE, got {self.tree!r}")
         if self.calibration is not None:
             check_mode(self.calibration)
-        if self.tree is not None:
-            self.decode  # noqa: B018 (validates: an acceptance that cannot honour the sampling is a ValueError)
+        if self.tree is not None:  # an acceptance that cannot honour the sampling: ValueError now
+            DecodeConfig(self.sampling, self.acceptance)
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1 or self.bucket < 1:
@@ -336,14 +336,15 @@ def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_token
 def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequence[int]], *,
                     tree: "str | TreeBuffers | DynamicTree | None" = None, max_new_tokens: int = 128,
                     sampling: SamplingConfig = SamplingConfig(), acceptance: AcceptanceConfig = AcceptanceConfig(),
-                    seed: int = 0,
-                    eos_ids: Sequence[int] | None = None, pad_id: int = 0, batch_size: int | None = None,
+                    seed: int = 0, eos_ids: Sequence[int] | None = None, pad_id: int = 0, batch_size: int | None = None,
                     cache_size: int | None = None, proposer: Proposer | None = None, proposer_data: Any = None,
                     timings: dict | None = None) -> list[GenerationResult]:
     """Medusa decoding of one batch of token-id prompts (ragged lengths are fine) on one device, as `generate`.
     `tree` is a preset name, "dynamic:N[,k=K,d=D]" (a dynamic tree, EAGLE-2 style), a JSON file, TreeBuffers or
     a DynamicTree; None: the heads' own tree for this backend and batch
     size (`choose.choose_tree`), and plain decoding (same sampling) where their trees.json says no tree pays.
+    `sampling` is the one sampling config (greedy at temperature 0), `acceptance` how candidates are accepted
+    (kind None: greedy at temperature 0, exact, i.e. lossless, above; `acceptance.DecodeConfig`).
     `proposer` replaces the heads' top-k proposal (it receives `proposer_data`). Each result's `steps` counts
     the prefill and the verify steps; `accept_lengths` lists each step's. `timings` gets "seconds" and
     "tree" (the tree's origin, or why decoding was plain)."""

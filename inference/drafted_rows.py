@@ -76,8 +76,9 @@ def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, r
 @partial(jax.jit, static_argnames=("graphdef", "tree", "steps", "eos_ids", "pad_id"), donate_argnames=("state",))
 def drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, remaining_b, *, tree, steps: int,
                   eos_ids: tuple[int, ...], pad_id: int):
-    """Up to `steps` tree steps while any row is active, each row accepting with its own settings. Returns (state, tokens [b, c*e], first [b],
-    end [b]): row b's new tokens are tokens[b, first[b]:end[b]]; state.steps_b counts its verify steps."""
+    """Up to `steps` tree steps while any row is active, each row accepting with its own settings. Returns
+    (state, tokens [b, c*e], first [b], end [b]): row b's new tokens are tokens[b, first[b]:end[b]];
+    state.steps_b counts its verify steps."""
     model: MedusaModel = nnx.merge(graphdef, params)
     b, width = state.root_b.shape[0], steps * (tree.depth + 1)
     start_b = width - jnp.clip(remaining_b, 0, width)

@@ -1,6 +1,7 @@
 """The generation engine and medusa-serve on a device mesh (`--mesh`, inference/engine_mesh.py): on 8 forced CPU
 devices, greedy answers equal one device's, plain and with Medusa heads; a mesh that does not split the rows,
-or needs more devices than there are, is refused. The JAX work runs in subprocesses (the device count is fixed before JAX starts)."""
+or needs more devices than there are, is refused. The JAX work runs in subprocesses (the device count is fixed
+before JAX starts)."""
 
 from __future__ import annotations
 
