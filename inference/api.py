@@ -65,8 +65,8 @@ class BatchSettings:
     # mixed drafts (the model's heads a heads.mixed.MixedDrafter); HEADS_TREE: the heads' own tree for this backend
     # and batch_size, or plain decoding where none pays (`choose.choose_tree`)
     tree: TreeBuffers | DynamicTree | DraftSizes | HeadsOwnTree | None = None
-    sampling: SamplingConfig = SamplingConfig()  # plain and tree decoding (greedy at temperature 0)
     acceptance: AcceptanceConfig = AcceptanceConfig()  # tree decoding: how candidates are accepted
+    sampling: SamplingConfig = SamplingConfig()  # plain and tree decoding (greedy at temperature 0)
     seed: int = 0  # batch i uses seed + i
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
