@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 from medusa_jax.paths import portable_path
 from medusa_jax.trees.tree import TreeBuffers
 from medusa_jax.trees.trees_file import trees_of
-from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
+from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 from medusa_jax.inference.sampling import SamplingConfig
@@ -62,9 +62,9 @@ class _Runner:
         common = dict(max_new_tokens=n, eos_ids=lm.eos_ids, pad_id=lm.pad_id, batch_size=b, seed=seed)
         if method == "plain":
             return generate(lm.base, prompts, sampling=SamplingConfig(temperature), **common)
-        acceptance = (AcceptanceConfig("greedy") if method == "greedy"
-                      else acceptance_for(method, SamplingConfig(temperature)))
-        return generate_medusa(lm.base, lm.heads, prompts, tree=self.tree, acceptance=acceptance, **common)
+        sampling = SamplingConfig() if method == "greedy" else SamplingConfig(temperature)
+        return generate_medusa(lm.base, lm.heads, prompts, tree=self.tree, sampling=sampling,
+                               acceptance=AcceptanceConfig(method), **common)
 
     def run(self, method: str, temperature: float | None, prompts, seed: int) -> dict:
         key = (method, temperature, round_up(max(len(p) for p in prompts), PROMPT_BUCKET))

@@ -26,7 +26,7 @@ from medusa_jax.model.kv_cache import KVCache, attention_mask
 from medusa_jax.heads.hydra import HydraHeads
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import TreeBuffers
-from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree
+from medusa_jax.inference.acceptance import GREEDY, accept_tree
 from medusa_jax.inference.medusa import compact_accepted
 from medusa_jax.inference.sampling import greedy_tokens
 from medusa_jax.trees.policy.step_cost import make_cache, time_call
@@ -57,7 +57,7 @@ def _base_logits(graphdef, params, hidden_btd):
 
 @partial(jax.jit, static_argnames=("tree",))
 def _acceptance(tokens_bt, logits_btv, key, *, tree: TreeBuffers):
-    return accept_tree(tree, tokens_bt, logits_btv, key, AcceptanceConfig())
+    return accept_tree(tree, tokens_bt, logits_btv, key, GREEDY)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree"))

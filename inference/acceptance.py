@@ -31,56 +31,55 @@ ACCEPTANCE_KINDS = ("greedy", "exact", "typical")
 
 @dataclasses.dataclass(frozen=True)
 class AcceptanceConfig:
-    """greedy: accept a candidate iff it is the base model's argmax (output identical to plain greedy).
-    exact: lossless sampling (`exact_acceptance`): the output has the law of plain sampling with
-    SamplingConfig(temperature, top_p, top_k).
+    """How a tree decoder accepts candidates; the distribution it samples from is the `SamplingConfig` beside it
+    in the `DecodeConfig` (temperature, top-p and top-k live there only).
+    greedy: accept a candidate iff it is the base model's argmax (output identical to plain greedy).
+    exact: lossless sampling (`exact_acceptance`): the output has the law of plain sampling with the SamplingConfig.
     typical: accept x if p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))) with p the base
-    distribution at temperature; the bonus token is sampled from p restricted to the same typical set."""
+    distribution at the temperature; the bonus token is sampled from p restricted to the same typical set.
+    None: greedy at temperature 0, exact otherwise (typical is opt-in)."""
 
-    kind: str = "greedy"
-    temperature: float = 0.7  # exact and typical
+    kind: str | None = None
     posterior_threshold: float = 0.09  # typical only: epsilon, the hard threshold
     posterior_alpha: float = 0.3  # typical only: delta, scales exp(-entropy)
-    top_p: float = 1.0  # exact only
-    top_k: int = 0  # exact only (0: no top-k cut)
 
     def __post_init__(self):
-        if self.kind not in ACCEPTANCE_KINDS:
+        if self.kind is not None and self.kind not in ACCEPTANCE_KINDS:
             raise ValueError(f"acceptance kind must be one of {ACCEPTANCE_KINDS}, got {self.kind!r}")
-        if self.kind != "greedy" and not self.temperature > 0:
-            raise ValueError(f"{self.kind} acceptance needs temperature > 0 (use kind='greedy' for 0), "
-                             f"got {self.temperature}")
-        if self.kind != "exact" and (self.top_p != 1.0 or self.top_k != 0):
-            raise ValueError(f"top_p and top_k apply to exact acceptance only, not {self.kind!r}")
-        SamplingConfig(self.temperature, self.top_p, self.top_k)  # validates top_p and top_k
         if not 0 <= self.posterior_threshold <= 1 or self.posterior_alpha < 0:
             raise ValueError(f"need 0 <= posterior_threshold <= 1 and posterior_alpha >= 0, got "
                              f"{self.posterior_threshold}, {self.posterior_alpha}")
 
 
-    @property
-    def sampling(self) -> SamplingConfig:
-        """exact: the plain sampler whose law the output has."""
-        return SamplingConfig(self.temperature, self.top_p, self.top_k)
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """THE decode settings of a batch: the sampling settings once (plain decoding uses them as they are) and how
+    a tree decoder accepts candidates. Raises ValueError for an acceptance that cannot honour the sampling."""
 
+    sampling: SamplingConfig = SamplingConfig()
+    acceptance: AcceptanceConfig = AcceptanceConfig()
 
-def acceptance_for(kind: str | None, sampling: SamplingConfig) -> AcceptanceConfig:
-    """The acceptance that goes with a plain sampling config: kind None picks greedy at temperature 0 and exact
-    otherwise (typical is opt-in). Raises ValueError for a kind that cannot honour `sampling`."""
-    kind = kind or ("greedy" if sampling.greedy else "exact")
-    if kind == "greedy":
-        if not sampling.greedy:
+    def __post_init__(self):
+        chosen = self.acceptance.kind
+        if chosen == "greedy" and not self.sampling.greedy:
             raise ValueError("greedy acceptance decodes greedily: use temperature 0, or exact/typical to sample")
-        return AcceptanceConfig("greedy")
-    if sampling.greedy:
-        raise ValueError(f"{kind} acceptance samples: give a temperature > 0 (e.g. 0.7), or use greedy")
-    if kind == "exact":
-        return AcceptanceConfig("exact", temperature=sampling.temperature, top_p=sampling.top_p,
-                                top_k=sampling.top_k)
-    if sampling.top_p != 1.0 or sampling.top_k != 0:
-        raise ValueError("top-p and top-k do not apply to typical acceptance (it has its own thresholds); "
-                         "use exact acceptance")
-    return AcceptanceConfig(kind, temperature=sampling.temperature)
+        if chosen in ("exact", "typical") and self.sampling.greedy:
+            raise ValueError(f"{chosen} acceptance samples: give a temperature > 0 (e.g. 0.7), or use greedy")
+        if self.kind == "typical" and (self.sampling.top_p != 1.0 or self.sampling.top_k != 0):
+            raise ValueError("top-p and top-k do not apply to typical acceptance (it has its own thresholds); "
+                             "use exact acceptance")
+
+    @property
+    def kind(self) -> str:
+        """The acceptance kind, resolved (AcceptanceConfig's None: greedy at temperature 0, exact otherwise)."""
+        return self.acceptance.kind or ("greedy" if self.sampling.greedy else "exact")
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
+
+
+GREEDY = DecodeConfig()
 
 
 def _longest(accept_bce: jax.Array, valid_ce: jax.Array) -> jax.Array:
@@ -118,19 +117,19 @@ def typical_threshold(probs_xv: jax.Array, config: AcceptanceConfig) -> jax.Arra
     return jnp.minimum(config.posterior_threshold, config.posterior_alpha * jnp.exp(-entropy_x))
 
 
-def sample_typical(logits_bv: jax.Array, key: jax.Array, config: AcceptanceConfig) -> jax.Array:
+def sample_typical(logits_bv: jax.Array, key: jax.Array, config: DecodeConfig) -> jax.Array:
     """One token per row from softmax(logits / temperature) restricted to the typical set (the argmax is
     always kept, so the set is never empty). Greedy: the argmax."""
     if config.kind == "greedy":
         return greedy_tokens(logits_bv)
     scaled_bv = logits_bv.astype(jnp.float32) / config.temperature
     probs_bv = jax.nn.softmax(scaled_bv, axis=-1)
-    keep_bv = probs_bv >= typical_threshold(probs_bv, config)[:, None]
+    keep_bv = probs_bv >= typical_threshold(probs_bv, config.acceptance)[:, None]
     keep_bv = keep_bv | (scaled_bv == jnp.max(scaled_bv, axis=-1, keepdims=True))
     return jax.random.categorical(key, jnp.where(keep_bv, scaled_bv, -jnp.inf), axis=-1).astype(jnp.int32)
 
 
-def sample_next(logits_bv: jax.Array, key: jax.Array, config: AcceptanceConfig) -> jax.Array:
+def sample_next(logits_bv: jax.Array, key: jax.Array, config: DecodeConfig) -> jax.Array:
     """The token after a node outside the tree walk (the first token after the prompt): the plain sampler's
     for exact, the argmax for greedy, the typical set's for typical."""
     if config.kind == "exact":
@@ -147,7 +146,7 @@ def _at_nodes(x_bt: jax.Array, nodes) -> jax.Array:
 
 
 def accept_tree(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: jax.Array, key: jax.Array,
-                config: AcceptanceConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+                config: DecodeConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """tokens_bt / logits_btv: the T tree tokens and the base logits at each. Returns (accept length [B],
     accepted nodes [B, E + 1] root first (entries past the accept length are padding), bonus token [B])."""
     if config.kind == "exact":
@@ -162,7 +161,7 @@ def accept_tree(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: j
         length_b, path_b = greedy_accept(candidates_bce, _at_nodes(predictions_bt, parent_nodes_ce), valid_ce)
     else:
         probs_btv = jax.nn.softmax(logits_btv.astype(jnp.float32) / config.temperature, axis=-1)
-        threshold_bt = typical_threshold(probs_btv, config)
+        threshold_bt = typical_threshold(probs_btv, config.acceptance)
         parent_bt = tree.parent_bt if per_row else jnp.asarray(tree.parent_t)[None, :]
         # p_parent(token) of every node: the probability its parent's distribution gives it
         rows_b1 = jnp.arange(tokens_bt.shape[0])[:, None]

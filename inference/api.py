@@ -43,7 +43,7 @@ from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers, load_tree
-from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.acceptance import AcceptanceConfig, DecodeConfig
 from medusa_jax.trees.policy.calibration import check_mode
 from medusa_jax.trees.policy.choose import HEADS_TREE, ChosenTree, HeadsOwnTree, choose_tree
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams, TokenEvent
@@ -67,8 +67,8 @@ class BatchSettings:
     # mixed drafts (the model's heads a heads.mixed.MixedDrafter); HEADS_TREE: the heads' own tree for this backend
     # and batch_size, or plain decoding where none pays (`choose.choose_tree`)
     tree: TreeBuffers | DynamicTree | DraftSizes | HeadsOwnTree | None = None
-    acceptance: AcceptanceConfig = AcceptanceConfig()  # Medusa only
-    sampling: SamplingConfig = SamplingConfig()  # plain only
+    acceptance: AcceptanceConfig = AcceptanceConfig()  # tree decoding: how candidates are accepted
+    sampling: SamplingConfig = SamplingConfig()  # plain and tree decoding (greedy at temperature 0)
     seed: int = 0  # batch i uses seed + i
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
@@ -85,11 +85,18 @@ class BatchSettings:
                              f"HEADS_TREE, got {self.tree!r}")
         if self.calibration is not None:
             check_mode(self.calibration)
+        if self.tree is not None:  # an acceptance that cannot honour the sampling: ValueError now
+            DecodeConfig(self.sampling, self.acceptance)
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1 or self.bucket < 1:
             raise ValueError(f"batch_size, max_new_tokens and bucket must be >= 1, got {self.batch_size}, "
                              f"{self.max_new_tokens}, {self.bucket}")
+
+    @property
+    def decode(self) -> DecodeConfig:
+        """The one decode config of a tree decoder: the sampling settings and the acceptance."""
+        return DecodeConfig(self.sampling, self.acceptance)
 
     @property
     def method(self) -> str:
@@ -309,7 +316,7 @@ def _decode(model: ShardedModel, prompt_bt: np.ndarray, lengths_b: np.ndarray, c
         tokens_bo, num_b = model.plain_decode(prompt_bt, lengths_b, sampling=settings.sampling, **common)
         return [(tokens_bo[i], int(num_b[i]), int(num_b[i]), None) for i in range(len(num_b))]
     tokens_bo, num_b, steps_b, accept_bo = model.medusa_decode(prompt_bt, lengths_b, tree=settings.tree,
-                                                               acceptance=settings.acceptance, proposer=proposer,
+                                                               acceptance=settings.decode, proposer=proposer,
                                                                proposer_data=proposer_data, **common)
     # steps count the prefill (which yields the first token) plus the verify steps
     return [(tokens_bo[i], int(num_b[i]), 1 + int(steps_b[i]), accept_bo[i, : steps_b[i]].tolist())
@@ -348,14 +355,16 @@ def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_token
 
 def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequence[int]], *,
                     tree: "str | TreeBuffers | DynamicTree | None" = None, max_new_tokens: int = 128,
-                    acceptance: AcceptanceConfig = AcceptanceConfig(), seed: int = 0,
-                    eos_ids: Sequence[int] | None = None, pad_id: int = 0, batch_size: int | None = None,
+                    sampling: SamplingConfig = SamplingConfig(), acceptance: AcceptanceConfig = AcceptanceConfig(),
+                    seed: int = 0, eos_ids: Sequence[int] | None = None, pad_id: int = 0, batch_size: int | None = None,
                     cache_size: int | None = None, proposer: Proposer | None = None, proposer_data: Any = None,
                     timings: dict | None = None) -> list[GenerationResult]:
     """Medusa decoding of one batch of token-id prompts (ragged lengths are fine) on one device, as `generate`.
     `tree` is a preset name, "dynamic:N[,k=K,d=D]" (a dynamic tree, EAGLE-2 style), a JSON file, TreeBuffers or
     a DynamicTree; None: the heads' own tree for this backend and batch
     size (`choose.choose_tree`), and plain decoding (same sampling) where their trees.json says no tree pays.
+    `sampling` is the one sampling config (greedy at temperature 0), `acceptance` how candidates are accepted
+    (kind None: greedy at temperature 0, exact, i.e. lossless, above; `acceptance.DecodeConfig`).
     `proposer` replaces the heads' top-k proposal (it receives `proposer_data`). Each result's `steps` counts
     the prefill and the verify steps; `accept_lengths` lists each step's. `timings` gets "seconds" and
     "tree" (the tree's origin, or why decoding was plain)."""
@@ -363,7 +372,7 @@ def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequen
     settings = BatchSettings(batch_size=_one_batch(prompts, batch_size), max_new_tokens=_max_new_tokens(max_new_tokens),
                              tree=HEADS_TREE if tree is None else tree if isinstance(tree, DraftSizes)
                              else load_tree(tree, **limits), acceptance=acceptance,
-                             sampling=SamplingConfig() if acceptance.kind == "greedy" else acceptance.sampling,
+                             sampling=sampling,
                              seed=seed, eos_ids=resolve_eos(base, eos_ids), pad_id=pad_id, bucket=PROMPT_BUCKET,
                              cache_size=cache_size)
     run = generate_batch(ShardedModel(base, heads, MeshConfig()), prompts, settings, progress=False,

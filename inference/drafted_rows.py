@@ -1,13 +1,16 @@
 """The generation engine's device side with a drafter: every row decodes with Medusa/Hydra heads and a tree
-(`medusa.medusa_step`, the tree decoder's own step), greedily, so each row's tokens equal plain greedy decoding.
+(`medusa.medusa_step`, the tree decoder's own step), each with its own sampling settings
+(`row_acceptance.RowAcceptance`): a greedy row's tokens equal plain greedy decoding's, a sampled row's have the
+law of plain sampling with its settings (exact acceptance), and both kinds share one verify step.
 
 The rows are one `medusa.MedusaState` kept from chunk to chunk (its deferred cache move included). A chunk
 runs up to c verify steps; its output buffer holds c * e tokens (e = tree depth + 1, the most one step emits),
 and a row with R tokens of its budget left starts writing at c * e - R, so the step's own cut at the buffer's
 end stops it at its budget (rows with more left than the buffer stop at the buffer's end and go on in the next
-chunk). Admission prefills new prompts into their rows and takes the argmax as each one's first token. Stop
-ids besides the model's EOS are checked by the engine on the host. Heads that carry a drafter state from the
-prompt (EAGLE) are not served here yet.
+chunk). Admission prefills new prompts into their rows, records their sampling settings (`RowSampling`, kept
+beside the state) and draws each one's first token (`sample_rows`). Stop ids besides the model's EOS are
+checked by the engine on the host. A drafter that keeps a state through a reply (EAGLE, EAGLE-3) gets its
+row's state built from the prompt at admission (`row_drafts`), so its greedy rows are lossless too.
 """
 
 from __future__ import annotations
@@ -22,15 +25,14 @@ from flax import nnx
 
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.trees.dynamic_tree import scratch_slots
-from medusa_jax.heads.medusa import HeadsBase, MedusaHeads, MedusaModel
+from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
-from medusa_jax.inference.acceptance import AcceptanceConfig
-from medusa_jax.inference.autoregressive import prefill
+from medusa_jax.inference.engine_mesh import Placement
 from medusa_jax.inference.medusa import MedusaState, medusa_step
-from medusa_jax.inference.row_sampling import RowSampling
-from medusa_jax.inference.sampling import greedy_tokens, is_eos
-
-GREEDY = AcceptanceConfig("greedy")
+from medusa_jax.inference.row_acceptance import RowAcceptance
+from medusa_jax.inference.row_drafts import check_servable, empty_draft, prompt_prefill, put_draft_rows
+from medusa_jax.inference.row_sampling import RowSampling, sample_rows
+from medusa_jax.inference.sampling import is_eos
 
 
 def empty_state(model: MedusaModel, rows: int, cache_size: int, tree, steps: int) -> MedusaState:
@@ -45,18 +47,18 @@ def empty_state(model: MedusaModel, rows: int, cache_size: int, tree, steps: int
                        jnp.zeros((b, d), model.base.config.jnp_dtype), jnp.zeros((b, steps * e), jnp.int32),
                        jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32),
                        jnp.zeros((b, steps), jnp.int32), jnp.zeros((), jnp.int32), jax.random.key(0), no_move(), no_move(),
-                       None)
+                       empty_draft(model, rows, cache_size, tree.depth))
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tree", "eos_ids"), donate_argnames=("state",))
-def drafted_admit(graphdef, params, state: MedusaState, rows_n, prompt_nt, prompt_lens_n, *, tree,
-                  eos_ids: tuple[int, ...]):
-    """Prefills the n prompts into rows rows_n (index >= b: dropped); returns (state, first token [n])."""
+@partial(jax.jit, static_argnames=("graphdef", "tree", "eos_ids"), donate_argnames=("state", "sampling"))
+def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, rows_n, prompt_nt, prompt_lens_n,
+                  sampling_n: RowSampling, *, tree, eos_ids: tuple[int, ...]):
+    """Prefills the n prompts into rows rows_n (index >= b: dropped) with their sampling settings; returns
+    (state, every row's sampling settings, first token [n])."""
     model: MedusaModel = nnx.merge(graphdef, params)
     n, t = prompt_nt.shape
-    fresh = KVCache.zeros(model.base.config, n, t, dtype=state.cache.dtype)
-    last_nd, fresh = prefill(model.base, prompt_nt, prompt_lens_n, fresh)
-    first_n = greedy_tokens(model.base.logits(last_nd))
+    last_nd, fresh, draft_n = prompt_prefill(model, prompt_nt, prompt_lens_n, t, tree.depth, state.cache.dtype)
+    first_n = sample_rows(model.base.logits(last_nd), sampling_n, jnp.zeros((n,), jnp.int32))
     no_move_ne = prompt_lens_n[:, None] + jnp.arange(tree.depth + 1, dtype=jnp.int32)[None, :]
 
     def put(old, new):
@@ -66,14 +68,17 @@ def drafted_admit(graphdef, params, state: MedusaState, rows_n, prompt_nt, promp
                                hidden_bd=put(state.hidden_bd, last_nd),
                                done_b=put(state.done_b, is_eos(first_n, eos_ids)),
                                move_src_be=put(state.move_src_be, no_move_ne),
-                               move_dst_be=put(state.move_dst_be, no_move_ne)), first_n
+                               move_dst_be=put(state.move_dst_be, no_move_ne),
+                               draft=put_draft_rows(state.draft, rows_n, draft_n)), \
+        sampling.put_rows(rows_n, sampling_n), first_n
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree", "steps", "eos_ids", "pad_id"), donate_argnames=("state",))
-def drafted_chunk(graphdef, params, state: MedusaState, remaining_b, *, tree, steps: int, eos_ids: tuple[int, ...],
-                  pad_id: int):
-    """Up to `steps` greedy tree steps while any row is active. Returns (state, tokens [b, c*e], first [b],
-    end [b]): row b's new tokens are tokens[b, first[b]:end[b]]; state.steps_b counts its verify steps."""
+def drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, remaining_b, *, tree, steps: int,
+                  eos_ids: tuple[int, ...], pad_id: int):
+    """Up to `steps` tree steps while any row is active, each row accepting with its own settings. Returns
+    (state, tokens [b, c*e], first [b], end [b]): row b's new tokens are tokens[b, first[b]:end[b]];
+    state.steps_b counts its verify steps."""
     model: MedusaModel = nnx.merge(graphdef, params)
     b, width = state.root_b.shape[0], steps * (tree.depth + 1)
     start_b = width - jnp.clip(remaining_b, 0, width)
@@ -81,7 +86,7 @@ def drafted_chunk(graphdef, params, state: MedusaState, remaining_b, *, tree, st
     state = dataclasses.replace(state, out_bo=jnp.full((b, width), pad_id, jnp.int32), num_out_b=start_b,
                                 steps_b=zeros_b, accept_bo=jnp.zeros((b, steps), jnp.int32),
                                 step=jnp.zeros((), jnp.int32), done_b=state.done_b | (remaining_b <= 0))
-    step = partial(medusa_step, model, tree=tree, acceptance=GREEDY, eos_ids=eos_ids)
+    step = partial(medusa_step, model, tree=tree, acceptance=RowAcceptance(sampling), eos_ids=eos_ids)
     state = jax.lax.while_loop(lambda s: (s.step < steps) & jnp.any(s.active_b), step, state)
     return state, state.out_bo, start_b, state.num_out_b
 
@@ -92,42 +97,47 @@ def release_drafted(state: MedusaState, release_b) -> MedusaState:
 
 
 class DraftedDecoder:
-    """`row_decode.PlainDecoder`'s interface over tree decoding with heads (greedy rows only)."""
+    """`row_decode.PlainDecoder`'s interface over tree decoding with heads."""
 
     def __init__(self, base, heads: MedusaHeads, tree: TreeBuffers | DynamicTree, rows: int, context: int,
-                 steps: int, *, eos_ids: tuple[int, ...], pad_id: int):
-        if type(heads).init_draft is not HeadsBase.init_draft:
-            raise ValueError(f"{type(heads).__name__} keeps a drafter state: serving it is not supported yet; "
-                             f"use Medusa or Hydra heads")
+                 steps: int, *, eos_ids: tuple[int, ...], pad_id: int, placement: Placement | None = None):
+        check_servable(heads)
         model = MedusaModel(base, heads)
-        self.graphdef, self.params = nnx.split(model)
+        self.placement = placement or Placement(None, rows)
+        self.graphdef, params = nnx.split(model)
+        self.params = self.placement.params(params)
         self.tree, self.eos_ids, self.pad_id = tree, eos_ids, pad_id
-        state = empty_state(model, rows, context + scratch_slots(tree), tree, steps)
-        self.state = jax.device_put(state, jax.devices()[0])
+        self.state = self.placement.state(empty_state(model, rows, context + scratch_slots(tree), tree, steps))
+        self.sampling = self.placement.state(jax.tree.map(jnp.asarray, RowSampling.greedy(rows)))
 
     def admit(self, rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n: RowSampling) -> np.ndarray:
-        if np.any(np.asarray(sampling_n.temperature_b) > 0):
-            raise ValueError("tree decoding with heads serves greedy requests only (temperature 0)")
-        self.state, first_n = drafted_admit(self.graphdef, self.params, self.state, rows_n, prompt_nt, lens_n,
-                                            tree=self.tree, eos_ids=self.eos_ids)
+        with self.placement.active():
+            self.state, self.sampling, first_n = drafted_admit(self.graphdef, self.params, self.state, self.sampling,
+                                                               rows_n, prompt_nt, lens_n, sampling_n, tree=self.tree,
+                                                               eos_ids=self.eos_ids)
         return np.asarray(jax.device_get(first_n))
 
     def chunk(self, steps: int, remaining_b: np.ndarray) -> tuple[list[list[int]], int, int]:
-        self.state, out_bo, start_b, end_b = drafted_chunk(
-            self.graphdef, self.params, self.state, np.asarray(remaining_b, np.int32), tree=self.tree, steps=steps,
-            eos_ids=self.eos_ids, pad_id=self.pad_id)
+        with self.placement.active():
+            self.state, out_bo, start_b, end_b = drafted_chunk(
+                self.graphdef, self.params, self.state, self.sampling, np.asarray(remaining_b, np.int32),
+                tree=self.tree, steps=steps, eos_ids=self.eos_ids, pad_id=self.pad_id)
         out_bo, start_b, end_b, run, steps_b = jax.device_get((out_bo, start_b, end_b, self.state.step,
                                                                self.state.steps_b))
         return ([out_bo[r, s:e].tolist() for r, (s, e) in enumerate(zip(start_b, end_b))], int(run),
                 int(steps_b.sum()))
 
     def release(self, release_b: np.ndarray) -> None:
-        self.state = release_drafted(self.state, release_b)
+        with self.placement.active():
+            self.state = release_drafted(self.state, release_b)
 
     def compile(self, shapes: list[tuple[int, int]], steps: int) -> None:
-        for n, width in shapes:
-            zeros_n = np.zeros((n,), np.int32)
-            drafted_admit.lower(self.graphdef, self.params, self.state, zeros_n, np.zeros((n, width), np.int32),
-                                zeros_n + 1, tree=self.tree, eos_ids=self.eos_ids).compile()
-        drafted_chunk.lower(self.graphdef, self.params, self.state, np.zeros(self.state.root_b.shape, np.int32),
-                            tree=self.tree, steps=steps, eos_ids=self.eos_ids, pad_id=self.pad_id).compile()
+        with self.placement.active():
+            for n, width in shapes:
+                zeros_n = np.zeros((n,), np.int32)
+                drafted_admit.lower(self.graphdef, self.params, self.state, self.sampling, zeros_n,
+                                    np.zeros((n, width), np.int32), zeros_n + 1, RowSampling.greedy(n),
+                                    tree=self.tree, eos_ids=self.eos_ids).compile()
+            drafted_chunk.lower(self.graphdef, self.params, self.state, self.sampling,
+                                np.zeros(self.state.root_b.shape, np.int32), tree=self.tree, steps=steps,
+                                eos_ids=self.eos_ids, pad_id=self.pad_id).compile()

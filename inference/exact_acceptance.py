@@ -105,14 +105,23 @@ def exact_accept(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: 
     """tokens_bt / logits_btv: the T tree tokens and the base logits at each. Returns (accept length [B],
     accepted nodes [B, E + 1] root first (past the accept length: the last accepted node repeated), bonus
     token [B]) with the plain sampler's law (module docstring)."""
+    coin_key, bonus_key = jax.random.split(key)
+    length_b, nodes_be, residual_bv = exact_walk(tree, tokens_bt, target_logits(logits_btv, sampling),
+                                                 jax.random.uniform(coin_key, tokens_bt.shape))
+    return length_b, nodes_be, jax.random.categorical(bonus_key, residual_bv, axis=-1).astype(jnp.int32)
+
+
+def exact_walk(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, target_btv: jax.Array,
+               uniform_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The walk of the module docstring with the target logits at every node (target_btv: `target_logits` of
+    the base logits, each row's own settings allowed) and one fresh U[0, 1) coin per node. Returns (accept
+    length [B], accepted nodes [B, E + 1], the logits [B, V] the bonus token is drawn from)."""
     b = tokens_bt.shape[0]
     rows_b = jnp.arange(b)
-    coin_key, bonus_key = jax.random.split(key)
-    target_btv = target_logits(logits_btv, sampling)
     log_q_btv = jax.nn.log_softmax(target_btv, axis=-1)
     parent_bt = tree.parent_bt if isinstance(tree, RowTree) else jnp.asarray(tree.parent_t)[None, :]
     node_prob_bt = jnp.exp(log_q_btv[rows_b[:, None], parent_bt, tokens_bt])  # q_parent(token_t)
-    accept_bt = trial_outcomes(tokens_bt, node_prob_bt, jax.random.uniform(coin_key, tokens_bt.shape), tree)
+    accept_bt = trial_outcomes(tokens_bt, node_prob_bt, uniform_bt, tree)
 
     node_b = jnp.zeros((b,), jnp.int32)
     alive_b = jnp.ones((b,), bool)
@@ -131,10 +140,9 @@ def exact_accept(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: 
     # bonus: the last accepted node's q without its (all rejected) children's tokens; a leaf keeps all of q
     kids_bj = _children_of(tree, node_b)
     kid_tokens_bj = jnp.where(kids_bj >= 0, jnp.take_along_axis(tokens_bt, jnp.maximum(kids_bj, 0), axis=1),
-                              logits_btv.shape[-1])  # out of range: dropped by the scatter
+                              target_btv.shape[-1])  # out of range: dropped by the scatter
     last_bv = target_btv[rows_b, node_b]
     residual_bv = last_bv.at[rows_b[:, None], kid_tokens_bj].set(-jnp.inf, mode="drop")
     # rounding can leave no mass outside children that were all rejected; then fall back to the full q
-    residual_bv = jnp.where(jnp.any(residual_bv > -jnp.inf, axis=1, keepdims=True), residual_bv, last_bv)
-    bonus_b = jax.random.categorical(bonus_key, residual_bv, axis=-1).astype(jnp.int32)
-    return length_b, nodes_be, bonus_b
+    return length_b, nodes_be, jnp.where(jnp.any(residual_bv > -jnp.inf, axis=1, keepdims=True), residual_bv,
+                                         last_bv)

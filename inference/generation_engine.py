@@ -3,8 +3,9 @@ batching over a static KV cache), each with its own sampling settings, budget an
 chunk by chunk as they are emitted; a request can be cancelled and its row freed.
 
 The engine owns `config.rows` decode rows of `config.context` cache slots each and the device side that steps
-them: plain decoding (`row_decode.PlainDecoder`) or, given heads and a tree, greedy tree decoding
-(`drafted_rows.DraftedDecoder`: the engine owns the drafter). One iteration (`run_once`): drop cancelled
+them: plain decoding (`row_decode.PlainDecoder`) or, given heads and a tree, tree decoding
+(`drafted_rows.DraftedDecoder`: the engine owns the drafter; greedy rows accept greedily, sampled rows exactly,
+in one step). One iteration (`run_once`): drop cancelled
 requests (a cancelled row is released), admit queued requests into free rows (prompts padded to 64 * 2**k
 tokens and rows to a power of 4, so a few shapes compile; `warm_up` compiles them all before serving), then run
 one chunk of `config.chunk_steps` decode (or verify) steps. Each request's new tokens go to its `on_event` callback as a `TokenEvent` (the
@@ -14,7 +15,7 @@ default callback puts them on `request.events`.
 Admission policies: "fifo" (refilled slots: any free row takes the oldest request, as a server takes them) and
 "sorted" (sorted batches: rows are filled only when all are free, longest prompts first, so a batch's rows
 finish together). `start()` runs the iterations in a thread of their own (a server's); `generate_all` drives
-them in the caller's thread (a batch client). Greedy tokens equal `api.generate`'s.
+them in the caller's thread (a batch client). Greedy tokens equal `api.generate`'s, with or without heads.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from collections import defaultdict, deque
 from typing import Callable, Sequence
 
 import numpy as np
+from jax.sharding import Mesh
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.autoregressive import prefill_widths
 from medusa_jax.inference.engine import PROMPT_BUCKET, bucket_length
+from medusa_jax.inference.engine_mesh import Placement
 from medusa_jax.inference.engine_metrics import EngineMetrics
 from medusa_jax.inference.drafted_rows import DraftedDecoder
 from medusa_jax.inference.row_decode import PlainDecoder, stop_ids_array
@@ -109,23 +112,26 @@ class Request:
 
 
 class GenerationEngine:
-    """With `heads` and a `tree`, every row decodes with the tree (`drafted_rows.DraftedDecoder`: greedy
-    requests only); else plainly (`row_decode.PlainDecoder`)."""
+    """With `heads` and a `tree`, every row decodes with the tree (`drafted_rows.DraftedDecoder`); else plainly
+    (`row_decode.PlainDecoder`). With a `mesh`, the parameters and the rows' state are sharded over it
+    (`engine_mesh.Placement`: rows over data x fsdp, which must divide config.rows)."""
 
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, eos_ids: tuple[int, ...],
-                 pad_id: int = 0, heads: MedusaHeads | None = None, tree: TreeBuffers | DynamicTree | None = None):
+                 pad_id: int = 0, heads: MedusaHeads | None = None, tree: TreeBuffers | DynamicTree | None = None,
+                 mesh: Mesh | None = None):
         self.config, self.eos_ids, self.pad_id = config, tuple(eos_ids), pad_id
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
         if (heads is None) != (tree is None):
             raise ValueError("tree decoding needs both heads and a tree")
         self.drafted = heads is not None
+        placement = Placement(mesh, config.rows, model.config)
         if self.drafted:
             self._decoder = DraftedDecoder(model, heads, tree, config.rows, config.context, config.chunk_steps,
-                                           eos_ids=self.eos_ids, pad_id=pad_id)
+                                           eos_ids=self.eos_ids, pad_id=pad_id, placement=placement)
         else:
             self._decoder = PlainDecoder(model, config.rows, config.context, config.max_stop_ids,
-                                         eos_ids=self.eos_ids, pad_id=pad_id)
+                                         eos_ids=self.eos_ids, pad_id=pad_id, placement=placement)
         self._row_request: list[Request | None] = [None] * config.rows
         self._pending: deque[Request] = deque()
         self._cv = threading.Condition()
@@ -152,8 +158,6 @@ class GenerationEngine:
             raise ValueError(f"at most {self.config.max_stop_ids} stop token ids, got {len(params.stop_ids)}")
         if any(not 0 <= t < self.vocab_size for t in params.stop_ids):
             raise ValueError(f"stop token ids must be in [0, {self.vocab_size})")
-        if self.drafted and not params.sampling.greedy:
-            raise ValueError("this engine decodes with heads, greedily: the temperature must be 0")
 
     def submit(self, prompt_ids: Sequence[int], params: RequestParams,
                on_event: Callable[[TokenEvent], None] | None = None) -> Request:

@@ -8,7 +8,8 @@ e = m + 1 nodes along a path (depth 0 = the root). Each step, per row:
      (or, for Hydra heads, the proposer drafts the t tree tokens itself, depth by depth);
   2. ONE verify forward of the t tokens at positions length + depth under the tree mask writes their K/V to
      slots [length, length + t);
-  3. acceptance picks a path and its accept length a, plus the base model's next token after it (bonus);
+  3. acceptance picks a path and its accept length a, plus the base model's next token after it (bonus): with
+     one static DecodeConfig for the batch, or each row's own settings (row_acceptance.RowAcceptance);
   4. the K/V of the root and the a accepted nodes move to slots [length, length + a + 1) (a gather and a
      scatter of e slots per row; the rest of the tree block is scratch) and the row advances by a + 1.
      The move is deferred to the start of the next step (and done once more after the loop): made after the
@@ -43,8 +44,9 @@ from medusa_jax.heads.draft_merge import DraftSizes, choose_size, keep_best, pla
 from medusa_jax.trees.dynamic_tree import TreeProposal, row_tree
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
-from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, sample_next
+from medusa_jax.inference.acceptance import DecodeConfig
 from medusa_jax.inference.autoregressive import grouped_prefill_states
+from medusa_jax.inference.row_acceptance import RowAcceptance, accept_step, first_token
 from medusa_jax.inference.sampling import is_eos
 
 
@@ -166,7 +168,7 @@ class MedusaState:
 
 def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = None, *,
                 tree: TreeBuffers | DynamicTree,
-                acceptance: AcceptanceConfig, eos_ids: tuple[int, ...],
+                acceptance: DecodeConfig | RowAcceptance, eos_ids: tuple[int, ...],
                 proposer: Proposer = heads_proposer) -> MedusaState:
     """One tree step, items 1-4 of the module docstring: make the previous step's pending move (item 4), propose,
     verify, accept and record this step's move, then emit the accepted tokens and the bonus token (cut at an
@@ -182,7 +184,7 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
 
 
 def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal, draft: Any, sizes: DraftSizes,
-                 acceptance: AcceptanceConfig, eos_ids: tuple[int, ...]) -> MedusaState:
+                 acceptance: DecodeConfig | RowAcceptance, eos_ids: tuple[int, ...]) -> MedusaState:
     """A mixed-draft step (`draft_merge.DraftSizes`): the proposal's best n nodes are verified, n the size of
     `sizes` with the most predicted tokens per second over the active rows (`draft_merge.choose_size`), one
     `lax.switch` branch per static size (size 0: the root alone, a plain step)."""
@@ -204,8 +206,8 @@ def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal,
     return jax.lax.switch(choice, [branch(n) for n in sizes.sizes], proposal, draft, state)
 
 
-def verify_and_emit(model: MedusaModel, state: MedusaState, verified, draft: Any, acceptance: AcceptanceConfig,
-                    eos_ids: tuple[int, ...]) -> MedusaState:
+def verify_and_emit(model: MedusaModel, state: MedusaState, verified, draft: Any,
+                    acceptance: DecodeConfig | RowAcceptance, eos_ids: tuple[int, ...]) -> MedusaState:
     """Items 2-4 of the module docstring for one proposed tree (`verify_inputs`' tuple): verify, accept, record
     the move, emit."""
     tokens_bt, mask_bts, positions_bt, verified = verified
@@ -218,7 +220,7 @@ def verify_and_emit(model: MedusaModel, state: MedusaState, verified, draft: Any
     hidden_btd, cache, taps_btf = base.forward_taps(tokens_bt, positions_bt, mask_bts, state.finish_moves(),
                                                     model.heads.feature_layers)
     logits_btv = base.logits(hidden_btd)
-    accept_b, nodes_be, bonus_b = accept_tree(verified, tokens_bt, logits_btv, sub, acceptance)
+    accept_b, nodes_be, bonus_b = accept_step(verified, tokens_bt, logits_btv, sub, lengths_b, acceptance)
     draft = model.heads.accepted(draft, hidden_btd if taps_btf is None else taps_btf, tokens_bt, nodes_be, accept_b,
                                  active_b)
     draft = model.heads.verified(draft, tokens_bt, logits_btv, active_b)
@@ -251,7 +253,7 @@ DECODE_STATICS = ("graphdef", "tree", "max_new_tokens", "acceptance", "eos_ids",
 
 @partial(jax.jit, static_argnames=DECODE_STATICS, donate_argnames=("cache",))
 def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key, proposer_data=None, *,
-                  tree: TreeBuffers | DynamicTree, max_new_tokens: int, acceptance: AcceptanceConfig,
+                  tree: TreeBuffers | DynamicTree, max_new_tokens: int, acceptance: DecodeConfig,
                   eos_ids: tuple[int, ...], pad_id: int, proposer: Proposer = heads_proposer,
                   prefill_groups: int = 1):
     """Prefill (`autoregressive.grouped_prefill_states`; the heads' drafter state from it) + Medusa decoding in
@@ -266,7 +268,7 @@ def medusa_decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, ke
 @partial(jax.jit, static_argnames=DECODE_STATICS, donate_argnames=("cache",))
 def medusa_decode_keeping_draft(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key,
                                 proposer_data=None, *, tree: TreeBuffers | DynamicTree, max_new_tokens: int,
-                                acceptance: AcceptanceConfig, eos_ids: tuple[int, ...], pad_id: int,
+                                acceptance: DecodeConfig, eos_ids: tuple[int, ...], pad_id: int,
                                 proposer: Proposer = heads_proposer, prefill_groups: int = 1):
     """`medusa_decode` for heads that keep their drafter state across calls (`keeps_draft`, e.g. Token
     Recycling's table): (tokens, new tokens, verify steps, accept lengths, final drafter state, cache)."""
@@ -277,7 +279,7 @@ def medusa_decode_keeping_draft(graphdef, params, cache: KVCache, prompt_bt, pro
 
 
 def decode_states(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key, proposer_data=None, *,
-                  tree: TreeBuffers | DynamicTree, max_new_tokens: int, acceptance: AcceptanceConfig,
+                  tree: TreeBuffers | DynamicTree, max_new_tokens: int, acceptance: DecodeConfig | RowAcceptance,
                   eos_ids: tuple[int, ...], pad_id: int, proposer: Proposer = heads_proposer,
                   prefill_groups: int = 1) -> MedusaState:
     """The body of the decode calls (traced inside them): prefill, then the while_loop; the final MedusaState."""
@@ -290,7 +292,7 @@ def decode_states(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, ke
                                                         taps=heads.feature_layers)
     draft = heads.init_draft(base, prompt_bt, prompt_lens_b, hidden_btd, cache.cache_size, tree.depth)
     key, sub = jax.random.split(key)
-    first_b = sample_next(base.logits(last_bd), sub, acceptance)
+    first_b = first_token(base.logits(last_bd), sub, acceptance)
     out_bo = jnp.full((b, o), pad_id, jnp.int32).at[:, 0].set(first_b)
     zeros_b = jnp.zeros((b,), jnp.int32)
     no_move_be = cache.lengths_b[:, None] + jnp.arange(tree.depth + 1)[None, :]

@@ -26,6 +26,7 @@ from flax import nnx
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.inference.autoregressive import prefill
+from medusa_jax.inference.engine_mesh import Placement
 from medusa_jax.inference.row_sampling import RowSampling, sample_rows
 from medusa_jax.inference.sampling import is_eos
 
@@ -132,37 +133,43 @@ class PlainDecoder:
     and returns host (NumPy) values; `chunk` gives each row's new tokens."""
 
     def __init__(self, model: CausalLM, rows: int, context: int, stop_width: int, *, eos_ids: tuple[int, ...],
-                 pad_id: int):
-        self.graphdef, self.params = nnx.split(model)
+                 pad_id: int, placement: Placement | None = None):
+        self.placement = placement or Placement(None, rows)
+        self.graphdef, params = nnx.split(model)
+        self.params = self.placement.params(params)
         self.eos_ids, self.pad_id, self.stop_width = eos_ids, pad_id, stop_width
-        # committed to the device from the start, as every call's output is: the calls then share one compilation
-        self.rows = jax.device_put(Rows.empty(model.config, rows, context, stop_width), jax.devices()[0])
+        # committed to the device(s) from the start, as every call's output is: the calls then share one compilation
+        self.rows = self.placement.state(Rows.empty(model.config, rows, context, stop_width))
 
     def _admit_args(self, rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n):
         return (self.graphdef, self.params, self.rows, rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n)
 
     def admit(self, rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n: RowSampling) -> np.ndarray:
-        self.rows, first_n = admit_rows(*self._admit_args(rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n),
-                                        eos_ids=self.eos_ids)
+        with self.placement.active():
+            self.rows, first_n = admit_rows(*self._admit_args(rows_n, prompt_nt, lens_n, budget_n, stop_nq,
+                                                              sampling_n), eos_ids=self.eos_ids)
         return np.asarray(jax.device_get(first_n))
 
     def chunk(self, steps: int, remaining_b: np.ndarray) -> tuple[list[list[int]], int, int]:
         """Up to `steps` steps (budgets are on the device already). Returns (each row's new tokens, steps run,
         active row steps)."""
-        self.rows, tokens_bc, emitted_b, run = decode_chunk(self.graphdef, self.params, self.rows, steps=steps,
-                                                            eos_ids=self.eos_ids, pad_id=self.pad_id)
+        with self.placement.active():
+            self.rows, tokens_bc, emitted_b, run = decode_chunk(self.graphdef, self.params, self.rows, steps=steps,
+                                                                eos_ids=self.eos_ids, pad_id=self.pad_id)
         tokens_bc, emitted_b, run = jax.device_get((tokens_bc, emitted_b, run))
         return [tokens_bc[r, : int(e)].tolist() for r, e in enumerate(emitted_b)], int(run), int(emitted_b.sum())
 
     def release(self, release_b: np.ndarray) -> None:
-        self.rows = release_rows(self.rows, release_b)
+        with self.placement.active():
+            self.rows = release_rows(self.rows, release_b)
 
     def compile(self, shapes: list[tuple[int, int]], steps: int) -> None:
         """Compiles ahead of time (nothing runs) the admission of n prompts of each (n, width) and the chunk."""
-        for n, width in shapes:
-            zeros_n = np.zeros((n,), np.int32)
-            admit_rows.lower(*self._admit_args(zeros_n, np.zeros((n, width), np.int32), zeros_n + 1, zeros_n + 1,
-                                               stop_ids_array([()] * n, self.stop_width), RowSampling.greedy(n)),
-                             eos_ids=self.eos_ids).compile()
-        decode_chunk.lower(self.graphdef, self.params, self.rows, steps=steps, eos_ids=self.eos_ids,
-                           pad_id=self.pad_id).compile()
+        with self.placement.active():
+            for n, width in shapes:
+                zeros_n = np.zeros((n,), np.int32)
+                admit_rows.lower(*self._admit_args(zeros_n, np.zeros((n, width), np.int32), zeros_n + 1, zeros_n + 1,
+                                                   stop_ids_array([()] * n, self.stop_width), RowSampling.greedy(n)),
+                                 eos_ids=self.eos_ids).compile()
+            decode_chunk.lower(self.graphdef, self.params, self.rows, steps=steps, eos_ids=self.eos_ids,
+                               pad_id=self.pad_id).compile()

@@ -46,22 +46,33 @@ class RowSampling:
         return jax.tree.map(lambda old, fresh: old.at[rows_n].set(fresh.astype(old.dtype), mode="drop"), self, new)
 
 
-def row_target_logits(logits_bv: jax.Array, sampling: RowSampling) -> jax.Array:
-    """[b, v] logits -> fp32 [b, v] logits of each row's sampling distribution: `sampling.target_logits` with
-    the row's own temperature, top-k and top-p (rows at temperature 0 are scaled by 1: their result is unused)."""
-    temperature_b1 = jnp.where(sampling.temperature_b > 0, sampling.temperature_b, 1.0)[:, None]
-    scaled_bv = logits_bv.astype(jnp.float32) / temperature_b1
-    v = scaled_bv.shape[-1]
-    sorted_bv = -jnp.sort(-scaled_bv, axis=-1)  # descending
+def row_target_logits(logits_bxv: jax.Array, sampling: RowSampling) -> jax.Array:
+    """[b, ..., v] logits -> fp32 [b, ..., v] logits of each row's sampling distribution: `sampling.target_logits`
+    with the row's own temperature, top-k and top-p (rows at temperature 0 are scaled by 1: their result is
+    unused). The axes between b and v (a tree's nodes) share their row's settings."""
+    def per_row(x_b):  # [b] -> [b, 1, ..., 1] against [b, ..., v]
+        return x_b.reshape(x_b.shape + (1,) * (logits_bxv.ndim - 1))
+
+    scaled_bxv = logits_bxv.astype(jnp.float32) / per_row(jnp.where(sampling.temperature_b > 0,
+                                                                    sampling.temperature_b, 1.0))
+    v = scaled_bxv.shape[-1]
+    sorted_bxv = -jnp.sort(-scaled_bxv, axis=-1)  # descending
     k_b = jnp.where((sampling.top_k_b > 0) & (sampling.top_k_b < v), sampling.top_k_b, v)
-    kth_b1 = jnp.take_along_axis(sorted_bv, (k_b - 1)[:, None], axis=1)  # top-k keeps every value >= this
-    in_top_k_bv = sorted_bv >= kth_b1
-    probs_bv = jax.nn.softmax(jnp.where(in_top_k_bv, sorted_bv, -jnp.inf), axis=-1)
+    kth_bx1 = jnp.take_along_axis(sorted_bxv, jnp.broadcast_to(per_row(k_b - 1), sorted_bxv.shape[:-1] + (1,)),
+                                  axis=-1)  # top-k keeps every value >= this
+    in_top_k_bxv = sorted_bxv >= kth_bx1
+    probs_bxv = jax.nn.softmax(jnp.where(in_top_k_bxv, sorted_bxv, -jnp.inf), axis=-1)
     # top-p over what top-k left: keep a sorted entry while the mass before it is < top_p (the top one always)
-    mass_before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
-    keep_bv = in_top_k_bv & ((mass_before_bv < sampling.top_p_b[:, None]) | (sampling.top_p_b[:, None] >= 1.0))
-    threshold_b1 = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(scaled_bv >= threshold_b1, scaled_bv, -jnp.inf)
+    mass_before_bxv = jnp.cumsum(probs_bxv, axis=-1) - probs_bxv
+    top_p_bx1 = per_row(sampling.top_p_b)
+    keep_bxv = in_top_k_bxv & ((mass_before_bxv < top_p_bx1) | (top_p_bx1 >= 1.0))
+    threshold_bx1 = jnp.min(jnp.where(keep_bxv, sorted_bxv, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(scaled_bxv >= threshold_bx1, scaled_bxv, -jnp.inf)
+
+
+def row_keys(seed_b: jax.Array, index_b: jax.Array) -> jax.Array:
+    """[b] keys: fold_in(key(seed), index) row by row (a request's draws depend on its seed and position only)."""
+    return jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(seed_b, index_b)
 
 
 def sample_rows(logits_bv: jax.Array, sampling: RowSampling, index_b: jax.Array) -> jax.Array:
@@ -70,7 +81,7 @@ def sample_rows(logits_bv: jax.Array, sampling: RowSampling, index_b: jax.Array)
     greedy_b = greedy_tokens(logits_bv)
 
     def sampled():
-        keys_b = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(sampling.seed_b, index_b)
+        keys_b = row_keys(sampling.seed_b, index_b)
         drawn_b = jax.vmap(lambda key, logits_v: jax.random.categorical(key, logits_v))(
             keys_b, row_target_logits(logits_bv, sampling))
         return jnp.where(sampling.temperature_b > 0, drawn_b.astype(jnp.int32), greedy_b)

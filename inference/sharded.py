@@ -45,7 +45,7 @@ from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.trees.trees_file import trees_of
 from medusa_jax.inference import autoregressive, medusa
-from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.acceptance import DecodeConfig
 from medusa_jax.inference.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class MedusaStatics:
     graphdef: Any  # of the MedusaModel
     tree: TreeBuffers | DynamicTree
     max_new_tokens: int
-    acceptance: AcceptanceConfig
+    acceptance: DecodeConfig
     eos_ids: tuple[int, ...]
     pad_id: int
     proposer: medusa.Proposer  # MeshHeadsProposer, or a caller's (it gets the proposer_data argument)
@@ -290,7 +290,7 @@ class ShardedModel:
         return outs if lowered_only else tuple(fetch(o) for o in outs)
 
     def medusa_decode(self, prompt_bt: np.ndarray, prompt_lens_b: np.ndarray, *, tree: TreeBuffers | DynamicTree,
-                      cache_size: int, max_new_tokens: int, acceptance: AcceptanceConfig = AcceptanceConfig(),
+                      cache_size: int, max_new_tokens: int, acceptance: DecodeConfig = DecodeConfig(),
                       seed: int = 0, eos_ids: tuple[int, ...] = (), pad_id: int = 0, lowered_only: bool = False,
                       proposer: medusa.Proposer | None = None, proposer_data: Any = None):
         """Prefill + Medusa decoding of one padded batch (the cache needs dynamic_tree.scratch_slots(tree) scratch

@@ -86,6 +86,7 @@ _API = {
     "load_sharded": "medusa_jax.inference.sharded",
     "SamplingConfig": "medusa_jax.inference.sampling",
     "AcceptanceConfig": "medusa_jax.inference.acceptance",
+    "DecodeConfig": "medusa_jax.inference.acceptance",
 }
 
 __all__ = sorted(_API)

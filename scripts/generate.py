@@ -37,7 +37,7 @@ from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads import recycle, recycle_file
 from medusa_jax.trees.tree import DEFAULT_TREE, DYNAMIC_PREFIX, PRESETS, load_tree
-from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
+from medusa_jax.inference.acceptance import AcceptanceConfig, DecodeConfig
 from medusa_jax.inference.api import HEADS_TREE, BatchSettings
 from medusa_jax.inference.mixed_decoding import is_mix, load_mixed
 from medusa_jax.inference.sampling import SamplingConfig
@@ -101,7 +101,7 @@ def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -
                 f"{a.tree}: drop one of them")
 
     try:
-        a.acceptance = acceptance_for(a.acceptance, sampling_config(a)).kind
+        a.acceptance = DecodeConfig(sampling_config(a), AcceptanceConfig(a.acceptance)).kind
     except ValueError as e:
         p.error(f"--acceptance {a.acceptance}: {e}")  # only an explicit choice can conflict
 
@@ -112,7 +112,7 @@ def sampling_config(a: argparse.Namespace):
 
 def acceptance_config(a: argparse.Namespace):
     """The Medusa acceptance of checked flags (check_decoder_arguments)."""
-    return acceptance_for(a.acceptance, sampling_config(a))
+    return AcceptanceConfig(a.acceptance)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,10 +1,11 @@
-"""Serve a model over an OpenAI-compatible HTTP API (continuous batching; plain decoding, or greedy tree
-decoding with --heads).
+"""Serve a model over an OpenAI-compatible HTTP API (continuous batching; plain decoding, or tree decoding with
+--heads: greedy and sampled requests share its steps).
 
 Examples:
   python scripts/serve.py --model default                       (SmolLM2 on http://127.0.0.1:8000)
   python scripts/serve.py --model DIR --port 8080 --batch-size 16 --context 1024 --max-queue 64
-  python scripts/serve.py --model default --heads default --tree mc_sim_7b_8     (greedy requests only)
+  python scripts/serve.py --model default --heads default --tree mc_sim_7b_8
+  python scripts/serve.py --model DIR --mesh data=2,tensor=4 --batch-size 16    (sharded over 8 devices)
 Then any OpenAI client talks to it, e.g. openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none"):
 POST /v1/completions and /v1/chat/completions (stream true or false; temperature, top_p, top_k, seed,
 max_tokens, stop, stop_token_ids), GET /v1/models, /health, /metrics (Prometheus text).
@@ -35,6 +36,7 @@ from medusa_jax.trees.policy.choose import choose_tree
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
 from medusa_jax.hub import HubError
 from medusa_jax.scripts import options, validate
+from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 
 DEFAULT_CONTEXT = 1024  # --context when not given (or the model's positions if fewer)
@@ -57,11 +59,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="requests waiting for a row at most; beyond, requests are answered 429 (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
-    options.HEADS.add(p, more=": every row decodes with the heads' tree, greedily (requests must set temperature "
-                      "0; greedy output equals plain decoding's); EAGLE drafters are not served yet (default: plain "
-                      "decoding)")
+    options.HEADS.add(p, more=": Medusa, Hydra, EAGLE or EAGLE-3 heads; every row decodes with the heads' tree "
+                      "(greedy output equals plain decoding's; sampled requests accept exactly: the law of plain "
+                      "sampling) (default: plain decoding)")
     options.TREE.add(p, more="; needs --heads (default: the heads' own trees.json choice for --batch-size, which "
                      "may be plain decoding)")
+    options.MESH.add(p, more="for sharded decoding; data x fsdp must divide --batch-size; for decoding prefer "
+                     "data x tensor (default: one device)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the model folder's name)")
     a = p.parse_args(argv)
@@ -72,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if a.tree is not None and a.heads is None:
             raise validate.UsageError(f"--tree {a.tree}: needs --heads (tree decoding)")
         options.tree_arg("--tree", a.tree)
+        options.mesh_devices("--mesh", a.mesh)
+        options.divides_rows("--batch-size", a.batch_size, "--mesh", a.mesh)
         check_listen(a.host, a.port)
     except validate.UsageError as e:
         p.error(str(e))
@@ -114,7 +120,7 @@ def build_engine(a: argparse.Namespace):
         heads, tree = (heads, chosen.tree) if chosen.tree is not None else (None, None)
     config = EngineConfig(rows=a.batch_size, context=context, chunk_steps=a.chunk_steps, max_queue=a.max_queue)
     engine = GenerationEngine(model, config, eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos), heads=heads,
-                              tree=tree)
+                              tree=tree, mesh=MeshConfig.parse(a.mesh).make_mesh() if a.mesh else None)
     start = time.perf_counter()
     with CompileCounter() as compiles:
         shapes = engine.warm_up()

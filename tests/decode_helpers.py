@@ -10,7 +10,7 @@ import numpy as np
 
 from medusa_jax.trees.dynamic_tree import TreeProposal
 from medusa_jax.heads.medusa import MedusaModel
-from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.acceptance import GREEDY
 from medusa_jax.inference.medusa import MedusaState, heads_proposer, medusa_step, tree_tokens
 from medusa_jax.trees.search.oracle import planted_proposer
 
@@ -57,5 +57,5 @@ def planted_drafter_step(base, drafter, tree, truth, n: int, accept: int, cache,
                         jnp.zeros((1,), bool), jnp.zeros((1,), jnp.int32), jnp.zeros((1, 16), jnp.int32),
                         jnp.zeros((), jnp.int32), jax.random.key(0), moves, moves, draft)
     step = jax.jit(medusa_step, static_argnames=("tree", "acceptance", "eos_ids", "proposer"))
-    return step(MedusaModel(base, drafter), state, tree=tree, acceptance=AcceptanceConfig(), eos_ids=(),
+    return step(MedusaModel(base, drafter), state, tree=tree, acceptance=GREEDY, eos_ids=(),
                 proposer=planted)

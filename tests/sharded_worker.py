@@ -35,15 +35,16 @@ from medusa_jax.heads.config import HeadsConfig  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
 from medusa_jax.trees.tree import load_tree  # noqa: E402
 from medusa_jax.trees.dynamic_tree import scratch_slots  # noqa: E402
-from medusa_jax.inference.acceptance import AcceptanceConfig  # noqa: E402
+from medusa_jax.inference.acceptance import AcceptanceConfig, DecodeConfig  # noqa: E402
 from medusa_jax.inference.api import BatchSettings, generate, generate_batch, generate_medusa  # noqa: E402
 from medusa_jax.inference.engine import cache_size_for, pad_prompts  # noqa: E402
+from medusa_jax.inference.sampling import SamplingConfig  # noqa: E402
 from medusa_jax.inference.sharded import ShardedModel  # noqa: E402
 from medusa_jax.training.hlo_collectives import invariant_gathers, loop_collectives  # noqa: E402
 from decode_helpers import randomise_kernels  # noqa: E402
 
 MAX_NEW = 20
-EXACT = AcceptanceConfig("exact", temperature=0.7, top_k=40)
+EXACT = DecodeConfig(SamplingConfig(0.7, top_k=40), AcceptanceConfig("exact"))
 BUCKET = 16
 NUM_HEADS = 3
 DYNAMIC = "dynamic:10,k=3,d=3"
@@ -88,7 +89,7 @@ def main_meshes(model_dir: str, out: str) -> None:
     ref_dynamic = {name: generate_medusa(base0, h, prompts, tree=dynamic, max_new_tokens=MAX_NEW, eos_ids=eos)
                    for name, h in (("medusa", heads), ("hydra", hydra))}
     ref_exact = generate_medusa(base0, heads, prompts, tree=tree, max_new_tokens=MAX_NEW, eos_ids=eos,
-                                acceptance=EXACT, seed=5)
+                                sampling=EXACT.sampling, acceptance=EXACT.acceptance, seed=5)
     report = {"eos": list(eos), "reference": {
         "plain": [{"tokens": r.token_ids, "steps": r.steps} for r in ref_plain],
         "medusa": [{"tokens": r.token_ids, "steps": r.steps, "accepts": r.accept_lengths} for r in ref_medusa],

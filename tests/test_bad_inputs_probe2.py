@@ -327,6 +327,7 @@ CASES = [  # (command, extra args, text the error line must hold)
     (SV, ["--port", "1e3"], "--port"), (SV, ["--port", "-1"], "--port"), (SV, ["--batch-size", "nan"], "--batch-size"),
     (SV, ["--max-queue", "²"], "--max-queue"), (SV, ["--context", ""], "--context"),
     (SV, ["--chunk-steps", "0x10"], "--chunk-steps"), (SV, ["--heads", "{w}/badcfg"], "--heads"),
+    (SV, ["--mesh", "data=0"], "--mesh"), (SV, ["--mesh", "data=64"], "needs 64 devices"),
     (BX, ["--budgets", ""], "--budgets"), (BX, ["--budgets", "1e3"], "--budgets"),
     (BX, ["--questions", "1.5"], "--questions"), (BX, ["--max-new-tokens", "²"], "--max-new-tokens"),
     (BX, ["--mixes", ""], "--mixes"), (BX, ["--out", ""], "--out"), (BX, ["--grounded", "-1"], "--grounded"),

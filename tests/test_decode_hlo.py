@@ -24,7 +24,7 @@ from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, build_tree, load_tree
-from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.acceptance import GREEDY
 from medusa_jax.inference.autoregressive import decode
 from medusa_jax.inference.medusa import heads_proposer, medusa_decode
 from medusa_jax.inference.sampling import SamplingConfig
@@ -73,7 +73,7 @@ def test_decode_loops_hold_no_copy_of_the_whole_cache(batch, slots, groups):
     for tree in (load_tree("mc_sim_7b_8", num_heads=4), build_tree([[0], [0, 0], [0, 0, 0]], num_heads=4),
                  DynamicTree(8, 3, 3)):
         medusa = medusa_decode.lower(graphdef, params, cache, prompts, lengths, jax.random.key(0), None, tree=tree,
-                                     max_new_tokens=8, acceptance=AcceptanceConfig(), eos_ids=(), pad_id=0,
+                                     max_new_tokens=8, acceptance=GREEDY, eos_ids=(), pad_id=0,
                                      proposer=heads_proposer, prefill_groups=groups).compile().as_text()
         assert _cache_copies(medusa, slots, batch) == [], tree.name
 

@@ -18,8 +18,9 @@ from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model.kv_cache import KVCache, attention_mask
 from medusa_jax.trees.dynamic_tree import grow_from_candidates, grow_tree, row_tree, scratch_slots, top_k_log_probs
 from medusa_jax.trees.tree import DynamicTree, TreeError, build_tree, load_tree, parse_dynamic_tree
-from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree
+from medusa_jax.inference.acceptance import GREEDY, AcceptanceConfig, DecodeConfig, accept_tree
 from medusa_jax.inference.autoregressive import prefill_states
+from medusa_jax.inference.sampling import SamplingConfig
 
 from test_eagle import base_features, drafter, plain_outputs, propose
 
@@ -162,7 +163,7 @@ def test_per_row_tables_and_acceptance_equal_the_static_tree_of_the_same_paths(k
     rows = row_tree(proposal, spec)
     lengths_b = jnp.asarray([3, 0, 7, 5], jnp.int32)
     mask_bts = attention_mask(lengths_b, rows.ancestor_mask_btt, 24)
-    config = AcceptanceConfig(kind, temperature=1.0) if kind == "typical" else AcceptanceConfig()
+    config = DecodeConfig(SamplingConfig(1.0), AcceptanceConfig(kind)) if kind == "typical" else GREEDY
     # base logits peaked on the dynamic tree's own tokens, so that long paths get accepted
     base_btv = rng.normal(0, 1, (b, spec.num_tokens, V)).astype(np.float32)
     for row in range(b):

@@ -47,10 +47,12 @@ from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.trees.tree import DynamicTree, build_tree
 from medusa_jax.inference import exact_acceptance
-from medusa_jax.inference.acceptance import AcceptanceConfig, acceptance_for
+from medusa_jax.inference.acceptance import GREEDY, AcceptanceConfig, DecodeConfig
 from medusa_jax.inference.autoregressive import prefill
 from medusa_jax.inference.exact_acceptance import exact_accept, trial_outcomes
-from medusa_jax.inference.medusa import medusa_decode
+from medusa_jax.inference.medusa import decode_states, medusa_decode
+from medusa_jax.inference.row_acceptance import RowAcceptance
+from medusa_jax.inference.row_sampling import RowSampling
 from medusa_jax.inference.sampling import SamplingConfig, sample_tokens, target_logits
 
 V, N_OUT, WIDTH = 16, 3, 5
@@ -186,7 +188,7 @@ def passes(check: dict) -> bool:
     return check["p_value"] > 1e-3 and check["tv"] < check["tv_bound"]
 
 
-EXACT = acceptance_for("exact", SAMPLING)
+EXACT = DecodeConfig(SAMPLING, AcceptanceConfig("exact"))
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -245,9 +247,51 @@ def test_exact_medusa_on_a_dynamic_tree_has_the_plain_samplers_law(setup):
     assert (share > 0.05).all(), share
 
 
+@partial(jax.jit, static_argnames=("graphdef", "graphdef_config"))
+def draw_rows(graphdef, params, prompt_bt, lens_b, temperature_b, seeds_xb, table, *, graphdef_config):
+    """draw() with each row's own settings (`RowAcceptance`, the generation engine's): run x's row b has
+    temperature_b[b] (0: greedy) and the seed seeds_xb[x, b]; the coins come from the seeds alone."""
+    def one(seed_b):
+        sampling = RowSampling(temperature_b, jnp.full(temperature_b.shape, SAMPLING.top_p),
+                               jnp.full(temperature_b.shape, SAMPLING.top_k), seed_b)
+        cache = KVCache.zeros(graphdef_config, prompt_bt.shape[0], 16)
+        state = decode_states(graphdef, params, cache, prompt_bt, lens_b, jax.random.key(0), table, tree=TREE,
+                              max_new_tokens=N_OUT, acceptance=RowAcceptance(sampling), eos_ids=(), pad_id=0,
+                              proposer=table_proposer)
+        return state.out_bo, state.accept_bo[:, 0]
+
+    return jax.vmap(one)(seeds_xb)
+
+
+def test_per_row_exact_sampling_beside_greedy_rows_has_the_plain_samplers_law(setup):
+    """The engine's per-row acceptance: sampled rows (0 and 2) beside greedy rows (1 and 3) in one batch; the
+    sampled rows pass the law check, the greedy rows always give the argmax chain, and the same seeds give the
+    same samples."""
+    graphdef, params, laws, table = setup
+    prompt_bt = np.zeros((len(PROMPTS), WIDTH), np.int32)
+    for i, p in enumerate(PROMPTS):
+        prompt_bt[i, : len(p)] = p
+    temperature_b = jnp.asarray([SAMPLING.temperature, 0.0, SAMPLING.temperature, 0.0], jnp.float32)
+    seeds_xb = jnp.asarray(np.arange(10_000 * 4, dtype=np.uint32).reshape(10_000, 4))
+    args = (graphdef, params, jnp.asarray(prompt_bt), jnp.asarray([len(p) for p in PROMPTS]), temperature_b)
+    out_xbo, accept_xb = draw_rows(*args, seeds_xb, table, graphdef_config=graphdef_config(graphdef, params))
+    out_xbo, accept_xb = np.asarray(out_xbo), np.asarray(accept_xb)
+    check = law_check(out_xbo[:, [0, 2]], [0, 2], laws)
+    assert check["n"] >= 20_000 and passes(check), check
+    share = np.bincount(accept_xb[:, [0, 2]].ravel(), minlength=3) / (2 * accept_xb.shape[0])
+    assert (share > 0.05).all(), share  # the tree walk is exercised
+    greedy = graphdef, params, jnp.asarray(prompt_bt[1::2]), jnp.asarray([len(p) for p in PROMPTS[1::2]])
+    argmax_bo = np.asarray(medusa_decode(*greedy[:2], KVCache.zeros(graphdef_config(graphdef, params), 2, 16),
+                                         *greedy[2:], jax.random.key(0), tree=TREE, max_new_tokens=N_OUT,
+                                         acceptance=GREEDY, eos_ids=(), pad_id=0)[0])
+    assert (out_xbo[:, 1::2] == argmax_bo[None]).all()
+    again, _ = draw_rows(*args, seeds_xb[:500], table, graphdef_config=graphdef_config(graphdef, params))
+    assert (np.asarray(again) == out_xbo[:500]).all()
+
+
 def test_the_check_rejects_typical_acceptance(setup):
     """Typical acceptance (a real, deliberately different sampler) on the same run: the check must fail."""
-    typical = AcceptanceConfig("typical", temperature=SAMPLING.temperature)
+    typical = DecodeConfig(SamplingConfig(SAMPLING.temperature), AcceptanceConfig("typical"))
     out_xbo, _, rows = run(setup, PROMPTS[:1], 4_000, typical, seed=4)
     check = law_check(out_xbo, rows, setup[2])
     assert not passes(check), check
@@ -301,11 +345,16 @@ def test_repeated_sibling_is_never_accepted_and_does_not_count_twice():
         assert int(bonus_b[0]) not in (5, 6)  # the rejected children's tokens are excluded from the bonus
 
 
-def test_acceptance_for_defaults_and_errors():
-    assert acceptance_for(None, SamplingConfig(0.7, top_k=5)) == AcceptanceConfig(
-        "exact", temperature=0.7, top_k=5)
-    assert acceptance_for(None, SamplingConfig()).kind == "greedy"
+def test_decode_config_resolves_the_kind_and_refuses_conflicts():
+    """One decode config: the sampling settings once, the acceptance beside them (kind None: greedy at
+    temperature 0, exact otherwise)."""
+    assert DecodeConfig(SamplingConfig(0.7, top_k=5)).kind == "exact"
+    assert DecodeConfig().kind == "greedy" and GREEDY.kind == "greedy"
     with pytest.raises(ValueError, match="typical"):
-        acceptance_for("typical", SamplingConfig(0.7, top_p=0.9))
+        DecodeConfig(SamplingConfig(0.7, top_p=0.9), AcceptanceConfig("typical"))
     with pytest.raises(ValueError, match="temperature"):
-        acceptance_for("exact", SamplingConfig())
+        DecodeConfig(SamplingConfig(), AcceptanceConfig("exact"))
+    with pytest.raises(ValueError, match="temperature 0"):
+        DecodeConfig(SamplingConfig(0.7), AcceptanceConfig("greedy"))
+    with pytest.raises(ValueError, match="kind"):
+        AcceptanceConfig("sampled")

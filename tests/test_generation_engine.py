@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.hf.load import load_pretrained
@@ -86,8 +87,62 @@ def test_engine_with_heads_decodes_trees_with_generates_greedy_tokens(model, hea
     stop_at = want[1][2]
     assert engine.generate_all(prompts[1:2], RequestParams(max_tokens=11, stop_ids=(stop_at,)))[0] == \
         want[1][: want[1].index(stop_at) + 1]
-    with pytest.raises(ValueError, match="temperature must be 0"):
-        engine.submit(prompts[0], RequestParams(sampling=SamplingConfig(0.7)))
+
+
+def random_drafter(model, head_type: str):
+    """An EAGLE-1 or EAGLE-3 drafter (a state built from the prompt) with random weights that vary its drafts."""
+    extra = dict(feature_layers=(0, 1, 2)) if head_type == "eagle3" else {}
+    drafter = init_heads(HeadsConfig(model.config.hidden_size, model.config.vocab_size, num_heads=3,
+                                     head_type=head_type, **extra), model, seed=0)
+    rng = np.random.RandomState(0)
+    for path, var in nnx.iter_graph(drafter):
+        if isinstance(var, nnx.Param) and var[...].ndim == 2 and "lm_head" not in map(str, path):
+            var[...] = jnp.asarray(rng.normal(0, 0.3, var[...].shape), var[...].dtype)
+    return drafter
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
+def test_engine_with_a_drafter_state_per_row_decodes_generates_greedy_tokens(model, head_type):
+    """Drafters that keep a state (EAGLE, EAGLE-3): each admitted row's state is built from its prompt, rows are
+    refilled mid-run, and every reply equals `generate`'s greedy tokens (EOS included); the accepted tokens are
+    `generate_medusa`'s."""
+    drafter = random_drafter(model, head_type)
+    tree = load_tree("mc_sim_7b_8", num_heads=3)
+    prompts = prompts_of((5, 70, 9, 2, 33))
+    eos = (generate(model, prompts[:1], max_new_tokens=10, eos_ids=())[0].token_ids[4],)
+    want = [generate(model, [p], max_new_tokens=10, eos_ids=eos)[0].token_ids for p in prompts]
+    engine = GenerationEngine(model, EngineConfig(rows=2, context=128, chunk_steps=3), eos_ids=eos, heads=drafter,
+                              tree=tree)
+    assert engine.generate_all(prompts, RequestParams(max_tokens=10)) == want
+    medusa = [generate_medusa(model, drafter, [p], tree=tree, max_new_tokens=10, eos_ids=eos)[0] for p in prompts]
+    assert engine.metrics.step_tokens - engine.metrics.row_steps == sum(sum(r.accept_lengths) for r in medusa)
+
+
+def test_engine_with_heads_shares_steps_between_greedy_and_sampled_rows(model):
+    """Sampling with heads: greedy and sampled requests share the drafted steps; greedy rows still equal
+    `generate`, a sampled request's tokens depend on its seed only (not on its row or neighbours: the same
+    alone), another seed draws another reply, and at a near-zero temperature exact acceptance gives greedy's
+    tokens (the law of sampled rows: tests/test_exact_sampling.py's per-row check)."""
+    heads = random_heads(model, "medusa")
+    tree = load_tree("mc_sim_7b_8", num_heads=3, max_top_k=heads.config.head_vocab_size)
+    prompts = prompts_of((6, 12, 3, 20))
+    greedy = RequestParams(max_tokens=12)
+    sampled = RequestParams(max_tokens=12, sampling=SamplingConfig(0.8, 0.95, 20), seed=5)
+    engine = GenerationEngine(model, EngineConfig(rows=4, context=64, chunk_steps=3), eos_ids=(), heads=heads,
+                              tree=tree)
+    mixed = [engine.submit(p, greedy if i % 2 else sampled) for i, p in enumerate(prompts)]
+    while any(r.finish_reason is None for r in mixed):
+        engine.run_once()
+    assert engine.metrics.step_tokens > engine.metrics.row_steps  # some candidates were accepted
+    assert [r.tokens for r in mixed[1::2]] == [generate(model, [p], max_new_tokens=12, eos_ids=())[0].token_ids
+                                               for p in prompts[1::2]]
+    alone = [engine.generate_all([p], sampled)[0] for p in prompts[::2]]
+    assert [r.tokens for r in mixed[::2]] == alone and all(len(t) == 12 for t in alone)
+    assert engine.generate_all(prompts[::2], sampled) == alone
+    assert engine.generate_all(prompts[:1], RequestParams(12, sampled.sampling, seed=6))[0] != alone[0]
+    cold = RequestParams(12, SamplingConfig(1e-4), seed=3)  # exact acceptance of a near point mass: greedy's tokens
+    assert engine.generate_all(prompts[:2], cold) == [generate(model, [p], max_new_tokens=12, eos_ids=())[0].token_ids
+                                                      for p in prompts[:2]]
 
 
 def test_engine_rows_keep_their_own_settings(model):

@@ -29,7 +29,8 @@ from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.trees.tree import PRESETS, TreeError, load_tree
-from medusa_jax.inference.acceptance import AcceptanceConfig, accept_tree, greedy_accept, typical_accept
+from medusa_jax.inference.acceptance import GREEDY, AcceptanceConfig, accept_tree, greedy_accept, typical_accept
+from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.autoregressive import grouped_prefill, prefill, prefill_groups
 from medusa_jax.inference.medusa import compact_accepted, medusa_decode
@@ -234,7 +235,8 @@ def test_typical_acceptance_near_zero_temperature_equals_greedy(tiny, tree_name)
     base, heads, refs = tiny("qwen2")
     eos_ids, reference = refs["ragged4"]
     got = generate_medusa(base, heads, PROMPTS["ragged4"], tree=tree_name, max_new_tokens=N,
-                          eos_ids=eos_ids, acceptance=AcceptanceConfig("typical", temperature=1e-4), seed=3)
+                          eos_ids=eos_ids, sampling=SamplingConfig(1e-4), acceptance=AcceptanceConfig("typical"),
+                          seed=3)
     assert ids(got) == ids(reference)
 
 
@@ -244,14 +246,16 @@ def test_exact_acceptance_near_zero_temperature_equals_greedy(tiny, tree_name):
     base, heads, refs = tiny("llama")
     eos_ids, reference = refs["ragged4"]
     got = generate_medusa(base, heads, PROMPTS["ragged4"], tree=tree_name, max_new_tokens=N,
-                          eos_ids=eos_ids, acceptance=AcceptanceConfig("exact", temperature=1e-4), seed=3)
+                          eos_ids=eos_ids, sampling=SamplingConfig(1e-4), acceptance=AcceptanceConfig("exact"),
+                          seed=3)
     assert ids(got) == ids(reference)
 
 
 def test_typical_acceptance_is_seeded(tiny):
     base, heads, _ = tiny("qwen2")
     run = lambda seed: generate_medusa(base, heads, PROMPTS["ragged4"], tree="mc_sim_7b_16", max_new_tokens=N,
-                                       eos_ids=(), acceptance=AcceptanceConfig("typical", temperature=1.0),
+                                       eos_ids=(), sampling=SamplingConfig(1.0),
+                                       acceptance=AcceptanceConfig("typical"),
                                        seed=seed)
     a, b, c = run(0), run(0), run(1)
     assert ids(a) == ids(b) and ids(a) != ids(c)
@@ -304,7 +308,7 @@ def test_accept_tree_bonus_is_the_argmax_after_the_accepted_path():
     for t in range(9):
         logits_btv[0, t, best.get(t, 31)] = 1.0
     length_b, nodes_be, bonus_b = accept_tree(tree, tokens_bt, jnp.asarray(logits_btv), jax.random.key(0),
-                                              AcceptanceConfig())
+                                              GREEDY)
     assert length_b.tolist() == [2] and nodes_be[0, :3].tolist() == [0, 2, 7] and bonus_b.tolist() == [30]
 
 
@@ -338,7 +342,7 @@ def test_returned_cache_holds_the_emitted_tokens(tiny, tree_name):
     out_bo, num_b, _, accept_bo, cache = medusa_decode(
         graphdef, params, KVCache.zeros(base.config, len(prompts), size), jnp.asarray(prompt_bt),
         jnp.asarray([len(p) for p in prompts], jnp.int32), jax.random.key(0), plant(tree, reference, targets),
-        tree=tree, max_new_tokens=N, acceptance=AcceptanceConfig(), eos_ids=eos_ids, pad_id=0,
+        tree=tree, max_new_tokens=N, acceptance=GREEDY, eos_ids=eos_ids, pad_id=0,
         proposer=planted_proposer)
     assert np.asarray(accept_bo).max() == tree.depth
     # the plain prefill, jitted (one compile per sequence length, not one per operation and length as eagerly)

@@ -38,6 +38,7 @@ from medusa_jax.inference.medusa import medusa_decode
 from medusa_jax.inference.mixed_decoding import MixError, build_mix, is_mix, parse_mix, sizes_for
 from medusa_jax.inference import draft_size
 from medusa_jax.inference.draft_size_cache import size_costs
+from medusa_jax.inference.sampling import SamplingConfig
 
 import test_exact_sampling as exact_sampling
 from test_exact_sampling import setup  # noqa: F401 (the fixture of the law check's model)
@@ -213,9 +214,9 @@ def test_lookup_with_sampling_stays_seeded_and_typical_runs(tiny):
     base, refs = tiny("llama")
     mix = mix_of(base, "lookup")
     sizes = DraftSizes(SIZES, COSTS, depth=mix.depth)
-    exact = AcceptanceConfig("exact", temperature=0.8)
+    exact = dict(sampling=SamplingConfig(0.8), acceptance=AcceptanceConfig("exact"))
     runs = [generate_medusa(base, mix, PROMPTS["ragged4"], tree=sizes, max_new_tokens=N, eos_ids=(),
-                            acceptance=exact, seed=3) for _ in range(2)]
+                            **exact, seed=3) for _ in range(2)]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
     assert all(len(r.token_ids) == N for r in runs[0])
 

@@ -26,7 +26,7 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
-from medusa_jax.inference.acceptance import AcceptanceConfig
+from medusa_jax.inference.acceptance import GREEDY
 from medusa_jax.inference.autoregressive import PlainState, plain_step
 from medusa_jax.inference.medusa import MedusaState, medusa_step
 from medusa_jax.inference.sampling import SamplingConfig
@@ -67,7 +67,7 @@ def time_interleaved(calls: Sequence[Callable[[], object]], rounds: int) -> list
 @partial(jax.jit, static_argnames=("graphdef", "tree"), donate_argnames=("state",))
 def _medusa_step(graphdef, params, state: MedusaState, *, tree: TreeBuffers | DynamicTree) -> MedusaState:
     """`medusa.medusa_step`, the Medusa decode loop's body (greedy, the heads' proposal), jitted alone."""
-    return medusa_step(nnx.merge(graphdef, params), state, tree=tree, acceptance=AcceptanceConfig(), eos_ids=())
+    return medusa_step(nnx.merge(graphdef, params), state, tree=tree, acceptance=GREEDY, eos_ids=())
 
 
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))

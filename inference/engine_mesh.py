@@ -1,0 +1,64 @@
+"""The generation engine's device side placed on a device mesh (or on one device), with the project's sharding
+rules (`medusa_jax.model.sharding`, as inference/sharded.py uses them for batch generation):
+
+    parameters      PARAM_RULES (attention heads, MLP width and vocabulary over `tensor`; hidden over `fsdp`)
+    KV caches       rows over (data, fsdp), KV heads over `tensor` (the drafter's cache too, where it keeps one)
+    row arrays      [b, ...] (tokens, budgets, sampling settings, outputs): rows over (data, fsdp)
+    the rest        scalars and PRNG keys: replicated
+
+The decode rows must split evenly over data x fsdp. The jitted calls (row_decode, drafted_rows) take no explicit
+shardings: XLA propagates these layouts from their inputs, and the calls run under `jax.set_mesh` so the
+row-local steps (`sharding.map_cache_rows`, `constrain_rows`) run shard by shard, as in inference/sharded.py.
+Without a mesh everything is committed to the first device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.model.sharding import (MeshError, batch_sharding, cache_shardings, param_shardings, replicated,
+                                       validate_model_mesh)
+
+
+class Placement:
+    """Where the engine's arrays live: `mesh` None is the first device."""
+
+    def __init__(self, mesh: Mesh | None, rows: int, model_config=None):
+        self.mesh, self.rows = mesh, rows
+        if mesh is None:
+            return
+        if model_config is not None:
+            validate_model_mesh(model_config, mesh)
+        split = mesh.shape["data"] * mesh.shape["fsdp"]
+        if rows % split:
+            raise MeshError(f"{rows} decode rows do not split over the mesh's data x fsdp = {split}: use a "
+                            f"multiple of {split}")
+
+    def params(self, params: Any) -> Any:
+        """An NNX state placed by PARAM_RULES (the first device without a mesh)."""
+        if self.mesh is None:
+            return jax.device_put(params, jax.devices()[0])
+        return jax.device_put(params, param_shardings(params, self.mesh))
+
+    def state(self, tree: Any) -> Any:
+        """A pytree of the engine's row state placed: KV caches, [rows, ...] arrays and the rest (docstring)."""
+        if self.mesh is None:
+            return jax.device_put(tree, jax.devices()[0])
+
+        def place(x):
+            if isinstance(x, KVCache):
+                return jax.device_put(x, cache_shardings(self.mesh, x))
+            if getattr(x, "ndim", 0) >= 1 and x.shape[0] == self.rows:
+                return jax.device_put(x, batch_sharding(self.mesh, x.ndim))
+            return jax.device_put(x, replicated(self.mesh))
+
+        return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+    def active(self):
+        """The context the engine's calls run in: `jax.set_mesh(mesh)`, or nothing without a mesh."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
