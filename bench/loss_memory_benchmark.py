@@ -1,8 +1,9 @@
 """SmolLM2 on this CPU: train steps with the vocabulary-wide losses on whole rows or in token chunks
 (TrainConfig.loss_chunk, training/chunked_loss.py; issue 41).
 
-Each round times every setting once more (the fastest of --repeats calls after a compiling call), so the settings
-interleave and the machine's load swings hit all of them; one JSON line per (round, case, setting).
+Per case (Medusa-1, Medusa-2) each round times every setting once more (the fastest of --repeats calls after a
+compiling call), so the settings interleave and the machine's load swings hit all of them; one JSON line per
+(round, case, setting).
 
   python bench/loss_memory_benchmark.py --rows 2 --seq 512 --rounds 2 >> bench/loss_memory/results.jsonl
 """
@@ -54,20 +55,19 @@ def main() -> None:
              "segment_ids": np.ones(shape, np.int32),
              "positions": np.broadcast_to(np.arange(args.seq, dtype=np.int32), shape).copy(),
              "loss_mask": np.ones(shape, bool)}
-    trainers = {}
-    for setting in args.settings.split(","):
-        for medusa2 in (False, True):
-            trainer = Trainer(base, heads, TrainConfig(medusa2=medusa2, warmup_steps=0, **SETTINGS[setting]),
-                              MeshConfig().make_mesh())
-            trainer.train_step(batch)  # compile
-            trainers[setting, medusa2] = trainer
-    for round_ in range(1, args.rounds + 1):
-        for (setting, medusa2), trainer in trainers.items():
-            seconds = fastest(lambda: jax.block_until_ready(trainer.train_step(batch)["loss"]), args.repeats)
-            print(json.dumps({"round": round_, "case": f"train-m{2 if medusa2 else 1}", "setting": setting,
-                              "lm_head": args.lm_head, "rows": args.rows, "seq": args.seq,
-                              "seconds": round(seconds, 4)}), flush=True)
-
+    for medusa2 in (False, True):  # the settings' trainers of one case at a time (memory), timed in turns
+        trainers = {}
+        for setting in args.settings.split(","):
+            trainers[setting] = Trainer(base, heads, TrainConfig(medusa2=medusa2, warmup_steps=0, **SETTINGS[setting]),
+                                        MeshConfig().make_mesh())
+            trainers[setting].train_step(batch)  # compile
+        for round_ in range(1, args.rounds + 1):
+            for setting, trainer in trainers.items():
+                seconds = fastest(lambda: jax.block_until_ready(trainer.train_step(batch)["loss"]), args.repeats)
+                print(json.dumps({"round": round_, "case": f"train-m{2 if medusa2 else 1}", "setting": setting,
+                                  "lm_head": args.lm_head, "rows": args.rows, "seq": args.seq,
+                                  "seconds": round(seconds, 4)}), flush=True)
+        del trainers
 
 if __name__ == "__main__":
     main()

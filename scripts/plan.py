@@ -237,6 +237,10 @@ def vs_device_main(argv: list[str]) -> int:
     p.add_argument("--remat", choices=REMAT_POLICIES, default="none", help="train: remat policy (default: %(default)s)")
     p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
                    help="train: attention kernel on the device (the plan uses chunked for cudnn) (default: %(default)s)")
+    p.add_argument("--loss-chunk", check=in_range(0, MAX_SEQ), type=int, default=0,
+                   help="train: tokens per chunk of the losses (0 = whole rows) (default: %(default)s)")
+    p.add_argument("--optimizer-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="train: storage dtype of Adam's moments (default: %(default)s)")
     args = p.parse_args(argv)
 
     device = jax.devices()[0]
@@ -254,7 +258,8 @@ def vs_device_main(argv: list[str]) -> int:
     common = ["--model", folder, "--job", args.job, "--batch", str(args.batch), "--seq", str(args.seq), "--num-heads",
               str(args.num_heads), "--dtype", args.dtype, "--json"]
     if args.job == "train":
-        extra = ["--remat", args.remat, "--attention", args.attention] + ["--medusa2"] * args.medusa2 + \
+        extra = ["--remat", args.remat, "--attention", args.attention, "--loss-chunk", str(args.loss_chunk),
+                 "--optimizer-dtype", args.optimizer_dtype] + ["--medusa2"] * args.medusa2 + \
             ["--scan-layers"] * args.scan_layers
     else:
         extra = ["--lm-head", "shared", "--cache", str(args.cache), "--tree", args.tree]
@@ -268,7 +273,8 @@ def vs_device_main(argv: list[str]) -> int:
     if args.job == "train":
         config = PlanConfig(model_config(folder, args.dtype), MeshConfig(), job="train", batch=args.batch,
                             seq=args.seq, num_heads=args.num_heads, medusa2=args.medusa2,
-                            layers=LayerExecution(scan=args.scan_layers, remat=args.remat, attention=args.attention))
+                            layers=LayerExecution(scan=args.scan_layers, remat=args.remat, attention=args.attention),
+                            loss_chunk=args.loss_chunk, optimizer_dtype=args.optimizer_dtype)
         measured = measure_train_step(config)
         before, peak = measured["state"], measured["peak"]
         print(f"{device.device_kind}: {device.platform} compiler's figure for the step "

@@ -240,10 +240,12 @@ def test_cli_vs_device_train_puts_the_plan_beside_the_device_figures(tmp_path, m
                                                                                   "compiled": 2**23})
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     code = plan.main(["vs-device", "--job", "train", "--model", str(tmp_path), "--batch", "2", "--seq", "32",
-                      "--medusa2", "--scan-layers", "--remat", "full", "--dtype", "float32"])
+                      "--medusa2", "--scan-layers", "--remat", "full", "--dtype", "float32", "--loss-chunk", "16",
+                      "--optimizer-dtype", "bfloat16"])
     out = capsys.readouterr().out
     assert code == 0 and "compiler's figure for the step 8.0 MiB" in out and "peak 16.0 MiB" in out
     config = measured["config"]
     assert config.medusa2 and config.layers.scan and config.layers.remat == "full" and config.model.num_layers == 2
+    assert config.loss_chunk == 16 and config.optimizer_dtype == "bfloat16"
     planned = float(out.split("plan (CPU compile): total ")[1].split(" MiB")[0])
     assert f"plan / measured peak = {planned / 16:.2f}" in out

@@ -217,10 +217,10 @@ def estimate_per_device(config) -> DeviceEstimate:
     scores = 2 * dev_rows * heads_part * queries * config.seq * 4
     layer = tokens * (4 * m.hidden_size + 3 * mlp_part) * act + scores  # one layer's working set
     # every head's logits and their gradient (fp32; the softmax is fused into its reductions) at once: XLA
-    # schedules the heads side by side; with fsdp > 1 each own lm_head is also held whole, gathered and as its
-    # full gradient before the reduction
-    # (`loss_chunk`: one chunk of tokens at a time, and XLA then holds one head's lm_head at a time)
-    head_weights = 2 * m.hidden_size * vocab_part * 4 if own_vocab and mesh.fsdp > 1 else 0
+    # schedules the heads side by side; with fsdp > 1 each own lm_head is also held whole, gathered (in the compute
+    # dtype) and as its float32 gradient before the reduction. With `loss_chunk`: one chunk of tokens at a time,
+    # and XLA then holds one head's lm_head at a time
+    head_weights = m.hidden_size * vocab_part * (act + 4) if own_vocab and mesh.fsdp > 1 else 0
     loss_tokens = dev_rows * min(config.seq, config.loss_chunk or config.seq)
     head_logits = config.num_heads * 2 * loss_tokens * vocab_part * 4 + (
         1 if config.loss_chunk else config.num_heads) * head_weights
