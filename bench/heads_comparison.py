@@ -208,7 +208,8 @@ def is_drafts(name: str) -> bool:
 def drafts_model(loaded: LoadedModel, name: str, budget: int, batch: int, heads_of) -> tuple[ShardedModel, object]:
     """(the model, its tree setting) of drafts `name` within `budget` nodes: `recycle` alone its largest template
     within the budget (a fresh drafter from the shipped table where it fits); anything else the mix
-    (`mixed_decoding.build_mix`, its draft sizes' step costs of this machine at `batch`)."""
+    (`mixed_decoding.build_mix`, its draft sizes' step costs of this machine at `batch`). Each counted row names
+    the tree or sizes used (`tree`): recycle below its smallest template drafts that template."""
     if name == "recycle":
         drafter = recycle_drafter(loaded.base)
         return ShardedModel(loaded.base, drafter), template_tree(template_within(budget), drafter.config.top_k)
@@ -229,14 +230,14 @@ def compare_drafts(loaded: LoadedModel, name: str, prompts, reference, config: C
     for nodes in config.tree_sizes:
         model, tree = drafts_model(loaded, name, nodes, count_batch, heads_of)
         run = generate_batch(model, prompts, _settings(loaded, config, count_batch, tree), progress=False)
-        counted.append({"nodes": nodes, "tokens_per_step": run.tokens_per_step,
+        counted.append({"nodes": nodes, "tree": tree.name, "tokens_per_step": run.tokens_per_step,
                         "mismatches": sum(a != b for a, b in zip(_tokens(run), reference))})
     progress("tokens/step " + ", ".join(f"{r['nodes']} nodes {r['tokens_per_step']:.2f}" for r in counted))
     budget = int(DEFAULT_TEMPLATE.split("_")[1]) if name == "recycle" else DEFAULT_BUDGET
 
     def drafted(batch: int):
         model, tree = drafts_model(loaded, name, budget, batch, heads_of)
-        return model, tree, getattr(tree, "name", str(tree))
+        return model, tree, tree.name
 
     timed = time_against_plain(loaded, prompts, config, drafted) if config.batch_sizes else []
     for r in timed:

@@ -460,6 +460,8 @@ def test_benchmark_heads_mode_adds_training_free_drafts_and_mixes_to_the_table(t
         assert all(r["tokens_per_step"] >= 1 and r["mismatches"] == 0 for r in h["tree_sizes"])  # lossless
         assert [r["batch"] for r in h["timed"]] == [1] and h["timed"][0]["mismatches"] == 0
     assert doc["heads"]["recycle"]["timed"][0]["tree"].startswith("tree recycle_4")  # --heads recycle's default
+    assert [r["tree"] for r in doc["heads"]["recycle"]["tree_sizes"]] == ["recycle_4", "recycle_8"]
+    assert all(r["tree"].startswith("mixed:0/") for r in doc["heads"]["mix"]["tree_sizes"])
     assert "mixed" in doc["heads"]["mix"]["timed"][0]["tree"]
     md = (out / "heads.md").read_text()
     assert "| mix | - | - |" in md and "| recycle | - | - |" in md and "| a |" in md
