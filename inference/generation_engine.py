@@ -7,7 +7,7 @@ them: plain decoding (`row_decode.PlainDecoder`) or, given heads and a tree, tre
 (`drafted_rows.DraftedDecoder`: the engine owns the drafter; greedy rows accept greedily, sampled rows exactly,
 in one step). One iteration (`run_once`): drop cancelled
 requests (a cancelled row is released), admit queued requests into free rows (prompts padded to 64 * 2**k
-tokens and rows to a power of 4, so a few shapes compile; `warm_up` compiles them all before serving), then run
+tokens and rows to a power of 2, so a few shapes compile; `warm_up` compiles them all before serving), then run
 one chunk of `config.chunk_steps` decode (or verify) steps. Each request's new tokens go to its `on_event` callback as a `TokenEvent` (the
 last one carries the finish reason: "stop" at an EOS or stop id, "length" at max_tokens, "cancelled"); the
 default callback puts them on `request.events`.
@@ -71,11 +71,12 @@ class RequestParams:
 
 
 def admission_sizes(rows: int) -> tuple[int, ...]:
-    """The row counts an admission call is padded to: 1, 4, 16, ... below `rows`, then `rows` (few shapes)."""
+    """The row counts an admission call is padded to: 1, 2, 4, ... below `rows`, then `rows` (few shapes; a
+    filler row computes a whole prompt's prefill, so the steps stay small: bench/refill/engine_client.md)."""
     sizes, n = [], 1
     while n < rows:
         sizes.append(n)
-        n *= 4
+        n *= 2
     return tuple(sizes) + (rows,)
 
 
