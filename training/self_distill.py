@@ -193,9 +193,7 @@ def _self_distill(model_dir, data, output: Path, config: DistillConfig, progress
         model = _model_on_mesh(model, mesh)
     rows = round_up(config.batch_size, _mesh_rows(config.mesh))  # on a mesh: a multiple of its data x fsdp rows
     engine = GenerationEngine(model, EngineConfig(rows=rows, context=config.cache_size, chunk_steps=config.chunk_steps,
-                                                  max_queue=rows), eos_ids=eos, pad_id=pad_id)
-    if mesh is not None:
-        _engine_rows_on_mesh(engine, mesh)
+                                                  max_queue=rows), eos_ids=eos, pad_id=pad_id, mesh=mesh)
     sampling = SamplingConfig(temperature=config.temperature)
     reply_limit = min(config.cache_size, model.config.max_position_embeddings)  # a later turn's prompt + reply
     inflight: dict[Request, tuple[_Conversation, list[int]]] = {}  # submitted, queued or decoding
@@ -319,16 +317,3 @@ def _model_on_mesh(model: CausalLM, mesh) -> CausalLM:
     shd.validate_model_mesh(model.config, mesh)
     graphdef, params = nnx.split(model)
     return nnx.merge(graphdef, jax.device_put(params, shd.param_shardings(params, mesh)))
-
-
-def _engine_rows_on_mesh(engine: GenerationEngine, mesh) -> None:
-    """The engine's decode rows (KV cache and per-row arrays) split over the mesh's (data, fsdp) axes. The
-    engine takes no mesh of its own yet (issue 38): this places its plain decoder's rows in its stead."""
-    rows = engine._decoder.rows
-
-    def batch(x):
-        return shd.checked_sharding(mesh, shd.batch_sharding(mesh, x.ndim).spec, x.shape,
-                                    "decode rows (--batch-size over the mesh's data x fsdp)")
-
-    shardings = dataclasses.replace(jax.tree.map(batch, rows), cache=shd.cache_shardings(mesh, rows.cache))
-    engine._decoder.rows = jax.device_put(rows, shardings)
