@@ -11,6 +11,7 @@ one-token forward.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Sequence
 
 import jax
@@ -25,7 +26,9 @@ from medusa_jax.trees.policy.step_cost import time_interleaved
 
 
 def _forward_call(base: CausalLM, batch: int, tokens: int, context: int, cache_size: int) -> Callable[[], object]:
-    """A jitted verify-shaped forward: `tokens` tokens per row after `context` cached ones, lm_head included."""
+    """A jitted verify-shaped forward: `tokens` tokens per row after `context` cached ones, lm_head included. The
+    cache is donated and the returned one fed to the next call, as the decode loop updates it in place (a
+    forward on an undonated cache first copies every layer's K and V, a cost no decode step pays)."""
     cache = KVCache.zeros(base.config, batch, cache_size).replace(lengths_b=jnp.full((batch,), context, jnp.int32))
     tokens_bt = jnp.zeros((batch, tokens), jnp.int32)
     positions_bt = context + jnp.broadcast_to(jnp.arange(tokens), (batch, tokens))
@@ -33,13 +36,19 @@ def _forward_call(base: CausalLM, batch: int, tokens: int, context: int, cache_s
 
     graphdef, params = nnx.split(base)
 
-    @jax.jit
+    @partial(jax.jit, donate_argnames=("cache",))
     def forward(params, tokens_bt, positions_bt, mask_bts, cache):
         model = nnx.merge(graphdef, params)
         hidden_btd, cache = model(tokens_bt, positions_bt, mask_bts, cache)
-        return jnp.argmax(model.logits(hidden_btd), axis=-1), cache.lengths_b
+        return jnp.argmax(model.logits(hidden_btd), axis=-1), cache
 
-    return lambda: jax.block_until_ready(forward(params, tokens_bt, positions_bt, mask_bts, cache))
+    held = [cache]
+
+    def call():
+        tokens, held[0] = forward(params, tokens_bt, positions_bt, mask_bts, held[0])
+        return jax.block_until_ready(tokens)
+
+    return call
 
 
 def _propose_call(base: CausalLM, drafter, sizes: DraftSizes, batch: int, context: int,

@@ -187,23 +187,36 @@ def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal,
                  acceptance: DecodeConfig | RowAcceptance, eos_ids: tuple[int, ...]) -> MedusaState:
     """A mixed-draft step (`draft_merge.DraftSizes`): the proposal's best n nodes are verified, n the size of
     `sizes` with the most predicted tokens per second over the active rows (`draft_merge.choose_size`), one
-    `lax.switch` branch per static size (size 0: the root alone, a plain step)."""
+    branch per static size (size 0: the root alone, a plain step), each run by `run_if`."""
     lengths_b, b = state.cache.lengths_b, state.root_b.shape[0]
 
     def branch(nodes: int):
-        def run(proposal_, draft_, state_):
+        def run(state_: MedusaState) -> MedusaState:
             if nodes == 0:
                 tokens_bt = state_.root_b.astype(jnp.int32)[:, None]
                 mask_bts = attention_mask(lengths_b, jnp.ones((1, 1), bool), state_.cache.cache_size)
                 verified = (tokens_bt, mask_bts, lengths_b[:, None], plain_row_tree(b, sizes.depth))
             else:
-                verified = verify_inputs(keep_best(proposal_, nodes), state_.root_b, lengths_b,
+                verified = verify_inputs(keep_best(proposal, nodes), state_.root_b, lengths_b,
                                          state_.cache.cache_size, sizes.tree(nodes))
-            return verify_and_emit(model, state_, verified, draft_, acceptance, eos_ids)
+            return verify_and_emit(model, state_, verified, state_.draft, acceptance, eos_ids)
         return run
 
     choice = choose_size(proposal, sizes, state.active_b)
-    return jax.lax.switch(choice, [branch(n) for n in sizes.sizes], proposal, draft, state)
+    state = dataclasses.replace(state, draft=draft)
+    for index, nodes in enumerate(sizes.sizes):
+        state = run_if(choice == index, branch(nodes), state)
+    return state
+
+
+def run_if(flag: jax.Array, fn: Callable[[MedusaState], MedusaState], state: MedusaState) -> MedusaState:
+    """fn(state) where the scalar `flag` holds, else state: a `while_loop` of at most one trip. Not a
+    `lax.switch`/`cond`: XLA gives a conditional's result its own buffers, so a branch that writes the cache
+    copied every layer's whole K and V twice per step (in the branch and back into the loop's carry); a while
+    loop updates its carry in place (tests/test_decode_hlo.py)."""
+    _, state = jax.lax.while_loop(lambda carry: carry[0], lambda carry: (jnp.zeros((), bool), fn(carry[1])),
+                                  (flag, state))
+    return state
 
 
 def verify_and_emit(model: MedusaModel, state: MedusaState, verified, draft: Any,

@@ -22,7 +22,11 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.draft_merge import DraftSizes
+from medusa_jax.heads.lookup import LookupConfig
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
+from medusa_jax.heads.mixed import make_mix, template_spec
+from medusa_jax.heads.recycle import RANK_ACCEPTANCE, RecycleConfig, RecycleDrafter, template_tree
 from medusa_jax.trees.tree import DynamicTree, build_tree, load_tree
 from medusa_jax.inference.acceptance import GREEDY
 from medusa_jax.inference.autoregressive import decode
@@ -76,6 +80,23 @@ def test_decode_loops_hold_no_copy_of_the_whole_cache(batch, slots, groups):
                                      max_new_tokens=8, acceptance=GREEDY, eos_ids=(), pad_id=0,
                                      proposer=heads_proposer, prefill_groups=groups).compile().as_text()
         assert _cache_copies(medusa, slots, batch) == [], tree.name
+
+
+def test_mixed_draft_loop_holds_no_copy_of_the_whole_cache():
+    """Mixed drafts choose one of several static sizes per step: each size's branch writes the cache in place
+    (`medusa.run_if`; a lax.switch copied every layer's K and V twice per step)."""
+    batch, slots = 1, 512
+    model = CausalLM(CFG, nnx.Rngs(0))
+    recycler = RecycleDrafter(RecycleConfig(CFG.hidden_size, CFG.vocab_size))
+    mix = make_mix(CFG.hidden_size, CFG.vocab_size, lookup=LookupConfig(length=6),
+                   template=(recycler, template_spec(template_tree("recycle_4"), RANK_ACCEPTANCE)))
+    graphdef, params = nnx.split(MedusaModel(model, mix))
+    sizes = DraftSizes((0, 1, 3, 10), (1.0, 1.3, 1.5, 2.0), depth=mix.depth)
+    hlo = medusa_decode.lower(graphdef, params, KVCache.zeros(CFG, batch, slots), jnp.zeros((batch, 64), jnp.int32),
+                              jnp.full((batch,), 10, jnp.int32), jax.random.key(0), None, tree=sizes,
+                              max_new_tokens=8, acceptance=AcceptanceConfig(), eos_ids=(), pad_id=0,
+                              proposer=heads_proposer).compile().as_text()
+    assert _cache_copies(hlo, slots, batch) == []
 
 
 def _attention_bytes(rows: int, slots: int, tokens: int = 1) -> tuple[float, int]:
