@@ -95,7 +95,7 @@ def choose(plain: DecodeRun, runs: Sequence[DecodeRun], min_speedup: float = MIN
     best = max((run for run in drafted if run.drafter in speed), key=lambda run: speed[run.drafter])
     if speed[best.drafter] < min_speedup:
         return Choice(None, 1.0, f"plain: no drafter pays on this machine (best {best.drafter} "
-                                 f"x{speed[best.drafter]:.2f} < {min_speedup})")
+                                 f"x{speed[best.drafter]:.3f} < {min_speedup})")  # 3 places: x1.048, not x1.05
     return Choice(best, speed[best.drafter], f"{best.drafter} ({best.tree}): x{speed[best.drafter]:.2f} over plain, "
                                              f"{best.tokens_per_step:.2f} tokens/step")
 
