@@ -5,6 +5,7 @@ row; bad requests get OpenAI's error JSON with a 4xx status while the server ser
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -72,31 +73,40 @@ def load_script(name: str):
     return module
 
 
+@contextlib.contextmanager
+def running_server(args: list[str], env: dict[str, str], wait: float = 300):
+    """(base URL, process) of `serve.py ARGS` on a free loopback port, once /health answers; stopped (SIGTERM,
+    then kill) at the end unless a test stopped it."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(SERVE), *args, "--port", str(port)], env={**os.environ, **env},
+                               stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert process.poll() is None, process.stderr.read()
+        yield base, process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_with_tokenizer):
     """(base URL, process) of a server on a free loopback port; stopped (SIGTERM, then kill) at the end."""
-    port = free_port()
-    process = subprocess.Popen([sys.executable, str(SERVE), "--model", str(tiny_with_tokenizer), "--port", str(port),
-                                "--batch-size", str(ROWS), "--context", str(CONTEXT), "--chunk-steps", "4",
-                                "--max-queue", "16"], env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                               stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    assert process.poll() is None, process.stderr.read()
-    yield base, process
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with running_server(["--model", str(tiny_with_tokenizer), "--batch-size", str(ROWS), "--context", str(CONTEXT),
+                         "--chunk-steps", "4", "--max-queue", "16"], {"JAX_PLATFORMS": "cpu"}) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

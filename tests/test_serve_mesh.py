@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from test_serve import MODEL, SERVE, decode_tokens, free_port, reference, tiny_with_tokenizer  # noqa: F401
+from test_serve import (MODEL, decode_tokens, free_port, reference, running_server,  # noqa: F401
+                        tiny_with_tokenizer)
 from test_sharded_decode import SHARDABLE
 
 WORKER = Path(__file__).with_name("engine_mesh_worker.py")
@@ -43,21 +41,9 @@ def test_serve_with_a_mesh_answers_as_one_device(tiny_with_tokenizer, reference)
     """medusa-serve --mesh data=2,tensor=2 in a subprocess: the official client's greedy answers, whole and
     streamed, several at once, equal `generate`'s on one device."""
     tokenizer, greedy = reference
-    port = free_port()
-    process = subprocess.Popen([sys.executable, str(SERVE), "--model", str(tiny_with_tokenizer), "--port", str(port),
-                                "--batch-size", "4", "--context", "64", "--chunk-steps", "4",
-                                "--mesh", "data=2,tensor=2"], env={**os.environ, **EIGHT_DEVICES},
-                               stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        assert process.poll() is None, process.stderr.read()
+    args = ["--model", str(tiny_with_tokenizer), "--batch-size", "4", "--context", "64", "--chunk-steps", "4",
+            "--mesh", "data=2,tensor=2"]
+    with running_server(args, EIGHT_DEVICES, wait=600) as (base, _):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
         prompts = [f"w{i} w{2 * i} w{3 * i}" for i in (1, 4, 7, 9, 11)]
         for prompt in prompts:
@@ -67,13 +53,6 @@ def test_serve_with_a_mesh_answers_as_one_device(tiny_with_tokenizer, reference)
             pieces = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
                                                stream=True)
             assert "".join(c.choices[0].text for c in pieces) == want
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def test_serve_refuses_a_mesh_beyond_the_devices(tiny_with_tokenizer, capsys):  # noqa: F811
