@@ -33,7 +33,7 @@ def test_plain_when_no_drafter_pays_and_the_reason_names_the_best():
     plain = run(None, 1.0, steps=12)
     choice = choose(plain, [run("lookup", 1.03), run("default", 1.25)], min_speedup=1.05)
     assert choice.run is None and choice.speedup == 1.0
-    assert choice.reason == "plain: no drafter pays on this machine (best lookup x0.970 < 1.05)"
+    assert choice.reason == "plain: no drafter pays on this machine (best lookup x0.971 < 1.05)"
 
 
 def test_a_drafter_that_changed_the_answer_is_never_chosen():
