@@ -10,7 +10,7 @@ completion tokens over the level's wall time), p50/p95 time to first token and p
 request's time after its first token over its other tokens), and the ratio of tokens/s to the first level's.
 Soak: --concurrency's largest C clients for --soak-seconds send a mix (streamed, whole, cancelled after the
 first piece, bad requests); it checks that every good request got exactly one complete answer, every bad one a
-4xx, no 5xx, and reports the server's resident memory (from /metrics) at the start and the end.
+4xx, no 5xx, and reports the server's resident memory (from /metrics) at the start, once a minute and at the end.
 """
 
 from __future__ import annotations
@@ -138,6 +138,9 @@ BAD_BODIES = [{"messages": []}, {"messages": [{"role": "user", "content": "hi"}]
               {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, {"model": "no-such-model"}]
 
 
+MEMORY_EVERY_S = 60.0
+
+
 async def soak(a, model: str) -> dict:
     clients, deadline = max(a.concurrency), time.monotonic() + a.soak_seconds
     counts = {"good": 0, "answered_once": 0, "bad": 0, "bad_4xx": 0, "cancelled": 0, "server_errors": 0,
@@ -167,13 +170,20 @@ async def soak(a, model: str) -> dict:
                 counts["server_errors"] += isinstance(result["status"], int) and result["status"] >= 500
                 counts["other_failures"] += result["status"] != 200 and result["status"] < 500
 
-        await asyncio.gather(*(one_client(c) for c in range(clients)))
+        async def sample_memory():  # resident memory once a minute: growth over time, not just two points
+            while time.monotonic() < deadline:
+                await asyncio.sleep(min(MEMORY_EVERY_S, max(0.0, deadline - time.monotonic())))
+                samples.append(await resident_bytes(client))
+
+        samples: list[int | None] = []
+        await asyncio.gather(sample_memory(), *(one_client(c) for c in range(clients)))
         await asyncio.sleep(2)
         health = (await client.get("/health")).json()
         memory_end = await resident_bytes(client)
     return {"clients": clients, "seconds": a.soak_seconds, **counts, "rows_busy_after": health["rows_busy"],
             "resident_mib_start": memory_start and round(memory_start / 2**20, 1),
-            "resident_mib_end": memory_end and round(memory_end / 2**20, 1)}
+            "resident_mib_end": memory_end and round(memory_end / 2**20, 1),
+            "resident_mib_each_minute": [m and round(m / 2**20, 1) for m in samples]}
 
 
 async def run(a) -> dict:

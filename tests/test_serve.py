@@ -362,6 +362,7 @@ def test_benchmark_load_levels_and_soak(server, tmp_path, capsys):
     soak = json.loads(out.read_text())["soak"]
     assert soak["good"] > 0 and soak["answered_once"] == soak["good"] and soak["bad_4xx"] == soak["bad"]
     assert soak["server_errors"] == 0 and soak["other_failures"] == 0 and soak["rows_busy_after"] == 0
+    assert len(soak["resident_mib_each_minute"]) == 1 and soak["resident_mib_each_minute"][0] > 0  # one, at 4 s
     with pytest.raises(SystemExit):
         bench.main(["--url", "http://example.com:80", "--out", str(out)])
     assert "127.0.0.1" in capsys.readouterr().err
