@@ -12,29 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
-import numpy as np
 
 from medusa_jax.demo_model import resolve_model_dir
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.training.plan import random_packed_batch
 from medusa_jax.training.trainer import TrainConfig, Trainer
+from medusa_jax.bench.scan_benchmark import fastest
 
 SETTINGS = {"whole": dict(), "chunk-128": dict(loss_chunk=128), "chunk-256": dict(loss_chunk=256),
             "chunk-512": dict(loss_chunk=512)}
-
-
-def fastest(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -49,12 +40,7 @@ def main() -> None:
     base = load_pretrained(resolve_model_dir("default"))
     heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, num_layers=1,
                                    lm_head=args.lm_head), base)
-    rng = np.random.default_rng(0)
-    shape = (args.rows, args.seq)
-    batch = {"tokens": rng.integers(0, base.config.vocab_size, shape).astype(np.int32),
-             "segment_ids": np.ones(shape, np.int32),
-             "positions": np.broadcast_to(np.arange(args.seq, dtype=np.int32), shape).copy(),
-             "loss_mask": np.ones(shape, bool)}
+    batch = random_packed_batch(base.config.vocab_size, args.rows, args.seq)
     for medusa2 in (False, True):  # the settings' trainers of one case at a time (memory), timed in turns
         trainers = {}
         for setting in args.settings.split(","):
@@ -63,7 +49,8 @@ def main() -> None:
             trainers[setting].train_step(batch)  # compile
         for round_ in range(1, args.rounds + 1):
             for setting, trainer in trainers.items():
-                seconds = fastest(lambda: jax.block_until_ready(trainer.train_step(batch)["loss"]), args.repeats)
+                seconds = fastest(lambda: jax.block_until_ready(trainer.train_step(batch)["loss"]), args.repeats,
+                                  warm_up=False)  # compiled above
                 print(json.dumps({"round": round_, "case": f"train-m{2 if medusa2 else 1}", "setting": setting,
                                   "lm_head": args.lm_head, "rows": args.rows, "seq": args.seq,
                                   "seconds": round(seconds, 4)}), flush=True)

@@ -38,8 +38,10 @@ SETTINGS = {"unrolled": dict(), "scan": dict(scan=True), "scan-remat-full": dict
             "unrolled-remat-full": dict(remat="full"), "unrolled-xla": dict(attention="xla")}
 
 
-def fastest(fn, repeats: int) -> float:
-    fn()  # compile
+def fastest(fn, repeats: int, warm_up: bool = True) -> float:
+    """The shortest of `repeats` timed calls of fn (after one untimed, compiling call when warm_up)."""
+    if warm_up:
+        fn()  # compile
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -209,6 +209,16 @@ def lower_decode(config: PlanConfig):
     return lowered, groups
 
 
+def random_packed_batch(vocab_size: int, rows: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A train batch of `rows` packed rows of `seq` random tokens, one conversation each, every token in the loss:
+    the shapes a step is measured with."""
+    shape = (rows, seq)
+    return {"tokens": np.random.default_rng(seed).integers(0, vocab_size, shape).astype(np.int32),
+            "segment_ids": np.ones(shape, np.int32),
+            "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), shape).copy(),
+            "loss_mask": np.ones(shape, bool)}
+
+
 def measure_train_step(config: PlanConfig) -> dict[str, int]:
     """One real train step of `config` (random weights and rows, one device: the first accelerator) and what its
     device used: `state` (bytes in use before the step: parameters and optimiser state), `peak` (the runtime's
@@ -219,12 +229,7 @@ def measure_train_step(config: PlanConfig) -> dict[str, int]:
         base = CausalLM(config.model, nnx.Rngs(0))
         heads = init_heads(config.heads_config(), base)
     trainer = Trainer(base, heads, train_config(config, planned=False), MeshConfig().make_mesh([device]))
-    rng = np.random.default_rng(0)
-    shape = (config.batch, config.seq)
-    batch = {"tokens": rng.integers(0, config.model.vocab_size, shape).astype(np.int32),
-             "segment_ids": np.ones(shape, np.int32),
-             "positions": np.broadcast_to(np.arange(config.seq, dtype=np.int32), shape).copy(),
-             "loss_mask": np.ones(shape, bool)}
+    batch = random_packed_batch(config.model.vocab_size, config.batch, config.seq)
     device_batch = trainer.device_batch(batch)
     memory = trainer.jitted_step(batch).lower(trainer.params, trainer.opt_state, trainer.frozen,
                                               device_batch).compile().memory_analysis()
