@@ -113,8 +113,22 @@ def typical_accept(candidate_prob_bce: jax.Array, threshold_bce: jax.Array,
 
 def typical_threshold(probs_xv: jax.Array, config: AcceptanceConfig) -> jax.Array:
     """[..., V] probabilities -> [...] min(epsilon, delta * exp(-entropy))."""
+    return typical_bound(probs_xv, config.posterior_threshold, config.posterior_alpha)
+
+
+def typical_bound(probs_xv: jax.Array, epsilon, delta) -> jax.Array:
+    """`typical_threshold` with epsilon and delta given as numbers or arrays that broadcast against [...] (each
+    row's own: inference/row_acceptance.py)."""
     entropy_x = -jnp.sum(probs_xv * jnp.log(probs_xv + 1e-30), axis=-1)
-    return jnp.minimum(config.posterior_threshold, config.posterior_alpha * jnp.exp(-entropy_x))
+    return jnp.minimum(epsilon, delta * jnp.exp(-entropy_x))
+
+
+def typical_set_logits(scaled_bv: jax.Array, threshold_b: jax.Array) -> jax.Array:
+    """Logits (already divided by the temperature) cut to the typical set: tokens whose probability reaches the
+    row's threshold, and the argmax always (so the set is never empty)."""
+    probs_bv = jax.nn.softmax(scaled_bv, axis=-1)
+    keep_bv = (probs_bv >= threshold_b[:, None]) | (scaled_bv == jnp.max(scaled_bv, axis=-1, keepdims=True))
+    return jnp.where(keep_bv, scaled_bv, -jnp.inf)
 
 
 def sample_typical(logits_bv: jax.Array, key: jax.Array, config: DecodeConfig) -> jax.Array:
@@ -123,10 +137,8 @@ def sample_typical(logits_bv: jax.Array, key: jax.Array, config: DecodeConfig) -
     if config.kind == "greedy":
         return greedy_tokens(logits_bv)
     scaled_bv = logits_bv.astype(jnp.float32) / config.temperature
-    probs_bv = jax.nn.softmax(scaled_bv, axis=-1)
-    keep_bv = probs_bv >= typical_threshold(probs_bv, config.acceptance)[:, None]
-    keep_bv = keep_bv | (scaled_bv == jnp.max(scaled_bv, axis=-1, keepdims=True))
-    return jax.random.categorical(key, jnp.where(keep_bv, scaled_bv, -jnp.inf), axis=-1).astype(jnp.int32)
+    threshold_b = typical_threshold(jax.nn.softmax(scaled_bv, axis=-1), config.acceptance)
+    return jax.random.categorical(key, typical_set_logits(scaled_bv, threshold_b), axis=-1).astype(jnp.int32)
 
 
 def sample_next(logits_bv: jax.Array, key: jax.Array, config: DecodeConfig) -> jax.Array:
@@ -151,27 +163,43 @@ def accept_tree(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: j
     accepted nodes [B, E + 1] root first (entries past the accept length are padding), bonus token [B])."""
     if config.kind == "exact":
         return exact_accept(tree, tokens_bt, logits_btv, key, config.sampling)
+    if config.kind == "greedy":
+        predictions_bt = greedy_tokens(logits_btv)
+        length_b, nodes_be = tree_walk(tree, lambda child, parent, valid_ce: greedy_accept(
+            child(tokens_bt), parent(predictions_bt), valid_ce))
+    else:
+        probs_btv = jax.nn.softmax(logits_btv.astype(jnp.float32) / config.temperature, axis=-1)
+        length_b, nodes_be = typical_walk(tree, tokens_bt, probs_btv, typical_threshold(probs_btv, config.acceptance))
+    return length_b, nodes_be, sample_typical(path_end(logits_btv, nodes_be, length_b), key, config)
+
+
+def tree_walk(tree: TreeBuffers | RowTree, accept) -> tuple[jax.Array, jax.Array]:
+    """(accept length [B], accepted nodes [B, E + 1]) of the path `accept(at_children, at_parents, valid [C, E] or
+    [B, C, E])` picks, given as (accept length [B], chosen path [B]); at_children(x_bt) / at_parents(x_bt) gather
+    a per-node [B, T] array at each path's candidates / at their parents ([B, C, E])."""
     per_row = isinstance(tree, RowTree)
     retrieve = tree.retrieve_bce if per_row else tree.retrieve_ce
     parent_nodes_ce, child_nodes_ce = retrieve[..., :-1], retrieve[..., 1:]
     valid_ce = tree.retrieve_valid_bce[..., 1:] if per_row else jnp.asarray(tree.retrieve_valid_ce[:, 1:])
-    candidates_bce = _at_nodes(tokens_bt, child_nodes_ce)
-    if config.kind == "greedy":
-        predictions_bt = greedy_tokens(logits_btv)
-        length_b, path_b = greedy_accept(candidates_bce, _at_nodes(predictions_bt, parent_nodes_ce), valid_ce)
-    else:
-        probs_btv = jax.nn.softmax(logits_btv.astype(jnp.float32) / config.temperature, axis=-1)
-        threshold_bt = typical_threshold(probs_btv, config.acceptance)
-        parent_bt = tree.parent_bt if per_row else jnp.asarray(tree.parent_t)[None, :]
-        # p_parent(token) of every node: the probability its parent's distribution gives it
-        rows_b1 = jnp.arange(tokens_bt.shape[0])[:, None]
-        node_prob_bt = probs_btv[rows_b1, parent_bt, tokens_bt]
-        length_b, path_b = typical_accept(_at_nodes(node_prob_bt, child_nodes_ce),
-                                          _at_nodes(threshold_bt, parent_nodes_ce), valid_ce)
+    length_b, path_b = accept(lambda x_bt: _at_nodes(x_bt, child_nodes_ce),
+                              lambda x_bt: _at_nodes(x_bt, parent_nodes_ce), valid_ce)
     if per_row:
-        nodes_be = tree.retrieve_bce[jnp.arange(tokens_bt.shape[0]), path_b]
-    else:
-        nodes_be = jnp.asarray(tree.retrieve_ce)[path_b]
+        return length_b, tree.retrieve_bce[jnp.arange(length_b.shape[0]), path_b]
+    return length_b, jnp.asarray(tree.retrieve_ce)[path_b]
+
+
+def typical_walk(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, probs_btv: jax.Array,
+                 threshold_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Typical acceptance's path: (accept length [B], accepted nodes [B, E + 1]) from every node's distribution
+    at the temperature and typical threshold."""
+    parent_bt = tree.parent_bt if isinstance(tree, RowTree) else jnp.asarray(tree.parent_t)[None, :]
+    # p_parent(token) of every node: the probability its parent's distribution gives it
+    node_prob_bt = probs_btv[jnp.arange(tokens_bt.shape[0])[:, None], parent_bt, tokens_bt]
+    return tree_walk(tree, lambda child, parent, valid_ce: typical_accept(child(node_prob_bt), parent(threshold_bt),
+                                                                           valid_ce))
+
+
+def path_end(x_btv: jax.Array, nodes_be: jax.Array, length_b: jax.Array) -> jax.Array:
+    """x_btv at each row's last accepted node: [B, V] (the bonus token's logits)."""
     last_node_b = jnp.take_along_axis(nodes_be, length_b[:, None], axis=1)[:, 0]
-    last_logits_bv = jnp.take_along_axis(logits_btv, last_node_b[:, None, None], axis=1)[:, 0]
-    return length_b, nodes_be, sample_typical(last_logits_bv, key, config)
+    return jnp.take_along_axis(x_btv, last_node_b[:, None, None], axis=1)[:, 0]

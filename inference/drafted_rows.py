@@ -9,8 +9,14 @@ and a row with R tokens of its budget left starts writing at c * e - R, so the s
 end stops it at its budget (rows with more left than the buffer stop at the buffer's end and go on in the next
 chunk). Admission prefills new prompts into their rows, records their sampling settings (`RowSampling`, kept
 beside the state) and draws each one's first token (`sample_rows`). Stop ids besides the model's EOS are
-checked by the engine on the host. A drafter that keeps a state through a reply (EAGLE, EAGLE-3) gets its
-row's state built from the prompt at admission (`row_drafts`), so its greedy rows are lossless too.
+checked by the engine on the host. A drafter that keeps a state through a reply (EAGLE, EAGLE-3, prompt lookup's
+token buffer) gets its row's state built from the prompt at admission (`row_drafts`), so its greedy rows are
+lossless too; a state shared by all rows (Token Recycling's table, `row_drafts.shared_fields`) is the engine's:
+it starts as the drafter's, is updated by every verify step of every row and outlives the requests.
+
+Mixed drafts (`heads.mixed.MixedDrafter`, the tree a `draft_merge.DraftSizes`) run as in the batch path: each
+step `medusa.sized_verify` verifies the merged proposal's best n nodes, n one of the static sizes chosen from the
+measured step costs over the active rows (0: a plain step).
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ from flax import nnx
 
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.trees.dynamic_tree import scratch_slots
+from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.engine_mesh import Placement
 from medusa_jax.inference.medusa import MedusaState, medusa_step
-from medusa_jax.inference.row_acceptance import RowAcceptance
-from medusa_jax.inference.row_drafts import check_servable, empty_draft, prompt_prefill, put_draft_rows
-from medusa_jax.inference.row_sampling import RowSampling, sample_rows
+from medusa_jax.inference.row_acceptance import RowAcceptance, first_row_tokens
+from medusa_jax.inference.row_drafts import (check_servable, empty_draft, prompt_prefill, put_draft_rows,
+                                             shared_fields, shared_part)
+from medusa_jax.inference.row_sampling import RowSampling
 from medusa_jax.inference.sampling import is_eos
 
 
@@ -58,7 +66,7 @@ def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, r
     model: MedusaModel = nnx.merge(graphdef, params)
     n, t = prompt_nt.shape
     last_nd, fresh, draft_n = prompt_prefill(model, prompt_nt, prompt_lens_n, t, tree.depth, state.cache.dtype)
-    first_n = sample_rows(model.base.logits(last_nd), sampling_n, jnp.zeros((n,), jnp.int32))
+    first_n = first_row_tokens(model.base.logits(last_nd), sampling_n)
     no_move_ne = prompt_lens_n[:, None] + jnp.arange(tree.depth + 1, dtype=jnp.int32)[None, :]
 
     def put(old, new):
@@ -69,7 +77,7 @@ def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, r
                                done_b=put(state.done_b, is_eos(first_n, eos_ids)),
                                move_src_be=put(state.move_src_be, no_move_ne),
                                move_dst_be=put(state.move_dst_be, no_move_ne),
-                               draft=put_draft_rows(state.draft, rows_n, draft_n)), \
+                               draft=put_draft_rows(state.draft, rows_n, draft_n, shared_fields(model.heads))), \
         sampling.put_rows(rows_n, sampling_n), first_n
 
 
@@ -99,16 +107,25 @@ def release_drafted(state: MedusaState, release_b) -> MedusaState:
 class DraftedDecoder:
     """`row_decode.PlainDecoder`'s interface over tree decoding with heads."""
 
-    def __init__(self, base, heads: MedusaHeads, tree: TreeBuffers | DynamicTree, rows: int, context: int,
-                 steps: int, *, eos_ids: tuple[int, ...], pad_id: int, placement: Placement | None = None):
+    def __init__(self, base, heads: MedusaHeads, tree: TreeBuffers | DynamicTree | DraftSizes, rows: int,
+                 context: int, steps: int, *, eos_ids: tuple[int, ...], pad_id: int,
+                 placement: Placement | None = None):
         check_servable(heads)
         model = MedusaModel(base, heads)
         self.placement = placement or Placement(None, rows)
         self.graphdef, params = nnx.split(model)
         self.params = self.placement.params(params)
         self.tree, self.eos_ids, self.pad_id = tree, eos_ids, pad_id
-        self.state = self.placement.state(empty_state(model, rows, context + scratch_slots(tree), tree, steps))
+        self.shared = shared_fields(heads)
+        state = empty_state(model, rows, context + scratch_slots(tree), tree, steps)
+        self.state = dataclasses.replace(self.placement.state(dataclasses.replace(state, draft=None)),
+                                         draft=self.placement.draft(state.draft, self.shared))
         self.sampling = self.placement.state(jax.tree.map(jnp.asarray, RowSampling.greedy(rows)))
+
+    def shared_draft(self):
+        """The drafter state shared by all rows, on the host (Token Recycling's table; None over the parts kept
+        row by row)."""
+        return jax.device_get(shared_part(self.state.draft, self.shared))
 
     def admit(self, rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n: RowSampling) -> np.ndarray:
         with self.placement.active():

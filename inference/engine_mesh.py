@@ -4,6 +4,7 @@ rules (`medusa_jax.model.sharding`, as inference/sharded.py uses them for batch 
     parameters      PARAM_RULES (attention heads, MLP width and vocabulary over `tensor`; hidden over `fsdp`)
     KV caches       rows over (data, fsdp), KV heads over `tensor` (the drafter's cache too, where it keeps one)
     row arrays      [b, ...] (tokens, budgets, sampling settings, outputs): rows over (data, fsdp)
+    shared state    a drafter state shared by all rows (Token Recycling's table): replicated
     the rest        scalars and PRNG keys: replicated
 
 The decode rows must split evenly over data x fsdp. The jitted calls (row_decode, drafted_rows) take no explicit
@@ -58,6 +59,14 @@ class Placement:
             return jax.device_put(x, replicated(self.mesh))
 
         return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+    def draft(self, draft: Any, shared: Any) -> Any:
+        """A drafter state placed: the parts `shared` marks (one state for all rows, `row_drafts.shared_fields`)
+        replicated, the others as `state` places row state."""
+        if self.mesh is None:
+            return jax.device_put(draft, jax.devices()[0])
+        return jax.tree.map(lambda is_shared, part: jax.device_put(part, replicated(self.mesh)) if is_shared
+                            else self.state(part), shared, draft)
 
     def active(self):
         """The context the engine's calls run in: `jax.set_mesh(mesh)`, or nothing without a mesh."""

@@ -4,8 +4,10 @@ chunk by chunk as they are emitted; a request can be cancelled and its row freed
 
 The engine owns `config.rows` decode rows of `config.context` cache slots each and the device side that steps
 them: plain decoding (`row_decode.PlainDecoder`) or, given heads and a tree, tree decoding
-(`drafted_rows.DraftedDecoder`: the engine owns the drafter; greedy rows accept greedily, sampled rows exactly,
-in one step). One iteration (`run_once`): drop cancelled
+(`drafted_rows.DraftedDecoder`: the engine owns the drafter, a state it shares across rows and requests included,
+e.g. Token Recycling's table; mixed drafts take a `DraftSizes` for tree; greedy rows accept greedily, sampled rows
+exactly or, where the request's acceptance (or the engine's `config.acceptance`) says typical, typically, in one
+step). One iteration (`run_once`): drop cancelled
 requests (a cancelled row is released), admit queued requests into free rows (prompts padded to 64 * 2**k
 tokens and rows to a power of 2, so a few shapes compile; `warm_up` compiles them all before serving), then run
 one chunk of `config.chunk_steps` decode (or verify) steps. Each request's new tokens go to its `on_event` callback as a `TokenEvent` (the
@@ -31,8 +33,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from medusa_jax.model.backbone import CausalLM
+from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
+from medusa_jax.inference.acceptance import AcceptanceConfig, DecodeConfig
 from medusa_jax.inference.autoregressive import prefill_widths
 from medusa_jax.inference.engine import PROMPT_BUCKET, bucket_length
 from medusa_jax.inference.engine_mesh import Placement
@@ -53,6 +57,8 @@ class EngineConfig:
     max_queue: int = 64  # requests waiting for a row at most; more are refused (QueueFull)
     max_stop_ids: int = 8  # stop ids per request at most
     admission: str = "fifo"
+    # how a sampled request that names no acceptance accepts drafted trees: exact (kind None) or typical
+    acceptance: AcceptanceConfig = AcceptanceConfig()
 
     def __post_init__(self):
         for name in ("rows", "context", "chunk_steps", "max_queue", "max_stop_ids"):
@@ -60,6 +66,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        if self.acceptance.kind == "greedy":
+            raise ValueError("the engine's acceptance is that of sampled requests: exact (None) or typical")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +76,7 @@ class RequestParams:
     sampling: SamplingConfig = SamplingConfig()  # temperature 0: greedy
     seed: int = 0
     stop_ids: tuple[int, ...] = ()  # tokens that end the reply besides the model's EOS ids
+    acceptance: AcceptanceConfig | None = None  # drafted rows' acceptance (None: the engine's, greedy if greedy)
 
 
 def admission_sizes(rows: int) -> tuple[int, ...]:
@@ -118,8 +127,8 @@ class GenerationEngine:
     (`engine_mesh.Placement`: rows over data x fsdp, which must divide config.rows)."""
 
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, eos_ids: tuple[int, ...],
-                 pad_id: int = 0, heads: MedusaHeads | None = None, tree: TreeBuffers | DynamicTree | None = None,
-                 mesh: Mesh | None = None):
+                 pad_id: int = 0, heads: MedusaHeads | None = None,
+                 tree: TreeBuffers | DynamicTree | DraftSizes | None = None, mesh: Mesh | None = None):
         self.config, self.eos_ids, self.pad_id = config, tuple(eos_ids), pad_id
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
@@ -159,6 +168,18 @@ class GenerationEngine:
             raise ValueError(f"at most {self.config.max_stop_ids} stop token ids, got {len(params.stop_ids)}")
         if any(not 0 <= t < self.vocab_size for t in params.stop_ids):
             raise ValueError(f"stop token ids must be in [0, {self.vocab_size})")
+        DecodeConfig(params.sampling, self.acceptance_of(params))  # ValueError: an acceptance the sampling can't use
+
+    def acceptance_of(self, params: RequestParams) -> AcceptanceConfig:
+        """A request's tree acceptance: its own, else the engine's for a sampled request (greedy ones greedy)."""
+        if params.acceptance is not None:
+            return params.acceptance
+        return AcceptanceConfig() if params.sampling.greedy else self.config.acceptance
+
+    def drafter_state(self):
+        """The drafter state the engine shares across rows and requests, on the host (Token Recycling's table;
+        None over parts kept row by row; None without a drafter)."""
+        return self._decoder.shared_draft() if self.drafted else None
 
     def submit(self, prompt_ids: Sequence[int], params: RequestParams,
                on_event: Callable[[TokenEvent], None] | None = None) -> Request:
@@ -314,7 +335,8 @@ class GenerationEngine:
             prompt_nt[k, : len(request.prompt_ids)] = request.prompt_ids
             lens_n[k], rows_n[k], budget_n[k] = len(request.prompt_ids), row, request.params.max_tokens
         params = [r.params for _, r in group] + [RequestParams()] * (n - len(group))
-        sampling_n = RowSampling.of([p.sampling for p in params], [p.seed for p in params])
+        sampling_n = RowSampling.of([p.sampling for p in params], [p.seed for p in params],
+                                    [self.acceptance_of(p) for p in params])
         stop_nq = stop_ids_array([p.stop_ids for p in params], self.config.max_stop_ids)
         first_n = self._decoder.admit(rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n)
         now = time.perf_counter()

@@ -8,8 +8,13 @@ the n new rows' states and `put_draft_rows` scatters them into rows rows_n of th
 cache row by row, like the base cache; every other field by its leading row axis). Heads without a state
 (Medusa, Hydra) carry None through all of it.
 
-A drafter whose state outlives a reply (`keeps_draft`, Token Recycling's table) or that mixes drafters is not
-served by the engine: its state is not one row per request.
+Shared state. A drafter whose state outlives a reply declares it with `keeps_draft = True` (Token Recycling's
+table): that state is ONE for all rows, the engine's, kept warm across requests. It starts as the drafter's own
+(`shared_start`: its `init_draft`, which for such a drafter does not read the prompt), is updated inside the jitted
+chunk by the tree step (`verified`: the verified nodes' logits, as in the batch path) and is never touched at
+admission (`put_draft_rows` keeps it). A mix (`heads.mixed.MixedDrafter`) is a tuple of its members' states, each
+shared or row by row as the member declares (`shared_fields`): e.g. recycling's table shared, prompt lookup's
+token buffer one row per request (set at admission from the prompt, grown by the row's accepted tokens).
 """
 
 from __future__ import annotations
@@ -21,16 +26,51 @@ import jax.numpy as jnp
 
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.eagle import EagleDrafter
+from medusa_jax.heads.lookup import LookupDrafter
 from medusa_jax.heads.medusa import HeadsBase, MedusaModel
+from medusa_jax.heads.mixed import MixedDrafter
 from medusa_jax.inference.autoregressive import prefill_states
 
 
+ROW_STATE_DRAFTERS = (EagleDrafter, LookupDrafter)  # a state with one row per request, built from its prompt
+
+
 def check_servable(heads) -> None:
-    """Raises ValueError for drafters whose state is not one row per request (module docstring)."""
-    if getattr(heads, "keeps_draft", False) or not (type(heads).init_draft is HeadsBase.init_draft
-                                                     or isinstance(heads, EagleDrafter)):
-        raise ValueError(f"{type(heads).__name__}: the generation engine serves Medusa, Hydra, EAGLE and EAGLE-3 "
-                         f"drafters; this one's state is not one row per request")
+    """Raises ValueError for a drafter whose state is neither shared (`keeps_draft`) nor one row per request
+    (none kept, or a kind of ROW_STATE_DRAFTERS); a mix's members are checked one by one."""
+    if isinstance(heads, MixedDrafter):
+        for member in heads.drafters:
+            check_servable(member)
+    elif not (getattr(heads, "keeps_draft", False) or type(heads).init_draft is HeadsBase.init_draft
+              or isinstance(heads, ROW_STATE_DRAFTERS)):
+        raise ValueError(f"{type(heads).__name__}: the generation engine serves Medusa, Hydra, EAGLE, EAGLE-3, "
+                         f"Token Recycling and prompt lookup drafters and their mixes; this one's state is neither "
+                         f"one row per request nor shared (keeps_draft)")
+
+
+def shared_fields(heads) -> Any:
+    """A prefix of the drafter's state: True over a state shared by all rows (the drafter's `keeps_draft`), False
+    over one with a row per request; a mix's is its members' tuple (module docstring)."""
+    if isinstance(heads, MixedDrafter):
+        return tuple(shared_fields(member) for member in heads.drafters)
+    return bool(getattr(heads, "keeps_draft", False))
+
+
+def shared_start(heads, base, rows: int, cache_size: int, depth: int) -> Any:
+    """The shared parts' starting state, the drafter's own (e.g. a warm recycling table), None over the parts kept
+    row by row: `init_draft` of a one-token prompt, which a shared state does not read."""
+    if isinstance(heads, MixedDrafter):
+        return tuple(shared_start(member, base, rows, cache_size, depth) for member in heads.drafters)
+    if not shared_fields(heads):
+        return None
+    prompt_b1, lens_b = jnp.zeros((rows, 1), jnp.int32), jnp.ones((rows,), jnp.int32)
+    hidden_b1d = jnp.zeros((rows, 1, base.config.hidden_size), base.config.jnp_dtype)
+    return heads.init_draft(base, prompt_b1, lens_b, hidden_b1d, cache_size, depth)
+
+
+def shared_part(draft: Any, shared: Any) -> Any:
+    """The draft with the parts kept row by row replaced by None."""
+    return jax.tree.map(lambda is_shared, part: part if is_shared else None, shared, draft)
 
 
 def prompt_prefill(model: MedusaModel, prompt_nt, prompt_lens_n, cache_size: int, depth: int,
@@ -47,20 +87,31 @@ def prompt_prefill(model: MedusaModel, prompt_nt, prompt_lens_n, cache_size: int
 
 
 def empty_draft(model: MedusaModel, rows: int, cache_size: int, depth: int) -> Any:
-    """Zeros shaped as `rows` rows of the drafter's state (None for heads that keep none): idle rows."""
+    """The drafter's state before any request: zeros shaped as `rows` idle rows where it keeps one per row (None
+    for heads that keep none), the drafter's own where it is shared (`shared_start`)."""
     def build():
         prompt_b1, lens_b = jnp.zeros((rows, 1), jnp.int32), jnp.ones((rows,), jnp.int32)
         return prompt_prefill(model, prompt_b1, lens_b, cache_size, depth)[2]
 
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(build))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(build))
+    start = shared_start(model.heads, model.base, rows, cache_size, depth)
+    return jax.tree.map(lambda is_shared, empty, own: own if is_shared else empty, shared_fields(model.heads),
+                        zeros, start)
 
 
-def put_draft_rows(draft: Any, rows_n: jax.Array, fresh: Any) -> Any:
+def put_draft_rows(draft: Any, rows_n: jax.Array, fresh: Any, shared: Any = False) -> Any:
     """draft with rows rows_n[i] (index >= b: dropped) set to fresh's row i: a drafter KVCache by
-    `KVCache.put_rows` (fresh's slots first, its lengths), every other array along its leading row axis."""
+    `KVCache.put_rows` (fresh's slots first, its lengths), every other array along its leading row axis (fresh's
+    entries first where it is narrower, as a token buffer of the prompt's width, zeros after); the parts
+    `shared` marks (`shared_fields`) are kept as they are."""
     def put(old, new):
         if isinstance(old, KVCache):
             return old.put_rows(rows_n, new)
+        gap = [(0, 0)] + [(0, o - n) for o, n in zip(old.shape[1:], new.shape[1:])]
+        new = jnp.pad(new, gap) if any(after for _, after in gap) else new
         return old.at[rows_n].set(new.astype(old.dtype), mode="drop")
 
-    return jax.tree.map(put, draft, fresh, is_leaf=lambda x: isinstance(x, KVCache))
+    def put_part(is_shared, old, new):
+        return old if is_shared else jax.tree.map(put, old, new, is_leaf=lambda x: isinstance(x, KVCache))
+
+    return jax.tree.map(put_part, shared, draft, fresh)

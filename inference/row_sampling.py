@@ -7,6 +7,10 @@ depend on its seed and prompt only, not on which row it got or what else shares 
 sampled row draws from is `sampling.target_logits`'s (temperature, then top-k with ties kept, then top-p);
 rows at temperature 0 take `sampling.greedy_tokens`. A step whose rows are all greedy skips the sampling work
 (one `lax.cond`): a full sort of the vocabulary per row.
+
+A row may also accept a drafted tree typically (`acceptance.AcceptanceConfig` kind "typical", the official Medusa's
+sampling mode): `typical_b` marks it, with its own posterior threshold and alpha; the tree decoder's rows read them
+(inference/row_acceptance.py). None there (a RowSampling built by hand): no row accepts typically.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.sampling import SamplingConfig, greedy_tokens
 
 
@@ -28,14 +33,23 @@ class RowSampling:
     top_p_b: jax.Array  # float32 in (0, 1]
     top_k_b: jax.Array  # int32; 0: no top-k cut
     seed_b: jax.Array  # uint32
+    typical_b: jax.Array | None = None  # bool: the row accepts a drafted tree typically (sampled rows only)
+    posterior_threshold_b: jax.Array | None = None  # float32: typical acceptance's epsilon
+    posterior_alpha_b: jax.Array | None = None  # float32: typical acceptance's delta
 
     @classmethod
-    def of(cls, configs: Sequence[SamplingConfig], seeds: Sequence[int]) -> "RowSampling":
-        """NumPy arrays for these rows (each config already validated by SamplingConfig)."""
+    def of(cls, configs: Sequence[SamplingConfig], seeds: Sequence[int],
+           acceptances: Sequence[AcceptanceConfig] | None = None) -> "RowSampling":
+        """NumPy arrays for these rows (each config already validated by SamplingConfig; `acceptances`, one per row,
+        checked against it by `acceptance.DecodeConfig`; None: no row accepts typically)."""
+        acceptances = acceptances or [AcceptanceConfig()] * len(configs)
         return cls(np.asarray([c.temperature for c in configs], np.float32),
                    np.asarray([c.top_p for c in configs], np.float32),
                    np.asarray([c.top_k for c in configs], np.int32),
-                   np.asarray([s % 2**32 for s in seeds], np.uint32))
+                   np.asarray([s % 2**32 for s in seeds], np.uint32),
+                   np.asarray([a.kind == "typical" for a in acceptances], bool),
+                   np.asarray([a.posterior_threshold for a in acceptances], np.float32),
+                   np.asarray([a.posterior_alpha for a in acceptances], np.float32))
 
     @classmethod
     def greedy(cls, rows: int) -> "RowSampling":
@@ -44,6 +58,13 @@ class RowSampling:
     def put_rows(self, rows_n: jax.Array, new: "RowSampling") -> "RowSampling":
         """These settings with rows rows_n[i] (index >= b: dropped) set to new's row i."""
         return jax.tree.map(lambda old, fresh: old.at[rows_n].set(fresh.astype(old.dtype), mode="drop"), self, new)
+
+    @property
+    def typical_rows_b(self) -> jax.Array:
+        """[b] bool: the rows that accept typically (sampled rows marked typical)."""
+        if self.typical_b is None:
+            return jnp.zeros(self.temperature_b.shape, bool)
+        return self.typical_b & (self.temperature_b > 0)
 
 
 def row_target_logits(logits_bxv: jax.Array, sampling: RowSampling) -> jax.Array:
