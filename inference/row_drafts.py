@@ -95,8 +95,10 @@ def empty_draft(model: MedusaModel, rows: int, cache_size: int, depth: int) -> A
 
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(build))
     start = shared_start(model.heads, model.base, rows, cache_size, depth)
-    return jax.tree.map(lambda is_shared, empty, own: own if is_shared else empty, shared_fields(model.heads),
-                        zeros, start)
+    def pick(is_shared, empty, own):  # a copy of the drafter's own: the engine's calls donate their state
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), own) if is_shared else empty
+
+    return jax.tree.map(pick, shared_fields(model.heads), zeros, start)
 
 
 def put_draft_rows(draft: Any, rows_n: jax.Array, fresh: Any, shared: Any = False) -> Any:
