@@ -5,6 +5,8 @@ Examples:
   python scripts/serve.py --model default                       (SmolLM2 on http://127.0.0.1:8000)
   python scripts/serve.py --model DIR --port 8080 --batch-size 16 --context 1024 --max-queue 64
   python scripts/serve.py --model default --heads default --tree mc_sim_7b_8
+  python scripts/serve.py --model default --heads recycle                  (Token Recycling: one warm table)
+  python scripts/serve.py --model default --heads default+recycle+lookup   (mixed drafts, a size per step)
   python scripts/serve.py --model DIR --mesh data=2,tensor=4 --batch-size 16    (sharded over 8 devices)
 Then any OpenAI client talks to it, e.g. openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none"):
 POST /v1/completions and /v1/chat/completions (stream true or false; temperature, top_p, top_k, seed,
@@ -30,10 +32,11 @@ from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_t
 from medusa_jax.model.config import UnsupportedModelError
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.hf.tensor_files import CheckpointError
-from medusa_jax.heads.load import load_heads
-from medusa_jax.trees.trees_file import trees_of
-from medusa_jax.trees.policy.choose import choose_tree
+from medusa_jax.heads import recycle
+from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
+from medusa_jax.inference.mixed_decoding import is_mix
+from medusa_jax.inference.served_drafter import served_drafter
 from medusa_jax.hub import HubError
 from medusa_jax.scripts import options, validate
 from medusa_jax.model.sharding import MeshConfig
@@ -59,11 +62,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="requests waiting for a row at most; beyond, requests are answered 429 (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
-    options.HEADS.add(p, more=": Medusa, Hydra, EAGLE or EAGLE-3 heads; every row decodes with the heads' tree "
-                      "(greedy output equals plain decoding's; sampled requests accept exactly: the law of plain "
-                      "sampling) (default: plain decoding)")
-    options.TREE.add(p, more="; needs --heads (default: the heads' own trees.json choice for --batch-size, which "
-                     "may be plain decoding)")
+    options.HEADS.add(p, more=": Medusa, Hydra, EAGLE or EAGLE-3 heads; or 'recycle' (Token Recycling: one table "
+                      "for all rows, warm across requests) or a mix such as default+recycle+lookup (mixed drafts, "
+                      "a draft size per step from this machine's step costs at --batch-size rows); every row "
+                      "decodes with the drafter (greedy output equals plain decoding's; sampled requests accept "
+                      "per --acceptance) (default: plain decoding)")
+    options.TREE.add(p, more="; needs --heads, never with a mix; with --heads recycle a template "
+                     f"({', '.join(recycle.TEMPLATES)}) or a static tree (default: the heads' own trees.json choice "
+                     f"for --batch-size, which may be plain decoding; {recycle.DEFAULT_TEMPLATE} for recycle)")
+    p.add_argument("--acceptance", default=None, choices=("exact", "typical"),
+                   help="how sampled requests accept drafted tokens (OpenAI's API has no field for it; greedy "
+                        "requests accept greedily): exact (lossless: the law of plain sampling at the request's "
+                        "temperature/top_p/top_k) or typical (the official Medusa's posterior threshold 0.09, "
+                        "alpha 0.3, at the temperature; changes the distribution; requests with top_p or top_k "
+                        "are refused); needs --heads (default: exact)")
     options.MESH.add(p, more="for sharded decoding; data x fsdp must divide --batch-size; for decoding prefer "
                      "data x tensor (default: one device)")
     p.add_argument("--served-model-name", default=None,
@@ -72,10 +84,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         validate.given("--host", a.host, "an address such as 127.0.0.1")
         validate.given("--served-model-name", a.served_model_name, "a model id")
-        validate.given("--heads", a.heads, "a heads folder, 'default' or a Hub id")
+        validate.given("--heads", a.heads, "a heads folder, 'default', 'recycle', a mix such as "
+                                           "default+recycle+lookup, or a Hub id")
         if a.tree is not None and a.heads is None:
             raise validate.UsageError(f"--tree {a.tree}: needs --heads (tree decoding)")
-        options.tree_arg("--tree", a.tree)
+        if a.acceptance is not None and a.heads is None:
+            raise validate.UsageError(f"--acceptance {a.acceptance}: needs --heads (tree decoding)")
+        if a.tree is not None and is_mix(a.heads):
+            raise validate.UsageError(f"--tree {a.tree}: --heads {a.heads} (mixed drafts) chooses its draft size "
+                                      f"per step; drop --tree")
+        (options.recycle_tree if a.heads == recycle.HEAD_TYPE else options.tree_arg)("--tree", a.tree)
         options.mesh_devices("--mesh", a.mesh)
         options.divides_rows("--batch-size", a.batch_size, "--mesh", a.mesh)
         check_listen(a.host, a.port)
@@ -103,7 +121,8 @@ def check_listen(host: str, port: int) -> None:
 def build_engine(a: argparse.Namespace):
     """(engine, tokenizer, model id) from checked flags; every call shape of the engine compiled."""
     folder = options.model_arg("--model", a.model)
-    heads_dir = options.heads_arg("--heads", a.heads) if a.heads else None
+    heads_dir = None if a.heads is None or a.heads == recycle.HEAD_TYPE else \
+        options.heads_mix_arg("--heads", a.heads) if is_mix(a.heads) else options.heads_arg("--heads", a.heads)
     positions = options.max_positions(folder)
     if a.context is not None and a.context > positions:
         raise validate.UsageError(f"--context {a.context}: the model has {positions} positions; lower it to at "
@@ -112,15 +131,14 @@ def build_engine(a: argparse.Namespace):
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(folder, tokenizer)
     model = load_pretrained(folder, a.dtype)
-    heads = tree = None
-    if heads_dir is not None:
-        heads = load_heads(heads_dir, base_config=model.config, base=model, dtype=a.dtype)
-        chosen = choose_tree(heads.config, trees_of(heads), a.batch_size, a.tree)
-        print(f"medusa-serve: {chosen.note}", file=sys.stderr, flush=True)
-        heads, tree = (heads, chosen.tree) if chosen.tree is not None else (None, None)
-    config = EngineConfig(rows=a.batch_size, context=context, chunk_steps=a.chunk_steps, max_queue=a.max_queue)
-    engine = GenerationEngine(model, config, eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos), heads=heads,
-                              tree=tree, mesh=MeshConfig.parse(a.mesh).make_mesh() if a.mesh else None)
+    drafter = served_drafter(model, a.heads, heads_dir, a.tree, a.batch_size, a.dtype)
+    if a.heads is not None:
+        print(f"medusa-serve: {drafter.note}", file=sys.stderr, flush=True)
+    config = EngineConfig(rows=a.batch_size, context=context, chunk_steps=a.chunk_steps, max_queue=a.max_queue,
+                          acceptance=AcceptanceConfig(a.acceptance if a.acceptance == "typical" else None))
+    engine = GenerationEngine(model, config, eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos),
+                              heads=drafter.heads, tree=drafter.tree,
+                              mesh=MeshConfig.parse(a.mesh).make_mesh() if a.mesh else None)
     start = time.perf_counter()
     with CompileCounter() as compiles:
         shapes = engine.warm_up()
