@@ -1,9 +1,10 @@
 """Subprocess side of tests/test_serve_mesh.py (run as a script: the device count is set before JAX loads).
 
     python tests/engine_mesh_worker.py MODEL_DIR OUT.json
-        the generation engine on 8 forced CPU devices, plain and with random Medusa heads, on one device and on
-        the meshes data=2 x tensor=2 and data=4: every request's greedy tokens, rows refilled mid-run; and the
-        mesh that does not split the rows (MeshError).
+        the generation engine on 8 forced CPU devices, plain, with random Medusa heads, with Token Recycling (its
+        table replicated) and with a mix of Medusa heads, recycling and prompt lookup (DraftSizes), on one device
+        and on the meshes data=2 x tensor=2 and data=4: every request's greedy tokens, rows refilled mid-run; and
+        the mesh that does not split the rows (MeshError).
 """
 
 from __future__ import annotations
@@ -20,9 +21,30 @@ import numpy as np  # noqa: E402
 from medusa_jax.model.sharding import MeshConfig, MeshError  # noqa: E402
 from medusa_jax.hf.load import load_pretrained  # noqa: E402
 from medusa_jax.heads.config import HeadsConfig  # noqa: E402
+from medusa_jax.heads.draft_merge import DraftSizes  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
-from medusa_jax.trees.tree import load_tree  # noqa: E402
+from medusa_jax.heads.lookup import LookupConfig  # noqa: E402
+from medusa_jax.heads.mixed import make_mix, template_spec  # noqa: E402
+from medusa_jax.heads.recycle import RANK_ACCEPTANCE, RecycleConfig, RecycleDrafter, template_tree  # noqa: E402
+from medusa_jax.trees.tree import DynamicTree, load_tree  # noqa: E402
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams  # noqa: E402
+
+def drafters(model, heads, tree):
+    """method -> (drafter, tree), each drafter new (a fresh recycling table per engine)."""
+    config = model.config
+
+    def recycler():
+        return RecycleDrafter(RecycleConfig(config.hidden_size, config.vocab_size))
+
+    def mix():
+        drafter = make_mix(config.hidden_size, config.vocab_size, trained=heads,
+                           trained_tree=DynamicTree(6, top_k=2, depth=3), lookup=LookupConfig(length=6, branches=2),
+                           template=(recycler(), template_spec(template_tree("recycle_8"), RANK_ACCEPTANCE)))
+        return drafter, DraftSizes((0, 2, 6, 12), (1.0, 1.05, 1.1, 1.2), depth=drafter.depth)
+
+    return {"plain": lambda: (None, None), "medusa": lambda: (heads, tree),
+            "recycle": lambda: (recycler(), template_tree("recycle_8")), "mix": mix}
+
 
 MESHES = {"one": None, "2,2": MeshConfig(data=2, tensor=2), "4,1": MeshConfig(data=4)}
 
@@ -37,9 +59,9 @@ def main(folder: str, out: str) -> None:
     report = {}
     for name, mesh_config in MESHES.items():
         mesh = None if mesh_config is None else mesh_config.make_mesh()
-        for method, drafter in (("plain", None), ("medusa", heads)):
-            engine = GenerationEngine(model, config, eos_ids=(), heads=drafter, tree=tree if drafter else None,
-                                      mesh=mesh)
+        for method, make in drafters(model, heads, tree).items():
+            drafter, drafter_tree = make()
+            engine = GenerationEngine(model, config, eos_ids=(), heads=drafter, tree=drafter_tree, mesh=mesh)
             report[f"{name}/{method}"] = engine.generate_all(prompts, RequestParams(max_tokens=12))
     try:
         GenerationEngine(model, EngineConfig(rows=3, context=64), eos_ids=(), mesh=MESHES["2,2"].make_mesh())

@@ -1,5 +1,6 @@
 """The generation engine and medusa-serve on a device mesh (`--mesh`, inference/engine_mesh.py): on 8 forced CPU
-devices, greedy answers equal one device's, plain and with Medusa heads; a mesh that does not split the rows,
+devices, greedy answers equal one device's, plain, with Medusa heads, with Token Recycling's shared table and with
+a mix (heads + recycling + lookup); a mesh that does not split the rows,
 or needs more devices than there are, is refused. The JAX work runs in subprocesses (the device count is fixed
 before JAX starts)."""
 
@@ -30,10 +31,11 @@ def test_engine_on_meshes_equals_one_device(tiny_model_dir, tmp_path):
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
-    for method in ("plain", "medusa"):
-        one = report[f"one/{method}"]
-        assert len(one) == 6 and all(len(tokens) == 12 for tokens in one)
-        assert report[f"2,2/{method}"] == one and report[f"4,1/{method}"] == one
+    plain = report["one/plain"]
+    assert len(plain) == 6 and all(len(tokens) == 12 for tokens in plain)
+    for method in ("plain", "medusa", "recycle", "mix"):  # every drafter's greedy tokens are plain decoding's
+        assert report[f"one/{method}"] == plain and report[f"2,2/{method}"] == plain
+        assert report[f"4,1/{method}"] == plain
     assert "3 decode rows do not split" in report["indivisible"]
 
 
