@@ -6,8 +6,8 @@ temperature 0 takes greedy acceptance (its tokens are plain greedy decoding's); 
 (`exact_acceptance`) against `row_target_logits`, its own settings' distribution, so its tokens have the law of
 plain sampling with those settings; a sampled row marked typical takes typical acceptance (`typical_rows`: the
 batch path's rule, `acceptance.typical_walk`, with the row's temperature, posterior threshold and alpha; its bonus
-token, and its first token after the prompt, drawn from the row's typical set). A row's coins come from fold_in(fold_in(key(seed), DRAFTED_STREAM), length)
-with `length` its tokens in the cache at the step: they depend on the request's seed and position only, not on
+token, and its first token after the prompt, drawn from the row's typical set). A row's coins come from
+fold_in(fold_in(key(seed), DRAFTED_STREAM), length) with `length` its tokens in the cache at the step: they depend on the request's seed and position only, not on
 its row, the step count or what else shares the batch (a request with a fixed seed is reproducible). A step
 whose rows are all greedy skips the sampling work (one `lax.cond`): a sort of the vocabulary per tree node; one with
 no typical row skips the typical rule (another).
