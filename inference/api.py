@@ -36,10 +36,9 @@ from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers, load_tree
-from medusa_jax.inference.acceptance import AcceptanceConfig, DecodeConfig
-from medusa_jax.trees.policy.calibration import check_mode
+from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.trees.policy.choose import HEADS_TREE, ChosenTree, HeadsOwnTree, choose_tree
-from medusa_jax.inference.batch_run import BatchRun, GenerationResult
+from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult
 from medusa_jax.inference.direct_batches import direct_batches, engine_refusal
 from medusa_jax.inference.engine_batches import refilled_slots, sorted_batches
 from medusa_jax.inference.engine import PROMPT_BUCKET, check_prompts, resolve_eos, round_up
@@ -47,52 +46,7 @@ from medusa_jax.inference.medusa import Proposer
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
-ENGINES = ("auto", "batches", "refill")
 REFILL_MIN_BATCH = 64  # engine "auto" refills slots from this batch size on (bench/refill, module docstring)
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchSettings:
-    batch_size: int = 8
-    max_new_tokens: int = 128
-    # None: plain decoding; a tree (static TreeBuffers or a DynamicTree): Medusa (the model needs heads); DraftSizes:
-    # mixed drafts (the model's heads a heads.mixed.MixedDrafter); HEADS_TREE: the heads' own tree for this backend
-    # and batch_size, or plain decoding where none pays (`choose.choose_tree`)
-    tree: TreeBuffers | DynamicTree | DraftSizes | HeadsOwnTree | None = None
-    acceptance: AcceptanceConfig = AcceptanceConfig()  # tree decoding: how candidates are accepted
-    sampling: SamplingConfig = SamplingConfig()  # plain and tree decoding (greedy at temperature 0)
-    seed: int = 0  # prompt i samples with seed + i (direct_batches: batch i with seed + i)
-    eos_ids: tuple[int, ...] = ()
-    pad_id: int = 0
-    bucket: int = 2 * PROMPT_BUCKET  # prompt widths are bucket * 2**k (engine.bucket_length)
-    cache_size: int | None = None  # KV cache slots per row; None: sized per prompt width (engine.cache_size_for)
-    engine: str = "auto"  # "batches" (sorted), "refill" (plain decoding on one device) or "auto" (`uses_refill`)
-    # HEADS_TREE only: "auto" (step costs measured on this machine on first use, then cached), "redo" (measured
-    # again), "skip" (the shipped trees.json as it is); None: $MEDUSA_JAX_CALIBRATION or "auto" (`calibration`)
-    calibration: str | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.tree, (TreeBuffers, DynamicTree, DraftSizes, HeadsOwnTree, type(None))):
-            raise ValueError(f"tree must be TreeBuffers, None (plain), a DynamicTree, DraftSizes (mixed drafts) or "
-                             f"HEADS_TREE, got {self.tree!r}")
-        if self.calibration is not None:
-            check_mode(self.calibration)
-        if self.tree is not None:  # an acceptance that cannot honour the sampling: ValueError now
-            DecodeConfig(self.sampling, self.acceptance)
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.batch_size < 1 or self.max_new_tokens < 1 or self.bucket < 1:
-            raise ValueError(f"batch_size, max_new_tokens and bucket must be >= 1, got {self.batch_size}, "
-                             f"{self.max_new_tokens}, {self.bucket}")
-
-    @property
-    def decode(self) -> DecodeConfig:
-        """The one decode config of a tree decoder: the sampling settings and the acceptance."""
-        return DecodeConfig(self.sampling, self.acceptance)
-
-    @property
-    def method(self) -> str:
-        return "plain" if self.tree is None else "medusa"
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:

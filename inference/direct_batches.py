@@ -13,7 +13,7 @@ with filler rows (copies of its first prompt, dropped). Batch i samples with see
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -23,19 +23,16 @@ from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.trees.policy.choose import ChosenTree
-from medusa_jax.inference.batch_run import BatchRun, GenerationResult
+from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult
 from medusa_jax.inference.engine import cache_size_for, check_fits, pad_prompts
 from medusa_jax.inference.medusa import Proposer
 from medusa_jax.inference.row_drafts import check_servable
 from medusa_jax.inference.sharded import ShardedModel
 
-if TYPE_CHECKING:
-    from medusa_jax.inference.api import BatchSettings
-
 SEED_RANGE = 2**31  # batch seeds (seed + batch number) wrap here: they reach the jitted key as int32
 
 
-def engine_refusal(model: ShardedModel, settings: "BatchSettings", proposer: Proposer | None) -> str | None:
+def engine_refusal(model: ShardedModel, settings: BatchSettings, proposer: Proposer | None) -> str | None:
     """Why the generation engine cannot decode these settings (module docstring), or None when it can."""
     if jax.process_count() > 1:
         return "several processes: the engine reads every row on its own host"
@@ -54,7 +51,7 @@ def engine_refusal(model: ShardedModel, settings: "BatchSettings", proposer: Pro
     return None
 
 
-def direct_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: "BatchSettings",
+def direct_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings,
                    plan: list[list[int]], rows: int, chosen: ChosenTree | None, bar,
                    on_batch: Callable[[list[GenerationResult]], None] | None, proposer: Proposer | None,
                    proposer_data: Any) -> BatchRun:
@@ -99,7 +96,7 @@ def direct_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
 
 
 def _decode(model: ShardedModel, prompt_bt: np.ndarray, lengths_b: np.ndarray, cache_size: int,
-            settings: "BatchSettings", seed: int, proposer: Proposer | None,
+            settings: BatchSettings, seed: int, proposer: Proposer | None,
             proposer_data: Any) -> list[tuple[np.ndarray, int, int, list[int] | None]]:
     """One padded batch -> per row (tokens [o], number of new tokens, steps, accept lengths or None)."""
     common = dict(cache_size=cache_size, max_new_tokens=settings.max_new_tokens, seed=seed,

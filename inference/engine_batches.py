@@ -17,21 +17,18 @@ the next prompt between chunks (continuous batching); every row shares the run's
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from flax import nnx
 
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.trees.policy.choose import ChosenTree
-from medusa_jax.inference.batch_run import BatchRun, GenerationResult
+from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult
 from medusa_jax.inference.engine import PROMPT_BUCKET, cache_size_for, check_fits, pad_prompts, round_up
 from medusa_jax.inference.generation_engine import (EngineConfig, GenerationEngine, Request, RequestParams,
                                                     TokenEvent)
 from medusa_jax.inference.sharded import ShardedModel
-
-if TYPE_CHECKING:
-    from medusa_jax.inference.api import BatchSettings
 
 REFILL_CHUNK_STEPS = 32  # decode steps between refills (bench/refill's setting)
 SEED_RANGE = 2**31  # request seeds (seed + prompt index) wrap here: they reach the jitted key as int32
@@ -39,13 +36,13 @@ SEED_RANGE = 2**31  # request seeds (seed + prompt index) wrap here: they reach 
 OnBatch = Callable[[list[GenerationResult]], None]
 
 
-def _params(settings: "BatchSettings", index: int) -> RequestParams:
+def _params(settings: BatchSettings, index: int) -> RequestParams:
     return RequestParams(max_tokens=settings.max_new_tokens, sampling=settings.sampling,
                          seed=(settings.seed + index) % SEED_RANGE)
 
 
 def _result(request: Request, index: int, batch: int, seconds: float, compiling: float,
-            settings: "BatchSettings", drafted: bool) -> GenerationResult:
+            settings: BatchSettings, drafted: bool) -> GenerationResult:
     ids = request.tokens
     eos = bool(ids) and ids[-1] in settings.eos_ids
     # steps: the prefill (which yields the first token) plus the verify steps; plain decoding: one per token
@@ -54,7 +51,7 @@ def _result(request: Request, index: int, batch: int, seconds: float, compiling:
                             compiling, list(request.accept_lengths) if drafted else None)
 
 
-def batch_cache_sizes(prompts: Sequence[Sequence[int]], settings: "BatchSettings", plan: list[list[int]],
+def batch_cache_sizes(prompts: Sequence[Sequence[int]], settings: BatchSettings, plan: list[list[int]],
                       rows: int) -> list[tuple[int, int]]:
     """Each planned batch's (padded prompt width, cache size), as a direct decode call of it would have them."""
     extra = 0 if settings.tree is None else scratch_slots(settings.tree)
@@ -69,7 +66,7 @@ def batch_cache_sizes(prompts: Sequence[Sequence[int]], settings: "BatchSettings
     return sizes
 
 
-def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: "BatchSettings",
+def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings,
                    plan: list[list[int]], rows: int, chosen: ChosenTree | None, bar,
                    on_batch: OnBatch | None) -> BatchRun:
     """The planned batches (`api.plan_batches`, longest first) through the engine's sorted admission (module
@@ -123,7 +120,7 @@ def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
                     run_compiles)
 
 
-def refilled_slots(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: "BatchSettings", bar,
+def refilled_slots(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings, bar,
                    on_batch: OnBatch | None) -> BatchRun:
     """`api.generate_batch` on refilled slots (module docstring): plain decoding on one device."""
     base, _ = _parts(model, False)
