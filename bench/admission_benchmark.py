@@ -7,8 +7,10 @@ Methods (each a whole `generate_batch` over all prompts):
     sorted  generate_batch(engine="batches"): the engine's sorted admission
     fifo    generate_batch(engine="refill"): the engine's fifo admission (refilled slots; plain decoding only)
 Each round runs every method once, the order reversed every other round so load drift hits them alike; the
-figure per run is new tokens / (seconds - compile seconds), compilation counted by JAX's compile events. Every
-run's greedy tokens are compared with the first method's (rows differing: 0 expected).
+figure per run is new tokens / (seconds - compile seconds), compilation counted by JAX's compile events, and
+the process's CPU seconds (all threads; compilation included, so compare rounds after the first): on a shared
+machine the CPU seconds show the work a method does when the wall clock mostly shows the load. Every run's
+greedy tokens are compared with the first method's (rows differing: 0 expected).
 
     python -m medusa_jax.bench.admission_benchmark --model DIR --batch-sizes 1,4,16 --prompts 16 \\
         --methods direct,sorted --rounds 3 --direct-rev REV --out bench/refill/sorted_engine.json
@@ -24,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from medusa_jax.heads.config import HeadsConfig
@@ -53,6 +56,7 @@ def load_direct_api(rev: str):
 
 
 def run_method(method: str, model: ShardedModel, prompts, settings: api.BatchSettings, direct_api) -> dict:
+    cpu_start = time.process_time()
     if method == "direct":
         fields = {f.name for f in dataclasses.fields(direct_api.BatchSettings)}
         old = direct_api.BatchSettings(**{k: getattr(settings, k) for k in fields})
@@ -60,11 +64,13 @@ def run_method(method: str, model: ShardedModel, prompts, settings: api.BatchSet
     else:
         engine = "batches" if method == "sorted" else "refill"
         run = api.generate_batch(model, prompts, dataclasses.replace(settings, engine=engine), progress=False)
+    cpu_seconds = time.process_time() - cpu_start
     decode_s = run.seconds - run.compile_seconds
     return {"tokens": [r.token_ids for r in run.results], "new_tokens": run.new_tokens,
             "seconds": round(run.seconds, 2), "compile_seconds": round(run.compile_seconds, 2),
             "tokens_per_s": round(run.new_tokens / max(decode_s, 1e-9), 2),
-            "tokens_per_step": round(run.tokens_per_step, 3), "iterations": run.num_batches}
+            "tokens_per_step": round(run.tokens_per_step, 3), "iterations": run.num_batches,
+            "cpu_seconds": round(cpu_seconds, 2)}
 
 
 def main(argv=None) -> int:
@@ -104,7 +110,7 @@ def main(argv=None) -> int:
         for batch in batch_sizes:
             settings = api.BatchSettings(batch_size=batch, max_new_tokens=a.max_new_tokens, tree=tree,
                                          eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos))
-            rates = {m: [] for m in methods}
+            rates, cpu = {m: [] for m in methods}, {m: [] for m in methods}
             for round_ in range(a.rounds):
                 first = None
                 for method in (methods if round_ % 2 == 0 else methods[::-1]):
@@ -114,6 +120,7 @@ def main(argv=None) -> int:
                     row.update(batch_size=batch, method=method, round=round_, prompts=len(prompts),
                                rows_differing=sum(x != y for x, y in zip(tokens, first)))
                     rates[method].append(row["tokens_per_s"])
+                    cpu[method].append(row["cpu_seconds"])
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                     print(json.dumps(row), flush=True)
@@ -122,6 +129,10 @@ def main(argv=None) -> int:
                 ratios = [x / y for x, y in zip(rates[m], base_rates)]
                 print(f"batch {batch}: {m} / {methods[0]} tokens/s per round "
                       f"{', '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f})", flush=True)
+                cpu_ratios = [x / y for x, y in zip(cpu[m][1:], cpu[methods[0]][1:])]
+                if cpu_ratios:
+                    print(f"batch {batch}: {m} / {methods[0]} CPU seconds per round after the first "
+                          f"{', '.join(f'{r:.3f}' for r in cpu_ratios)}", flush=True)
     return 0
 
 
