@@ -4,22 +4,20 @@
 prompts on any mesh, and scripts/generate.py runs every request through it. Every path checks its prompts
 with `engine.check_prompts`.
 
-Two engines. Sorted batches (`BatchSettings.engine="batches"`): prompts are sorted by token length (longest
-first) and cut into batches of exactly `batch_size` rows (the last one padded with filler rows that are
-dropped; on a mesh the batch is padded up to a multiple of its data x fsdp rows the same way, so any batch size
-works on any mesh); prompts that fit one batch keep their input order. Each batch's prompts are right-padded to `bucket`
-times a power of two (`engine.bucket_length`) and its cache size follows the width, so the number of
-compilations is bounded by the number of distinct prompt buckets (3 for 64 MT-Bench prompts at batch 8). Each
-batch is one jitted call whose `while_loop` runs until every row has finished, so a long answer holds only
-the rows of its own batch, and at most for `max_new_tokens` steps; Medusa trees decode this way.
-Refilled slots (`engine="refill"`: a client of `generation_engine.GenerationEngine`, admission "fifo"):
-`batch_size` rows run plain steps in jitted chunks and a finished row takes the next prompt between chunks
-(continuous batching). On a 2-core CPU the former slot engine (inference/refill.py) measured faster than sorted
-batches at batch 64 and slower at 16 and 32 (bench/refill/, docs/design.md "Refilled slots"), so
-`engine="auto"` (the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and
-there are at least batch_size prompts, and forms sorted batches otherwise; the engine's rows are yet to be
-measured on a quiet machine (bench/refill/engine_client.md). Greedy outputs are the same tokens
-either way.
+One engine, two admission policies (`generation_engine.GenerationEngine`; `engine_batches`). Sorted batches
+(`BatchSettings.engine="batches"`, admission "sorted"): prompts are sorted by token length (longest first) and
+cut into batches of `batch_size` rows (prompts that fit one batch keep their input order); a batch is admitted
+when every row is free and runs as one jitted chunk until its last row finishes, so a long answer holds only
+the rows of its own batch, and at most for `max_new_tokens` steps. Each batch's cache follows its prompts'
+width (`bucket` times a power of two, `engine.bucket_length`; `engine.cache_size_for`), so consecutive batches of
+one cache size share an engine. On a mesh the rows are rounded up to a multiple of data x fsdp (any batch size
+works on any mesh). Refilled slots (`engine="refill"`, admission "fifo"): `batch_size` rows run plain steps in
+jitted chunks and a finished row takes the next prompt between chunks (continuous batching). `engine="auto"`
+(the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and there are at least
+batch_size prompts, and forms sorted batches otherwise (measured: bench/refill/sorted_engine.md). Both give
+the same greedy tokens; prompt i samples with seed + i. The cases the engine refuses today (mixed drafts,
+Token Recycling, a proposer, typical acceptance, several processes: `direct_batches.engine_refusal`) decode
+each sorted batch with one direct call (`direct_batches`).
 
 Results come back in input order with per-row stats. Under several processes every process passes the same
 prompts; each feeds only the rows its devices hold (`sharded.put_rows`) and all processes get all results.
@@ -28,142 +26,27 @@ prompts; each feeds only the rows its devices hold (`sharded.put_rows`) and all 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
-from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.draft_merge import DraftSizes
-from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers, load_tree
-from medusa_jax.inference.acceptance import AcceptanceConfig, DecodeConfig
-from medusa_jax.trees.policy.calibration import check_mode
+from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.trees.policy.choose import HEADS_TREE, ChosenTree, HeadsOwnTree, choose_tree
-from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams, TokenEvent
-from medusa_jax.inference.engine import (PROMPT_BUCKET, cache_size_for, check_fits, check_prompts, pad_prompts,
-                                         resolve_eos, round_up)
+from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult
+from medusa_jax.inference.direct_batches import direct_batches, engine_refusal
+from medusa_jax.inference.engine_batches import refilled_slots, sorted_batches
+from medusa_jax.inference.engine import PROMPT_BUCKET, check_prompts, resolve_eos, round_up
 from medusa_jax.inference.medusa import Proposer
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
-ENGINES = ("auto", "batches", "refill")
 REFILL_MIN_BATCH = 64  # engine "auto" refills slots from this batch size on (bench/refill, module docstring)
-REFILL_CHUNK_STEPS = 32  # decode steps between refills (bench/refill's setting)
-SEED_RANGE = 2**31  # batch seeds (seed + batch number) wrap here: they reach the jitted key as int32
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchSettings:
-    batch_size: int = 8
-    max_new_tokens: int = 128
-    # None: plain decoding; a tree (static TreeBuffers or a DynamicTree): Medusa (the model needs heads); DraftSizes:
-    # mixed drafts (the model's heads a heads.mixed.MixedDrafter); HEADS_TREE: the heads' own tree for this backend
-    # and batch_size, or plain decoding where none pays (`choose.choose_tree`)
-    tree: TreeBuffers | DynamicTree | DraftSizes | HeadsOwnTree | None = None
-    acceptance: AcceptanceConfig = AcceptanceConfig()  # tree decoding: how candidates are accepted
-    sampling: SamplingConfig = SamplingConfig()  # plain and tree decoding (greedy at temperature 0)
-    seed: int = 0  # batch i uses seed + i
-    eos_ids: tuple[int, ...] = ()
-    pad_id: int = 0
-    bucket: int = 2 * PROMPT_BUCKET  # prompt widths are bucket * 2**k (engine.bucket_length)
-    cache_size: int | None = None  # KV cache slots per row; None: sized per prompt width (engine.cache_size_for)
-    engine: str = "auto"  # "batches" (sorted), "refill" (plain decoding on one device) or "auto" (`uses_refill`)
-    # HEADS_TREE only: "auto" (step costs measured on this machine on first use, then cached), "redo" (measured
-    # again), "skip" (the shipped trees.json as it is); None: $MEDUSA_JAX_CALIBRATION or "auto" (`calibration`)
-    calibration: str | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.tree, (TreeBuffers, DynamicTree, DraftSizes, HeadsOwnTree, type(None))):
-            raise ValueError(f"tree must be TreeBuffers, None (plain), a DynamicTree, DraftSizes (mixed drafts) or "
-                             f"HEADS_TREE, got {self.tree!r}")
-        if self.calibration is not None:
-            check_mode(self.calibration)
-        if self.tree is not None:  # an acceptance that cannot honour the sampling: ValueError now
-            DecodeConfig(self.sampling, self.acceptance)
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.batch_size < 1 or self.max_new_tokens < 1 or self.bucket < 1:
-            raise ValueError(f"batch_size, max_new_tokens and bucket must be >= 1, got {self.batch_size}, "
-                             f"{self.max_new_tokens}, {self.bucket}")
-
-    @property
-    def decode(self) -> DecodeConfig:
-        """The one decode config of a tree decoder: the sampling settings and the acceptance."""
-        return DecodeConfig(self.sampling, self.acceptance)
-
-    @property
-    def method(self) -> str:
-        return "plain" if self.tree is None else "medusa"
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    """One prompt's generation, with the stats of the batch call that produced it."""
-
-    token_ids: list[int]  # the new tokens, EOS included when one was produced
-    steps: int  # forward passes that produced them, prefill included (plain decoding: one per token)
-    prompt_tokens: int = 0
-    finish_reason: str = "length"  # "eos" or "length"
-    index: int = 0  # position in the input list
-    batch: int = 0  # which batch of the plan ran it
-    batch_seconds: float = 0.0  # wall-clock time of that batch (all its rows together), compilation included
-    batch_compile_seconds: float = 0.0  # of which tracing and compiling (0 once the batch shape was seen)
-    accept_lengths: list[int] | None = None  # Medusa: candidates accepted at each verify step (0..tree depth)
-    text: str | None = None  # the decoded new tokens, when a tokenizer was at hand (text_generation)
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.new_tokens / max(self.steps, 1)
-
-    @property
-    def seconds(self) -> float:
-        """The batch call without compilation (rows of a batch share it)."""
-        return self.batch_seconds - self.batch_compile_seconds
-
-    def accept_histogram(self, depth: int) -> list[int]:
-        """Medusa: how many verify steps accepted 0, 1, ..., depth candidates."""
-        return np.bincount(np.asarray(self.accept_lengths or [], int), minlength=depth + 1).tolist()
-
-
-@dataclasses.dataclass
-class BatchRun:
-    results: list[GenerationResult]  # in input order
-    seconds: float  # wall-clock time of all batches, compilation included
-    compile_seconds: float  # of which tracing and compiling (`compile_cache.CompileCounter`)
-    num_batches: int  # sorted batches; refill: engine iterations (a decode chunk each)
-    num_shapes: int  # distinct jitted call shapes (sorted batches: (prompt width, cache size) pairs; refill: the
-    # executables the run asked XLA for)
-    tree_choice: ChosenTree | None = None  # Medusa: the tree used (None: plain) and its origin / why plain
-    compiles: CompileCounter | None = None  # executables compiled afresh / read from the persistent cache
-    engine: str = "batches"  # which engine ran: "batches" or "refill"
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(r.new_tokens for r in self.results)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / max(self.seconds, 1e-9)
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """Throughput without the one-off compilation time."""
-        return self.new_tokens / max(self.seconds - self.compile_seconds, 1e-9)
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.new_tokens / max(sum(r.steps for r in self.results), 1)
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -203,53 +86,21 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
                              calibration=settings.calibration, progress=progress)
     if chosen is not None:
         settings = dataclasses.replace(settings, tree=chosen.tree)
-    # on a mesh every batch is padded up to a multiple of its data x fsdp rows with filler rows (copies of the
-    # batch's first prompt, dropped from the results; greedy fillers finish with the row they copy)
+    # on a mesh the rows are rounded up to a multiple of data x fsdp (a batch keeps batch_size prompts)
     rows = round_up(settings.batch_size, model.row_multiple)
     check_prompts(prompts, model.config.max_position_embeddings, settings.max_new_tokens)
-    if uses_refill(model, settings, len(prompts), proposer):
-        return _refill(model, prompts, settings, progress, on_batch)
-    extra = 0 if settings.tree is None else scratch_slots(settings.tree)
-    plan = plan_batches([len(p) for p in prompts], settings.batch_size)
-    results: list[GenerationResult | None] = [None] * len(prompts)
-    shapes = set()
     bar = _progress(len(prompts), progress)
-    start = time.perf_counter()
-    new_tokens = 0
-    with CompileCounter() as run_compiles:
-        for number, indices in enumerate(plan):
-            batch = pad_prompts([prompts[i] for i in indices], settings.pad_id, rows, settings.bucket)
-            if settings.cache_size is None:
-                cache_size = cache_size_for(batch.tokens_bt.shape[1], settings.max_new_tokens, extra, settings.bucket)
-            else:
-                cache_size = check_fits(batch, settings.max_new_tokens, extra, settings.cache_size)
-            shapes.add((batch.tokens_bt.shape[1], cache_size))
-            t0 = time.perf_counter()
-            with CompileCounter() as compiles:
-                decoded = _decode(model, batch.tokens_bt, batch.lengths_b, cache_size, settings,
-                                  (settings.seed + number) % SEED_RANGE, proposer, proposer_data)
-            seconds = time.perf_counter() - t0
-            compiling = min(compiles.compile_seconds, seconds)
-            finished = []
-            for row, index in enumerate(indices):
-                tokens_o, num, steps, accepts = decoded[row]
-                ids = tokens_o[:num].tolist()
-                eos = bool(ids) and ids[-1] in settings.eos_ids
-                results[index] = GenerationResult(ids, steps, len(prompts[index]), "eos" if eos else "length",
-                                                  index, number, seconds, compiling, accepts)
-                finished.append(results[index])
-                new_tokens += num
-            if on_batch is not None:
-                on_batch(finished)
-            if bar is not None:
-                bar.update(len(indices))
-                rate = new_tokens / (time.perf_counter() - start)
-                bar.set_postfix(tok_s=f"{rate:.1f}", batch=f"{number + 1}/{len(plan)}")
+    if uses_refill(model, settings, len(prompts), proposer):
+        run = refilled_slots(model, prompts, settings, bar, on_batch)
+    else:
+        plan = plan_batches([len(p) for p in prompts], settings.batch_size)
+        if engine_refusal(model, settings, proposer) is None:
+            run = sorted_batches(model, prompts, settings, plan, rows, chosen, bar, on_batch)
+        else:  # the cases the engine refuses (direct_batches.engine_refusal): one direct decode call per batch
+            run = direct_batches(model, prompts, settings, plan, rows, chosen, bar, on_batch, proposer, proposer_data)
     if bar is not None:
         bar.close()
-    seconds = time.perf_counter() - start
-    return BatchRun(results, seconds, min(run_compiles.compile_seconds, seconds), len(plan), len(shapes), chosen,
-                    run_compiles)
+    return run
 
 
 def uses_refill(model: ShardedModel, settings: BatchSettings, num_prompts: int, proposer: Proposer | None = None
@@ -265,62 +116,6 @@ def uses_refill(model: ShardedModel, settings: BatchSettings, num_prompts: int, 
         return True
     return (settings.engine == "auto" and plain_on_one_device and settings.cache_size is None
             and settings.batch_size >= REFILL_MIN_BATCH and num_prompts >= settings.batch_size)
-
-
-def _refill(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings, progress: bool,
-            on_batch: Callable[[list[GenerationResult]], None] | None) -> BatchRun:
-    """`generate_batch` on refilled slots: a client of `GenerationEngine` (admission "fifo", `batch_size` rows,
-    chunks of REFILL_CHUNK_STEPS steps); prompt i samples with seed + i. One run: every row shares its times."""
-    bar = _progress(len(prompts), progress)
-    base = nnx.merge(model.base_graphdef, model.base_params)
-    context = round_up(max(map(len, prompts)) + settings.max_new_tokens, PROMPT_BUCKET)
-    config = EngineConfig(rows=settings.batch_size, context=context, chunk_steps=REFILL_CHUNK_STEPS,
-                          max_queue=len(prompts), admission="fifo")
-    start = time.perf_counter()
-    with CompileCounter() as compiles:
-        engine = GenerationEngine(base, config, eos_ids=settings.eos_ids, pad_id=settings.pad_id)
-
-        def on_event(event: TokenEvent) -> None:
-            if event.finish_reason is not None and bar is not None:
-                bar.update(1)
-
-        requests = [engine.submit(p, RequestParams(max_tokens=settings.max_new_tokens, sampling=settings.sampling,
-                                                   seed=(settings.seed + i) % SEED_RANGE), on_event)
-                    for i, p in enumerate(prompts)]
-        iterations = 0
-        while any(r.finish_reason is None for r in requests):
-            engine.run_once()
-            iterations += 1
-    seconds = time.perf_counter() - start
-    compiling = min(compiles.compile_seconds, seconds)
-    if bar is not None:
-        bar.close()
-    results = []
-    for index, request in enumerate(requests):
-        ids = request.tokens
-        eos = bool(ids) and ids[-1] in settings.eos_ids
-        results.append(GenerationResult(ids, len(ids), len(prompts[index]), "eos" if eos else "length", index, 0,
-                                        seconds, compiling))
-    if on_batch is not None:
-        on_batch(results)
-    return BatchRun(results, seconds, compiling, iterations, compiles.requests, None, compiles, "refill")
-
-
-def _decode(model: ShardedModel, prompt_bt: np.ndarray, lengths_b: np.ndarray, cache_size: int,
-            settings: BatchSettings, seed: int, proposer: Proposer | None,
-            proposer_data: Any) -> list[tuple[np.ndarray, int, int, list[int] | None]]:
-    """One padded batch -> per row (tokens [o], number of new tokens, steps, accept lengths or None)."""
-    common = dict(cache_size=cache_size, max_new_tokens=settings.max_new_tokens, seed=seed,
-                  eos_ids=settings.eos_ids, pad_id=settings.pad_id)
-    if settings.tree is None:
-        tokens_bo, num_b = model.plain_decode(prompt_bt, lengths_b, sampling=settings.sampling, **common)
-        return [(tokens_bo[i], int(num_b[i]), int(num_b[i]), None) for i in range(len(num_b))]
-    tokens_bo, num_b, steps_b, accept_bo = model.medusa_decode(prompt_bt, lengths_b, tree=settings.tree,
-                                                               acceptance=settings.decode, proposer=proposer,
-                                                               proposer_data=proposer_data, **common)
-    # steps count the prefill (which yields the first token) plus the verify steps
-    return [(tokens_bo[i], int(num_b[i]), 1 + int(steps_b[i]), accept_bo[i, : steps_b[i]].tolist())
-            for i in range(len(num_b))]
 
 
 def _one_batch(prompts: Sequence[Sequence[int]], batch_size: int | None) -> int:

@@ -29,6 +29,7 @@ import time
 from collections import defaultdict, deque
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -59,6 +60,9 @@ class EngineConfig:
     admission: str = "fifo"
     # how a sampled request that names no acceptance accepts drafted trees: exact (kind None) or typical
     acceptance: AcceptanceConfig = AcceptanceConfig()
+    # "sorted" only: requests per batch at most (None: rows); a batch client on a mesh keeps its batch size
+    # while rows are rounded up to a multiple of data x fsdp (the other rows stay idle)
+    sorted_batch: int | None = None
 
     def __post_init__(self):
         for name in ("rows", "context", "chunk_steps", "max_queue", "max_stop_ids"):
@@ -68,6 +72,9 @@ class EngineConfig:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
         if self.acceptance.kind == "greedy":
             raise ValueError("the engine's acceptance is that of sampled requests: exact (None) or typical")
+        if self.sorted_batch is not None and not (self.admission == "sorted" and 1 <= self.sorted_batch <= self.rows):
+            raise ValueError(f"sorted_batch needs admission 'sorted' and 1 <= sorted_batch <= rows ({self.rows}), "
+                             f"got {self.sorted_batch} with {self.admission!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +120,8 @@ class Request:
     finish_reason: str | None = None
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    verify_steps: int = 0  # drafted rows: the tree steps that produced its tokens after the first
+    accept_lengths: list[int] = dataclasses.field(default_factory=list)  # drafted rows: each step's accepted drafts
     cancel_requested: bool = False
     events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
 
@@ -309,7 +318,8 @@ class GenerationEngine:
         with self._cv:
             free = [i for i, r in enumerate(self._row_request) if r is None]
             if self.config.admission == "sorted":
-                chosen = sorted(self._pending, key=lambda r: -len(r.prompt_ids))[: len(free)] \
+                batch = self.config.sorted_batch or self.config.rows
+                chosen = sorted(self._pending, key=lambda r: -len(r.prompt_ids))[: batch] \
                     if len(free) == self.config.rows else []
             else:
                 chosen = list(self._pending)[: len(free)]
@@ -352,6 +362,12 @@ class GenerationEngine:
             request = self._row_request[row]
             remaining_b[row] = request.params.max_tokens - len(request.tokens)
         tokens, steps, row_steps = self._decoder.chunk(self.config.chunk_steps, remaining_b)
+        if self.drafted:  # each row's verify steps of the chunk and their accept lengths
+            steps_b, accept_bc = jax.device_get((self._decoder.state.steps_b, self._decoder.state.accept_bo))
+            for row in busy:
+                request = self._row_request[row]
+                request.verify_steps += int(steps_b[row])
+                request.accept_lengths.extend(accept_bc[row, : steps_b[row]].tolist())
         emitted = sum(len(tokens[row]) for row in busy)
         self.metrics.add(decode_steps=steps, row_steps=row_steps, step_tokens=emitted, generated_tokens=emitted)
         for row in busy:

@@ -134,10 +134,9 @@ def main_meshes(model_dir: str, out: str) -> None:
                 entry[f"{name}_loop_ops"] = sorted({c.op for c in loop_collectives(hlo)})
                 entry[f"{name}_invariant_gathers"] = [c.shape for c in invariant_gathers(hlo)]
         if (data, tensor) == (2, 4):  # exact sampling under the mesh: the same draws as on one device
-            tokens_bo, num_b, _, _ = model.medusa_decode(padded.tokens_bt, padded.lengths_b, tree=tree,
-                                                         cache_size=medusa_cache, max_new_tokens=MAX_NEW,
-                                                         acceptance=EXACT, seed=5, eos_ids=eos)
-            entry["exact"] = [tokens_bo[i, : num_b[i]].tolist() for i in range(len(prompts))]
+            exact = dataclasses.replace(settings, tree=tree, sampling=EXACT.sampling, acceptance=EXACT.acceptance,
+                                        seed=5)
+            entry["exact"] = [r.token_ids for r in generate_batch(model, prompts, exact, progress=False).results]
         report["meshes"][f"{data},{tensor}"] = entry
 
     errors = {}

@@ -1,0 +1,140 @@
+"""The generation engine's admission policies against each other and against the former direct sorted batches, in
+one process, on the same prompts, interleaved (issue 38; results in bench/refill/sorted_engine.md).
+
+Methods (each a whole `generate_batch` over all prompts):
+    direct  the sorted batches as they ran before they became an admission policy: `inference/api.py` of git
+            revision --direct-rev, loaded from `git show`, with engine="batches" (one direct decode call per batch)
+    sorted  generate_batch(engine="batches"): the engine's sorted admission
+    fifo    generate_batch(engine="refill"): the engine's fifo admission (refilled slots; plain decoding only)
+Each round runs every method once, the order reversed every other round so load drift hits them alike; the
+figure per run is new tokens / (seconds - compile seconds), compilation counted by JAX's compile events, and
+the process's CPU seconds (all threads; compilation included, so compare rounds after the first): on a shared
+machine the CPU seconds show the work a method does when the wall clock mostly shows the load. Every run's
+greedy tokens are compared with the first method's (rows differing: 0 expected).
+
+    python -m medusa_jax.bench.admission_benchmark --model DIR --batch-sizes 1,4,16 --prompts 16 \\
+        --methods direct,sorted --rounds 3 --direct-rev REV --out bench/refill/sorted_engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.trees.tree import DEFAULT_TREE, load_tree
+from medusa_jax.inference import api
+from medusa_jax.inference.sharded import ShardedModel
+from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
+from medusa_jax.bench.bench_inputs import mtbench_questions
+
+METHODS = ("direct", "sorted", "fifo")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_direct_api(rev: str):
+    """inference/api.py as of git revision `rev`, imported as a module of its own (its imports are today's)."""
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:inference/api.py"], check=True,
+                            capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "direct_api.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("direct_api", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["direct_api"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_method(method: str, model: ShardedModel, prompts, settings: api.BatchSettings, direct_api) -> dict:
+    cpu_start = time.process_time()
+    if method == "direct":
+        fields = {f.name for f in dataclasses.fields(direct_api.BatchSettings)}
+        old = direct_api.BatchSettings(**{k: getattr(settings, k) for k in fields})
+        run = direct_api.generate_batch(model, prompts, dataclasses.replace(old, engine="batches"), progress=False)
+    else:
+        engine = "batches" if method == "sorted" else "refill"
+        run = api.generate_batch(model, prompts, dataclasses.replace(settings, engine=engine), progress=False)
+    cpu_seconds = time.process_time() - cpu_start
+    decode_s = run.seconds - run.compile_seconds
+    return {"tokens": [r.token_ids for r in run.results], "new_tokens": run.new_tokens,
+            "seconds": round(run.seconds, 2), "compile_seconds": round(run.compile_seconds, 2),
+            "tokens_per_s": round(run.new_tokens / max(decode_s, 1e-9), 2),
+            "tokens_per_step": round(run.tokens_per_step, 3), "iterations": run.num_batches,
+            "cpu_seconds": round(cpu_seconds, 2)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="model folder (SmolLM2-135M-Instruct)")
+    p.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=16, help="MT-Bench first turns (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default="direct,sorted", help=f"comma-separated, of {','.join(METHODS)}")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--direct-rev", default=None, help="git revision whose api.py is the direct method")
+    p.add_argument("--random-heads", type=int, default=0,
+                   help="Medusa decoding with this many randomly initialised heads and the default tree (0: plain)")
+    p.add_argument("--out", required=True, help="JSON lines output")
+    a = p.parse_args(argv)
+    try:
+        batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
+        methods = a.methods.split(",")
+    except ValueError:
+        p.exit(2, "error: --batch-sizes takes comma-separated integers, e.g. 1,4,16\n")
+    if min(batch_sizes) < 1 or a.prompts < 1 or a.max_new_tokens < 1 or a.rounds < 1 or a.random_heads < 0:
+        p.exit(2, "error: --batch-sizes, --prompts, --max-new-tokens and --rounds must be >= 1, --random-heads >= 0\n")
+    if set(methods) - set(METHODS) or ("direct" in methods and not a.direct_rev):
+        p.exit(2, f"error: --methods takes {','.join(METHODS)}; direct needs --direct-rev\n")
+    direct_api = load_direct_api(a.direct_rev) if "direct" in methods else None
+    tokenizer = load_tokenizer(a.model)
+    eos = eos_token_ids(a.model, tokenizer)
+    prompts = [encode_prompt(tokenizer, q.first_turn, chat=True) for q in mtbench_questions(a.prompts)]
+    base = load_pretrained(a.model)
+    tree, heads = None, None
+    if a.random_heads:
+        heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=a.random_heads),
+                           base, seed=0)
+        tree = load_tree(DEFAULT_TREE, num_heads=a.random_heads, max_top_k=heads.config.head_vocab_size)
+    model = ShardedModel(base, heads)
+    with open(a.out, "w") as out:
+        for batch in batch_sizes:
+            settings = api.BatchSettings(batch_size=batch, max_new_tokens=a.max_new_tokens, tree=tree,
+                                         eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos))
+            rates, cpu = {m: [] for m in methods}, {m: [] for m in methods}
+            for round_ in range(a.rounds):
+                first = None
+                for method in (methods if round_ % 2 == 0 else methods[::-1]):
+                    row = run_method(method, model, prompts, settings, direct_api)
+                    tokens = row.pop("tokens")
+                    first = first or tokens
+                    row.update(batch_size=batch, method=method, round=round_, prompts=len(prompts),
+                               rows_differing=sum(x != y for x, y in zip(tokens, first)))
+                    rates[method].append(row["tokens_per_s"])
+                    cpu[method].append(row["cpu_seconds"])
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    print(json.dumps(row), flush=True)
+            base_rates = rates[methods[0]]
+            for m in methods[1:]:
+                ratios = [x / y for x, y in zip(rates[m], base_rates)]
+                print(f"batch {batch}: {m} / {methods[0]} tokens/s per round "
+                      f"{', '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f})", flush=True)
+                cpu_ratios = [x / y for x, y in zip(cpu[m][1:], cpu[methods[0]][1:])]
+                if cpu_ratios:
+                    print(f"batch {batch}: {m} / {methods[0]} CPU seconds per round after the first "
+                          f"{', '.join(f'{r:.3f}' for r in cpu_ratios)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

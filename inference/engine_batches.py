@@ -1,0 +1,163 @@
+"""`api.generate_batch` as a client of the generation engine (`generation_engine.GenerationEngine`), with either of
+its two admission policies. Prompt i samples with seed + i (a request's own seed: its tokens do not depend on the
+rows beside it).
+
+`sorted_batches` (admission "sorted"): the prompts, longest first, in batches of `batch_size` rows; a batch is
+admitted when every row is free, so its rows finish together. The engine's rows hold a static cache, so
+consecutive batches of one cache size (their padded width as `engine.cache_size_for` sizes it, or the fixed
+`cache_size`) share one engine, and a shorter batch does not attend over a longer one's cache. A batch runs as
+one chunk of max_new_tokens - 1 steps (nothing is admitted until its rows are free; the chunk's loop ends when its
+last row does), so it costs one host round trip as a direct decode call does. On a mesh the rows are rounded
+up to a multiple of data x fsdp and a batch still takes `batch_size` prompts (the other rows idle).
+
+`refilled_slots` (admission "fifo"): `batch_size` rows in chunks of REFILL_CHUNK_STEPS steps; a finished row takes
+the next prompt between chunks (continuous batching); every row shares the run's times.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from flax import nnx
+
+from medusa_jax.compile_cache import CompileCounter
+from medusa_jax.trees.dynamic_tree import scratch_slots
+from medusa_jax.trees.policy.choose import ChosenTree
+from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult
+from medusa_jax.inference.engine import PROMPT_BUCKET, cache_size_for, check_fits, pad_prompts, round_up
+from medusa_jax.inference.generation_engine import (EngineConfig, GenerationEngine, Request, RequestParams,
+                                                    TokenEvent)
+from medusa_jax.inference.sharded import ShardedModel
+
+REFILL_CHUNK_STEPS = 32  # decode steps between refills (bench/refill's setting)
+SEED_RANGE = 2**31  # request seeds (seed + prompt index) wrap here: they reach the jitted key as int32
+
+OnBatch = Callable[[list[GenerationResult]], None]
+
+
+def _params(settings: BatchSettings, index: int) -> RequestParams:
+    return RequestParams(max_tokens=settings.max_new_tokens, sampling=settings.sampling,
+                         seed=(settings.seed + index) % SEED_RANGE)
+
+
+def _result(request: Request, index: int, batch: int, seconds: float, compiling: float,
+            settings: BatchSettings, drafted: bool) -> GenerationResult:
+    ids = request.tokens
+    eos = bool(ids) and ids[-1] in settings.eos_ids
+    # steps: the prefill (which yields the first token) plus the verify steps; plain decoding: one per token
+    steps = 1 + request.verify_steps if drafted else len(ids)
+    return GenerationResult(ids, steps, len(request.prompt_ids), "eos" if eos else "length", index, batch, seconds,
+                            compiling, list(request.accept_lengths) if drafted else None)
+
+
+def batch_cache_sizes(prompts: Sequence[Sequence[int]], settings: BatchSettings, plan: list[list[int]],
+                      rows: int) -> list[tuple[int, int]]:
+    """Each planned batch's (padded prompt width, cache size), as a direct decode call of it would have them."""
+    extra = 0 if settings.tree is None else scratch_slots(settings.tree)
+    sizes = []
+    for indices in plan:
+        batch = pad_prompts([prompts[i] for i in indices], settings.pad_id, rows, settings.bucket)
+        if settings.cache_size is None:
+            cache = cache_size_for(batch.tokens_bt.shape[1], settings.max_new_tokens, extra, settings.bucket)
+        else:
+            cache = check_fits(batch, settings.max_new_tokens, extra, settings.cache_size)
+        sizes.append((int(batch.tokens_bt.shape[1]), cache))
+    return sizes
+
+
+def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings,
+                   plan: list[list[int]], rows: int, chosen: ChosenTree | None, bar,
+                   on_batch: OnBatch | None) -> BatchRun:
+    """The planned batches (`api.plan_batches`, longest first) through the engine's sorted admission (module
+    docstring). Each result carries its batch's number and wall-clock seconds (compilation counted apart)."""
+    tree = settings.tree
+    extra = 0 if tree is None else scratch_slots(tree)
+    sizes = batch_cache_sizes(prompts, settings, plan, rows)
+    base, heads = _parts(model, tree is not None)
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    start, number, new_tokens = time.perf_counter(), 0, 0
+    with CompileCounter() as run_compiles:
+        while number < len(plan):
+            cache = sizes[number][1]
+            end = number
+            while end < len(plan) and sizes[end][1] == cache:  # the next batches of this cache size
+                end += 1
+            group = range(number, end)
+            indices = [i for n in group for i in plan[n]]
+            config = EngineConfig(rows=rows, context=cache - extra, chunk_steps=max(settings.max_new_tokens - 1, 1),
+                                  max_queue=len(indices), admission="sorted",
+                                  sorted_batch=None if rows == settings.batch_size else settings.batch_size)
+            engine = GenerationEngine(base, config, eos_ids=settings.eos_ids, pad_id=settings.pad_id, heads=heads,
+                                      tree=tree, mesh=model.mesh if model.mesh.size > 1 else None)
+            finished: list[int] = []  # prompt indices, as their requests finish
+            requests = {i: engine.submit(prompts[i], _params(settings, i), _on_finish(finished, i)) for i in indices}
+            for _ in group:  # one batch: admitted when every row is free, run until its rows are free again
+                t0 = time.perf_counter()
+                finished.clear()
+                with CompileCounter() as compiles:
+                    engine.run_once()
+                    while engine.rows_busy:
+                        engine.run_once()
+                seconds = time.perf_counter() - t0
+                compiling = min(compiles.compile_seconds, seconds)
+                if sorted(finished) != sorted(plan[number]):
+                    raise RuntimeError(f"the engine's batch {number} is not the planned one")
+                batch = [_result(requests[i], i, number, seconds, compiling, settings, tree is not None)
+                         for i in plan[number]]
+                for result in batch:
+                    results[result.index] = result
+                    new_tokens += result.new_tokens
+                if on_batch is not None:
+                    on_batch(batch)
+                if bar is not None:
+                    bar.update(len(batch))
+                    rate = new_tokens / (time.perf_counter() - start)
+                    bar.set_postfix(tok_s=f"{rate:.1f}", batch=f"{number + 1}/{len(plan)}")
+                number += 1
+    seconds = time.perf_counter() - start
+    return BatchRun(results, seconds, min(run_compiles.compile_seconds, seconds), len(plan), len(set(sizes)), chosen,
+                    run_compiles)
+
+
+def refilled_slots(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings, bar,
+                   on_batch: OnBatch | None) -> BatchRun:
+    """`api.generate_batch` on refilled slots (module docstring): plain decoding on one device."""
+    base, _ = _parts(model, False)
+    context = round_up(max(map(len, prompts)) + settings.max_new_tokens, PROMPT_BUCKET)
+    config = EngineConfig(rows=settings.batch_size, context=context, chunk_steps=REFILL_CHUNK_STEPS,
+                          max_queue=len(prompts), admission="fifo")
+    start = time.perf_counter()
+    with CompileCounter() as compiles:
+        engine = GenerationEngine(base, config, eos_ids=settings.eos_ids, pad_id=settings.pad_id)
+
+        def on_event(event: TokenEvent) -> None:
+            if event.finish_reason is not None and bar is not None:
+                bar.update(1)
+
+        requests = [engine.submit(p, _params(settings, i), on_event) for i, p in enumerate(prompts)]
+        iterations = 0
+        while any(r.finish_reason is None for r in requests):
+            engine.run_once()
+            iterations += 1
+    seconds = time.perf_counter() - start
+    compiling = min(compiles.compile_seconds, seconds)
+    results = [_result(r, i, 0, seconds, compiling, settings, False) for i, r in enumerate(requests)]
+    if on_batch is not None:
+        on_batch(results)
+    return BatchRun(results, seconds, compiling, iterations, compiles.requests, None, compiles, "refill")
+
+
+def _on_finish(finished: list[int], index: int) -> Callable[[TokenEvent], None]:
+    def on_event(event: TokenEvent) -> None:
+        if event.finish_reason is not None:
+            finished.append(index)
+    return on_event
+
+
+def _parts(model: ShardedModel, drafted: bool):
+    """The engine's (base model, heads or None) from a ShardedModel's placed parameters."""
+    if not drafted:
+        return nnx.merge(model.base_graphdef, model.base_params), None
+    medusa = nnx.merge(model.medusa_graphdef, model.medusa_params)
+    return medusa.base, medusa.heads
