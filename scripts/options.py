@@ -44,13 +44,39 @@ class Option:
     help: str
     type: Callable | None = None
     check: Rule | None = None
+    choices: tuple | None = None
+    dest: str | None = None  # the config field it fills, where the flag names another
 
     def add(self, parser, *, more: str = "", help: str | None = None, **kwargs) -> argparse.Action:
         """The option on `parser` (a cli_args.ArgumentParser or one of its groups), with the default shown."""
         text = help if help is not None else f"{self.help}{'' if more[:1] in ';:,.)' else ' '}{more}".strip()
         if kwargs.get("default") not in (None, "") and "(default" not in text:
             text += " (default: %(default)s)"
-        return parser.add_argument(self.flag, type=self.type, check=self.check, help=text, **kwargs)
+        for name in ("type", "choices", "dest"):
+            if getattr(self, name) is not None:
+                kwargs.setdefault(name, getattr(self, name))
+        return parser.add_argument(self.flag, check=self.check, help=text, **kwargs)
+
+
+def add_fields(parser, config, *options: Option) -> None:
+    """Options that fill fields of the dataclass `config` (the field the flag names, --max-steps -> max_steps, or
+    the option's dest), each with the field's value as its default and, unless the option says, its type; a bool
+    field is a switch (a field that defaults to True is the flag's negation, e.g. --no-progress -> progress)."""
+    for option in options:
+        name = option.dest or option.flag.removeprefix("--").replace("-", "_")
+        default = getattr(config, name)
+        if isinstance(default, bool):
+            option.add(parser, action="store_false" if default else "store_true", dest=name)
+        else:
+            kind = type(default) if option.type is None and isinstance(default, (int, float)) else option.type
+            option.add(parser, default=default, dest=name, type=kind,
+                       metavar=None if option.dest is None else option.flag.removeprefix("--").upper().replace("-", "_"))
+
+
+def config_from(cls, args: argparse.Namespace, **given):
+    """The dataclass `cls` from the parsed flags named as its fields, and `given` (which wins)."""
+    names = {field.name for field in dataclasses.fields(cls)} - set(given)
+    return cls(**{name: value for name, value in vars(args).items() if name in names}, **given)
 
 
 # ---- --model -----------------------------------------------------------------------------------------------------
