@@ -55,9 +55,7 @@ def main(argv=None) -> int:
     enable_compile_cache()
     try:
         folder = options.model_arg("--model", a.model)
-        if a.seq_len > options.max_positions(folder):
-            raise validate.UsageError(f"--seq-len {a.seq_len}: the model has {options.max_positions(folder)} "
-                                      f"positions; lower it")
+        options.within_positions(f"--seq-len {a.seq_len}", a.seq_len, folder)
         conversations, report = read_conversations(None if a.data == "sharegpt" else a.data, a.conversations)
         tokenizer = load_tokenizer(folder)
         base = load_pretrained(folder)

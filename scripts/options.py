@@ -50,8 +50,10 @@ class Option:
     def add(self, parser, *, more: str = "", help: str | None = None, **kwargs) -> argparse.Action:
         """The option on `parser` (a cli_args.ArgumentParser or one of its groups), with the default shown."""
         text = help if help is not None else f"{self.help}{'' if more[:1] in ';:,.)' else ' '}{more}".strip()
-        if kwargs.get("default") not in (None, "") and "(default" not in text:
-            text += " (default: %(default)s)"
+        default = kwargs.get("default")
+        if default not in (None, "", ()) and "(default" not in text:
+            text += f" (default: {','.join(map(str, default))})" if isinstance(default, tuple) else \
+                " (default: %(default)s)"
         for name in ("type", "choices", "dest"):
             if getattr(self, name) is not None:
                 kwargs.setdefault(name, getattr(self, name))
@@ -124,6 +126,13 @@ def model_folder(flag: str, folder: str | os.PathLike, *, tokenizer: bool = True
 
 def max_positions(folder: Path) -> int:
     return ModelConfig.from_hf_config(json.loads((Path(folder) / "config.json").read_text())).max_position_embeddings
+
+
+def within_positions(what: str, needed: int, folder: Path, fix: str = "") -> None:
+    """`needed` positions (asked for by `what`, e.g. '--seq-len 4096') within the model's positions."""
+    positions = max_positions(folder)
+    if needed > positions:
+        raise UsageError(f"{what}: the model has {positions} positions; {fix or f'lower it to at most {positions}'}")
 
 
 def model_arg(flag: str, arg: str, *, tokenizer: bool = True) -> Path:
@@ -243,15 +252,6 @@ def mesh_devices(flag: str, spec: str | None, local: bool = False):
         raise UsageError(f"{flag} {spec}: needs {mesh.size} devices, {available} available; use a smaller mesh "
                          f"(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N forces N devices)")
     return mesh
-
-
-def divides_rows(flag: str, value: int, mesh_flag: str, spec: str | None) -> None:
-    """A training batch that must split evenly over the mesh's data x fsdp rows."""
-    mesh = MeshConfig.parse(spec)
-    rows = mesh.data * mesh.fsdp
-    if value % rows:
-        raise UsageError(f"{flag} {value} does not split over {mesh_flag} {spec} (data x fsdp = {rows}): use a "
-                         f"multiple of {rows}")
 
 
 # ---- --out -------------------------------------------------------------------------------------------------------

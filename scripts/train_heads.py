@@ -197,10 +197,7 @@ def main(argv=None) -> int:
         initialize(config_from_args(args))  # before any other JAX call
         options.mesh_devices("--mesh", args.mesh)
         model = str(options.model_arg("--model", args.model))  # 'default' built, a Hub id resolved
-        positions = options.max_positions(model)
-        if args.seq_len > positions:
-            raise validate.UsageError(f"--seq-len {args.seq_len}: the model has {positions} positions; lower it to "
-                                      f"at most {positions}")
+        options.within_positions(f"--seq-len {args.seq_len}", args.seq_len, model)
         hub_id = args.model if is_hub_id(args.model) else None  # the heads' config names it, not this machine's cache
         limit = args.memory_limit_gib if args.memory_limit_gib is not None or jax.default_backend() == "cpu" else 0
         config = dataclasses.replace(config, model=model, memory_limit_gib=limit, base_model_name=hub_id if

@@ -234,9 +234,9 @@ def gathered_over_fsdp(state):
     return fill_state(state, gather)
 
 
-def check_rows_split(flag: str, rows: int, spec: str | None, mesh_flag: str = "--mesh") -> None:
-    """A batch of `rows` (given as `flag`) that must split evenly over the mesh `spec`'s data x fsdp rows."""
+def check_rows_split(flag: str, rows: int, spec: str | None) -> None:
+    """A batch of `rows` (given as `flag`) that must split evenly over the --mesh `spec`'s data x fsdp rows."""
     mesh = MeshConfig.parse(spec)
     if rows % (mesh.data * mesh.fsdp):
-        raise MeshError(f"{flag} {rows} does not split over {mesh_flag} {spec} (data x fsdp = {mesh.data * mesh.fsdp}):"
-                        f" use a multiple of {mesh.data * mesh.fsdp}")
+        raise MeshError(f"{flag} {rows} does not split over --mesh {spec} (data x fsdp = {mesh.data * mesh.fsdp}): "
+                        f"use a multiple of {mesh.data * mesh.fsdp}")
