@@ -108,15 +108,18 @@ def mtbench_main(argv: list[str]) -> int:
                     "(sampling: sampling.json, sampling.md); the committed results in bench/ are written only when "
                     "named here")
     a = p.parse_args(argv)
-    try:
+    try:  # the flags, before anything loads
         config = config_from(BenchmarkConfig, a)
         options.tree_arg("--tree", a.tree)
         options.out_folder(a, heads=a.heads)
         options.heads_arg("--heads", a.heads)
+    except ValueError as e:
+        p.error(str(e))
+    run, write = run_benchmark, write_report
+    if a.temperatures is not None:  # sampling mode (bench/sampling_benchmark.py)
+        config, run, write = config_from(SamplingBenchConfig, a), run_sampling_benchmark, write_sampling_report
+    try:
         machine = machine_description()  # the load average before the run
-        run, write = run_benchmark, write_report
-        if a.temperatures is not None:  # sampling mode (bench/sampling_benchmark.py)
-            config, run, write = config_from(SamplingBenchConfig, a), run_sampling_benchmark, write_sampling_report
         questions = mtbench_questions(a.questions, a.question_file)
         loaded = load_model(options.model_arg("--model", a.model), a.heads, dtype=a.dtype)
         results = run(loaded, questions, config, progress=lambda m: print(m, flush=True))
@@ -148,7 +151,7 @@ def quick_main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     a = p.parse_args(argv)
     trees = tuple(t for t in a.trees.split(",") if t.strip())
-    try:
+    try:  # the flags, before anything loads
         if not trees:
             raise ValueError(f"--trees {a.trees!r}: give at least one tree preset or JSON file, comma-separated")
         for tree in trees:
@@ -156,6 +159,9 @@ def quick_main(argv: list[str]) -> int:
         if a.heads is not None:
             options.heads_arg("--heads", a.heads)
         config = config_from(QuickConfig, a, trees=trees)
+    except ValueError as e:
+        p.error(str(e))
+    try:
         loaded = load_model(options.model_arg("--model", a.model), a.heads)
         heads = loaded.heads or init_heads(
             HeadsConfig(loaded.base.config.hidden_size, loaded.base.config.vocab_size, num_heads=4), loaded.base)
@@ -181,10 +187,13 @@ def teacher_mass_main(argv: list[str]) -> int:
                Option("--max-positions", "held-out positions measured at most", check=at_least(1)))
     options.SEED_OPTION.add(p, default=d.seed, more="the held-out split")
     a = p.parse_args(argv)
-    if not is_store(a.data):
-        p.error(f"--data {a.data} is not a self-distilled Arrow store")
-    try:
+    try:  # the flags, before anything loads
         config = config_from(TeacherMassConfig, a)
+        if not is_store(a.data):
+            raise ValueError(f"--data {a.data} is not a self-distilled Arrow store")
+    except ValueError as e:
+        p.error(str(e))
+    try:
         base = load_pretrained(options.model_arg("--model", a.model, tokenizer=False))
     except FAILURES as e:
         return validate.fail(e)
@@ -231,13 +240,16 @@ def heads_main(argv: list[str]) -> int:
     options.OUT.add(p, default="artifacts/benchmark_heads", more="folder for heads.json, heads.md and "
                     "heads.png; the committed bench/heads is written only when named here")
     a = p.parse_args(argv)
-    try:
+    try:  # the flags, before anything loads
         labels = heads_comparison.parse_labels(a.heads)
         config = config_from(CompareConfig, a)
         drafts = {label: name for label, name in labels.items() if heads_comparison.is_drafts(name)}
         for label, folder in labels.items():
             options.out_folder(a, heads=options.heads_mix_arg("--heads", folder) if label in drafts else folder,
                                data=a.data)
+    except ValueError as e:
+        p.error(str(e))
+    try:
         folders = {label: options.heads_arg("--heads", f) for label, f in labels.items() if label not in drafts}
         loaded = load_model(options.model_arg("--model", a.model), None)
         heads = {label: (load_heads(f, base=loaded.base), portable_path(f)) for label, f in folders.items()}
@@ -275,6 +287,9 @@ def calibration_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     try:
         options.out_folder(a, heads=a.heads)
+    except ValueError as e:
+        p.error(str(e))
+    try:
         options.heads_arg("--heads", a.heads)
         loaded = load_model(options.model_arg("--model", a.model), a.heads)
     except FAILURES as e:
