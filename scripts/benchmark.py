@@ -77,8 +77,7 @@ def mtbench_main(argv: list[str]) -> int:
     options.TREE.add(p, default=d.tree, more="(default: the heads' own tree for this backend and each batch "
                      "size, from their trees.json built by scripts/build_tree.py, plain decoding where it says no tree "
                      "pays; the mc_sim_7b_16 preset for heads without trees.json)")
-    p.add_argument("--questions", check=at_least(1), type=int, default=16,
-                   help="MT-Bench first turns to run, taking the 8 categories in turn (default: %(default)s)")
+    options.QUESTIONS.add(p, default=16)
     options.QUESTION_FILE.add(p)
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     options.BATCH_SIZE.add(p, default=d.batch_size, more="rows per call in the main per-question comparison")
@@ -96,8 +95,7 @@ def mtbench_main(argv: list[str]) -> int:
                Option("--hf-threads", "PyTorch intra-op threads for --hf; 0 keeps torch's default. On a 2-core "
                       "machine shared with other work, torch's spinning OpenMP threads made generate ~5x slower than 1 "
                       "thread", check=at_least(0)))
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="parameter dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
+    options.DTYPE.add(p, default="float32")
     p.add_argument("--temperatures", check=each(above(0.0)), type=parse_float_list, default=None,
                    help="sampling mode: comma-separated temperatures (e.g. 0.7,1.0); times plain sampling, Medusa "
                         "with exact acceptance and with typical acceptance at each (uses --tree, --questions, "
@@ -211,8 +209,7 @@ def heads_main(argv: list[str]) -> int:
     options.HEADS.add(p, action="append", required=True, metavar="LABEL=FOLDER",
                       more="to compare under a label (LABEL=FOLDER), or drafts that need no training: 'recycle', "
                            "'lookup' or a mix joined by '+' (e.g. mix=default+recycle+lookup); repeat the flag")
-    p.add_argument("--questions", check=at_least(1), type=int, default=16,
-                   help="MT-Bench first turns, the 8 categories in turn (default: %(default)s)")
+    options.QUESTIONS.add(p, default=16)
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     add_fields(p, d, Option("--tree-sizes", "nodes of the greedy trees whose tokens/step is counted",
                             parse_positive_int_list, each(at_least(1))),
@@ -276,8 +273,7 @@ def calibration_main(argv: list[str]) -> int:
     options.HEADS.add(p, default="default", more="with a trees.json")
     p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(1, 4, 8),
                    help="batch sizes to choose a tree for and time (default: 1,4,8)")
-    p.add_argument("--questions", check=at_least(1), type=int, default=16,
-                   help="MT-Bench first turns (default: %(default)s)")
+    options.QUESTIONS.add(p, default=16)
     options.MAX_NEW_TOKENS.add(p, default=96)
     p.add_argument("--fresh", action="store_true",
                    help="time the steps again instead of reading this machine's cached calibration (as on first use)")

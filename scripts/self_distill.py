@@ -64,7 +64,7 @@ def build_parser() -> ArgumentParser:
                Option("--shard-index", "this process's shard, 0 .. num-shards - 1", check=at_least(0)))
     options.MESH.add(p, default="", more="of this process's devices for the decode slots (slots over data x "
                       "fsdp, weights over tensor) (default: one device)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    options.NO_PROGRESS.add(p, action="store_true")
     add_distributed_args(p)
     return p
 

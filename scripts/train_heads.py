@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                Option("--eval-every", "held-out evaluation every N steps, and at the end", check=at_least(1)),
                Option("--eval-batches", "held-out batches per evaluation, at most", check=at_least(1)),
                Option("--log-every", "train_log.jsonl record every N steps", check=at_least(1)),
-               Option("--no-progress", "no progress bar (for log files)", dest="progress"))
+               dataclasses.replace(options.NO_PROGRESS, dest="progress"))
     g.add_argument("--wandb", metavar="PROJECT", dest="wandb_project", help="also log the metrics to Weights & "
                    "Biases under this project name (needs the wandb package; TensorBoard event files are always "
                    "written to OUTPUT/tensorboard/)")
