@@ -71,8 +71,8 @@ def add_fields(parser, config, *options: Option) -> None:
             option.add(parser, action="store_false" if default else "store_true", dest=name)
         else:
             kind = type(default) if option.type is None and isinstance(default, (int, float)) else option.type
-            option.add(parser, default=default, dest=name, type=kind,
-                       metavar=None if option.dest is None else option.flag.removeprefix("--").upper().replace("-", "_"))
+            shown = None if option.dest is None else option.flag.removeprefix("--").upper().replace("-", "_")
+            option.add(parser, default=default, dest=name, type=kind, metavar=shown)
 
 
 def config_from(cls, args: argparse.Namespace, **given):
