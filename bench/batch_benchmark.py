@@ -17,16 +17,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 from flax import nnx
 
 from medusa_jax.compile_cache import CompileCounter
+from medusa_jax.paths import portable_path
 from medusa_jax.trees.tree import DEFAULT_TREE, load_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.engine import PROMPT_BUCKET, check_prompts, round_up
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams
 from medusa_jax.inference.sharded import ShardedModel
+from medusa_jax.bench.bench_inputs import write_files
 
 METHODS = ("plain", "medusa", "refill")
 
@@ -43,9 +46,9 @@ class BatchBenchConfig:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes) or min(self.max_new_tokens,
                                                                                   self.chunk_steps) < 1:
             raise ValueError(f"need batch sizes >= 1, max_new_tokens >= 1 and chunk_steps >= 1: {self}")
-        unknown = sorted(set(self.methods) - set(METHODS))
-        if unknown or not self.methods:
-            raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {self.methods}")
+        if set(self.methods) - set(METHODS) or not self.methods:
+            raise ValueError(f"--methods {','.join(self.methods)!r}: give a comma-separated subset of "
+                             f"{','.join(METHODS)}")
 
 
 def run_batch_benchmark(model: ShardedModel, prompts: Sequence[Sequence[int]], config: BatchBenchConfig, *,
@@ -136,3 +139,15 @@ def markdown(result: dict, title: str) -> str:
     if use:
         lines += ["", "Refill slot-steps that produced a token: " + ", ".join(use)]
     return "\n".join(lines) + "\n"
+
+
+def write_report(result: dict, out, config: BatchBenchConfig, *, folder, heads: str, mesh: str, dtype: str,
+                 prompts: int, command: str, machine: dict) -> str:
+    """OUT/batch.json (the run and where it ran) and OUT/batch.md (its table); returns the markdown."""
+    result.update(model=portable_path(folder), heads=heads, mesh=mesh or "single device", dtype=dtype,
+                  prompts=prompts, command=command, machine=machine)
+    text = markdown(result, f"Batch generation, {prompts} MT-Bench first turns, {config.max_new_tokens} new tokens "
+                            f"max, {Path(folder).name} {dtype}, heads: {heads}, tree {config.tree}, mesh "
+                            f"{result['mesh']}\n\nCommand: `{command}`")
+    write_files(out, {"batch.json": json.dumps(result, indent=1), "batch.md": text})
+    return text

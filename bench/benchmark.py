@@ -54,6 +54,9 @@ class BenchmarkConfig:
     calibration: str | None = None  # tree None: how the heads' own tree is chosen (`inference.calibration`)
 
     def __post_init__(self):
+        if self.tree is not None and self.calibration is not None:
+            raise ValueError(f"--calibration {self.calibration} chooses the heads' own tree, so it does nothing with "
+                             f"--tree {self.tree}: drop one of them")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.sweep_questions < 0:
             raise ValueError(f"max_new_tokens and batch_size must be >= 1, sweep_questions >= 0: {self}")
         if any(b < 1 for b in self.batched_sizes) or any(n < 1 for n in self.sweep_sizes):

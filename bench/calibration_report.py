@@ -10,7 +10,9 @@ every Medusa answer is checked token by token against plain greedy decoding.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
@@ -22,6 +24,8 @@ from medusa_jax.trees.policy.choose import choose_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch, plan_batches
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.inference.loaded_model import LoadedModel
+from medusa_jax.bench.bench_inputs import write_files
+from medusa_jax.bench.bench_report import machine_line
 
 
 def _shipped_prediction(heads, batch: int) -> dict:
@@ -121,3 +125,10 @@ def markdown(results: dict, command: str, machine: str) -> str:
     lines += [f"| {r['batch']} | {r['plain_tokens_per_s']:.1f} | {r['calibrate_seconds']:.1f} |"
               for r in results["batches"]]
     return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out: str | Path, command: str, machine: dict) -> Path:
+    """OUT/calibration.json and calibration.md; returns the markdown file."""
+    return write_files(out, {"calibration.json": json.dumps({"command": command, "machine": machine, **results},
+                                                            indent=1) + "\n",
+                             "calibration.md": markdown(results, command, machine_line(machine))})["calibration.md"]

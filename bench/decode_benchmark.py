@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import statistics
 import time
 from typing import Callable, Sequence
@@ -26,6 +27,7 @@ from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.inference.api import generate
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
+from medusa_jax.bench.bench_inputs import write_files
 
 
 def weight_bytes(model: CausalLM) -> int:
@@ -259,3 +261,11 @@ def markdown(results: dict, machine: dict, command: str) -> str:
                   "| op | calls/step | ms/step |", "|---|---|---|"]
         lines += [f"| {r['op']} | {r['calls_per_step']:.0f} | {r['ms_per_step']:.2f} |" for r in results["profile"]]
     return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out, command: str, machine: dict) -> str:
+    """OUT/results.json and results.md; returns the markdown and a line naming the files."""
+    text = markdown(results, machine, command)
+    paths = write_files(out, {"results.json": json.dumps({"machine": machine, "command": command, **results},
+                                                         indent=1), "results.md": text})
+    return text + "\nwrote " + " and ".join(str(p) for p in paths.values())

@@ -11,6 +11,7 @@ quality would buy on this hardware. Real speedups need trained heads (scripts/be
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Callable, Sequence
 
@@ -28,6 +29,7 @@ from medusa_jax.heads.init import init_heads
 from medusa_jax.trees.tree import build_tree
 from medusa_jax.trees.policy import step_cost, tree_choice
 from medusa_jax.demo_model import prepare_smollm2
+from medusa_jax.bench.bench_inputs import write_files
 
 # P(head d's rank-r guess is right): top-1 0.6/0.4/0.3/0.22 decaying with rank, roughly Vicuna-7B's heads.
 REFERENCE_ACCURACY = np.array([[0.60, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01, 0.008, 0.006],
@@ -64,6 +66,12 @@ class GpuBenchConfig:
     num_heads: int = 4
     heads_lm_head: str = "shared"  # 'own' adds a [D, V] matrix per head (the FasterDecoding layout)
     budget_seconds: float = 270.0  # no new measurement starts after this
+
+    def __post_init__(self):
+        known = ("smollm2", *model_shapes(self.dtype))
+        if not self.models or set(self.models) - set(known):
+            raise ValueError(f"--models {','.join(self.models)!r}: give a comma-separated subset of "
+                             f"{', '.join(known)}")
 
     @classmethod
     def tiny(cls, budget_seconds: float = 120.0) -> "GpuBenchConfig":
@@ -189,3 +197,10 @@ def markdown(results: dict) -> str:
     if results["skipped"]:
         lines.append("Not measured (time budget): " + "; ".join(results["skipped"]))
     return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out) -> str:
+    """OUT/gpu_bench.json and gpu_bench.md; returns the markdown."""
+    text = markdown(results)
+    write_files(out, {"gpu_bench.json": json.dumps(results, indent=1, default=float) + "\n", "gpu_bench.md": text})
+    return text

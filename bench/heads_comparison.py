@@ -41,6 +41,8 @@ from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.trees.search import head_accuracy
 from medusa_jax.inference.loaded_model import LoadedModel
 from medusa_jax.trees.search.tree_builder import BuildTreeConfig, heldout_prompts
+from medusa_jax.bench.bench_inputs import write_files
+from medusa_jax.bench.bench_report import machine_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +200,19 @@ def time_against_plain(loaded: LoadedModel, prompts, config: CompareConfig,
                      "tree": choice.note if choice is not None else tree_name,
                      "mismatches": sum(a != b for a, b in zip(tokens["medusa"], tokens["plain"]))})
     return rows
+
+
+def parse_labels(items: Sequence[str]) -> dict[str, str]:
+    """--heads LABEL=FOLDER, repeated -> {label: folder or drafts}."""
+    labels = {}
+    for item in items:
+        label, sep, folder = item.partition("=")
+        if not sep or not label or not folder:
+            raise ValueError(f"--heads {item!r}: expected LABEL=FOLDER")
+        if label in labels:
+            raise ValueError(f"--heads: label {label!r} given twice")
+        labels[label] = folder
+    return labels
 
 
 def is_drafts(name: str) -> bool:
@@ -364,5 +379,10 @@ def plot(results: dict, path: Path) -> Path:
     return path
 
 
-def report_json(results: dict, command: str, machine: dict) -> str:
-    return json.dumps({"command": command, "machine": machine, **results}, indent=1, default=float)
+def write(results: dict, out: str | Path, command: str, machine: dict) -> Path:
+    """OUT/heads.json, heads.md and heads.png; returns the markdown file."""
+    files = write_files(out, {"heads.json": json.dumps({"command": command, "machine": machine, **results},
+                                                       indent=1, default=float),
+                              "heads.md": markdown(results, command, machine_line(machine))})
+    plot(results, Path(out) / "heads.png")
+    return files["heads.md"]

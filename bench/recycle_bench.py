@@ -12,12 +12,14 @@ batch so that a load change on a shared machine hits them alike; speedup = recyc
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Callable, Sequence
 
 from medusa_jax.heads.recycle import TEMPLATES, RecycleDrafter, template_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.inference.loaded_model import LoadedModel
+from medusa_jax.bench.bench_inputs import write_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +31,8 @@ class RecycleBenchConfig:
     def __post_init__(self):
         unknown = [t for t in self.templates if t not in TEMPLATES]
         if unknown or not self.templates:
-            raise ValueError(f"templates must be among {', '.join(TEMPLATES)}, got {self.templates}")
+            raise ValueError(f"--templates {','.join(self.templates)}: unknown {unknown}; choose among "
+                             f"{', '.join(TEMPLATES)}")
         if min(self.batch_sizes, default=0) < 1 or self.max_new_tokens < 1:
             raise ValueError(f"batch_sizes and max_new_tokens must be >= 1: {self}")
 
@@ -107,3 +110,11 @@ def markdown(results: dict, meta: dict) -> str:
                          f"| plain | - | {row['tokens_per_step']:.2f} | {row['tokens_per_s']:.1f} | 1.00x | - |")
         lines.append("")
     return "\n".join(lines)
+
+
+def write_report(results: dict, meta: dict, out) -> str:
+    """OUT/results.json and results.md; returns the markdown."""
+    text = markdown(results, meta)
+    write_files(out, {"results.json": json.dumps({"meta": meta, "results": results}, indent=1) + "\n",
+                      "results.md": text + "\n"})
+    return text

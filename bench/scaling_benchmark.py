@@ -17,7 +17,9 @@ at the read bandwidth), which at large batch and context is the larger part of a
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import TreeBuffers
 from medusa_jax.trees.policy.step_cost import medusa_step_call, plain_step_call, time_interleaved
+from medusa_jax.bench.bench_inputs import write_files
 from medusa_jax.bench.decode_benchmark import BandwidthProbe, weight_bytes
 
 
@@ -132,3 +135,12 @@ def plot(results: dict, path) -> None:
     fig.tight_layout()
     save_figure_atomic(fig, path, dpi=110)
     plt.close(fig)
+
+
+def write(results: dict, out, command: str, machine: dict) -> str:
+    """OUT/results.json, results.md and scaling.png; returns the markdown."""
+    text = markdown(results, command, json.dumps(machine))
+    write_files(out, {"results.json": json.dumps({"machine": machine, "command": command, **results}, indent=1),
+                      "results.md": text})
+    plot(results, Path(out) / "scaling.png")
+    return text

@@ -30,12 +30,11 @@ with Medusa greedy's tokens/step as reference; writes OUT/sampling.json and OUT/
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from medusa_jax.paths import portable_path
+from medusa_jax.paths import command_line, portable_path
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads.config import HeadsConfig
@@ -44,11 +43,10 @@ from medusa_jax.heads.load import load_heads
 from medusa_jax.trees.tree import PRESETS, TreeError
 from medusa_jax.training.hidden_store import is_store
 from medusa_jax.bench import calibration_report, heads_comparison, quick, teacher_mass
-from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.trees.policy.calibration import machine_description
-from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions, write_files
-from medusa_jax.bench.bench_report import machine_line, write_report
+from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions
+from medusa_jax.bench.bench_report import write_report
 from medusa_jax.bench.benchmark import BenchmarkConfig, run_benchmark
 from medusa_jax.bench.heads_comparison import CompareConfig
 from medusa_jax.mtbench import MTBenchError
@@ -58,6 +56,9 @@ from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, each_or_none, in_range,
                                          parse_float_list, parse_int_list, parse_positive_int_list)
+from medusa_jax.scripts.options import Option, add_fields, config_from
+
+FAILURES = (OSError, ValueError, CheckpointError, MTBenchError, TreeError)
 
 
 def main(argv=None) -> int:
@@ -76,35 +77,25 @@ def mtbench_main(argv: list[str]) -> int:
     options.TREE.add(p, default=d.tree, more="(default: the heads' own tree for this backend and each batch "
                      "size, from their trees.json built by scripts/build_tree.py, plain decoding where it says no tree "
                      "pays; the mc_sim_7b_16 preset for heads without trees.json)")
-    p.add_argument("--calibration", default=None, choices=("auto", "redo", "skip"),
-                   help="without --tree: auto times this machine's steps on first use (cached) to choose the heads' "
-                        "tree, redo times them again, skip takes the shipped trees.json as it is (default: "
-                        "$MEDUSA_JAX_CALIBRATION, else auto)")
-    p.add_argument("--questions", check=at_least(1), type=int, default=16,
-                   help="MT-Bench first turns to run, taking the 8 categories in turn (default: %(default)s)")
+    options.QUESTIONS.add(p, default=16)
     options.QUESTION_FILE.add(p)
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
-    options.BATCH_SIZE.add(p, default=d.batch_size, more="rows per call in the main per-question "
-                           "comparison")
-    p.add_argument("--batched-sizes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.batched_sizes,
-                   help="further batch sizes for the total-throughput table, comma-separated; '' for none "
-                        "(default: %s)" % ",".join(map(str, d.batched_sizes)))
-    p.add_argument("--sweep-sizes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.sweep_sizes,
-                   help="tree sizes (nodes) for the speedup-vs-tree-size plot: prefixes of the tree's greedy order; "
-                        "'' for none (default: %s)" % ",".join(map(str, d.sweep_sizes)))
-    p.add_argument("--sweep-questions", check=at_least(0), type=int, default=d.sweep_questions,
-                   help="questions per tree size in the sweep; 0 skips it (default: %(default)s)")
-    p.add_argument("--no-profile", action="store_true",
-                   help="skip timing each piece of a Medusa step (verify forward, base logits, acceptance, heads "
-                        "top-k, cache compaction)")
-    p.add_argument("--hf", action="store_true",
-                   help="also time transformers' PyTorch generate (greedy) on every question")
-    p.add_argument("--hf-threads", check=at_least(0), type=int, default=d.hf_threads,
-                   help="PyTorch intra-op threads for --hf; 0 keeps torch's default. On a 2-core machine shared with "
-                        "other work, torch's spinning OpenMP threads made generate ~5x slower than 1 thread "
-                        "(default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="parameter dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
+    options.BATCH_SIZE.add(p, default=d.batch_size, more="rows per call in the main per-question comparison")
+    add_fields(p, d, Option("--calibration", "without --tree: auto times this machine's steps on first use (cached) "
+                            "to choose the heads' tree, redo times them again, skip takes the shipped trees.json as "
+                            "it is (default: $MEDUSA_JAX_CALIBRATION, else auto)", choices=("auto", "redo", "skip")),
+               Option("--batched-sizes", "further batch sizes for the total-throughput table, comma-separated; '' "
+                      "for none", parse_int_list, each_or_none(at_least(1))),
+               Option("--sweep-sizes", "tree sizes (nodes) for the speedup-vs-tree-size plot: prefixes of the tree's "
+                      "greedy order; '' for none", parse_int_list, each_or_none(at_least(1))),
+               Option("--sweep-questions", "questions per tree size in the sweep; 0 skips it", check=at_least(0)),
+               Option("--no-profile", "skip timing each piece of a Medusa step (verify forward, base logits, "
+                      "acceptance, heads top-k, cache compaction)", dest="profile"),
+               Option("--hf", "also time transformers' PyTorch generate (greedy) on every question"),
+               Option("--hf-threads", "PyTorch intra-op threads for --hf; 0 keeps torch's default. On a 2-core "
+                      "machine shared with other work, torch's spinning OpenMP threads made generate ~5x slower than 1 "
+                      "thread", check=at_least(0)))
+    options.DTYPE.add(p, default="float32")
     p.add_argument("--temperatures", check=each(above(0.0)), type=parse_float_list, default=None,
                    help="sampling mode: comma-separated temperatures (e.g. 0.7,1.0); times plain sampling, Medusa "
                         "with exact acceptance and with typical acceptance at each (uses --tree, --questions, "
@@ -115,43 +106,22 @@ def mtbench_main(argv: list[str]) -> int:
                     "(sampling: sampling.json, sampling.md); the committed results in bench/ are written only when "
                     "named here")
     a = p.parse_args(argv)
-    try:
-        config = BenchmarkConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, tree=a.tree, hf=a.hf,
-                                 batched_sizes=a.batched_sizes, sweep_sizes=a.sweep_sizes,
-                                 sweep_questions=a.sweep_questions, profile=not a.no_profile,
-                                 hf_threads=a.hf_threads, calibration=a.calibration)
-    except ValueError as e:
-        p.error(str(e))
-    if a.tree is not None and a.calibration is not None:
-        p.error(f"--calibration {a.calibration} chooses the heads' own tree, so it does nothing with --tree "
-                f"{a.tree}: drop one of them")
-    try:
+    try:  # the flags, before anything loads
+        config = config_from(BenchmarkConfig, a)
         options.tree_arg("--tree", a.tree)
         options.out_folder(a, heads=a.heads)
         options.heads_arg("--heads", a.heads)
-    except validate.UsageError as e:
+    except ValueError as e:
         p.error(str(e))
-    if a.temperatures is not None:
-        return sampling_main(a, argv)
-
-    return _run_and_report(a, argv, run_benchmark, write_report, config)
-
-
-def sampling_main(a: argparse.Namespace, argv) -> int:
-    """--temperatures: the sampling benchmark (bench/sampling_benchmark.py)."""
-    config = SamplingBenchConfig(temperatures=a.temperatures, max_new_tokens=a.max_new_tokens,
-                                 batch_size=a.batch_size, tree=a.tree, seed=a.seed)
-    return _run_and_report(a, argv, run_sampling_benchmark, write_sampling_report, config)
-
-
-def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
-    """Loads the model and questions, runs `run(loaded, questions, config)`, writes its report with `write`."""
-    machine = machine_description()
+    run, write = run_benchmark, write_report
+    if a.temperatures is not None:  # sampling mode (bench/sampling_benchmark.py)
+        config, run, write = config_from(SamplingBenchConfig, a), run_sampling_benchmark, write_sampling_report
     try:
+        machine = machine_description()  # the load average before the run
         questions = mtbench_questions(a.questions, a.question_file)
         loaded = load_model(options.model_arg("--model", a.model), a.heads, dtype=a.dtype)
         results = run(loaded, questions, config, progress=lambda m: print(m, flush=True))
-    except (OSError, CheckpointError, MTBenchError, TreeError, validate.UsageError) as e:
+    except FAILURES as e:
         return validate.fail(e)
     results["meta"] = {"command": command_line("scripts/benchmark.py", argv), "machine": machine,
                        "model": portable_path(loaded.folder), "git_revision": git_revision(Path(__file__).resolve().parent)}
@@ -164,7 +134,7 @@ def _run_and_report(a: argparse.Namespace, argv, run, write, config) -> int:
 def quick_main(argv: list[str]) -> int:
     """`benchmark.py quick`: bench/quick.py."""
     p = ArgumentParser(prog="benchmark.py quick", description=quick.__doc__,
-                                epilog="Example:\n  python scripts/benchmark.py quick --max-new-tokens 64 --batch-sizes 1,4")
+                       epilog="Example:\n  python scripts/benchmark.py quick --max-new-tokens 64 --batch-sizes 1,4")
     options.MODEL.add(p, default="default")
     options.HEADS.add(p, more="(default: fresh init_heads, 4 heads: the base lm_head copied)")
     p.add_argument("--trees", default=",".join(PRESETS),
@@ -174,33 +144,28 @@ def quick_main(argv: list[str]) -> int:
     options.MAX_NEW_TOKENS.add(p, default=64, help="tokens generated per prompt")
     p.add_argument("--stop-at-eos", action="store_true", help="end rows at the model's EOS ids (default: "
                    "ignore them, so every row generates exactly --max-new-tokens)")
-    p.add_argument("--repeats", check=at_least(1), type=int, default=2, help="timed calls per configuration after the warm-up; "
-                                                          "the fastest counts (default: %(default)s)")
+    p.add_argument("--repeats", check=at_least(1), type=int, default=2, help="timed calls per configuration after "
+                   "the warm-up; the fastest counts (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     a = p.parse_args(argv)
     trees = tuple(t for t in a.trees.split(",") if t.strip())
-    if not trees:
-        p.error(f"--trees {a.trees!r}: give at least one tree preset or JSON file, comma-separated")
-    try:
+    try:  # the flags, before anything loads
+        if not trees:
+            raise ValueError(f"--trees {a.trees!r}: give at least one tree preset or JSON file, comma-separated")
         for tree in trees:
             options.tree_arg("--trees", tree)
         if a.heads is not None:
             options.heads_arg("--heads", a.heads)
-    except validate.UsageError as e:
-        p.error(str(e))
-    try:
-        config = QuickConfig(trees=trees, batch_sizes=a.batch_sizes,
-                             max_new_tokens=a.max_new_tokens, stop_at_eos=a.stop_at_eos, repeats=a.repeats)
+        config = config_from(QuickConfig, a, trees=trees)
     except ValueError as e:
         p.error(str(e))
-
     try:
         loaded = load_model(options.model_arg("--model", a.model), a.heads)
         heads = loaded.heads or init_heads(
             HeadsConfig(loaded.base.config.hidden_size, loaded.base.config.vocab_size, num_heads=4), loaded.base)
         run_quick(loaded.base, heads, loaded.encode_chat(PROMPTS), config, eos_ids=loaded.eos_ids,
                   pad_id=loaded.pad_id, as_json=a.json)
-    except (OSError, CheckpointError, TreeError, validate.UsageError) as e:
+    except FAILURES as e:
         return validate.fail(e)
     return 0
 
@@ -209,30 +174,26 @@ def teacher_mass_main(argv: list[str]) -> int:
     """`benchmark.py teacher-mass`: bench/teacher_mass.py."""
     d = TeacherMassConfig()
     p = ArgumentParser(prog="benchmark.py teacher-mass", description=teacher_mass.__doc__,
-                                epilog="Prints one JSON object. Example:\n  python scripts/benchmark.py teacher-mass "
-                                       "--model default --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192")
+                       epilog="Prints one JSON object. Example:\n  python scripts/benchmark.py teacher-mass "
+                              "--model default --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192")
     options.MODEL.add(p, required=True, more="(the one the store was generated with)")
     options.DATA.add(p, required=True, help="self-distilled Arrow store (self_distill.py --save-hidden)")
-    p.add_argument("--sizes", check=each(at_least(1)), type=parse_positive_int_list, default=d.sizes,
-                   help="token_map sizes N to measure, comma-separated (default: %s)" % ",".join(map(str, d.sizes)))
-    p.add_argument("--heldout-fraction", check=in_range(0.0, 1.0, low_open=True, high_open=True), type=float, default=d.heldout_fraction,
-                   help="share of conversations the mass is measured on; the map comes from the rest "
-                        "(default: %(default)s)")
-    p.add_argument("--max-positions", check=at_least(1), type=int, default=d.max_positions,
-                   help="held-out positions measured at most (default: %(default)s)")
+    add_fields(p, d, Option("--sizes", "token_map sizes N to measure, comma-separated", parse_positive_int_list,
+                            each(at_least(1))),
+               Option("--heldout-fraction", "share of conversations the mass is measured on; the map comes from the "
+                      "rest", check=in_range(0.0, 1.0, low_open=True, high_open=True)),
+               Option("--max-positions", "held-out positions measured at most", check=at_least(1)))
     options.SEED_OPTION.add(p, default=d.seed, more="the held-out split")
     a = p.parse_args(argv)
-    try:
-        config = TeacherMassConfig(sizes=a.sizes, heldout_fraction=a.heldout_fraction,
-                                   max_positions=a.max_positions, seed=a.seed)
+    try:  # the flags, before anything loads
+        config = config_from(TeacherMassConfig, a)
+        if not is_store(a.data):
+            raise ValueError(f"--data {a.data} is not a self-distilled Arrow store")
     except ValueError as e:
         p.error(str(e))
-
-    if not is_store(a.data):
-        p.error(f"--data {a.data} is not a self-distilled Arrow store")
     try:
         base = load_pretrained(options.model_arg("--model", a.model, tokenizer=False))
-    except (OSError, CheckpointError, validate.UsageError) as e:
+    except FAILURES as e:
         return validate.fail(e)
     print(json.dumps(outside_mass(base, a.data, config), indent=1))
     return 0
@@ -242,73 +203,54 @@ def heads_main(argv: list[str]) -> int:
     """`benchmark.py heads`: bench/heads_comparison.py."""
     d = CompareConfig()
     p = ArgumentParser(prog="benchmark.py heads", description=heads_comparison.__doc__,
-                                epilog="Example (bench/heads):\n  python scripts/benchmark.py heads --model default "
-                                       "--heads before=default --heads kl=heads/smollm2-kl --out bench/heads")
+                       epilog="Example (bench/heads):\n  python scripts/benchmark.py heads --model default "
+                              "--heads before=default --heads kl=heads/smollm2-kl --out bench/heads")
     options.MODEL.add(p, default="default")
     options.HEADS.add(p, action="append", required=True, metavar="LABEL=FOLDER",
                       more="to compare under a label (LABEL=FOLDER), or drafts that need no training: 'recycle', "
                            "'lookup' or a mix joined by '+' (e.g. mix=default+recycle+lookup); repeat the flag")
-    p.add_argument("--questions", check=at_least(1), type=int, default=16,
-                   help="MT-Bench first turns, the 8 categories in turn (default: %(default)s)")
+    options.QUESTIONS.add(p, default=16)
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
-    p.add_argument("--tree-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=d.tree_sizes,
-                   help="nodes of the greedy trees whose tokens/step is counted (default: %s)"
-                        % ",".join(map(str, d.tree_sizes)))
-    p.add_argument("--chains", check=each_or_none(at_least(1)), type=parse_int_list, default=d.chains,
-                   help="lengths of the chain trees ([[0], [0, 0], ...]) whose tokens/step is counted, where the heads "
-                        "reach that deep; '' for none (default: %s)" % ",".join(map(str, d.chains)))
-    p.add_argument("--batch-sizes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.batch_sizes,
-                   help="timed batch sizes, plain vs Medusa; '' for none (default: %s)" % ",".join(map(str, d.batch_sizes)))
-    p.add_argument("--dynamic-nodes", check=each_or_none(at_least(1)), type=parse_int_list, default=d.dynamic_nodes,
-                   help="also count dynamic trees (EAGLE-2 style, grown per step from the heads' probabilities) of "
-                        "these node budgets N, against the greedy static tree of N nodes (default: none)")
-    p.add_argument("--dynamic-top-k", check=each(at_least(1)), type=parse_positive_int_list, default=None,
-                   help="K values to try for each dynamic tree: children per expanded node and frontier width "
-                        "(default: the default K of dynamic:N, see medusa_jax.trees.tree.default_dynamic_top_k)")
-    p.add_argument("--dynamic-depth", check=each(at_least(1)), type=parse_positive_int_list, default=None,
-                   help="D values (drafting depths) to try for each dynamic tree, at most the heads' number "
-                        "(default: 4, or the number of heads if fewer)")
-    p.add_argument("--timed-nodes", check=at_least(1), type=int, default=d.timed_nodes,
-                   help="greedy tree size timed for heads without trees.json (default: %(default)s)")
-    p.add_argument("--heldout", check=at_least(1), type=int, default=d.heldout,
-                   help="held-out ShareGPT prompts (the last of the file) for the accuracy table (default: %(default)s)")
+    add_fields(p, d, Option("--tree-sizes", "nodes of the greedy trees whose tokens/step is counted",
+                            parse_positive_int_list, each(at_least(1))),
+               Option("--chains", "lengths of the chain trees ([[0], [0, 0], ...]) whose tokens/step is counted, "
+                      "where the heads reach that deep; '' for none", parse_int_list, each_or_none(at_least(1))),
+               Option("--batch-sizes", "timed batch sizes, plain vs Medusa; '' for none", parse_int_list,
+                      each_or_none(at_least(1))),
+               Option("--dynamic-nodes", "also count dynamic trees (EAGLE-2 style, grown per step from the heads' "
+                      "probabilities) of these node budgets N, against the greedy static tree of N nodes (default: "
+                      "none)", parse_int_list, each_or_none(at_least(1))),
+               Option("--dynamic-top-k", "K values to try for each dynamic tree: children per expanded node and "
+                      "frontier width (default: the default K of dynamic:N, see "
+                      "medusa_jax.trees.tree.default_dynamic_top_k)", parse_positive_int_list, each(at_least(1))),
+               Option("--dynamic-depth", "D values (drafting depths) to try for each dynamic tree, at most the "
+                      "heads' number (default: 4, or the number of heads if fewer)", parse_positive_int_list,
+                      each(at_least(1))),
+               Option("--timed-nodes", "greedy tree size timed for heads without trees.json", check=at_least(1)),
+               Option("--heldout", "held-out ShareGPT prompts (the last of the file) for the accuracy table",
+                      check=at_least(1)))
     options.DATA.add(p, help="ShareGPT-style conversations for the held-out prompts (default: the packaged ShareGPT "
                              "file)")
-    p.add_argument("--continuation-tokens", check=at_least(4), type=int, default=d.continuation_tokens,
-                   help="greedy tokens generated per held-out prompt (default: %(default)s)")
+    add_fields(p, d, Option("--continuation-tokens", "greedy tokens generated per held-out prompt",
+                            check=at_least(4)))
     options.QUESTION_FILE.add(p)
     options.OUT.add(p, default="artifacts/benchmark_heads", more="folder for heads.json, heads.md and "
                     "heads.png; the committed bench/heads is written only when named here")
     a = p.parse_args(argv)
-    labels = {}
-    for item in a.heads:
-        label, sep, folder = item.partition("=")
-        if not sep or not label or not folder:
-            p.error(f"--heads {item!r}: expected LABEL=FOLDER")
-        if label in labels:
-            p.error(f"--heads: label {label!r} given twice")
-        labels[label] = folder
-    try:
-        config = CompareConfig(max_new_tokens=a.max_new_tokens, tree_sizes=a.tree_sizes, chains=a.chains,
-                               batch_sizes=a.batch_sizes,
-                               timed_nodes=a.timed_nodes, heldout=a.heldout, data=a.data,
-                               continuation_tokens=a.continuation_tokens, dynamic_nodes=a.dynamic_nodes,
-                               dynamic_top_k=a.dynamic_top_k, dynamic_depth=a.dynamic_depth)
-    except ValueError as e:
-        p.error(str(e))
-    drafts = {label: name for label, name in labels.items() if heads_comparison.is_drafts(name)}
-    try:
+    try:  # the flags, before anything loads
+        labels = heads_comparison.parse_labels(a.heads)
+        config = config_from(CompareConfig, a)
+        drafts = {label: name for label, name in labels.items() if heads_comparison.is_drafts(name)}
         for label, folder in labels.items():
             options.out_folder(a, heads=options.heads_mix_arg("--heads", folder) if label in drafts else folder,
                                data=a.data)
-    except validate.UsageError as e:
+    except ValueError as e:
         p.error(str(e))
-
     try:
         folders = {label: options.heads_arg("--heads", f) for label, f in labels.items() if label not in drafts}
         loaded = load_model(options.model_arg("--model", a.model), None)
         heads = {label: (load_heads(f, base=loaded.base), portable_path(f)) for label, f in folders.items()}
-    except (OSError, ValueError) as e:
+    except FAILURES as e:
         return validate.fail(e)
 
     def heads_of(location: str):  # a mix's trained part
@@ -316,12 +258,8 @@ def heads_main(argv: list[str]) -> int:
 
     prompts = loaded.encode_chat([q.turns[0] for q in mtbench_questions(a.questions, a.question_file)])
     results = heads_comparison.compare(loaded, heads, prompts, config, drafts_by_label=drafts, heads_of=heads_of)
-    command, machine = command_line("scripts/benchmark.py heads", argv), machine_description()
-    out = Path(a.out)
-    write_files(out, {"heads.json": heads_comparison.report_json(results, command, machine),
-                      "heads.md": heads_comparison.markdown(results, command, machine_line(machine))})
-    heads_comparison.plot(results, out / "heads.png")
-    print((out / "heads.md").read_text())
+    command = command_line("scripts/benchmark.py heads", argv)
+    print(heads_comparison.write(results, a.out, command, machine_description()).read_text())
     return 0
 
 
@@ -335,8 +273,7 @@ def calibration_main(argv: list[str]) -> int:
     options.HEADS.add(p, default="default", more="with a trees.json")
     p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(1, 4, 8),
                    help="batch sizes to choose a tree for and time (default: 1,4,8)")
-    p.add_argument("--questions", check=at_least(1), type=int, default=16,
-                   help="MT-Bench first turns (default: %(default)s)")
+    options.QUESTIONS.add(p, default=16)
     options.MAX_NEW_TOKENS.add(p, default=96)
     p.add_argument("--fresh", action="store_true",
                    help="time the steps again instead of reading this machine's cached calibration (as on first use)")
@@ -346,20 +283,17 @@ def calibration_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     try:
         options.out_folder(a, heads=a.heads)
-    except validate.UsageError as e:
+    except ValueError as e:
         p.error(str(e))
     try:
         options.heads_arg("--heads", a.heads)
         loaded = load_model(options.model_arg("--model", a.model), a.heads)
-    except (OSError, ValueError) as e:
+    except FAILURES as e:
         return validate.fail(e)
     prompts = loaded.encode_chat([q.turns[0] for q in mtbench_questions(a.questions, a.question_file)])
     results = calibration_report.run(loaded, prompts, a.batch_sizes, a.max_new_tokens, a.fresh)
-    command, machine = command_line("scripts/benchmark.py calibration", argv), machine_description()
-    out = Path(a.out)
-    write_files(out, {"calibration.json": json.dumps({"command": command, "machine": machine, **results}, indent=1)
-                      + "\n", "calibration.md": calibration_report.markdown(results, command, machine_line(machine))})
-    print((out / "calibration.md").read_text())
+    command = command_line("scripts/benchmark.py calibration", argv)
+    print(calibration_report.write(results, a.out, command, machine_description()).read_text())
     return 0
 
 

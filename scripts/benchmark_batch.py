@@ -21,28 +21,28 @@ tokens per step, rows where Medusa differs from plain) and OUT/batch.md (the tab
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 from medusa_jax.compile_cache import enable_compile_cache
-from medusa_jax.paths import portable_path
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.api import generate
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.bench import decode_benchmark, gpu_bench, scaling_benchmark
-from medusa_jax.bench.batch_benchmark import METHODS, BatchBenchConfig, markdown, run_batch_benchmark
+from medusa_jax.bench.batch_benchmark import METHODS, BatchBenchConfig, run_batch_benchmark, write_report
 from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.trees.policy.calibration import machine_description
-from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
+from medusa_jax.bench.bench_inputs import mtbench_questions
 from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.op_profile import op_times
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, parse_int_list,
                                          parse_positive_int_list)
+from medusa_jax.scripts.options import Option, add_fields, config_from
+
+FAILURES = (OSError, ValueError, MTBenchError)  # CheckpointError and TokenizerError are ValueErrors
 
 
 def main(argv=None) -> int:
@@ -58,50 +58,40 @@ def throughput_main(argv: list[str]) -> int:
     p = ArgumentParser(prog="benchmark_batch.py", description=__doc__)
     options.MODEL.add(p, default="default")
     options.HEADS.add(p, default="default", more="; 'random' for untrained heads sharing the base lm_head")
-    p.add_argument("--random-heads", check=at_least(1), type=int, default=4, help="number of heads with --heads random (default: 4)")
+    p.add_argument("--random-heads", check=at_least(1), type=int, default=4,
+                   help="number of heads with --heads random (default: 4)")
     options.TREE.add(p, default=d.tree)
     p.add_argument("--prompts", check=at_least(1), type=int, default=64,
                    help="MT-Bench first turns to generate for, taking the categories in turn (default: %(default)s)")
     options.QUESTION_FILE.add(p)
-    p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_int_list, default=d.batch_sizes,
-                   help="batch sizes, comma-separated (default: %s)" % ",".join(map(str, d.batch_sizes)))
     p.add_argument("--methods", default=",".join(d.methods),
                    help=f"comma-separated subset of {','.join(METHODS)} (default: %(default)s)")
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
-    p.add_argument("--chunk-steps", check=at_least(1), type=int, default=d.chunk_steps,
-                   help="method refill: decode steps between refills of finished rows (default: %(default)s)")
+    add_fields(p, d, Option("--batch-sizes", "batch sizes, comma-separated", parse_int_list, each(at_least(1))),
+               Option("--chunk-steps", "method refill: decode steps between refills of finished rows",
+                      check=at_least(1)))
     options.MESH.add(p, default="", more="; batch sizes must divide by data*fsdp (default: one device)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="parameter dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    options.DTYPE.add(p, default="float32")
+    options.NO_PROGRESS.add(p, action="store_true")
     options.OUT.add(p, default="artifacts/benchmark_batch", more="folder for batch.json and batch.md; the "
                     "committed bench/batch is written only when named here")
     a = p.parse_args(argv)
-    methods = tuple(m for m in a.methods.split(",") if m.strip())
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown or not methods:
-        p.error(f"--methods {a.methods!r}: give a comma-separated subset of {','.join(METHODS)}")
-
     try:
-        if "medusa" in methods:
+        config = config_from(BatchBenchConfig, a, methods=tuple(m for m in a.methods.split(",") if m.strip()))
+        if "medusa" in config.methods:
             options.tree_arg("--tree", a.tree)
-        config = BatchBenchConfig(batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, tree=a.tree,
-                                  methods=methods, chunk_steps=a.chunk_steps)
         heads = None if a.heads == "random" or "medusa" not in config.methods else a.heads
         options.out_folder(a, heads)
         options.mesh_devices("--mesh", a.mesh)
         folder = options.model_arg("--model", a.model)
         heads_dir = options.heads_arg("--heads", heads) if heads else None
         questions = mtbench_questions(a.prompts, a.question_file)
-    except (ValueError, OSError, MTBenchError) as e:
-        return validate.fail(e)
-    enable_compile_cache()  # compile seconds stay reported; a rerun loads the executables instead
-    random = a.heads == "random" and "medusa" in config.methods
-    try:  # a corrupt weights or tokenizer file: one error line, not a traceback
+        enable_compile_cache()  # compile seconds stay reported; a rerun loads the executables instead
+        random = a.heads == "random" and "medusa" in config.methods
         model = load_sharded(folder, heads_dir, MeshConfig.parse(a.mesh), a.dtype,
                              random_heads=a.random_heads if random else 0)
         tokenizer = load_tokenizer(folder)
-    except (ValueError, OSError) as e:  # CheckpointError and TokenizerError are ValueErrors
+    except FAILURES as e:
         return validate.fail(e)
     eos = eos_token_ids(folder, tokenizer)
     prompts = [encode_prompt(tokenizer, q.first_turn, chat=True) for q in questions]
@@ -109,32 +99,28 @@ def throughput_main(argv: list[str]) -> int:
                                  progress=not a.no_progress)
     heads_note = (f"{a.random_heads} random (untrained) heads sharing the base lm_head" if random
                   else str(heads_dir) if heads_dir else "none")
-    command = command_line("scripts/benchmark_batch.py", argv)
-    result.update(model=portable_path(folder), heads=heads_note, mesh=a.mesh or "single device", dtype=a.dtype,
-                  prompts=len(prompts), command=command, machine=machine_description())
-    title = (f"Batch generation, {len(prompts)} MT-Bench first turns, {config.max_new_tokens} new tokens max, "
-             f"{Path(folder).name} {a.dtype}, heads: {heads_note}, tree {config.tree}, mesh {result['mesh']}\n\n"
-             f"Command: `{command}`")
-    write_files(a.out, {"batch.json": json.dumps(result, indent=1), "batch.md": markdown(result, title)})
-    print(markdown(result, title))
+    print(write_report(result, a.out, config, folder=folder, heads=heads_note, mesh=a.mesh, dtype=a.dtype,
+                       prompts=len(prompts), command=command_line("scripts/benchmark_batch.py", argv),
+                       machine=machine_description()))
     return 0
 
 
 def scaling_main(argv: list[str]) -> int:
     """`benchmark_batch.py scaling`: bench/scaling_benchmark.py."""
     p = ArgumentParser(prog="benchmark_batch.py scaling", description=scaling_benchmark.__doc__,
-                                epilog="Example:\n  python scripts/benchmark_batch.py scaling --heads default --out "
-                                       "bench/scaling\nWrites OUT/results.json, OUT/results.md and OUT/scaling.png.")
+                       epilog="Example:\n  python scripts/benchmark_batch.py scaling --heads default --out "
+                              "bench/scaling\nWrites OUT/results.json, OUT/results.md and OUT/scaling.png.")
     options.MODEL.add(p, default="default")
     options.HEADS.add(p, more="to time the Medusa step too; omit for plain steps only")
     options.TREE.add(p, default="mc_sim_7b_16", more="for the Medusa step")
-    p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(1, 4, 8, 16, 32, 64),
-                   help="comma-separated batch sizes (default: 1,4,8,16,32,64)")
+    p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list,
+                   default=(1, 4, 8, 16, 32, 64), help="comma-separated batch sizes (default: 1,4,8,16,32,64)")
     p.add_argument("--cache-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(256, 1024),
                    help="comma-separated cache sizes in slots (default: 256,1024)")
-    p.add_argument("--context-fraction", check=in_range(0.0, 1.0, low_open=True, high_open=True), type=float, default=0.75,
-                   help="committed tokens per row as a fraction of the cache (default: %(default)s)")
-    p.add_argument("--rounds", check=at_least(1), type=int, default=3, help="interleaved timing rounds per point (default: %(default)s)")
+    p.add_argument("--context-fraction", check=in_range(0.0, 1.0, low_open=True, high_open=True), type=float,
+                   default=0.75, help="committed tokens per row as a fraction of the cache (default: %(default)s)")
+    p.add_argument("--rounds", check=at_least(1), type=int, default=3,
+                   help="interleaved timing rounds per point (default: %(default)s)")
     options.OUT.add(p, default="artifacts/benchmark_scaling",
                     more="folder for results.json, results.md and scaling.png")
     a = p.parse_args(argv)
@@ -144,7 +130,7 @@ def scaling_main(argv: list[str]) -> int:
             options.heads_arg("--heads", a.heads)
             options.tree_arg("--tree", a.tree)
         loaded = load_model(options.model_arg("--model", a.model), a.heads)
-    except (OSError, ValueError) as e:
+    except FAILURES as e:
         return validate.fail(e)
     heads = loaded.heads
     tree = None if heads is None else load_tree(a.tree, num_heads=heads.config.num_heads,
@@ -152,21 +138,16 @@ def scaling_main(argv: list[str]) -> int:
     results = scaling_benchmark.run_scaling(loaded.base, heads, tree, batch_sizes=a.batch_sizes,
                                             cache_sizes=a.cache_sizes, context_fraction=a.context_fraction,
                                             rounds=a.rounds, progress=lambda m: print(m, flush=True))
-    machine = machine_description()
-    command = command_line("scripts/benchmark_batch.py scaling", argv)
-    text = scaling_benchmark.markdown(results, command, json.dumps(machine))
-    write_files(a.out, {"results.json": json.dumps({"machine": machine, "command": command, **results}, indent=1),
-                        "results.md": text})
-    scaling_benchmark.plot(results, Path(a.out) / "scaling.png")
-    print(text)
+    print(scaling_benchmark.write(results, a.out, command_line("scripts/benchmark_batch.py scaling", argv),
+                                  machine_description()))
     return 0
 
 
 def decode_main(argv: list[str]) -> int:
     """`benchmark_batch.py decode`: bench/decode_benchmark.py."""
     p = ArgumentParser(prog="benchmark_batch.py decode", description=decode_benchmark.__doc__,
-                                epilog="Example:\n  python scripts/benchmark_batch.py decode --prompts 4 --out "
-                                       "artifacts/benchmark_decode/\nWrites OUT/results.json and OUT/results.md.")
+                       epilog="Example:\n  python scripts/benchmark_batch.py decode --prompts 4 --out "
+                              "artifacts/benchmark_decode/\nWrites OUT/results.json and OUT/results.md.")
     options.MODEL.add(p, default="default")
     p.add_argument("--prompts", check=at_least(1), type=int, default=4,
                    help="MT-Bench first turns to use, taking the 8 categories in turn (default: %(default)s)")
@@ -187,12 +168,10 @@ def decode_main(argv: list[str]) -> int:
         options.out_folder(a)
         questions = mtbench_questions(a.prompts)
         folder = options.model_arg("--model", a.model)
-        positions = options.max_positions(folder)
-        if a.max_new_tokens >= positions:
-            raise validate.UsageError(f"--max-new-tokens {a.max_new_tokens}: the model has {positions} positions "
-                                      f"in all; lower it to at most {positions - 1} (less the prompt's tokens)")
+        options.within_positions(f"--max-new-tokens {a.max_new_tokens}", a.max_new_tokens + 1, folder,
+                                 "lower it, leaving room for the prompt's tokens")
         loaded = load_model(folder, None)
-    except (OSError, ValueError, MTBenchError) as e:
+    except FAILURES as e:
         return validate.fail(e)
     machine = machine_description()
     prompts = loaded.encode_chat([q.first_turn for q in questions])
@@ -204,12 +183,7 @@ def decode_main(argv: list[str]) -> int:
             lambda: generate(loaded.base, [prompts[0]], max_new_tokens=a.max_new_tokens, eos_ids=()),
             per=a.max_new_tokens)
     results["questions"] = [{"question_id": q.question_id, "category": q.category} for q in questions]
-    command = command_line("scripts/benchmark_batch.py decode", argv)
-    text = decode_benchmark.markdown(results, machine, command)
-    paths = write_files(a.out, {"results.json": json.dumps({"machine": machine, "command": command, **results},
-                                                           indent=1), "results.md": text})
-    print(text)
-    print("wrote " + " and ".join(str(p) for p in paths.values()))
+    print(decode_benchmark.write(results, a.out, command_line("scripts/benchmark_batch.py decode", argv), machine))
     return 0
 
 
@@ -217,58 +191,40 @@ def gpu_main(argv: list[str]) -> int:
     """`benchmark_batch.py gpu`: bench/gpu_bench.py."""
     d = gpu_bench.GpuBenchConfig()
     p = ArgumentParser(prog="benchmark_batch.py gpu", description=gpu_bench.__doc__,
-                                epilog="Stops starting new measurements after --budget-seconds, so it finishes in "
-                                       "about 5 minutes on one H200. Example:\n  python scripts/benchmark_batch.py gpu "
-                                       "--out gpu_bench/\nWrites OUT/gpu_bench.json and OUT/gpu_bench.md. For real "
-                                       "MT-Bench speedups with trained heads on a GPU, run\nscripts/benchmark.py "
-                                       "--dtype bfloat16.")
+                       epilog="Stops starting new measurements after --budget-seconds, so it finishes in "
+                              "about 5 minutes on one H200. Example:\n  python scripts/benchmark_batch.py gpu "
+                              "--out gpu_bench/\nWrites OUT/gpu_bench.json and OUT/gpu_bench.md. For real "
+                              "MT-Bench speedups with trained heads on a GPU, run\nscripts/benchmark.py "
+                              "--dtype bfloat16.")
     p.add_argument("--tiny", action="store_true",
                    help="tiny float32 models, trees of 4 and 8 tokens, batches 1 and 2: a CPU smoke test "
                         "(the other size flags are ignored)")
     p.add_argument("--models", default=",".join(d.models),
                    help="comma-separated: smollm2 (real weights if they can be prepared, else random of its "
                         "shape), llama-1b, llama-7b, smollm2-shape, tiny-a, tiny-b (default: %(default)s)")
-    p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float32"),
-                   help="parameter and compute dtype (default: %(default)s)")
-    p.add_argument("--tree-tokens", check=each(at_least(2)), type=parse_positive_int_list, default=d.tree_tokens,
-                   help="tree sizes T (root included), comma-separated (default: %s)" % ",".join(map(str, d.tree_tokens)))
-    p.add_argument("--batches", check=each(at_least(1)), type=parse_positive_int_list, default=d.batches,
-                   help="batch sizes, comma-separated (default: %s)" % ",".join(map(str, d.batches)))
-    p.add_argument("--context", check=at_least(1), type=int, default=d.context,
-                   help="committed tokens in the KV cache during the timed steps (default: %(default)s)")
-    p.add_argument("--repeats", check=at_least(1), type=int, default=d.repeats, help="timed calls per point, median (default: %(default)s)")
-    p.add_argument("--heads-lm-head", default=d.heads_lm_head, choices=("shared", "own"),
-                   help="random heads' lm_head: shared with the base, or own [D, V] per head (default: %(default)s)")
+    add_fields(p, d, Option("--dtype", "parameter and compute dtype", choices=("bfloat16", "float32")),
+               Option("--tree-tokens", "tree sizes T (root included), comma-separated", parse_positive_int_list,
+                      each(at_least(2))),
+               Option("--batches", "batch sizes, comma-separated", parse_positive_int_list, each(at_least(1))),
+               Option("--context", "committed tokens in the KV cache during the timed steps", check=at_least(1)),
+               Option("--repeats", "timed calls per point, median", check=at_least(1)),
+               Option("--heads-lm-head", "random heads' lm_head: shared with the base, or own [D, V] per head",
+                      choices=("shared", "own")))
     p.add_argument("--budget-seconds", check=at_least(0.0), type=float, default=None,
                    help="no new measurement starts after this many seconds (default: %.0f; 120 with --tiny)"
                         % d.budget_seconds)
     options.OUT.add(p, default="artifacts/gpu_bench", more="folder")
     a = p.parse_args(argv)
-    models = tuple(m for m in a.models.split(",") if m.strip())
-    known = ("smollm2", *gpu_bench.model_shapes(a.dtype))
-    if not models or set(models) - set(known):  # checked with --tiny too, which ignores it
-        p.error(f"--models {a.models!r}: give a comma-separated subset of {', '.join(known)}")
-    try:
+    budget = a.budget_seconds if a.budget_seconds is not None else 120.0 if a.tiny else d.budget_seconds
+    try:  # --models is checked with --tiny too, which ignores it
+        config = config_from(gpu_bench.GpuBenchConfig, a, budget_seconds=budget,
+                             models=tuple(m for m in a.models.split(",") if m.strip()))
         options.out_folder(a)
-    except validate.UsageError as e:
-        p.error(str(e))
-    if a.tiny:
-        config = gpu_bench.GpuBenchConfig.tiny(a.budget_seconds if a.budget_seconds is not None else 120.0)
-    else:
-        if min(a.tree_tokens) < 2:
-            p.error("--tree-tokens must be >= 2 (the root and at least one node)")
-        config = gpu_bench.GpuBenchConfig(
-            models=models, dtype=a.dtype, tree_tokens=a.tree_tokens,
-            batches=a.batches, context=a.context, repeats=a.repeats, heads_lm_head=a.heads_lm_head,
-            budget_seconds=a.budget_seconds if a.budget_seconds is not None else d.budget_seconds)
-
-    try:
-        results = gpu_bench.run_gpu_bench(config, progress=lambda m: print(m, flush=True))
+        results = gpu_bench.run_gpu_bench(gpu_bench.GpuBenchConfig.tiny(budget) if a.tiny else config,
+                                          progress=lambda m: print(m, flush=True))
     except ValueError as e:
         return validate.fail(e)
-    text = gpu_bench.markdown(results)
-    write_files(a.out, {"gpu_bench.json": json.dumps(results, indent=1, default=float) + "\n", "gpu_bench.md": text})
-    print(text)
+    print(gpu_bench.write(results, a.out))
     return 0
 
 

@@ -7,7 +7,6 @@ Writes OUT/results.json and OUT/results.md (bench/recycle_bench.py explains what
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -15,16 +14,17 @@ from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.heads.recycle import TEMPLATES, recycle_drafter
 from medusa_jax.heads.recycle_file import RecycleFileError, starting_table
 from medusa_jax.hub import HubError
-from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions, write_files
+from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions
 from medusa_jax.bench.bench_report import machine_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.paths import command_line
 from medusa_jax.trees.policy.calibration import machine_description
 from medusa_jax.mtbench import MTBenchError
-from medusa_jax.bench.recycle_bench import RecycleBenchConfig, markdown, run_recycle_bench
+from medusa_jax.bench.recycle_bench import RecycleBenchConfig, run_recycle_bench, write_report
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
 from medusa_jax.paths import portable_path
+from medusa_jax.scripts.options import Option, add_fields, config_from
 
 
 def parse_args(argv=None):
@@ -33,37 +33,28 @@ def parse_args(argv=None):
     options.MODEL.add(p, default="default")
     p.add_argument("--recycle-table", default=None,
                    help="table file to start from (default: the shipped SmolLM2 table where the model matches it)")
-    p.add_argument("--questions", type=int, default=16, check=at_least(1),
-                   help="MT-Bench questions (first turns), categories in turn (default: %(default)s)")
+    options.QUESTIONS.add(p, default=16)
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     p.add_argument("--templates", default=",".join(d.templates),
                    help=f"comma-separated templates among {', '.join(TEMPLATES)} (default: %(default)s)")
-    p.add_argument("--batch-sizes", type=parse_positive_int_list, default=d.batch_sizes, check=each(at_least(1)),
-                   help="comma-separated batch sizes (default: 1)")
+    add_fields(p, d, Option("--batch-sizes", "comma-separated batch sizes", parse_positive_int_list,
+                            each(at_least(1))))
     options.OUT.add(p, required=True, more="folder for results.json and results.md")
-    a = p.parse_args(argv)
-    a.templates = tuple(t for t in a.templates.split(",") if t)
-    bad = [t for t in a.templates if t not in TEMPLATES]
-    if bad or not a.templates:
-        p.error(f"--templates {','.join(a.templates)}: unknown {bad}; choose among {', '.join(TEMPLATES)}")
-    try:
-        validate.recycle_table_file("--recycle-table", a.recycle_table)
-        validate.output_file("--out", f"{a.out}/results.json", {"--model": options.model_location(a.model)})
-    except validate.UsageError as e:
-        p.error(str(e))
-    return a
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    enable_compile_cache()
-    machine = machine_description()  # the load average before the run
     try:
+        config = config_from(RecycleBenchConfig, a, templates=tuple(t for t in a.templates.split(",") if t))
+        validate.recycle_table_file("--recycle-table", a.recycle_table)
+        validate.output_file("--out", f"{a.out}/results.json", {"--model": options.model_location(a.model)})
+        enable_compile_cache()
+        machine = machine_description()  # the load average before the run
         options.model_arg("--model", a.model)
         questions = mtbench_questions(a.questions)
         loaded = load_model(a.model, None)
         origin = starting_table(loaded.base, a.recycle_table)[1]
-        config = RecycleBenchConfig(a.templates, tuple(a.batch_sizes), a.max_new_tokens)
         results = run_recycle_bench(loaded, loaded.encode_chat([q.first_turn for q in questions]),
                                     lambda: recycle_drafter(loaded.base, a.recycle_table), config,
                                     progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -73,10 +64,8 @@ def main(argv=None) -> int:
             "machine_line": machine_line(machine), "git": git_revision(Path(__file__).resolve().parents[1]),
             "model": portable_path(str(loaded.folder)), "questions": len(questions),
             "max_new_tokens": a.max_new_tokens, "table": origin,
-            "templates": {name: [list(p) for p in TEMPLATES[name]] for name in a.templates}}
-    write_files(a.out, {"results.json": json.dumps({"meta": meta, "results": results}, indent=1) + "\n",
-                        "results.md": markdown(results, meta) + "\n"})
-    print(markdown(results, meta))
+            "templates": {name: [list(p) for p in TEMPLATES[name]] for name in config.templates}}
+    print(write_report(results, meta, a.out))
     return 0
 
 

@@ -29,6 +29,7 @@ from medusa_jax.training.output_folder import FileLock, OutputFolderError, made_
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least
+from medusa_jax.scripts.options import Option, add_fields, config_from
 
 
 def build_parser() -> ArgumentParser:
@@ -39,37 +40,30 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--output", required=True,
                    help="the store folder: new, empty, or a store to resume or grow; one build per store at a time; "
                         "never inside --model or --data")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, check=at_least(1),
-                   help="stop once the store holds this many tokens (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, check=at_least(8),
-                   help="a conversation keeps its first SEQ_LEN tokens; forward rows are this wide; at most the "
-                        "model's positions (default: %(default)s)")
-    p.add_argument("--rows-per-call", type=int, default=d.rows_per_call, check=at_least(1),
-                   help="packed rows per forward call; on a mesh it must divide over the data axes "
-                        "(default: %(default)s)")
-    p.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens, check=at_least(1),
-                   help="tokens per written shard, about (default: %(default)s)")
+    add_fields(p, d, Option("--max-tokens", "stop once the store holds this many tokens", check=at_least(1)),
+               Option("--seq-len", "a conversation keeps its first SEQ_LEN tokens; forward rows are this wide; at "
+                      "most the model's positions", check=at_least(8)),
+               Option("--rows-per-call", "packed rows per forward call; on a mesh it must divide over the data axes",
+                      check=at_least(1)),
+               Option("--chunk-tokens", "tokens per written shard, about", check=at_least(1)))
     options.SEED_OPTION.add(p, default=d.seed, more="the order conversations are taken in")
-    p.add_argument("--limit", type=int, default=None, check=at_least(1),
-                   help="read only the first N usable conversations (default: all)")
+    add_fields(p, d, Option("--limit", "read only the first N usable conversations (default: all)", int,
+                            at_least(1)))
     options.MESH.add(p, default="", more="for the forward, e.g. data=8 (default: one device)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    options.NO_PROGRESS.add(p, action="store_true")
     return p
 
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    config = FeatureStoreConfig(max_tokens=a.max_tokens, seq_len=a.seq_len, rows_per_call=a.rows_per_call,
-                                chunk_tokens=a.chunk_tokens, seed=a.seed, limit=a.limit)
     try:
+        config = config_from(FeatureStoreConfig, a)
         data = options.data_arg("--data", a.data)
         validate.output_folder("--output", a.output, {"--model": options.model_location(a.model), "--data": data})
-        options.divides_rows("--rows-per-call", a.rows_per_call, "--mesh", a.mesh)
+        shd.check_rows_split("--rows-per-call", a.rows_per_call, a.mesh)
         options.mesh_devices("--mesh", a.mesh)
         model_dir = options.model_arg("--model", a.model)
-        if a.seq_len > options.max_positions(model_dir):
-            raise validate.UsageError(f"--seq-len {a.seq_len}: the model has only {options.max_positions(model_dir)} "
-                                      f"positions; lower it")
+        options.within_positions(f"--seq-len {a.seq_len}", a.seq_len, model_dir)
         with made_folders(a.output, include_path=True), FileLock(a.output, "--output"):
             enable_compile_cache()
             mesh = shd.MeshConfig.parse(a.mesh).make_mesh()

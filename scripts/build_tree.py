@@ -11,23 +11,19 @@ kept). generate.py, benchmark.py, demo.sh and the Python API decode with it unle
 
 from __future__ import annotations
 
-import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
-import jax
-
-from medusa_jax.atomic import write_text_atomic
 from medusa_jax.trees import trees_file
 from medusa_jax.trees.tree import TreeError
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
-from medusa_jax.trees.search.tree_builder import BuildTreeConfig, build, summary_lines
+from medusa_jax.trees.search.tree_builder import BuildTreeConfig, build, save_trees
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, each_or_none, in_range, parse_int_list,
                                          parse_positive_int_list)
+from medusa_jax.scripts.options import Option, add_fields, config_from
 
 
 def main(argv=None) -> int:
@@ -42,50 +38,35 @@ def main(argv=None) -> int:
                    help="batch sizes to build a tree for, comma-separated: each is timed and gets its own tree "
                         "(or none); decoding at another batch size uses the nearest smaller one (default: %s)"
                         % ",".join(map(str, d.batch_sizes)))
-    p.add_argument("--accuracy-scale", type=float, default=d.accuracy_scale,
-                   check=in_range(0.0, 1.0, low_open=True),
-                   help="multiply each drafted token's held-out acceptance by this (0 < s <= 1) when sizing and "
-                        "predicting trees: held-out ShareGPT text is easier than most prompts (MT-Bench accepted "
-                        "0.72x of it); 1 trusts the held-out text (default: %(default)s)")
-    p.add_argument("--min-speedup", type=float, default=d.min_speedup, check=above(0.0),
-                   help="keep a tree only if its predicted speedup over plain decoding reaches this: a margin "
-                        "for timing noise and for heads less independent than the prediction assumes "
-                        "(default: %(default)s)")
+    add_fields(p, d, Option("--accuracy-scale", "multiply each drafted token's held-out acceptance by this (0 < s <= "
+                            "1) when sizing and predicting trees: held-out ShareGPT text is easier than most prompts "
+                            "(MT-Bench accepted 0.72x of it); 1 trusts the held-out text",
+                            check=in_range(0.0, 1.0, low_open=True)),
+               Option("--min-speedup", "keep a tree only if its predicted speedup over plain decoding reaches this: a "
+                      "margin for timing noise and for heads less independent than the prediction assumes",
+                      check=above(0.0)))
     options.DATA.add(p, more="for the held-out prompts (default: packaged ShareGPT)")
-    p.add_argument("--heldout", type=int, default=d.heldout, check=at_least(1),
-                   help="prompts taken from the END of the data, away from what training reads first "
-                        "(default: %(default)s)")
-    p.add_argument("--continuation-tokens", type=int, default=d.continuation_tokens, check=at_least(4),
-                   help="greedy tokens the base model generates per prompt; heads are scored on them "
-                        "(default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=d.top_k, check=at_least(1), help="ranks measured per head (default: %(default)s)")
-    p.add_argument("--max-nodes", type=int, default=d.max_nodes, check=in_range(1, 4096),
-                   help="largest tree considered, root excluded (default: %(default)s)")
-    p.add_argument("--tree-tokens", type=parse_int_list, default=d.tree_tokens, check=each(in_range(2, 4096)),
-                   help="tree sizes T (root included) whose step time is measured, comma-separated; sizes in "
-                        "between are interpolated (default: %s)" % ",".join(map(str, d.tree_tokens)))
-    p.add_argument("--dynamic-nodes", type=parse_int_list, default=d.dynamic_nodes,
-                   check=each_or_none(in_range(1, 4096)),
-                   help="also weigh dynamic trees (EAGLE-2 style) of these node budgets N: the held-out prompts are "
-                        "decoded with each and with the static tree of N nodes, and its step is timed; the chooser "
-                        "keeps whichever tree, static or dynamic, predicts the most tokens per second; '' for none "
-                        "(default: %s)" % ",".join(map(str, d.dynamic_nodes)))
-    p.add_argument("--context", type=int, default=d.context, check=at_least(1),
-                   help="committed tokens in the cache when timing (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=d.repeats, check=at_least(1), help="timed calls per size (median; default: %(default)s)")
+    add_fields(p, d, Option("--heldout", "prompts taken from the END of the data, away from what training reads "
+                            "first", check=at_least(1)),
+               Option("--continuation-tokens", "greedy tokens the base model generates per prompt; heads are scored "
+                      "on them", check=at_least(4)),
+               Option("--top-k", "ranks measured per head", check=at_least(1)),
+               Option("--max-nodes", "largest tree considered, root excluded", check=in_range(1, 4096)),
+               Option("--tree-tokens", "tree sizes T (root included) whose step time is measured, comma-separated; "
+                      "sizes in between are interpolated", parse_int_list, each(in_range(2, 4096))),
+               Option("--dynamic-nodes", "also weigh dynamic trees (EAGLE-2 style) of these node budgets N: the "
+                      "held-out prompts are decoded with each and with the static tree of N nodes, and its step is "
+                      "timed; the chooser keeps whichever tree, static or dynamic, predicts the most tokens per "
+                      "second; '' for none", parse_int_list, each_or_none(in_range(1, 4096))),
+               Option("--context", "committed tokens in the cache when timing", check=at_least(1)),
+               Option("--repeats", "timed calls per size (median)", check=at_least(1)))
     a = p.parse_args(argv)
     try:
-        config = BuildTreeConfig(data=a.data, heldout=a.heldout, continuation_tokens=a.continuation_tokens,
-                                 top_k=a.top_k, max_nodes=a.max_nodes, tree_tokens=a.tree_tokens,
-                                 batch_sizes=a.batch_sizes, min_speedup=a.min_speedup,
-                                 accuracy_scale=a.accuracy_scale, context=a.context,
-                                 repeats=a.repeats, dynamic_nodes=a.dynamic_nodes)
+        config = config_from(BuildTreeConfig, a)
     except ValueError as e:
         p.error(str(e))
-
     try:
-        data = options.data_arg("--data", a.data)
-        inputs = {"--model": options.model_location(a.model), "--data": data}
+        inputs = {"--model": options.model_location(a.model), "--data": options.data_arg("--data", a.data)}
         if a.out is not None:
             validate.output_file("--out", a.out, {**inputs, "--heads": options.heads_location(a.heads)})
         heads_dir = options.heads_arg("--heads", a.heads)
@@ -95,21 +76,10 @@ def main(argv=None) -> int:
         # an existing file must be valid: its other backends are kept (checked before the slow work)
         existing = trees_file.read_trees_file(out)
         loaded = load_model(options.model_arg("--model", a.model), heads_dir)
-    except (OSError, ValueError, TreeError) as e:
-        return validate.fail(e)
-    backend = jax.default_backend()
-    try:
         batches, built = build(loaded, config, progress=lambda m: print(m, flush=True))
-    except (DataError, TreeError) as e:
+    except (OSError, ValueError, TreeError, DataError) as e:
         return validate.fail(e)
-
-    built = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-             "command": command_line("scripts/build_tree.py", argv), **built}  # no local paths
-    document = trees_file.trees_document(existing, backend, batches, built)
-    write_text_atomic(out, json.dumps(document, indent=1) + "\n")
-    for line in summary_lines(batches, built):
-        print(line)
-    print(f"wrote the {backend} trees for batch sizes {', '.join(map(str, sorted(batches)))} to {out}")
+    print("\n".join(save_trees(out, existing, batches, built, command_line("scripts/build_tree.py", argv))))
     return 0
 
 

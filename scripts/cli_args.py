@@ -8,7 +8,7 @@
   (nan and inf are refused for every float flag, whatever its rule).
 - errors are one line, `error: MESSAGE`, on stderr, exit status 2 (argparse prints the usage first).
 Rules: `at_least`, `above`, `in_range`, `SEED` (0 .. 2**31 - 1: seeds reach jitted code as int32),
-`each(rule)` for comma-separated lists, `each_or_none(rule)` also takes an empty list, `no_check` any value;
+`each(rule)` for comma-separated lists, `each_or_none(rule)` also takes an empty list;
 `mesh_spec` checks a --mesh string's form.
 Options several commands share are declared once, with their rules, in `options`.
 """
@@ -103,11 +103,6 @@ def each(rule: Rule) -> Rule:
 def each_or_none(rule: Rule) -> Rule:
     """Like `each`, but an empty list ('' = none of these) is allowed."""
     return lambda values: each(rule)(values) if values else None
-
-
-def no_check(_value) -> None:
-    """For a numeric flag any value of which is fine (documented so by using this rule)."""
-    return None
 
 
 def mesh_spec(spec: str) -> str | None:

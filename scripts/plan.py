@@ -36,6 +36,7 @@ from medusa_jax.training.presets import PRESETS, model_config
 from medusa_jax.progress import heartbeat
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, in_range
+from medusa_jax.scripts.options import config_from
 
 MAX_BATCH = 1 << 20  # prompts or packed rows: far beyond any real job, far below what would overflow a plan
 MAX_SEQ = 1 << 22  # tokens per row / cache slots (also bounded by the model's max_position_embeddings)
@@ -73,7 +74,7 @@ def parse_args(argv):
                         "bfloat16; bfloat16 for decode)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="train: the dtype the step computes in (default: %(default)s)")
-    p.add_argument("--scan-layers", action="store_true",
+    p.add_argument("--scan-layers", action="store_true", dest="scan",
                    help="train: the backbone's layers under one scan (train_heads.py --scan-layers): FSDP gathers one "
                         "layer at a time")
     p.add_argument("--remat", choices=REMAT_POLICIES, default="none",
@@ -119,26 +120,14 @@ def plan_main(argv: list[str]) -> int:
     try:
         mesh = MeshConfig.parse(args.mesh)
         device, capacity = device_capacity(args.device)
-        if not 0 <= args.headroom < 1:
-            raise ValueError(f"--headroom must be in [0, 1), got {args.headroom}")
         seq = args.seq or (2048 if args.job == "train" else 1024)
         dtype = args.dtype or ("float32" if args.job == "train" else "bfloat16")
         if args.model not in PRESETS and Path(args.model).is_dir():
             options.model_folder("--model", args.model, tokenizer=False, weights=False)
         if args.job == "decode":
             options.tree_arg("--tree", args.tree)
-        model = model_config(args.model, dtype)
-        positions = model.max_position_embeddings
-        if seq > positions:
-            raise validate.UsageError(f"--seq {seq}: the model has {positions} positions; plan at most that")
-        if args.job == "decode" and args.cache > positions + 4096:
-            raise validate.UsageError(f"--cache {args.cache}: the model has {positions} positions (plus the tree's "
-                                      f"scratch slots); plan fewer cache slots")
-        config = PlanConfig(model, mesh, job=args.job, batch=args.batch, seq=seq,
-                            cache=args.cache, tree=args.tree, num_heads=args.num_heads, lm_head=args.lm_head,
-                            medusa2=args.medusa2, compute_dtype=args.compute_dtype,
-                            layers=LayerExecution(scan=args.scan_layers, remat=args.remat, attention=args.attention),
-                            loss_chunk=args.loss_chunk, optimizer_dtype=args.optimizer_dtype)
+        config = config_from(PlanConfig, args, model=model_config(args.model, dtype), mesh=mesh, seq=seq,
+                             layers=config_from(LayerExecution, args))
     except (ValueError, OSError) as e:
         return validate.fail(e)
     force_host_devices(max(mesh.size, 1))
@@ -233,7 +222,7 @@ def vs_device_main(argv: list[str]) -> int:
     options.NUM_HEADS.add(p, default=4, more="(random)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights (default: bf16)")
     p.add_argument("--medusa2", action="store_true", help="train: joint training of the backbone")
-    p.add_argument("--scan-layers", action="store_true", help="train: the layers under one scan")
+    p.add_argument("--scan-layers", action="store_true", dest="scan", help="train: the layers under one scan")
     p.add_argument("--remat", choices=REMAT_POLICIES, default="none", help="train: remat policy (default: %(default)s)")
     p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
                    help="train: attention kernel on the device (the plan uses chunked for cudnn) (default: %(default)s)")
@@ -260,7 +249,7 @@ def vs_device_main(argv: list[str]) -> int:
     if args.job == "train":
         extra = ["--remat", args.remat, "--attention", args.attention, "--loss-chunk", str(args.loss_chunk),
                  "--optimizer-dtype", args.optimizer_dtype] + ["--medusa2"] * args.medusa2 + \
-            ["--scan-layers"] * args.scan_layers
+            ["--scan-layers"] * args.scan
     else:
         extra = ["--lm-head", "shared", "--cache", str(args.cache), "--tree", args.tree]
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *common, *extra], capture_output=True,
@@ -273,8 +262,8 @@ def vs_device_main(argv: list[str]) -> int:
     if args.job == "train":
         config = PlanConfig(model_config(folder, args.dtype), MeshConfig(), job="train", batch=args.batch,
                             seq=args.seq, num_heads=args.num_heads, medusa2=args.medusa2,
-                            layers=LayerExecution(scan=args.scan_layers, remat=args.remat, attention=args.attention),
-                            loss_chunk=args.loss_chunk, optimizer_dtype=args.optimizer_dtype)
+                            layers=config_from(LayerExecution, args), loss_chunk=args.loss_chunk,
+                            optimizer_dtype=args.optimizer_dtype)
         measured = measure_train_step(config)
         before, peak = measured["state"], measured["peak"]
         print(f"{device.device_kind}: {device.platform} compiler's figure for the step "

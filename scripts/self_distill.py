@@ -13,6 +13,7 @@ Rerunning the same command resumes: ids already in --output are skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from medusa_jax.training.hidden_store import store_path
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
+from medusa_jax.scripts.options import Option, add_fields, config_from
 
 
 def build_parser() -> ArgumentParser:
@@ -41,35 +43,28 @@ def build_parser() -> ArgumentParser:
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens, help="tokens generated per assistant turn")
     options.BATCH_SIZE.add(p, default=d.batch_size, more="decode slots run together; larger is faster "
                            "until memory runs out; on a mesh padded up to a multiple of data x fsdp with idle slots")
-    p.add_argument("--chunk-steps", type=int, default=d.chunk_steps, check=at_least(1),
-                   help="decode steps per jitted call; finished slots get new prompts between calls "
-                        "(default: %(default)s)")
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, check=at_least(1),
-                   help="skip conversations whose first prompt (chat template applied) is longer; with "
-                        "--max-new-tokens and --turns it sets the KV cache size, which must fit the model's "
-                        "positions (default: %(default)s)")
-    p.add_argument("--turns", type=int, default=d.turns, check=at_least(1),
-                   help="assistant turns regenerated per conversation, each seeing the earlier regenerated ones "
-                        "(default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=d.temperature, check=at_least(0.0),
-                   help="0 = greedy (matches greedy Medusa decoding); > 0 samples (default: %(default)s)")
+    add_fields(p, d, Option("--chunk-steps", "decode steps per jitted call; finished slots get new prompts between "
+                            "calls", check=at_least(1)),
+               Option("--max-prompt-tokens", "skip conversations whose first prompt (chat template applied) is "
+                      "longer; with --max-new-tokens and --turns it sets the KV cache size, which must fit the "
+                      "model's positions", check=at_least(1)),
+               Option("--turns", "assistant turns regenerated per conversation, each seeing the earlier regenerated "
+                      "ones", check=at_least(1)),
+               Option("--temperature", "0 = greedy (matches greedy Medusa decoding); > 0 samples",
+                      check=at_least(0.0)))
     options.SEED_OPTION.add(p, default=d.seed, more="conversation order and sampling")
-    p.add_argument("--limit", type=int, default=None, check=at_least(1),
-                   help="stop after this many conversations in total (>= 1), counting those already written "
-                        "(default: all)")
-    p.add_argument("--save-hidden", action="store_true",
-                   help="also store the prompt/reply token ids, loss mask and the base model's hidden state behind "
-                        "every generated token in the Arrow store OUTPUT.arrow/ (datasets.load_from_disk opens it), so "
-                        "train_heads.py --data OUTPUT.arrow --cache-hidden trains the heads from it, memory-mapped, "
-                        "without another pass over the backbone")
-    p.add_argument("--num-shards", type=int, default=1, check=at_least(1),
-                   help="processes (hosts) splitting the conversations; each writes OUTPUT with .shard-I-of-N before "
-                        "its suffix (default: %(default)s)")
-    p.add_argument("--shard-index", type=int, default=0, check=at_least(0),
-                   help="this process's shard, 0 .. num-shards - 1 (default: %(default)s)")
+    add_fields(p, d, Option("--limit", "stop after this many conversations in total (>= 1), counting those already "
+                            "written (default: all)", int, at_least(1)),
+               Option("--save-hidden", "also store the prompt/reply token ids, loss mask and the base model's hidden "
+                      "state behind every generated token in the Arrow store OUTPUT.arrow/ (datasets.load_from_disk "
+                      "opens it), so train_heads.py --data OUTPUT.arrow --cache-hidden trains the heads from it, "
+                      "memory-mapped, without another pass over the backbone"),
+               Option("--num-shards", "processes (hosts) splitting the conversations; each writes OUTPUT with "
+                      ".shard-I-of-N before its suffix", check=at_least(1)),
+               Option("--shard-index", "this process's shard, 0 .. num-shards - 1", check=at_least(0)))
     options.MESH.add(p, default="", more="of this process's devices for the decode slots (slots over data x "
                       "fsdp, weights over tensor) (default: one device)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    options.NO_PROGRESS.add(p, action="store_true")
     add_distributed_args(p)
     return p
 
@@ -86,29 +81,20 @@ def check_paths(a, output) -> None:
 
 
 def main(argv=None) -> int:
-    p = build_parser()
-    a = p.parse_args(argv)
-    if not 0 <= a.shard_index < a.num_shards:
-        p.error(f"--shard-index {a.shard_index}: must be in [0, --num-shards {a.num_shards})")
-
+    a = build_parser().parse_args(argv)
     try:
+        config = config_from(DistillConfig, a)
         output = shard_output(a.output, a.shard_index, a.num_shards)
         check_paths(a, output)
         if initialize(config_from_args(a)):  # the shard is this process's place in the job
-            a.num_shards, a.shard_index = jax.process_count(), jax.process_index()
-            output = shard_output(a.output, a.shard_index, a.num_shards)
+            config = dataclasses.replace(config, num_shards=jax.process_count(), shard_index=jax.process_index())
+            output = shard_output(a.output, config.shard_index, config.num_shards)
             check_paths(a, output)
         options.mesh_devices("--mesh", a.mesh, local=True)
         folder = options.model_arg("--model", a.model)
-        config = DistillConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, chunk_steps=a.chunk_steps,
-                               max_prompt_tokens=a.max_prompt_tokens, turns=a.turns, temperature=a.temperature,
-                               seed=a.seed, limit=a.limit, save_hidden=a.save_hidden, num_shards=a.num_shards,
-                               shard_index=a.shard_index, mesh=a.mesh)
-        positions, needed = options.max_positions(folder), a.turns * (a.max_prompt_tokens + a.max_new_tokens)
-        if needed > positions:
-            raise validate.UsageError(
-                f"--turns {a.turns} x (--max-prompt-tokens {a.max_prompt_tokens} + --max-new-tokens "
-                f"{a.max_new_tokens}) = {needed} positions, but the model has {positions}: lower them")
+        needed = a.turns * (a.max_prompt_tokens + a.max_new_tokens)
+        options.within_positions(f"--turns {a.turns} x (--max-prompt-tokens {a.max_prompt_tokens} + --max-new-tokens "
+                                 f"{a.max_new_tokens}) = {needed}", needed, folder, "lower them")
         enable_compile_cache()
         stats = self_distill(str(folder), a.data, output, config, progress=not a.no_progress)
     except (DataError, DistributedError, OutputFolderError, HubError, OSError, ValueError) as e:

@@ -39,7 +39,7 @@ from medusa_jax.inference.mixed_decoding import is_mix
 from medusa_jax.inference.served_drafter import served_drafter
 from medusa_jax.hub import HubError
 from medusa_jax.scripts import options, validate
-from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.model.sharding import MeshConfig, check_rows_split
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 
 DEFAULT_CONTEXT = 1024  # --context when not given (or the model's positions if fewer)
@@ -95,9 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                       f"per step; drop --tree")
         (options.recycle_tree if a.heads == recycle.HEAD_TYPE else options.tree_arg)("--tree", a.tree)
         options.mesh_devices("--mesh", a.mesh)
-        options.divides_rows("--batch-size", a.batch_size, "--mesh", a.mesh)
+        check_rows_split("--batch-size", a.batch_size, a.mesh)
         check_listen(a.host, a.port)
-    except validate.UsageError as e:
+    except ValueError as e:
         p.error(str(e))
     return a
 
@@ -124,9 +124,8 @@ def build_engine(a: argparse.Namespace):
     heads_dir = None if a.heads is None or a.heads == recycle.HEAD_TYPE else \
         options.heads_mix_arg("--heads", a.heads) if is_mix(a.heads) else options.heads_arg("--heads", a.heads)
     positions = options.max_positions(folder)
-    if a.context is not None and a.context > positions:
-        raise validate.UsageError(f"--context {a.context}: the model has {positions} positions; lower it to at "
-                                  f"most {positions}")
+    if a.context is not None:
+        options.within_positions(f"--context {a.context}", a.context, folder)
     context = a.context or min(DEFAULT_CONTEXT, positions)
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(folder, tokenizer)

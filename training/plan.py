@@ -68,6 +68,12 @@ class PlanConfig:
         rows = self.mesh.data * self.mesh.fsdp
         if self.batch % rows:
             raise MeshError(f"batch {self.batch} is not divisible by mesh axes data x fsdp = {rows}")
+        positions = self.model.max_position_embeddings
+        if self.seq > positions:
+            raise ValueError(f"--seq {self.seq}: the model has {positions} positions; plan at most that")
+        if self.job == "decode" and self.cache > positions + 4096:
+            raise ValueError(f"--cache {self.cache}: the model has {positions} positions (plus the tree's scratch "
+                             f"slots); plan fewer cache slots")
         if self.job == "decode" and self.max_new_tokens < 1:
             raise ValueError(f"cache {self.cache} leaves no room for new tokens after a {self.seq}-token prompt "
                              f"and the tree's {self.tree_tokens} scratch slots")

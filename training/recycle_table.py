@@ -10,6 +10,7 @@ depth-1 draft, the measure `heads.recycle.RANK_ACCEPTANCE` and its templates com
 from __future__ import annotations
 
 import dataclasses
+import sys
 from functools import partial
 from typing import Callable
 
@@ -19,10 +20,14 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.text import eos_token_ids, load_tokenizer
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.recycle import DEFAULT_TOP_K, empty_table
+from medusa_jax.heads.recycle_file import model_fingerprint, save_table
 from medusa_jax.inference.autoregressive import prefill_states
 from medusa_jax.training.data import tokenize_messages
+from medusa_jax.training.sharegpt import read_conversations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,30 @@ def build_table(base: CausalLM, tokenizer, conversations: list[dict], eos_ids: t
     sequences = [tokenize_messages(tokenizer, record["messages"], eos_ids, f"conversation {i}")
                  for i, record in enumerate(conversations)]
     return table_from_sequences(base, sequences, config, progress, start_vr)
+
+
+def build_table_file(folder, data: str | None, output, config: TableBuildConfig = TableBuildConfig()) -> dict:
+    """The table of the model at `folder` after `config.conversations` conversations of `data` (None: the packaged
+    ShareGPT file), saved to `output` with a note of how it was built; returns a summary. Progress on stderr."""
+    conversations, report = read_conversations(data, config.conversations)
+    tokenizer, base = load_tokenizer(folder), load_pretrained(folder)
+    done = [0]
+
+    def progress(n):
+        done[0] += n
+        print(f"\r{done[0]}/{len(conversations)} conversations", end="", file=sys.stderr, flush=True)
+
+    built = build_table(base, tokenizer, conversations, tuple(eos_token_ids(folder, tokenizer)),
+                        dataclasses.replace(config, conversations=len(conversations)), progress)
+    print(file=sys.stderr)
+    acceptance = [round(x, 4) for x in built.rank_acceptance]
+    save_table(output, built.table_vr, model=model_fingerprint(base), note=(
+        f"{len(conversations)} conversations of {report.source.split('/')[-1]}, at most {config.seq_len} tokens "
+        f"each, teacher-forced ({built.tokens} positions); rank acceptance {acceptance} over {built.counted} "
+        f"assistant positions"))
+    return {"output": str(output), "conversations": len(conversations), "positions": built.tokens,
+            "counted": built.counted, "rank_acceptance": acceptance,
+            "rows_seen": int((built.table_vr != empty_table(*built.table_vr.shape)).any(axis=1).sum())}
 
 
 def table_from_sequences(base: CausalLM, sequences: list[tuple[list[int], list[int]]],

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -39,8 +40,9 @@ from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import write_heads_files
 from medusa_jax.heads.eagle_init import identity_feature_init
 from medusa_jax.heads.init import init_heads
+from medusa_jax.heads.kinds import drafter_class
 from medusa_jax.heads.medusa import MedusaHeads
-from medusa_jax.training import losses, memory_plan, output_folder, sources
+from medusa_jax.training import hidden_store, losses, memory_plan, output_folder, sources
 from medusa_jax.training.checkpointing import Checkpoints, TrainingDiverged
 from medusa_jax.training.metrics_log import MetricsLog, NoLog
 from medusa_jax.training.data import DataConfig, top_token_ids
@@ -83,6 +85,37 @@ class RunConfig:
     wandb_project: str | None = None  # also log to Weights & Biases (training.metrics_log)
     data_config: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+
+    def __post_init__(self):
+        """The settings that rule each other out, named by their flags (ValueError)."""
+        objective, medusa2 = objective_for(self.head_type), self.train.medusa2
+        if medusa2 and not objective.joint_backbone:
+            raise ValueError(f"--head-type {self.head_type} trains with a frozen backbone (Medusa-1) only; drop "
+                             f"--medusa2")
+        if self.cache_hidden and medusa2:
+            raise ValueError("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
+        if self.backbone_dtype != "float32" and medusa2:
+            raise ValueError(f"--backbone-dtype {self.backbone_dtype} is for a frozen backbone (Medusa-1): Medusa-2 "
+                             f"trains float32 master weights (halve its optimiser state with --optimizer-dtype "
+                             f"bfloat16 instead); drop one")
+        if objective.feature_rows and self.cache_hidden:
+            raise ValueError(f"--head-type {self.head_type} reads the hidden states of every position: give a "
+                             f"feature store (scripts/build_features.py) as --data instead of --cache-hidden")
+        if objective.fused_features and (self.cache_hidden or self.num_layers != 1
+                                         or hidden_store.is_store(self.data, hidden_store.FEATURES)):
+            raise ValueError(f"--head-type {self.head_type} trains on packed rows (the fused features come from the "
+                             f"backbone in the step) with one decoder layer: drop --cache-hidden, give chat data as "
+                             f"--data (a feature store holds only the last hidden state) and use --num-layers 1")
+        if self.eagle_init != "random" and not drafter_class(self.head_type).fc_options:
+            raise ValueError(f"--eagle-init {self.eagle_init} initialises an EAGLE drafter; drop it or use "
+                             f"--head-type eagle")
+        parse_lm_head(self.lm_head)
+        if self.wandb_project is not None and not self.wandb_project.strip():
+            raise ValueError("--wandb: empty value; give a Weights & Biases project name (or leave the flag out)")
+        if self.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
+        shd.check_rows_split(*(("--cached-batch-size", self.cached_batch_size) if self.cache_hidden else
+                               ("--batch-size", self.batch_size)), self.mesh)
 
 
 def parse_lm_head(spec: str) -> tuple[str, int | None]:
@@ -145,15 +178,6 @@ def plan_memory(cfg: RunConfig) -> memory_plan.MemoryEstimate:
 
 def train_heads(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Checks the output folder and the memory plan, takes the folder's lock, then runs (see output_folder)."""
-    if cfg.cache_hidden and cfg.train.medusa2:
-        raise ValueError("--cache-hidden needs a frozen backbone (Medusa-1); drop it or --medusa2")
-    if cfg.train.medusa2 and not objective_for(cfg.head_type).joint_backbone:
-        raise ValueError(f"--head-type {cfg.head_type} trains with a frozen backbone (Medusa-1) only; drop --medusa2")
-    if cfg.backbone_dtype != "float32" and cfg.train.medusa2:
-        raise ValueError(f"--backbone-dtype {cfg.backbone_dtype} is for a frozen backbone (Medusa-1): Medusa-2 "
-                         f"trains float32 master weights (halve its optimiser state with --optimizer-dtype "
-                         f"bfloat16 instead); drop one")
-    parse_lm_head(cfg.lm_head)
     output_folder.check_output(cfg.output, cfg.force_output)
     plan = plan_memory(cfg)
     memory_plan.check_fits(plan, cfg.memory_limit_gib, cfg.cache_hidden, cfg.lm_head, cfg.train.medusa2)

@@ -81,7 +81,7 @@ class DistillConfig:
             raise ValueError(f"max_new_tokens, batch_size, chunk_steps, turns and max_prompt_tokens must be >= 1: "
                              f"{self}")
         if not 0 <= self.shard_index < self.num_shards:
-            raise ValueError(f"shard_index must be in [0, num_shards), got {self.shard_index} of {self.num_shards}")
+            raise ValueError(f"--shard-index {self.shard_index}: must be in [0, --num-shards {self.num_shards})")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1 (None: all conversations), got {self.limit}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):

@@ -79,10 +79,13 @@ class TrainConfig:
         resolve_dtype(self.compute_dtype)
         if self.head_loss not in HEAD_LOSSES:
             raise ValueError(f"head_loss must be one of {HEAD_LOSSES}, got {self.head_loss!r}")
-        if self.ce_weight < 0 or self.kl_weight < 0 or self.head_loss_weights == (0.0, 0.0):
-            raise ValueError(f"ce_weight and kl_weight must be >= 0 and the used ones not all 0: {self}")
         if self.distill_kl and not self.medusa2:
-            raise ValueError("distill_kl only applies to Medusa-2 (the backbone must be trained)")
+            raise ValueError("--distill-kl trains the backbone: it needs --medusa2")
+        if self.ce_weight < 0 or self.kl_weight < 0:
+            raise ValueError(f"--ce-weight {self.ce_weight}, --kl-weight {self.kl_weight}: must be >= 0")
+        if self.head_loss_weights == (0.0, 0.0):
+            raise ValueError(f"--head-loss {self.head_loss}: its weights (--ce-weight/--kl-weight) are all 0; make "
+                             f"one > 0")
         if self.optimizer_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"optimizer_dtype must be float32 or bfloat16, got {self.optimizer_dtype!r}")
         if self.loss_chunk < 0:
@@ -90,8 +93,10 @@ class TrainConfig:
         if self.max_steps < 1 or self.warmup_steps < 0 or self.learning_rate <= 0 or self.head_lr_multiplier <= 0:
             raise ValueError(f"bad schedule: {self}")
         if self.eagle_noise < 0 or self.eagle_feature_weight < 0 or self.eagle_ce_weight < 0 or \
-                self.eagle_feature_weight + self.eagle_ce_weight == 0 or self.eagle_train_depth < 1:
-            raise ValueError(f"EAGLE noise and loss weights must be >= 0, the weights not both 0: {self}")
+                self.eagle_train_depth < 1:
+            raise ValueError(f"EAGLE noise and loss weights must be >= 0 and the train depth >= 1: {self}")
+        if self.eagle_feature_weight + self.eagle_ce_weight == 0:
+            raise ValueError("--eagle-feature-weight and --eagle-ce-weight are both 0: nothing to train; make one > 0")
 
     @property
     def head_loss_weights(self) -> tuple[float, float]:

@@ -232,3 +232,11 @@ def gathered_over_fsdp(state):
         return jax.lax.with_sharding_constraint(leaf, P(*(None if a == "fsdp" else a for a in spec)))
 
     return fill_state(state, gather)
+
+
+def check_rows_split(flag: str, rows: int, spec: str | None) -> None:
+    """A batch of `rows` (given as `flag`) that must split evenly over the --mesh `spec`'s data x fsdp rows."""
+    mesh = MeshConfig.parse(spec)
+    if rows % (mesh.data * mesh.fsdp):
+        raise MeshError(f"{flag} {rows} does not split over --mesh {spec} (data x fsdp = {mesh.data * mesh.fsdp}): "
+                        f"use a multiple of {mesh.data * mesh.fsdp}")

@@ -21,11 +21,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+import jax
 import numpy as np
 
+from medusa_jax.atomic import write_text_atomic
+from medusa_jax.trees import trees_file
 from medusa_jax.trees.tree import DynamicTree, TreeError, build_tree, parse_dynamic_tree
 from medusa_jax.trees.policy import step_cost, tree_choice
 from medusa_jax.inference.api import BatchSettings, generate_batch
@@ -195,3 +200,14 @@ def summary_lines(batches: dict[int, tuple], built: dict) -> list[str]:
             + f" (plain {r['plain_step_seconds'] * 1e3:.1f})")
         lines.append(_choice_line(batch, paths, r))
     return lines
+
+
+def save_trees(out: Path, existing, batches: dict[int, tuple], built: dict, command: str) -> list[str]:
+    """This backend's trees written into the trees file `out` (the other backends' trees of `existing`, its
+    content before, kept); returns the build's summary lines."""
+    backend = jax.default_backend()
+    built = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command, **built}
+    document = trees_file.trees_document(existing, backend, batches, built)
+    write_text_atomic(out, json.dumps(document, indent=1) + "\n")
+    return summary_lines(batches, built) + [f"wrote the {backend} trees for batch sizes "
+                                            f"{', '.join(map(str, sorted(batches)))} to {out}"]
