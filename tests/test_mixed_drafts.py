@@ -311,8 +311,9 @@ def test_build_mix_sizes_its_budget_and_measures_non_decreasing_costs(tiny):
     costs (a step of more nodes never costs less; the drafting's cost is added to every size, plain included)."""
     base, _ = tiny("llama")
     mix, sizes = build_mix(base, ("lookup",), None, 16)
-    assert mix.candidates == 10 and sizes.depth == 10  # one chain of 10 (LookupDrafter.mix_member at 16)
-    assert sizes.sizes == sizes_for(10) == (0, 1, 3, 10) and sizes_for(64) == (0, 8, 21, 64)
+    assert mix.candidates == 40 and sizes.depth == 10  # 4 chains of 10 (LookupDrafter.mix_member at 16)
+    assert sizes.sizes == sizes_for(16) == (0, 2, 5, 16) and sizes_for(10) == (0, 1, 3, 10)
+    assert sizes_for(64) == (0, 8, 21, 64)
     assert len(sizes.costs) == 4 and all(b >= a for a, b in zip(sizes.costs, sizes.costs[1:]))
     assert sizes.costs[0] >= 1.0  # plain: one forward, plus the drafting
     with pytest.raises(MixError, match="empty part"):
