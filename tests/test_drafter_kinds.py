@@ -78,4 +78,5 @@ def test_a_new_training_free_kind_is_one_registration_away_from_the_mix_parser(m
     base = SimpleNamespace(config=SimpleNamespace(hidden_size=8, vocab_size=32))
     mix = make_members(base, ("echo", "lookup"), None, 16)
     assert mix.names == ("echo", "lookup") and isinstance(mix.drafters[0], EchoDrafter)
-    assert mix.candidates == 20 and mix.depth == 10  # each a chain of 10 (LookupDrafter.mix_member at 16 nodes)
+    # echo's and lookup's 4 chains of 10 each (LookupDrafter.mix_member at 16 nodes)
+    assert mix.candidates == 80 and mix.depth == 10

@@ -119,14 +119,16 @@ def chain(tokens, logp, root=0):
 
 def test_merge_dedups_shared_prefixes_and_keeps_ancestor_closed_best_nodes():
     a = chain([4, 5, 6, 7], -0.5)  # 4 5 6 7
-    b = chain([4, 5, 9], -0.2)  # shares the prefix 4 5: one copy, the better score
+    b = chain([4, 5, 9], -0.2)  # shares the prefix 4 5: one copy, wrong only if both copies are (noisy-or)
     c = chain([8], -3.0)
     bad = chain([4, 5, 6], -np.inf)  # no candidates at all
     merged = merge_proposals([a, b, c, bad], depth=4)
     paths = paths_of(merged, 0)
     assert all(len(v) == 1 for v in paths.values())  # every path once
     assert set(paths) == {(4,), (4, 5), (4, 5, 6), (4, 5, 6, 7), (4, 5, 9), (8,)}
-    assert paths[(4,)] == [pytest.approx(-0.2)] and paths[(4, 5)] == [pytest.approx(-0.4)]
+    both = np.log(1 - (1 - np.exp(-0.5)) * (1 - np.exp(-0.2)))  # each shared node's conditional
+    assert paths[(4,)] == [pytest.approx(both)] and paths[(4, 5)] == [pytest.approx(2 * both)]
+    assert paths[(4, 5, 9)] == [pytest.approx(2 * both - 0.2)] and paths[(4, 5, 6, 7)] == [pytest.approx(2 * both - 1)]
     for nodes in (1, 2, 3, 5, 6, 9):
         kept = keep_best(merged, nodes)
         parent = np.asarray(kept.parent_bt[0])
@@ -142,7 +144,8 @@ def test_merge_dedups_shared_prefixes_and_keeps_ancestor_closed_best_nodes():
     padded = keep_best(merged, 9)
     assert np.asarray(padded.depth_bt[0, 7:]).tolist() == [1, 1, 1] and (padded.parent_bt[0, 7:] == 0).all()
     np.testing.assert_allclose(np.asarray(expected_accepts(merged, (0, 1, 3))[0]),
-                               [0, np.exp(-0.2), np.exp(-0.2) + np.exp(-0.4) + np.exp(-0.6)], rtol=1e-5)
+                               [0, np.exp(both), np.exp(both) + np.exp(2 * both) + np.exp(2 * both - 0.2)],
+                               rtol=1e-5)
 
 
 def test_choose_size_follows_predicted_tokens_per_unit_of_time():
@@ -308,8 +311,9 @@ def test_build_mix_sizes_its_budget_and_measures_non_decreasing_costs(tiny):
     costs (a step of more nodes never costs less; the drafting's cost is added to every size, plain included)."""
     base, _ = tiny("llama")
     mix, sizes = build_mix(base, ("lookup",), None, 16)
-    assert mix.candidates == 10 and sizes.depth == 10  # one chain of 10 (LookupDrafter.mix_member at 16)
-    assert sizes.sizes == sizes_for(10) == (0, 1, 3, 10) and sizes_for(64) == (0, 8, 21, 64)
+    assert mix.candidates == 40 and sizes.depth == 10  # 4 chains of 10 (LookupDrafter.mix_member at 16)
+    assert sizes.sizes == sizes_for(16) == (0, 2, 5, 16) and sizes_for(10) == (0, 1, 3, 10)
+    assert sizes_for(64) == (0, 8, 21, 64)
     assert len(sizes.costs) == 4 and all(b >= a for a, b in zip(sizes.costs, sizes.costs[1:]))
     assert sizes.costs[0] >= 1.0  # plain: one forward, plus the drafting
     with pytest.raises(MixError, match="empty part"):

@@ -261,6 +261,26 @@ def test_teacher_forced_table_holds_each_tokens_last_top_k_and_counts_ranks(tiny
     assert built.counted == 8 and built.tokens == 10 and built.rank_hits_r.sum() <= built.counted
 
 
+def test_prompt_update_writes_each_prompt_positions_top_k_later_positions_winning(tiny):
+    from medusa_jax.model.kv_cache import KVCache
+    from medusa_jax.inference.autoregressive import prefill_states
+
+    base, _ = tiny("llama")
+    width = recycle.PROMPT_CHUNK + 6  # two chunks: the second one's writes win over the first's
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 30, (1, width)).astype(np.int32)  # token ids repeat within and across chunks
+    lens = np.asarray([width - 2], np.int32)  # the last two positions are padding: no writes
+    _, _, hidden_btd = prefill_states(base, jnp.asarray(prompt), jnp.asarray(lens),
+                                      KVCache.zeros(base.config, 1, width))
+    table = empty_table(base.config.vocab_size)
+    got = np.asarray(recycle.prompt_update(jnp.asarray(table), base, jnp.asarray(prompt), jnp.asarray(lens),
+                                           hidden_btd))
+    logits_btv = np.asarray(base.logits(hidden_btd))
+    want = reference_update(table, prompt[:, : lens[0]], logits_btv[:, : lens[0]], [True])
+    np.testing.assert_array_equal(got, want)
+    assert (got != table).any(axis=1).sum() == len(set(prompt[0, : lens[0]].tolist()))
+
+
 def plain_hidden(base, ids):
     from medusa_jax.model.kv_cache import KVCache
     from medusa_jax.inference.autoregressive import prefill

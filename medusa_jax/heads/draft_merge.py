@@ -5,14 +5,20 @@ Candidates. Every drafter proposes a `dynamic_tree.TreeProposal`: node 0 the roo
 node scored with the log of its predicted acceptance (the probability that the whole path to it is accepted: the
 heads' probabilities along the path, prompt lookup's measured acceptance after an n-token match, ...), -inf for a
 node that is no candidate. `merge_proposals` concatenates them under one root and deduplicates: D rounds (one per
-depth) map every node to the first node with the same token under the same (deduplicated) parent, which takes
-the best score of its copies; copies drop to -inf. So siblings are distinct tokens, and every node scores at most
-its parent and comes after it: the N best nodes (`keep_best`: ties to the lower index) always include their
-ancestors. Kept nodes keep their order (parents first) and their parents are renumbered, as in `grow_tree`.
+depth) map every node to the first node with the same token under the same (deduplicated) parent; copies drop to
+-inf. Scores are then made comparable across drafters: each candidate's own conditional, P(right | parent right)
+= its score over its parent's, is mapped through its drafter's measured counts (`merge_calibration`: by depth
+and bin of the own score, `PROB_EDGES`), a node several drafters propose is wrong only if every copy is
+(noisy-or of the copies' conditionals: on MT-Bench a node both the heads and recycling drafted was right 0.19 of
+the time, either alone 0.07 / 0.03), and a node's score is the sum of the log conditionals along its path: its
+predicted P(accepted). So siblings are distinct tokens, and every node scores at most its parent and comes after
+it: the N best nodes (`keep_best`: ties to the lower index) are a best-first expansion of the union tree and
+always include their ancestors. Kept nodes keep their order (parents first) and their parents are renumbered, as
+in `grow_tree`.
 
 Fewer than N candidates. Padding nodes, listed after every real node, are children of the root that repeat the
-root's first kept child (or the root's own token when there is none). A repeated sibling is never accepted in greedy acceptance (the first
-longest path wins) and has probability 0 in exact acceptance (`exact_acceptance.trial_outcomes`), so the output
+root's first kept child (or the root's own token when there is none). A repeated sibling is never accepted in
+greedy acceptance (the first longest path wins) and has probability 0 in exact acceptance (`exact_acceptance.trial_outcomes`), so the output
 is unchanged; they cost verify width only, which the draft-size choice (`inference.draft_size`) avoids.
 
 Axes as in dynamic_tree.py; a: the merged candidates of a step (all drafters' nodes without their roots).
@@ -21,12 +27,29 @@ Axes as in dynamic_tree.py; a: the merged candidates of a step (all drafters' no
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from medusa_jax.trees.dynamic_tree import RowTree, TreeProposal
 from medusa_jax.trees.tree import DynamicTree
+
+
+# Bins of a drafter's own conditional score (its predicted P(node right | parent right)): bin k holds the values
+# with k edges at or below them. Calibration counts (bench/merge_calibration.py) and tables
+# (heads/merge_calibration.py) are indexed by it.
+PROB_EDGES = (0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+def score_bin(probability: float) -> int:
+    """The bin of one conditional score (host side, in float32 as `score_bins` on device)."""
+    return int(np.searchsorted(np.asarray(PROB_EDGES, np.float32), np.float32(probability), side="right"))
+
+
+def score_bins(probability_x: jax.Array) -> jax.Array:
+    return jnp.searchsorted(jnp.asarray(PROB_EDGES, jnp.float32), probability_x, side="right").astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,25 +91,29 @@ class DraftSizes:
         return DynamicTree(nodes, top_k=max(nodes, 1), depth=self.depth)
 
 
-def merge_proposals(proposals: list[TreeProposal], depth: int) -> TreeProposal:
+def merge_proposals(proposals: list[TreeProposal], depth: int, calibrations: Sequence | None = None) -> TreeProposal:
     """One candidate tree from several (module docstring); T = 1 + the sum of their non-root nodes. The roots are
-    the same token (node 0); the result is deduplicated but not cut: `keep_best` cuts it."""
-    tokens, parents, depths, scores = [], [], [], []
+    the same token (node 0); the result is deduplicated but not cut: `keep_best` cuts it. `calibrations`: per
+    proposal a `merge_calibration.MemberCalibration` or None (its own scores)."""
+    calibrations = tuple(calibrations) if calibrations is not None else (None,) * len(proposals)
+    tokens, parents, depths, scores, conditionals = [], [], [], [], []
     offset = 0
-    for p in proposals:
+    for p, calibration in zip(proposals, calibrations):
         parents.append(jnp.where(p.parent_bt[:, 1:] == 0, 0, p.parent_bt[:, 1:] + offset))
         tokens.append(p.tokens_bt[:, 1:])
         depths.append(p.depth_bt[:, 1:])
         scores.append(p.score_bt[:, 1:])
+        conditionals.append(member_conditional(p, calibration)[:, 1:])
         offset += p.tokens_bt.shape[1] - 1
     root = proposals[0]
     token_bt = jnp.concatenate([root.tokens_bt[:, :1]] + tokens, axis=1).astype(jnp.int32)
     parent_bt = jnp.concatenate([root.parent_bt[:, :1] * 0] + parents, axis=1).astype(jnp.int32)
     depth_bt = jnp.concatenate([root.depth_bt[:, :1] * 0] + depths, axis=1).astype(jnp.int32)
     score_bt = jnp.concatenate([root.score_bt[:, :1] * 0] + scores, axis=1).astype(jnp.float32)
+    conditional_bt = jnp.concatenate([jnp.ones_like(score_bt[:, :1])] + conditionals, axis=1)
     b, t = token_bt.shape
     node_t = jnp.arange(t, dtype=jnp.int32)
-    for _ in range(depth):  # every node scores at most its parent (-inf under a non-candidate)
+    for _ in range(depth):  # a node under a non-candidate is none (-inf)
         score_bt = jnp.minimum(score_bt, jnp.take_along_axis(score_bt, parent_bt, axis=1))
     valid_bt = (score_bt > -jnp.inf) | (node_t == 0)
     same_bt_t = (token_bt[:, :, None] == token_bt[:, None, :]) & valid_bt[:, :, None] & valid_bt[:, None, :]
@@ -97,10 +124,28 @@ def merge_proposals(proposals: list[TreeProposal], depth: int) -> TreeProposal:
         equal_btt = same_bt_t & (canon_parent_bt[:, :, None] == canon_parent_bt[:, None, :])
         canon_bt = jnp.where(valid_bt & (node_t > 0), jnp.argmax(equal_btt, axis=2).astype(jnp.int32), node_t)
     parent_bt = jnp.take_along_axis(canon_bt, parent_bt, axis=1)
-    copies_btt = canon_bt[:, None, :] == node_t[None, :, None]  # [b, t, a]: a is a copy of t (or t itself)
-    best_bt = jnp.max(jnp.where(copies_btt, score_bt[:, None, :], -jnp.inf), axis=2)
-    score_bt = jnp.where(canon_bt == node_t, best_bt, -jnp.inf).at[:, 0].set(0.0)
+    # a node proposed by several drafters is wrong only if each copy is (noisy-or of the copies' conditionals)
+    copies_btt = (canon_bt[:, None, :] == node_t[None, :, None]) & valid_bt[:, None, :]  # [b, t, a]: a copies t
+    miss_bt = jnp.sum(jnp.where(copies_btt, jnp.log1p(-conditional_bt)[:, None, :], 0.0), axis=2)
+    log_conditional_bt = jnp.log(-jnp.expm1(jnp.minimum(miss_bt, -1e-6)))
+    kept_bt = (canon_bt == node_t) & valid_bt & (node_t > 0)
+    path_bt = jnp.where(kept_bt, log_conditional_bt, 0.0)
+    for _ in range(depth):  # the path's log acceptance: the sum of its conditionals (parents settle first)
+        path_bt = jnp.where(kept_bt, log_conditional_bt + jnp.take_along_axis(path_bt, parent_bt, axis=1), 0.0)
+    score_bt = jnp.where(kept_bt, path_bt, -jnp.inf).at[:, 0].set(0.0)
     return TreeProposal(token_bt, parent_bt, depth_bt, score_bt)
+
+
+def member_conditional(proposal: TreeProposal, calibration) -> jax.Array:
+    """[b, t] each candidate's P(right | parent right): its own (the score over its parent's), calibrated where
+    a calibration is given; clipped into [1e-6, 0.999] (0 conditionals would make paths -inf)."""
+    parent_score_bt = jnp.take_along_axis(proposal.score_bt, proposal.parent_bt, axis=1)
+    finite_bt = (proposal.score_bt > -jnp.inf) & (parent_score_bt > -jnp.inf)
+    own_bt = jnp.where(finite_bt, jnp.exp(jnp.where(finite_bt, proposal.score_bt - parent_score_bt, 0.0)), 0.0)
+    own_bt = jnp.clip(own_bt, 1e-6, 0.999)
+    if calibration is not None:
+        own_bt = jnp.clip(calibration.conditional(own_bt, proposal.depth_bt), 1e-6, 0.999)
+    return own_bt
 
 
 def keep_best(proposal: TreeProposal, nodes: int) -> TreeProposal:

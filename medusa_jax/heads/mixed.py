@@ -5,8 +5,9 @@ over a list of drafters: each proposes its candidates (`dynamic_tree.TreeProposa
 acceptance) on its own static spec (a trained drafter's `DynamicTree`; a `TemplateSpec` for a drafter that fills a
 static template, as Token Recycling: its [b, t] tokens get the template's parents and depths and each node the
 measured acceptance of its path's ranks; None for a drafter that sizes itself, as prompt lookup),
-`draft_merge.merge_proposals` deduplicates their union, and the best `DraftSizes.nodes` nodes go to the tree step,
-which verifies the best n of them, n chosen per step (`draft_merge.choose_size`). Each drafter keeps its own state
+`draft_merge.merge_proposals` deduplicates their union and scores it with each member's calibrated
+conditionals (`calibrations`: the shipped counts of its kind, `merge_calibration`), and the best `DraftSizes.nodes`
+nodes go to the tree step, which verifies the best n of them, n chosen per step (`draft_merge.choose_size`). Each drafter keeps its own state
 (a tuple of them is the mix's); a drafter that keeps its state across calls (`keeps_draft`: recycling's table)
 keeps it in the mix too.
 
@@ -29,6 +30,7 @@ from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.draft_merge import DraftSizes, keep_best, merge_proposals
 from medusa_jax.trees.dynamic_tree import TreeProposal
 from medusa_jax.heads.lookup import LookupConfig, LookupDrafter
+from medusa_jax.heads.merge_calibration import MemberCalibration, calibration_for
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 
 
@@ -64,10 +66,12 @@ def template_spec(tree: TreeBuffers, rank_acceptance: tuple[float, ...]) -> Temp
 
 class MixedDrafter(nnx.Module):
     def __init__(self, drafters: Sequence[nnx.Module], specs: Sequence[DynamicTree | TemplateSpec | None],
-                 names: Sequence[str],
-                 config: HeadsConfig):
+                 names: Sequence[str], config: HeadsConfig,
+                 calibrations: Sequence[MemberCalibration | None] | None = None):
         if not drafters or len(drafters) != len(specs) or len(names) != len(drafters):
             raise ValueError("a mix needs one or more drafters, each with a spec and a name")
+        if calibrations is not None and len(calibrations) != len(drafters):
+            raise ValueError("a mix's calibrations: one per drafter (None: its own scores)")
         tapped = [name for name, d in zip(names, drafters) if getattr(d, "feature_layers", ())]
         if tapped:  # the mix's verify forward gives every member the final hidden states
             raise ValueError(f"{', '.join(tapped)}: a drafter that reads the base's inner layers (EAGLE-3) cannot "
@@ -76,6 +80,9 @@ class MixedDrafter(nnx.Module):
         self.specs = tuple(specs)
         self.names = tuple(names)
         self.config = config
+        # how each member's scores are calibrated in the merge (default: the shipped counts of its kind)
+        self.calibrations = tuple(calibrations) if calibrations is not None else tuple(
+            calibration_for(name) for name in names)
         self.needs_prompt_hidden = any(getattr(d, "needs_prompt_hidden", False) for d in drafters)
         self.keeps_draft = any(getattr(d, "keeps_draft", False) for d in drafters)
         self.feature_layers = ()  # every member reads the final hidden states (no EAGLE-3 taps)
@@ -100,6 +107,12 @@ class MixedDrafter(nnx.Module):
     def propose(self, hidden_bd, root_b, base, tree: DraftSizes, draft, active_b):
         if not isinstance(tree, DraftSizes):
             raise ValueError(f"mixed drafts decode with draft sizes (draft_merge.DraftSizes), got {tree!r}")
+        proposals, states = self.member_proposals(hidden_bd, root_b, base, draft, active_b)
+        merged = merge_proposals(proposals, tree.depth, self.calibrations)
+        return keep_best(merged, tree.nodes), states
+
+    def member_proposals(self, hidden_bd, root_b, base, draft, active_b) -> tuple[list[TreeProposal], tuple]:
+        """Each member's own candidate tree (scored with its own log predicted acceptance) and new state."""
         proposals, states = [], []
         for drafter, spec, state in zip(self.drafters, self.specs, draft):
             if isinstance(spec, TemplateSpec):
@@ -109,8 +122,7 @@ class MixedDrafter(nnx.Module):
                 proposal, state = drafter.propose(hidden_bd, root_b, base, spec, state, active_b)
             proposals.append(proposal)
             states.append(state)
-        merged = merge_proposals(proposals, tree.depth)
-        return keep_best(merged, tree.nodes), tuple(states)
+        return proposals, tuple(states)
 
     def accepted(self, draft, hidden_btd, tokens_bt, nodes_be, accept_b, active_b):
         return tuple(drafter.accepted(state, hidden_btd, tokens_bt, nodes_be, accept_b, active_b)

@@ -131,19 +131,47 @@ def draft_tokens(table_vr: jax.Array, root_b: jax.Array, tree: TreeBuffers) -> j
 
 
 def recycle_update(table_vr: jax.Array, tokens_bt: jax.Array, logits_btv: jax.Array,
-                   active_b: jax.Array | None = None) -> jax.Array:
+                   active_b: jax.Array | None = None, writes_bt: jax.Array | None = None) -> jax.Array:
     """The table with row tokens_bt[b, t] set to the top-r ids of logits_btv[b, t], for every node of every
-    active row. Duplicate token ids: the largest flat index b * T + t wins (module docstring)."""
+    active row (and where writes_bt holds, when given). Duplicate token ids: the largest flat index b * T + t
+    wins (module docstring)."""
     b, t = tokens_bt.shape
     vocab, top_k = table_vr.shape
     _, ids_btr = jax.lax.top_k(logits_btv, top_k)
     order_bt = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t)
-    writes_bt = jnp.ones((b, t), bool) if active_b is None else jnp.broadcast_to(active_b[:, None], (b, t))
+    writes_bt = jnp.ones((b, t), bool) if writes_bt is None else writes_bt
+    writes_bt = writes_bt if active_b is None else writes_bt & active_b[:, None]
     target_bt = jnp.where(writes_bt, tokens_bt, vocab)  # vocab: out of range, dropped
     winner_v = jnp.full((vocab,), -1, jnp.int32).at[target_bt].max(order_bt, mode="drop")
     wins_bt = writes_bt & (winner_v[jnp.minimum(target_bt, vocab - 1)] == order_bt)
     rows_x = jnp.where(wins_bt, tokens_bt, vocab).reshape(-1)  # at most one write per token id now
     return table_vr.at[rows_x].set(ids_btr.reshape(b * t, top_k).astype(table_vr.dtype), mode="drop")
+
+
+PROMPT_CHUNK = 64  # prompt positions whose logits are taken at once (prompt_update)
+
+
+def prompt_update(table_vr: jax.Array, base: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array,
+                  hidden_btd: jax.Array) -> jax.Array:
+    """The table refreshed from the prefill: row prompt_bt[b, i] set to the top-r ids of the base's logits at
+    prompt position i < prompt_lens_b[b] (Token Recycling's own use of the prompt), PROMPT_CHUNK positions at a
+    time (a fori_loop: the [b, t, V] logits of a whole prompt are never held). Later positions win, as in
+    `recycle_update`."""
+    b, t = prompt_bt.shape
+    chunks = -(-t // PROMPT_CHUNK)
+    pad = chunks * PROMPT_CHUNK - t
+    tokens_bt = jnp.pad(prompt_bt.astype(jnp.int32), ((0, 0), (0, pad)))
+    hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
+    position_t = jnp.arange(PROMPT_CHUNK, dtype=jnp.int32)
+
+    def chunk(i, table_vr):
+        start = i * PROMPT_CHUNK
+        hidden_bcd = jax.lax.dynamic_slice_in_dim(hidden_btd, start, PROMPT_CHUNK, axis=1)
+        tokens_bc = jax.lax.dynamic_slice_in_dim(tokens_bt, start, PROMPT_CHUNK, axis=1)
+        writes_bc = (start + position_t)[None, :] < prompt_lens_b[:, None]
+        return recycle_update(table_vr, tokens_bc, base.logits(hidden_bcd), writes_bt=writes_bc)
+
+    return jax.lax.fori_loop(0, chunks, chunk, table_vr)
 
 
 class RecycleDrafter(nnx.Module):
@@ -154,7 +182,7 @@ class RecycleDrafter(nnx.Module):
     head_type = HEAD_TYPE
     trained = False  # no heads folder: heads.kinds lists it among the training-free kinds
     decodes_alone = True  # drafts a static template by itself (`--heads recycle`), not only inside a mix
-    needs_prompt_hidden = False
+    needs_prompt_hidden = True  # the table is refreshed from the prompt's logits (`prompt_update`)
     feature_layers: tuple[int, ...] = ()  # reads the final hidden states only (no EAGLE-3 taps)
     keeps_draft = True  # the decode call returns the final drafter state, handed back through keep_draft
 
@@ -187,7 +215,10 @@ class RecycleDrafter(nnx.Module):
 
     # ---- the proposer contract (inference/medusa.py; see HeadsBase) ---------------------------------------
     def init_draft(self, base, prompt_bt, prompt_lens_b, hidden_btd, cache_size: int, max_depth: int):
-        return self.recycle_table[...]
+        """The kept table, refreshed from the prompt's logits when its hidden states are given."""
+        if hidden_btd is None:
+            return self.recycle_table[...]
+        return prompt_update(self.recycle_table[...], base, prompt_bt, prompt_lens_b, hidden_btd)
 
     def propose(self, hidden_bd, root_b, base, tree, draft, active_b):
         """[b, t] tree tokens drafted from the table (`draft_tokens`); static templates only."""
