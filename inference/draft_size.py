@@ -1,5 +1,5 @@
-"""The step costs a mixed-draft step chooses its size with (`draft_merge.DraftSizes.costs`, measured here), and the
-rule it chooses by (`draft_merge.choose_size`, run on device inside the decode loop).
+"""The step costs a mixed-draft step chooses its size with (`draft_merge.DraftSizes.costs`, measured here; the rule
+it chooses by, on device inside the decode loop: `inference.size_choice`).
 
 A size's cost is the time of the base forward of n + 1 tokens per row (the verify forward, lm_head included)
 over that of one token, after `context` cached tokens, at the batch size that decodes: the verify forward is

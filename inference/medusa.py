@@ -40,7 +40,7 @@ from flax import nnx
 
 from medusa_jax.model.kv_cache import KVCache, attention_mask, move_slots
 from medusa_jax.model.sharding import map_cache_rows
-from medusa_jax.heads.draft_merge import DraftSizes, choose_size, keep_best, plain_row_tree
+from medusa_jax.heads.draft_merge import DraftSizes, keep_best, plain_row_tree
 from medusa_jax.trees.dynamic_tree import TreeProposal, row_tree
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
@@ -48,6 +48,7 @@ from medusa_jax.inference.acceptance import DecodeConfig
 from medusa_jax.inference.autoregressive import grouped_prefill_states
 from medusa_jax.inference.row_acceptance import RowAcceptance, accept_step, first_token
 from medusa_jax.inference.sampling import is_eos
+from medusa_jax.inference.size_choice import SizeChoiceState, choose, lookup_pays, predicted_accepts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +157,9 @@ class MedusaState:
     move_src_be: jax.Array
     move_dst_be: jax.Array
     draft: Any = None  # the proposer's drafter state (heads.init_draft), None for heads that keep none
+    # mixed drafts: whether the next step drafts and how its size is chosen (size_choice.SizeChoiceState); None:
+    # every step drafts and sizes from the drafters' own predictions
+    choice: Any = None
 
     def finish_moves(self) -> KVCache:
         """The cache with the pending move made: every committed slot holds its token's K/V."""
@@ -176,37 +180,72 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
     inactive row changes nothing but scratch slots."""
     inputs = ProposeInputs(model, state.hidden_bd, state.root_b, state.num_out_b, state.step, tree, proposer_data,
                            state.draft, state.active_b)
-    proposal, draft = proposer(inputs)
     if isinstance(tree, DraftSizes):
-        return sized_verify(model, state, proposal, draft, tree, acceptance, eos_ids)
+        return mixed_step(model, state, proposer, inputs, tree, acceptance, eos_ids)
+    proposal, draft = proposer(inputs)
     verified = verify_inputs(proposal, state.root_b, state.cache.lengths_b, state.cache.cache_size, tree)
     return verify_and_emit(model, state, verified, draft, acceptance, eos_ids)
 
 
 def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal, draft: Any, sizes: DraftSizes,
                  acceptance: DecodeConfig | RowAcceptance, eos_ids: tuple[int, ...]) -> MedusaState:
-    """A mixed-draft step (`draft_merge.DraftSizes`): the proposal's best n nodes are verified, n the size of
-    `sizes` with the most predicted tokens per second over the active rows (`draft_merge.choose_size`), one
-    branch per static size (size 0: the root alone, a plain step), each run by `run_if`."""
-    lengths_b, b = state.cache.lengths_b, state.root_b.shape[0]
+    """A drafted mixed-draft step (`draft_merge.DraftSizes`): the proposal's best n nodes are verified, n the size of
+    `sizes` with the most predicted tokens per unit of time over the active rows (`size_choice.choose`), one
+    branch per static size (size 0: the root alone, a plain step), each run by `run_if`; the size-choice state
+    (when the state carries one) learns from the outcome."""
+    lengths_b, active_b = state.cache.lengths_b, state.active_b
+    rows = jnp.sum(active_b).astype(jnp.float32)
+    choice = choose(predicted_accepts(proposal, sizes, active_b), sizes, rows)
 
     def branch(nodes: int):
         def run(state_: MedusaState) -> MedusaState:
             if nodes == 0:
-                tokens_bt = state_.root_b.astype(jnp.int32)[:, None]
-                mask_bts = attention_mask(lengths_b, jnp.ones((1, 1), bool), state_.cache.cache_size)
-                verified = (tokens_bt, mask_bts, lengths_b[:, None], plain_row_tree(b, sizes.depth))
+                verified = plain_inputs(state_, sizes.depth)
             else:
                 verified = verify_inputs(keep_best(proposal, nodes), state_.root_b, lengths_b,
                                          state_.cache.cache_size, sizes.tree(nodes))
             return verify_and_emit(model, state_, verified, state_.draft, acceptance, eos_ids)
         return run
 
-    choice = choose_size(proposal, sizes, state.active_b)
+    before = state.num_out_b
     state = dataclasses.replace(state, draft=draft)
     for index, nodes in enumerate(sizes.sizes):
         state = run_if(choice == index, branch(nodes), state)
-    return state
+    if state.choice is None:
+        return state
+    emitted = jnp.sum(jnp.where(active_b, state.num_out_b - before - 1, 0)).astype(jnp.float32)
+    return dataclasses.replace(state, choice=state.choice.drafted(sizes, choice, emitted, rows))
+
+
+def mixed_step(model: MedusaModel, state: MedusaState, proposer: Proposer, inputs: ProposeInputs, sizes: DraftSizes,
+               acceptance: DecodeConfig | RowAcceptance, eos_ids: tuple[int, ...]) -> MedusaState:
+    """A mixed-draft step: drafted (`sized_verify`) or, while the size choice backs off after drafted steps that
+    did not pay (`size_choice.SizeChoiceState`) and prompt lookup's chains alone do not promise a paying step
+    (`size_choice.lookup_pays`), a plain step that skips the drafting (the drafters' states still see its token).
+    With no size-choice state in `state` (the engine's rows), every step drafts."""
+    def drafted(state_: MedusaState) -> MedusaState:
+        proposal, draft = proposer(dataclasses.replace(inputs, draft=state_.draft))
+        return sized_verify(model, state_, proposal, draft, sizes, acceptance, eos_ids)
+
+    if state.choice is None:
+        return drafted(state)
+
+    def plain(state_: MedusaState) -> MedusaState:
+        state_ = verify_and_emit(model, state_, plain_inputs(state_, sizes.depth), state_.draft, acceptance, eos_ids)
+        return dataclasses.replace(state_, choice=state_.choice.skipped())
+
+    drafts = state.choice.drafts | lookup_pays(model.heads.drafters, state.draft, state.root_b, sizes, state.active_b)
+    state = run_if(~drafts, plain, state)
+    return run_if(drafts, drafted, state)
+
+
+def plain_inputs(state: MedusaState, depth: int):
+    """`verify_inputs`' tuple for the root alone: a plain step (accept length 0, the bonus token from the root's
+    logits)."""
+    lengths_b, b = state.cache.lengths_b, state.root_b.shape[0]
+    tokens_bt = state.root_b.astype(jnp.int32)[:, None]
+    mask_bts = attention_mask(lengths_b, jnp.ones((1, 1), bool), state.cache.cache_size)
+    return tokens_bt, mask_bts, lengths_b[:, None], plain_row_tree(b, depth)
 
 
 def run_if(flag: jax.Array, fn: Callable[[MedusaState], MedusaState], state: MedusaState) -> MedusaState:
@@ -257,7 +296,8 @@ def verify_and_emit(model: MedusaModel, state: MedusaState, verified, draft: Any
     return MedusaState(cache.replace(lengths_b=lengths_b + count_b), jnp.where(active_b, bonus_b, state.root_b),
                        jnp.where(active_b[:, None], hidden_bd, state.hidden_bd), out_bo, state.num_out_b + count_b,
                        state.done_b | jnp.any(eos_be & keep_be, axis=1), state.steps_b + active_b.astype(jnp.int32),
-                       accept_bo, state.step + 1, key, move_src_be, move_dst_be, draft)
+                       accept_bo, state.step + 1, key, move_src_be, move_dst_be, draft,
+                       state.choice)
 
 
 DECODE_STATICS = ("graphdef", "tree", "max_new_tokens", "acceptance", "eos_ids", "pad_id", "proposer",
@@ -311,7 +351,7 @@ def decode_states(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, ke
     no_move_be = cache.lengths_b[:, None] + jnp.arange(tree.depth + 1)[None, :]
     state = MedusaState(cache, first_b, last_bd, out_bo, jnp.ones((b,), jnp.int32), is_eos(first_b, eos_ids),
                         zeros_b, jnp.zeros((b, o), jnp.int32), jnp.zeros((), jnp.int32), key, no_move_be, no_move_be,
-                        draft)
+                        draft, SizeChoiceState.start() if isinstance(tree, DraftSizes) else None)
     step = partial(medusa_step, model, proposer_data=proposer_data, tree=tree, acceptance=acceptance,
                    eos_ids=eos_ids, proposer=proposer)
     return jax.lax.while_loop(lambda s: jnp.any(s.active_b), step, state)

@@ -74,8 +74,9 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
                         "this machine the first time (seconds; cached per machine, model, heads and batch size "
                         "under $MEDUSA_JAX_CACHE/calibration) and picks the tree with the most predicted tokens/s "
                         "from the accuracy stored with the heads, or plain decoding where no tree pays; redo times "
-                        "again; skip takes the shipped trees.json as it is (default: $MEDUSA_JAX_CALIBRATION, else "
-                        "auto)")
+                        "again; skip takes the shipped trees.json as it is; with a --heads mix, the step costs its "
+                        "draft sizes are chosen by, likewise: auto times them once (cached), redo times again, skip "
+                        "times them without the cache (default: $MEDUSA_JAX_CALIBRATION, else auto)")
     p.add_argument("--acceptance", default=None, choices=("greedy", "exact", "typical"),
                    help="Medusa acceptance: greedy (output identical to plain greedy decoding; needs "
                         "--temperature 0), exact (lossless sampling: the output has exactly the distribution of "
@@ -91,8 +92,8 @@ def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -
         if a.tree is not None or a.acceptance is not None or a.calibration is not None:
             p.error("--tree, --acceptance and --calibration need --heads (Medusa decoding)")
         return
-    if is_mix(a.heads) and (a.tree is not None or a.calibration is not None):
-        p.error(f"--heads {a.heads} (mixed drafts) chooses its draft size per step: drop --tree and --calibration")
+    if is_mix(a.heads) and a.tree is not None:
+        p.error(f"--heads {a.heads} (mixed drafts) chooses its draft size per step: drop --tree")
     if a.heads == recycle.HEAD_TYPE and a.calibration is not None:
         p.error(f"--calibration {a.calibration} chooses a heads folder's own tree; --heads recycle drafts a fixed "
                 f"template (--tree, default {recycle.DEFAULT_TEMPLATE}): drop --calibration")
@@ -202,7 +203,8 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
     drafter = (lambda base: recycle_drafter(base, a.recycle_table)) if recycling else None
     tree, acceptance = None, AcceptanceConfig()
     if is_mix(a.heads):
-        model, tree = load_mixed(folder, a.heads, MeshConfig.parse(a.mesh), a.dtype, batch=a.batch_size)
+        model, tree = load_mixed(folder, a.heads, MeshConfig.parse(a.mesh), a.dtype, batch=a.batch_size,
+                                 calibration=a.calibration)
         acceptance = acceptance_config(a)
     else:
         model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads and not recycling else None,

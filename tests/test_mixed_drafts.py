@@ -25,9 +25,9 @@ from flax import nnx
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.folder import save_heads
-from medusa_jax.heads.draft_merge import DraftSizes, choose_size, expected_accepts, keep_best, merge_proposals
+from medusa_jax.heads.draft_merge import DraftSizes, expected_accepts, keep_best, merge_proposals
 from medusa_jax.trees.dynamic_tree import TreeProposal
-from medusa_jax.heads.lookup import LookupConfig, init_lookup, lookup_matches, lookup_proposal
+from medusa_jax.heads.lookup import LookupConfig, LookupDrafter, init_lookup, lookup_matches, lookup_proposal
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.heads.mixed import make_mix, template_spec
 from medusa_jax.heads.recycle import RANK_ACCEPTANCE, RecycleConfig, RecycleDrafter, template_tree
@@ -39,6 +39,7 @@ from medusa_jax.inference.mixed_decoding import MixError, build_mix, is_mix, par
 from medusa_jax.inference import draft_size
 from medusa_jax.inference.draft_size_cache import size_costs
 from medusa_jax.inference.sampling import SamplingConfig
+from medusa_jax.inference.size_choice import MAX_SKIP, SizeChoiceState, choose, lookup_pays, predicted_accepts
 
 import test_exact_sampling as exact_sampling
 from test_exact_sampling import setup  # noqa: F401 (the fixture of the law check's model)
@@ -148,6 +149,16 @@ def test_merge_dedups_shared_prefixes_and_keeps_ancestor_closed_best_nodes():
                                rtol=1e-5)
 
 
+def size_of(proposal, sizes, active):
+    """The size index chosen for a proposal of 8 candidates per row (`kept`)."""
+    return int(choose(predicted_accepts(proposal, sizes, active), sizes, jnp.sum(active).astype(jnp.float32)))
+
+
+def kept(*chains):
+    """The rows' chains, each merged and cut to 8 nodes, as one batch."""
+    return jax.tree.map(lambda *rows: jnp.concatenate(rows), *(keep_best(merge_proposals([c], 8), 8) for c in chains))
+
+
 def test_choose_size_follows_predicted_tokens_per_unit_of_time():
     sizes = DraftSizes((0, 2, 8), (1.0, 1.3, 2.0), depth=8)
     sure = chain([1] * 8, -0.01)  # a confident lookup hit: 1 + ~8 tokens for 2x the time
@@ -155,10 +166,49 @@ def test_choose_size_follows_predicted_tokens_per_unit_of_time():
     middling = chain([1, 2], -0.3)  # ~1.3 tokens more for 1.3x: two nodes
     active = jnp.asarray([True])
     for p, want in ((sure, 2), (weak, 0), (middling, 1)):
-        assert int(choose_size(keep_best(merge_proposals([p], 8), 8), sizes, active)) == want
-    assert int(choose_size(keep_best(merge_proposals([sure], 8), 8), sizes, jnp.asarray([False]))) == 0
+        assert size_of(kept(p), sizes, active) == want
+    assert size_of(kept(sure), sizes, jnp.asarray([False])) == 0
+    # batch 2: one size for both rows, by their summed tokens: a sure row beside a weak one still drafts 8 nodes
+    # (2 + ~8 tokens for 2x); where 2 nodes cost 1.75x, a middling row alone drafts them (1 + 1.29 tokens > 1.75)
+    # but not beside a weak row (2 + 1.34 tokens < 2 x 1.75)
+    both = jnp.asarray([True, True])
+    assert size_of(kept(sure, weak), sizes, both) == 2 and size_of(kept(weak, weak), sizes, both) == 0
+    dearer = DraftSizes((0, 2, 8), (1.0, 1.75, 2.5), depth=8)
+    assert size_of(kept(middling), dearer, active) == 1 and size_of(kept(middling, weak), dearer, both) == 0
     with pytest.raises(ValueError, match="distinct ascending"):
         DraftSizes((4, 2), (1.0, 1.0), depth=2)
+
+
+def test_size_choice_backs_off_after_drafted_steps_that_did_not_pay():
+    """`size_choice.SizeChoiceState`: a drafted step that does not pay its cost (or verifies no node) makes the next
+    1, 2, 4, ... (at most MAX_SKIP) steps skip the drafting; one that pays ends the backoff."""
+    sizes = DraftSizes((0, 2, 8), (1.1, 1.5, 2.0), depth=8)
+    state, skips = SizeChoiceState.start(), []
+    assert bool(state.drafts)
+    for _ in range(6):  # size 2 on 2 rows accepting 0.5 token: 2.5 < 2 x 1.5
+        state = state.drafted(sizes, jnp.int32(1), jnp.float32(0.5), jnp.float32(2))
+        skips.append(int(state.skip_left))
+    assert skips == [1, 2, 4, 8, 8, 8] == [min(2 ** i, MAX_SKIP) for i in range(6)] and not bool(state.drafts)
+    for _ in range(MAX_SKIP - 1):
+        state = state.skipped()
+    assert not bool(state.drafts) and bool(state.skipped().drafts)
+    assert int(state.drafted(sizes, jnp.int32(0), jnp.float32(0), jnp.float32(1)).misses) == 7  # drafted for nothing
+    paid = state.drafted(sizes, jnp.int32(2), jnp.float32(3), jnp.float32(2))  # 5 tokens >= 2 x 2.0
+    assert bool(paid.drafts) and int(paid.misses) == 0
+
+
+def test_lookup_pays_reads_the_lookup_chains_alone():
+    """`size_choice.lookup_pays`: a long match (a repeat) promises a paying step at batch 1, no match does not, and a
+    mix without prompt lookup never overrides the backoff."""
+    config = LookupConfig(length=6)
+    sizes = DraftSizes((0, 2, 6), (1.1, 1.5, 2.0), depth=6)
+    drafter = LookupDrafter(config)
+    repeat = init_lookup(jnp.asarray([REPEATING]), jnp.asarray([len(REPEATING)]), 64)
+    fresh = init_lookup(jnp.asarray([list(range(10, 27))]), jnp.asarray([17]), 64)
+    active = jnp.asarray([True])
+    assert bool(lookup_pays([drafter], (repeat,), jnp.asarray([17]), sizes, active))  # ... 9 2 17 -> 33 4 8 ...
+    assert not bool(lookup_pays([drafter], (fresh,), jnp.asarray([99]), sizes, active))
+    assert not bool(lookup_pays([object()], (None,), jnp.asarray([17]), sizes, active))
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +330,9 @@ def test_exact_sampling_with_lookup_drafts_has_the_plain_samplers_law(setup):
         assert (first >= 1).mean() > 0.05, np.bincount(first.ravel())  # lookup's drafts are accepted often
 
 
-def test_generate_script_with_lookup_and_a_mix(tiny_model_dir, tmp_path, capsys):
-    """scripts/generate.py --heads lookup and --heads HEADS+lookup --json: plain's tokens, the mix named in the row."""
+def test_generate_script_with_lookup_and_a_mix(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """scripts/generate.py --heads lookup and --heads HEADS+lookup --json: plain's tokens, the mix named in the row;
+    --calibration with a mix: redo times the draft sizes' step costs and caches them, skip leaves the cache alone."""
     import transformers  # lazy, with tokenizers: only this test builds a tokenizer
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -304,6 +355,11 @@ def test_generate_script_with_lookup_and_a_mix(tiny_model_dir, tmp_path, capsys)
         row = json.loads(capsys.readouterr().out)
         assert row["token_ids"] == plain["token_ids"] and row["decoder"] == "medusa"
         assert row["tree"].startswith("mixed drafts (mixed:0/")
+    monkeypatch.setenv("MEDUSA_JAX_CACHE", str(tmp_path / "cache"))
+    for mode, cached in (("skip", 0), ("redo", 1)):
+        assert script.main(common + ["--heads", "lookup", "--calibration", mode]) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+        assert len(list((tmp_path / "cache" / "calibration").glob("*.json"))) == cached
 
 
 def test_build_mix_sizes_its_budget_and_measures_non_decreasing_costs(tiny):

@@ -1,5 +1,5 @@
 """Several drafters' candidates merged into ONE tree per step and row, and the few static draft sizes a step
-chooses among (`DraftSizes`).
+chooses among (`DraftSizes`; the choice among them: `inference.size_choice`).
 
 Candidates. Every drafter proposes a `dynamic_tree.TreeProposal`: node 0 the root, parents before children, each
 node scored with the log of its predicted acceptance (the probability that the whole path to it is accepted: the
@@ -187,17 +187,6 @@ def expected_accepts(proposal: TreeProposal, sizes: tuple[int, ...]) -> jax.Arra
     top_bn, _ = jax.lax.top_k(proposal.score_bt[:, 1:], min(max(sizes), t - 1))
     cumulative_bn = jnp.concatenate([jnp.zeros_like(top_bn[:, :1]), jnp.cumsum(jnp.exp(top_bn), axis=1)], axis=1)
     return cumulative_bn[:, jnp.asarray([min(n, t - 1) for n in sizes])]
-
-
-def choose_size(proposal: TreeProposal, sizes: DraftSizes, active_b: jax.Array) -> jax.Array:
-    """The index into sizes.sizes (int32 scalar) with the most predicted tokens per unit of time, summed over the
-    active rows (one size for the batch: the verify forward has one shape): a step verifying the best n nodes emits
-    1 + E_n tokens on average (`expected_accepts`) and costs c_n plain steps (`sizes.costs`, measured on this
-    machine by `inference.draft_size.measure_size_costs`). On a CPU at batch 1 a long lookup hit thus runs as a
-    long chain, and a step where no drafter is confident runs plain (size 0)."""
-    gain_bk = (1.0 + expected_accepts(proposal, sizes.sizes)) / jnp.asarray(sizes.costs, jnp.float32)
-    gain_k = jnp.sum(jnp.where(active_b[:, None], gain_bk, 0.0), axis=0)
-    return jnp.argmax(gain_k).astype(jnp.int32)
 
 
 def plain_row_tree(batch: int, depth: int) -> RowTree:

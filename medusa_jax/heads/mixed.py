@@ -7,7 +7,7 @@ static template, as Token Recycling: its [b, t] tokens get the template's parent
 measured acceptance of its path's ranks; None for a drafter that sizes itself, as prompt lookup),
 `draft_merge.merge_proposals` deduplicates their union and scores it with each member's calibrated
 conditionals (`calibrations`: the shipped counts of its kind, `merge_calibration`), and the best `DraftSizes.nodes`
-nodes go to the tree step, which verifies the best n of them, n chosen per step (`draft_merge.choose_size`). Each drafter keeps its own state
+nodes go to the tree step, which verifies the best n of them, n chosen per step (`inference.size_choice`). Each drafter keeps its own state
 (a tuple of them is the mix's); a drafter that keeps its state across calls (`keeps_draft`: recycling's table)
 keeps it in the mix too.
 

@@ -1,0 +1,91 @@
+"""How a mixed-draft step chooses its draft size, inside the jitted decode loop: whether to draft at all (a backoff
+that a run of steps where drafting did not pay turns off for a while), and which of the static sizes to verify
+(predicted tokens per unit of time).
+
+Why a backoff. Drafting costs time whatever size the step then verifies (the heads' dynamic tree, the merge, the
+top-k of the candidates: ~0.1-0.15x of a plain step on a CPU), so a mixed step that ends up plain costs more than a
+plain step, and on text where no drafter is right (most MT-Bench writing prompts) that overhead lost to plain
+decoding. A step that skips the drafting is a plain step of the same loop (the drafters' states still see every
+emitted token). After a drafted step that did not pay (it emitted fewer tokens over the active rows than plain
+steps would have in its time, `DraftSizes.costs`), the next 1, 2, 4, ... up to `MAX_SKIP` steps skip the drafting;
+a drafted step that pays ends the backoff. A cheap signal overrides the backoff: when prompt lookup's own chains
+(a few ms of matching, no model call) already predict that a drafted step pays, the step drafts (`lookup_pays`).
+
+At batch > 1 one size serves every row (the verify forward has one shape): the size with the most predicted tokens
+of all active rows per unit of time, so a row with no good draft adds its one token to every size and weighs
+towards the smaller ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from medusa_jax.heads.draft_merge import DraftSizes, expected_accepts
+from medusa_jax.heads.lookup import LookupDrafter, lookup_proposal
+from medusa_jax.trees.dynamic_tree import TreeProposal
+
+MAX_SKIP = 8  # the longest run of steps without drafting after drafted steps that did not pay
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SizeChoiceState:
+    """Carried through the decode loop (scalars, one per batch)."""
+
+    skip_left: jax.Array  # int32: steps still to run without drafting
+    misses: jax.Array  # int32: drafted steps in a row that did not pay
+
+    @staticmethod
+    def start() -> "SizeChoiceState":
+        return SizeChoiceState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+    @property
+    def drafts(self) -> jax.Array:
+        """Whether this step drafts (bool scalar)."""
+        return self.skip_left <= 0
+
+    def skipped(self) -> "SizeChoiceState":
+        """After a step that did not draft."""
+        return dataclasses.replace(self, skip_left=jnp.maximum(self.skip_left - 1, 0))
+
+    def drafted(self, sizes: DraftSizes, choice: jax.Array, accepted: jax.Array, rows: jax.Array
+                ) -> "SizeChoiceState":
+        """After a drafted step of size index `choice` that accepted `accepted` tokens over `rows` active rows
+        (scalars): a step pays when its rows + accepted tokens beat the rows
+        tokens plain steps give in its time (`sizes.costs[choice]` plain steps; a drafted step that verified no
+        node never pays: it paid for the drafting)."""
+        cost = jnp.asarray(sizes.costs, jnp.float32)[choice]
+        pays = (choice > 0) & (rows + accepted >= rows * cost)
+        misses = jnp.where(pays, 0, self.misses + 1)
+        skip = jnp.where(pays, 0, jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_SKIP))
+        return SizeChoiceState(skip.astype(jnp.int32), misses.astype(jnp.int32))
+
+
+def predicted_accepts(proposal: TreeProposal, sizes: DraftSizes, active_b: jax.Array) -> jax.Array:
+    """[k] predicted accepted tokens of all active rows if the best n nodes of each row are verified, n in
+    sizes.sizes: the drafters' own prediction (`draft_merge.expected_accepts`)."""
+    return jnp.sum(jnp.where(active_b[:, None], expected_accepts(proposal, sizes.sizes), 0.0), axis=0)
+
+
+def choose(accepts_k: jax.Array, sizes: DraftSizes, rows: jax.Array) -> jax.Array:
+    """The index into sizes.sizes (int32 scalar) with the most predicted tokens of the `rows` active rows per unit
+    of time: a step verifying n nodes per row emits rows + accepts_k[n] tokens and costs sizes.costs[n] plain
+    steps."""
+    gain_k = (rows + accepts_k) / jnp.asarray(sizes.costs, jnp.float32)
+    return jnp.argmax(gain_k).astype(jnp.int32)
+
+
+def lookup_pays(drafters, draft, root_b: jax.Array, sizes: DraftSizes, active_b: jax.Array) -> jax.Array:
+    """Whether the mix's prompt-lookup members alone (their chains, `heads.lookup.lookup_proposal`, scored with
+    lookup's measured acceptance, so uncorrected) predict a drafted step that beats a plain one (bool scalar;
+    False with no lookup member)."""
+    rows = jnp.sum(active_b).astype(jnp.float32)
+    pays = jnp.zeros((), bool)
+    for drafter, state in zip(drafters, draft):
+        if isinstance(drafter, LookupDrafter):
+            accepts_k = predicted_accepts(lookup_proposal(drafter.lookup, state, root_b), sizes, active_b)
+            pays |= choose(accepts_k, sizes, rows) > 0
+    return pays
