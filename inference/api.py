@@ -14,7 +14,8 @@ one cache size share an engine. On a mesh the rows are rounded up to a multiple 
 works on any mesh). Refilled slots (`engine="refill"`, admission "fifo"): `batch_size` rows run plain steps in
 jitted chunks and a finished row takes the next prompt between chunks (continuous batching). `engine="auto"`
 (the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and there are at least
-batch_size prompts, and forms sorted batches otherwise (measured: bench/refill/sorted_engine.md). Both give
+batch_size prompts, and forms sorted batches otherwise (measured with the former slot engine, bench/refill/;
+to be measured again with the engine's policies: bench/refill/sorted_engine.md). Both give
 the same greedy tokens; prompt i samples with seed + i. The cases the engine refuses today (mixed drafts,
 Token Recycling, a proposer, typical acceptance, several processes: `direct_batches.engine_refusal`) decode
 each sorted batch with one direct call (`direct_batches`).

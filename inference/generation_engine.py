@@ -120,7 +120,7 @@ class Request:
     finish_reason: str | None = None
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-    verify_steps: int = 0  # drafted rows: the tree steps that produced its tokens after the first
+    verify_steps: int = 0  # drafted rows: the tree steps after the first token (to its chunk's end past a stop id)
     accept_lengths: list[int] = dataclasses.field(default_factory=list)  # drafted rows: each step's accepted drafts
     cancel_requested: bool = False
     events: queue.Queue = dataclasses.field(default_factory=queue.Queue)

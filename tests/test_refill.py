@@ -11,6 +11,7 @@ import pytest
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch, uses_refill
+from medusa_jax.inference.generation_engine import EngineConfig
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
@@ -71,3 +72,24 @@ def test_generate_batch_refills_slots_at_large_batches_with_the_same_greedy_toke
     assert not uses_refill(model, dataclasses.replace(auto_settings, tree=tree), 70)
     with pytest.raises(ValueError, match="engine='refill' decodes plainly"):
         uses_refill(model, dataclasses.replace(settings, tree=tree, engine="refill"), 70)
+
+
+def test_sorted_batches_run_through_the_engines_sorted_admission(tiny_model_dir):
+    """engine="batches" is the generation engine's sorted admission: batches of batch_size prompts, longest
+    first, each admitted when every row is free, with `generate`'s greedy tokens and per-batch stats; a
+    sorted_batch larger than the rows, or without sorted admission, is refused."""
+    folder = tiny_model_dir("llama", seed=1)
+    model = load_pretrained(folder)
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(3, 128, size=n).tolist() for n in (9, 70, 3, 40, 21)]
+    run = generate_batch(ShardedModel(model), prompts, BatchSettings(batch_size=2, max_new_tokens=6, pad_id=0,
+                                                                     engine="batches"), progress=False)
+    want = [r.token_ids for r in generate_batch(ShardedModel(model), prompts, BatchSettings(
+        batch_size=1, max_new_tokens=6, pad_id=0, engine="batches"), progress=False).results]
+    assert run.engine == "batches" and run.num_batches == 3
+    assert [r.token_ids for r in run.results] == want
+    assert [r.batch for r in run.results] == [1, 0, 2, 0, 1]  # by length: 70, 40 | 21, 9 | 3
+    assert all(r.steps == len(r.token_ids) and r.batch_seconds > 0 for r in run.results)
+    for bad in (dict(rows=2, sorted_batch=3, admission="sorted"), dict(rows=2, sorted_batch=1)):
+        with pytest.raises(ValueError, match="sorted_batch"):
+            EngineConfig(**bad)
