@@ -1,6 +1,6 @@
 """The optimiser's update of stacked layers one layer at a time (training/layer_updates.py) and the scanned,
-rematerialised Medusa-2 step it belongs to: the same updates, states and trained weights as the unrolled step
-with optax's whole-tree AdamW, with the global-norm clip active, for float32 and bfloat16 moments."""
+rematerialised Medusa-2 step it belongs to (with 16-bit moments): the same updates, states and trained weights as
+the unrolled step with optax's whole-tree AdamW, with the global-norm clip active."""
 
 from __future__ import annotations
 
@@ -53,8 +53,9 @@ def test_layer_by_layer_equals_the_whole_tree_update(dtype):
 
 @pytest.mark.parametrize("optimizer_dtype", ["float32", "bfloat16"])
 def test_scanned_medusa2_steps_equal_the_unrolled_ones(optimizer_dtype):
-    """Three float32 Medusa-2 steps with the layers scanned and rematerialised (updated layer by layer) against
-    the unrolled step (optax over whole leaves): losses, gradient norms and the trained backbone and heads."""
+    """Three float32 Medusa-2 steps with the layers scanned and rematerialised (bfloat16 moments: updated layer
+    by layer) against the unrolled step (optax over whole leaves): losses, gradient norms and the trained backbone
+    and heads."""
     base = CausalLM(CFG, nnx.Rngs(0))
     heads = init_heads(HeadsConfig(CFG.hidden_size, CFG.vocab_size, num_heads=2, lm_head="own"), base, seed=0)
     rng = np.random.default_rng(0)
@@ -67,6 +68,7 @@ def test_scanned_medusa2_steps_equal_the_unrolled_ones(optimizer_dtype):
         config = TrainConfig(warmup_steps=0, learning_rate=1e-2, medusa2=True, clip_norm=0.05, layers=layers,
                              optimizer_dtype=optimizer_dtype, compute_dtype="float32")
         trainer = Trainer(base, heads, config, MeshConfig().make_mesh())
+        assert ("layers" in trainer.opt_state.inner_states) == (name == "scanned" and optimizer_dtype == "bfloat16")
         metrics = [trainer.train_step(batch) for _ in range(3)]
         runs[name] = ([float(m["loss"]) for m in metrics], [float(m["grad_norm"]) for m in metrics],
                       nnx.state(trainer.base()), nnx.state(trainer.heads()))
