@@ -9,7 +9,9 @@ attention dots read without re-laying them:
 Why this layout (measured on XLA:CPU, SmolLM2 shapes, 64 rows x 512 slots, 30 layers of decode attention):
 slots-before-heads buffers ([b, s, k, h]) made XLA transpose every layer's K and V before its batched dots, and
 one stacked [l, ...] buffer made it copy the layer out of the stack, several times slower than these per-layer
-buffers, which the dots read in place at the machine's read bandwidth (the figures: docs/design.md).
+buffers, which the dots read in place at the machine's read bandwidth (the figures: docs/design.md). So the
+stacked form is for stacked models (pods' `--scan-layers` backbones, decoding without unstacking): their scan
+over the layers reads and writes one layer of the stacks per iteration (model/layer_stack.run_cached_layers).
 A forward over T new tokens writes their K/V to slots [lengths[b], lengths[b] + T) of each row and does NOT
 advance `lengths`: the caller commits what it keeps (plain decode: +1; Medusa: the accepted path, after
 moving its K/V into consecutive slots). Slots at or past `lengths[b]` are scratch and are always masked.

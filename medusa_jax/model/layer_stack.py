@@ -4,10 +4,12 @@ carry a leading layer axis [L, ...], `LayerExecution.scan`), and the forward ove
 Stacked layers run as one `jax.lax.scan` over their parameters: the program holds one layer, under FSDP each
 iteration all-gathers one layer's weights (`sharding.gathered_over_fsdp`), and the backward pass keeps one layer's
 saved values per layer. Both forms run each layer under the rematerialisation policy `LayerExecution.remat`.
-HF files, the saver and the decoders' per-layer KV cache see the stored-per-layer form: `stack_layers` and
-`unstack_layers` convert a model between the two (the trainer stacks the backbone it is given and unstacks the
-one it returns). A stacked model also runs the cache paths (prefill, decode), one layer slice at a time; that
-is for completeness (on CPU the per-layer form decodes faster, kv_cache.py).
+HF files and the saver see the stored-per-layer form: `backbone.with_layer_execution` converts a model between
+the two (the trainer stacks the backbone it is given and unstacks the one it returns). A stacked model runs the
+cache paths (prefill, decode, tree verify) under the same kind of scan over a stacked KV cache
+(`run_cached_layers`, `kv_cache.KVCache.stacked`), so it decodes without being unstacked; given a per-layer
+cache it runs them one layer slice at a time. On this CPU the per-layer form decodes at least as fast
+(bench/stacked_cache/), so models load per layer by default.
 
 Measured (bench/scan/, SmolLM2 on a 2-core CPU): the scanned Medusa-2 step took 2.8x the unrolled one, so the
 layers stay unrolled by default; pods use the scan, which is what makes their steps fit (docs/planning.md).
