@@ -8,8 +8,8 @@ HF files and the saver see the stored-per-layer form: `backbone.with_layer_execu
 the two (the trainer stacks the backbone it is given and unstacks the one it returns). A stacked model runs the
 cache paths (prefill, decode, tree verify) under the same kind of scan over a stacked KV cache
 (`run_cached_layers`, `kv_cache.KVCache.stacked`), so it decodes without being unstacked; given a per-layer
-cache it runs them one layer slice at a time. On this CPU the per-layer form decodes at least as fast
-(bench/stacked_cache/), so models load per layer by default.
+cache it runs them one layer slice at a time. On this CPU Medusa decoding is faster per layer (stacked: 0.81x,
+bench/stacked_cache/), so models load per layer by default.
 
 Measured (bench/scan/, SmolLM2 on a 2-core CPU): the scanned Medusa-2 step took 2.8x the unrolled one, so the
 layers stay unrolled by default; pods use the scan, which is what makes their steps fit (docs/planning.md).
