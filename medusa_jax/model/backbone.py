@@ -5,7 +5,9 @@ The forward takes token ids [B, T], explicit positions [B, T] and an explicit bo
 through unchanged. It writes the new K/V at each row's `lengths` offset and returns the final-norm hidden
 states; `logits()` maps hidden states to the vocabulary (tied or untied lm_head). Without a cache
 (`cache=None`, training's packed rows) the T tokens attend only to each other, under a [B, T, T] mask, and the
-layers run as `config.execution` says (unrolled or scanned, rematerialised; `layer_stack.py`).
+layers run as `config.execution` says (unrolled or scanned, rematerialised; `layer_stack.py`). A stacked model
+(`LayerExecution.scan`) runs the cache paths under the same scan over a stacked cache (`KVCache.stacked`, the
+form `KVCache.zeros` builds for it), or layer by layer over a per-layer cache.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from flax import nnx
 from medusa_jax.model.attention import grouped_attention, self_attention
 from medusa_jax.model.config import LayerExecution, ModelConfig
 from medusa_jax.model.kv_cache import KVCache, write_layer
-from medusa_jax.model.layer_stack import layer_slices, run_layers, stacked
+from medusa_jax.model.layer_stack import layer_slices, run_cached_layers, run_layers, stacked
 from medusa_jax.model.rope import apply_rope, inverse_frequencies
 from medusa_jax.model.sharding import constrain_rows
 
@@ -139,6 +141,16 @@ class CausalLM(nnx.Module):
         x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
         if cache is None and not taps:  # unrolled or scanned, with remat, as cfg.execution says (layer_stack.py)
             return self.norm(run_layers(self.layers, x, positions_bt, mask_bts, inv_freq, cfg.execution)), None, None
+        if cache is not None and cache.stacked:  # a stacked model over a stacked cache: one scan (layer_stack.py)
+            if not cfg.execution.scan:
+                raise ValueError("a stacked KV cache needs stacked layers (LayerExecution(scan=True)); build the "
+                                 "cache with KVCache.zeros(config, ...), which follows the model")
+            x, k_lbkhs, v_lbksh, inputs_lbtd = run_cached_layers(
+                self.layers, x, positions_bt, mask_bts, cache.k_bkhs, cache.v_bksh, cache.lengths_b, inv_freq,
+                keep_inputs=bool(taps))
+            tapped = {i: (x if i == cfg.num_layers else inputs_lbtd[i]) for i in taps}
+            taps_btf = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+            return self.norm(x), cache.replace(k_bkhs=k_lbkhs, v_bksh=v_lbksh), taps_btf
         layers = layer_slices(self.layers, cfg.num_layers) if cfg.execution.scan else self.layers
         k_layers, v_layers = [], []
         for i, layer in enumerate(layers):

@@ -1,14 +1,17 @@
 """The static KV cache and the attention masks over it.
 
-Layout: one K and one V buffer per layer (tuples over the layers), slots in the layout the attention dots read
-without re-laying them:
+Layout: one K and one V buffer per layer (tuples over the layers; or, for a model whose layers are stacked,
+`LayerExecution.scan`, all layers' buffers stacked in one [L, ...] array, `stacked`), slots in the layout the
+attention dots read without re-laying them:
     k_bkhs[l] : [batch, num_kv_heads, head_dim, cache_size]  (b, k, h, s): q . K reads [h, s] panels
     v_bksh[l] : [batch, num_kv_heads, cache_size, head_dim]  (b, k, s, h): probs . V reads [s, h] panels
     lengths_b : [batch] int32 — slots [0, lengths[b]) of row b hold its committed tokens, slot == position.
 Why this layout (measured on XLA:CPU, SmolLM2 shapes, 64 rows x 512 slots, 30 layers of decode attention):
 slots-before-heads buffers ([b, s, k, h]) made XLA transpose every layer's K and V before its batched dots, and
 one stacked [l, ...] buffer made it copy the layer out of the stack, several times slower than these per-layer
-buffers, which the dots read in place at the machine's read bandwidth (the figures: docs/design.md).
+buffers, which the dots read in place at the machine's read bandwidth (the figures: docs/design.md). So the
+stacked form is for stacked models (pods' `--scan-layers` backbones, decoding without unstacking): their scan
+over the layers reads and writes one layer of the stacks per iteration (model/layer_stack.run_cached_layers).
 A forward over T new tokens writes their K/V to slots [lengths[b], lengths[b] + T) of each row and does NOT
 advance `lengths`: the caller commits what it keeps (plain decode: +1; Medusa: the accepted path, after
 moving its K/V into consecutive slots). Slots at or past `lengths[b]` are scratch and are always masked.
@@ -31,51 +34,75 @@ V_SLOT_AXIS = 2  # the slot axis of a V buffer [b, k, s, h]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k_bkhs: tuple[jax.Array, ...]  # one [B, K, H, S] buffer per layer
-    v_bksh: tuple[jax.Array, ...]  # one [B, K, S, H] buffer per layer
+    k_bkhs: tuple[jax.Array, ...] | jax.Array  # one [B, K, H, S] buffer per layer, or them stacked [L, B, K, H, S]
+    v_bksh: tuple[jax.Array, ...] | jax.Array  # one [B, K, S, H] buffer per layer, or them stacked [L, B, K, S, H]
     lengths_b: jax.Array
 
     @property
+    def stacked(self) -> bool:
+        """The layers' buffers are one [L, ...] array each (a stacked model's scan reads them: backbone.py)."""
+        return not isinstance(self.k_bkhs, tuple)
+
+    @property
     def batch_size(self) -> int:
-        return self.k_bkhs[0].shape[0]
+        return self.lengths_b.shape[0]
 
     @property
     def cache_size(self) -> int:
-        return self.k_bkhs[0].shape[K_SLOT_AXIS]
+        return (self.k_bkhs if self.stacked else self.k_bkhs[0]).shape[-1]
 
     @property
     def num_layers(self) -> int:
-        return len(self.k_bkhs)
+        return self.k_bkhs.shape[0] if self.stacked else len(self.k_bkhs)
 
     @property
     def dtype(self):
-        return self.k_bkhs[0].dtype
+        return (self.k_bkhs if self.stacked else self.k_bkhs[0]).dtype
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch_size: int, cache_size: int, dtype=None) -> "KVCache":
+    def zeros(cls, config: ModelConfig, batch_size: int, cache_size: int, dtype=None,
+              stacked: bool | None = None) -> "KVCache":
+        """An empty cache; stacked None: stacked when the model's layers are (config.execution.scan)."""
         dtype = dtype or config.jnp_dtype
-        b, k, h, s = batch_size, config.num_kv_heads, config.head_dim, cache_size
-        return cls(tuple(jnp.zeros((b, k, h, s), dtype) for _ in range(config.num_layers)),
-                   tuple(jnp.zeros((b, k, s, h), dtype) for _ in range(config.num_layers)),
-                   jnp.zeros((batch_size,), jnp.int32))
+        b, k, h, s, n = batch_size, config.num_kv_heads, config.head_dim, cache_size, config.num_layers
+        lengths_b = jnp.zeros((batch_size,), jnp.int32)
+        if config.execution.scan if stacked is None else stacked:
+            return cls(jnp.zeros((n, b, k, h, s), dtype), jnp.zeros((n, b, k, s, h), dtype), lengths_b)
+        return cls(tuple(jnp.zeros((b, k, h, s), dtype) for _ in range(n)),
+                   tuple(jnp.zeros((b, k, s, h), dtype) for _ in range(n)), lengths_b)
 
     def replace(self, **changes) -> "KVCache":
         return dataclasses.replace(self, **changes)
 
     def put_rows(self, rows_n: jax.Array, fresh: "KVCache") -> "KVCache":
         """This cache with rows rows_n[i] (index >= batch: dropped) holding fresh's row i in slots
-        [0, fresh.cache_size) and its length; one in-place scatter per layer buffer."""
+        [0, fresh.cache_size) and its length; one in-place scatter per layer buffer (per stack)."""
         w = fresh.cache_size
-        k = tuple(buf.at[rows_n, :, :, :w].set(new.astype(buf.dtype), mode="drop")
-                  for buf, new in zip(self.k_bkhs, fresh.k_bkhs))
-        v = tuple(buf.at[rows_n, :, :w].set(new.astype(buf.dtype), mode="drop")
-                  for buf, new in zip(self.v_bksh, fresh.v_bksh))
+        if self.stacked:
+            k = self.k_bkhs.at[:, rows_n, :, :, :w].set(_stack(fresh.k_bkhs).astype(self.dtype), mode="drop")
+            v = self.v_bksh.at[:, rows_n, :, :w].set(_stack(fresh.v_bksh).astype(self.dtype), mode="drop")
+        else:
+            k = tuple(buf.at[rows_n, :, :, :w].set(new.astype(buf.dtype), mode="drop")
+                      for buf, new in zip(self.k_bkhs, _layers(fresh.k_bkhs)))
+            v = tuple(buf.at[rows_n, :, :w].set(new.astype(buf.dtype), mode="drop")
+                      for buf, new in zip(self.v_bksh, _layers(fresh.v_bksh)))
         lengths_b = self.lengths_b.at[rows_n].set(fresh.lengths_b, mode="drop")
         return self.replace(k_bkhs=k, v_bksh=v, lengths_b=lengths_b)
 
     def map_layers(self, k_fn, v_fn) -> "KVCache":
-        """A cache with k_fn applied to every K buffer and v_fn to every V buffer (lengths unchanged)."""
+        """A cache with k_fn applied to every K buffer and v_fn to every V buffer (lengths unchanged); on a
+        stacked cache, vectorised over the layers."""
+        if self.stacked:
+            return self.replace(k_bkhs=jax.vmap(k_fn)(self.k_bkhs), v_bksh=jax.vmap(v_fn)(self.v_bksh))
         return self.replace(k_bkhs=tuple(k_fn(x) for x in self.k_bkhs), v_bksh=tuple(v_fn(x) for x in self.v_bksh))
+
+
+def _stack(buffers) -> jax.Array:
+    return buffers if not isinstance(buffers, tuple) else jnp.stack(buffers)
+
+
+def _layers(buffers) -> tuple[jax.Array, ...]:
+    return buffers if isinstance(buffers, tuple) else tuple(buffers)
 
 
 def write_slots(buf: jax.Array, slot_axis: int, new_btkh: jax.Array, slots_bt: jax.Array) -> jax.Array:

@@ -4,10 +4,12 @@ carry a leading layer axis [L, ...], `LayerExecution.scan`), and the forward ove
 Stacked layers run as one `jax.lax.scan` over their parameters: the program holds one layer, under FSDP each
 iteration all-gathers one layer's weights (`sharding.gathered_over_fsdp`), and the backward pass keeps one layer's
 saved values per layer. Both forms run each layer under the rematerialisation policy `LayerExecution.remat`.
-HF files, the saver and the decoders' per-layer KV cache see the stored-per-layer form: `stack_layers` and
-`unstack_layers` convert a model between the two (the trainer stacks the backbone it is given and unstacks the
-one it returns). A stacked model also runs the cache paths (prefill, decode), one layer slice at a time; that
-is for completeness (on CPU the per-layer form decodes faster, kv_cache.py).
+HF files and the saver see the stored-per-layer form: `backbone.with_layer_execution` converts a model between
+the two (the trainer stacks the backbone it is given and unstacks the one it returns). A stacked model runs the
+cache paths (prefill, decode, tree verify) under the same kind of scan over a stacked KV cache
+(`run_cached_layers`, `kv_cache.KVCache.stacked`), so it decodes without being unstacked; given a per-layer
+cache it runs them one layer slice at a time. On this CPU Medusa decoding is faster per layer (stacked: 0.81x,
+bench/stacked_cache/), so models load per layer by default.
 
 Measured (bench/scan/, SmolLM2 on a 2-core CPU): the scanned Medusa-2 step took 2.8x the unrolled one, so the
 layers stay unrolled by default; pods use the scan, which is what makes their steps fit (docs/planning.md).
@@ -19,6 +21,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from medusa_jax.model.config import LayerExecution
@@ -52,7 +55,7 @@ def layer_slices(layers: nnx.Module, count: int) -> list[nnx.Module]:
 def _layer_step(layer_def, positions_bt, mask_bts, inv_freq, remat: str, dtype) -> Callable:
     """(one layer's state, x_btd) -> x_btd of that decoder layer, its weights cast to `dtype` (the trainer's
     float32 master weights reach the layer as they are stored), checkpointed by `remat`."""
-    def step(state, x_btd):
+    def layer_step(state, x_btd, positions_bt, mask_bts, inv_freq):
         # the barrier keeps what XLA does to the weights (the cast, re-layouts, the CPU compiler's float32 copies
         # of bf16 weights) inside the layer: hoisted out of the scan they were copies of every layer at once
         state = jax.tree.map(lambda w: w.astype(dtype), jax.lax.optimization_barrier(state))
@@ -60,7 +63,46 @@ def _layer_step(layer_def, positions_bt, mask_bts, inv_freq, remat: str, dtype) 
         x_btd, _, _ = layer(x_btd, positions_bt, mask_bts, None, None, None, inv_freq)
         return constrain_rows(x_btd)
 
-    return step if REMAT[remat] is None else jax.checkpoint(step, policy=REMAT[remat])
+    if remat == "full":
+        layer_step = _recomputed(layer_step, dtype)
+    elif REMAT[remat] is not None:
+        layer_step = jax.checkpoint(layer_step, policy=REMAT[remat])
+    return lambda state, x_btd: layer_step(state, x_btd, positions_bt, mask_bts, inv_freq)
+
+
+def _recomputed(layer_step: Callable, dtype) -> Callable:
+    """`layer_step` saving nothing for the backward pass but its input, from which the backward recomputes the
+    layer (as `jax.checkpoint` with nothing_saveable), a 16-bit input saved as its bit pattern: XLA's CPU compiler
+    widens a saved bf16 stack of layer inputs to a float32 copy (it computes bf16 dynamic slices and updates in
+    float32), 5.0 GiB per device for the 80 layers of a 70B Medusa-2 plan; an integer stack stays as it is."""
+    bits = jnp.dtype(dtype).itemsize == 2
+
+    @jax.custom_vjp
+    def recomputed(state, x_btd, *consts):
+        return layer_step(state, x_btd, *consts)
+
+    def forward(state, x_btd, *consts):
+        saved_x = jax.lax.bitcast_convert_type(x_btd, jnp.uint16) if bits else x_btd
+        return layer_step(state, x_btd, *consts), (state, saved_x, consts)
+
+    def backward(saved, dy_btd):
+        state, saved_x, consts = saved
+        x_btd = jax.lax.bitcast_convert_type(saved_x, dtype) if bits else saved_x
+        d_state, d_x = jax.vjp(lambda s, x: layer_step(s, x, *consts), state, x_btd)[1](dy_btd)
+        return (d_state, d_x) + tuple(_zero_cotangent(c) for c in consts)
+
+    recomputed.defvjp(forward, backward)
+    return recomputed
+
+
+def _zero_cotangent(x):
+    """The cotangent of an input nothing is differentiated by (float0 for integers and booleans)."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 def run_layers(layers, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array, inv_freq,
@@ -77,3 +119,27 @@ def run_layers(layers, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.
     step = _layer_step(layer_def, positions_bt, mask_bts, inv_freq, execution.remat, x_btd.dtype)
     x_btd, _ = jax.lax.scan(lambda x, layer_state: (step(layer_state, x), None), x_btd, state)
     return x_btd
+
+
+def run_cached_layers(layers, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array, k_lbkhs: jax.Array,
+                      v_lbksh: jax.Array, lengths_b: jax.Array, inv_freq,
+                      keep_inputs: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """x_btd through the stacked layers over a stacked KV cache (prefill, decode and tree verify of a stacked
+    model, `kv_cache.KVCache.stacked`), one `jax.lax.scan`: each iteration writes its layer's new K/V into the
+    stacks (the loop's carry, updated in place) and attends over them. Returns (x_btd, k_lbkhs, v_lbksh, the
+    residual stream entering each layer [L, B, T, D] when keep_inputs, else None)."""
+    layer_def, state = nnx.split(layers)
+
+    def step(carry, xs):
+        x_btd, k_lbkhs, v_lbksh = carry
+        layer_state, i = xs
+        layer = nnx.merge(layer_def, layer_state)
+        y_btd, k_bkhs, v_bksh = layer(x_btd, positions_bt, mask_bts, k_lbkhs[i], v_lbksh[i], lengths_b, inv_freq)
+        k_lbkhs = jax.lax.dynamic_update_index_in_dim(k_lbkhs, k_bkhs, i, 0)
+        v_lbksh = jax.lax.dynamic_update_index_in_dim(v_lbksh, v_bksh, i, 0)
+        return (constrain_rows(y_btd), k_lbkhs, v_lbksh), (x_btd if keep_inputs else None)
+
+    count = k_lbkhs.shape[0]
+    (x_btd, k_lbkhs, v_lbksh), inputs_lbtd = jax.lax.scan(
+        step, (x_btd, k_lbkhs, v_lbksh), (state, jnp.arange(count, dtype=jnp.int32)))
+    return x_btd, k_lbkhs, v_lbksh, inputs_lbtd

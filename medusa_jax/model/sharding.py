@@ -183,11 +183,23 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def _cache_specs(cache: KVCache) -> tuple:
+    """The K and V buffers' specs in the cache's form: one per layer, or one for the stack (its layer axis
+    whole on every device)."""
+    if cache.stacked:
+        return P(None, *_KV_SPEC), P(None, *_KV_SPEC)
+    return (_KV_SPEC,) * cache.num_layers, (_KV_SPEC,) * cache.num_layers
+
+
 def cache_shardings(mesh: Mesh, cache: KVCache) -> KVCache:
-    """Per-layer K [B, K, H, S] and V [B, K, S, H]: rows over (data, fsdp), KV heads over tensor; lengths [B]
-    over (data, fsdp)."""
-    kv = checked_sharding(mesh, _KV_SPEC, cache.k_bkhs[0].shape, "KV cache")
+    """Per-layer K [B, K, H, S] and V [B, K, S, H] (or their stacks [L, ...], the layer axis whole): rows over
+    (data, fsdp), KV heads over tensor; lengths [B] over (data, fsdp)."""
+    k_spec, v_spec = _cache_specs(cache)
     lengths = checked_sharding(mesh, P(BATCH_AXES), cache.lengths_b.shape, "KV cache lengths (batch)")
+    if cache.stacked:
+        return KVCache(checked_sharding(mesh, k_spec, cache.k_bkhs.shape, "KV cache"),
+                       checked_sharding(mesh, v_spec, cache.v_bksh.shape, "KV cache"), lengths)
+    kv = checked_sharding(mesh, _KV_SPEC, cache.k_bkhs[0].shape, "KV cache")
     return KVCache((kv,) * cache.num_layers, (kv,) * cache.num_layers, lengths)
 
 
@@ -200,7 +212,7 @@ def map_cache_rows(fn, cache: KVCache, *rows):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(AXES) <= set(mesh.axis_names) or all(mesh.shape[a] == 1 for a in AXES):
         return fn(cache, *rows)
-    cache_spec = KVCache((_KV_SPEC,) * cache.num_layers, (_KV_SPEC,) * cache.num_layers, P(BATCH_AXES))
+    cache_spec = KVCache(*_cache_specs(cache), P(BATCH_AXES))
     row_specs = tuple(P(BATCH_AXES, *([None] * (r.ndim - 1))) for r in rows)
     return jax.shard_map(fn, in_specs=(cache_spec, *row_specs), out_specs=cache_spec)(cache, *rows)
 

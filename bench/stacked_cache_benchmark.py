@@ -1,0 +1,52 @@
+"""SmolLM2 decoding on this CPU with the layers per layer (the default: per-layer KV cache, layers unrolled) or
+stacked (`LayerExecution(scan=True)`: one [L, ...] KV cache, prefill/decode/verify under one scan), interleaved in
+one process: each round times both forms of each case, so load swings hit both alike.
+
+One JSON line per (round, case, form): the fastest of `--repeats` timed calls after a compiling call, and the new
+tokens per second of that call (4 prompts of 32 tokens, `--new` tokens each):
+  plain    greedy decoding (`api.generate`)
+  medusa   Medusa greedy decoding, tree mc_sim_7b_16, 4 random heads on the shared lm_head
+
+  python bench/stacked_cache_benchmark.py --rounds 2 --repeats 3 >> bench/stacked_cache/results.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from medusa_jax.bench.scan_benchmark import fastest
+from medusa_jax.demo_model import resolve_model_dir
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.inference.api import generate, generate_medusa
+from medusa_jax.model.backbone import with_layer_execution
+from medusa_jax.model.config import LayerExecution
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per case (the fastest counts)")
+    p.add_argument("--new", type=int, default=32, help="new tokens per prompt (default: %(default)s)")
+    args = p.parse_args()
+    base = load_pretrained(resolve_model_dir("default"))
+    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, num_layers=1,
+                                   lm_head="shared"), base)
+    forms = {"per-layer": base, "stacked": with_layer_execution(base, LayerExecution(scan=True))}
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 4] * 4
+    cases = {"plain": lambda m: generate(m, prompts, max_new_tokens=args.new),
+             "medusa": lambda m: generate_medusa(m, heads, prompts, tree="mc_sim_7b_16", max_new_tokens=args.new)}
+    for rnd in range(args.rounds):
+        for case, call in cases.items():
+            for form, model in forms.items():
+                out = []
+                seconds = fastest(lambda: out.append(call(model)), args.repeats, warm_up=rnd == 0)
+                tokens = sum(r.new_tokens for r in out[-1])
+                print(json.dumps({"round": rnd + 1, "case": case, "form": form, "seconds": round(seconds, 4),
+                                  "new_tokens": tokens, "tokens_per_s": round(tokens / seconds, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
