@@ -1,9 +1,10 @@
 """Sorted batches decoded directly (`ShardedModel.plain_decode` / `medusa_decode`, one jitted call per batch), for
 the cases the generation engine refuses today (`engine_refusal`); every other case runs through the engine's
-sorted admission (`engine_batches.sorted_batches`). The engine names its refusals: mixed drafts and Token
-Recycling's table (`row_drafts.check_servable`: a drafter state that is not one row per request), a proposer in
-place of the heads' own proposal, typical acceptance (`row_acceptance`: no per-row switch yet) and several
-processes (the engine reads every row on its host). This module goes once the engine serves them.
+sorted admission (`engine_batches.sorted_batches`). What stays here (`engine_refusal` names it): mixed drafts
+(this path's size choice backs off the drafting on steps that do not pay, `inference/size_choice.py`; the engine's
+rows draft every step), Token Recycling's table kept warm in the model from call to call (the engine keeps its
+own), a proposer in place of the heads' own proposal, typical acceptance (the engine's per-row typical rows are
+not yet checked against this path) and several processes (the engine reads every row on its host). This module goes once the engine serves them.
 
 Each batch's prompts are right-padded to `bucket` times a power of two, its cache follows the width, and its
 `while_loop` runs until every row has finished; on a mesh a batch is padded up to a multiple of data x fsdp rows
@@ -39,13 +40,16 @@ def engine_refusal(model: ShardedModel, settings: BatchSettings, proposer: Propo
     if settings.tree is None:
         return None
     if isinstance(settings.tree, DraftSizes):
-        return "mixed drafts: the engine's drafted rows take one tree"
+        return "mixed drafts: the batch path backs off drafting on steps that do not pay; engine rows draft every step"
     if proposer is not None:
         return "a proposer: the engine drafts with the heads' own proposal"
+    heads = nnx.merge(model.medusa_graphdef, model.medusa_params).heads
+    if getattr(heads, "keeps_draft", False):
+        return "a drafter whose state outlives the call (Token Recycling's table): the model keeps it warm"
     if settings.decode.kind == "typical":
-        return "typical acceptance: the engine's rows accept greedily or exactly"
+        return "typical acceptance: decoded directly until the engine's per-row typical rows are checked against it"
     try:
-        check_servable(nnx.merge(model.medusa_graphdef, model.medusa_params).heads)
+        check_servable(heads)
     except ValueError as refusal:
         return str(refusal)
     return None

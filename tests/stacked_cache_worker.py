@@ -54,7 +54,14 @@ def main(model_dir: str) -> None:
                                                   progress=False).results]
     assert plain == ref_plain, (plain, ref_plain)
     assert medusa == ref_medusa, (medusa, ref_medusa)
-    cache = model._spare_cache  # the cache the last call returned: stacked, in its sharding
+    # generate_batch runs the generation engine; a direct decode call keeps its donated-and-returned cache
+    prompt_bt = np.zeros((8, 32), np.int32)
+    for i, p in enumerate(prompts):
+        prompt_bt[i, : len(p)] = p
+    direct, _, _, _ = model.medusa_decode(prompt_bt, np.array([len(p) for p in prompts], np.int32), tree=tree,
+                                          cache_size=64, max_new_tokens=MAX_NEW)
+    assert direct[:, :MAX_NEW].tolist() == [r[:MAX_NEW] for r in ref_medusa], direct
+    cache = model._spare_cache  # the cache the direct call returned: stacked, in its sharding
     assert cache.stacked and cache.k_bkhs.sharding.spec == spec.k_bkhs.spec, cache.k_bkhs.sharding
     shard = cache.k_bkhs.addressable_shards[0].data.shape
     assert shard[:3] == (base.config.num_layers, 4, base.config.num_kv_heads // 4), shard
