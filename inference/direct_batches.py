@@ -4,7 +4,8 @@ sorted admission (`engine_batches.sorted_batches`). What stays here (`engine_ref
 (this path's size choice backs off the drafting on steps that do not pay, `inference/size_choice.py`; the engine's
 rows draft every step), Token Recycling's table kept warm in the model from call to call (the engine keeps its
 own), a proposer in place of the heads' own proposal, typical acceptance (the engine's per-row typical rows are
-not yet checked against this path) and several processes (the engine reads every row on its host). This module goes once the engine serves them.
+not yet checked against this path) and several processes (the engine reads every row on its host). This
+module goes once the engine serves them.
 
 Each batch's prompts are right-padded to `bucket` times a power of two, its cache follows the width, and its
 `while_loop` runs until every row has finished; on a mesh a batch is padded up to a multiple of data x fsdp rows
