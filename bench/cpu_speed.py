@@ -1,0 +1,54 @@
+"""SmolLM2 train steps and plain decoding on this CPU, one revision per call (bench/cpu_speed/README.md): run it in
+two checkouts, alternating, and compare the JSON lines.
+
+    python -m medusa_jax.bench.cpu_speed train REV     # Medusa-1 and Medusa-2 train steps, fastest of 3
+    python -m medusa_jax.bench.cpu_speed decode REV    # generate_batch plain greedy at batch 1 and 4, fastest of 3
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+from medusa_jax.demo_model import resolve_model_dir
+
+
+def train(rev: str) -> None:
+    from medusa_jax.bench.scan_benchmark import train_case
+    from medusa_jax.heads.config import HeadsConfig
+    from medusa_jax.heads.init import init_heads
+    from medusa_jax.hf.load import load_pretrained
+
+    base = load_pretrained(resolve_model_dir("default"))
+    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, num_layers=1,
+                                   lm_head="shared"), base)
+    for medusa2 in (False, True):
+        seconds = train_case(base, heads, medusa2, "unrolled", 2, 128, 3)
+        print(json.dumps({"code": rev, "case": f"train-m{2 if medusa2 else 1}", "seconds": round(seconds, 3)}),
+              flush=True)
+
+
+def decode(rev: str) -> None:
+    from medusa_jax.inference.api import BatchSettings, generate_batch
+    from medusa_jax.inference.sharded import load_sharded
+
+    model = load_sharded(resolve_model_dir("default"))
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(1, 40000, size=n).tolist() for n in (90, 110, 70, 100)]
+    for batch in (1, 4):
+        settings = BatchSettings(batch_size=batch, max_new_tokens=64, eos_ids=())
+        generate_batch(model, prompts, settings, progress=False)  # compiles
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            generate_batch(model, prompts, settings, progress=False)
+            best = min(best, time.perf_counter() - start)
+        print(json.dumps({"code": rev, "batch": batch, "tokens_per_s": round(len(prompts) * 64 / best, 2)}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    {"train": train, "decode": decode}[sys.argv[1]](sys.argv[2])
