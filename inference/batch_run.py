@@ -5,6 +5,7 @@ engine's sorted batches or refilled slots, or the direct batches of `direct_batc
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -125,3 +126,13 @@ class BatchRun:
     @property
     def tokens_per_step(self) -> float:
         return self.new_tokens / max(sum(r.steps for r in self.results), 1)
+
+
+def report_batch(batch: list[GenerationResult], on_batch, bar, new_tokens: int, start: float, number: int,
+                 batches: int) -> None:
+    """A finished batch handed to `on_batch` and to the progress bar (its running tokens/s since `start`)."""
+    if on_batch is not None:
+        on_batch(batch)
+    if bar is not None:
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}", batch=f"{number + 1}/{batches}")

@@ -25,7 +25,7 @@ from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.trees.policy.choose import ChosenTree
-from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult
+from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult, report_batch
 from medusa_jax.inference.engine import cache_size_for, check_fits, pad_prompts
 from medusa_jax.inference.medusa import Proposer
 from medusa_jax.inference.row_drafts import check_servable
@@ -89,12 +89,7 @@ def direct_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
                                                   index, number, seconds, compiling, accepts)
                 finished.append(results[index])
                 new_tokens += num
-            if on_batch is not None:
-                on_batch(finished)
-            if bar is not None:
-                bar.update(len(indices))
-                rate = new_tokens / (time.perf_counter() - start)
-                bar.set_postfix(tok_s=f"{rate:.1f}", batch=f"{number + 1}/{len(plan)}")
+            report_batch(finished, on_batch, bar, new_tokens, start, number, len(plan))
     seconds = time.perf_counter() - start
     return BatchRun(results, seconds, min(run_compiles.compile_seconds, seconds), len(plan), len(shapes), chosen,
                     run_compiles)

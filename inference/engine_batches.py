@@ -24,7 +24,7 @@ from flax import nnx
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.trees.policy.choose import ChosenTree
-from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult
+from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult, report_batch
 from medusa_jax.inference.engine import PROMPT_BUCKET, cache_size_for, check_fits, pad_prompts, round_up
 from medusa_jax.inference.generation_engine import (EngineConfig, GenerationEngine, Request, RequestParams,
                                                     TokenEvent)
@@ -108,12 +108,7 @@ def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
                 for result in batch:
                     results[result.index] = result
                     new_tokens += result.new_tokens
-                if on_batch is not None:
-                    on_batch(batch)
-                if bar is not None:
-                    bar.update(len(batch))
-                    rate = new_tokens / (time.perf_counter() - start)
-                    bar.set_postfix(tok_s=f"{rate:.1f}", batch=f"{number + 1}/{len(plan)}")
+                report_batch(batch, on_batch, bar, new_tokens, start, number, len(plan))
                 number += 1
     seconds = time.perf_counter() - start
     return BatchRun(results, seconds, min(run_compiles.compile_seconds, seconds), len(plan), len(set(sizes)), chosen,
