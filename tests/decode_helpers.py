@@ -59,3 +59,9 @@ def planted_drafter_step(base, drafter, tree, truth, n: int, accept: int, cache,
     step = jax.jit(medusa_step, static_argnames=("tree", "acceptance", "eos_ids", "proposer"))
     return step(MedusaModel(base, drafter), state, tree=tree, acceptance=GREEDY, eos_ids=(),
                 proposer=planted)
+
+
+def prompts_of(lengths, seed: int = 3) -> list[list[int]]:
+    """Random prompts of the given lengths, token ids in [3, 128) (the tiny models' vocabularies)."""
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, 128, size=n).tolist() for n in lengths]

@@ -20,7 +20,7 @@ from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams
 from medusa_jax.inference.sampling import SamplingConfig
-from decode_helpers import randomise_kernels
+from decode_helpers import prompts_of, randomise_kernels
 
 SIZES, COSTS = (0, 2, 6, 12), (1.0, 1.05, 1.1, 1.2)  # cheap larger steps: the mix drafts most steps
 N = 14
@@ -31,11 +31,6 @@ def model(tiny_model_dir):
     # a narrow init (as tests/test_mixed_drafts.py): greedy continuations fall into loops that lookup and the
     # recycling table find
     return load_pretrained(tiny_model_dir("llama", initializer_range=0.1))
-
-
-def prompts_of(lengths, seed=3):
-    rng = np.random.RandomState(seed)
-    return [rng.randint(3, 128, size=n).tolist() for n in lengths]
 
 
 def random_heads(model, head_type: str):

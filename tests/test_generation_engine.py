@@ -22,17 +22,12 @@ from medusa_jax.inference.generation_engine import (EngineClosed, EngineConfig, 
 from medusa_jax.inference.row_sampling import RowSampling, row_target_logits, sample_rows
 from medusa_jax.inference.sampling import SamplingConfig, target_logits
 from medusa_jax.inference.text_stream import TextStream
-from decode_helpers import randomise_kernels
+from decode_helpers import prompts_of, randomise_kernels
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     return load_pretrained(tiny_model_dir("llama", seed=1))
-
-
-def prompts_of(lengths, seed=3):
-    rng = np.random.RandomState(seed)
-    return [rng.randint(3, 128, size=n).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("admission", ["fifo", "sorted"])
