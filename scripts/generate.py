@@ -48,6 +48,7 @@ from medusa_jax.progress import heartbeat
 from medusa_jax.scripts import distributed, options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 from medusa_jax.scripts.distributed import add_distributed_args
+from medusa_jax.scripts.options import Option, add_fields, config_from
 
 
 def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,37 +86,6 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
                         "--top-p/--top-k); needs --heads (default: greedy at temperature 0, exact otherwise)")
 
 
-def check_decoder_arguments(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    if a.heads != recycle.HEAD_TYPE and (a.recycle_table is not None or a.save_recycle_table is not None):
-        p.error("--recycle-table and --save-recycle-table need --heads recycle")
-    if a.heads is None:
-        if a.tree is not None or a.acceptance is not None or a.calibration is not None:
-            p.error("--tree, --acceptance and --calibration need --heads (Medusa decoding)")
-        return
-    if is_mix(a.heads) and a.tree is not None:
-        p.error(f"--heads {a.heads} (mixed drafts) chooses its draft size per step: drop --tree")
-    if a.heads == recycle.HEAD_TYPE and a.calibration is not None:
-        p.error(f"--calibration {a.calibration} chooses a heads folder's own tree; --heads recycle drafts a fixed "
-                f"template (--tree, default {recycle.DEFAULT_TEMPLATE}): drop --calibration")
-    if a.tree is not None and a.calibration is not None:
-        p.error(f"--calibration {a.calibration} chooses the heads' own tree, so it does nothing with --tree "
-                f"{a.tree}: drop one of them")
-
-    try:
-        a.acceptance = DecodeConfig(sampling_config(a), AcceptanceConfig(a.acceptance)).kind
-    except ValueError as e:
-        p.error(f"--acceptance {a.acceptance}: {e}")  # only an explicit choice can conflict
-
-
-def sampling_config(a: argparse.Namespace):
-    return SamplingConfig(a.temperature, a.top_p, a.top_k)
-
-
-def acceptance_config(a: argparse.Namespace):
-    """The Medusa acceptance of checked flags (check_decoder_arguments)."""
-    return AcceptanceConfig(a.acceptance)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__)
     options.MODEL.add(p, default="default")
@@ -128,18 +98,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message with the tokenizer's chat template")
     options.MAX_NEW_TOKENS.add(p, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, check=at_least(0.0),
-                   help="sampling temperature; 0 means greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, check=in_range(0.0, 1.0, low_open=True),
-                   help="nucleus sampling: keep the smallest set of tokens with this much probability (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, check=at_least(0),
-                   help="sample only among the k most likely tokens (applied before --top-p); 0 means no cut "
-                        "(default: %(default)s)")
+    add_fields(p, SamplingConfig(), Option("--temperature", "sampling temperature; 0 means greedy", check=at_least(0.0)),
+               Option("--top-p", "nucleus sampling: keep the smallest set of tokens with this much probability",
+                      check=in_range(0.0, 1.0, low_open=True)),
+               Option("--top-k", "sample only among the k most likely tokens (applied before --top-p); 0 means no "
+                      "cut", check=at_least(0)))
     options.SEED_OPTION.add(p, default=0, more="sampling")
     options.BATCH_SIZE.add(p, default=1, more="prompts per jitted call; rows of different lengths are fine; on a "
                            "mesh the rows are padded up to a multiple of data x fsdp with inactive rows")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
+    options.DTYPE.add(p, default="float32")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     add_decoder_arguments(p)
     options.MESH.add(p, more="for sharded decoding (a batch that does not divide by data*fsdp is padded with "
@@ -147,19 +114,43 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     add_distributed_args(p)
     a = p.parse_args(argv)
-    if a.input and not a.output:
-        p.error("--input needs --output")
-    check_decoder_arguments(p, a)
     try:
-        check_paths(a)
+        check(a)
     except validate.UsageError as e:
         p.error(str(e))
     return a
 
 
-def check_paths(a: argparse.Namespace) -> None:
-    """Inputs readable, --output writable and no input (nor inside the model or heads folder), --tree a preset,
-    a dynamic spec or a tree file that parses: before anything loads. A flag given as '' is refused."""
+def check_decoder(a: argparse.Namespace) -> None:
+    """The decoder flags fit together (--tree, --acceptance, --calibration need --heads, ...); --acceptance
+    resolved (greedy at temperature 0, exact otherwise)."""
+    if a.heads != recycle.HEAD_TYPE and (a.recycle_table is not None or a.save_recycle_table is not None):
+        raise validate.UsageError("--recycle-table and --save-recycle-table need --heads recycle")
+    if a.heads is None and (a.tree is not None or a.acceptance is not None or a.calibration is not None):
+        raise validate.UsageError("--tree, --acceptance and --calibration need --heads (Medusa decoding)")
+    if is_mix(a.heads) and a.tree is not None:
+        raise validate.UsageError(f"--heads {a.heads} (mixed drafts) chooses its draft size per step: drop --tree")
+    if a.heads == recycle.HEAD_TYPE and a.calibration is not None:
+        raise validate.UsageError(f"--calibration {a.calibration} chooses a heads folder's own tree; --heads recycle "
+                                  f"drafts a fixed template (--tree, default {recycle.DEFAULT_TEMPLATE}): drop "
+                                  f"--calibration")
+    if a.tree is not None and a.calibration is not None:
+        raise validate.UsageError(f"--calibration {a.calibration} chooses the heads' own tree, so it does nothing "
+                                  f"with --tree {a.tree}: drop one of them")
+    if a.heads is not None:
+        try:
+            a.acceptance = DecodeConfig(config_from(SamplingConfig, a), AcceptanceConfig(a.acceptance)).kind
+        except ValueError as e:
+            raise validate.UsageError(f"--acceptance {a.acceptance}: {e}") from None  # only an explicit choice
+
+
+def check(a: argparse.Namespace) -> None:
+    """The decoder flags (check_decoder), inputs readable, --output writable and no input (nor inside the model
+    or heads folder), --tree a preset, a dynamic spec or a tree file that parses: before anything loads. A flag
+    given as '' is refused."""
+    if a.input and not a.output:
+        raise validate.UsageError("--input needs --output")
+    check_decoder(a)
     if a.prompt == "":  # as in an --input file, an empty prompt is refused
         raise validate.UsageError("--prompt: empty; give some text")
     validate.given("--input", a.input, "a JSONL file of prompts")
@@ -201,11 +192,10 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
     """Generation on the mesh (a mesh of one device without --mesh); process 0 prints and writes the output."""
     recycling = a.heads == recycle.HEAD_TYPE
     drafter = (lambda base: recycle_drafter(base, a.recycle_table)) if recycling else None
-    tree, acceptance = None, AcceptanceConfig()
+    tree = None
     if is_mix(a.heads):
         model, tree = load_mixed(folder, a.heads, MeshConfig.parse(a.mesh), a.dtype, batch=a.batch_size,
                                  calibration=a.calibration)
-        acceptance = acceptance_config(a)
     else:
         model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads and not recycling else None,
                              MeshConfig.parse(a.mesh), a.dtype, drafter=drafter)
@@ -215,9 +205,9 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
             tree = recycle.template_tree(a.tree or recycle.DEFAULT_TEMPLATE, hc.top_k)
         else:
             tree = load_tree(a.tree, num_heads=hc.num_heads, max_top_k=hc.head_vocab_size) if a.tree else HEADS_TREE
-        acceptance = acceptance_config(a)
     settings = BatchSettings(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, tree=tree,
-                             acceptance=acceptance, sampling=sampling_config(a), seed=a.seed, eos_ids=tuple(eos),
+                             acceptance=AcceptanceConfig(a.acceptance),
+                             sampling=config_from(SamplingConfig, a), seed=a.seed, eos_ids=tuple(eos),
                              pad_id=pad_token_id(tokenizer, eos), calibration=a.calibration)
     with CompileCounter() as compiles, heartbeat("generating", enabled=not a.input):
         rows, run = generate_rows(model, tokenizer, records, settings, chat=a.chat, progress=bool(a.input))
