@@ -67,6 +67,12 @@ def main(argv=None) -> int:
         return validate.fail(e)
 
 
+def same_folder(out: str, heads: Path | None) -> None:
+    if heads is not None and Path(out).exists() and Path(out).resolve() == heads.resolve():
+        raise ExportError(f"--out {out} is the --heads folder: an export would replace the source (and its "
+                          f"checkpoints); choose another --out")
+
+
 def check_paths(args: argparse.Namespace) -> None:
     """--out writable, not an input and (without --overwrite) empty: before anything loads."""
     validate.given("--out", args.out, "a folder")
@@ -75,12 +81,9 @@ def check_paths(args: argparse.Namespace) -> None:
         raise validate.UsageError(f"--format {args.format} needs --model: the drafter's file carries the base's "
                                   f"input embedding")
     out = Path(args.out)
-    inputs = {"--heads": options.heads_location(args.heads), "--model": options.model_location(args.model)}
-    if out.exists() and options.heads_location(args.heads) is not None and \
-            out.resolve() == options.heads_location(args.heads).resolve():
-        raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
-                          f"checkpoints); choose another --out")
-    validate.output_folder("--out", args.out, inputs)
+    same_folder(args.out, options.heads_location(args.heads))
+    validate.output_folder("--out", args.out, {"--heads": options.heads_location(args.heads),
+                                               "--model": options.model_location(args.model)})
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise validate.UsageError(f"--out {out} is not empty: choose a new or empty folder, or pass --overwrite to "
                                   f"replace an earlier export")
@@ -93,9 +96,7 @@ def check_paths(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check_paths(args)
     heads_dir = options.heads_arg("--heads", args.heads)  # 'default' / 'default-medusa': the shipped heads
-    if Path(args.out).resolve() == Path(heads_dir).resolve():
-        raise ExportError(f"--out {args.out} is the --heads folder: an export would replace the source (and its "
-                          f"checkpoints); choose another --out")
+    same_folder(args.out, heads_dir)
     model_dir = options.model_arg("--model", args.model, tokenizer=False) if args.model else None
     base = load_pretrained(model_dir, dtype="float32") if model_dir else None
     heads = load_heads(heads_dir, base_config=base.config if base is not None else None)
@@ -103,37 +104,27 @@ def run(args: argparse.Namespace) -> int:
         raise ExportError(f"--format {args.format} does not fit {heads.config.head_type} heads: EAGLE drafters export "
                           f"with --format eagle or eagle-sglang, EAGLE-3 drafters with eagle3, Medusa heads with "
                           f"medusa or vllm")
-    if args.format.startswith("eagle"):
-        return _export_eagle(args, heads, base)
-    name = args.base_model_name_or_path
-    if name is None and not heads.config.base_model_name_or_path and args.model:
-        name = str(model_dir.resolve())
-    out = export_heads(heads, args.out, format=args.format, dtype=args.dtype, base=base,
-                       materialize_lm_head=args.materialize_lm_head, base_model_name_or_path=name,
-                       overwrite=args.overwrite)
-    cfg = heads.config
-    size_mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
-    print(f"wrote {out} ({args.format} layout, {args.dtype}, {size_mb:.1f} MiB): {cfg.num_heads} heads x "
-          f"{cfg.num_layers} ResBlocks, lm_head={cfg.lm_head}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
-    for note in serving_notes(heads, args.format, args.materialize_lm_head,
-                              name if name is not None else cfg.base_model_name_or_path):
-        print(f"  - {note}")
-    return 0
-
-
-def _export_eagle(args: argparse.Namespace, drafter, base) -> int:
-    """An EAGLE-1 or EAGLE-3 drafter in its authors' layout (check_paths made sure --model is given)."""
-    sglang = args.format == "eagle-sglang"
-    if args.format == "eagle3":
-        out = export_eagle3(drafter, base, args.out, dtype=args.dtype, overwrite=args.overwrite)
-        notes = eagle3_serving_notes(drafter)
+    cfg, sglang = heads.config, args.format == "eagle-sglang"
+    what = f"{cfg.head_type} drafter of {cfg.num_layers} decoder layer(s), lm_head {cfg.lm_head}"
+    if args.format == "eagle3":  # EAGLE-1 and EAGLE-3 drafters in their authors' layouts (check_paths: --model given)
+        out = export_eagle3(heads, base, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        notes = eagle3_serving_notes(heads)
+    elif args.format.startswith("eagle"):
+        out = export_eagle(heads, base, args.out, dtype=args.dtype, sglang=sglang, overwrite=args.overwrite)
+        notes = eagle_serving_notes(heads, sglang)
     else:
-        out = export_eagle(drafter, base, args.out, dtype=args.dtype, sglang=sglang, overwrite=args.overwrite)
-        notes = eagle_serving_notes(drafter, sglang)
+        name = args.base_model_name_or_path
+        if name is None and not cfg.base_model_name_or_path and args.model:
+            name = str(model_dir.resolve())
+        out = export_heads(heads, args.out, format=args.format, dtype=args.dtype, base=base,
+                           materialize_lm_head=args.materialize_lm_head, base_model_name_or_path=name,
+                           overwrite=args.overwrite)
+        notes = serving_notes(heads, args.format, args.materialize_lm_head,
+                              name if name is not None else cfg.base_model_name_or_path)
+        what = f"{cfg.num_heads} heads x {cfg.num_layers} ResBlocks, lm_head={cfg.lm_head}"
     size_mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
-    cfg = drafter.config
-    print(f"wrote {out} ({args.format} layout, {args.dtype}, {size_mb:.1f} MiB): {cfg.head_type} drafter of "
-          f"{cfg.num_layers} decoder layer(s), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, lm_head {cfg.lm_head}")
+    print(f"wrote {out} ({args.format} layout, {args.dtype}, {size_mb:.1f} MiB): {what}, hidden {cfg.hidden_size}, "
+          f"vocab {cfg.vocab_size}")
     for note in notes:
         print(f"  - {note}")
     return 0

@@ -41,6 +41,7 @@ from medusa_jax.hub import HubError
 from medusa_jax.scripts import options, validate
 from medusa_jax.model.sharding import MeshConfig, check_rows_split
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
+from medusa_jax.scripts.options import Option, add_fields, config_from
 
 DEFAULT_CONTEXT = 1024  # --context when not given (or the model's positions if fewer)
 
@@ -55,13 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=None, check=at_least(2),
                    help="KV-cache slots per row: a request's prompt tokens plus max_tokens must fit; at most the "
                         "model's max_position_embeddings (default: 1024, or the model's positions if fewer)")
-    p.add_argument("--chunk-steps", type=int, default=8, check=at_least(1),
-                   help="decode steps between two admissions of queued requests; streamed text arrives in pieces "
-                        "of up to this many tokens (default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=64, check=at_least(1),
-                   help="requests waiting for a row at most; beyond, requests are answered 429 (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="parameter and compute dtype: float32 on CPU, bfloat16 on GPU (default: %(default)s)")
+    add_fields(p, EngineConfig(), Option("--chunk-steps", "decode steps between two admissions of queued requests; "
+                                         "streamed text arrives in pieces of up to this many tokens", check=at_least(1)),
+               Option("--max-queue", "requests waiting for a row at most; beyond, requests are answered 429",
+                      check=at_least(1)))
+    options.DTYPE.add(p, default="float32")
     options.HEADS.add(p, more=": Medusa, Hydra, EAGLE or EAGLE-3 heads; or 'recycle' (Token Recycling: one table "
                       "for all rows, warm across requests) or a mix such as default+recycle+lookup (mixed drafts, "
                       "a draft size per step from this machine's step costs at --batch-size rows); every row "
@@ -86,10 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         validate.given("--served-model-name", a.served_model_name, "a model id")
         validate.given("--heads", a.heads, "a heads folder, 'default', 'recycle', a mix such as "
                                            "default+recycle+lookup, or a Hub id")
-        if a.tree is not None and a.heads is None:
-            raise validate.UsageError(f"--tree {a.tree}: needs --heads (tree decoding)")
-        if a.acceptance is not None and a.heads is None:
-            raise validate.UsageError(f"--acceptance {a.acceptance}: needs --heads (tree decoding)")
+        for flag, value in (("--tree", a.tree), ("--acceptance", a.acceptance)):
+            if value is not None and a.heads is None:
+                raise validate.UsageError(f"{flag} {value}: needs --heads (tree decoding)")
         if a.tree is not None and is_mix(a.heads):
             raise validate.UsageError(f"--tree {a.tree}: --heads {a.heads} (mixed drafts) chooses its draft size "
                                       f"per step; drop --tree")
@@ -133,8 +131,8 @@ def build_engine(a: argparse.Namespace):
     drafter = served_drafter(model, a.heads, heads_dir, a.tree, a.batch_size, a.dtype)
     if a.heads is not None:
         print(f"medusa-serve: {drafter.note}", file=sys.stderr, flush=True)
-    config = EngineConfig(rows=a.batch_size, context=context, chunk_steps=a.chunk_steps, max_queue=a.max_queue,
-                          acceptance=AcceptanceConfig(a.acceptance if a.acceptance == "typical" else None))
+    config = config_from(EngineConfig, a, rows=a.batch_size, context=context,
+                         acceptance=AcceptanceConfig(a.acceptance if a.acceptance == "typical" else None))
     engine = GenerationEngine(model, config, eos_ids=tuple(eos), pad_id=pad_token_id(tokenizer, eos),
                               heads=drafter.heads, tree=drafter.tree,
                               mesh=MeshConfig.parse(a.mesh).make_mesh() if a.mesh else None)
