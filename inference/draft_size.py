@@ -3,8 +3,7 @@ it chooses by, on device inside the decode loop: `inference.size_choice`).
 
 A size's cost is the time of the base forward of n + 1 tokens per row (the verify forward, lm_head included)
 over that of one token, after `context` cached tokens, at the batch size that decodes: the verify forward is
-most of a step, and on a CPU its time grows with n (GUIDE: T=2 1.28x, T=4 1.60x, T=16 2.33x on this 2-core
-machine), on a GPU it hardly does. Given the drafter, the drafting every mixed step does whatever its size (the
+most of a step, and on a CPU its time grows with n, on a GPU it hardly does. Given the drafter, the drafting every mixed step does whatever its size (the
 heads' dynamic tree, the merge) is added to every size, plain included: the time of the mix's proposal over a
 one-token forward.
 """

@@ -3,7 +3,7 @@ that a run of steps where drafting did not pay turns off for a while), and which
 (predicted tokens per unit of time).
 
 Why a backoff. Drafting costs time whatever size the step then verifies (the heads' dynamic tree, the merge, the
-top-k of the candidates: ~0.1-0.15x of a plain step on a CPU), so a mixed step that ends up plain costs more than a
+top-k of the candidates; measured per machine by `draft_size`), so a mixed step that ends up plain costs more than a
 plain step, and on text where no drafter is right (most MT-Bench writing prompts) that overhead lost to plain
 decoding. A step that skips the drafting is a plain step of the same loop (the drafters' states still see every
 emitted token). After a drafted step that did not pay (it emitted fewer tokens over the active rows than plain

@@ -92,9 +92,8 @@ def mtbench_main(argv: list[str]) -> int:
                Option("--no-profile", "skip timing each piece of a Medusa step (verify forward, base logits, "
                       "acceptance, heads top-k, cache compaction)", dest="profile"),
                Option("--hf", "also time transformers' PyTorch generate (greedy) on every question"),
-               Option("--hf-threads", "PyTorch intra-op threads for --hf; 0 keeps torch's default. On a 2-core "
-                      "machine shared with other work, torch's spinning OpenMP threads made generate ~5x slower than 1 "
-                      "thread", check=at_least(0)))
+               Option("--hf-threads", "PyTorch intra-op threads for --hf; 0 keeps torch's default (on a machine "
+                      "shared with other work torch's spinning OpenMP threads slow generate down)", check=at_least(0)))
     options.DTYPE.add(p, default="float32")
     p.add_argument("--temperatures", check=each(above(0.0)), type=parse_float_list, default=None,
                    help="sampling mode: comma-separated temperatures (e.g. 0.7,1.0); times plain sampling, Medusa "

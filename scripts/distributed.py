@@ -22,6 +22,7 @@ from typing import Mapping
 import jax
 
 from medusa_jax.scripts.cli_args import at_least
+from medusa_jax.scripts.options import Option, add_fields
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -83,22 +84,22 @@ class DistributedConfig:
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    """The multi-host flags, on a `cli_args.ArgumentParser` (their rules use its check=)."""
+    """The multi-host flags (DistributedConfig's fields), on a `cli_args.ArgumentParser` (their rules use its
+    check=)."""
     group = parser.add_argument_group("multi-host (one process per host; all flags or env vars, or none)")
-    group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                       help=f"address of process 0's coordinator, reachable from every host "
-                            f"(env {ENV_COORDINATOR})")
-    group.add_argument("--num-processes", type=int, default=None, check=at_least(1),
-                       help=f"total number of processes, one per host (env {ENV_NUM_PROCESSES})")
-    group.add_argument("--process-id", type=int, default=None, check=at_least(0),
-                       help=f"this process's index, 0 .. num-processes - 1 (env {ENV_PROCESS_ID})")
-    group.add_argument("--distributed-auto", action="store_true",
-                       help="let JAX detect the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU) instead")
+    add_fields(group, DistributedConfig(),
+               Option("--coordinator", f"address HOST:PORT of process 0's coordinator, reachable from every host "
+                      f"(env {ENV_COORDINATOR})", dest="coordinator_address"),
+               Option("--num-processes", f"total number of processes, one per host (env {ENV_NUM_PROCESSES})", int,
+                      at_least(1)),
+               Option("--process-id", f"this process's index, 0 .. num-processes - 1 (env {ENV_PROCESS_ID})", int,
+                      at_least(0)),
+               Option("--distributed-auto", "let JAX detect the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU) "
+                      "instead", dest="auto"))
 
 
 def config_from_args(args: argparse.Namespace) -> DistributedConfig:
-    return DistributedConfig.from_sources(args.coordinator, args.num_processes, args.process_id,
-                                          args.distributed_auto)
+    return DistributedConfig.from_sources(args.coordinator_address, args.num_processes, args.process_id, args.auto)
 
 
 def initialize(config: DistributedConfig) -> bool:

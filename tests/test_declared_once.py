@@ -3,12 +3,14 @@
   scripts/options.py: no other add_argument(...) or Option(...) names them;
 - every file replacement goes through medusa_jax/atomic.py: no os.replace / os.rename / shutil.move /
   Path.rename / Path.replace call elsewhere;
-- training/ has one hidden-state store module (hidden_store.py).
+- training/ has one hidden-state store module (hidden_store.py);
+- no measured figures in docstrings.
 (bench/ imported by nothing but bench/ and the benchmark commands: tests/test_layers.py.)"""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,3 +73,17 @@ def test_one_hidden_state_store_in_training():
     stores = sorted(p.name for p in (ROOT / "training").glob("*.py")
                     if "store" in p.stem or "cache" in p.stem)
     assert stores == ["hidden_store.py"]
+
+
+def test_no_measured_figures_in_docstrings():
+    """Ratios (0.81x, 5x faster) and throughputs (70 tokens/s) go stale in docstrings: they belong in bench/ and
+    docs/. ('8x H100' counts devices, '4 x P' is arithmetic: neither is matched.)"""
+    figure = re.compile(r"\d(\.\d+)?x\b(?! ?[A-Z])|\d(\.\d+)?\s*(tokens/s|tok/s)\b")
+    found = []
+    for path, tree in source_files():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                for line in (ast.get_docstring(node) or "").splitlines():
+                    if figure.search(line):
+                        found.append(f"{path}: {line.strip()}")
+    assert found == []

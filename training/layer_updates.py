@@ -1,8 +1,8 @@
 """The optimiser's update of stacked layers ([L, ...] parameters, `--scan-layers`) one layer at a time.
 
 Optax updates every leaf whole: for a stacked leaf that is every layer at once, and XLA keeps whole-leaf
-temporaries of it (the clipped gradient, a copy of the old moments it overwrites in place). In a 70B Medusa-2 plan
-on 16 devices these were 26 GiB per device beside the gradient itself (docs/planning.md). `layer_by_layer` runs
+temporaries of it (the clipped gradient, a copy of the old moments it overwrites in place): in a 70B Medusa-2
+plan they were a large share of the memory beside the gradient itself (docs/planning.md). `layer_by_layer` runs
 the inner update in a `jax.lax.fori_loop` over the layer axis instead: each iteration slices one layer of the
 gradient, the state and the parameters, updates them and writes the layer back in place, so the temporaries are
 one layer's. The updates are written over the gradient (a loop carry: the same buffer).

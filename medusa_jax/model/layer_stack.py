@@ -8,11 +8,11 @@ HF files and the saver see the stored-per-layer form: `backbone.with_layer_execu
 the two (the trainer stacks the backbone it is given and unstacks the one it returns). A stacked model runs the
 cache paths (prefill, decode, tree verify) under the same kind of scan over a stacked KV cache
 (`run_cached_layers`, `kv_cache.KVCache.stacked`), so it decodes without being unstacked; given a per-layer
-cache it runs them one layer slice at a time. On this CPU Medusa decoding is faster per layer (stacked: 0.81x,
-bench/stacked_cache/), so models load per layer by default.
+cache it runs them one layer slice at a time. On a CPU Medusa decoding measured faster per layer
+(bench/stacked_cache/), so models load per layer by default.
 
-Measured (bench/scan/, SmolLM2 on a 2-core CPU): the scanned Medusa-2 step took 2.8x the unrolled one, so the
-layers stay unrolled by default; pods use the scan, which is what makes their steps fit (docs/planning.md).
+On a CPU the scanned Medusa-2 step measured slower than the unrolled one (bench/scan/), so the layers stay
+unrolled by default; pods use the scan, which is what makes their steps fit (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _recomputed(layer_step: Callable, dtype) -> Callable:
     """`layer_step` saving nothing for the backward pass but its input, from which the backward recomputes the
     layer (as `jax.checkpoint` with nothing_saveable), a 16-bit input saved as its bit pattern: XLA's CPU compiler
     widens a saved bf16 stack of layer inputs to a float32 copy (it computes bf16 dynamic slices and updates in
-    float32), 5.0 GiB per device for the 80 layers of a 70B Medusa-2 plan; an integer stack stays as it is."""
+    float32), a copy of the whole stack per device in a 70B Medusa-2 plan; an integer stack stays as it is."""
     bits = jnp.dtype(dtype).itemsize == 2
 
     @jax.custom_vjp
