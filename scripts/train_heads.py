@@ -21,7 +21,7 @@ import jax
 from medusa_jax.assets import is_default_model
 from medusa_jax.hub import is_hub_id
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
-from medusa_jax.model.config import ATTENTION_KINDS, REMAT_POLICIES, LayerExecution
+from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.sharding import MeshError
 from medusa_jax.training.checkpointing import CheckpointMismatch
 from medusa_jax.training.data import DataConfig
@@ -36,7 +36,6 @@ from medusa_jax.scripts.cli_args import ArgumentParser, above, at_least, in_rang
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 from medusa_jax.scripts.options import Option, add_fields
 
-DTYPES = ("float32", "bfloat16")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "copy per head, initialised from the base lm_head; needs far more memory), or 'shared' "
                       "(reuse the base lm_head)"),
                Option("--heads-dtype", "storage dtype of the saved heads file: float16/bfloat16 halve its size; "
-                      "the heads still load and compute in float32", choices=(*DTYPES, "float16")),
+                      "the heads still load and compute in float32", choices=(*options.STEP_DTYPES, "float16")),
                Option("--base-model-name", "base model name recorded in the heads' config.json, e.g. a hub id "
                       "(default: the --model path)"))
     add_fields(g, t, Option("--freeze-lm-heads", "train only the ResBlocks; each head's own/truncated lm_head stays "
@@ -118,32 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
                Option("--eagle-train-depth", "eagle: depths trained; above 1, depths 2..N learn from the drafter's "
                       "own outputs along the true tokens (the chain a tree step drafts), weighted "
                       "--loss-decay**(k-1)", check=at_least(1)),
-               Option("--compute-dtype", "dtype the step computes in; weights and optimiser state stay float32 (use "
-                      "bfloat16 on GPU)", choices=DTYPES),
-               Option("--optimizer-dtype", "storage dtype of Adam's two moments: bfloat16 halves the optimiser "
-                      "state (what lets 70B Medusa-2 fit 16 x 80 GB); they are updated in float32 within each step",
-                      choices=DTYPES),
-               Option("--loss-chunk", "tokens per chunk of the heads' (and Medusa-2's LM) loss: only one chunk's "
-                      "[tokens, vocabulary] logits exist at a time, in the forward and the backward (exact; 0 = "
-                      "whole rows)", check=at_least(0)))
+               options.COMPUTE_DTYPE, options.OPTIMIZER_DTYPE, options.LOSS_CHUNK)
     add_fields(g, r, Option("--eagle-init", "eagle: 'random' fc (default) or 'identity': fc starts passing the "
                             "feature through unchanged, the token embedding scaled to the feature's RMS (folded into "
                             "fc on export; medusa_jax/heads/eagle_init.py)", choices=("random", "identity")),
                Option("--backbone-dtype", "storage dtype of the frozen backbone's weights (Medusa-1): bfloat16 "
                       "halves their memory (a 70B backbone fits 8 x 80 GB with room for the step); the heads and "
-                      "their optimiser state stay float32", choices=DTYPES))
-    add_fields(g, t.layers, Option("--scan-layers", "run the backbone's layers under one scan over their stacked "
-                                   "parameters: FSDP gathers one layer at a time and the program stays small "
-                                   "(GPU/TPU pods; on CPU the unrolled default is faster)", dest="scan"),
-               Option("--remat", "what the backward pass keeps of each backbone layer (Medusa-2): none = everything, "
-                      "full = its input only (recompute the layer), dots = the matrix products' outputs",
-                      choices=REMAT_POLICIES),
-               Option("--attention", "attention of the training rows: chunked (query blocks, scores recomputed for "
-                      "the backward), xla or cudnn (jax.nn.dot_product_attention; cudnn = fused flash attention on "
-                      "NVIDIA GPUs with --compute-dtype bfloat16)", choices=ATTENTION_KINDS))
+                      "their optimiser state stay float32", choices=options.STEP_DTYPES))
+    add_fields(g, t.layers, options.SCAN_LAYERS, options.REMAT, options.ATTENTION)
     options.SEED_OPTION.add(g, default=r.seed, more="data split/order and head initialisation")
     add_fields(p.add_argument_group("Medusa-2 (joint training)"), t,
-               Option("--medusa2", "train the backbone too (writes OUTPUT/base_model)"),
+               options.MEDUSA2,
                Option("--lm-loss-weight", "weight of the backbone's own objective added to the heads' loss",
                       check=at_least(0.0)),
                Option("--distill-kl", "for self-distilled data: the backbone's objective is the KL divergence to the "
