@@ -76,14 +76,6 @@ def input_file(flag: str, path: str | os.PathLike) -> Path:
 
 
 # ---- outputs -----------------------------------------------------------------------------------------------------
-def _inside(path: Path, folder: Path) -> bool:
-    try:
-        path.relative_to(folder)
-        return True
-    except ValueError:
-        return False
-
-
 def not_an_input(flag: str, path: str | os.PathLike, inputs: Mapping[str, "str | os.PathLike | None"]) -> None:
     """Refuses an output that is an input, or inside an input folder."""
     out = Path(path).expanduser().resolve()
@@ -95,7 +87,7 @@ def not_an_input(flag: str, path: str | os.PathLike, inputs: Mapping[str, "str |
         if same:
             raise UsageError(f"{flag} {path} is the {in_flag} {'folder' if src.is_dir() else 'file'}: writing it "
                              f"would destroy the input; choose another {flag}")
-        if src.is_dir() and _inside(out, src):
+        if src.is_dir() and out.is_relative_to(src):
             raise UsageError(f"{flag} {path} is inside the {in_flag} folder {given}: it would overwrite or add to "
                              f"the input; choose a path outside it")
 

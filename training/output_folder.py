@@ -84,16 +84,8 @@ class OutputLock:
         self.folder.mkdir(parents=True, exist_ok=True)
         if not (self.folder / MARKER).exists():
             write_text_atomic(self.folder / MARKER, json.dumps({"written_by": "medusa_jax scripts/train_heads.py"}))
-        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputFolderError(f"--output {self.folder} is in use by another training run (it holds "
-                                    f"{self.folder / LOCK}); wait for it to finish or choose another --output")
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
+        self._fd = exclusive_lock(self.folder / LOCK, f"--output {self.folder} is in use by another training run (it "
+                                  f"holds {self.folder / LOCK}); wait for it to finish or choose another --output")
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -103,8 +95,7 @@ class OutputLock:
             for name in (MARKER, LOCK):  # a run that failed before writing anything: leave no folder behind
                 (self.folder / name).unlink(missing_ok=True)
             remove_empty(self._made)
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
+        unlock(self._fd)
         self._fd = None
 
 
@@ -151,31 +142,41 @@ class FileLock:
         self._fd: int | None = None
 
     def __enter__(self) -> "FileLock":
-        while True:
-            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise OutputFolderError(f"{self.flag} {self.path} is being written by another run (it holds "
-                                        f"{self.lock}); wait for it to finish or choose another {self.flag}") from None
-            try:  # the holder before us may have removed the file after we opened it: lock the file on disk
-                if os.stat(self.lock).st_ino == os.fstat(fd).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
+        self._fd = exclusive_lock(self.lock, f"{self.flag} {self.path} is being written by another run (it holds "
+                                  f"{self.lock}); wait for it to finish or choose another {self.flag}")
         return self
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
             self.lock.unlink(missing_ok=True)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            unlock(self._fd)
             self._fd = None
+
+
+def exclusive_lock(path: Path, busy: str) -> int:
+    """An exclusive flock on the file `path` (made if missing) holding this process's id; OutputFolderError(busy)
+    when another process holds it. Returns the file descriptor (`unlock` releases it)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputFolderError(busy) from None
+        try:  # the holder before us may have removed the file after we opened it: lock the file on disk
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def unlock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
 
 
 def checkpoint_steps(directory: str | os.PathLike) -> list[int]:
