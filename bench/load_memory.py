@@ -89,6 +89,37 @@ def _child(model_dir: str, mesh_spec: str, mode: str) -> dict:
             "max_per_device_mib": round(max(per_device.values()) / 2**20, 1)}
 
 
+DEFAULT_RUNS = ("1::sharded", "8:fsdp=8:sharded", "8:data=2,fsdp=4:sharded", "8:data=8:sharded",
+                "8:fsdp=8:via_one")
+
+
+def parse_run(text: str) -> tuple[int, str, str]:
+    """'DEVICES:MESH:MODE' (e.g. 8:fsdp=8:sharded; MESH '' = one device) -> (devices, mesh, mode); a ValueError
+    says what is wrong."""
+    parts = text.split(":")
+    if (len(parts) != 3 or not (parts[0].isascii() and parts[0].isdigit()) or int(parts[0]) < 1
+            or parts[2] not in MODES):
+        raise ValueError(f"{text!r}: expected DEVICES:MESH:MODE with DEVICES >= 1 and MODE sharded or via_one, e.g. "
+                         f"8:fsdp=8:sharded")
+    try:
+        size = MeshConfig.parse(parts[1]).size if parts[1] else 1
+    except ValueError as e:
+        raise ValueError(f"{text!r}: {e}") from None
+    if size > int(parts[0]):
+        raise ValueError(f"{text!r}: the mesh needs more devices than given")
+    return int(parts[0]), parts[1], parts[2]
+
+
+def markdown(rows: list[dict], model: str) -> str:
+    lines = [f"Loading {model} (float32): peak host memory, MiB (fresh process per row)", "",
+             "| devices | mesh | mode | on devices | max per device | private memory growth (peak RssAnon) "
+             "| VmHWM (incl. mapped file) | seconds |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['devices']} | {r['mesh']} | {r['mode']} | {r['on_devices_mib']} | "
+                     f"{r['max_per_device_mib']} | {r['anon_growth_mib']} | {r['peak_total_mib']} | {r['seconds']} |")
+    return "\n".join(lines) + "\n"
+
+
 def measure(model_dir: str, mesh_spec: str, devices: int, mode: str = "sharded", timeout: int = 900) -> dict:
     """Runs one load in a fresh process with `devices` forced CPU devices; returns its figures."""
     if mode not in MODES:

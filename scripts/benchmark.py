@@ -55,17 +55,14 @@ from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_samplin
 from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, each_or_none, in_range,
-                                         parse_float_list, parse_int_list, parse_positive_int_list)
+                                         parse_float_list, parse_int_list, parse_positive_int_list, run_mode)
 from medusa_jax.scripts.options import Option, add_fields, config_from
 
 FAILURES = (OSError, ValueError, CheckpointError, MTBenchError, TreeError)
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in MODES:
-        return MODES[argv[0]](argv[1:])
-    return mtbench_main(argv)
+    return run_mode(argv, MODES, mtbench_main)
 
 
 def mtbench_main(argv: list[str]) -> int:

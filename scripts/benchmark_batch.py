@@ -39,17 +39,14 @@ from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.op_profile import op_times
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, parse_int_list,
-                                         parse_positive_int_list)
+                                         parse_positive_int_list, run_mode)
 from medusa_jax.scripts.options import Option, add_fields, config_from
 
 FAILURES = (OSError, ValueError, MTBenchError)  # CheckpointError and TokenizerError are ValueErrors
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in MODES:
-        return MODES[argv[0]](argv[1:])
-    return throughput_main(argv)
+    return run_mode(argv, MODES, throughput_main)
 
 
 def throughput_main(argv: list[str]) -> int:

@@ -172,3 +172,10 @@ class ArgumentParser(argparse.ArgumentParser):
             if problem:
                 self.error(f"{_flag(action)} {_show(value)}: {problem}")
         return ns
+
+
+def run_mode(argv: list[str] | None, modes: dict[str, Callable[[list[str]], int]],
+             default: Callable[[list[str]], int]) -> int:
+    """A command with modes (`benchmark.py quick ...`): the mode its first argument names, else `default`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return modes[argv[0]](argv[1:]) if argv and argv[0] in modes else default(argv)

@@ -35,7 +35,7 @@ from medusa_jax.training.plan_report import build_table, describe, warnings
 from medusa_jax.training.presets import PRESETS, model_config
 from medusa_jax.progress import heartbeat
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import ArgumentParser, in_range
+from medusa_jax.scripts.cli_args import ArgumentParser, in_range, run_mode
 from medusa_jax.scripts.options import Option, add_fields, config_from
 
 MAX_BATCH = 1 << 20  # prompts or packed rows: far beyond any real job, far below what would overflow a plan
@@ -88,10 +88,7 @@ def add_train_step(p: ArgumentParser, *more: Option) -> None:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in MODES:
-        return MODES[argv[0]](argv[1:])
-    return plan_main(argv)
+    return run_mode(argv, MODES, plan_main)
 
 
 def force_host_devices(count: int) -> None:
