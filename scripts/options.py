@@ -239,6 +239,10 @@ def recycle_tree(flag: str, spec: str | None) -> None:
 
 
 # ---- --mesh and --batch-size -------------------------------------------------------------------------------------
+SCAN_LAYERS = Option("--scan-layers", "read the backbone's layers straight into the stacked layout ([L, ...] "
+                     "parameters) and run them under one scan: training's FSDP gathers one layer at a time, decoding "
+                     "runs over a stacked KV cache, and the program holds one layer (GPU/TPU pods; on a CPU the "
+                     "per-layer default is faster, docs/planning.md)", dest="scan")
 MESH = Option("--mesh", "device mesh, e.g. data=2,tensor=4 (axes data, fsdp, tensor; missing axes are 1)",
               check=mesh_spec)
 BATCH_SIZE = Option("--batch-size", "rows per batch:", type=int, check=at_least(1))
@@ -323,9 +327,6 @@ OPTIMIZER_DTYPE = Option("--optimizer-dtype", "storage dtype of Adam's two momen
 LOSS_CHUNK = Option("--loss-chunk", "tokens per chunk of the heads' (and Medusa-2's LM) loss: only one chunk's "
                     "[tokens, vocabulary] logits exist at a time, in the forward and the backward (exact; 0 = whole "
                     "rows)", check=at_least(0))
-SCAN_LAYERS = Option("--scan-layers", "run the backbone's layers under one scan over their stacked parameters: FSDP "
-                     "gathers one layer at a time and the program stays small (GPU/TPU pods; on CPU the unrolled "
-                     "default is faster)", dest="scan")
 REMAT = Option("--remat", "what the backward pass keeps of each backbone layer (Medusa-2): none = everything, full = "
                "its input only (recompute the layer), dots = the matrix products' outputs", choices=REMAT_POLICIES)
 ATTENTION = Option("--attention", "attention of the training rows: chunked (query blocks, scores recomputed for the "
