@@ -26,12 +26,18 @@ Rule = Callable[[Any], "str | None"]
 SEED_MAX = 2**31 - 1
 
 
-def parse_int_list(text: str) -> tuple[int, ...]:
-    """'1,4,8' -> (1, 4, 8); an argparse `type=`."""
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+def _list_of(kind: type, what: str) -> Callable[[str], tuple]:
+    """An argparse `type=` for comma-separated values of `kind` ('1,4,8' -> (1, 4, 8))."""
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+    return parse
+
+
+parse_int_list = _list_of(int, "integers")
+parse_float_list = _list_of(float, "numbers")
 
 
 def parse_positive_int_list(text: str) -> tuple[int, ...]:
@@ -40,14 +46,6 @@ def parse_positive_int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values
-
-
-def parse_float_list(text: str) -> tuple[float, ...]:
-    """'0.7,1.0' -> (0.7, 1.0); an argparse `type=`."""
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 NUMERIC_TYPES = (int, float, parse_int_list, parse_positive_int_list, parse_float_list)
@@ -124,24 +122,24 @@ def _show(value) -> str:
     return str(value)
 
 
-class _CheckedGroup(argparse._ArgumentGroup):
+class _Checked:
+    """add_argument(..., check=RULE): the rule rides on the action, for ArgumentParser.parse_args."""
     def add_argument(self, *args, check: Rule | None = None, **kwargs):
         action = super().add_argument(*args, **kwargs)
         action.check = check
         return action
 
 
-class ArgumentParser(argparse.ArgumentParser):
+class _CheckedGroup(_Checked, argparse._ArgumentGroup):
+    pass
+
+
+class ArgumentParser(_Checked, argparse.ArgumentParser):
     """argparse with per-flag rules (`check=`) and one-line errors; see the module docstring."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)
-
-    def add_argument(self, *args, check: Rule | None = None, **kwargs):
-        action = super().add_argument(*args, **kwargs)
-        action.check = check
-        return action
 
     def add_argument_group(self, *args, **kwargs):
         group = _CheckedGroup(self, *args, **kwargs)
