@@ -26,8 +26,6 @@ from medusa_jax.heads.eagle import EagleDrafter
 from medusa_jax.training import losses
 from medusa_jax.training.data import segment_mask
 
-FEATURE_KEYS = ("feat", "tokens", "segment_ids", "positions", "loss_mask", "noise_seed")
-
 
 def _shift(x_bt, fill=0):
     """x at t + 1 (fill past the row's end)."""

@@ -42,8 +42,6 @@ from medusa_jax.training import losses
 from medusa_jax.training.layer_updates import clipped, layer_by_layer
 from medusa_jax.training.objectives import LossSettings, objective_for
 
-ROW_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
-HIDDEN_KEYS = ("hidden", "targets")
 HEAD_LOSSES = ("ce", "kl", "ce+kl")
 
 

@@ -65,13 +65,10 @@ class DrafterRounds:
         has_children = np.zeros(tree.num_tokens, bool)
         has_children[tree.parent_t[1:]] = True
         self.internal_i = np.nonzero(has_children & (np.arange(tree.num_tokens) > 0))[0]
-        entry_of = np.full(tree.num_tokens, -1)
-        entry_of[self.internal_i] = np.arange(len(self.internal_i))
         depth_i = tree.depth_t[self.internal_i]
         self.starts = {d: int(np.searchsorted(depth_i, d - 1)) for d in range(2, tree.depth + 2)}
         # block entry j is visible to entry i when node internal_i[j] is an ancestor of (or is) internal_i[i]
         self.visible_ii = tree.ancestor_mask_tt[np.ix_(self.internal_i, self.internal_i)]
-        self.entry_of_t = entry_of
         self.depth_i = depth_i
 
 

@@ -127,10 +127,6 @@ class TreeChoice:
     def predicted_tokens_per_step(self) -> float:
         return self.tokens_per_step[self.best_num_nodes - 1]
 
-    @property
-    def predicted_tokens_per_second(self) -> float:
-        return self.tokens_per_second[self.best_num_nodes - 1]
-
 
 def _tokens_per_second(per_step: np.ndarray, step_cost: Callable[[int], float] | StepCost) -> np.ndarray:
     """[n - 1]: per_step[n - 1] / step_cost(n + 1) for trees of n nodes; NaN where a measured `StepCost` has no
