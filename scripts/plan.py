@@ -75,8 +75,8 @@ def parse_args(argv):
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="train: the dtype the step computes in (default: %(default)s)")
     p.add_argument("--scan-layers", action="store_true", dest="scan",
-                   help="train: the backbone's layers under one scan (train_heads.py --scan-layers): FSDP gathers one "
-                        "layer at a time")
+                   help="the backbone's layers stacked under one scan (--scan-layers of train_heads.py and generate.py):"
+                        " train: FSDP gathers one layer at a time; decode: over a stacked KV cache")
     p.add_argument("--remat", choices=REMAT_POLICIES, default="none",
                    help="train: what the backward keeps of each layer (train_heads.py --remat) (default: %(default)s)")
     p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
@@ -222,7 +222,8 @@ def vs_device_main(argv: list[str]) -> int:
     options.NUM_HEADS.add(p, default=4, more="(random)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights (default: bf16)")
     p.add_argument("--medusa2", action="store_true", help="train: joint training of the backbone")
-    p.add_argument("--scan-layers", action="store_true", dest="scan", help="train: the layers under one scan")
+    p.add_argument("--scan-layers", action="store_true", dest="scan",
+                   help="the layers stacked under one scan (decode: over a stacked KV cache)")
     p.add_argument("--remat", choices=REMAT_POLICIES, default="none", help="train: remat policy (default: %(default)s)")
     p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
                    help="train: attention kernel on the device (the plan uses chunked for cudnn) (default: %(default)s)")
@@ -251,7 +252,7 @@ def vs_device_main(argv: list[str]) -> int:
                  "--optimizer-dtype", args.optimizer_dtype] + ["--medusa2"] * args.medusa2 + \
             ["--scan-layers"] * args.scan
     else:
-        extra = ["--lm-head", "shared", "--cache", str(args.cache), "--tree", args.tree]
+        extra = ["--lm-head", "shared", "--cache", str(args.cache), "--tree", args.tree] + ["--scan-layers"] * args.scan
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *common, *extra], capture_output=True,
                           text=True)
     if proc.returncode:
@@ -269,7 +270,8 @@ def vs_device_main(argv: list[str]) -> int:
         print(f"{device.device_kind}: {device.platform} compiler's figure for the step "
               f"{measured['compiled'] / mib:.1f} MiB")
     else:
-        model = load_sharded(folder, dtype=args.dtype, random_heads=args.num_heads)
+        model = load_sharded(folder, dtype=args.dtype, random_heads=args.num_heads,
+                             layers=LayerExecution(scan=args.scan))
         tree = load_tree(args.tree, num_heads=args.num_heads)
         before = device.memory_stats()["bytes_in_use"]
         prompts = np.ones((args.batch, args.seq), np.int32)

@@ -56,7 +56,7 @@ def test_plan_state_equals_the_real_trainer_on_device(small, case):
     assert plan["replicated_optimizer_bytes"] == 0
 
 
-@pytest.mark.parametrize("case", ["train_m1", "train_m2", "train_m2_lean", "decode"])
+@pytest.mark.parametrize("case", ["train_m1", "train_m2", "train_m2_lean", "decode", "decode_stacked"])
 def test_analytic_estimate_agrees(small, case):
     plan, est = small[case]["plan"], small[case]["estimate"]
     for name in ("params", "optimizer", "kv_cache"):
@@ -81,6 +81,19 @@ def test_decode_plan_layout(small):
     assert plan["invariant_gathers"] == []
     kinds = {c["kind"] for c in plan["collectives"]}
     assert "all-reduce" in kinds and plan["alias_bytes"] >= full_cache // 8  # the cache is donated
+
+
+def test_stacked_decode_plan_moves_what_the_per_layer_one_does(small):
+    """--scan-layers: the stacked model over a stacked KV cache holds the same cache, donates it, gathers no weight
+    in the loop, and runs the per-layer form's collectives (a scan body's counted once per layer), within 5% of its
+    bytes per device."""
+    stacked, per_layer = small["decode_stacked"]["plan"], small["decode"]["plan"]
+    assert stacked["config"]["layers"]["scan"] and not per_layer["config"]["layers"]["scan"]
+    assert stacked["arguments"] == per_layer["arguments"]
+    assert stacked["alias_bytes"] >= stacked["arguments"]["kv_cache"] - 64 and stacked["invariant_gathers"] == []
+    for name in ("collectives", "once_collectives"):
+        assert stacked[name] == per_layer[name], name
+    assert abs(stacked["device_bytes"] / per_layer["device_bytes"] - 1) < 0.05
 
 
 def test_largest_batch_search_brackets_the_boundary(small):
@@ -134,6 +147,7 @@ def test_cli_plans_a_config_folder_as_json(tmp_path):
     (["--model", "llama3-8b", "--device", "a100"], "unknown device"),
     (["--model", "llama3-8b", "--mesh", "data=2", "--batch", "3"], "not divisible"),
     (["--model", "llama3-8b", "--seq", "1024", "--cache", "1024"], "leaves no room"),
+    (["--model", "llama3-8b", "--scan-layers", "--remat", "full"], "a decode plan takes only --scan-layers"),
 ])
 def test_cli_bad_input_is_one_clear_error(args, message, monkeypatch, capsys):
     code, err = plan_cli_in_process(args, monkeypatch, capsys)

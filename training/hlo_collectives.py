@@ -73,6 +73,43 @@ def loop_collectives(hlo_text: str) -> list[Collective]:
     return _collectives_in(comps, sorted(seen))
 
 
+_ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def executed_collectives(hlo_text: str) -> tuple[list[Collective], list[Collective]]:
+    """(collectives one iteration of the decode loop runs, those run once outside it), each repeated as often as
+    it runs: a `while` with a known trip count (a `jax.lax.scan`, e.g. over stacked layers) runs its body that
+    many times, and the loop without one (the data-dependent decode `while_loop`) is the per-step part. Unlike
+    `loop_collectives`, a scan outside the decode loop (a stacked model's prefill) counts as once-per-call."""
+    comps = _computations(hlo_text)
+    entry = _ENTRY.search(hlo_text)
+    step: list[Collective] = []
+    once: list[Collective] = []
+
+    def walk(name: str, times: int, in_step: bool, depth: int = 0) -> None:
+        if name not in comps or depth > 64:
+            return
+        lines = comps[name]
+        found = _collectives_in(comps, [name])
+        (step if in_step else once).extend(found * times)
+        for line in lines:
+            if re.search(r"\swhile\(", line):
+                trip = _TRIP_COUNT.search(line)
+                for callee in _callees([line]):
+                    if trip:
+                        walk(callee, times * int(trip.group(1)), in_step, depth + 1)
+                    else:  # the decode loop: what its body runs is per step
+                        walk(callee, 1, True, depth + 1)
+            else:
+                for callee in _callees([line]):
+                    walk(callee, times, in_step, depth + 1)
+
+    if entry:
+        walk(entry.group(1), 1, False)
+    return step, once
+
+
 def module_collectives(hlo_text: str) -> list[Collective]:
     """Every collective instruction of the module, in any computation (a branch of a conditional counts even
     when another branch runs)."""

@@ -33,6 +33,13 @@ def warnings(plan: CompiledPlan) -> list[str]:
     return out
 
 
+def _layers_text(c: PlanConfig) -> str:
+    if c.job == "decode":
+        return "stacked layers over a stacked KV cache" if c.layers.scan else "layers and KV cache per layer"
+    return (f"layers {'scanned' if c.layers.scan else 'unrolled'}, remat {c.layers.remat}, attention "
+            f"{c.layers.attention}")
+
+
 def describe(plan: CompiledPlan, est: DeviceEstimate, device: str, capacity: int, headroom: float,
              largest: int | None = None) -> str:
     c = plan.config
@@ -40,7 +47,8 @@ def describe(plan: CompiledPlan, est: DeviceEstimate, device: str, capacity: int
             f"{c.num_heads} Medusa heads ({c.lm_head} lm_head){', Medusa-2' if c.medusa2 else ''}; mesh "
             f"data={c.mesh.data} fsdp={c.mesh.fsdp} tensor={c.mesh.tensor}; batch {c.batch}, "
             + (f"rows of {c.seq} tokens, weights {c.model.dtype}, compute {c.compute_dtype}" if c.job == "train" else
-               f"prompt {c.seq}, cache {c.cache} slots, tree {c.tree} ({c.tree_tokens} nodes), {c.model.dtype}"))
+               f"prompt {c.seq}, cache {c.cache} slots, tree {c.tree} ({c.tree_tokens} nodes), {c.model.dtype}")
+            + f"; {_layers_text(c)}")
     lines = [head, "per device                compiled        analytic"]
     for name, analytic in (("params", est.params), ("optimizer", est.optimizer), ("kv_cache", est.kv_cache)):
         lines.append(f"  {name:<22}{_gib(plan.arguments.get(name, 0))}  {_gib(analytic)}")

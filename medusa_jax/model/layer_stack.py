@@ -142,4 +142,7 @@ def run_cached_layers(layers, x_btd: jax.Array, positions_bt: jax.Array, mask_bt
     count = k_lbkhs.shape[0]
     (x_btd, k_lbkhs, v_lbksh), inputs_lbtd = jax.lax.scan(
         step, (x_btd, k_lbkhs, v_lbksh), (state, jnp.arange(count, dtype=jnp.int32)))
-    return x_btd, k_lbkhs, v_lbksh, inputs_lbtd
+    # the scan's output pinned to rows too: unpinned, the partitioner let a use after the loop (the heads' products,
+    # split over `tensor`) choose the loop's carry layout, split over the hidden axis, and paid an all-gather and
+    # a norm all-reduce per layer on a tensor mesh (scripts/plan.py --job decode --scan-layers showed them)
+    return constrain_rows(x_btd), k_lbkhs, v_lbksh, inputs_lbtd
