@@ -239,6 +239,10 @@ def recycle_tree(flag: str, spec: str | None) -> None:
 
 
 # ---- --mesh and --batch-size -------------------------------------------------------------------------------------
+SCAN_LAYERS = Option("--scan-layers", "read the backbone's layers straight into the stacked layout ([L, ...] "
+                     "parameters) and run them under one scan: training's FSDP gathers one layer at a time, decoding "
+                     "runs over a stacked KV cache, and the program holds one layer (GPU/TPU pods; on a CPU the "
+                     "per-layer default is faster, docs/planning.md)", dest="scan")
 MESH = Option("--mesh", "device mesh, e.g. data=2,tensor=4 (axes data, fsdp, tensor; missing axes are 1)",
               check=mesh_spec)
 BATCH_SIZE = Option("--batch-size", "rows per batch:", type=int, check=at_least(1))

@@ -74,9 +74,7 @@ def parse_args(argv):
                         "bfloat16; bfloat16 for decode)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="train: the dtype the step computes in (default: %(default)s)")
-    p.add_argument("--scan-layers", action="store_true", dest="scan",
-                   help="the backbone's layers stacked under one scan (--scan-layers of train_heads.py and generate.py):"
-                        " train: FSDP gathers one layer at a time; decode: over a stacked KV cache")
+    options.SCAN_LAYERS.add(p, action="store_true", more="(as train_heads.py and generate.py run it)")
     p.add_argument("--remat", choices=REMAT_POLICIES, default="none",
                    help="train: what the backward keeps of each layer (train_heads.py --remat) (default: %(default)s)")
     p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
@@ -222,8 +220,7 @@ def vs_device_main(argv: list[str]) -> int:
     options.NUM_HEADS.add(p, default=4, more="(random)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights (default: bf16)")
     p.add_argument("--medusa2", action="store_true", help="train: joint training of the backbone")
-    p.add_argument("--scan-layers", action="store_true", dest="scan",
-                   help="the layers stacked under one scan (decode: over a stacked KV cache)")
+    options.SCAN_LAYERS.add(p, action="store_true")
     p.add_argument("--remat", choices=REMAT_POLICIES, default="none", help="train: remat policy (default: %(default)s)")
     p.add_argument("--attention", choices=ATTENTION_KINDS, default="chunked",
                    help="train: attention kernel on the device (the plan uses chunked for cudnn) (default: %(default)s)")

@@ -132,9 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                Option("--backbone-dtype", "storage dtype of the frozen backbone's weights (Medusa-1): bfloat16 "
                       "halves their memory (a 70B backbone fits 8 x 80 GB with room for the step); the heads and "
                       "their optimiser state stay float32", choices=DTYPES))
-    add_fields(g, t.layers, Option("--scan-layers", "run the backbone's layers under one scan over their stacked "
-                                   "parameters: FSDP gathers one layer at a time and the program stays small "
-                                   "(GPU/TPU pods; on CPU the unrolled default is faster)", dest="scan"),
+    add_fields(g, t.layers, options.SCAN_LAYERS,
                Option("--remat", "what the backward pass keeps of each backbone layer (Medusa-2): none = everything, "
                       "full = its input only (recompute the layer), dots = the matrix products' outputs",
                       choices=REMAT_POLICIES),
