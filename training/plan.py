@@ -77,8 +77,8 @@ class PlanConfig:
             raise ValueError(f"--cache {self.cache}: the model has {positions} positions (plus the tree's scratch "
                              f"slots); plan fewer cache slots")
         if self.job == "decode" and (self.layers.remat, self.layers.attention) != ("none", "chunked"):
-            raise ValueError(f"--remat {self.layers.remat} / --attention {self.layers.attention}: they set how training "
-                             f"runs the layers; a decode plan takes only --scan-layers")
+            raise ValueError(f"--remat {self.layers.remat} / --attention {self.layers.attention}: they set how "
+                             f"training runs the layers; a decode plan takes only --scan-layers")
         if self.job == "decode" and self.max_new_tokens < 1:
             raise ValueError(f"cache {self.cache} leaves no room for new tokens after a {self.seq}-token prompt "
                              f"and the tree's {self.tree_tokens} scratch slots")
