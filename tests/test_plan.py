@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from medusa_jax.training.hlo_collectives import entry_upcast_bytes, shape_bytes
+from medusa_jax.training.hlo_collectives import (entry_upcast_bytes, executed_collectives, loop_upcast_bytes,
+                                                 shape_bytes)
 from medusa_jax.training.plan import device_capacity
 from medusa_jax.training.memory_plan import backbone_params
 from medusa_jax.training.presets import PRESETS, model_config
@@ -210,6 +211,48 @@ ENTRY %main.5_spmd (param.1: bf16[4,8], param.2: f32[2]) -> f32[4,8] {
 }
 """
     assert entry_upcast_bytes(hlo) == 4 * 8 * 4
+
+
+LOOPS_HLO = """
+%wrapped_convert_computation.2 (param_0: bf16[3,4,8]) -> f32[3,4,8] {
+  %param_0 = bf16[3,4,8]{2,1,0} parameter(0)
+  ROOT %convert.2 = f32[3,4,8]{2,1,0} convert(%param_0)
+}
+
+%scan_body.1 (p.3: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p.3 = (s32[], f32[4,8]{1,0}) parameter(0)
+  %x.1 = f32[4,8]{1,0} get-tuple-element(%p.3), index=1
+  %ar.1 = f32[4,8]{1,0} all-reduce(%x.1), channel_id=1, replica_groups={{0,1}}, to_apply=%add.1
+  ROOT %t.1 = (s32[], f32[4,8]{1,0}) tuple(%ar.1, %ar.1)
+}
+
+%decode_body.1 (p.4: (s32[], f32[4,8], bf16[3,4,8])) -> (s32[], f32[4,8], bf16[3,4,8]) {
+  %p.4 = (s32[], f32[4,8]{1,0}, bf16[3,4,8]{2,1,0}) parameter(0)
+  %w.1 = bf16[3,4,8]{2,1,0} get-tuple-element(%p.4), index=2
+  %wrapped_convert.2 = f32[3,4,8]{2,1,0} fusion(%w.1), kind=kLoop, calls=%wrapped_convert_computation.2
+  %ag.1 = f32[4,8]{1,0} all-gather(%x.2), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+  %while.2 = (s32[], f32[4,8]{1,0}) while(%init.2), condition=%scan_cond.1, body=%scan_body.1, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %t.2 = (s32[], f32[4,8]{1,0}, bf16[3,4,8]{2,1,0}) tuple(%p.4, %p.4, %w.1)
+}
+
+ENTRY %main.9_spmd (param.5: bf16[3,4,8]) -> f32[4,8] {
+  %param.5 = bf16[3,4,8]{2,1,0} parameter(0)
+  %while.1 = (s32[], f32[4,8]{1,0}) while(%init.1), condition=%cond.1, body=%scan_body.1, backend_config={"known_trip_count":{"n":"2"}}
+  %while.3 = (s32[], f32[4,8]{1,0}, bf16[3,4,8]) while(%init.3), condition=%cond.2, body=%decode_body.1
+  ROOT %r.1 = f32[4,8]{1,0} get-tuple-element(%while.3), index=1
+}
+"""
+
+
+def test_collectives_as_run_and_upcasts_inside_loops():
+    """A scan (known trip count) repeats its body's collectives per iteration: 2 all-reduces of a prefill's scan
+    run once per call, 3 of the decode step's scan per step; a bf16 weight stack converted to float32 inside the
+    decode loop's body is a CPU-only copy, set apart from the entry's."""
+    step, once = executed_collectives(LOOPS_HLO)
+    assert sorted(c.op for c in step) == ["all-gather"] + ["all-reduce"] * 3
+    assert [c.op for c in once] == ["all-reduce"] * 2
+    assert entry_upcast_bytes(LOOPS_HLO) == 0
+    assert loop_upcast_bytes(LOOPS_HLO) == 3 * 4 * 8 * 4
 
 
 def test_presets_and_devices():

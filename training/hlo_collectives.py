@@ -220,11 +220,26 @@ def entry_upcast_bytes(hlo_text: str) -> int:
     comps = _computations(hlo_text)
     entry = next((name for name, lines in comps.items() if any(" parameter(" in l for l in lines)
                   and name.startswith("main")), None)
-    if entry is None:
-        return 0
+    return 0 if entry is None else _upcast_bytes(comps, entry)
+
+
+def loop_upcast_bytes(hlo_text: str) -> int:
+    """`entry_upcast_bytes`' float32 weight copies made inside called computations instead (a loop body, a
+    branch): the CPU compiler converts the whole bf16 weights (a layer stack at once) before a loop's dots, once
+    per loop or branch that uses them, e.g. 2 x 35 GiB of a 70B model's stacked MLP weights in its decode loop.
+    Those computations run one at a time, so the largest set counts (an underestimate where they nest)."""
+    comps = _computations(hlo_text)
+    entry = _ENTRY.search(hlo_text)
+    fused = {m.group(1) for lines in comps.values() for line in lines if " fusion(" in line
+             for m in re.finditer(r"\bcalls=%?([\w.\-]+)", line)}
+    inner = [n for n in comps if n not in fused and (entry is None or n != entry.group(1))]
+    return max((_upcast_bytes(comps, n, sources=("parameter", "get-tuple-element")) for n in inner), default=0)
+
+
+def _upcast_bytes(comps: dict[str, list[str]], computation: str, sources: tuple[str, ...] = ("parameter",)) -> int:
     derived: dict[str, bool] = {}  # weight-derived value -> passed through a half-precision type
     total = 0
-    for line in comps[entry]:
+    for line in comps[computation]:
         match = _DEFINITION.match(line)
         if not match:
             continue
@@ -239,7 +254,7 @@ def entry_upcast_bytes(hlo_text: str) -> int:
             ops = {m.group(2) for m in map(_DEFINITION.match, body) if m}
             half = half or any(re.search(r"=\s*(bf16|f16)\[", l) for l in body)
         operands = _operands(rest)
-        if opcode == "parameter":
+        if opcode == "parameter" or (opcode in sources and all(o in derived for o in operands)):
             derived[name] = half
             continue
         if not ops <= _MOVES or not operands or not all(o in derived for o in operands):

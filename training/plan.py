@@ -9,7 +9,8 @@ GPU/TPU compiler's (fusion and rematerialisation differ); argument bytes are exa
 
 Byte figures are per device. Arguments are split by what they are (parameters, optimiser state, KV cache,
 batch) from their shardings; `total = arguments + outputs - aliased (donated) + temporaries`, and
-`device_bytes` leaves out the float32 weight copies only XLA's CPU backend makes (`cpu_upcast_bytes`).
+`device_bytes` leaves out the float32 weight copies only XLA's CPU backend makes (`cpu_upcast_bytes` in the entry
+computation, `cpu_loop_upcast_bytes` inside loops and branches).
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class CompiledPlan:
     invariant_gathers: tuple[str, ...]  # decode: weights all-gathered at every loop step (should be empty)
     replicated_optimizer_bytes: int  # optimiser bytes (leaves over 1 KiB) held whole on every device
     cpu_upcast_bytes: int  # float32 copies of bf16 weights that only the CPU compiler makes (hlo_collectives)
+    cpu_loop_upcast_bytes: int = 0  # such copies made inside a loop or branch (the largest set of one computation)
 
     @property
     def total_bytes(self) -> int:
@@ -134,7 +136,7 @@ class CompiledPlan:
 
     @property
     def device_temp_bytes(self) -> int:
-        return max(self.temp_bytes - self.cpu_upcast_bytes, 0)
+        return max(self.temp_bytes - self.cpu_upcast_bytes - self.cpu_loop_upcast_bytes, 0)
 
     @property
     def device_bytes(self) -> int:
@@ -297,7 +299,7 @@ def compile_plan(config: PlanConfig, keep_hlo: list | None = None) -> CompiledPl
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
         collectives=_count(in_loop), once_collectives=_count(once), invariant_gathers=gathers,
         replicated_optimizer_bytes=_replicated_optimizer_bytes(groups, config.mesh.size),
-        cpu_upcast_bytes=hc.entry_upcast_bytes(hlo))
+        cpu_upcast_bytes=hc.entry_upcast_bytes(hlo), cpu_loop_upcast_bytes=hc.loop_upcast_bytes(hlo))
 
 
 # Memory a program may use per device (bytes): what the runtime reports as the device's total.

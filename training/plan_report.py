@@ -57,9 +57,10 @@ def describe(plan: CompiledPlan, est: DeviceEstimate, device: str, capacity: int
               f"  {'outputs not donated':<22}{_gib(plan.output_bytes - plan.alias_bytes)}",
               f"  {'temporaries':<22}{_gib(plan.device_temp_bytes)}  {_gib(est.activations)}",
               f"  {'total':<22}{_gib(plan.device_bytes)}  {_gib(est.total)}"]
-    if plan.cpu_upcast_bytes:
-        lines.append(f"  (the CPU compile also held {plan.cpu_upcast_bytes / GIB:.2f} GiB of float32 weight copies "
-                     f"that GPU/TPU compilers do not make; excluded above)")
+    if plan.cpu_upcast_bytes or plan.cpu_loop_upcast_bytes:
+        lines.append(f"  (the CPU compile also held {plan.cpu_upcast_bytes / GIB:.2f} GiB (+ "
+                     f"{plan.cpu_loop_upcast_bytes / GIB:.2f} GiB inside loops) of float32 weight copies that GPU/TPU "
+                     f"compilers do not make; excluded above)")
     where = "one verify step (the decode loop body)" if c.job == "decode" else "one train step"
     lines.append(f"collectives per {where}:")
     lines += [f"  {k.kind:<20}{k.count:5d} x  {k.bytes / 2**20:10.1f} MiB" for k in plan.collectives] or ["  none"]
