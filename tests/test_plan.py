@@ -235,8 +235,20 @@ LOOPS_HLO = """
   ROOT %t.2 = (s32[], f32[4,8]{1,0}, bf16[3,4,8]{2,1,0}) tuple(%p.4, %p.4, %w.1)
 }
 
+%branch_a.1 (p.6: f32[4,8]) -> f32[4,8] {
+  %p.6 = f32[4,8]{1,0} parameter(0)
+  ROOT %ar.2 = f32[4,8]{1,0} all-reduce(%p.6), channel_id=3, replica_groups={{0,1}}, to_apply=%add.1
+}
+
+%branch_b.1 (p.7: f32[4,8]) -> f32[4,8] {
+  %p.7 = f32[4,8]{1,0} parameter(0)
+  %ar.3 = f32[4,8]{1,0} all-reduce(%p.7), channel_id=4, replica_groups={{0,1}}, to_apply=%add.1
+  ROOT %ar.4 = f32[4,8]{1,0} all-reduce(%ar.3), channel_id=5, replica_groups={{0,1}}, to_apply=%add.1
+}
+
 ENTRY %main.9_spmd (param.5: bf16[3,4,8]) -> f32[4,8] {
   %param.5 = bf16[3,4,8]{2,1,0} parameter(0)
+  %c.1 = f32[4,8]{1,0} conditional(%i.1, %x.3, %x.3), branch_computations={%branch_a.1, %branch_b.1}
   %while.1 = (s32[], f32[4,8]{1,0}) while(%init.1), condition=%cond.1, body=%scan_body.1, backend_config={"known_trip_count":{"n":"2"}}
   %while.3 = (s32[], f32[4,8]{1,0}, bf16[3,4,8]) while(%init.3), condition=%cond.2, body=%decode_body.1
   ROOT %r.1 = f32[4,8]{1,0} get-tuple-element(%while.3), index=1
@@ -246,11 +258,12 @@ ENTRY %main.9_spmd (param.5: bf16[3,4,8]) -> f32[4,8] {
 
 def test_collectives_as_run_and_upcasts_inside_loops():
     """A scan (known trip count) repeats its body's collectives per iteration: 2 all-reduces of a prefill's scan
-    run once per call, 3 of the decode step's scan per step; a bf16 weight stack converted to float32 inside the
-    decode loop's body is a CPU-only copy, set apart from the entry's."""
+    run once per call, 3 of the decode step's scan per step; a conditional runs one branch (the one with the most
+    counts: 2 of its 1 and 2); a bf16 weight stack converted to float32 inside the decode loop's body is a CPU-only
+    copy, set apart from the entry's."""
     step, once = executed_collectives(LOOPS_HLO)
     assert sorted(c.op for c in step) == ["all-gather"] + ["all-reduce"] * 3
-    assert [c.op for c in once] == ["all-reduce"] * 2
+    assert [c.op for c in once] == ["all-reduce"] * 4
     assert entry_upcast_bytes(LOOPS_HLO) == 0
     assert loop_upcast_bytes(LOOPS_HLO) == 3 * 4 * 8 * 4
 

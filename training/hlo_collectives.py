@@ -80,8 +80,9 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 def executed_collectives(hlo_text: str) -> tuple[list[Collective], list[Collective]]:
     """(collectives one iteration of the decode loop runs, those run once outside it), each repeated as often as
     it runs: a `while` with a known trip count (a `jax.lax.scan`, e.g. over stacked layers) runs its body that
-    many times, and the loop without one (the data-dependent decode `while_loop`) is the per-step part. Unlike
-    `loop_collectives`, a scan outside the decode loop (a stacked model's prefill) counts as once-per-call."""
+    many times, a conditional runs the branch with the most of them, and the loop without one (the data-dependent
+    decode `while_loop`) is the per-step part. Unlike `loop_collectives`, a scan outside the decode loop (a stacked
+    model's prefill) counts as once-per-call."""
     comps = _computations(hlo_text)
     entry = _ENTRY.search(hlo_text)
     step: list[Collective] = []
@@ -94,7 +95,18 @@ def executed_collectives(hlo_text: str) -> tuple[list[Collective], list[Collecti
         found = _collectives_in(comps, [name])
         (step if in_step else once).extend(found * times)
         for line in lines:
-            if re.search(r"\swhile\(", line):
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if branches:  # a conditional runs one branch: the one with the most collectives counts
+                runs = []
+                for branch in (b.strip().lstrip("%") for b in branches.group(1).split(",") if b.strip()):
+                    before = (len(step), len(once))
+                    walk(branch, times, in_step, depth + 1)
+                    runs.append((step[before[0]:], once[before[1]:]))
+                    del step[before[0]:], once[before[1]:]
+                most = max(runs, key=lambda r: len(r[0]) + len(r[1]), default=([], []))
+                step.extend(most[0])
+                once.extend(most[1])
+            elif re.search(r"\swhile\(", line):
                 trip = _TRIP_COUNT.search(line)
                 for callee in _callees([line]):
                     if trip:
