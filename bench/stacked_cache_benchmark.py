@@ -1,6 +1,6 @@
 """SmolLM2 decoding on this CPU with the layers per layer (the default: per-layer KV cache, layers unrolled) or
-stacked (`LayerExecution(scan=True)`: one [L, ...] KV cache, prefill/decode/verify under one scan), interleaved in
-one process: each round times both forms of each case, so load swings hit both alike.
+stacked (loaded with `LayerExecution(scan=True)`: one [L, ...] KV cache, prefill/decode/verify under one scan),
+interleaved in one process: each round times both forms of each case, so load swings hit both alike.
 
 One JSON line per (round, case, form): the fastest of `--repeats` timed calls after a compiling call, and the new
 tokens per second of that call (4 prompts of 32 tokens, `--new` tokens each):
@@ -21,7 +21,6 @@ from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.api import generate, generate_medusa
-from medusa_jax.model.backbone import with_layer_execution
 from medusa_jax.model.config import LayerExecution
 
 
@@ -34,7 +33,9 @@ def main() -> None:
     base = load_pretrained(resolve_model_dir("default"))
     heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, num_layers=1,
                                    lm_head="shared"), base)
-    forms = {"per-layer": base, "stacked": with_layer_execution(base, LayerExecution(scan=True))}
+    # the stacked form as users get it: read straight into the stacked layout (generate.py --scan-layers)
+    forms = {"per-layer": base, "stacked": load_pretrained(resolve_model_dir("default"),
+                                                           layers=LayerExecution(scan=True))}
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 4] * 4
     cases = {"plain": lambda m: generate(m, prompts, max_new_tokens=args.new),
              "medusa": lambda m: generate_medusa(m, heads, prompts, tree="mc_sim_7b_16", max_new_tokens=args.new)}

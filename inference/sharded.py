@@ -33,6 +33,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.model.sharding import (BATCH_AXES, MeshConfig, MeshError, batch_sharding, cache_shardings,
                                        checked_sharding, param_shardings, replicated, sharding_for, validate_model_mesh)
@@ -348,14 +349,16 @@ def _placed(value: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 
 def load_sharded(model_dir, heads_dir=None, mesh: MeshConfig | Mesh | None = None, dtype: str = "float32",
-                 random_heads: int = 0, drafter: Callable[[CausalLM], Any] | None = None) -> ShardedModel:
+                 random_heads: int = 0, drafter: Callable[[CausalLM], Any] | None = None,
+                 layers: LayerExecution = LayerExecution()) -> ShardedModel:
     """A HF model folder read straight into its mesh layout (each device reads its own slice), plus heads
     from a folder in any layout `heads.load.load_heads` reads, as a ShardedModel. `random_heads` = K > 0
     instead adds K untrained heads sharing the base lm_head (for timing runs before trained heads exist);
-    `drafter` instead makes the heads from the base (e.g. `heads.recycle.recycle_drafter`: Token Recycling)."""
+    `drafter` instead makes the heads from the base (e.g. `heads.recycle.recycle_drafter`: Token Recycling).
+    `layers.scan` loads the layers stacked: they decode under one scan over a stacked KV cache (`--scan-layers`)."""
     if mesh is None or isinstance(mesh, MeshConfig):
         mesh = (mesh or MeshConfig()).make_mesh()
-    base = load_pretrained(model_dir, dtype=dtype, sharding_for=sharding_for(mesh))
+    base = load_pretrained(model_dir, dtype=dtype, sharding_for=sharding_for(mesh), layers=layers)
     heads = None
     if drafter is not None:
         heads = drafter(base)

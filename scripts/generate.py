@@ -32,7 +32,7 @@ import jax
 from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
 from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
-from medusa_jax.model.config import UnsupportedModelError
+from medusa_jax.model.config import LayerExecution, UnsupportedModelError
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads import recycle, recycle_file
@@ -111,6 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_decoder_arguments(p)
     options.MESH.add(p, more="for sharded decoding (a batch that does not divide by data*fsdp is padded with "
                          "inactive rows; for decoding prefer data x tensor) (default: one device)")
+    options.SCAN_LAYERS.add(p, action="store_true", more="; not with a mix of drafters in --heads")
 
     add_distributed_args(p)
     a = p.parse_args(argv)
@@ -151,6 +152,9 @@ def check(a: argparse.Namespace) -> None:
     if a.input and not a.output:
         raise validate.UsageError("--input needs --output")
     check_decoder(a)
+    if a.scan and is_mix(a.heads):
+        raise validate.UsageError("--scan-layers: a mix of drafters in --heads loads the layers one by one; "
+                                  "drop --scan-layers")
     if a.prompt == "":  # as in an --input file, an empty prompt is refused
         raise validate.UsageError("--prompt: empty; give some text")
     validate.given("--input", a.input, "a JSONL file of prompts")
@@ -198,7 +202,8 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
                                  calibration=a.calibration)
     else:
         model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads and not recycling else None,
-                             MeshConfig.parse(a.mesh), a.dtype, drafter=drafter)
+                             MeshConfig.parse(a.mesh), a.dtype, drafter=drafter,
+                             layers=LayerExecution(scan=a.scan))
     if a.heads and not is_mix(a.heads):
         hc = model.heads_config
         if recycling and (a.tree is None or a.tree in recycle.TEMPLATES):

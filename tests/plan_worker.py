@@ -20,7 +20,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from medusa_jax.model.backbone import CausalLM  # noqa: E402
-from medusa_jax.model.config import ModelConfig  # noqa: E402
+from medusa_jax.model.config import LayerExecution, ModelConfig  # noqa: E402
 from medusa_jax.model.sharding import MeshConfig  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
 from medusa_jax.training.plan import PlanConfig, compile_plan, largest_batch, train_config  # noqa: E402
@@ -64,6 +64,8 @@ def main_small(out: str) -> None:
         "decode": PlanConfig(SMALL.replace(dtype="float32"), MeshConfig(data=2, tensor=4), job="decode", batch=8,
                              seq=64, cache=256, tree="mc_sim_7b_63"),
     }
+    # the stacked model over a stacked KV cache (plan.py --job decode --scan-layers)
+    cases["decode_stacked"] = cases["decode"].replace(layers=LayerExecution(scan=True))
     for name, config in cases.items():
         plan = compile_plan(config)
         report[name] = entry(plan, estimate(config))

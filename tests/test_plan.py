@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from medusa_jax.training.hlo_collectives import entry_upcast_bytes, shape_bytes
+from medusa_jax.training.hlo_collectives import (entry_upcast_bytes, executed_collectives, loop_upcast_bytes,
+                                                 shape_bytes)
 from medusa_jax.training.plan import device_capacity
 from medusa_jax.training.memory_plan import backbone_params
 from medusa_jax.training.presets import PRESETS, model_config
@@ -56,7 +57,7 @@ def test_plan_state_equals_the_real_trainer_on_device(small, case):
     assert plan["replicated_optimizer_bytes"] == 0
 
 
-@pytest.mark.parametrize("case", ["train_m1", "train_m2", "train_m2_lean", "decode"])
+@pytest.mark.parametrize("case", ["train_m1", "train_m2", "train_m2_lean", "decode", "decode_stacked"])
 def test_analytic_estimate_agrees(small, case):
     plan, est = small[case]["plan"], small[case]["estimate"]
     for name in ("params", "optimizer", "kv_cache"):
@@ -81,6 +82,19 @@ def test_decode_plan_layout(small):
     assert plan["invariant_gathers"] == []
     kinds = {c["kind"] for c in plan["collectives"]}
     assert "all-reduce" in kinds and plan["alias_bytes"] >= full_cache // 8  # the cache is donated
+
+
+def test_stacked_decode_plan_moves_what_the_per_layer_one_does(small):
+    """--scan-layers: the stacked model over a stacked KV cache holds the same cache, donates it, gathers no weight
+    in the loop, and runs the per-layer form's collectives (a scan body's counted once per layer), within 5% of its
+    bytes per device."""
+    stacked, per_layer = small["decode_stacked"]["plan"], small["decode"]["plan"]
+    assert stacked["config"]["layers"]["scan"] and not per_layer["config"]["layers"]["scan"]
+    assert stacked["arguments"] == per_layer["arguments"]
+    assert stacked["alias_bytes"] >= stacked["arguments"]["kv_cache"] - 64 and stacked["invariant_gathers"] == []
+    for name in ("collectives", "once_collectives"):
+        assert stacked[name] == per_layer[name], name
+    assert abs(stacked["device_bytes"] / per_layer["device_bytes"] - 1) < 0.05
 
 
 def test_largest_batch_search_brackets_the_boundary(small):
@@ -134,6 +148,7 @@ def test_cli_plans_a_config_folder_as_json(tmp_path):
     (["--model", "llama3-8b", "--device", "a100"], "unknown device"),
     (["--model", "llama3-8b", "--mesh", "data=2", "--batch", "3"], "not divisible"),
     (["--model", "llama3-8b", "--seq", "1024", "--cache", "1024"], "leaves no room"),
+    (["--model", "llama3-8b", "--scan-layers", "--remat", "full"], "a decode plan takes only --scan-layers"),
 ])
 def test_cli_bad_input_is_one_clear_error(args, message, monkeypatch, capsys):
     code, err = plan_cli_in_process(args, monkeypatch, capsys)
@@ -196,6 +211,61 @@ ENTRY %main.5_spmd (param.1: bf16[4,8], param.2: f32[2]) -> f32[4,8] {
 }
 """
     assert entry_upcast_bytes(hlo) == 4 * 8 * 4
+
+
+LOOPS_HLO = """
+%wrapped_convert_computation.2 (param_0: bf16[3,4,8]) -> f32[3,4,8] {
+  %param_0 = bf16[3,4,8]{2,1,0} parameter(0)
+  ROOT %convert.2 = f32[3,4,8]{2,1,0} convert(%param_0)
+}
+
+%scan_body.1 (p.3: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p.3 = (s32[], f32[4,8]{1,0}) parameter(0)
+  %x.1 = f32[4,8]{1,0} get-tuple-element(%p.3), index=1
+  %ar.1 = f32[4,8]{1,0} all-reduce(%x.1), channel_id=1, replica_groups={{0,1}}, to_apply=%add.1
+  ROOT %t.1 = (s32[], f32[4,8]{1,0}) tuple(%ar.1, %ar.1)
+}
+
+%decode_body.1 (p.4: (s32[], f32[4,8], bf16[3,4,8])) -> (s32[], f32[4,8], bf16[3,4,8]) {
+  %p.4 = (s32[], f32[4,8]{1,0}, bf16[3,4,8]{2,1,0}) parameter(0)
+  %w.1 = bf16[3,4,8]{2,1,0} get-tuple-element(%p.4), index=2
+  %wrapped_convert.2 = f32[3,4,8]{2,1,0} fusion(%w.1), kind=kLoop, calls=%wrapped_convert_computation.2
+  %ag.1 = f32[4,8]{1,0} all-gather(%x.2), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+  %while.2 = (s32[], f32[4,8]{1,0}) while(%init.2), condition=%scan_cond.1, body=%scan_body.1, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %t.2 = (s32[], f32[4,8]{1,0}, bf16[3,4,8]{2,1,0}) tuple(%p.4, %p.4, %w.1)
+}
+
+%branch_a.1 (p.6: f32[4,8]) -> f32[4,8] {
+  %p.6 = f32[4,8]{1,0} parameter(0)
+  ROOT %ar.2 = f32[4,8]{1,0} all-reduce(%p.6), channel_id=3, replica_groups={{0,1}}, to_apply=%add.1
+}
+
+%branch_b.1 (p.7: f32[4,8]) -> f32[4,8] {
+  %p.7 = f32[4,8]{1,0} parameter(0)
+  %ar.3 = f32[4,8]{1,0} all-reduce(%p.7), channel_id=4, replica_groups={{0,1}}, to_apply=%add.1
+  ROOT %ar.4 = f32[4,8]{1,0} all-reduce(%ar.3), channel_id=5, replica_groups={{0,1}}, to_apply=%add.1
+}
+
+ENTRY %main.9_spmd (param.5: bf16[3,4,8]) -> f32[4,8] {
+  %param.5 = bf16[3,4,8]{2,1,0} parameter(0)
+  %c.1 = f32[4,8]{1,0} conditional(%i.1, %x.3, %x.3), branch_computations={%branch_a.1, %branch_b.1}
+  %while.1 = (s32[], f32[4,8]{1,0}) while(%init.1), condition=%cond.1, body=%scan_body.1, backend_config={"known_trip_count":{"n":"2"}}
+  %while.3 = (s32[], f32[4,8]{1,0}, bf16[3,4,8]) while(%init.3), condition=%cond.2, body=%decode_body.1
+  ROOT %r.1 = f32[4,8]{1,0} get-tuple-element(%while.3), index=1
+}
+"""
+
+
+def test_collectives_as_run_and_upcasts_inside_loops():
+    """A scan (known trip count) repeats its body's collectives per iteration: 2 all-reduces of a prefill's scan
+    run once per call, 3 of the decode step's scan per step; a conditional runs one branch (the one with the most
+    counts: 2 of its 1 and 2); a bf16 weight stack converted to float32 inside the decode loop's body is a CPU-only
+    copy, set apart from the entry's."""
+    step, once = executed_collectives(LOOPS_HLO)
+    assert sorted(c.op for c in step) == ["all-gather"] + ["all-reduce"] * 3
+    assert [c.op for c in once] == ["all-reduce"] * 4
+    assert entry_upcast_bytes(LOOPS_HLO) == 0
+    assert loop_upcast_bytes(LOOPS_HLO) == 3 * 4 * 8 * 4
 
 
 def test_presets_and_devices():

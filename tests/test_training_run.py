@@ -111,6 +111,33 @@ def test_cli_trains_distilled_targets_from_the_arrow_store(setup, tmp_path, monk
     assert all(np.isfinite(r["loss"]) for r in _log(out, "train"))
 
 
+def test_scan_layers_run_loads_the_stacked_layout_and_saves_the_per_layer_backbone(setup, tmp_path, monkeypatch):
+    """--scan-layers reads the backbone straight into the stacked layout (no per-layer form stacked afterwards) and
+    the Medusa-2 run gives the unrolled run's losses and saved backbone (hf/save writes the stacks per layer)."""
+    from medusa_jax.hf.tensor_files import SafetensorsFile
+    from medusa_jax.model import layer_stack
+
+    model, data, _ = setup
+    stacked_copies = []
+    real_stack = layer_stack._stack
+    monkeypatch.setattr(layer_stack, "_stack", lambda leaves: stacked_copies.append(
+        not isinstance(leaves[0], jax.core.Tracer) and not isinstance(leaves[0], jax.ShapeDtypeStruct))
+        or real_stack(leaves))
+    outs = {}
+    for name, flags in (("unrolled", []), ("scanned", ["--scan-layers", "--remat", "full"])):
+        outs[name] = tmp_path / name
+        stacked_copies.clear()
+        _train(_args(model, data, outs[name], "--max-steps", "2", "--num-heads", "2", "--eval-every", "2",
+                     "--medusa2", "--lm-head", "shared", *flags), monkeypatch, tmp_path)
+        assert not any(stacked_copies), name  # no concrete per-layer parameters were stacked
+    losses = {name: [r["loss"] for r in _log(out, "train")] for name, out in outs.items()}
+    np.testing.assert_allclose(losses["scanned"], losses["unrolled"], rtol=1e-4)
+    ours, ref = (SafetensorsFile(outs[n] / "base_model" / "model.safetensors") for n in ("scanned", "unrolled"))
+    assert sorted(ours.names) == sorted(ref.names) and any(".layers.1." in n for n in ref.names)
+    for name in ref.names:
+        np.testing.assert_allclose(ours.array(name), ref.array(name), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
 def test_resumed_run_matches_an_uninterrupted_one(setup, tmp_path, monkeypatch):
     model, data, _ = setup
     common = ["--max-steps", "7", "--save-every", "3", "--eval-every", "100", "--learning-rate", "3e-3",

@@ -73,6 +73,55 @@ def loop_collectives(hlo_text: str) -> list[Collective]:
     return _collectives_in(comps, sorted(seen))
 
 
+_ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def executed_collectives(hlo_text: str) -> tuple[list[Collective], list[Collective]]:
+    """(collectives one iteration of the decode loop runs, those run once outside it), each repeated as often as
+    it runs: a `while` with a known trip count (a `jax.lax.scan`, e.g. over stacked layers) runs its body that
+    many times, a conditional runs the branch with the most of them, and the loop without one (the data-dependent
+    decode `while_loop`) is the per-step part. Unlike `loop_collectives`, a scan outside the decode loop (a stacked
+    model's prefill) counts as once-per-call."""
+    comps = _computations(hlo_text)
+    entry = _ENTRY.search(hlo_text)
+    step: list[Collective] = []
+    once: list[Collective] = []
+
+    def walk(name: str, times: int, in_step: bool, depth: int = 0) -> None:
+        if name not in comps or depth > 64:
+            return
+        lines = comps[name]
+        found = _collectives_in(comps, [name])
+        (step if in_step else once).extend(found * times)
+        for line in lines:
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if branches:  # a conditional runs one branch: the one with the most collectives counts
+                runs = []
+                for branch in (b.strip().lstrip("%") for b in branches.group(1).split(",") if b.strip()):
+                    before = (len(step), len(once))
+                    walk(branch, times, in_step, depth + 1)
+                    runs.append((step[before[0]:], once[before[1]:]))
+                    del step[before[0]:], once[before[1]:]
+                most = max(runs, key=lambda r: len(r[0]) + len(r[1]), default=([], []))
+                step.extend(most[0])
+                once.extend(most[1])
+            elif re.search(r"\swhile\(", line):
+                trip = _TRIP_COUNT.search(line)
+                for callee in _callees([line]):
+                    if trip:
+                        walk(callee, times * int(trip.group(1)), in_step, depth + 1)
+                    else:  # the decode loop: what its body runs is per step
+                        walk(callee, 1, True, depth + 1)
+            else:
+                for callee in _callees([line]):
+                    walk(callee, times, in_step, depth + 1)
+
+    if entry:
+        walk(entry.group(1), 1, False)
+    return step, once
+
+
 def module_collectives(hlo_text: str) -> list[Collective]:
     """Every collective instruction of the module, in any computation (a branch of a conditional counts even
     when another branch runs)."""
@@ -183,11 +232,26 @@ def entry_upcast_bytes(hlo_text: str) -> int:
     comps = _computations(hlo_text)
     entry = next((name for name, lines in comps.items() if any(" parameter(" in l for l in lines)
                   and name.startswith("main")), None)
-    if entry is None:
-        return 0
+    return 0 if entry is None else _upcast_bytes(comps, entry)
+
+
+def loop_upcast_bytes(hlo_text: str) -> int:
+    """`entry_upcast_bytes`' float32 weight copies made inside called computations instead (a loop body, a
+    branch): the CPU compiler converts the whole bf16 weights (a layer stack at once) before a loop's dots, once
+    per loop or branch that uses them, e.g. 2 x 35 GiB of a 70B model's stacked MLP weights in its decode loop.
+    Those computations run one at a time, so the largest set counts (an underestimate where they nest)."""
+    comps = _computations(hlo_text)
+    entry = _ENTRY.search(hlo_text)
+    fused = {m.group(1) for lines in comps.values() for line in lines if " fusion(" in line
+             for m in re.finditer(r"\bcalls=%?([\w.\-]+)", line)}
+    inner = [n for n in comps if n not in fused and (entry is None or n != entry.group(1))]
+    return max((_upcast_bytes(comps, n, sources=("parameter", "get-tuple-element")) for n in inner), default=0)
+
+
+def _upcast_bytes(comps: dict[str, list[str]], computation: str, sources: tuple[str, ...] = ("parameter",)) -> int:
     derived: dict[str, bool] = {}  # weight-derived value -> passed through a half-precision type
     total = 0
-    for line in comps[entry]:
+    for line in comps[computation]:
         match = _DEFINITION.match(line)
         if not match:
             continue
@@ -202,7 +266,7 @@ def entry_upcast_bytes(hlo_text: str) -> int:
             ops = {m.group(2) for m in map(_DEFINITION.match, body) if m}
             half = half or any(re.search(r"=\s*(bf16|f16)\[", l) for l in body)
         operands = _operands(rest)
-        if opcode == "parameter":
+        if opcode == "parameter" or (opcode in sources and all(o in derived for o in operands)):
             derived[name] = half
             continue
         if not ops <= _MOVES or not operands or not all(o in derived for o in operands):

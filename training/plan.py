@@ -9,7 +9,8 @@ GPU/TPU compiler's (fusion and rematerialisation differ); argument bytes are exa
 
 Byte figures are per device. Arguments are split by what they are (parameters, optimiser state, KV cache,
 batch) from their shardings; `total = arguments + outputs - aliased (donated) + temporaries`, and
-`device_bytes` leaves out the float32 weight copies only XLA's CPU backend makes (`cpu_upcast_bytes`).
+`device_bytes` leaves out the float32 weight copies only XLA's CPU backend makes (`cpu_upcast_bytes` in the entry
+computation, `cpu_loop_upcast_bytes` inside loops and branches).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class PlanConfig:
     medusa2: bool = False
     compute_dtype: str = "bfloat16"  # train only: the dtype the step computes in
     heads_dtype: str = "float32"  # train: heads are trained in float32; decode uses the model's dtype
-    layers: LayerExecution = LayerExecution()  # train: the backbone's scan, remat and attention (train_heads flags)
+    # train: the backbone's scan, remat and attention (train_heads flags); decode: its scan only, a stacked model
+    # decoding over a stacked KV cache (one scan over the layers per forward, `model.layer_stack.run_cached_layers`)
+    layers: LayerExecution = LayerExecution()
     loss_chunk: int = 0  # train: tokens per chunk of the vocabulary-wide losses (TrainConfig.loss_chunk)
     optimizer_dtype: str = "float32"  # train: storage dtype of Adam's moments (TrainConfig.optimizer_dtype)
 
@@ -74,6 +77,9 @@ class PlanConfig:
         if self.job == "decode" and self.cache > positions + 4096:
             raise ValueError(f"--cache {self.cache}: the model has {positions} positions (plus the tree's scratch "
                              f"slots); plan fewer cache slots")
+        if self.job == "decode" and (self.layers.remat, self.layers.attention) != ("none", "chunked"):
+            raise ValueError(f"--remat {self.layers.remat} / --attention {self.layers.attention}: they set how "
+                             f"training runs the layers; a decode plan takes only --scan-layers")
         if self.job == "decode" and self.max_new_tokens < 1:
             raise ValueError(f"cache {self.cache} leaves no room for new tokens after a {self.seq}-token prompt "
                              f"and the tree's {self.tree_tokens} scratch slots")
@@ -112,11 +118,14 @@ class CompiledPlan:
     output_bytes: int
     alias_bytes: int  # outputs written into donated arguments
     temp_bytes: int
-    collectives: tuple[CollectiveCount, ...]  # train: the whole step; decode: one verify step (the loop body)
-    once_collectives: tuple[CollectiveCount, ...]  # decode: outside the loop (prefill); train: empty
+    # collectives as run (a scan body's once per iteration): train: the whole step; decode: one verify step (the loop
+    # body), and once_collectives outside the loop (prefill); train: empty
+    collectives: tuple[CollectiveCount, ...]
+    once_collectives: tuple[CollectiveCount, ...]
     invariant_gathers: tuple[str, ...]  # decode: weights all-gathered at every loop step (should be empty)
     replicated_optimizer_bytes: int  # optimiser bytes (leaves over 1 KiB) held whole on every device
     cpu_upcast_bytes: int  # float32 copies of bf16 weights that only the CPU compiler makes (hlo_collectives)
+    cpu_loop_upcast_bytes: int = 0  # such copies made inside a loop or branch (the largest set of one computation)
 
     @property
     def total_bytes(self) -> int:
@@ -127,7 +136,7 @@ class CompiledPlan:
 
     @property
     def device_temp_bytes(self) -> int:
-        return max(self.temp_bytes - self.cpu_upcast_bytes, 0)
+        return max(self.temp_bytes - self.cpu_upcast_bytes - self.cpu_loop_upcast_bytes, 0)
 
     @property
     def device_bytes(self) -> int:
@@ -168,8 +177,11 @@ def _mesh(config: PlanConfig):
 
 
 def abstract_models(config: PlanConfig) -> tuple[CausalLM, MedusaHeads]:
-    """The backbone and heads as shapes only (nnx.eval_shape: no parameter is allocated)."""
-    base = nnx.eval_shape(lambda: CausalLM(config.model, nnx.Rngs(0)))
+    """The backbone and heads as shapes only (nnx.eval_shape: no parameter is allocated). A decode plan's backbone
+    is built in the layout it decodes in (stacked for `layers.scan`, as `load_pretrained(layers=...)` loads it);
+    the train step stacks its layers itself (`Trainer`)."""
+    model = config.model.replace(execution=config.layers) if config.job == "decode" else config.model
+    base = nnx.eval_shape(lambda: CausalLM(model, nnx.Rngs(0)))
     heads = nnx.eval_shape(lambda: MedusaHeads(config.heads_config(), nnx.Rngs(0)))
     return base, heads
 
@@ -275,20 +287,19 @@ def compile_plan(config: PlanConfig, keep_hlo: list | None = None) -> CompiledPl
     hlo = compiled.as_text()
     if keep_hlo is not None:
         keep_hlo.append(hlo)
+    # as often as each runs: a scan over stacked layers repeats its body's collectives once per layer
+    in_loop, once = hc.executed_collectives(hlo)
     if config.job == "decode":
-        in_loop = hc.loop_collectives(hlo)
-        loop_computations = {c.computation for c in in_loop}
-        once = [c for c in hc.module_collectives(hlo) if c.computation not in loop_computations]
         gathers = tuple(c.shape for c in hc.invariant_gathers(hlo))
-    else:
-        in_loop, once, gathers = hc.module_collectives(hlo), [], ()
+    else:  # the train step has no data-dependent loop: everything it runs is the step
+        in_loop, once, gathers = in_loop + once, [], ()
     return CompiledPlan(
         config=config, arguments={k: _device_bytes(v) for k, v in groups.items()},
         argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
         collectives=_count(in_loop), once_collectives=_count(once), invariant_gathers=gathers,
         replicated_optimizer_bytes=_replicated_optimizer_bytes(groups, config.mesh.size),
-        cpu_upcast_bytes=hc.entry_upcast_bytes(hlo))
+        cpu_upcast_bytes=hc.entry_upcast_bytes(hlo), cpu_loop_upcast_bytes=hc.loop_upcast_bytes(hlo))
 
 
 # Memory a program may use per device (bytes): what the runtime reports as the device's total.

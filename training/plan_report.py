@@ -33,6 +33,13 @@ def warnings(plan: CompiledPlan) -> list[str]:
     return out
 
 
+def _layers_text(c: PlanConfig) -> str:
+    if c.job == "decode":
+        return "stacked layers over a stacked KV cache" if c.layers.scan else "layers and KV cache per layer"
+    return (f"layers {'scanned' if c.layers.scan else 'unrolled'}, remat {c.layers.remat}, attention "
+            f"{c.layers.attention}")
+
+
 def describe(plan: CompiledPlan, est: DeviceEstimate, device: str, capacity: int, headroom: float,
              largest: int | None = None) -> str:
     c = plan.config
@@ -40,7 +47,8 @@ def describe(plan: CompiledPlan, est: DeviceEstimate, device: str, capacity: int
             f"{c.num_heads} Medusa heads ({c.lm_head} lm_head){', Medusa-2' if c.medusa2 else ''}; mesh "
             f"data={c.mesh.data} fsdp={c.mesh.fsdp} tensor={c.mesh.tensor}; batch {c.batch}, "
             + (f"rows of {c.seq} tokens, weights {c.model.dtype}, compute {c.compute_dtype}" if c.job == "train" else
-               f"prompt {c.seq}, cache {c.cache} slots, tree {c.tree} ({c.tree_tokens} nodes), {c.model.dtype}"))
+               f"prompt {c.seq}, cache {c.cache} slots, tree {c.tree} ({c.tree_tokens} nodes), {c.model.dtype}")
+            + f"; {_layers_text(c)}")
     lines = [head, "per device                compiled        analytic"]
     for name, analytic in (("params", est.params), ("optimizer", est.optimizer), ("kv_cache", est.kv_cache)):
         lines.append(f"  {name:<22}{_gib(plan.arguments.get(name, 0))}  {_gib(analytic)}")
@@ -49,9 +57,10 @@ def describe(plan: CompiledPlan, est: DeviceEstimate, device: str, capacity: int
               f"  {'outputs not donated':<22}{_gib(plan.output_bytes - plan.alias_bytes)}",
               f"  {'temporaries':<22}{_gib(plan.device_temp_bytes)}  {_gib(est.activations)}",
               f"  {'total':<22}{_gib(plan.device_bytes)}  {_gib(est.total)}"]
-    if plan.cpu_upcast_bytes:
-        lines.append(f"  (the CPU compile also held {plan.cpu_upcast_bytes / GIB:.2f} GiB of float32 weight copies "
-                     f"that GPU/TPU compilers do not make; excluded above)")
+    if plan.cpu_upcast_bytes or plan.cpu_loop_upcast_bytes:
+        lines.append(f"  (the CPU compile also held {plan.cpu_upcast_bytes / GIB:.2f} GiB (+ "
+                     f"{plan.cpu_loop_upcast_bytes / GIB:.2f} GiB inside loops) of float32 weight copies that GPU/TPU "
+                     f"compilers do not make; excluded above)")
     where = "one verify step (the decode loop body)" if c.job == "decode" else "one train step"
     lines.append(f"collectives per {where}:")
     lines += [f"  {k.kind:<20}{k.count:5d} x  {k.bytes / 2**20:10.1f} MiB" for k in plan.collectives] or ["  none"]

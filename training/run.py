@@ -194,8 +194,10 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     output = Path(cfg.output)
     mesh = shd.MeshConfig.parse(cfg.mesh).make_mesh()
     tokenizer = load_tokenizer(cfg.model)
+    # --scan-layers: the layers are read straight into the stacked layout the step scans (hf/load.py), so the
+    # per-layer form is never held beside it; the trainer keeps and returns the form it is given
     base = load_pretrained(cfg.model, dtype=cfg.backbone_dtype,
-                           sharding_for=shd.sharding_for(mesh) if mesh.size > 1 else None)
+                           sharding_for=shd.sharding_for(mesh) if mesh.size > 1 else None, layers=cfg.train.layers)
     eos = tuple(base.config.eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     mode, n_trunc = parse_lm_head(cfg.lm_head)
     if n_trunc is not None and n_trunc > base.config.vocab_size:  # e.g. the default truncated:3072, tiny vocab

@@ -4,6 +4,10 @@
 Every parameter is built with `jax.make_array_from_callback`, so under a mesh each device reads only its
 own slice from the memory-mapped file: pass `sharding_for(param_path, shape) -> Sharding` (see
 `medusa_jax.model.sharding`). Without it everything lands on the first device.
+
+`layers=LayerExecution(scan=True)` loads the decoder layers straight into the stacked form (`model.layer_stack`:
+one [L, ...] array per parameter, what `--scan-layers` runs): each device's shard of a stack is read layer by
+layer from the files, so the per-layer form is never built and no stacking copy is made.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from flax import nnx
 
 from medusa_jax.hub import hub_folder, is_hub_id
 from medusa_jax.model.backbone import CausalLM
-from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.config import LayerExecution, ModelConfig
 from medusa_jax.model.param_paths import fill_state, param_paths
 from medusa_jax.hf.tensor_files import CheckpointError, TensorSource, find_model_weights
 
@@ -48,6 +52,18 @@ def hf_param_name(path: tuple[str, ...]) -> tuple[str, bool]:
     return "model." + ".".join(path), False
 
 
+def stacked_param(path: tuple[str, ...]) -> bool:
+    """A parameter of the stacked layers ("layers", "self_attn", ..., no layer index): [L, ...]."""
+    return path[0] == "layers" and not path[1].isdigit()
+
+
+def hf_layer_names(path: tuple[str, ...], num_layers: int) -> list[tuple[str, bool]]:
+    """`hf_param_name` of each layer's tensor that a stacked parameter holds (one name for any other)."""
+    if not stacked_param(path):
+        return [hf_param_name(path)]
+    return [hf_param_name(("layers", str(i)) + path[1:]) for i in range(num_layers)]
+
+
 def sliced_array(read_full: Callable[[], np.ndarray], shape, dtype, sharding, transpose: bool) -> jax.Array:
     """Builds a (possibly sharded) jax.Array whose shards are read lazily from `read_full()` (a memmap)."""
     def shard(index):
@@ -58,25 +74,41 @@ def sliced_array(read_full: Callable[[], np.ndarray], shape, dtype, sharding, tr
     return jax.make_array_from_callback(tuple(shape), sharding, shard)
 
 
-def load_pretrained(folder: str | os.PathLike, dtype: str = "float32",
-                    sharding_for: ShardingFn | None = None) -> CausalLM:
+def stacked_array(read_layers: list[Callable[[], np.ndarray]], shape, dtype, sharding,
+                  transpose: bool) -> jax.Array:
+    """A (possibly sharded) [L, ...] jax.Array whose shards are read lazily, layer by layer, from
+    `read_layers[i]()` (memmaps of each layer's tensor): a device's shard reads only its slice of its layers."""
+    def shard(index):
+        parts = []
+        for i in range(len(read_layers))[index[0]]:
+            src = read_layers[i]()
+            inner = index[1:]
+            parts.append(src[tuple(reversed(inner))].T if transpose else src[inner])
+        return np.stack([np.asarray(part).astype(dtype) for part in parts])
+
+    return jax.make_array_from_callback(tuple(shape), sharding, shard)
+
+
+def load_pretrained(folder: str | os.PathLike, dtype: str = "float32", sharding_for: ShardingFn | None = None,
+                    layers: LayerExecution = LayerExecution()) -> CausalLM:
     """Loads a local HF folder (or a Hub id `ORG/NAME`, resolved in the Hugging Face cache by
-    `medusa_jax.hub.hub_folder`) into a `CausalLM`; raises CheckpointError naming any mismatch, HubError for a
-    Hub id that cannot be resolved."""
+    `medusa_jax.hub.hub_folder`) into a `CausalLM` running its layers as `layers` says (stacked for
+    `layers.scan`); raises CheckpointError naming any mismatch, HubError for a Hub id that cannot be resolved."""
     if is_hub_id(folder):
         folder = hub_folder(str(folder))
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: model folder does not exist")
-    config = ModelConfig.from_hf_config(read_hf_config(folder), dtype=dtype)
+    config = ModelConfig.from_hf_config(read_hf_config(folder), dtype=dtype).replace(execution=layers)
     source = TensorSource.from_files(find_model_weights(folder))
     abstract = nnx.eval_shape(lambda: CausalLM(config, nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
 
-    expected = {}
+    expected = {}  # HF tensor name -> (parameter path, transposed?, the tensor's shape in our layout)
     for path, leaf in param_paths(abstract_state):
-        name, transpose = hf_param_name(path)
-        expected[name] = (path, transpose, tuple(leaf.shape))
+        shape = tuple(leaf.shape)[1:] if stacked_param(path) else tuple(leaf.shape)
+        for name, transpose in hf_layer_names(path, config.num_layers):
+            expected[name] = (path, transpose, shape)
     present = set(source.names)
     ignorable = {n for n in present if n.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
@@ -95,11 +127,14 @@ def load_pretrained(folder: str | os.PathLike, dtype: str = "float32",
 
     np_dtype = np.dtype(config.jnp_dtype)
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's first device
-    by_path = {path: (name, transpose) for name, (path, transpose, _) in expected.items()}
 
     def value(path, leaf):
-        name, transpose = by_path[path]
+        names = hf_layer_names(path, config.num_layers)
+        transpose = names[0][1]
         sharding = (sharding_for(path, tuple(leaf.shape)) if sharding_for else None) or default
-        return sliced_array(lambda: source.array(name), leaf.shape, np_dtype, sharding, transpose)
+        if stacked_param(path):
+            readers = [lambda name=name: source.array(name) for name, _ in names]
+            return stacked_array(readers, leaf.shape, np_dtype, sharding, transpose)
+        return sliced_array(lambda: source.array(names[0][0]), leaf.shape, np_dtype, sharding, transpose)
 
     return nnx.merge(graphdef, fill_state(abstract_state, value))

@@ -1,8 +1,9 @@
 """Write a backbone back as a local HF folder: the inverse of `medusa_jax.hf.load.load_pretrained`.
 
 Tensors get their HF names and PyTorch's [out, in] layout from the same `hf_param_name` table the loader
-reads with, so a saved folder loads back bit for bit (here and in transformers). config.json and the
-tokenizer files are copied from the folder the model was loaded from; the folder is written atomically.
+reads with, so a saved folder loads back bit for bit (here and in transformers). A stacked model's [L, ...]
+parameters are written as each layer's tensor, as HF stores them. config.json and the tokenizer files are copied
+from the folder the model was loaded from; the folder is written atomically.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from flax import nnx
 from medusa_jax.atomic import atomic_folder
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.param_paths import param_paths
-from medusa_jax.hf.load import hf_param_name
+from medusa_jax.hf.load import hf_layer_names, stacked_param
 from medusa_jax.hf.tensor_files import write_safetensors
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -30,9 +31,11 @@ def save_pretrained(model: CausalLM, folder: str | os.PathLike, source_folder: s
     folder, source = Path(folder), Path(source_folder)
     tensors = {}
     for path, leaf in param_paths(nnx.state(model, nnx.Param)):
-        name, transpose = hf_param_name(path)
         arr = np.asarray(jax.device_get(leaf))
-        tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+        names = hf_layer_names(path, model.config.num_layers)
+        parts = list(arr) if stacked_param(path) else [arr]
+        for (name, transpose), part in zip(names, parts, strict=True):
+            tensors[name] = np.ascontiguousarray(part.T if transpose else part)
     with atomic_folder(folder) as tmp:
         write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
         for name in COPIED_FILES:

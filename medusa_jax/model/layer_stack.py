@@ -133,7 +133,9 @@ def run_cached_layers(layers, x_btd: jax.Array, positions_bt: jax.Array, mask_bt
     def step(carry, xs):
         x_btd, k_lbkhs, v_lbksh = carry
         layer_state, i = xs
-        layer = nnx.merge(layer_def, layer_state)
+        # as in `_layer_step`: what XLA does to the weights stays inside the layer (hoisted out of the scan, the
+        # CPU compiler's float32 copies of bf16 weights were copies of every layer at once: 2x a 70B stack)
+        layer = nnx.merge(layer_def, jax.lax.optimization_barrier(layer_state))
         y_btd, k_bkhs, v_bksh = layer(x_btd, positions_bt, mask_bts, k_lbkhs[i], v_lbksh[i], lengths_b, inv_freq)
         k_lbkhs = jax.lax.dynamic_update_index_in_dim(k_lbkhs, k_bkhs, i, 0)
         v_lbksh = jax.lax.dynamic_update_index_in_dim(v_lbksh, v_bksh, i, 0)
@@ -142,4 +144,7 @@ def run_cached_layers(layers, x_btd: jax.Array, positions_bt: jax.Array, mask_bt
     count = k_lbkhs.shape[0]
     (x_btd, k_lbkhs, v_lbksh), inputs_lbtd = jax.lax.scan(
         step, (x_btd, k_lbkhs, v_lbksh), (state, jnp.arange(count, dtype=jnp.int32)))
-    return x_btd, k_lbkhs, v_lbksh, inputs_lbtd
+    # the scan's output pinned to rows too: unpinned, the partitioner let a use after the loop (the heads' products,
+    # split over `tensor`) choose the loop's carry layout, split over the hidden axis, and paid an all-gather and
+    # a norm all-reduce per layer on a tensor mesh (scripts/plan.py --job decode --scan-layers showed them)
+    return constrain_rows(x_btd), k_lbkhs, v_lbksh, inputs_lbtd
