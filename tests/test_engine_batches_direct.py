@@ -2,8 +2,9 @@
 direct decode calls they replaced (inference/direct_batches.py), for the cases that moved: mixed drafts (the
 engine's rows carry the size choice and its backoff, `size_choice.SizeChoiceState`, one per engine) and Token
 Recycling's table kept warm in the model from call to call (the engine starts from the model's table and hands it
-back). At batch 1 a batch is one chunk from a fresh size choice, so the engine takes the direct call's steps: the
-same tokens AND the same accept length at every step."""
+back). A call of one prompt is one chunk of a fresh engine (a fresh size choice, as a direct call's), so the engine
+takes the direct call's steps: the same tokens AND the same accept length at every step. (Within one call the
+engine's size choice carries on from batch to batch, where each direct call started afresh.)"""
 
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def both_paths(sharded_engine: ShardedModel, sharded_direct: ShardedModel, promp
 
 @pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap", "dear"])
 def test_a_mix_through_the_engine_takes_the_direct_calls_steps(model, costs):
-    """Lookup + recycling at cheap and at dear step costs: tokens equal plain greedy's on both paths, and every
-    accept length is the direct call's (so the engine's size choice and backoff are the batch path's); the dear
+    """Lookup + recycling at cheap and at dear step costs, one call per prompt on one model per path (the
+    recycling table warm from call to call): tokens equal plain greedy's on both paths, and every accept length is
+    the direct call's (so the engine's size choice and backoff, and its table, are the batch path's); the dear
     costs change the steps (the backoff skips drafting)."""
     prompts = prompts_of((7, 30, 12), seed=3)
     want = [generate(model, [p], max_new_tokens=N, eos_ids=())[0].token_ids for p in prompts]
@@ -65,14 +67,14 @@ def test_a_mix_through_the_engine_takes_the_direct_calls_steps(model, costs):
         mix = mix_of(model, recycle=True)
         settings = BatchSettings(batch_size=1, max_new_tokens=N, tree=DraftSizes(SIZES, c, depth=mix.depth),
                                  eos_ids=(), bucket=PROMPT_BUCKET)
-        by_engine, direct = both_paths(ShardedModel(model, mix, MeshConfig()),
-                                       ShardedModel(model, mix_of(model, recycle=True), MeshConfig()), prompts,
-                                       settings)
-        assert [r.token_ids for r in by_engine] == want
-        assert [r.token_ids for r in direct] == want
-        assert [r.accept_lengths for r in by_engine] == [r.accept_lengths for r in direct]
-        assert [r.steps for r in by_engine] == [r.steps for r in direct]
-        accepts[name] = [r.accept_lengths for r in by_engine]
+        models = ShardedModel(model, mix, MeshConfig()), ShardedModel(model, mix_of(model, True), MeshConfig())
+        accepts[name] = []
+        for prompt, tokens in zip(prompts, want):
+            (by_engine,), (direct,) = both_paths(*models, [prompt], settings)
+            assert by_engine.token_ids == direct.token_ids == tokens
+            assert by_engine.accept_lengths == direct.accept_lengths
+            assert by_engine.steps == direct.steps
+            accepts[name].append(by_engine.accept_lengths)
     if costs == DEAR:
         assert accepts["given"] != accepts["cheap"]
     assert any(max(a) >= 2 for a in accepts["cheap"])  # lookup and recycling find the loops
