@@ -9,8 +9,8 @@ and a row with R tokens of its budget left starts writing at c * e - R, so the s
 end stops it at its budget (rows with more left than the buffer stop at the buffer's end and go on in the next
 chunk). Admission prefills new prompts into their rows, records their sampling settings (`RowSampling`, kept
 beside the state) and draws each one's first token (`row_acceptance.first_row_tokens`). Stop ids besides the
-model's EOS are checked by the engine on the host. A drafter that keeps a state through a reply (EAGLE, EAGLE-3, prompt lookup's
-token buffer) gets its row's state built from the prompt at admission (`row_drafts`), so its greedy rows are
+model's EOS are checked by the engine on the host. A drafter that keeps a state through a reply (EAGLE, EAGLE-3,
+prompt lookup's token buffer) gets its row's state built from the prompt at admission (`row_drafts`), so its greedy rows are
 lossless too; a state shared by all rows (Token Recycling's table, `row_drafts.shared_fields`) is the engine's:
 it starts as the drafter's, is refreshed from every admitted prompt and by every verify step of every row, and
 outlives the requests (`shared_draft` hands it back, e.g. to the model a batch client borrowed it from).
