@@ -16,9 +16,10 @@ jitted chunks and a finished row takes the next prompt between chunks (continuou
 (the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and there are at least
 batch_size prompts, and forms sorted batches otherwise (measured with the former slot engine, bench/refill/;
 to be measured again with the engine's policies: bench/refill/sorted_engine.md). Both give
-the same greedy tokens; prompt i samples with seed + i. The cases the engine refuses today (mixed drafts,
-Token Recycling, a proposer, typical acceptance, several processes: `direct_batches.engine_refusal`) decode
-each sorted batch with one direct call (`direct_batches`).
+the same greedy tokens; prompt i samples with seed + i. Mixed drafts (their size choice and backoff), Token
+Recycling (its table kept warm from call to call: the engine starts from the model's and hands it back) and
+typical acceptance run through the engine too; what it refuses (a proposer, several processes:
+`direct_batches.engine_refusal`) decodes each sorted batch with one direct call (`direct_batches`).
 
 Results come back in input order with per-row stats. Under several processes every process passes the same
 prompts; each feeds only the rows its devices hold (`sharded.put_rows`) and all processes get all results.

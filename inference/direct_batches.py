@@ -1,11 +1,8 @@
 """Sorted batches decoded directly (`ShardedModel.plain_decode` / `medusa_decode`, one jitted call per batch), for
-the cases the generation engine refuses today (`engine_refusal`); every other case runs through the engine's
-sorted admission (`engine_batches.sorted_batches`). What stays here (`engine_refusal` names it): mixed drafts
-(this path's size choice backs off the drafting on steps that do not pay, `inference/size_choice.py`; the engine's
-rows draft every step), Token Recycling's table kept warm in the model from call to call (the engine keeps its
-own), a proposer in place of the heads' own proposal, typical acceptance (the engine's per-row typical rows are
-not yet checked against this path) and several processes (the engine reads every row on its host). This
-module goes once the engine serves them.
+the cases the generation engine refuses (`engine_refusal`); every other case runs through the engine's sorted
+admission (`engine_batches.sorted_batches`). What stays here: a proposer in place of the heads' own proposal (its
+`proposer_data` rows are a direct call's batch rows), several processes (the engine reads every row on its host)
+and a drafter the engine cannot serve (`row_drafts.check_servable`).
 
 Each batch's prompts are right-padded to `bucket` times a power of two, its cache follows the width, and its
 `while_loop` runs until every row has finished; on a mesh a batch is padded up to a multiple of data x fsdp rows
@@ -22,7 +19,6 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.compile_cache import CompileCounter
-from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.trees.policy.choose import ChosenTree
 from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult, report_batch
@@ -40,15 +36,9 @@ def engine_refusal(model: ShardedModel, settings: BatchSettings, proposer: Propo
         return "several processes: the engine reads every row on its own host"
     if settings.tree is None:
         return None
-    if isinstance(settings.tree, DraftSizes):
-        return "mixed drafts: the batch path backs off drafting on steps that do not pay; engine rows draft every step"
     if proposer is not None:
         return "a proposer: the engine drafts with the heads' own proposal"
     heads = nnx.merge(model.medusa_graphdef, model.medusa_params).heads
-    if getattr(heads, "keeps_draft", False):
-        return "a drafter whose state outlives the call (Token Recycling's table): the model keeps it warm"
-    if settings.decode.kind == "typical":
-        return "typical acceptance: decoded directly until the engine's per-row typical rows are checked against it"
     try:
         check_servable(heads)
     except ValueError as refusal:

@@ -9,14 +9,17 @@ and a row with R tokens of its budget left starts writing at c * e - R, so the s
 end stops it at its budget (rows with more left than the buffer stop at the buffer's end and go on in the next
 chunk). Admission prefills new prompts into their rows, records their sampling settings (`RowSampling`, kept
 beside the state) and draws each one's first token (`row_acceptance.first_row_tokens`). Stop ids besides the
-model's EOS are checked by the engine on the host. A drafter that keeps a state through a reply (EAGLE, EAGLE-3, prompt lookup's
-token buffer) gets its row's state built from the prompt at admission (`row_drafts`), so its greedy rows are
+model's EOS are checked by the engine on the host. A drafter that keeps a state through a reply (EAGLE, EAGLE-3,
+prompt lookup's token buffer) gets its row's state built from the prompt at admission (`row_drafts`), so its greedy rows are
 lossless too; a state shared by all rows (Token Recycling's table, `row_drafts.shared_fields`) is the engine's:
-it starts as the drafter's, is updated by every verify step of every row and outlives the requests.
+it starts as the drafter's, is refreshed from every admitted prompt and by every verify step of every row, and
+outlives the requests (`shared_draft` hands it back, e.g. to the model a batch client borrowed it from).
 
-Mixed drafts (`heads.mixed.MixedDrafter`, the tree a `draft_merge.DraftSizes`) run as in the batch path: each
-step `medusa.sized_verify` verifies the merged proposal's best n nodes, n one of the static sizes chosen from the
-measured step costs over the active rows (0: a plain step).
+Mixed drafts (`heads.mixed.MixedDrafter`, the tree a `draft_merge.DraftSizes`) run as in the batch path
+(`medusa.mixed_step`): a step drafts unless the size choice backs off after drafted steps that did not pay (and
+prompt lookup's chains do not override it), and a drafted step verifies the merged proposal's best n nodes, n one
+of the static sizes chosen from the measured step costs over the active rows (0: a plain step). The engine keeps
+ONE `size_choice.SizeChoiceState` for all its rows, carried from chunk to chunk and across requests.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from medusa_jax.inference.row_drafts import (check_servable, empty_draft, prompt
                                              shared_fields, shared_part)
 from medusa_jax.inference.row_sampling import RowSampling
 from medusa_jax.inference.sampling import is_eos
+from medusa_jax.inference.size_choice import SizeChoiceState
 
 
 def empty_state(model: MedusaModel, rows: int, cache_size: int, tree, steps: int) -> MedusaState:
@@ -54,8 +58,9 @@ def empty_state(model: MedusaModel, rows: int, cache_size: int, tree, steps: int
     return MedusaState(KVCache.zeros(model.base.config, b, cache_size), jnp.zeros((b,), jnp.int32),
                        jnp.zeros((b, d), model.base.config.jnp_dtype), jnp.zeros((b, steps * e), jnp.int32),
                        jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32),
-                       jnp.zeros((b, steps), jnp.int32), jnp.zeros((), jnp.int32), jax.random.key(0), no_move(), no_move(),
-                       empty_draft(model, rows, cache_size, tree.depth))
+                       jnp.zeros((b, steps), jnp.int32), jnp.zeros((), jnp.int32), jax.random.key(0), no_move(),
+                       no_move(), empty_draft(model, rows, cache_size, tree.depth),
+                       SizeChoiceState.start() if isinstance(tree, DraftSizes) else None)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree", "eos_ids"), donate_argnames=("state", "sampling"))
@@ -65,7 +70,10 @@ def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, r
     (state, every row's sampling settings, first token [n])."""
     model: MedusaModel = nnx.merge(graphdef, params)
     n, t = prompt_nt.shape
-    last_nd, fresh, draft_n = prompt_prefill(model, prompt_nt, prompt_lens_n, t, tree.depth, state.cache.dtype)
+    shared = shared_fields(model.heads)
+    engine_shared = shared_part(state.draft, shared) if any(jax.tree.leaves(shared)) else None
+    last_nd, fresh, draft_n = prompt_prefill(model, prompt_nt, prompt_lens_n, t, tree.depth, state.cache.dtype,
+                                             engine_shared, rows_n < state.root_b.shape[0])
     first_n = first_row_tokens(model.base.logits(last_nd), sampling_n)
     no_move_ne = prompt_lens_n[:, None] + jnp.arange(tree.depth + 1, dtype=jnp.int32)[None, :]
 
@@ -77,7 +85,7 @@ def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, r
                                done_b=put(state.done_b, is_eos(first_n, eos_ids)),
                                move_src_be=put(state.move_src_be, no_move_ne),
                                move_dst_be=put(state.move_dst_be, no_move_ne),
-                               draft=put_draft_rows(state.draft, rows_n, draft_n, shared_fields(model.heads))), \
+                               draft=put_draft_rows(state.draft, rows_n, draft_n, shared)), \
         sampling.put_rows(rows_n, sampling_n), first_n
 
 

@@ -8,7 +8,10 @@ consecutive batches of one cache size (their padded width as `engine.cache_size_
 `cache_size`) share one engine, and a shorter batch does not attend over a longer one's cache. A batch runs as
 one chunk of max_new_tokens - 1 steps (nothing is admitted until its rows are free; the chunk's loop ends when its
 last row does), so it costs one host round trip as a direct decode call does. On a mesh the rows are rounded
-up to a multiple of data x fsdp and a batch still takes `batch_size` prompts (the other rows idle).
+up to a multiple of data x fsdp and a batch still takes `batch_size` prompts (the other rows idle). A drafter
+state the model keeps from call to call (Token Recycling's table, `ShardedModel.keep_draft`) is where each
+engine starts (the engine's drafter is built from the model's parameters) and what it hands back, so calls stay
+warm as the direct decode calls kept them; a mix's size choice (its backoff) is the engine's, one per engine.
 
 `refilled_slots` (admission "fifo"): `batch_size` rows in chunks of REFILL_CHUNK_STEPS steps; a finished row takes
 the next prompt between chunks (continuous batching); every row shares the run's times.
@@ -38,7 +41,8 @@ OnBatch = Callable[[list[GenerationResult]], None]
 
 def _params(settings: BatchSettings, index: int) -> RequestParams:
     return RequestParams(max_tokens=settings.max_new_tokens, sampling=settings.sampling,
-                         seed=(settings.seed + index) % SEED_RANGE)
+                         seed=(settings.seed + index) % SEED_RANGE,
+                         acceptance=None if settings.tree is None else settings.acceptance)
 
 
 def _result(request: Request, index: int, batch: int, seconds: float, compiling: float,
@@ -110,6 +114,8 @@ def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
                     new_tokens += result.new_tokens
                 report_batch(batch, on_batch, bar, new_tokens, start, number, len(plan))
                 number += 1
+            if model.heads is not None:  # a drafter state kept across calls (Token Recycling's table): handed back
+                model.keep_draft(engine.drafter_state())
     seconds = time.perf_counter() - start
     return BatchRun(results, seconds, min(run_compiles.compile_seconds, seconds), len(plan), len(set(sizes)), chosen,
                     run_compiles)

@@ -222,7 +222,7 @@ def mixed_step(model: MedusaModel, state: MedusaState, proposer: Proposer, input
     """A mixed-draft step: drafted (`sized_verify`) or, while the size choice backs off after drafted steps that
     did not pay (`size_choice.SizeChoiceState`) and prompt lookup's chains alone do not promise a paying step
     (`size_choice.lookup_pays`), a plain step that skips the drafting (the drafters' states still see its token).
-    With no size-choice state in `state` (the engine's rows), every step drafts."""
+    With no size-choice state in `state` (one built by hand), every step drafts."""
     def drafted(state_: MedusaState) -> MedusaState:
         proposal, draft = proposer(dataclasses.replace(inputs, draft=state_.draft))
         return sized_verify(model, state_, proposal, draft, sizes, acceptance, eos_ids)

@@ -10,11 +10,12 @@ cache row by row, like the base cache; every other field by its leading row axis
 
 Shared state. A drafter whose state outlives a reply declares it with `keeps_draft = True` (Token Recycling's
 table): that state is ONE for all rows, the engine's, kept warm across requests. It starts as the drafter's own
-(`shared_start`: its `init_draft`, which for such a drafter does not read the prompt), is updated inside the jitted
-chunk by the tree step (`verified`: the verified nodes' logits, as in the batch path) and is never touched at
-admission (`put_draft_rows` keeps it). A mix (`heads.mixed.MixedDrafter`) is a tuple of its members' states, each
-shared or row by row as the member declares (`shared_fields`): e.g. recycling's table shared, prompt lookup's
-token buffer one row per request (set at admission from the prompt, grown by the row's accepted tokens).
+(`shared_start`: its `init_draft` of an empty prompt), is updated inside the jitted chunk by the tree step
+(`verified`: the verified nodes' logits, as in the batch path) and at admission from the admitted prompts, as the
+batch path's prefill does (`prompt_prefill` with the engine's state handed to the drafter first, `keep_draft`;
+filler rows of an admission read as empty prompts). A mix (`heads.mixed.MixedDrafter`) is a tuple of its members'
+states, each shared or row by row as the member declares (`shared_fields`): e.g. recycling's table shared, prompt
+lookup's token buffer one row per request (set at admission from the prompt, grown by the row's accepted tokens).
 """
 
 from __future__ import annotations
@@ -58,12 +59,12 @@ def shared_fields(heads) -> Any:
 
 def shared_start(heads, base, rows: int, cache_size: int, depth: int) -> Any:
     """The shared parts' starting state, the drafter's own (e.g. a warm recycling table), None over the parts kept
-    row by row: `init_draft` of a one-token prompt, which a shared state does not read."""
+    row by row: `init_draft` of empty prompts (length 0: nothing of them is read)."""
     if isinstance(heads, MixedDrafter):
         return tuple(shared_start(member, base, rows, cache_size, depth) for member in heads.drafters)
     if not shared_fields(heads):
         return None
-    prompt_b1, lens_b = jnp.zeros((rows, 1), jnp.int32), jnp.ones((rows,), jnp.int32)
+    prompt_b1, lens_b = jnp.zeros((rows, 1), jnp.int32), jnp.zeros((rows,), jnp.int32)
     hidden_b1d = jnp.zeros((rows, 1, base.config.hidden_size), base.config.jnp_dtype)
     return heads.init_draft(base, prompt_b1, lens_b, hidden_b1d, cache_size, depth)
 
@@ -74,15 +75,21 @@ def shared_part(draft: Any, shared: Any) -> Any:
 
 
 def prompt_prefill(model: MedusaModel, prompt_nt, prompt_lens_n, cache_size: int, depth: int,
-                   dtype=None) -> tuple[jax.Array, KVCache, Any]:
+                   dtype=None, shared: Any = None, real_n=None) -> tuple[jax.Array, KVCache, Any]:
     """The base prefill of n right-padded prompts into a fresh cache of their width, and the drafter's state
     from them (None for heads that keep none) with a drafter cache of cache_size slots where it has one; dtype:
-    the base cache's (None: the model's). Returns (last hidden state [n, d], base cache, drafter state)."""
+    the base cache's (None: the model's). `shared`: the engine's shared drafter state (`shared_part`), which the
+    drafter then refreshes from the prompts (module docstring) instead of its own; `real_n` [n] bool: the rows
+    that are prompts (the others, fillers, count as empty for the drafter). Returns (last hidden state [n, d],
+    base cache, drafter state)."""
     heads, (n, t) = model.heads, prompt_nt.shape
     fresh = KVCache.zeros(model.base.config, n, t, dtype=dtype)
     taps = heads.feature_layers
     last_nd, fresh, hidden_ntx = prefill_states(model.base, prompt_nt, prompt_lens_n, fresh, taps)
-    draft = heads.init_draft(model.base, prompt_nt, prompt_lens_n, hidden_ntx, cache_size, depth)
+    if shared is not None:
+        heads.keep_draft(shared)  # this traced copy of the drafter starts from the engine's state
+    lens_n = prompt_lens_n if real_n is None else jnp.where(real_n, prompt_lens_n, 0)
+    draft = heads.init_draft(model.base, prompt_nt, lens_n, hidden_ntx, cache_size, depth)
     return last_nd, fresh, draft
 
 
@@ -105,7 +112,7 @@ def put_draft_rows(draft: Any, rows_n: jax.Array, fresh: Any, shared: Any = Fals
     """draft with rows rows_n[i] (index >= b: dropped) set to fresh's row i: a drafter KVCache by
     `KVCache.put_rows` (fresh's slots first, its lengths), every other array along its leading row axis (fresh's
     entries first where it is narrower, as a token buffer of the prompt's width, zeros after); the parts
-    `shared` marks (`shared_fields`) are kept as they are."""
+    `shared` marks (`shared_fields`) are fresh's whole (the shared state refreshed from the prompts)."""
     def put(old, new):
         if isinstance(old, KVCache):
             return old.put_rows(rows_n, new)
@@ -114,6 +121,8 @@ def put_draft_rows(draft: Any, rows_n: jax.Array, fresh: Any, shared: Any = Fals
         return old.at[rows_n].set(new.astype(old.dtype), mode="drop")
 
     def put_part(is_shared, old, new):
-        return old if is_shared else jax.tree.map(put, old, new, is_leaf=lambda x: isinstance(x, KVCache))
+        if is_shared:
+            return jax.tree.map(lambda o, f: f.astype(o.dtype), old, new)
+        return jax.tree.map(put, old, new, is_leaf=lambda x: isinstance(x, KVCache))
 
     return jax.tree.map(put_part, shared, draft, fresh)

@@ -317,10 +317,15 @@ class ShardedModel:
         return tuple(fetch(o) for o in outs)
 
     def keep_draft(self, draft) -> None:
-        """The drafter state a decode call ended with becomes the start of the next call: in the params (same
-        sharding: replicated) and in the heads object (`keep_draft`), so a new ShardedModel of them starts there."""
+        """The drafter state a decode call (or the generation engine) ended with becomes the start of the next call:
+        in the params (same sharding: replicated) and in the heads object (`keep_draft`), so a new ShardedModel of
+        them starts there."""
         self.heads.keep_draft(draft)
-        self.medusa_params["heads"] = jax.tree.map(_placed, nnx.state(self.heads), self.medusa_shardings["heads"])
+
+        def place(value, sharding):  # a state on one device (the engine's, read back) is placed from the host
+            return _placed(value if isinstance(value.sharding, NamedSharding) else np.asarray(value), sharding)
+
+        self.medusa_params["heads"] = jax.tree.map(place, nnx.state(self.heads), self.medusa_shardings["heads"])
 
 
 @functools.lru_cache(maxsize=64)

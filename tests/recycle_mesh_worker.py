@@ -77,7 +77,8 @@ def main(model_dir: str, out: str) -> None:
             run = generate_batch(model, prompts, settings, progress=False)
             calls.append({"tokens": [r.token_ids for r in run.results], "steps": [r.steps for r in run.results],
                           "accepts": [r.accept_lengths for r in run.results], "table": digest(drafter.table),
-                          "table_sharding": str(model.medusa_params["heads"]["recycle_table"][...].sharding.spec)})
+                          "table_replicated": model.medusa_params["heads"]["recycle_table"][...].sharding
+                          .is_fully_replicated})
         report["decode"][f"{data},{tensor}"] = calls
     with open(out, "w") as f:
         json.dump(report, f)

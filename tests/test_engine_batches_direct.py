@@ -1,0 +1,113 @@
+"""`api.generate_batch`'s sorted batches through the generation engine (inference/engine_batches.py) against the
+direct decode calls they replaced (inference/direct_batches.py), for the cases that moved: mixed drafts (the
+engine's rows carry the size choice and its backoff, `size_choice.SizeChoiceState`, one per engine) and Token
+Recycling's table kept warm in the model from call to call (the engine starts from the model's table and hands it
+back). A call of one prompt is one chunk of a fresh engine (a fresh size choice, as a direct call's), so the engine
+takes the direct call's steps: the same tokens AND the same accept length at every step. (Within one call the
+engine's size choice carries on from batch to batch, where each direct call started afresh.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.heads.draft_merge import DraftSizes
+from medusa_jax.heads.lookup import LookupConfig
+from medusa_jax.heads.mixed import make_mix, template_spec
+from medusa_jax.heads.recycle import RANK_ACCEPTANCE, RecycleConfig, RecycleDrafter, template_tree
+from medusa_jax.inference.api import generate, generate_batch, plan_batches
+from medusa_jax.inference.batch_run import BatchSettings
+from medusa_jax.inference.direct_batches import direct_batches, engine_refusal
+from medusa_jax.inference.engine import PROMPT_BUCKET
+from medusa_jax.inference.sharded import ShardedModel
+from decode_helpers import prompts_of
+
+N = 24
+SIZES = (0, 2, 6, 12)
+CHEAP, DEAR = (1.0, 1.05, 1.1, 1.2), (1.0, 1.9, 2.4, 3.0)  # dear: most drafted steps do not pay (the backoff)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    # a narrow init (as tests/test_mixed_drafts.py): greedy continuations fall into loops that lookup and the
+    # recycling table find
+    return load_pretrained(tiny_model_dir("llama", initializer_range=0.1))
+
+
+def mix_of(base, recycle: bool):
+    config = base.config
+    template = (RecycleDrafter(RecycleConfig(config.hidden_size, config.vocab_size)),
+                template_spec(template_tree("recycle_8"), RANK_ACCEPTANCE)) if recycle else None
+    return make_mix(config.hidden_size, config.vocab_size, lookup=LookupConfig(length=6, branches=2),
+                    template=template)
+
+
+def both_paths(sharded_engine: ShardedModel, sharded_direct: ShardedModel, prompts, settings: BatchSettings):
+    """(the engine's results, the direct path's results) of one generate_batch call each."""
+    assert engine_refusal(sharded_engine, settings, None) is None
+    by_engine = generate_batch(sharded_engine, prompts, settings, progress=False).results
+    plan = plan_batches([len(p) for p in prompts], settings.batch_size)
+    direct = direct_batches(sharded_direct, prompts, settings, plan, settings.batch_size, None, None, None, None,
+                            None).results
+    return by_engine, direct
+
+
+@pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap", "dear"])
+def test_a_mix_through_the_engine_takes_the_direct_calls_steps(model, costs):
+    """Lookup + recycling at cheap and at dear step costs, one call per prompt on one model per path (the
+    recycling table warm from call to call): tokens equal plain greedy's on both paths, and every accept length is
+    the direct call's (so the engine's size choice and backoff, and its table, are the batch path's); the dear
+    costs change the steps (the backoff skips drafting)."""
+    prompts = prompts_of((7, 30, 12), seed=3)
+    want = [generate(model, [p], max_new_tokens=N, eos_ids=())[0].token_ids for p in prompts]
+    accepts = {}
+    for name, c in (("cheap", CHEAP), ("given", costs)):
+        mix = mix_of(model, recycle=True)
+        settings = BatchSettings(batch_size=1, max_new_tokens=N, tree=DraftSizes(SIZES, c, depth=mix.depth),
+                                 eos_ids=(), bucket=PROMPT_BUCKET)
+        models = ShardedModel(model, mix, MeshConfig()), ShardedModel(model, mix_of(model, True), MeshConfig())
+        accepts[name] = []
+        for prompt, tokens in zip(prompts, want):
+            (by_engine,), (direct,) = both_paths(*models, [prompt], settings)
+            assert by_engine.token_ids == direct.token_ids == tokens
+            assert by_engine.accept_lengths == direct.accept_lengths
+            assert by_engine.steps == direct.steps
+            accepts[name].append(by_engine.accept_lengths)
+    if costs == DEAR:
+        assert accepts["given"] != accepts["cheap"]
+    assert any(max(a) >= 2 for a in accepts["cheap"])  # lookup and recycling find the loops
+
+
+def test_a_mix_at_batch_3_equals_plain_greedy_through_the_engine(model):
+    """Ragged prompts in batches of 3 rows (two batches, the second admitted after the first's rows are free, one
+    size choice for the engine): plain greedy's tokens."""
+    prompts = prompts_of((7, 30, 12, 3, 40), seed=4)
+    mix = mix_of(model, recycle=False)
+    settings = BatchSettings(batch_size=3, max_new_tokens=N, tree=DraftSizes(SIZES, DEAR, depth=mix.depth),
+                             eos_ids=(), bucket=PROMPT_BUCKET)
+    run = generate_batch(ShardedModel(model, mix, MeshConfig()), prompts, settings, progress=False)
+    assert [r.token_ids for r in run.results] == [generate(model, [p], max_new_tokens=N, eos_ids=())[0].token_ids
+                                                  for p in prompts]
+    assert run.num_batches == 2
+
+
+def test_recycling_stays_warm_from_call_to_call_as_on_the_direct_path(model):
+    """Token Recycling alone, three generate_batch calls on one ShardedModel per path: the engine starts from the
+    model's table and hands its table back, so each call's steps are the direct path's, the model's table after
+    each call is the direct path's, and a repeated prompt takes fewer steps the second time."""
+    config = model.config
+    sharded = [ShardedModel(model, RecycleDrafter(RecycleConfig(config.hidden_size, config.vocab_size)),
+                            MeshConfig()) for _ in range(2)]
+    settings = BatchSettings(batch_size=1, max_new_tokens=N, tree=template_tree("recycle_8"), eos_ids=(),
+                             bucket=PROMPT_BUCKET)
+    prompt, other = prompts_of((9, 20), seed=5)
+    steps = []
+    for prompts in ([prompt], [other], [prompt]):
+        by_engine, direct = both_paths(*sharded, prompts, settings)
+        assert [r.token_ids for r in by_engine] == [r.token_ids for r in direct]
+        assert [r.accept_lengths for r in by_engine] == [r.accept_lengths for r in direct]
+        np.testing.assert_array_equal(sharded[0].heads.table, sharded[1].heads.table)
+        steps.append(by_engine[0].steps)
+    assert steps[2] < steps[0], steps
