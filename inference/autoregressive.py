@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,50 @@ def prefill_widths(width: int, smallest: int = 64) -> tuple[int, ...]:
     return tuple(widths) + (width,)
 
 
+def run_if(flag: jax.Array, fn: Callable[[Any], Any], carry: Any) -> Any:
+    """fn(carry) where the scalar `flag` holds, else carry: a `while_loop` of at most one trip. Not a
+    `lax.switch`/`cond`: XLA gives a conditional's result its own buffers, so a branch that writes the cache
+    copied every layer's whole K and V twice (in the branch and back into the carry); a while loop updates its
+    carry in place (tests/test_decode_hlo.py)."""
+    _, carry = jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros((), bool), fn(c[1])), (flag, carry))
+    return carry
+
+
+def narrow_prefill_states(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array, cache: KVCache,
+                          all_hidden: bool = False, taps: tuple[int, ...] = ()
+                          ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+    """`prefill_states` of the whole batch at the narrowest of `prefill_widths(t)` that holds its longest prompt,
+    written into `cache` in place (one `run_if` per width: a batch padded to a wide bucket, say one 60-token
+    prompt at t = 512, computes 64 positions, not 512; one compilation serves every batch of this shape). Cache
+    slots from that width to t keep what they held (no row's length reaches them). Returns `prefill`'s pair and,
+    with all_hidden, every position's hidden state [b, t, d] (or the taps', as `prefill_states`; zero past the
+    width), else None."""
+    b, t = prompt_bt.shape
+    widths = prefill_widths(t)
+    if len(widths) == 1:
+        last_bd, cache, hidden_btd = prefill_states(model, prompt_bt, prompt_lens_b, cache, taps)
+        return last_bd, cache, hidden_btd if all_hidden else None
+    d, dtype = model.config.hidden_size, model.config.jnp_dtype
+    start = (cache, jnp.zeros((b, d), dtype),
+             jnp.zeros((b, t, d * max(len(taps), 1)), dtype) if all_hidden else None)
+
+    def at_width(w):
+        def run(carry):
+            cache, _, hidden_btd = carry
+            last_bd, cache, h_bwd = prefill_states(model, prompt_bt[:, :w], prompt_lens_b, cache, taps)
+            if all_hidden:
+                hidden_btd = jax.lax.dynamic_update_slice_in_dim(hidden_btd, h_bwd.astype(dtype), 0, axis=1)
+            return cache, last_bd.astype(dtype), hidden_btd
+        return run
+
+    branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(prompt_lens_b))
+    carry = start
+    for index, w in enumerate(widths):
+        carry = run_if(branch == index, at_width(w), carry)
+    cache, last_bd, hidden_btd = carry
+    return last_bd, cache, hidden_btd
+
+
 def grouped_prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array, cache: KVCache,
                     groups: int) -> tuple[jax.Array, KVCache]:
     """`grouped_prefill_states` without the per-position hidden states."""
@@ -72,11 +117,10 @@ def grouped_prefill_states(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b:
     compilation serves every batch of this shape) and scatters it into its rows of `cache`. Returns what
     `prefill` returns, and with all_hidden the hidden state of every prompt position [b, t, d] (else None), or
     with `taps` too the residual stream entering those layers ([b, t, len(taps) d], `prefill_states`).
-    groups == 1, or a batch it does not divide, is `prefill` itself."""
+    groups == 1, or a batch it does not divide, is one group prefilled in place (`narrow_prefill_states`)."""
     b, t = prompt_bt.shape
     if groups <= 1 or b % groups:
-        last_bd, cache, hidden_btd = prefill_states(model, prompt_bt, prompt_lens_b, cache, taps)
-        return last_bd, cache, hidden_btd if all_hidden else None
+        return narrow_prefill_states(model, prompt_bt, prompt_lens_b, cache, all_hidden, taps)
     n, widths = b // groups, prefill_widths(t)
     lens_b = prompt_lens_b.astype(jnp.int32)
     order_b = jnp.argsort(-lens_b, stable=True).astype(jnp.int32)

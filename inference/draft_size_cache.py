@@ -1,7 +1,7 @@
 """The draft sizes' step costs of a mix, measured once per machine and cached (as the heads' tree calibrations are).
 
-`draft_size.measure_size_costs` times a verify forward of every draft size and the mix's proposal on this machine
-(a few seconds of timing plus its compilations). What it measures depends on the machine, the model, the batch
+`draft_size.measure_size_costs` times the real mixed step of every draft size against a plain step on this machine
+(a few seconds of timing plus a compilation per size). What it measures depends on the machine, the model, the batch
 size, the sizes and the drafters of the mix, so those key a file under `$MEDUSA_JAX_CACHE/calibration/`
 (`trees.policy.calibration.keyed_cache_file`, beside the tree calibrations) and a second build with the same
 key reads it instead of timing again.
@@ -25,7 +25,7 @@ from medusa_jax.heads.recycle_file import model_fingerprint
 from medusa_jax.trees.policy.calibration import check_mode, keyed_cache_file, machine_key
 from medusa_jax.inference import draft_size
 
-FORMAT = "medusa-jax-draft-size-costs-v1"
+FORMAT = "medusa-jax-draft-size-costs-v2"  # v2: the real mixed step over a plain step (v1: the pieces)
 
 
 def mix_key(mix: MixedDrafter) -> list[list[str]]:
@@ -78,7 +78,7 @@ def size_costs(base: CausalLM, mix: MixedDrafter, sizes: Sequence[int], *, batch
         say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
         say(f"timing the draft sizes {', '.join(map(str, sizes))} of {'+'.join(mix.names)} at batch {batch} on this "
             f"machine (once; cached in $MEDUSA_JAX_CACHE/calibration/{path.name})")
-    costs = tuple(draft_size.measure_size_costs(base, sizes, batch=batch, drafter=mix, depth=mix.depth))
+    costs = tuple(draft_size.measure_size_costs(base, mix, sizes, batch=batch, depth=mix.depth))
     if path is None:
         return costs, "measured now"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ from medusa_jax.trees.dynamic_tree import TreeProposal, row_tree
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.acceptance import DecodeConfig
-from medusa_jax.inference.autoregressive import grouped_prefill_states
+from medusa_jax.inference.autoregressive import grouped_prefill_states, run_if
 from medusa_jax.inference.row_acceptance import RowAcceptance, accept_step, first_token
 from medusa_jax.inference.sampling import is_eos
 from medusa_jax.inference.size_choice import SizeChoiceState, choose, lookup_pays, predicted_accepts
@@ -246,16 +246,6 @@ def plain_inputs(state: MedusaState, depth: int):
     tokens_bt = state.root_b.astype(jnp.int32)[:, None]
     mask_bts = attention_mask(lengths_b, jnp.ones((1, 1), bool), state.cache.cache_size)
     return tokens_bt, mask_bts, lengths_b[:, None], plain_row_tree(b, depth)
-
-
-def run_if(flag: jax.Array, fn: Callable[[MedusaState], MedusaState], state: MedusaState) -> MedusaState:
-    """fn(state) where the scalar `flag` holds, else state: a `while_loop` of at most one trip. Not a
-    `lax.switch`/`cond`: XLA gives a conditional's result its own buffers, so a branch that writes the cache
-    copied every layer's whole K and V twice per step (in the branch and back into the loop's carry); a while
-    loop updates its carry in place (tests/test_decode_hlo.py)."""
-    _, state = jax.lax.while_loop(lambda carry: carry[0], lambda carry: (jnp.zeros((), bool), fn(carry[1])),
-                                  (flag, state))
-    return state
 
 
 def verify_and_emit(model: MedusaModel, state: MedusaState, verified, draft: Any,

@@ -32,7 +32,8 @@ from medusa_jax.trees.tree import PRESETS, TreeError, load_tree
 from medusa_jax.inference.acceptance import GREEDY, AcceptanceConfig, accept_tree, greedy_accept, typical_accept
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.api import generate, generate_medusa
-from medusa_jax.inference.autoregressive import grouped_prefill, prefill, prefill_groups
+from medusa_jax.inference.autoregressive import (grouped_prefill, narrow_prefill_states, prefill, prefill_groups,
+                                                 prefill_states)
 from medusa_jax.inference.medusa import compact_accepted, medusa_decode
 from medusa_jax.trees.search.oracle import planted_data, planted_over_heads_proposer, planted_proposer
 
@@ -178,6 +179,37 @@ def test_grouped_prefill_equals_prefill_in_any_row_order(tiny):
                                            np.asarray(want.k_bkhs[layer][b, :, :, :n]), rtol=1e-4, atol=1e-4)
                 np.testing.assert_allclose(np.asarray(got.v_bksh[layer][b, :, :n]),
                                            np.asarray(want.v_bksh[layer][b, :, :n]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("longest", [64, 100])
+def test_narrow_prefill_equals_the_padded_width(tiny, longest):
+    """A small batch (one group) padded to t = 256 is prefilled at the narrowest width holding its longest
+    prompt (64, then 128): the same last hidden states, K/V of the prompt slots, lengths, every prompt position's
+    hidden state and an EAGLE-3 style tap as the prefill at the whole width; positions past the width are zero."""
+    base, _, _ = tiny("llama")
+    lengths = [longest, 9, 1]
+    prompt_bt = np.zeros((3, 256), np.int32)
+    rng = np.random.default_rng(2)
+    for b, n in enumerate(lengths):
+        prompt_bt[b, :n] = rng.integers(1, base.config.vocab_size, n)
+    args = (jnp.asarray(prompt_bt), jnp.asarray(lengths))
+    for taps in ((), (1,)):
+        want_bd, want, want_btd = jax.jit(lambda p, n, c: prefill_states(base, p, n, c, taps))(
+            *args, KVCache.zeros(base.config, 3, 300))
+        got_bd, got, got_btd = jax.jit(lambda p, n, c: narrow_prefill_states(base, p, n, c, True, taps))(
+            *args, KVCache.zeros(base.config, 3, 300))
+        close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # noqa
+        close(got_bd, want_bd)
+        np.testing.assert_array_equal(np.asarray(got.lengths_b), lengths)
+        width = 64 if longest <= 64 else 128
+        assert not np.asarray(got_btd[:, width:]).any()
+        for b, n in enumerate(lengths):
+            close(got_btd[b, :n], want_btd[b, :n])
+            for layer in range(base.config.num_layers):
+                close(got.k_bkhs[layer][b, :, :, :n], want.k_bkhs[layer][b, :, :, :n])
+                close(got.v_bksh[layer][b, :, :n], want.v_bksh[layer][b, :, :n])
+    _, _, none = jax.jit(lambda p, n, c: narrow_prefill_states(base, p, n, c))(*args, KVCache.zeros(base.config, 3, 300))
+    assert none is None
 
 
 @pytest.mark.parametrize("head_type", HEAD_TYPES)

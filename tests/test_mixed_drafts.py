@@ -179,6 +179,24 @@ def test_choose_size_follows_predicted_tokens_per_unit_of_time():
         DraftSizes((4, 2), (1.0, 1.0), depth=2)
 
 
+def test_forced_sizes_make_every_step_verify_the_size_timed(tiny):
+    """`draft_size.forced_sizes`, what the step costs are timed with: size 0 is a drafted step that verifies the root
+    alone even for a sure chain (every step accepts 0 and the greedy tokens are plain's); a size n alone is chosen
+    whatever the prediction."""
+    sure, weak = chain([1] * 8, -0.01), chain([1] * 8, -3.0)
+    active = jnp.asarray([True])
+    zero, four = draft_size.forced_sizes((0, 4), depth=8)
+    assert zero.sizes == (0, 1) and four.sizes == (4,)
+    assert size_of(kept(sure), zero, active) == 0 and size_of(kept(weak), four, active) == 0
+    base, refs = tiny("llama")
+    eos_ids, reference = refs["ragged4"]
+    mix = mix_of(base, "recycle+lookup")
+    got = generate_medusa(base, mix, PROMPTS["ragged4"], tree=draft_size.forced_sizes((0,), mix.depth)[0],
+                          max_new_tokens=N, eos_ids=eos_ids)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference]
+    assert all(a == 0 for r in got for a in r.accept_lengths)
+
+
 def test_size_choice_backs_off_after_drafted_steps_that_did_not_pay():
     """`size_choice.SizeChoiceState`: a drafted step that does not pay its cost (or verifies no node) makes the next
     1, 2, 4, ... (at most MAX_SKIP) steps skip the drafting; one that pays ends the backoff."""
@@ -364,14 +382,14 @@ def test_generate_script_with_lookup_and_a_mix(tiny_model_dir, tmp_path, capsys,
 
 def test_build_mix_sizes_its_budget_and_measures_non_decreasing_costs(tiny):
     """`mixed_decoding.build_mix`: plain and three sizes up to the candidates within the budget, and measured
-    costs (a step of more nodes never costs less; the drafting's cost is added to every size, plain included)."""
+    costs (the real mixed step of each size over a plain step, `draft_size.measure_size_costs`: a step of more nodes
+    never costs less)."""
     base, _ = tiny("llama")
     mix, sizes = build_mix(base, ("lookup",), None, 16)
     assert mix.candidates == 40 and sizes.depth == 10  # 4 chains of 10 (LookupDrafter.mix_member at 16)
     assert sizes.sizes == sizes_for(16) == (0, 2, 5, 16) and sizes_for(10) == (0, 1, 3, 10)
     assert sizes_for(64) == (0, 8, 21, 64)
     assert len(sizes.costs) == 4 and all(b >= a for a, b in zip(sizes.costs, sizes.costs[1:]))
-    assert sizes.costs[0] >= 1.0  # plain: one forward, plus the drafting
     with pytest.raises(MixError, match="empty part"):
         parse_mix("lookup++default")
     assert parse_mix("default+recycle+lookup") == (("recycle", "lookup"), "default")

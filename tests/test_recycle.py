@@ -281,6 +281,33 @@ def test_prompt_update_writes_each_prompt_positions_top_k_later_positions_winnin
     assert (got != table).any(axis=1).sum() == len(set(prompt[0, : lens[0]].tolist()))
 
 
+def test_prompt_update_of_short_prompts_padded_wide_reads_only_their_chunks(tiny):
+    """Two prompts (70 and 9 tokens) padded to 4 chunks: the loop stops after the longest prompt's 2 chunks,
+    and the table is the one written from the prompt positions alone."""
+    from medusa_jax.model.kv_cache import KVCache
+    from medusa_jax.inference.autoregressive import prefill_states
+
+    base, _ = tiny("llama")
+    width = 4 * recycle.PROMPT_CHUNK
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, 30, (2, width)).astype(np.int32)
+    lens = np.asarray([70, 9], np.int32)
+    _, _, hidden_btd = prefill_states(base, jnp.asarray(prompt), jnp.asarray(lens),
+                                      KVCache.zeros(base.config, 2, width))
+    table = empty_table(base.config.vocab_size)
+    got = np.asarray(jax.jit(lambda t, p, n, h: recycle.prompt_update(t, base, p, n, h))(
+        jnp.asarray(table), jnp.asarray(prompt), jnp.asarray(lens), hidden_btd))
+    logits_btv = np.asarray(base.logits(hidden_btd))
+    want = table
+    for i in range(0, 2 * recycle.PROMPT_CHUNK, recycle.PROMPT_CHUNK):  # chunk by chunk: row 0's writes, then row 1's
+        for b, n in enumerate(lens):
+            last = min(n, i + recycle.PROMPT_CHUNK)
+            if last > i:
+                want = reference_update(want, prompt[b: b + 1, i: last], logits_btv[b: b + 1, i: last], [True])
+    np.testing.assert_array_equal(got, want)
+    assert (got != table).any()
+
+
 def plain_hidden(base, ids):
     from medusa_jax.model.kv_cache import KVCache
     from medusa_jax.inference.autoregressive import prefill

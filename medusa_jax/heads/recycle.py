@@ -155,8 +155,9 @@ def prompt_update(table_vr: jax.Array, base: CausalLM, prompt_bt: jax.Array, pro
                   hidden_btd: jax.Array) -> jax.Array:
     """The table refreshed from the prefill: row prompt_bt[b, i] set to the top-r ids of the base's logits at
     prompt position i < prompt_lens_b[b] (Token Recycling's own use of the prompt), PROMPT_CHUNK positions at a
-    time (a fori_loop: the [b, t, V] logits of a whole prompt are never held). Later positions win, as in
-    `recycle_update`."""
+    time (a fori_loop: the [b, t, V] logits of a whole prompt are never held) over the chunks that hold a prompt
+    position (a trip count set by the longest prompt: a 60-token prompt padded to t = 512 takes one chunk, not 8).
+    Later positions win, as in `recycle_update`."""
     b, t = prompt_bt.shape
     chunks = -(-t // PROMPT_CHUNK)
     pad = chunks * PROMPT_CHUNK - t
@@ -171,7 +172,8 @@ def prompt_update(table_vr: jax.Array, base: CausalLM, prompt_bt: jax.Array, pro
         writes_bc = (start + position_t)[None, :] < prompt_lens_b[:, None]
         return recycle_update(table_vr, tokens_bc, base.logits(hidden_bcd), writes_bt=writes_bc)
 
-    return jax.lax.fori_loop(0, chunks, chunk, table_vr)
+    used = jnp.minimum((jnp.max(prompt_lens_b) + PROMPT_CHUNK - 1) // PROMPT_CHUNK, chunks).astype(jnp.int32)
+    return jax.lax.fori_loop(0, used, chunk, table_vr)
 
 
 class RecycleDrafter(nnx.Module):

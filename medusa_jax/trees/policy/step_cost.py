@@ -111,19 +111,20 @@ def plain_step_call(base: CausalLM, batch: int, context: int, cache_size: int) -
 def medusa_step_call(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers | DynamicTree, batch: int, context: int,
                      cache_size: int) -> Callable[[], object]:
     """A zero-argument call that runs one whole Medusa step (all pieces in one jitted call), for a static tree or
-    a dynamic one (drafted every step, `heads.dynamic_tree`); a drafter that keeps a state (the EAGLE-style one)
-    starts from its state after a prefill of `context` tokens."""
+    a dynamic one (drafted every step, `heads.dynamic_tree`), or a mix's draft sizes (`draft_merge.DraftSizes`); a
+    drafter that keeps a state (the EAGLE-style one, a mix's members) starts from its state after a prefill of
+    `context` tokens."""
     graphdef, params = nnx.split(MedusaModel(base, heads))
     b, e = batch, tree.depth + 1  # an output buffer that holds one step's tokens
     hidden_bd = jax.random.normal(jax.random.key(1), (b, base.config.hidden_size), base.config.jnp_dtype)
     zeros_b = jnp.zeros((b,), jnp.int32)
     moves_be = jnp.broadcast_to(context + jnp.arange(e, dtype=jnp.int32), (b, e))  # a pending move of e slots
-    draft = None
+    hidden_btd = None  # as the decode loops: a drafter's state from the prompt (its hidden states when it reads them)
     if heads.needs_prompt_hidden:
         hidden_btd = jnp.broadcast_to(jnp.tile(hidden_bd, max(len(heads.feature_layers), 1))[:, None],
                                       (b, context, hidden_bd.shape[-1] * max(len(heads.feature_layers), 1)))
-        draft = heads.init_draft(base, jnp.zeros((b, context), jnp.int32), jnp.full((b,), context, jnp.int32),
-                                 hidden_btd, cache_size, tree.depth)
+    draft = heads.init_draft(base, jnp.zeros((b, context), jnp.int32), jnp.full((b,), context, jnp.int32),
+                             hidden_btd, cache_size, tree.depth)
     state = MedusaState(make_cache(base, b, cache_size, context), zeros_b, hidden_bd, jnp.zeros((b, e), jnp.int32),
                         zeros_b, jnp.zeros((b,), bool), zeros_b, jnp.zeros((b, e), jnp.int32),
                         jnp.zeros((), jnp.int32), jax.random.key(0), moves_be,
