@@ -9,18 +9,16 @@ the order reversed every other call, so a change in machine load hits them alike
 from call to call on both paths). Figures: tokens/s without compilation (new tokens / (seconds - compile
 seconds)), engine / direct in the same run, tokens/step, mismatches against the direct plain path (must be 0).
 
-    python -m medusa_jax.bench.engine_mix --model default --heads default --mix default+recycle+lookup@4 \\
+    python scripts/benchmark_engine_mix.py --model default --heads default --mix default+recycle+lookup@4 \\
         --questions 4 --batch-sizes 1,4 --max-new-tokens 128 --out bench/engine_mix
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.compile_cache import enable_compile_cache
@@ -31,8 +29,7 @@ from medusa_jax.inference.direct_batches import direct_batches
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.inference.mixed_decoding import build_mix, parse_mix
 from medusa_jax.inference.sharded import ShardedModel
-from medusa_jax.bench.bench_inputs import mtbench_questions
-from medusa_jax.paths import command_line
+from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
 from medusa_jax.trees.policy.calibration import machine_description
 
 def run_call(path: str, model: ShardedModel, prompts, settings: BatchSettings) -> dict:
@@ -102,47 +99,21 @@ def markdown(results: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
-    p.add_argument("--heads", default="default", help="the trained part 'default' of --mix names")
-    p.add_argument("--mix", default="default+recycle+lookup@4", help="a --heads mix and its node budget, MIX@NODES")
-    p.add_argument("--questions", type=int, default=4)
-    p.add_argument("--batch-sizes", default="1,4")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--bucket", type=int, default=BatchSettings.bucket,
-                   help="prompt widths are BUCKET * 2**k, caches sized from them (default: generate_batch's, "
-                        "%(default)s; bench/mixed_drafts pads every prompt to 512)")
-    p.add_argument("--out", required=True, help="report folder")
-    a = p.parse_args(argv)
-    name, _, nodes = a.mix.partition("@")
-    try:
-        batches = [int(b) for b in a.batch_sizes.split(",")]
-    except ValueError:
-        p.exit(2, "error: --batch-sizes takes comma-separated integers, e.g. 1,4\n")
-    if not nodes.isdigit() or int(nodes) < 1 or a.questions < 1 or a.max_new_tokens < 1 or min(batches) < 1 \
-            or a.bucket < 1:
-        p.exit(2, "error: --mix needs MIX@NODES with NODES >= 1; --questions, --max-new-tokens, --batch-sizes and "
-                  "--bucket must be >= 1\n")
+def run(model: str, heads: str, mix: str, questions: int, batches: list[int], max_new_tokens: int, bucket: int,
+        out, command: str) -> dict:
+    """The four methods over `questions` MT-Bench first turns at each batch size; writes OUT/results.json and
+    OUT/README.md with `command`."""
+    name, _, nodes = mix.partition("@")
     enable_compile_cache()
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    loaded = load_model(a.model, a.heads)
-    prompts = loaded.encode_chat([q.first_turn for q in mtbench_questions(a.questions)])
-    results = {"machine": machine_description(), "load_at_start": round(os.getloadavg()[0], 1), "mix": a.mix,
-               "questions": a.questions, "max_new_tokens": a.max_new_tokens, "bucket": a.bucket, "batches": {}}
+    loaded = load_model(model, heads)
+    prompts = loaded.encode_chat([q.first_turn for q in mtbench_questions(questions)])
+    results = {"machine": machine_description(), "load_at_start": round(os.getloadavg()[0], 1), "mix": mix,
+               "questions": questions, "max_new_tokens": max_new_tokens, "bucket": bucket, "batches": {}}
     for batch in batches:
-        results["batches"][batch] = measure(loaded, name, int(nodes), prompts, batch, a.max_new_tokens, a.bucket,
-                                            say)
+        results["batches"][batch] = measure(loaded, name, int(nodes), prompts, batch, max_new_tokens, bucket, say)
         say(json.dumps(results["batches"][batch]))
-    command = command_line("-m medusa_jax.bench.engine_mix", argv)
     results["command"] = command
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "README.md").write_text(markdown(results, command))
+    write_files(out, {"results.json": json.dumps(results, indent=1) + "\n", "README.md": markdown(results, command)})
     print(markdown(results, command))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return results
