@@ -24,7 +24,7 @@ def parse(argv):
     options.HEADS.add(p, default="default", more="the part 'default' of --mix names")
     p.add_argument("--mix", default="default+recycle+lookup@4", help="a --heads mix and its node budget, MIX@NODES "
                    "(default: %(default)s)")
-    p.add_argument("--questions", check=at_least(1), type=int, default=4, help="MT-Bench questions (first turns)")
+    options.QUESTIONS.add(p, default=4)
     p.add_argument("--batch-sizes", check=each(at_least(1)), type=parse_positive_int_list, default=(1, 4),
                    help="rows per call, each measured (default: 1,4)")
     options.MAX_NEW_TOKENS.add(p, default=128)
