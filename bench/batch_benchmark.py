@@ -1,16 +1,5 @@
-"""Throughput of batch generation (`inference.api.generate_batch`): MT-Bench first turns at several batch
-sizes, plain vs Medusa greedy decoding, in one run; and plain decoding with finished rows refilled (`refill`:
-the generation engine's fifo admission, continuous batching) against length-sorted batches (`plain`:
-generate_batch with engine="batches", so the comparison holds at the batch sizes where "auto" itself refills).
-
-For every batch size the methods run back to back on the same prompts, so machine load hits them alike.
-Per run: new tokens, wall seconds, the part of them spent tracing and compiling (JAX's compile events;
-each new batch shape compiles once), tokens/s with and without that part, tokens per step, and for Medusa
-the number of rows whose output differs from plain greedy at the same batch size (must be 0). `refill`
-rows add the engine iterations (`chunks`, a decode chunk each), the fraction of row-steps that produced a
-token (`slot_use`: new tokens / (rows x decode steps); each prompt's first token comes from its prefill, so it
-can slightly exceed the true fraction) and their rows differing from plain (greedy either way; float summation
-order differs with the batch composition, so a rare near-tie may flip)."""
+"""Throughput of batch generation (`inference.api.generate_batch`) on MT-Bench first turns: plain vs Medusa at
+several batch sizes, and refilled (continuous) batching vs length-sorted batches; docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Benchmark results to files: results.json, results.md (the tables) and PNG plots (matplotlib, Agg).
-
-Every file is written to a temp name and renamed, so an interrupted run never leaves a half-written report.
-"""
+"""Benchmark results to files (results.json, results.md, PNG plots), each written atomically."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""MT-Bench decoding benchmark: our plain decode vs our Medusa decode (and optionally transformers' PyTorch
-`generate`), greedy, interleaved question by question so machine load hits every method alike.
-
-Timing: each method's first call for a new (prompt bucket, batch size, tree) compiles, so it runs once
-untimed first; timed figures are wall-clock seconds of the public API call (`api.generate`,
-`api.generate_medusa`, `model.generate`), prefill included. Steps count the prefill as one step for both
-decoders, so plain decoding makes exactly 1 token per step.
-    acceleration rate = Medusa tokens / Medusa steps
-    step overhead     = (Medusa seconds / Medusa steps) / (plain seconds / plain steps)
-    speedup           = Medusa tokens/s / plain tokens/s
-Batched: total tokens/s at each batch size over the same questions, Medusa vs plain at the same batch.
-Tree sweep: Medusa with trees of several sizes (prefixes of the tree's greedy order) on a few questions.
-"""
+"""MT-Bench decoding benchmark: plain vs Medusa (and transformers' generate), greedy, interleaved question by
+question; the figures' definitions are in docs/modules.md."""
 
 from __future__ import annotations
 

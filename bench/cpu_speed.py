@@ -1,9 +1,5 @@
-"""SmolLM2 train steps and plain decoding on this CPU, one revision per call (bench/cpu_speed/README.md): run it in
-two checkouts, alternating, and compare the JSON lines.
-
-    python -m medusa_jax.bench.cpu_speed train REV     # Medusa-1 and Medusa-2 train steps, fastest of 3
-    python -m medusa_jax.bench.cpu_speed decode REV    # generate_batch plain greedy at batch 1 and 4, fastest of 3
-"""
+"""SmolLM2 train steps and plain decoding on this CPU, one revision per call: run it in two checkouts, alternating,
+and compare the JSON lines (bench/cpu_speed/README.md has the commands)."""
 
 from __future__ import annotations
 

@@ -46,10 +46,8 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 @dataclasses.dataclass
 class BandwidthProbe:
-    """Sustained read bandwidth over a buffer far bigger than the CPU caches, three ways: numpy sum (one
-    thread), a jitted JAX sum, and a jitted matrix-vector product (what a decode step does). Each is the
-    median of `repeats` passes (under a shared machine's load, a best-of would pick quiet moments that a
-    seconds-long decode never gets); the floor uses the fastest way."""
+    """Sustained read bandwidth (numpy sum, jitted sum, jitted matrix-vector product), the median of `repeats`
+    passes over a buffer far bigger than the caches; the floor uses the fastest way."""
 
     nbytes: int = 1 << 30
     repeats: int = 5

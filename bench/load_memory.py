@@ -1,15 +1,5 @@
-"""Peak host memory of loading a model onto N (forced CPU) devices, each measurement in a fresh process.
-
-On CPU, device buffers live in host memory, so the resident set of the process is what every device holds
-plus what loading needed on the way. Figures per run (MiB):
-    baseline    resident set after JAX started, before loading
-    peak_total  VmHWM (high-water mark of the resident set; includes file pages of the memory-mapped weights)
-    peak_anon   highest RssAnon seen (sampled every 5 ms): private memory, i.e. the arrays themselves
-    on_devices  bytes of all parameter shards on all devices
-Modes:
-    sharded     load_pretrained(..., sharding_for=sharding_for(mesh)): each device reads its own slice
-    via_one     load_pretrained on one device, then device_put onto the mesh (the naive way)
-"""
+"""Peak host memory of loading a model onto N (forced CPU) devices, each measurement in a fresh process: sharded
+loading vs loading on one device then device_put; the figures are defined in docs/modules.md."""
 
 from __future__ import annotations
 

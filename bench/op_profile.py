@@ -1,9 +1,5 @@
-"""Where the time of a jitted call goes: runs it under `jax.profiler.trace` and sums the XLA op events by
-op kind (the HLO name without its numeric suffix: `dot`, `copy_dot_fusion`, ...).
-
-On CPU the events are the thunks the XLA runtime executes on its worker threads; times from several threads
-add up, so the total can exceed the wall clock.
-"""
+"""Where the time of a jitted call goes: XLA op events under `jax.profiler.trace`, summed by op kind (on CPU,
+threads add up, so the total can exceed the wall clock)."""
 
 from __future__ import annotations
 

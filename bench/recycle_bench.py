@@ -1,13 +1,5 @@
-"""Token Recycling on MT-Bench: tokens per step at several template sizes, and speed against plain decoding.
-
-For each batch size, the questions' first turns (chat template) are cut into batches in question order; batch by
-batch, plain greedy decoding runs, then Token Recycling with each template (`heads.recycle.TEMPLATES`), each
-template with its own drafter that starts from the same table (the shipped SmolLM2 table, or empty) and keeps
-warming across the batches, as a generator serving requests one after another would. Every recycling answer is
-checked token by token against plain greedy (`mismatches` must be 0). Tokens/step = new tokens / forward passes
-(prefill included), counted; speed = tokens / seconds without compilation, the methods interleaved batch by
-batch so that a load change on a shared machine hits them alike; speedup = recycling tokens/s / plain tokens/s.
-"""
+"""Token Recycling on MT-Bench: tokens per step at several template sizes, and speed against plain decoding
+(interleaved batch by batch, every answer checked against plain greedy); docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""MT-Bench sampling benchmark: plain sampling vs Medusa with exact acceptance vs Medusa with typical acceptance,
-at several temperatures, plus Medusa greedy on the same heads and tree as the tokens/step reference.
-
-Every method runs through its public API (`api.generate`, `api.generate_medusa`), interleaved question
-by question so machine load hits all alike; the first call of each (method, temperature, prompt bucket, batch)
-compiles and runs once untimed. Question i samples with seed + i for every method. Steps count the prefill,
-so plain decoding makes 1 token per step.
-    tokens/step ratio = exact tokens/step at T / Medusa greedy tokens/step  (target >= 0.85 at T = 0.7)
-    speedup           = method tokens/s / plain sampling tokens/s at the same T
-Writes OUT/sampling.json and OUT/sampling.md (`write_sampling_report`).
-"""
+"""MT-Bench sampling benchmark: plain sampling vs Medusa exact vs typical acceptance at several temperatures,
+with Medusa greedy as the tokens/step reference; docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Load and soak runs against a running medusa-serve on this machine (scripts/benchmark_serve.py): asyncio clients
-send chat requests over HTTP; `run` returns the load levels' throughput and latencies, or the soak's counts and
-the server's resident memory over time. Loopback only: the figures are of servers this machine runs.
-"""
+"""Load and soak runs against a running medusa-serve on this machine (scripts/benchmark_serve.py), over loopback."""
 
 from __future__ import annotations
 

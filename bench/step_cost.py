@@ -1,16 +1,5 @@
-"""Where a Medusa step's time goes on this hardware: each piece jitted and timed on its own (profiling; the
-whole-step timing that tree choice uses is `inference.step_cost`).
-
-Pieces of one step (B rows, T tree tokens, S cache slots of which `context` are committed):
-    verify_forward    the backbone over the T tree tokens (tree mask, writes their K/V)
-    base_logits       base lm_head over the T nodes + argmax (what greedy acceptance compares against)
-    acceptance        the longest accepted path and the bonus token (`acceptance.accept_tree`)
-    heads_top_k       every head's top-k at the accepted node (the next step's candidates; Hydra heads: their
-                      depth-many drafting rounds)
-    cache_compaction  moves the accepted path's K/V to consecutive slots (all layers)
-The pieces are the decoder's own functions (`acceptance.accept_tree`, `medusa.compact_accepted`, ...). Values do
-not matter for cost, so weights are used as given (random or real) and the cache holds zeros.
-"""
+"""Where a Medusa step's time goes: each piece of the decoder's step jitted and timed on its own (profiling; tree
+choice times the whole step, `trees.policy.step_cost`); the pieces are listed in docs/modules.md."""
 
 from __future__ import annotations
 

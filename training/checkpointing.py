@@ -1,19 +1,5 @@
-"""Orbax checkpoints of a training run: parameters, optimiser state, step, data position, run signature.
-
-`CheckpointManager` saves every `save_every` steps (and when forced, e.g. at the end), keeps the last `keep`,
-and writes asynchronously when `async_save` (the step loop continues while arrays are written). Orbax writes
-each checkpoint into a temporary folder and renames it when complete, so a process killed while saving leaves
-only an unfinished temporary folder, which the next run ignores and removes: the previous checkpoint stays
-usable. Restoring places every array with the sharding the current trainer uses, so a run can resume on a
-different mesh.
-
-Only finite weights are saved: a save that is due first checks every parameter (one jitted reduction, at save
-time only) and raises TrainingDiverged instead of writing NaN/inf weights, so "the last good checkpoint" is one.
-`restore_finite` resumes from the newest checkpoint whose weights are finite (older runs may have saved others).
-
-The data order is a pure function of (seed, epoch), so restoring the data position (epoch, index) restores
-the random state of the input pipeline exactly; the step has no other randomness.
-"""
+"""Orbax checkpoints of a training run (parameters, optimiser state, step, data position, run signature); only
+finite weights are saved, and a run resumes on any mesh; docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The train step's vocabulary-wide losses (the heads', Medusa-2's LM loss or KL) with logits in token chunks.
-
-A loss over a 128k vocabulary holds [tokens, V] logits in float32 (and their gradient in the backward): at 2048
-tokens per row that is 1 GiB per row and per head, and XLA schedules the heads side by side. `chunked_sums` runs
-a function of [B, T, ...] arrays over chunks of `chunk` tokens along T, each chunk under `jax.checkpoint` inside
-one `jax.lax.scan`: one chunk's logits exist at a time, in the forward and in the backward (which recomputes
-them), and the gradient of the weights the function closes over accumulates across chunks. It is exact: the same
-sums, added in another order. `TrainConfig.loss_chunk` sets the chunk (tokens; 0 = whole rows).
-"""
+"""The train step's vocabulary-wide losses with logits in token chunks under one scan: one chunk's [tokens, V]
+logits exist at a time, forward and backward (exact; docs/modules.md)."""
 
 from __future__ import annotations
 
@@ -31,10 +24,8 @@ def _chunked(x_bt, chunk: int, count: int, pad_value):
 
 
 def chunked_sums(sums_fn: Callable[..., tuple], arrays: tuple, pads: tuple, chunk: int) -> tuple:
-    """sums_fn(*arrays) (a tuple of scalar sums) computed over chunks of `chunk` tokens along axis 1 of the
-    [B, T, ...] arrays (arrays[0]: hidden states [B, T, D]) and added up. The padding of the last chunk takes
-    `pads` (one value per array), which must make sums_fn add nothing (a target of NO_TARGET). chunk 0, a T of at
-    most one chunk, or no token axis (cached hidden states [N, D]): one call, as is. None entries stay None."""
+    """sums_fn(*arrays) over chunks of `chunk` tokens along axis 1, added up; `pads` pad the last chunk so that
+    sums_fn adds nothing. chunk 0, a single chunk or no token axis: one call, as is."""
     t = arrays[0].shape[1] if arrays[0].ndim >= 3 else 0
     if chunk <= 0 or t <= chunk:
         return sums_fn(*arrays)
@@ -85,11 +76,8 @@ def _shared_weights(heads, base, with_teacher: bool):
 
 def checkpointed_head_stats(heads, base, head_inputs: Callable[[int], tuple], targets_mx, teacher_hidden_mxd=None,
                             chunk: int = 0) -> losses.HeadStats:
-    """Per-head sums of Medusa or Hydra heads, one head after another in a Python loop: head i runs on
-    `head_inputs(i)` (its call's arguments) and is scored on targets_mx[i]. Each head's logits (and its
-    teacher's) are rematerialised in the backward pass, in token chunks of `chunk` (0 = whole rows). With
-    teacher_hidden_mxd (head i's teacher hidden states [..., D] at index i) the stats include the distillation
-    KL."""
+    """Per-head sums of Medusa or Hydra heads, one head after another: head i runs on `head_inputs(i)`, is scored
+    on targets_mx[i] (and the teacher's KL), its logits rematerialised in chunks of `chunk` tokens."""
     inverse_v, lm_w_dv, teacher_w_dv = _shared_weights(heads, base, teacher_hidden_mxd is not None)
     per_head = []
     for i, head in enumerate(heads.heads):

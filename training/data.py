@@ -1,20 +1,5 @@
-"""Chat data -> fixed-length packed rows with an assistant-only loss mask, a held-out split and batches.
-
-Tokenisation renders each conversation with the tokenizer's chat template and marks the tokens of every
-assistant reply (its content and the end-of-turn token, not the newline the template adds after it) as loss
-tokens. It runs through `datasets.Dataset.map(num_proc=...)` and the result is cached with `save_to_disk`
-under a key of (data, tokenizer, template, max length), so a second run skips it.
-
-Packing, not padding: conversations are packed first-fit into rows of `seq_len` tokens. Each row carries
-segment ids (0 = padding) and per-conversation positions, and the model attends only within a segment
-(`segment_mask`), so a packed conversation sees exactly what it would see alone, while rows waste few
-tokens (ShareGPT replies range from a few to thousands of tokens; padding would waste most of each row).
-A conversation longer than `seq_len` keeps its first `seq_len` tokens.
-
-The split is by conversation (seeded), so held-out text never appears in training rows. Batches come in a
-seeded per-epoch order; `EpochIterator.position` (epoch, index) is saved in checkpoints. Under multi-host
-training each process loads only its own rows of each global batch.
-"""
+"""Chat data -> packed fixed-length rows with an assistant-only loss mask, a held-out split by conversation, and
+seeded batches; docs/modules.md."""
 
 from __future__ import annotations
 

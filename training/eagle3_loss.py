@@ -1,14 +1,5 @@
-"""EAGLE-3 drafter training: the training-time test (Li et al., 2025), cross-entropy only, over the draft vocabulary.
-
-A batch is packed rows [B, T] of whole conversations; the frozen backbone gives, in the step, the final hidden
-state f (the teacher's input) and the fused features a (the residual stream entering the drafter's
-feature_layers, `CausalLM.forward_taps`) at every position. Depth 1 at t reads the pair (fc(a_t + noise),
-x_{t+1}); depth k > 1 reads (its own depth k-1 output at t, x_{t+k}) and attends to the true pairs up to t and its
-own chain (`EagleDrafter.unrolled`: what a tree step drafts along an accepted path). Depth k's logits at t are
-trained towards the base's distribution of x_{t+k+1}, softmax(lm_head(f_{t+k})) renormalised over the draft
-vocabulary, weighted decay**(k - 1), on positions where t + k is an assistant token of the same conversation. No
-feature regression: the outputs are not the base's features. Accuracy as in eagle_loss.py.
-"""
+"""EAGLE-3 drafter training: the training-time test (Li et al., 2025), cross-entropy only, over the draft vocabulary;
+docs/modules.md."""
 
 from __future__ import annotations
 

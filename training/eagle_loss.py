@@ -1,20 +1,5 @@
-"""EAGLE drafter training: teacher forcing on the base's features, EAGLE-1's objective.
-
-A batch is packed rows [B, T] of whole conversations with the base's final hidden state at every position
-(feat [B, T, D]: a feature store's rows, or the backbone's output in the step). At position t the drafter reads
-the pair (f_t + noise, x_{t+1}) (uniform noise on the input features only, on every data path: a feature store's
-rows carry a seed per row, packed rows get one from their tokens), attends causally within the
-conversation, and its output g_t is trained towards f_{t+1}:
-    loss = feature_weight * SmoothL1(g_t, f_{t+1})  (mean over D)
-         + ce_weight * CE(softmax(lm_head(f_{t+1})), lm_head(g_t))  (the base's distribution of x_{t+2})
-averaged over the positions where t + 1 is an assistant (loss) token of the same conversation. With a training
-depth N > 1 the drafter is also trained as it drafts: depth k's pair at t is (its own depth k-1 output, x_{t+k})
-and its output is trained towards f_{t+k} (EAGLE-3's training-time test, with EAGLE-1's feature loss kept). The lm_head of
-both sides is the drafter's vocabulary (the base's own, or its draft vocabulary's columns, whose teacher is the
-base distribution renormalised over them). Accuracy counts the drafter's top-1 against the base's greedy token
-(over the draft vocabulary while training; over the full vocabulary in evaluation, which is what greedy
-acceptance at depth 1 sees: a greedy token outside a draft vocabulary is a miss).
-"""
+"""EAGLE drafter training: teacher forcing on the base's features, EAGLE-1's objective (feature SmoothL1 + CE),
+depths > 1 trained as they draft; docs/modules.md."""
 
 from __future__ import annotations
 

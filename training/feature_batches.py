@@ -1,12 +1,5 @@
-"""The EAGLE drafter's batches from a FEATURES hidden-state store (hidden_store.py): whole conversations packed
-into rows with the base's hidden state at every position.
-
-The store's conversations are split by conversation (seeded, hidden_examples.heldout_groups), then packed first-fit
-into rows of seq_len tokens (each conversation whole: the store already cut it to its seq_len). A batch of rows
-gathers its tokens, loss mask and float16 features (from the memory-mapped store: only the batch's rows are
-read) into the trainer's "features" batch (trainer.py), with a noise seed per row. Every epoch visits the rows in
-a new seeded order (data.EpochIterator, whose position is saved in checkpoints).
-"""
+"""The EAGLE drafter's batches from a FEATURES hidden-state store: whole conversations packed first-fit into rows
+with the base's hidden state at every position, read memory-mapped, a noise seed per row."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Cached Medusa-1 examples: each hidden state stored once, examples that point into them (the CPU path).
-
-An example is a position t: the row of the base's final hidden state at t, head i's target token t + 2 + i
-(targets [M] full-vocabulary ids, -1 = none) and the row of the hidden state at t + 1 + i, whose base
-distribution is head i's distilled target (teacher rows [M], -1 where head i has no target); for Hydra heads
-also the path tokens [E], t + 1 .. t + M (0 past the end; chunked_loss.hydra_head_stats). Examples are the x axis
-of the arrays below (m: heads, e: depth along the path). Hidden states
-live in `HiddenRows`: one or more [X_c, D] float16 arrays (the memory-mapped Arrow buffers of a hidden-state
-store, hidden_store.py). A batch reads only the rows it needs, so a store larger than memory streams
-from disk; the example index itself (about 40 bytes per position) stays in memory.
-"""
+"""Cached Medusa-1 examples: each hidden state stored once, examples (positions) that point into them; a batch
+reads only its rows, so a store larger than memory streams from disk; docs/modules.md."""
 
 from __future__ import annotations
 
@@ -117,12 +108,8 @@ def heldout_groups(num_groups: int, heldout_fraction: float, seed: int) -> np.nd
 
 def sequence_examples(hidden: HiddenRows, starts_c, lengths_c, tokens_x, loss_x, hidden_starts_c, hidden_lengths_c,
                       hidden_from_c, num_heads: int, groups_c=None, with_path: bool = False) -> HiddenExamples:
-    """Examples of sequences stored back to back (hidden_store.StoredSequences): sequence c is tokens_x[s:s + n]
-    (s = starts_c[c], n = lengths_c[c]) with loss_x over the same range, and hidden row h0 + r (h0 =
-    hidden_starts_c[c], r < hidden_lengths_c[c]) is the state at position p = hidden_from_c[c] + r. The example at p
-    has head i's target token p + 2 + i where that is a loss token of the sequence, its teacher row h0 + r + 1 + i;
-    `with_path` (Hydra heads): also the path tokens p + 1 .. p + M (0 past the sequence). Positions without any
-    target are dropped; groups (the held-out split) are groups_c of each example's sequence."""
+    """Examples of sequences stored back to back (hidden_store.StoredSequences): at position p head i's target is
+    token p + 2 + i where that is a loss token, its teacher the hidden row after p + i; targetless positions dropped."""
     lengths_c, hidden_lengths_c = np.asarray(lengths_c, np.int64), np.asarray(hidden_lengths_c, np.int64)
     seq_h = np.repeat(np.arange(len(lengths_c)), hidden_lengths_c)
     h = np.arange(len(seq_h), dtype=np.int64)
@@ -148,10 +135,8 @@ def sequence_examples(hidden: HiddenRows, starts_c, lengths_c, tokens_x, loss_x,
 
 def reply_examples(hidden: HiddenRows, lengths_b, tokens_x, num_heads: int, groups_b=None,
                    with_path: bool = False) -> HiddenExamples:
-    """Examples of generated replies stored back to back, tokens only: reply b has lengths_b[b] tokens
-    tokens_x[s:s+n] and hidden rows s..s+n-1, row s+j being the state that produced token j (so the position
-    before the reply's first token: hidden_from = -1 in sequence_examples). Head i's target at example j is token
-    j + 1 + i; the Hydra path is tokens j .. j + M - 1."""
+    """Examples of generated replies stored back to back, tokens only: hidden row s + j produced token j, so head i's
+    target at example j is token j + 1 + i."""
     lengths_b = np.asarray(lengths_b, np.int64)
     starts_b = np.concatenate([[0], np.cumsum(lengths_b)[:-1]]).astype(np.int64)
     return sequence_examples(hidden, starts_b, lengths_b, tokens_x, np.ones(len(tokens_x), bool), starts_b, lengths_b,

@@ -1,28 +1,5 @@
-"""The hidden-state store: token sequences with the frozen base's final hidden states, as Arrow shards on disk.
-
-One format for every producer; which positions carry a hidden state is the store's `StoreKind`:
-    kind      produced by                                         hidden rows of a sequence
-    FEATURES  teacher_forced.build_feature_store (chat text)      one per token: hidden[i] is the state at position i
-              and teacher_forced.build_hidden_cache (the         (its logits predict token i + 1)
-              --cache-hidden packed rows of a small run)
-    REPLIES   self_distill.py --save-hidden (regenerated replies) one per reply token: hidden[j] is the state at
-                                                                  position P - 1 + j (P = prompt length), the state
-                                                                  that produced reply token j
-A store is a folder that `datasets.load_from_disk` opens (state.json lists its Arrow shards, dataset_info.json its
-features) plus the kind's meta file (feature_store.json or distill_store.json: format, hidden size, the settings a
-resumed build must share). One row per sequence:
-  id         string       the conversation's id in its source
-  turn       int32        REPLIES only: which assistant turn of the conversation the reply answers
-  input_ids  list<int32>  the sequence, chat template applied (a reply: the prompt the model saw, then the reply)
-  loss_mask  list<bool>   true on assistant tokens (a reply: on the reply's tokens)
-  hidden     list<fixed_size_list<float16, D>>  the rows above
-Shards are appended, never rewritten: each is written under a temporary name and renamed into place, then state.json
-is replaced (both through medusa_jax/atomic.py), so an interrupted writer leaves a store that lists only complete
-shards. `open_store` memory-maps the shards: training reads zero-copy views of the hidden buffers, a batch reads only
-its rows, a store larger than memory streams from disk. Any kind trains heads (`StoredSequences.examples`) and the
-backbone-in-the-step path (`store_chat_data`); the EAGLE drafter reads FEATURES (feature_batches.py).
-The first self-distillation format (OUTPUT.hidden/batch-*.npz) is no longer read: it is refused with how to rebuild it.
-"""
+"""The hidden-state store: token sequences with the frozen base's final hidden states, as Arrow shards on disk,
+one format for every producer, appended atomically, read memory-mapped; the format is in docs/modules.md."""
 
 from __future__ import annotations
 
@@ -242,11 +219,8 @@ def open_dataset(folder: str | os.PathLike):
 
 @dataclasses.dataclass(frozen=True)
 class StoredSequences:
-    """A store's sequences back to back: sequence c is tokens_x[starts_c[c]:starts_c[c] + lengths_c[c]], with loss_x
-    of the same range; its hidden rows are rows hidden_starts_c[c] .. + hidden_lengths_c[c] of `hidden_chunks`
-    (memory-mapped [H_k, D] float16 chunks, a sequence within one chunk), row r the state at position
-    hidden_from_c[c] + r of the sequence. Conversations are the groups of the held-out split: for REPLIES the
-    replies of one id, for FEATURES each sequence."""
+    """A store's sequences back to back (tokens_x, loss_x; sequence c at starts_c[c], lengths_c[c]) and their hidden
+    rows in memory-mapped chunks; the held-out groups are conversations."""
 
     kind: StoreKind
     ids: list[str]

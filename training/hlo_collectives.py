@@ -1,10 +1,5 @@
-"""Which collectives a compiled program runs inside its `while` loops (the per-token decode step).
-
-Reads the text of an optimised HLO module (`jitted.lower(...).compile().as_text()`), finds the body and
-condition computations of every `while`, follows the computations they call, and lists the collective
-instructions found there with their result shapes. Used to check that a sharded decode step moves only
-activations (all-reduces) and never gathers whole weights.
-"""
+"""Which collectives (and float32 weight copies) a compiled program runs, inside and outside its decode
+`while` loop, read from the optimised HLO text."""
 
 from __future__ import annotations
 
@@ -78,11 +73,8 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 def executed_collectives(hlo_text: str) -> tuple[list[Collective], list[Collective]]:
-    """(collectives one iteration of the decode loop runs, those run once outside it), each repeated as often as
-    it runs: a `while` with a known trip count (a `jax.lax.scan`, e.g. over stacked layers) runs its body that
-    many times, a conditional runs the branch with the most of them, and the loop without one (the data-dependent
-    decode `while_loop`) is the per-step part. Unlike `loop_collectives`, a scan outside the decode loop (a stacked
-    model's prefill) counts as once-per-call."""
+    """(collectives one decode-loop iteration runs, those run once per call), each repeated as often as it runs: a
+    scan's body its trip count, a conditional its largest branch; the data-dependent while is the per-step part."""
     comps = _computations(hlo_text)
     entry = _ENTRY.search(hlo_text)
     step: list[Collective] = []
@@ -220,15 +212,8 @@ _MOVES = {"parameter", "convert", "bitcast", "copy", "concatenate", "reshape", "
 
 
 def entry_upcast_bytes(hlo_text: str) -> int:
-    """Bytes of float32 copies the entry computation makes of bf16/f16 weights, less what a GPU/TPU compiler keeps
-    of them. XLA's CPU backend computes half-precision dots in float32 and hoists those weight copies out of loops;
-    GPU and TPU compilers keep the weights in bf16, so a memory plan compiled on CPU subtracts these bytes.
-
-    A weight copy is a float32 value computed from parameters by data movement only (converts, copies,
-    concatenates, bitcasts, in fusions or not) that passed through a half-precision type on the way (so its
-    values are half-precision ones: a float32 program makes none). The layers stacked for the scan over layers
-    (`model.layer_stack`) are such copies, made in float32 and re-laid by the CPU compiler; a GPU holds one bf16
-    stack of them, which stays counted (half the float32 stack's bytes)."""
+    """Bytes of float32 copies the entry computation makes of bf16/f16 weights (data movement only), which a CPU
+    compiler makes and a GPU/TPU compiler does not, so a memory plan compiled on CPU subtracts them."""
     comps = _computations(hlo_text)
     entry = next((name for name, lines in comps.items() if any(" parameter(" in l for l in lines)
                   and name.startswith("main")), None)
@@ -236,10 +221,8 @@ def entry_upcast_bytes(hlo_text: str) -> int:
 
 
 def loop_upcast_bytes(hlo_text: str) -> int:
-    """`entry_upcast_bytes`' float32 weight copies made inside called computations instead (a loop body, a
-    branch): the CPU compiler converts the whole bf16 weights (a layer stack at once) before a loop's dots, once
-    per loop or branch that uses them, e.g. 2 x 35 GiB of a 70B model's stacked MLP weights in its decode loop.
-    Those computations run one at a time, so the largest set counts (an underestimate where they nest)."""
+    """`entry_upcast_bytes`' weight copies made inside called computations (a loop body, a branch) instead; they run
+    one at a time, so the largest set counts."""
     comps = _computations(hlo_text)
     entry = _ENTRY.search(hlo_text)
     fused = {m.group(1) for lines in comps.values() for line in lines if " fusion(" in line

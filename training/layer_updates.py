@@ -1,16 +1,5 @@
-"""The optimiser's update of stacked layers ([L, ...] parameters, `--scan-layers`) one layer at a time.
-
-Optax updates every leaf whole: for a stacked leaf that is every layer at once, and XLA keeps whole-leaf
-temporaries of it (the clipped gradient, a copy of the old moments it overwrites in place): in a 70B Medusa-2
-plan they were a large share of the memory beside the gradient itself (docs/planning.md). `layer_by_layer` runs
-the inner update in a `jax.lax.fori_loop` over the layer axis instead: each iteration slices one layer of the
-gradient, the state and the parameters, updates them and writes the layer back in place, so the temporaries are
-one layer's. The updates are written over the gradient (a loop carry: the same buffer).
-
-The global-norm clip needs the norm of all gradients first, so it is given to the update (`grad_norm=`, optax's
-extra arguments) and applied per leaf or per layer slice, as `optax.clip_by_global_norm` computes it (the same
-floating-point operations, so the same values) without a clipped copy of the whole gradient.
-"""
+"""The optimiser's update of stacked layers ([L, ...] parameters) one layer at a time in a fori_loop, so XLA's
+temporaries are one layer's; the global-norm clip is applied per slice; docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,31 +1,5 @@
-"""Medusa training losses and accuracies.
-
-Head i (0-based) at position t is trained on the token at t + 2 + i (the base lm_head covers t + 1), when that
-token is an assistant (loss) token of the same packed conversation. Per-head cross-entropy means are
-combined as sum_i decay**i * CE_i (Medusa: decay 0.8). A truncated-vocabulary head cannot emit tokens outside
-its token_map: such targets are left out of its loss but count as misses in its accuracy, so the reported
-accuracy is what the decoder will see.
-
-Distilled targets (`distill_loss`): head i at position t can instead (or also) learn the frozen base model's
-own next-token distribution at position t + 1 + i, i.e. its distribution for token t + 2 + i: the base lm_head
-applied to the base's final hidden state at t + 1 + i. The teacher exists exactly where the CE target does
-(a loss token of the same conversation), so the same mask applies. Per head the loss is
-ce_weight * CE_i + kl_weight * KL_i with KL_i = mean KL(teacher || head). A truncated head's teacher is the base
-distribution restricted to the token_map columns and renormalised over them (the mass outside the map cannot
-be predicted by the head; the trainer computes only those columns of the base lm_head, which is also cheap).
-
-Medusa-2 adds either the base model's own next-token loss or, when training on self-distilled data, the KL
-divergence from the frozen original model's next-token distribution (which keeps the base model's outputs,
-and so the decoder's results, close to the original).
-
-Hydra heads train by teacher forcing: at position t head i sees the embeddings of the true tokens
-x_{t+1}..x_{t+1+i} (the root and the drafts an ideal head 0..i-1 would have made) and is trained on x_{t+2+i},
-the same targets and the same teacher as Medusa head i. The path tokens of a position are path[..., e] =
-x_{t+1+e}, e = 0..M-1 (`heads.hydra.path_tokens`; 0 past the end of a row, where there is no target). Cached
-batches ({"hidden", "targets", "path"}) carry them; packed rows derive them in the step.
-
-Statistics are sums and counts (not means), so they add up over batches and devices.
-"""
+"""Medusa training losses and accuracies: per-head CE (decay-weighted) and distilled KL, Medusa-2's LM term,
+Hydra's teacher forcing; statistics are sums and counts; docs/modules.md."""
 
 from __future__ import annotations
 
@@ -144,10 +118,8 @@ def lm_loss(logits_btv, targets_bt) -> tuple[jax.Array, jax.Array]:
 
 
 def distill_loss(student_logits_xv, teacher_logits_xv, mask_x) -> tuple[jax.Array, jax.Array]:
-    """KL(teacher || student) of the distributions softmax(logits) over the last axis, summed over the
-    positions where mask_x is true; no gradient flows into the teacher. Both logits cover the same
-    vocabulary (for a truncated head: the token_map columns, so the teacher is renormalised over the map).
-    Any float dtype; computed in fp32. Returns (sum, count); the mean is sum / max(count, 1)."""
+    """KL(teacher || student) over the last axis summed where mask_x (no gradient into the teacher), computed in fp32;
+    returns (sum, count)."""
     teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits_xv).astype(jnp.float32), axis=-1)
     student_logp = jax.nn.log_softmax(student_logits_xv.astype(jnp.float32), axis=-1)
     kl_x = jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - student_logp), axis=-1)

@@ -1,14 +1,5 @@
-"""A training run's metrics: the JSONL log, TensorBoard event files beside it, and optionally Weights & Biases.
-
-    OUTPUT/train_log.jsonl    one JSON object per logged step ("train") and evaluation ("eval") (the record)
-    OUTPUT/tensorboard/       event files of the same numbers, written with tensorboardX (no TensorFlow needed):
-                              `tensorboard --logdir OUTPUT/tensorboard`
-    Weights & Biases          with `wandb_project` (train_heads.py --wandb PROJECT), when wandb is installed
-Scalars are named KIND/KEY (`train/loss`, `eval/top1/0` for head 0's held-out top-1: one tag per list element).
-On resume TensorBoard drops the events of steps after the restored one (`purge_step`), as the JSONL log does
-(`output_folder.truncate_log`), so each step appears once. `read_log` reads the JSONL log back and checks it,
-`plot_curves` draws it (scripts/plot_training.py).
-"""
+"""A training run's metrics: OUTPUT/train_log.jsonl, TensorBoard event files beside it, optionally Weights &
+Biases; on resume the steps after the restored one are dropped from each."""
 
 from __future__ import annotations
 

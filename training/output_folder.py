@@ -1,23 +1,5 @@
-"""The training output folder: refuse folders the trainer did not write, one run at a time, a clean log on resume.
-
-Rules (checked before the model or the data are loaded):
-- `--output` must be a folder (or not exist yet). A folder the trainer made holds the marker file
-  `.medusa_jax_train`; an existing folder without it that is not empty (a model folder, anything else) is
-  refused, unless `--force-output` is given; even then the trainer writes only its own names (config.json,
-  heads.safetensors, train_log.jsonl, tensorboard/, checkpoints/, hidden_cache/, base_model/) and never touches
-  a model folder's config.json: a folder that holds model weights is always refused.
-- One run per folder: the run holds an exclusive `fcntl.flock` on `OUTPUT/.train.lock` until it ends (the OS
-  drops it when the process dies); a second run on the same folder stops with one error line.
-- A folder with a previous run (checkpoints or train_log.jsonl) needs `--resume`: nothing is deleted.
-- On resume, train_log.jsonl keeps the records up to the restored step (a killed run may have logged steps
-  after its last checkpoint; they are run again), so each step appears once.
-- A run that fails before writing anything leaves no folder behind (`OutputLock` removes what it made).
-- The end of a run is one commit (`atomic.commit_entries`): the final files are staged in a hidden folder, the old
-  config.json goes first, the weights are renamed in, and config.json is renamed in last, so a folder is
-  either the old heads, the new heads, or (killed in between) no heads at all: never new weights under an old
-  config.
-Other outputs (self-distillation's JSONL) take `FileLock`: one writer per file, the lock file removed at exit.
-"""
+"""The training output folder: refuse folders the trainer did not write, one run at a time, a clean log on resume,
+the final files in one commit; the rules are in docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Shapes of well-known Llama-family models, copied from their public HF `config.json` files (no weights).
-
-Used by the memory planner (`medusa_jax.training.plan`) to plan 8B and 70B runs without downloading anything.
-`model_config(name_or_folder)` takes a preset name or a folder with a HF `config.json`.
-"""
+"""Shapes of well-known Llama-family models from their public HF config.json files, for the memory planner."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""A warm Token Recycling table from the base model's own logits over chat text (teacher-forced).
-
-Each conversation (chat template applied, cut at `seq_len` tokens) runs through the base in one prefill; the
-top-r ids of its logits at every position p overwrite the table row of token p, position by position in text
-order, as decoding would (`heads.recycle`). Before each overwrite on an assistant token the builder records
-where the base's greedy next token (its argmax at p) sat in the row as it was: the rank acceptance of a
-depth-1 draft, the measure `heads.recycle.RANK_ACCEPTANCE` and its templates come from.
-"""
+"""A warm Token Recycling table from the base model's own logits over chat text (teacher-forced), with the
+rank acceptance the templates come from; docs/modules.md."""
 
 from __future__ import annotations
 

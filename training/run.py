@@ -1,17 +1,5 @@
-"""A whole head-training run: data, heads, trainer, checkpoints, logs, held-out evaluation, the heads folder.
-
-`train_heads(RunConfig)` is what scripts/train_heads.py calls. Outputs (written by process 0):
-  OUTPUT/config.json + heads.safetensors   the heads (medusa_jax.heads.folder.load_native_heads reads them)
-  OUTPUT/base_model/                       Medusa-2 only: the jointly trained backbone as a HF folder
-  OUTPUT/train_log.jsonl                   one JSON object per logged step ("train") and evaluation ("eval")
-  OUTPUT/tensorboard/                      the same metrics as TensorBoard event files (training.metrics_log)
-  OUTPUT/checkpoints/                      Orbax checkpoints (unless --checkpoint-dir points elsewhere)
-  OUTPUT/.medusa_jax_train, .train.lock    the trainer's marker and the run's lock (training.output_folder)
-Before any weights are loaded: the output folder's checks and lock, and the memory plan (training.memory_plan).
-The final config.json, heads.safetensors (and base_model/) are staged and committed in one step
-(`atomic.commit_entries`). A NaN/inf loss, gradient norm or weight stops the run before a checkpoint of
-it is written (`checkpointing.TrainingDiverged`); `--resume` starts from the newest finite checkpoint.
-"""
+"""A whole head-training run: data, heads, trainer, checkpoints, logs, held-out evaluation, the heads folder
+(`train_heads`, what scripts/train_heads.py calls); the outputs are listed in docs/modules.md."""
 
 from __future__ import annotations
 

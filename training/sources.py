@@ -1,27 +1,5 @@
-"""Where a training run's batches come from: one interface over every kind of training data.
-
-A data source turns its input into the trainer's `Feed`: the training batches (an `EpochIterator`, resumed from
-its (epoch, index) position), this process's held-out batches, the training target tokens (a truncated lm_head's
-token map keeps the most frequent of them) and the tokens a global batch trains on (the log's tokens/s). Three
-batch kinds reach the trainer (training/trainer.py): packed "rows", which run the backbone in the step, "hidden"
-examples, which read the frozen backbone's hidden states from memory or disk, and packed "features" rows, which
-carry the base's hidden state at every position (an EAGLE drafter's data).
-
-    source             --data                                          batches
-    ChatConversations  ShareGPT file, datasets folder or name           rows
-    CachedHidden       the same, with --cache-hidden                   hidden, computed once into a hidden-state
-                                                                       store (teacher_forced.build_hidden_cache)
-    StoreRows          a hidden-state store (hidden_store.py): self-   rows: its sequences (a reply with its prompt)
-                       distilled replies or teacher-forced text
-    StoreHidden        the same, with --cache-hidden (or any feature   hidden, memory-mapped from the store
-                       store, for Medusa and Hydra heads)
-    FeatureStoreRows   a feature store, for the EAGLE drafter          features: packed conversations with the
-                                                                       base's hidden states (feature_batches)
-
-`open_source(data, cache_hidden)` picks the source; a new kind of data adds a class with `feed` and one branch
-there. Hidden states in the first self-distillation format (OUTPUT.hidden/batch-*.npz) are refused there, with
-how to regenerate them.
-"""
+"""Where a training run's batches come from: one interface (`DataSource.feed`) over every kind of training data;
+`open_source` picks the source (the table of sources is in docs/modules.md)."""
 
 from __future__ import annotations
 

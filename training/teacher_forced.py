@@ -1,15 +1,5 @@
-"""The teacher-forced producer of the hidden-state store (hidden_store.py, kind FEATURES): token sequences -> the
-frozen base's final hidden state at every position, by packed forwards (no generation, prefill speed).
-
-Two callers: `build_feature_store` turns chat text (a ShareGPT file, a datasets folder or name) into a store the
-EAGLE drafter, Medusa and Hydra heads train on (scripts/build_features.py); `build_hidden_cache` is --cache-hidden's
-store of a small run's packed rows (a CPU, where the backbone would otherwise run again every epoch), kept under
-OUTPUT/hidden_cache/KEY, KEY the backbone's and the rows' fingerprints, so a rerun reuses it.
-Sequences are taken in order (chat text: a seeded random order) and cut into chunks of about `chunk_tokens` tokens;
-chunk c is shard `part-{c:06d}.arrow`. A build stops once its chunks hold `max_tokens` tokens; a rerun skips the
-chunks already listed, so an interrupted build resumes where it stopped and a larger `max_tokens` grows the store:
-the first chunks of a larger store are the smaller store of the same settings.
-"""
+"""The teacher-forced producer of the hidden-state store (kind FEATURES): the frozen base's final hidden state at
+every position by packed forwards, resumable and growable; docs/modules.md."""
 
 from __future__ import annotations
 

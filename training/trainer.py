@@ -1,26 +1,5 @@
-"""The jitted, mesh-sharded Medusa train step (Medusa-1: frozen backbone; Medusa-2: joint).
-
-State: `params` = {"heads": head Params} (+ {"base": backbone Params} in Medusa-2), the optax state, and
-`frozen` = what the step reads but never updates (the backbone in Medusa-1, the truncated heads' token_map,
-the heads' lm_heads with `freeze_head_lm_heads`, the original backbone for Medusa-2's KL term). Master
-weights stay in their stored dtype; with `compute_dtype="bfloat16"` the step runs the modules in bf16
-(norms, softmax and losses stay fp32).
-
-Three batch kinds:
-  rows    {"tokens", "segment_ids", "positions", "loss_mask"} [B, T] packed rows: the backbone runs in the step
-  hidden  {"hidden" [N, D], "targets" [N, M]} (+ "teacher_hidden" [N, M, D] for distilled targets): cached final
-          hidden states (Medusa-1 CPU path, hidden_examples.py); teacher_hidden[:, i] is the hidden state at
-          t + 1 + i (+ "path" [N, M] for Hydra heads: the true tokens on each position's path, losses.py)
-  features {"feat" [B, T, D], "tokens", "segment_ids", "positions", "loss_mask", "noise_seed" [B]}: packed rows
-          with the base's hidden state at every position (a feature store; the EAGLE drafter, eagle_loss.py)
-Distilled head targets (`head_loss` kl or ce+kl, losses.distill_loss): head i's teacher at t is the base lm_head
-applied to the base's hidden state at t + 1 + i, shifted out of the rows' own forward or read from the cache:
-no second model. Its logits are recomputed per head inside the head's rematerialised block (only the token_map
-columns for a truncated head). In Medusa-2 the teacher is the current backbone (gradient stopped): the heads
-are verified against that backbone when decoding. Hydra heads take the same teachers (chunked_loss.hydra_head_stats).
-The step is `jax.jit` with explicit in/out shardings from `medusa_jax.model.sharding` (parameters by PARAM_RULES,
-optimiser moments like their parameters, batches over (data, fsdp)).
-"""
+"""The jitted, mesh-sharded Medusa train step (Medusa-1: frozen backbone; Medusa-2: joint); its state and batch
+kinds are in docs/modules.md."""
 
 from __future__ import annotations
 
@@ -129,10 +108,8 @@ def stored_in(inner: optax.GradientTransformation, dtype: str) -> optax.Gradient
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """AdamW + warmup/cosine, heads at learning_rate * head_lr_multiplier (optax.multi_transform), after a
-    global-norm clip over all trainable parameters; Adam's moments stored in config.optimizer_dtype. The update
-    takes the gradients' global norm (`grad_norm=`). With stacked layers (config.layers.scan) and 16-bit
-    moments a trained backbone's layers are updated one layer at a time (training/layer_updates.py)."""
+    """AdamW + warmup/cosine after a global-norm clip, heads at learning_rate * head_lr_multiplier, moments in
+    config.optimizer_dtype; stacked 16-bit layers updated one at a time (layer_updates.py)."""
     max_norm = config.clip_norm if config.clip_norm > 0 else None
     # stacked layers' 16-bit moments: optax's whole-leaf update kept float32 temporaries of every layer (75.6 GiB
     # per device in the 70B Medusa-2 plan on 16 GPUs, 67.2 layer by layer); float32 moments it updates in place,

@@ -1,21 +1,5 @@
-"""The EAGLE-3 drafter in the layout of the EAGLE authors' published EAGLE-3 drafts (SafeAILab/EAGLE
-eagle/model/cnets.py; e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B), which vLLM (`Eagle3LlamaForCausalLM`), SGLang
-(`LlamaForCausalLMEagle3`) and speculators' converter (speculators/convert/eagle) read, and back.
-
-config.json: a Llama config with num_hidden_layers 1, architectures ["LlamaForCausalLMEagle3"], vocab_size (the
-base's) and draft_vocab_size; rope_theta (absent: 10000); eagle_aux_hidden_state_layer_ids (vLLM's and
-speculators' key) names the base layers whose input is fused (absent: 2, L // 2, L - 3 of the base's L layers).
-Tensors, PyTorch's [out, in] layout, no prefix (model.safetensors here; the authors save pytorch_model.bin):
-    fc.weight                                 [D, 3D]  the fused feature, lowest layer's columns first
-    midlayer.input_layernorm.weight           [D]      on the token embedding
-    midlayer.hidden_norm.weight               [D]      on h
-    midlayer.self_attn.{q,k,v}_proj.weight    [*, 2D]  over [emb; h] (+ .bias with "attention_bias")
-    midlayer.self_attn.o_proj.weight, midlayer.post_attention_layernorm.weight, midlayer.mlp.{gate,up,down}_proj
-    norm.weight                               [D]
-    lm_head.weight                            [Vt, D]  the draft vocabulary's rows
-    d2t [Vt] int64, t2d [V] bool              the draft vocabulary (heads.draft_vocab); absent when Vt = V
-The token embedding is the base's (the authors' loader reads it from the base; embed_tokens.weight is ignored).
-"""
+"""The EAGLE-3 drafter in the layout of the EAGLE authors' published EAGLE-3 drafts (read by vLLM, SGLang and
+speculators), and back; tensor names in docs/interop.md and docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
-"""The EAGLE drafter in the layout of the EAGLE authors' published EAGLE-1 drafts (SafeAILab/EAGLE,
-eagle/model/cnets1.py; e.g. yuhuili/EAGLE-Vicuna-7B-v1.3, yuhuili/EAGLE-LLaMA3-Instruct-8B), which vLLM's
-(`EagleLlamaForCausalLM`) and SGLang's (`LlamaForCausalLMEagle`) EAGLE loaders read, and back.
-
-A folder holds config.json (a Llama config with num_hidden_layers = the drafter's layers) and the tensors in
-PyTorch's [out, in] layout, no key prefix, as model.safetensors (our export; the authors' GitHub loader, vLLM and
-SGLang read it) or pytorch_model.bin (the authors' own save; the PyPI package eagle-llm reads only that):
-    embed_tokens.weight                  [V, D]   a copy of the base's input embedding (the authors' loader needs it)
-    fc.weight                            [D, 2D]  input columns: the token embedding first, then the feature
-    fc.bias                              [D]      when config.json's "bias" is true (absent: true, the authors' default)
-    layers.{i}.self_attn.{q,k,v,o}_proj.weight, and .bias of q/k/v for a Qwen2 base ("qkv_bias": true, the key
-                                          the authors' cnets1.py reads; "attention_bias" for vLLM/transformers)
-    layers.{i}.mlp.{gate,up,down}_proj.weight
-    layers.{i}.post_attention_layernorm.weight, and layers.{i}.input_layernorm.weight for i > 0 only
-No final norm. The lm_head is the base's, except for a drafter trained with its own: a full one is written as
-lm_head.weight [V, D]; a draft vocabulary (our truncated lm_head) as lm_head.weight [Vt, D] with d2t/t2d and
-"draft_vocab_size" (heads.draft_vocab). Read back, each gives the drafter that was measured. Rotary base: the
-drafter's config rope_theta (absent: 10000, as every EAGLE loader defaults); docs/interop.md says what each
-runtime does.
-"""
+"""The EAGLE drafter in the layout of the EAGLE authors' published EAGLE-1 drafts (read by vLLM and SGLang),
+and back; tensor names in docs/interop.md and docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,25 +1,5 @@
-"""Export Medusa heads to the folder layouts PyTorch serving systems read.
-
-`medusa` layout (FasterDecoding Medusa, TGI, TensorRT-LLM): `medusa_lm_head.safetensors` + `config.json`.
-  `{h}.{l}.linear.weight` [D, D] and `{h}.{l}.linear.bias` [D] for ResBlock l of head h, and `{h}.{L}.weight`
-  [V, D] for the head's own lm_head (L = num_layers), all in PyTorch's [out, in] layout. config.json holds
-  `medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`, `hidden_size`, `vocab_size` and no
-  `architectures` key (TGI turns speculation off when it finds one).
-  - own lm_heads: "v1", read by all three.
-  - shared lm_head: "v2" (ResBlocks only; TGI's MedusaHeadV2 reuses the base lm_head and needs
-    medusa_num_layers == 1), or with `materialize_lm_head` the base lm_head copied into every head (v1).
-  - truncated lm_heads: expanded to the full vocabulary. Row `token_map[j]` holds truncated row j; every
-    other row is zero, so a token outside the map gets logit exactly 0 (a bias-free linear cannot give a
-    large negative logit for every input). The expanded head's top-k therefore equals the truncated head's
-    top-k (mapped to full-vocab ids) wherever the k-th best truncated logit is > 0; elsewhere tokens outside
-    the map, all tied at 0, enter the top-k. Prefer the `vllm` layout, which keeps the map.
-`vllm` layout (vLLM `MedusaModel`): `model.safetensors` + `config.json` with model_type "medusa".
-  `blocks.{h}.layers.{l}.weight` / `.bias`, `lm_heads.{h}.weight` [V_head, D], `token_map` (int64) for
-  truncated heads. Shared heads: `original_lm_head: true` and the base lm_head stored once as
-  `lm_heads.0.weight` (vLLM loads it from the heads checkpoint, not from the target model), or with
-  `materialize_lm_head` one copy per head.
-Reading any of these back: `medusa_jax.heads.load.load_heads`.
-"""
+"""Export Medusa heads to the folder layouts PyTorch serving systems read: `medusa` (FasterDecoding, TGI,
+TensorRT-LLM) and `vllm`; tensor names in docs/interop.md and docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""Load Medusa heads from any folder layout we know (see `medusa_jax.heads.export` for the layouts):
-
-  medusa-jax  config.json with "format": "medusa-jax" + heads.safetensors (ours; `heads.folder`)
-  medusa      FasterDecoding / TGI / TensorRT-LLM: config.json (medusa_num_heads, medusa_num_layers) +
-              medusa_lm_head.safetensors, or medusa_lm_head.pt (read with torch.load(weights_only=True));
-              "v1" when every head has `{h}.{L}.weight`, else the ResBlock-only "v2" (shared base lm_head).
-              When both files exist the .safetensors one is read.
-  vllm        config.json with model_type "medusa" + model.safetensors (or pytorch_model.bin)
-  eagle       an EAGLE-1 drafter in the EAGLE authors' layout (`heads.eagle_layout`): a Llama config.json
-              and weights with fc.weight (+ fc.bias); loads as an EAGLE drafter over the base's lm_head or its own
-  eagle3      an EAGLE-3 drafter as the authors publish it (`heads.eagle3_layout`): midlayer.*, fc, norm,
-              lm_head, d2t/t2d
-
-Every tensor the layout names must be present with the right shape and no other tensor may be there;
-errors list the missing and unexpected names. Hidden size and vocabulary are checked against config.json
-and, when given, the backbone's config.
-"""
+"""Load Medusa heads from any folder layout we know (medusa-jax, medusa, vllm, eagle, eagle3), every tensor
+checked by name and shape; the layouts are in docs/modules.md."""
 
 from __future__ import annotations
 
@@ -247,17 +232,10 @@ def _load_vllm(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> Med
 
 def load_heads(folder: str | os.PathLike, base_config: ModelConfig | None = None, *, base: CausalLM | None = None,
                dtype: str | None = None, num_heads: int | None = None) -> MedusaHeads:
-    """Loads heads from a folder in any layout in LAYOUTS.
-
-    base_config: the backbone's config; hidden size and vocabulary must match it (default: `base.config`).
-    base: the backbone itself, optional. Heads whose stored lm_heads all equal its lm_head (a materialized
-      shared lm_head, or vLLM's `original_lm_head`) then load as lm_head="shared" instead of "own" copies.
-    dtype: parameter dtype; default: as saved for medusa-jax folders, float32 for the other layouts.
-    num_heads: overrides the head count of config.json (some published configs are wrong, e.g.
-      FasterDecoding/medusa-vicuna-7b-v1.3 says 2 and holds 4); it must still match the tensors.
-    The folder's `trees.json` (scripts/build_tree.py), if any, is checked and attached as `heads.trees`
-    (see `medusa_jax.trees.trees_file`).
-    """
+    """Loads heads from a folder in any layout in LAYOUTS, checked against base_config (default: base.config).
+    base: heads whose stored lm_heads all equal its lm_head load as lm_head="shared". dtype: as saved (medusa-jax),
+    else float32. num_heads overrides config.json's count (published configs can be wrong; the tensors must agree).
+    The folder's trees.json, if any, is checked and attached as `heads.trees`."""
     folder = Path(folder)
     trees = read_trees(folder)  # a bad trees.json fails before the weights are read
     return attach_trees(_load_heads(folder, base_config, base, dtype, num_heads), trees)

@@ -1,14 +1,5 @@
-"""Load a local HF Llama/Mistral/Qwen2 folder (config.json + weights) into the NNX backbone (its inverse,
-`save_pretrained`, is the neighbour `medusa_jax.hf.save`; both name tensors with `hf_param_name`).
-
-Every parameter is built with `jax.make_array_from_callback`, so under a mesh each device reads only its
-own slice from the memory-mapped file: pass `sharding_for(param_path, shape) -> Sharding` (see
-`medusa_jax.model.sharding`). Without it everything lands on the first device.
-
-`layers=LayerExecution(scan=True)` loads the decoder layers straight into the stacked form (`model.layer_stack`:
-one [L, ...] array per parameter, what `--scan-layers` runs): each device's shard of a stack is read layer by
-layer from the files, so the per-layer form is never built and no stacking copy is made.
-"""
+"""Load a local HF Llama/Mistral/Qwen2 folder into the NNX backbone, each device reading only its own slice of the
+memory-mapped weights, per layer or straight into the stacked form; docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Write a backbone back as a local HF folder: the inverse of `medusa_jax.hf.load.load_pretrained`.
-
-Tensors get their HF names and PyTorch's [out, in] layout from the same `hf_param_name` table the loader
-reads with, so a saved folder loads back bit for bit (here and in transformers). A stacked model's [L, ...]
-parameters are written as each layer's tensor, as HF stores them. config.json and the tokenizer files are copied
-from the folder the model was loaded from; the folder is written atomically.
-"""
+"""Write a backbone back as a local HF folder, atomically: the inverse of `medusa_jax.hf.load.load_pretrained`."""
 
 from __future__ import annotations
 
