@@ -1,20 +1,6 @@
 """The generation engine's admission policies against each other and against the former direct sorted batches, in
-one process, on the same prompts, interleaved (issue 38; results in bench/refill/sorted_engine.md).
-
-Methods (each a whole `generate_batch` over all prompts):
-    direct  the sorted batches as they ran before they became an admission policy: `inference/api.py` of git
-            revision --direct-rev, loaded from `git show`, with engine="batches" (one direct decode call per batch)
-    sorted  generate_batch(engine="batches"): the engine's sorted admission
-    fifo    generate_batch(engine="refill"): the engine's fifo admission (refilled slots; plain decoding only)
-Each round runs every method once, the order reversed every other round so load drift hits them alike; the
-figure per run is new tokens / (seconds - compile seconds), compilation counted by JAX's compile events, and
-the process's CPU seconds (all threads; compilation included, so compare rounds after the first): on a shared
-machine the CPU seconds show the work a method does when the wall clock mostly shows the load. Every run's
-greedy tokens are compared with the first method's (rows differing: 0 expected).
-
-    python -m medusa_jax.bench.admission_benchmark --model DIR --batch-sizes 1,4,16 --prompts 16 \\
-        --methods direct,sorted --rounds 3 --direct-rev REV --out bench/refill/sorted_engine.json
-"""
+one process, on the same prompts, interleaved (issue 38; results and method in bench/refill/sorted_engine.md and
+docs/modules.md)."""
 
 from __future__ import annotations
 

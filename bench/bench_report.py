@@ -111,8 +111,8 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     values = [results["per_category"][c]["speedup"] for c in cats] + [results["speedup"]]
     ax.bar(cats + ["overall"], values, color=["#4c72b0"] * len(cats) + ["#c44e52"])
     ax.axhline(1.0, color="gray", lw=1, ls="--")
-    ax.set_ylabel("Medusa speedup vs plain decode")
-    ax.set_title("Speedup by MT-Bench category (batch %d)" % results["config"]["batch_size"])
+    ax.set(ylabel="Medusa speedup vs plain decode",
+           title=f"Speedup by MT-Bench category (batch {results['config']['batch_size']})")
     ax.tick_params(axis="x", rotation=30)
     save(fig, PLOTS[0])
 
@@ -120,10 +120,8 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(5, 3.4))
     total = max(sum(hist), 1)
     ax.bar(range(len(hist)), [h / total for h in hist], color="#55a868")
-    ax.set_xlabel("accepted candidates per verify step")
-    ax.set_ylabel("fraction of steps")
-    ax.set_xticks(range(len(hist)))
-    ax.set_title(f"Accept lengths (mean {results['acceleration_rate']:.2f} tokens/step incl. bonus)")
+    ax.set(xlabel="accepted candidates per verify step", ylabel="fraction of steps", xticks=range(len(hist)),
+           title=f"Accept lengths (mean {results['acceleration_rate']:.2f} tokens/step incl. bonus)")
     save(fig, PLOTS[1])
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -140,8 +138,7 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     else:
         ax.text(0.5, 0.5, "no tree sweep in this run", ha="center", va="center", transform=ax.transAxes)
     ax.axhline(1.0, color="gray", lw=1, ls="--")
-    ax.set_xlabel("tree nodes (root excluded)")
-    ax.set_title("Speedup vs tree size")
+    ax.set(xlabel="tree nodes (root excluded)", title="Speedup vs tree size")
     save(fig, PLOTS[2])
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -151,12 +148,9 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     ax.bar([x + 0.2 for x in xs], [r["tokens_per_s"]["medusa"] for r in rows], 0.4, label="Medusa", color="#c44e52")
     for x, r in zip(xs, rows):
         ax.text(x + 0.2, r["tokens_per_s"]["medusa"], f"x{r['speedup']:.2f}", ha="center", va="bottom")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels([str(r["batch_size"]) for r in rows])
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("total tokens/s")
+    ax.set(xticks=list(xs), xticklabels=[str(r["batch_size"]) for r in rows], xlabel="batch size",
+           ylabel="total tokens/s", title="Throughput by batch size")
     ax.legend()
-    ax.set_title("Throughput by batch size")
     save(fig, PLOTS[3])
     return written
 

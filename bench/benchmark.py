@@ -78,10 +78,7 @@ class Runner:
     def _call(self, method: str, prompts: Sequence[Sequence[int]], batch: int, tree: TreeBuffers | None) -> Timed:
         lm = self.loaded
         start = time.perf_counter()
-        if method == "plain":
-            res = generate(lm.base, prompts, max_new_tokens=self.max_new_tokens, eos_ids=lm.eos_ids,
-                           pad_id=lm.pad_id, batch_size=batch)
-        elif method == "medusa" and tree is None:  # the heads' trees say no tree pays: Medusa decodes plainly
+        if method == "plain" or (method == "medusa" and tree is None):  # no tree pays: Medusa decodes plainly
             res = generate(lm.base, prompts, max_new_tokens=self.max_new_tokens, eos_ids=lm.eos_ids,
                            pad_id=lm.pad_id, batch_size=batch)
         elif method == "medusa":
@@ -315,16 +312,11 @@ def run_tree_sweep(runner: Runner, prompts, config: BenchmarkConfig, tree: TreeB
     for size in sorted(set(s for s in config.sweep_sizes if dynamic or s <= len(order)) | main):
         if tree is not None and size == tree.num_tokens - 1:
             sub = tree
-        elif dynamic:
-            try:
-                sub = DynamicTree(size, tree.top_k, tree.depth)
-            except TreeError as e:
-                progress(f"tree sweep: skipping {size} nodes ({e})")
-                continue
         else:
             try:
-                sub = build_tree(order[:size], name=f"prefix_{size}", num_heads=heads_cfg.num_heads,
-                                 max_top_k=heads_cfg.head_vocab_size)
+                sub = DynamicTree(size, tree.top_k, tree.depth) if dynamic else build_tree(
+                    order[:size], name=f"prefix_{size}", num_heads=heads_cfg.num_heads,
+                    max_top_k=heads_cfg.head_vocab_size)
             except TreeError as e:
                 progress(f"tree sweep: skipping {size} nodes ({e})")
                 continue

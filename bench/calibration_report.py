@@ -1,12 +1,5 @@
-"""The tree chooser's predictions against what it measures: `benchmark.py calibration`.
-
-For each batch size: the heads' tree is chosen the way `generate.py --heads` chooses it (`choose.choose_tree`:
-step costs timed on this machine on first use, then cached; `--fresh` times them again, as in a fresh clone
-with an empty cache), and also as the shipped trees.json says (calibration skipped). Then the MT-Bench questions
-are decoded greedily by plain decoding, the calibrated choice and the shipped choice, interleaved batch by batch
-(compilation excluded), and each choice's predicted speedup and tokens/step sit beside the measured ones;
-every Medusa answer is checked token by token against plain greedy decoding.
-"""
+"""The tree chooser's predictions against what it measures (`benchmark.py calibration`): the calibrated and the
+shipped choice per batch size, decoded with plain interleaved, predicted beside measured (docs/modules.md)."""
 
 from __future__ import annotations
 
@@ -21,10 +14,10 @@ from medusa_jax.trees.tree import DynamicTree
 from medusa_jax.trees.trees_file import trees_of
 from medusa_jax.trees.policy import calibration
 from medusa_jax.trees.policy.choose import choose_tree
-from medusa_jax.inference.api import BatchSettings, generate_batch, plan_batches
+from medusa_jax.inference.api import BatchSettings
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.inference.loaded_model import LoadedModel
-from medusa_jax.bench.bench_inputs import write_files
+from medusa_jax.bench.bench_inputs import interleaved, write_files
 from medusa_jax.bench.bench_report import machine_line
 
 
@@ -68,34 +61,19 @@ def run(loaded: LoadedModel, prompts: Sequence[Sequence[int]], batch_sizes: Sequ
             predicted["calibrated"] = {"predicted_speedup": picked.record["predicted_speedup_vs_plain"],
                                        "predicted_tokens_per_step": picked.record["predicted_tokens_per_step"]}
         progress(f"batch {batch}: calibrated: {chosen['calibrated'].note}; shipped: {chosen['shipped'].note}")
-        names = ["plain", "calibrated", "shipped"]
-        settings = {"plain": (plain_model, BatchSettings(batch, max_new_tokens, None, eos_ids=loaded.eos_ids,
-                                                         pad_id=loaded.pad_id))}
-        for name in ("calibrated", "shipped"):
-            settings[name] = (plain_model if chosen[name].tree is None else model,
-                              BatchSettings(batch, max_new_tokens, chosen[name].tree, eos_ids=loaded.eos_ids,
-                                            pad_id=loaded.pad_id))
-        tokens = {n: [None] * len(prompts) for n in names}
-        seconds, steps = {n: 0.0 for n in names}, {n: 0 for n in names}
-        for number, indices in enumerate(plan_batches([len(p) for p in prompts], batch)):
-            order = names[number % 3:] + names[: number % 3]  # each method first in turn
-            for name in order:
-                m, s = settings[name]
-                out = generate_batch(m, [prompts[i] for i in indices], s, progress=False)
-                seconds[name] += out.seconds - out.compile_seconds
-                for i, r in zip(indices, out.results):
-                    tokens[name][i] = list(r.token_ids)
-                    steps[name] += r.steps
-        new = {n: sum(len(t) for t in tokens[n]) for n in names}
-        rate = {n: new[n] / max(seconds[n], 1e-9) for n in names}
+        runs = interleaved({name: (plain_model if tree is None else model,
+                                   BatchSettings(batch, max_new_tokens, tree, eos_ids=loaded.eos_ids,
+                                                 pad_id=loaded.pad_id))
+                            for name, tree in (("plain", None), ("calibrated", chosen["calibrated"].tree),
+                                               ("shipped", chosen["shipped"].tree))}, prompts, batch)
+        rate = {name: r["tokens_per_s"] for name, r in runs.items()}
         row = {"batch": batch, "calibrate_seconds": calibrate_seconds if isinstance(picked, calibration.Calibrated)
                and picked.measured else 0.0, "plain_tokens_per_s": rate["plain"]}
         for name in ("calibrated", "shipped"):
-            row[name] = {"tree": chosen[name].note,
-                         "nodes": _nodes(chosen[name].tree),
+            row[name] = {"tree": chosen[name].note, "nodes": _nodes(chosen[name].tree),
                          "tokens_per_s": rate[name], "speedup": rate[name] / rate["plain"],
-                         "tokens_per_step": new[name] / max(steps[name], 1),
-                         "mismatches": sum(a != b for a, b in zip(tokens[name], tokens["plain"])),
+                         "tokens_per_step": runs[name]["new"] / max(runs[name]["steps"], 1),
+                         "mismatches": sum(a != b for a, b in zip(runs[name]["tokens"], runs["plain"]["tokens"])),
                          **predicted.get(name, {})}
         progress(f"batch {batch}: plain {rate['plain']:.1f} tok/s; calibrated x{row['calibrated']['speedup']:.2f} "
                  f"(predicted x{row['calibrated'].get('predicted_speedup') or 1.0:.2f}); shipped "

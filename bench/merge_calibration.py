@@ -1,18 +1,5 @@
-"""Calibrating the mixed tree's scores: how often a candidate node of each drafter is right, given its parent is.
-
-A `RecordingMix` decodes like the `MixedDrafter` it wraps (same members, same merged tree) and hands every
-member's candidate tree of every step to the host (`jax.debug.callback`), with the row's position (prompt lookup's
-buffer length: the root is token `length` of prompt + answer). After a prompt's greedy answer is known, every
-candidate node whose parent's path is the answer's continuation is a trial at its depth: right when its token is
-the answer's next one (`trials`). Greedy answers are plain greedy's (lossless), so this measures every candidate,
-verified or not: the conditional acceptance `heads.draft_merge` scores a node with. Counted per drafter, depth and
-bin of the drafter's own conditional score (`score_bin`), they give `heads.merge_calibration`'s tables.
-
-    python -m medusa_jax.bench.merge_calibration --skip 16 --questions 16 --out bench/mixed_tree/calibration.json
-
-The calibration prompts are MT-Bench first turns after the benchmark's (`--skip`), so they are not the ones
-`bench.mixed_tree` measures on.
-"""
+"""Calibrating the mixed tree's scores: how often a candidate node of each drafter is right, given its parent is
+(the tables of `heads.merge_calibration`); method and command: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -48,7 +35,7 @@ def _record(length_b, *members):
 
 
 class RecordingMix(MixedDrafter):
-    """A MixedDrafter that also records its members' candidates (module docstring); it needs prompt lookup."""
+    """A MixedDrafter that also records its members' candidates (docs/modules.md); it needs prompt lookup."""
 
     def propose(self, hidden_bd, root_b, base, tree, draft, active_b):
         proposals, states = self.member_proposals(hidden_bd, root_b, base, draft, active_b)
@@ -60,7 +47,7 @@ class RecordingMix(MixedDrafter):
 
 def trials(records: list[dict], sequence: list[int], names: tuple[str, ...]) -> list[tuple]:
     """(member name, depth, bin of its conditional score, path key, right) for every candidate whose parent's path
-    is the sequence's continuation after the root at `length` (module docstring)."""
+    is the sequence's continuation after the root at `length` (docs/modules.md)."""
     out = []
     for rec in records:
         root = rec["length"]

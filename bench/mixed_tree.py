@@ -1,15 +1,5 @@
-"""Tokens per step of mixed-draft trees of ONE fixed size (no per-step size choice): the shipped heads, Token
-Recycling, prompt lookup and their mix, each verifying exactly N nodes every step (`fixed_size`: a `DraftSizes`
-of the one size N), on MT-Bench first turns, against plain greedy (mismatches must be 0).
-
-    python -m medusa_jax.bench.mixed_tree --sizes 16,64 --questions 8 --max-new-tokens 128 --out bench/mixed_tree
-
-`scripts/benchmark_mixed.py` measures the mixes as they run (the size chosen per step from this machine's step
-costs, so a budget "@N" mixes smaller trees in); this measures what a tree of N nodes accepts, the quantity the
-merge's scoring (`heads.draft_merge`) is about. Methods decode prompt by prompt in turn (`mixed_drafts.run_set`);
-each method's recycling table starts from the shipped one and stays warm over its prompts. `--skip` drops the
-first questions of the categories-in-turn order (e.g. a calibration set disjoint from the benchmark's).
-"""
+"""Tokens per step of mixed-draft trees of ONE fixed size (no per-step size choice) on MT-Bench first turns, against
+plain greedy; the command and what it measures: bench/mixed_tree/README.md, docs/modules.md."""
 
 from __future__ import annotations
 

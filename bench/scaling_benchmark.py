@@ -1,19 +1,5 @@
-"""Decode-step scaling with the batch: step time and tokens/s of the shipped plain and Medusa steps against
-a floor measured in the same run.
-
-For each (cache size S, batch B) every row holds `context_fraction * S` committed tokens, and one plain step
-and one whole Medusa step (the jitted calls of `inference.step_cost`, timed interleaved) run over that cache. The floor
-of a plain step at batch B is
-
-    floor_s = weight_bytes / read_bandwidth + B * flops_per_token / gemm_rate
-
-with the read bandwidth (`BandwidthProbe`) and the matrix-multiply rate (`gemm_rate`: the best of [R, D] x [D, F]
-products of the model's own MLP shape, R = 64, 256, 1024) measured in the same run, and flops_per_token = 2 x the
-matmul parameters + the attention over the context (4 x layers x query heads x head width x context).
-`of_floor` = floor_s / step_s: 1.0 is a step that does only the unavoidable work. That floor leaves out the
-read of the rows' K/V; `floor_kv_s` adds it (B x context slots x 2 x layers x KV heads x head width x bytes,
-at the read bandwidth), which at large batch and context is the larger part of a step.
-"""
+"""Decode-step scaling with the batch: step time and tokens/s of the plain and Medusa steps against a floor
+(weights read once + batch x FLOPs, K/V reads apart) measured in the same run; the floor's terms: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -127,9 +113,7 @@ def plot(results: dict, path) -> None:
         ax.plot(bs, [r["plain_tok_s"] for r in rows], "o-", label=f"plain, cache {size}")
         ax.plot(bs, [r["floor_tok_s"] for r in rows], "--", label=f"floor, cache {size}")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch")
-    ax.set_ylabel("tokens/s (decode steps)")
+    ax.set(yscale="log", xlabel="batch", ylabel="tokens/s (decode steps)")
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()

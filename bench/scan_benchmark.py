@@ -1,16 +1,5 @@
-"""SmolLM2 on this CPU: train steps and decoding with the backbone's layers unrolled or scanned (issue 41).
-
-One JSON line per case, each the fastest of `--repeats` timed calls after a compiling call:
-  train-m1   a Medusa-1 step (frozen backbone in the step) on packed rows, 4 heads on the shared lm_head
-  train-m2   a Medusa-2 step (the backbone trained too)
-  decode     plain greedy decoding of 4 prompts, 32 new tokens each (the cache path: no scan there)
-  medusa     Medusa greedy decoding, tree mc_sim_7b_16, random heads
-Train cases run for each --layers setting (scan/remat/attention, `model.config.LayerExecution`). Run under the
-main branch's code it measures that code's one setting ("baseline": no LayerExecution there), so the same
-command on two checkouts, interleaved, compares them in one run.
-
-  python bench/scan_benchmark.py --rows 4 --seq 256 --repeats 3 >> bench/scan/results.jsonl
-"""
+"""SmolLM2 on this CPU: train steps and decoding with the backbone's layers unrolled or scanned (issue 41), one
+JSON line per case; run the same command on two checkouts to compare them (cases and command: docs/modules.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The training rows of docs/planning.md before `--loss-chunk` (the "before" column there; the current rows are
-`scripts/plan.py` commands, bench/loss_memory/) with the backbone's layers stacked and scanned (issue 41): compiled
-per-device plans (`training.plan.compile_plan`) for Llama-3-8B and 70B, Medusa-1 and Medusa-2, 16 rows x 2048
-tokens, on fsdp=8 (one 8-GPU host) and fsdp=16 (a v5e-16 slice or two 8-GPU hosts). Each plan is saved to
-PLANS_JSON as it comes (--resume keeps those already there).
-
-  nice -n 15 python bench/scan_plans.py bench/scan/plans.json
-  python bench/scan_plans.py bench/scan/plans.json --table     # its markdown table
-"""
+"""Compiled per-device training plans of Llama-3-8B and 70B with the layers stacked and scanned, before
+`--loss-chunk` (issue 41; the 'before' column of docs/planning.md); commands: docs/modules.md."""
 
 from __future__ import annotations
 

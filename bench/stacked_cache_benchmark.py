@@ -1,14 +1,5 @@
-"""SmolLM2 decoding on this CPU with the layers per layer (the default: per-layer KV cache, layers unrolled) or
-stacked (loaded with `LayerExecution(scan=True)`: one [L, ...] KV cache, prefill/decode/verify under one scan),
-interleaved in one process: each round times both forms of each case, so load swings hit both alike.
-
-One JSON line per (round, case, form): the fastest of `--repeats` timed calls after a compiling call, and the new
-tokens per second of that call (4 prompts of 32 tokens, `--new` tokens each):
-  plain    greedy decoding (`api.generate`)
-  medusa   Medusa greedy decoding, tree mc_sim_7b_16, 4 random heads on the shared lm_head
-
-  python bench/stacked_cache_benchmark.py --rounds 2 --repeats 3 >> bench/stacked_cache/results.jsonl
-"""
+"""SmolLM2 decoding on this CPU, per-layer vs stacked layers and KV cache, interleaved in one process, one JSON
+line per (round, case, form); cases and command: docs/modules.md."""
 
 from __future__ import annotations
 

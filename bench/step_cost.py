@@ -78,7 +78,7 @@ class _Donating:
 
 def piece_seconds(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers, batch: int, context: int,
                   cache_size: int, repeats: int = 5) -> dict[str, float]:
-    """Median seconds of each piece of a step (see the module docstring), each jitted on its own."""
+    """Median seconds of each piece of a step (docs/modules.md), each jitted on its own."""
     base_def, base_params = nnx.split(base)
     both_def, both_params = nnx.split((base, heads))
     runner = _Donating(make_cache(base, batch, cache_size, context), context)

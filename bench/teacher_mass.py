@@ -1,12 +1,5 @@
-"""How much of the base model's next-token mass a truncated lm_head cannot represent.
-
-A truncated head (`train_heads.py --lm-head truncated:N`) learns the base distribution renormalised over its
-token_map (the N most frequent training tokens). This measures, on a self-distilled Arrow store
-(`self_distill.py --save-hidden`), the average teacher mass outside the map: the token_map is built from the
-training conversations' generated tokens (as train_heads.py builds it) and the mass is averaged over the
-held-out conversations' reply positions (the teacher at every position: the base lm_head on the stored hidden
-state).
-"""
+"""How much of the base model's next-token mass a truncated lm_head (--lm-head truncated:N) cannot represent,
+measured on a self-distilled store's held-out replies (docs/modules.md)."""
 
 from __future__ import annotations
 

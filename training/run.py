@@ -238,7 +238,7 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
     if is_main:
         summary = {"steps": trainer.step, "heldout": result, "lm_head": cfg.lm_head, "medusa2": cfg.train.medusa2,
                    "head_type": cfg.head_type}
-        staging = output / f".final.{os.getpid()}.tmp"  # one commit of all final files (module docstring)
+        staging = output / f".final.{os.getpid()}.tmp"  # one commit of all final files (docs/modules.md: run.py)
         staging.mkdir(exist_ok=True)
         write_heads_files(trainer.heads(), staging, extra_config={"training": summary},
                           storage_dtype=None if cfg.heads_dtype == "float32" else cfg.heads_dtype)

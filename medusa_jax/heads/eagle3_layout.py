@@ -8,17 +8,15 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.eagle3 import Eagle3Drafter, default_feature_layers
-from medusa_jax.heads.eagle_layout import drafter_decoder, lm_head_tensors
+from medusa_jax.heads.eagle_layout import drafter_decoder, lm_head_tensors, read_named
 from medusa_jax.heads.export import write_heads_folder
 from medusa_jax.heads.folder import heads_from_tensors, heads_tensors
 from medusa_jax.hf.tensor_files import CheckpointError, TensorSource, find_model_weights
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import ModelConfig, resolve_dtype
-from medusa_jax.model.param_paths import param_paths
 from medusa_jax.heads.draft_vocab import token_map_from
 
 EAGLE3_WEIGHTS = "model.safetensors"
@@ -116,23 +114,10 @@ def load_eagle3(folder: Path, raw: dict, base_config: ModelConfig | None, dtype:
                          truncated_vocab_size=None if token_map is None else int(token_map.shape[0]), dtype=dtype,
                          base_model_name_or_path=str(ours.get("base_model_name_or_path", "")), head_type="eagle3",
                          decoder=decoder.replace(num_layers=1), feature_layers=layers)
-    _, state = nnx.split(nnx.eval_shape(lambda: Eagle3Drafter(config, nnx.Rngs(0))))
-    expected = [".".join(path) for path, _ in param_paths(state)]
-    tensors = {"token_map": token_map} if token_map is not None else {}
-    missing = []
-    for name in expected:
-        theirs = native_to_eagle3(name)
-        if theirs is None:
-            continue
-        if theirs not in names:
-            missing.append(theirs)
-            continue
-        value = source.array(theirs)
-        tensors[name] = value.T if name.endswith("kernel") else value
-    unexpected = sorted(names - {native_to_eagle3(n) for n in expected} - {"d2t", "t2d", "embed_tokens.weight"})
-    if missing or unexpected:
-        raise CheckpointError(f"{origin}: not an EAGLE-3 drafter of this shape: missing {missing}; unexpected "
-                              f"{unexpected}")
+    tensors = read_named(source, Eagle3Drafter, config, native_to_eagle3, {"d2t", "t2d", "embed_tokens.weight"},
+                         origin, "an EAGLE-3 drafter")
+    if token_map is not None:
+        tensors["token_map"] = token_map
     return heads_from_tensors(config, tensors, origin)
 
 

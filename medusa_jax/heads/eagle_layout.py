@@ -137,7 +137,7 @@ def lm_head_mode(source: TensorSource, raw: dict, vocab: int, base_vd: np.ndarra
 
 def load_eagle(folder: Path, raw: dict, base_config: ModelConfig | None, dtype: str = "float32",
                num_heads: int | None = None, base_vd: np.ndarray | None = None) -> EagleDrafter:
-    """An EAGLE-1 folder -> an EagleDrafter (lm_head "shared" unless the folder holds its own, see above).
+    """An EAGLE-1 folder -> an EagleDrafter (lm_head "shared" unless the folder holds its own, lm_head_mode).
     base_vd: the base's lm_head [V, D]; a stored lm_head equal to it loads as "shared"."""
     origin = str(folder)
     source = TensorSource.from_files(find_model_weights(folder))
@@ -150,37 +150,34 @@ def load_eagle(folder: Path, raw: dict, base_config: ModelConfig | None, dtype: 
                          lm_head=mode, truncated_vocab_size=draft_vocab, dtype=dtype,
                          base_model_name_or_path=str(ours.get("base_model_name_or_path", "")), head_type="eagle",
                          decoder=decoder, fc_bias="fc.bias" in names)
-    _, state = nnx.split(nnx.eval_shape(lambda: EagleDrafter(config, nnx.Rngs(0))))
-    expected = [".".join(path) for path, _ in param_paths(state)]
-    tensors, missing = {}, []
-    for name in expected:
-        if name == "token_map":
-            tensors[name] = token_map
-            continue
-        eagle = native_to_eagle(name)
-        if eagle not in names:
-            missing.append(eagle)
-            continue
-        value = source.array(eagle)
-        tensors[name] = value.T if name.endswith("kernel") else value
+    tensors = read_named(source, EagleDrafter, config, native_to_eagle,
+                         {"embed_tokens.weight", "d2t", "t2d", "lm_head.weight"}, origin, "an EAGLE-1 drafter")
+    if token_map is not None:
+        tensors["token_map"] = token_map
     if mode == "shared":
         tensors.pop("lm_head.kernel", None)
-    known = {native_to_eagle(n) for n in expected} | {"embed_tokens.weight", "d2t", "t2d", "lm_head.weight"}
-    unexpected = sorted(names - known)
-    if missing or unexpected:
-        raise CheckpointError(f"{origin}: not an EAGLE-1 drafter of this shape: missing {missing}; unexpected "
-                              f"{unexpected}")
     return heads_from_tensors(config, tensors, origin)
 
 
-def write_eagle_folder(out: str | os.PathLike, tensors: dict, config: dict, overwrite: bool = False) -> Path:
-    return write_heads_folder(out, EAGLE_WEIGHTS, tensors, config, overwrite=overwrite)
+def read_named(source: TensorSource, cls, config: HeadsConfig, theirs_of, allowed: set[str], origin: str,
+               what: str) -> dict[str, np.ndarray]:
+    """The parameters of `cls(config)` read from `source` by their names in a layout (theirs_of(path); None: not a
+    tensor of the layout), kernels transposed from [out, in]; CheckpointError naming what is missing and which
+    tensors beyond `allowed` nothing reads."""
+    _, state = nnx.split(nnx.eval_shape(lambda: cls(config, nnx.Rngs(0))))
+    theirs = {".".join(path): theirs_of(".".join(path)) for path, _ in param_paths(state)}
+    theirs = {name: t for name, t in theirs.items() if t is not None}
+    names = set(source.names)
+    missing, unexpected = [t for t in theirs.values() if t not in names], sorted(names - set(theirs.values()) - allowed)
+    if missing or unexpected:
+        raise CheckpointError(f"{origin}: not {what} of this shape: missing {missing}; unexpected {unexpected}")
+    return {name: source.array(t).T if name.endswith("kernel") else source.array(t) for name, t in theirs.items()}
 
 
 def export_eagle(drafter: EagleDrafter, base: CausalLM, out: str | os.PathLike, *, dtype: str = "float16",
                  sglang: bool = False, overwrite: bool = False) -> Path:
     tensors, config = eagle_tensors(drafter, base, dtype, sglang)
-    return write_eagle_folder(out, tensors, config, overwrite)
+    return write_heads_folder(out, EAGLE_WEIGHTS, tensors, config, overwrite=overwrite)
 
 
 def eagle_serving_notes(drafter: EagleDrafter, sglang: bool) -> list[str]:

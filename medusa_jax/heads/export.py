@@ -64,7 +64,7 @@ def _base_lm_head_vd(base: CausalLM, heads: MedusaHeads) -> np.ndarray:
 def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "float32",
                    base: CausalLM | None = None, materialize_lm_head: bool = False,
                    base_model_name_or_path: str | None = None) -> tuple[dict[str, np.ndarray], dict]:
-    """The tensors and config.json dict of the `format` layout (see the module docstring)."""
+    """The tensors and config.json dict of the `format` layout (docs/interop.md, docs/modules.md)."""
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; expected one of {FORMATS}")
     if dtype not in EXPORT_DTYPES:
