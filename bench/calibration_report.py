@@ -17,8 +17,9 @@ from medusa_jax.trees.policy.choose import choose_tree
 from medusa_jax.inference.api import BatchSettings
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.inference.loaded_model import LoadedModel
-from medusa_jax.bench.bench_inputs import interleaved, write_files
+from medusa_jax.bench.bench_inputs import write_files
 from medusa_jax.bench.bench_report import machine_line
+from medusa_jax.bench.heads_comparison import interleaved
 
 
 def _shipped_prediction(heads, batch: int) -> dict:

@@ -18,13 +18,13 @@ from medusa_jax.trees.policy import tree_choice
 from medusa_jax.trees.policy.choose import HEADS_TREE
 from medusa_jax.heads.kinds import training_free_kinds
 from medusa_jax.heads.recycle import DEFAULT_TEMPLATE, recycle_drafter, template_tree, template_within
-from medusa_jax.inference.api import BatchSettings, generate_batch
+from medusa_jax.inference.api import BatchSettings, generate_batch, plan_batches
 from medusa_jax.inference.mixed_decoding import DEFAULT_BUDGET, build_mix, parse_mix
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.trees.search import head_accuracy
 from medusa_jax.inference.loaded_model import LoadedModel
 from medusa_jax.trees.search.tree_builder import BuildTreeConfig, heldout_prompts
-from medusa_jax.bench.bench_inputs import interleaved, write_files
+from medusa_jax.bench.bench_inputs import write_files
 from medusa_jax.bench.bench_report import machine_line
 
 
@@ -136,6 +136,28 @@ def count_dynamic(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts,
         progress(f"  {tree.name}: tokens/step {tokens_per_step:.3f} (static {base_row['tokens_per_step']:.3f}, "
                  f"x{rows[-1]['ratio_to_static']:.3f})")
     return rows
+
+
+def interleaved(runs: dict[str, tuple], prompts: Sequence[Sequence[int]], batch: int) -> dict[str, dict]:
+    """Each named (model, BatchSettings) over the same prompts in batches of `batch` (`plan_batches`), the names
+    taking turns at going first, batch by batch, so that a drift in the machine's speed falls on all alike. Per
+    name: "tokens" per prompt, "seconds" without compilation, "steps", "new" tokens, "tokens_per_s" and the last
+    run's "choice" (its tree choice)."""
+    names = list(runs)
+    out = {name: {"tokens": [None] * len(prompts), "seconds": 0.0, "steps": 0, "choice": None} for name in names}
+    for number, indices in enumerate(plan_batches([len(p) for p in prompts], batch)):
+        for name in names[number % len(names):] + names[:number % len(names)]:
+            run = generate_batch(runs[name][0], [prompts[i] for i in indices], runs[name][1], progress=False)
+            totals = out[name]
+            totals["seconds"] += run.seconds - run.compile_seconds
+            totals["steps"] += sum(r.steps for r in run.results)
+            totals["choice"] = run.tree_choice
+            for i, r in zip(indices, run.results):
+                totals["tokens"][i] = list(r.token_ids)
+    for totals in out.values():
+        totals["new"] = sum(len(t) for t in totals["tokens"])
+        totals["tokens_per_s"] = totals["new"] / max(totals["seconds"], 1e-9)
+    return out
 
 
 def time_speedup(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, config: CompareConfig) -> list[dict]:

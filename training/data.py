@@ -133,20 +133,26 @@ def tokenize_conversations(records: list[dict[str, Any]], tokenizer, eos_ids: tu
     return datasets.load_from_disk(str(folder))
 
 
-def pack(sequences: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int, window: int = 64) -> PackedRows:
-    """First-fit packing (over the last `window` open rows, which keeps it linear) in the given order."""
-    rows: list[list[int]] = []  # indices into sequences
+def first_fit(lengths: list[int], width: int, order=None, window: int | None = None) -> list[list[int]]:
+    """Rows of sequence indices: each sequence (at most `width` long), taken in `order` (default: as given), goes
+    into the first row with room for it among the last `window` open rows (None: all of them)."""
+    rows: list[list[int]] = []
     room: list[int] = []
-    for i, (ids, _) in enumerate(sequences):
-        n = len(ids)
-        for r in range(max(0, len(rows) - window), len(rows)):
-            if room[r] >= n:
+    for i in range(len(lengths)) if order is None else order:
+        for r in range(0 if window is None else max(0, len(rows) - window), len(rows)):
+            if room[r] >= lengths[i]:
                 rows[r].append(i)
-                room[r] -= n
+                room[r] -= lengths[i]
                 break
         else:
             rows.append([i])
-            room.append(seq_len - n)
+            room.append(width - lengths[i])
+    return rows
+
+
+def pack(sequences: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int, window: int = 64) -> PackedRows:
+    """First-fit packing (over the last `window` open rows, which keeps it linear) in the given order."""
+    rows = first_fit([len(ids) for ids, _ in sequences], seq_len, window=window)
     shape = (len(rows), seq_len)
     tokens = np.full(shape, pad_id, np.int32)
     segments = np.zeros(shape, np.int32)

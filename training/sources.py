@@ -13,8 +13,7 @@ import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.training import feature_batches, hidden_store, memory_plan
-from medusa_jax.training.data import (ChatData, DataConfig, EpochIterator, PackedRows, load_chat_data, row_batch,
-                                      row_iterator)
+from medusa_jax.training.data import ChatData, DataConfig, EpochIterator, load_chat_data, row_batch, row_iterator
 from medusa_jax.training.hidden_examples import HiddenExamples
 from medusa_jax.training.teacher_forced import build_hidden_cache
 
@@ -66,8 +65,9 @@ def _process() -> dict[str, int]:
 
 
 def _padded_batches(take: Callable[[np.ndarray], dict], num: int, global_batch: int, max_batches: int,
-                    empty: Callable[[int], dict]) -> list[dict[str, np.ndarray]]:
-    """Held-out batches of this process; the last one is completed with target-free filler."""
+                    empty: Callable[[int], dict] | None = None) -> list[dict[str, np.ndarray]]:
+    """Held-out batches of this process; the last one is completed with target-free filler: `empty(n)`, or by
+    default zeros (padding rows: segment 0, no loss token)."""
     out = []
     p, n_proc = jax.process_index(), jax.process_count()
     local = global_batch // n_proc
@@ -76,17 +76,11 @@ def _padded_batches(take: Callable[[np.ndarray], dict], num: int, global_batch: 
         real = idx[idx < num]
         part = take(real)
         if len(real) < local:
-            fill = empty(local - len(real))
+            fill = empty(local - len(real)) if empty else {k: np.zeros((local - len(real),) + v.shape[1:], v.dtype)
+                                                             for k, v in part.items()}
             part = {k: np.concatenate([part[k], fill[k]]) for k in part}
         out.append(part)
     return out
-
-
-def _empty_rows(like: PackedRows) -> Callable[[int], dict]:
-    def make(n):
-        z = np.zeros((n, like.tokens_bt.shape[1]), np.int32)
-        return {"tokens": z, "segment_ids": z, "positions": z, "loss_mask": z.astype(bool)}
-    return make
 
 
 def rows_feed(data: ChatData, settings: FeedSettings) -> Feed:
@@ -94,7 +88,7 @@ def rows_feed(data: ChatData, settings: FeedSettings) -> Feed:
     n_proc = jax.process_count()
     return Feed(row_iterator(data.train, settings.batch_size, settings.seed, **_process()),
                 _padded_batches(lambda i: row_batch(data.heldout.rows(i)), data.heldout.num_rows,
-                                settings.batch_size, settings.eval_batches, _empty_rows(data.heldout)),
+                                settings.batch_size, settings.eval_batches),
                 data.train.tokens_bt[data.train.loss_mask_bt], lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
 
 
@@ -202,14 +196,9 @@ class FeatureStoreRows:
         inputs.log(f"feature store {self.store}: {len(store.ids)} conversations, {store.num_tokens} tokens; "
                    f"{train.num_rows} training / {held.num_rows} held-out rows of {dc.seq_len} "
                    f"({train.num_tokens} / {held.num_tokens} tokens)")
-
-        def empty(n):
-            like = held.batch(np.zeros((0,), np.int64))
-            return {k: np.zeros((n,) + v.shape[1:], v.dtype) for k, v in like.items()}
-
         n_proc = jax.process_count()
         return Feed(train.iterator(settings.batch_size, settings.seed, **_process()),
-                    _padded_batches(held.batch, held.num_rows, settings.batch_size, settings.eval_batches, empty),
+                    _padded_batches(held.batch, held.num_rows, settings.batch_size, settings.eval_batches),
                     train.loss_tokens(), lambda b: int((b["segment_ids"] > 0).sum()) * n_proc)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
-from medusa_jax.training.data import DataConfig, PackedRows, tokenize_conversations, source_fingerprint
+from medusa_jax.training.data import DataConfig, PackedRows, first_fit, tokenize_conversations, source_fingerprint
 from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows
 from medusa_jax.training.hidden_store import FEATURES, STORE_DTYPE, StoreWriter, listed_shards, open_store
 from medusa_jax.training.sharegpt import DataError, read_conversations
@@ -66,17 +66,7 @@ def chunks_of(lengths: list[int], chunk_tokens: int, max_tokens: int) -> list[li
 
 def place_rows(lengths: list[int], width: int) -> list[list[int]]:
     """First-fit-decreasing packing of sequences (each <= width) into rows: the members of each row."""
-    rows, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for r, free in enumerate(room):
-            if free >= lengths[i]:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(width - lengths[i])
-    return rows
+    return first_fit(lengths, width, order=sorted(range(len(lengths)), key=lambda i: -lengths[i]))
 
 
 @partial(jax.jit, static_argnums=0)
