@@ -112,6 +112,13 @@ def drafter_decoder(raw: dict, base_config: ModelConfig | None, dtype: str, orig
     return decoder
 
 
+def equals_base(lm_vd: np.ndarray, base_vd: np.ndarray | None) -> bool:
+    """The stored lm_head is the base lm_head (compared after rounding the base to the stored dtype)."""
+    if base_vd is None or lm_vd.shape != base_vd.shape:
+        return False
+    return np.array_equal(np.asarray(lm_vd, np.float32), base_vd.astype(lm_vd.dtype).astype(np.float32))
+
+
 def lm_head_mode(source: TensorSource, raw: dict, vocab: int, base_vd: np.ndarray | None, origin: str):
     """(lm_head mode, draft vocabulary size or None, token_map or None) of a folder's lm_head tensors."""
     names = set(source.names)
@@ -124,10 +131,7 @@ def lm_head_mode(source: TensorSource, raw: dict, vocab: int, base_vd: np.ndarra
         if rows != vocab:
             raise CheckpointError(f"{origin}: lm_head.weight has {rows} rows, vocab_size is {vocab}, and no d2t "
                                   f"maps a draft vocabulary")
-        lm = np.asarray(source.array("lm_head.weight"), np.float32)
-        same = base_vd is not None and np.array_equal(lm, base_vd.astype(source.array("lm_head.weight").dtype
-                                                                          ).astype(np.float32))
-        return ("shared" if same else "own"), None, None
+        return ("shared" if equals_base(source.array("lm_head.weight"), base_vd) else "own"), None, None
     token_map = token_map_from(source.array("d2t"), source.array("t2d") if "t2d" in names else None, vocab, origin)
     if token_map.shape[0] != rows or int(raw.get("draft_vocab_size", rows)) != rows:
         raise CheckpointError(f"{origin}: lm_head.weight has {rows} rows, d2t {token_map.shape[0]}, "

@@ -17,7 +17,7 @@ from medusa_jax.model.config import ModelConfig
 from medusa_jax.hf.tensor_files import (CheckpointError, SafetensorsFile, TensorSource, find_model_weights,
                                         load_torch_bin)
 from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.eagle_layout import is_eagle_folder, load_eagle
+from medusa_jax.heads.eagle_layout import equals_base, is_eagle_folder, load_eagle
 from medusa_jax.heads.eagle3_layout import is_eagle3_folder, load_eagle3
 from medusa_jax.heads.export import ExportError, check_token_map
 from medusa_jax.heads.folder import FORMAT, heads_from_tensors, heads_tensors, load_native_heads
@@ -106,18 +106,11 @@ def _base_lm_head_vd(base: CausalLM | None) -> np.ndarray | None:
     return None if base is None else np.asarray(jax.device_get(base.lm_head_weight())).T
 
 
-def _equals_base(lm_vd: np.ndarray, base_vd: np.ndarray | None) -> bool:
-    """The stored lm_head is the base lm_head (compared after rounding the base to the stored dtype)."""
-    if base_vd is None or lm_vd.shape != base_vd.shape:
-        return False
-    return np.array_equal(np.asarray(lm_vd, np.float32), base_vd.astype(lm_vd.dtype).astype(np.float32))
-
-
 def _assemble(blocks, lms, token_map, *, hidden, vocab, base_vd, raw, dtype, origin) -> MedusaHeads:
     """blocks[h][l] = (W [D,D] out-in, b [D]); lms[h] = [V_head, D] or None for the shared base lm_head."""
     if token_map is not None:
         mode = "truncated"
-    elif lms[0] is None or all(_equals_base(lm, base_vd) for lm in lms):
+    elif lms[0] is None or all(equals_base(lm, base_vd) for lm in lms):
         mode = "shared"
     else:
         mode = "own"

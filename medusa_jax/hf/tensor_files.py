@@ -146,8 +146,7 @@ class TensorSource:
         for path in files:
             if path.suffix == ".safetensors":
                 st = SafetensorsFile(path)
-                for name in st.names:
-                    arrays[name] = st.array(name)
+                arrays.update({name: st.array(name) for name in st.names})
             else:
                 arrays.update(load_torch_bin(path))
         return cls(arrays, ", ".join(str(p) for p in files))
