@@ -29,7 +29,6 @@ import time
 from collections import defaultdict, deque
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -40,9 +39,10 @@ from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, DecodeConfig
 from medusa_jax.inference.autoregressive import prefill_widths
 from medusa_jax.inference.engine import PROMPT_BUCKET, bucket_length
-from medusa_jax.inference.engine_mesh import Placement
+from medusa_jax.inference.engine_mesh import Placement, fetch
 from medusa_jax.inference.engine_metrics import EngineMetrics
 from medusa_jax.inference.drafted_rows import DraftedDecoder
+from medusa_jax.inference.medusa import Proposer, heads_proposer
 from medusa_jax.inference.row_decode import PlainDecoder, stop_ids_array
 from medusa_jax.inference.row_sampling import RowSampling
 from medusa_jax.inference.sampling import SamplingConfig
@@ -137,7 +137,8 @@ class GenerationEngine:
 
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, eos_ids: tuple[int, ...],
                  pad_id: int = 0, heads: MedusaHeads | None = None,
-                 tree: TreeBuffers | DynamicTree | DraftSizes | None = None, mesh: Mesh | None = None):
+                 tree: TreeBuffers | DynamicTree | DraftSizes | None = None, mesh: Mesh | None = None,
+                 proposer: Proposer = heads_proposer, proposer_data=None):
         self.config, self.eos_ids, self.pad_id = config, tuple(eos_ids), pad_id
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
@@ -147,7 +148,8 @@ class GenerationEngine:
         placement = Placement(mesh, config.rows, model.config)
         if self.drafted:
             self._decoder = DraftedDecoder(model, heads, tree, config.rows, config.context, config.chunk_steps,
-                                           eos_ids=self.eos_ids, pad_id=pad_id, placement=placement)
+                                           eos_ids=self.eos_ids, pad_id=pad_id, placement=placement,
+                                           proposer=proposer, proposer_data=proposer_data)
         else:
             self._decoder = PlainDecoder(model, config.rows, config.context, config.max_stop_ids,
                                          eos_ids=self.eos_ids, pad_id=pad_id, placement=placement)
@@ -319,8 +321,9 @@ class GenerationEngine:
             free = [i for i, r in enumerate(self._row_request) if r is None]
             if self.config.admission == "sorted":
                 batch = self.config.sorted_batch or self.config.rows
-                chosen = sorted(self._pending, key=lambda r: -len(r.prompt_ids))[: batch] \
+                longest = sorted(self._pending, key=lambda r: -len(r.prompt_ids))[: batch] \
                     if len(free) == self.config.rows else []
+                chosen = [r for r in self._pending if any(r is s for s in longest)]  # rows in submission order
             else:
                 chosen = list(self._pending)[: len(free)]
             for row, request in zip(free, chosen):
@@ -363,7 +366,7 @@ class GenerationEngine:
             remaining_b[row] = request.params.max_tokens - len(request.tokens)
         tokens, steps, row_steps = self._decoder.chunk(self.config.chunk_steps, remaining_b)
         if self.drafted:  # each row's verify steps of the chunk and their accept lengths
-            steps_b, accept_bc = jax.device_get((self._decoder.state.steps_b, self._decoder.state.accept_bo))
+            steps_b, accept_bc = fetch((self._decoder.state.steps_b, self._decoder.state.accept_bo))
             for row in busy:
                 request = self._row_request[row]
                 request.verify_steps += int(steps_b[row])
