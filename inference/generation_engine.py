@@ -171,10 +171,16 @@ class GenerationEngine:
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
         limit = min(self.config.context, self.max_positions)
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context of {limit} tokens must also hold "
+                             f"the reply: shorten the prompt to at most {limit - 1} tokens")
         if len(prompt_ids) + params.max_tokens > limit:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: "
                              f"together they exceed the context of {limit} tokens; lower max_tokens to at most "
                              f"{max(limit - len(prompt_ids), 0)} or shorten the prompt")
+        if params.sampling.top_k > self.vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size {self.vocab_size} (0: no cut), got "
+                             f"{params.sampling.top_k}")
         if len(params.stop_ids) > self.config.max_stop_ids:
             raise ValueError(f"at most {self.config.max_stop_ids} stop token ids, got {len(params.stop_ids)}")
         if any(not 0 <= t < self.vocab_size for t in params.stop_ids):
