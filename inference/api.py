@@ -14,8 +14,8 @@ one cache size share an engine. On a mesh the rows are rounded up to a multiple 
 works on any mesh). Refilled slots (`engine="refill"`, admission "fifo"): `batch_size` rows run plain steps in
 jitted chunks and a finished row takes the next prompt between chunks (continuous batching). `engine="auto"`
 (the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and there are at least
-batch_size prompts, and forms sorted batches otherwise (measured with the former slot engine, bench/refill/;
-to be measured again with the engine's policies: bench/refill/sorted_engine.md). Both give
+batch_size prompts, and forms sorted batches otherwise (the engine's two policies measured against each other:
+bench/refill/auto_rule). Both give
 the same greedy tokens; prompt i samples with seed + i. Mixed drafts (their size choice and backoff), Token
 Recycling (its table kept warm from call to call: the engine starts from the model's and hands it back),
 typical acceptance and a caller's proposer run through the engine too.
@@ -46,7 +46,7 @@ from medusa_jax.inference.medusa import Proposer, heads_proposer
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
-REFILL_MIN_BATCH = 64  # engine "auto" refills slots from this batch size on (bench/refill, module docstring)
+REFILL_MIN_BATCH = 64  # engine "auto" refills slots from this batch size on (bench/refill/auto_rule)
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
