@@ -15,8 +15,8 @@ last one carries the finish reason: "stop" at an EOS or stop id, "length" at max
 default callback puts them on `request.events`.
 
 Admission policies: "fifo" (refilled slots: any free row takes the oldest request, as a server takes them) and
-"sorted" (sorted batches: rows are filled only when all are free, longest prompts first, so a batch's rows
-finish together). `start()` runs the iterations in a thread of their own (a server's); `generate_all` drives
+"sorted" (sorted batches: rows are filled only when all are free, with the longest prompts, in the order they
+came, so a batch's rows finish together). `start()` runs the iterations in a thread of their own (a server's); `generate_all` drives
 them in the caller's thread (a batch client). Greedy tokens equal `api.generate`'s, with or without heads.
 """
 
@@ -133,7 +133,8 @@ class Request:
 class GenerationEngine:
     """With `heads` and a `tree`, every row decodes with the tree (`drafted_rows.DraftedDecoder`); else plainly
     (`row_decode.PlainDecoder`). With a `mesh`, the parameters and the rows' state are sharded over it
-    (`engine_mesh.Placement`: rows over data x fsdp, which must divide config.rows)."""
+    (`engine_mesh.Placement`: rows over data x fsdp, which must divide config.rows). `proposer` drafts in place
+    of the heads' own proposal (`medusa.Proposer`), reading `proposer_data` by engine row."""
 
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, eos_ids: tuple[int, ...],
                  pad_id: int = 0, heads: MedusaHeads | None = None,
