@@ -14,15 +14,14 @@ one cache size share an engine. On a mesh the rows are rounded up to a multiple 
 works on any mesh). Refilled slots (`engine="refill"`, admission "fifo"): `batch_size` rows run plain steps in
 jitted chunks and a finished row takes the next prompt between chunks (continuous batching). `engine="auto"`
 (the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and there are at least
-batch_size prompts, and forms sorted batches otherwise (measured with the former slot engine, bench/refill/;
-to be measured again with the engine's policies: bench/refill/sorted_engine.md). Both give
+batch_size prompts, and forms sorted batches otherwise (the engine's two policies measured against each other:
+bench/refill/auto_rule). Both give
 the same greedy tokens; prompt i samples with seed + i. Mixed drafts (their size choice and backoff), Token
-Recycling (its table kept warm from call to call: the engine starts from the model's and hands it back) and
-typical acceptance run through the engine too; what it refuses (a proposer, several processes:
-`direct_batches.engine_refusal`) decodes each sorted batch with one direct call (`direct_batches`).
+Recycling (its table kept warm from call to call: the engine starts from the model's and hands it back),
+typical acceptance and a caller's proposer run through the engine too.
 
 Results come back in input order with per-row stats. Under several processes every process passes the same
-prompts; each feeds only the rows its devices hold (`sharded.put_rows`) and all processes get all results.
+prompts; each places only the rows its devices hold and all processes get all results (`engine_mesh`).
 """
 
 from __future__ import annotations
@@ -41,14 +40,13 @@ from medusa_jax.trees.tree import DynamicTree, TreeBuffers, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.trees.policy.choose import HEADS_TREE, ChosenTree, HeadsOwnTree, choose_tree
 from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult
-from medusa_jax.inference.direct_batches import direct_batches, engine_refusal
 from medusa_jax.inference.engine_batches import refilled_slots, sorted_batches
 from medusa_jax.inference.engine import PROMPT_BUCKET, check_prompts, resolve_eos, round_up
-from medusa_jax.inference.medusa import Proposer
+from medusa_jax.inference.medusa import Proposer, heads_proposer
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
-REFILL_MIN_BATCH = 64  # engine "auto" refills slots from this batch size on (bench/refill, module docstring)
+REFILL_MIN_BATCH = 64  # engine "auto" refills slots from this batch size on (bench/refill/auto_rule)
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -73,7 +71,8 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     """Generates a reply for every token-id prompt; returns the results in input order. `on_batch` is
     called with each finished batch's results (e.g. to stream them to a file; refilled slots: once, with
     all). `proposer` replaces the heads' top-k proposal in Medusa decoding (it receives `proposer_data`, whose
-    rows are the batch's rows)."""
+    rows are a batch's rows: its prompts in input order where they fit one batch; `ProposeInputs.step` counts
+    the batch's verify steps)."""
     check_prompts(prompts)
     if settings.tree is not None and not model.has_heads:
         raise ValueError("Medusa decoding (a tree was given) needs a ShardedModel built with heads")
@@ -96,10 +95,8 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
         run = refilled_slots(model, prompts, settings, bar, on_batch)
     else:
         plan = plan_batches([len(p) for p in prompts], settings.batch_size)
-        if engine_refusal(model, settings, proposer) is None:
-            run = sorted_batches(model, prompts, settings, plan, rows, chosen, bar, on_batch)
-        else:  # the cases the engine refuses (direct_batches.engine_refusal): one direct decode call per batch
-            run = direct_batches(model, prompts, settings, plan, rows, chosen, bar, on_batch, proposer, proposer_data)
+        run = sorted_batches(model, prompts, settings, plan, rows, chosen, bar, on_batch,
+                             proposer or heads_proposer, proposer_data)
     if bar is not None:
         bar.close()
     return run

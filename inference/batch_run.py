@@ -1,6 +1,6 @@
 """What `api.generate_batch` takes and returns: its `BatchSettings`, one `GenerationResult` per prompt (with the
-stats of the batch that ran it) and the run's `BatchRun`, whichever way the prompts were decoded (the generation
-engine's sorted batches or refilled slots, or the direct batches of `direct_batches`)."""
+stats of the batch that ran it) and the run's `BatchRun`, whichever admission of the generation engine decoded
+the prompts (sorted batches or refilled slots)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class BatchSettings:
     tree: TreeBuffers | DynamicTree | DraftSizes | HeadsOwnTree | None = None
     acceptance: AcceptanceConfig = AcceptanceConfig()  # tree decoding: how candidates are accepted
     sampling: SamplingConfig = SamplingConfig()  # plain and tree decoding (greedy at temperature 0)
-    seed: int = 0  # prompt i samples with seed + i (direct_batches: batch i with seed + i)
+    seed: int = 0  # prompt i samples with seed + i
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     bucket: int = 2 * PROMPT_BUCKET  # prompt widths are bucket * 2**k (engine.bucket_length)

@@ -37,8 +37,8 @@ from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
-from medusa_jax.inference.engine_mesh import Placement
-from medusa_jax.inference.medusa import MedusaState, medusa_step
+from medusa_jax.inference.engine_mesh import Placement, fetch
+from medusa_jax.inference.medusa import MedusaState, Proposer, heads_proposer, medusa_step
 from medusa_jax.inference.row_acceptance import RowAcceptance, first_row_tokens
 from medusa_jax.inference.row_drafts import (check_servable, empty_draft, prompt_prefill, put_draft_rows,
                                              shared_fields, shared_part)
@@ -89,12 +89,14 @@ def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, r
         sampling.put_rows(rows_n, sampling_n), first_n
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tree", "steps", "eos_ids", "pad_id"), donate_argnames=("state",))
-def drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, remaining_b, *, tree, steps: int,
-                  eos_ids: tuple[int, ...], pad_id: int):
-    """Up to `steps` tree steps while any row is active, each row accepting with its own settings. Returns
-    (state, tokens [b, c*e], first [b], end [b]): row b's new tokens are tokens[b, first[b]:end[b]];
-    state.steps_b counts its verify steps."""
+@partial(jax.jit, static_argnames=("graphdef", "tree", "steps", "eos_ids", "pad_id", "proposer"),
+         donate_argnames=("state",))
+def drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, remaining_b, emitted_b,
+                  proposer_data=None, *, tree, steps: int, eos_ids: tuple[int, ...], pad_id: int,
+                  proposer: Proposer = heads_proposer):
+    """Up to `steps` tree steps while any row is active, each row accepting with its own settings; emitted_b [b]:
+    each row's tokens so far. Returns (state, tokens [b, c*e], first [b], end [b]): row b's new tokens are
+    tokens[b, first[b]:end[b]]; state.steps_b counts its verify steps."""
     model: MedusaModel = nnx.merge(graphdef, params)
     b, width = state.root_b.shape[0], steps * (tree.depth + 1)
     start_b = width - jnp.clip(remaining_b, 0, width)
@@ -102,7 +104,12 @@ def drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, r
     state = dataclasses.replace(state, out_bo=jnp.full((b, width), pad_id, jnp.int32), num_out_b=start_b,
                                 steps_b=zeros_b, accept_bo=jnp.zeros((b, steps), jnp.int32),
                                 step=jnp.zeros((), jnp.int32), done_b=state.done_b | (remaining_b <= 0))
-    step = partial(medusa_step, model, tree=tree, acceptance=RowAcceptance(sampling), eos_ids=eos_ids)
+
+    def counted(inputs):  # the proposer counts a row's tokens from its reply's first, as in a decode call
+        return proposer(dataclasses.replace(inputs, num_out_b=inputs.num_out_b - start_b + emitted_b))
+
+    step = partial(medusa_step, model, proposer_data=proposer_data, tree=tree,
+                   acceptance=RowAcceptance(sampling), eos_ids=eos_ids, proposer=counted)
     state = jax.lax.while_loop(lambda s: (s.step < steps) & jnp.any(s.active_b), step, state)
     return state, state.out_bo, start_b, state.num_out_b
 
@@ -117,13 +124,15 @@ class DraftedDecoder:
 
     def __init__(self, base, heads: MedusaHeads, tree: TreeBuffers | DynamicTree | DraftSizes, rows: int,
                  context: int, steps: int, *, eos_ids: tuple[int, ...], pad_id: int,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, proposer: Proposer = heads_proposer, proposer_data=None):
         check_servable(heads)
         model = MedusaModel(base, heads)
         self.placement = placement or Placement(None, rows)
         self.graphdef, params = nnx.split(model)
         self.params = self.placement.params(params)
         self.tree, self.eos_ids, self.pad_id = tree, eos_ids, pad_id
+        self.proposer, self.proposer_data = proposer, self.placement.draft(proposer_data, True)
+        self.emitted_b = np.zeros((rows,), np.int32)  # each row's tokens so far (what the proposer counts)
         self.shared = shared_fields(heads)
         state = empty_state(model, rows, context + scratch_slots(tree), tree, steps)
         self.state = dataclasses.replace(self.placement.state(dataclasses.replace(state, draft=None)),
@@ -133,22 +142,27 @@ class DraftedDecoder:
     def shared_draft(self):
         """The drafter state shared by all rows, on the host (Token Recycling's table; None over the parts kept
         row by row)."""
-        return jax.device_get(shared_part(self.state.draft, self.shared))
+        return fetch(shared_part(self.state.draft, self.shared))
 
     def admit(self, rows_n, prompt_nt, lens_n, budget_n, stop_nq, sampling_n: RowSampling) -> np.ndarray:
         with self.placement.active():
             self.state, self.sampling, first_n = drafted_admit(self.graphdef, self.params, self.state, self.sampling,
                                                                rows_n, prompt_nt, lens_n, sampling_n, tree=self.tree,
                                                                eos_ids=self.eos_ids)
-        return np.asarray(jax.device_get(first_n))
+        self.emitted_b[rows_n[rows_n < len(self.emitted_b)]] = 1
+        return fetch(first_n)
+
+    def _chunk_args(self, remaining_b: np.ndarray) -> tuple:
+        return (self.graphdef, self.params, self.state, self.sampling, np.asarray(remaining_b, np.int32),
+                self.emitted_b, self.proposer_data)
 
     def chunk(self, steps: int, remaining_b: np.ndarray) -> tuple[list[list[int]], int, int]:
         with self.placement.active():
             self.state, out_bo, start_b, end_b = drafted_chunk(
-                self.graphdef, self.params, self.state, self.sampling, np.asarray(remaining_b, np.int32),
-                tree=self.tree, steps=steps, eos_ids=self.eos_ids, pad_id=self.pad_id)
-        out_bo, start_b, end_b, run, steps_b = jax.device_get((out_bo, start_b, end_b, self.state.step,
-                                                               self.state.steps_b))
+                *self._chunk_args(remaining_b), tree=self.tree, steps=steps, eos_ids=self.eos_ids,
+                pad_id=self.pad_id, proposer=self.proposer)
+        out_bo, start_b, end_b, run, steps_b = fetch((out_bo, start_b, end_b, self.state.step, self.state.steps_b))
+        self.emitted_b += end_b - start_b
         return ([out_bo[r, s:e].tolist() for r, (s, e) in enumerate(zip(start_b, end_b))], int(run),
                 int(steps_b.sum()))
 
@@ -163,6 +177,6 @@ class DraftedDecoder:
                 drafted_admit.lower(self.graphdef, self.params, self.state, self.sampling, zeros_n,
                                     np.zeros((n, width), np.int32), zeros_n + 1, RowSampling.greedy(n),
                                     tree=self.tree, eos_ids=self.eos_ids).compile()
-            drafted_chunk.lower(self.graphdef, self.params, self.state, self.sampling,
-                                np.zeros(self.state.root_b.shape, np.int32), tree=self.tree, steps=steps,
-                                eos_ids=self.eos_ids, pad_id=self.pad_id).compile()
+            drafted_chunk.lower(*self._chunk_args(np.zeros(self.state.root_b.shape, np.int32)), tree=self.tree,
+                                steps=steps, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                                proposer=self.proposer).compile()

@@ -20,7 +20,7 @@ the next prompt between chunks (continuous batching); every row shares the run's
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from flax import nnx
 
@@ -31,6 +31,7 @@ from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationRe
 from medusa_jax.inference.engine import PROMPT_BUCKET, cache_size_for, check_fits, pad_prompts, round_up
 from medusa_jax.inference.generation_engine import (EngineConfig, GenerationEngine, Request, RequestParams,
                                                     TokenEvent)
+from medusa_jax.inference.medusa import Proposer, heads_proposer
 from medusa_jax.inference.sharded import ShardedModel
 
 REFILL_CHUNK_STEPS = 32  # decode steps between refills (bench/refill's setting)
@@ -72,9 +73,12 @@ def batch_cache_sizes(prompts: Sequence[Sequence[int]], settings: BatchSettings,
 
 def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings,
                    plan: list[list[int]], rows: int, chosen: ChosenTree | None, bar,
-                   on_batch: OnBatch | None) -> BatchRun:
+                   on_batch: OnBatch | None, proposer: Proposer = heads_proposer, proposer_data: Any = None
+                   ) -> BatchRun:
     """The planned batches (`api.plan_batches`, longest first) through the engine's sorted admission (module
-    docstring). Each result carries its batch's number and wall-clock seconds (compilation counted apart)."""
+    docstring). Each result carries its batch's number and wall-clock seconds (compilation counted apart).
+    `proposer` drafts in place of the heads' own proposal with `proposer_data`, whose rows are a batch's rows
+    in plan order (the engine fills a batch's rows in the order its requests came)."""
     tree = settings.tree
     extra = 0 if tree is None else scratch_slots(tree)
     sizes = batch_cache_sizes(prompts, settings, plan, rows)
@@ -93,7 +97,8 @@ def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
                                   max_queue=len(indices), admission="sorted",
                                   sorted_batch=None if rows == settings.batch_size else settings.batch_size)
             engine = GenerationEngine(base, config, eos_ids=settings.eos_ids, pad_id=settings.pad_id, heads=heads,
-                                      tree=tree, mesh=model.mesh if model.mesh.size > 1 else None)
+                                      tree=tree, mesh=model.mesh if model.mesh.size > 1 else None,
+                                      proposer=proposer, proposer_data=proposer_data)
             finished: list[int] = []  # prompt indices, as their requests finish
             requests = {i: engine.submit(prompts[i], _params(settings, i), _on_finish(finished, i)) for i in indices}
             for _ in group:  # one batch: admitted when every row is free, run until its rows are free again

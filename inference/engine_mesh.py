@@ -10,7 +10,9 @@ rules (`medusa_jax.model.sharding`, as inference/sharded.py uses them for batch 
 The decode rows must split evenly over data x fsdp. The jitted calls (row_decode, drafted_rows) take no explicit
 shardings: XLA propagates these layouts from their inputs, and the calls run under `jax.set_mesh` so the
 row-local steps (`sharding.map_cache_rows`, `constrain_rows`) run shard by shard, as in inference/sharded.py.
-Without a mesh everything is committed to the first device.
+Without a mesh everything is committed to the first device. Under several processes (jax.distributed) the mesh
+spans every process's devices: each process places the same host values (`device_put` keeps its own shards) and
+`fetch` reads every row back on every process.
 """
 
 from __future__ import annotations
@@ -19,11 +21,31 @@ import contextlib
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.model.sharding import (MeshError, batch_sharding, cache_shardings, param_shardings, replicated,
                                        validate_model_mesh)
+
+
+def fetch(tree: Any) -> Any:
+    """Arrays -> host NumPy values, the whole of each on every process (rows held by other processes' devices
+    are gathered from them)."""
+    def one(x):
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
+
+
+def _put(x, sharding):
+    """`jax.device_put`; a PRNG key goes as its key data (device_put cannot send keys to other processes)."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(jax.device_put(jax.random.key_data(x), sharding))
+    return jax.device_put(x, sharding)
 
 
 class Placement:
@@ -56,7 +78,7 @@ class Placement:
                 return jax.device_put(x, cache_shardings(self.mesh, x))
             if getattr(x, "ndim", 0) >= 1 and x.shape[0] == self.rows:
                 return jax.device_put(x, batch_sharding(self.mesh, x.ndim))
-            return jax.device_put(x, replicated(self.mesh))
+            return _put(x, replicated(self.mesh))
 
         return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, KVCache))
 

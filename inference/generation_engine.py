@@ -15,8 +15,8 @@ last one carries the finish reason: "stop" at an EOS or stop id, "length" at max
 default callback puts them on `request.events`.
 
 Admission policies: "fifo" (refilled slots: any free row takes the oldest request, as a server takes them) and
-"sorted" (sorted batches: rows are filled only when all are free, longest prompts first, so a batch's rows
-finish together). `start()` runs the iterations in a thread of their own (a server's); `generate_all` drives
+"sorted" (sorted batches: rows are filled only when all are free, with the longest prompts, in the order they
+came, so a batch's rows finish together). `start()` runs the iterations in a thread of their own (a server's); `generate_all` drives
 them in the caller's thread (a batch client). Greedy tokens equal `api.generate`'s, with or without heads.
 """
 
@@ -29,7 +29,6 @@ import time
 from collections import defaultdict, deque
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -40,9 +39,10 @@ from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.acceptance import AcceptanceConfig, DecodeConfig
 from medusa_jax.inference.autoregressive import prefill_widths
 from medusa_jax.inference.engine import PROMPT_BUCKET, bucket_length
-from medusa_jax.inference.engine_mesh import Placement
+from medusa_jax.inference.engine_mesh import Placement, fetch
 from medusa_jax.inference.engine_metrics import EngineMetrics
 from medusa_jax.inference.drafted_rows import DraftedDecoder
+from medusa_jax.inference.medusa import Proposer, heads_proposer
 from medusa_jax.inference.row_decode import PlainDecoder, stop_ids_array
 from medusa_jax.inference.row_sampling import RowSampling
 from medusa_jax.inference.sampling import SamplingConfig
@@ -133,11 +133,13 @@ class Request:
 class GenerationEngine:
     """With `heads` and a `tree`, every row decodes with the tree (`drafted_rows.DraftedDecoder`); else plainly
     (`row_decode.PlainDecoder`). With a `mesh`, the parameters and the rows' state are sharded over it
-    (`engine_mesh.Placement`: rows over data x fsdp, which must divide config.rows)."""
+    (`engine_mesh.Placement`: rows over data x fsdp, which must divide config.rows). `proposer` drafts in place
+    of the heads' own proposal (`medusa.Proposer`), reading `proposer_data` by engine row."""
 
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, eos_ids: tuple[int, ...],
                  pad_id: int = 0, heads: MedusaHeads | None = None,
-                 tree: TreeBuffers | DynamicTree | DraftSizes | None = None, mesh: Mesh | None = None):
+                 tree: TreeBuffers | DynamicTree | DraftSizes | None = None, mesh: Mesh | None = None,
+                 proposer: Proposer = heads_proposer, proposer_data=None):
         self.config, self.eos_ids, self.pad_id = config, tuple(eos_ids), pad_id
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
@@ -147,7 +149,8 @@ class GenerationEngine:
         placement = Placement(mesh, config.rows, model.config)
         if self.drafted:
             self._decoder = DraftedDecoder(model, heads, tree, config.rows, config.context, config.chunk_steps,
-                                           eos_ids=self.eos_ids, pad_id=pad_id, placement=placement)
+                                           eos_ids=self.eos_ids, pad_id=pad_id, placement=placement,
+                                           proposer=proposer, proposer_data=proposer_data)
         else:
             self._decoder = PlainDecoder(model, config.rows, config.context, config.max_stop_ids,
                                          eos_ids=self.eos_ids, pad_id=pad_id, placement=placement)
@@ -169,10 +172,16 @@ class GenerationEngine:
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
         limit = min(self.config.context, self.max_positions)
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context of {limit} tokens must also hold "
+                             f"the reply: shorten the prompt to at most {limit - 1} tokens")
         if len(prompt_ids) + params.max_tokens > limit:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: "
                              f"together they exceed the context of {limit} tokens; lower max_tokens to at most "
                              f"{max(limit - len(prompt_ids), 0)} or shorten the prompt")
+        if params.sampling.top_k > self.vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size {self.vocab_size} (0: no cut), got "
+                             f"{params.sampling.top_k}")
         if len(params.stop_ids) > self.config.max_stop_ids:
             raise ValueError(f"at most {self.config.max_stop_ids} stop token ids, got {len(params.stop_ids)}")
         if any(not 0 <= t < self.vocab_size for t in params.stop_ids):
@@ -319,8 +328,9 @@ class GenerationEngine:
             free = [i for i, r in enumerate(self._row_request) if r is None]
             if self.config.admission == "sorted":
                 batch = self.config.sorted_batch or self.config.rows
-                chosen = sorted(self._pending, key=lambda r: -len(r.prompt_ids))[: batch] \
+                longest = sorted(self._pending, key=lambda r: -len(r.prompt_ids))[: batch] \
                     if len(free) == self.config.rows else []
+                chosen = [r for r in self._pending if any(r is s for s in longest)]  # rows in submission order
             else:
                 chosen = list(self._pending)[: len(free)]
             for row, request in zip(free, chosen):
@@ -363,7 +373,7 @@ class GenerationEngine:
             remaining_b[row] = request.params.max_tokens - len(request.tokens)
         tokens, steps, row_steps = self._decoder.chunk(self.config.chunk_steps, remaining_b)
         if self.drafted:  # each row's verify steps of the chunk and their accept lengths
-            steps_b, accept_bc = jax.device_get((self._decoder.state.steps_b, self._decoder.state.accept_bo))
+            steps_b, accept_bc = fetch((self._decoder.state.steps_b, self._decoder.state.accept_bo))
             for row in busy:
                 request = self._row_request[row]
                 request.verify_steps += int(steps_b[row])

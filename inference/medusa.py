@@ -59,9 +59,9 @@ class ProposeInputs:
     hidden_bd: jax.Array  # base hidden state of the last accepted node: its logits gave root_b
     root_b: jax.Array  # the newest emitted token (tree node 0)
     num_out_b: jax.Array  # tokens emitted so far, the root included
-    step: jax.Array  # verify steps done so far (scalar)
+    step: jax.Array  # verify steps done so far (scalar; the generation engine's: of this chunk)
     tree: TreeBuffers | DynamicTree
-    data: Any  # the proposer_data pytree given to generate_medusa
+    data: Any  # the proposer_data pytree given to generate_medusa / generate_batch
     draft: Any = None  # the drafter state carried from step to step (heads.init_draft; None: none kept)
     active_b: jax.Array | None = None  # rows still decoding
 

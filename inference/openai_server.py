@@ -34,6 +34,8 @@ from medusa_jax.inference.text_stream import TextStream
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
 DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting handler checks that its client is still there
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # engine -> OpenAI
+ENGINE_FIELDS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k",
+                 "stop token ids": "stop_token_ids"}  # words of `GenerationEngine.check`'s refusals -> the field
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -51,7 +53,7 @@ async def read_json(request: Request):
             raise ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an integer too long to read, nesting too deep
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
 
@@ -129,8 +131,9 @@ class OpenAIServer:
 
             try:
                 job = self.engine.submit(prompt_ids, params, on_event)
-            except ValueError as e:
-                param = next((name for name in ("max_tokens", "temperature") if name in str(e)), "prompt")
+            except ValueError as e:  # the engine's check names the field in its words
+                param = next((field for words, field in ENGINE_FIELDS.items() if words in str(e)),
+                             "messages" if chat else "prompt")
                 raise ApiError(400, str(e), param) from None
             except QueueFull as e:
                 raise ApiError(429, f"the server is busy: {e}", kind="rate_limit_error",

@@ -26,7 +26,7 @@ from flax import nnx
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.inference.autoregressive import prefill
-from medusa_jax.inference.engine_mesh import Placement
+from medusa_jax.inference.engine_mesh import Placement, fetch
 from medusa_jax.inference.row_sampling import RowSampling, sample_rows
 from medusa_jax.inference.sampling import is_eos
 
@@ -148,7 +148,7 @@ class PlainDecoder:
         with self.placement.active():
             self.rows, first_n = admit_rows(*self._admit_args(rows_n, prompt_nt, lens_n, budget_n, stop_nq,
                                                               sampling_n), eos_ids=self.eos_ids)
-        return np.asarray(jax.device_get(first_n))
+        return fetch(first_n)
 
     def chunk(self, steps: int, remaining_b: np.ndarray) -> tuple[list[list[int]], int, int]:
         """Up to `steps` steps (budgets are on the device already). Returns (each row's new tokens, steps run,
@@ -156,7 +156,7 @@ class PlainDecoder:
         with self.placement.active():
             self.rows, tokens_bc, emitted_b, run = decode_chunk(self.graphdef, self.params, self.rows, steps=steps,
                                                                 eos_ids=self.eos_ids, pad_id=self.pad_id)
-        tokens_bc, emitted_b, run = jax.device_get((tokens_bc, emitted_b, run))
+        tokens_bc, emitted_b, run = fetch((tokens_bc, emitted_b, run))
         return [tokens_bc[r, : int(e)].tolist() for r, e in enumerate(emitted_b)], int(run), int(emitted_b.sum())
 
     def release(self, release_b: np.ndarray) -> None:

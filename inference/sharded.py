@@ -14,8 +14,8 @@ data x tensor, and fsdp only when the weights do not fit. The tests check the co
 `medusa_jax.training.hlo_collectives` (`invariant_gathers` lists weights re-gathered at every step).
 
 Multi-host: every process holds the same (small) host batch of token ids; `put_rows` builds each process's
-addressable shards from it, so each process feeds only the rows its devices hold, and `fetch` gathers the
-outputs from all processes.
+addressable shards from it, so each process feeds only the rows its devices hold, and `engine_mesh.fetch`
+gathers the outputs from all processes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from medusa_jax.model.backbone import CausalLM
@@ -47,6 +46,7 @@ from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.trees.trees_file import trees_of
 from medusa_jax.inference import autoregressive, medusa
 from medusa_jax.inference.acceptance import DecodeConfig
+from medusa_jax.inference.engine_mesh import fetch
 from medusa_jax.inference.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,6 @@ def put_rows(mesh: Mesh, rows: np.ndarray) -> jax.Array:
     rows = np.asarray(rows)
     sharding = checked_sharding(mesh, P(BATCH_AXES, *([None] * (rows.ndim - 1))), rows.shape, "batch rows")
     return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
-
-
-def fetch(array: jax.Array) -> np.ndarray:
-    """A (possibly multi-process) global array -> the full host array on every process."""
-    if jax.process_count() == 1:
-        return np.asarray(array)
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
 def sharded_top_k(logits_xbv: jax.Array, k: int, mesh: Mesh, with_values: bool = False):

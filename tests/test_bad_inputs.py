@@ -76,7 +76,6 @@ PL = ("plan", ["--model", "llama3-8b"])
 BM = ("benchmark", ["--model", M, "--heads", H])
 BB = ("benchmark_batch", ["--model", M, "--heads", H])
 BX = ("benchmark_mixed", ["--model", M, "--heads", H])
-BE = ("benchmark_engine_mix", ["--model", M, "--heads", H])
 
 CASES = [  # (command, extra args, text the error line must hold)
     (GEN, ["--temperature", "nan"], "--temperature nan"), (GEN, ["--temperature", "inf"], "--temperature"),
@@ -99,10 +98,6 @@ CASES = [  # (command, extra args, text the error line must hold)
     (BX, ["--mixes", "lookup+lokup"], "neither a drafter"), (BX, ["--questions", "-1"], "--questions"),
     (BX, ["--questions", "2", "--second-turns", "3"], "--second-turns 3: at most --questions"),
     (BX, ["--batch-size", "0"], "--batch-size"), (BX, ["--humaneval", "-1"], "--humaneval"),
-    (BE, ["--mix", "lookup"], "--mix lookup: give MIX@NODES"), (BE, ["--mix", "lookup+lokup@4"], "neither a drafter"),
-    (BE, ["--questions", "0"], "--questions"), (BE, ["--batch-sizes", "1,0"], "--batch-sizes"),
-    (BE, ["--bucket", "-1"], "--bucket"), (BE, ["--max-new-tokens", "nan"], "--max-new-tokens"),
-    (BE, ["--out", M + "/bench"], "inside the --model"),
     (GEN, ["--heads", "default+lokup"], "'lokup' is neither a drafter"), (GEN, ["--heads", "lookup++default"], "no empty part"),
     (GEN, ["--heads", "{w}/nope+lookup"], "neither a drafter"), (GEN, ["--heads", "lookup+lookup"], "named twice"),
     (GEN, ["--heads", "{w}/empty+lookup"], "no config.json"), (GEN, ["--heads", "lookup", "--tree", "mc_sim_7b_63"], "drop --tree"),
@@ -285,7 +280,7 @@ def test_the_table_covers_every_command_and_more_than_150_inputs():
     names = {c[0][0] for c in CASES}
     assert names == {"generate", "self_distill", "train_heads", "export_heads", "build_tree", "build_features", "plan",
                      "benchmark", "benchmark_batch", "benchmark_loading", "prepare_model", "plot_training", "serve",
-                     "benchmark_mixed", "benchmark_engine_mix"}
+                     "benchmark_mixed"}
     assert len(CASES) > 150
 
 

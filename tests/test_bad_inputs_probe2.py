@@ -68,7 +68,6 @@ LD = ("benchmark_loading", ["--model", M, "--out", "{w}/ld"])
 PT = ("plot_training", ["{w}/log.jsonl", "--output", "{w}/curves.png"])
 SV = ("serve", ["--model", M, "--port", "65533"])  # a port no case binds
 BX = ("benchmark_mixed", ["--model", M, "--heads", H, "--out", "{w}/bx"])
-BE = ("benchmark_engine_mix", ["--model", M, "--heads", H, "--out", "{w}/be"])
 
 
 def cmd(name: str, *argv: str):
@@ -333,10 +332,6 @@ CASES = [  # (command, extra args, text the error line must hold)
     (BX, ["--questions", "1.5"], "--questions"), (BX, ["--max-new-tokens", "²"], "--max-new-tokens"),
     (BX, ["--mixes", ""], "--mixes"), (BX, ["--out", ""], "--out"), (BX, ["--grounded", "-1"], "--grounded"),
     (BX, ["--out", "{w}/link_model"], "is the --model folder"),
-    (BE, ["--mix", "default+recycle+lookup@0"], "--mix"), (BE, ["--mix", ""], "--mix"),
-    (BE, ["--batch-sizes", ""], "--batch-sizes"), (BE, ["--batch-sizes", "2,x"], "--batch-sizes"),
-    (BE, ["--bucket", "1e9"], "--bucket"), (BE, ["--questions", "-3"], "--questions"),
-    (BE, ["--out", "{w}/link_model"], "is the --model folder"),
 ]
 
 

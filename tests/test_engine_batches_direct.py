@@ -1,10 +1,10 @@
-"""`api.generate_batch`'s sorted batches through the generation engine (inference/engine_batches.py) against the
-direct decode calls they replaced (inference/direct_batches.py), for the cases that moved: mixed drafts (the
-engine's rows carry the size choice and its backoff, `size_choice.SizeChoiceState`, one per engine) and Token
-Recycling's table kept warm in the model from call to call (the engine starts from the model's table and hands it
-back). A call of one prompt is one chunk of a fresh engine (a fresh size choice, as a direct call's), so the engine
-takes the direct call's steps: the same tokens AND the same accept length at every step. (Within one call the
-engine's size choice carries on from batch to batch, where each direct call started afresh.)"""
+"""`api.generate_batch`'s sorted batches through the generation engine (inference/engine_batches.py) against one
+direct decode call per prompt (`ShardedModel.medusa_decode`: prefill and one jitted `while_loop`), for mixed
+drafts (the engine's rows carry the size choice and its backoff, `size_choice.SizeChoiceState`, one per engine)
+and Token Recycling's table kept warm in the model from call to call (the engine starts from the model's table
+and hands it back). A call of one prompt is one chunk of a fresh engine (a fresh size choice, as a direct call's),
+so the engine takes the direct call's steps: the same tokens AND the same accept length at every step. (Within
+one call the engine's size choice carries on from batch to batch.)"""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.heads.lookup import LookupConfig
 from medusa_jax.heads.mixed import make_mix, template_spec
 from medusa_jax.heads.recycle import RANK_ACCEPTANCE, RecycleConfig, RecycleDrafter, template_tree
-from medusa_jax.inference.api import generate, generate_batch, plan_batches
+from medusa_jax.trees.dynamic_tree import scratch_slots
+from medusa_jax.inference.api import generate, generate_batch
 from medusa_jax.inference.batch_run import BatchSettings
-from medusa_jax.inference.direct_batches import direct_batches, engine_refusal
-from medusa_jax.inference.engine import PROMPT_BUCKET
+from medusa_jax.inference.engine import PROMPT_BUCKET, cache_size_for, pad_prompts
 from medusa_jax.inference.sharded import ShardedModel
 from decode_helpers import prompts_of
 
@@ -44,21 +44,22 @@ def mix_of(base, recycle: bool):
                     template=template)
 
 
-def both_paths(sharded_engine: ShardedModel, sharded_direct: ShardedModel, prompts, settings: BatchSettings):
-    """(the engine's results, the direct path's results) of one generate_batch call each."""
-    assert engine_refusal(sharded_engine, settings, None) is None
-    by_engine = generate_batch(sharded_engine, prompts, settings, progress=False).results
-    plan = plan_batches([len(p) for p in prompts], settings.batch_size)
-    direct = direct_batches(sharded_direct, prompts, settings, plan, settings.batch_size, None, None, None, None,
-                            None).results
-    return by_engine, direct
+def both_paths(sharded_engine: ShardedModel, sharded_direct: ShardedModel, prompt, settings: BatchSettings):
+    """(the engine's result, the direct call's (tokens, accept lengths, steps)) for one prompt."""
+    (by_engine,) = generate_batch(sharded_engine, [prompt], settings, progress=False).results
+    batch = pad_prompts([prompt], settings.pad_id, 1, settings.bucket)
+    cache = cache_size_for(batch.tokens_bt.shape[1], N, scratch_slots(settings.tree), settings.bucket)
+    tokens_bo, num_b, steps_b, accept_bo = sharded_direct.medusa_decode(
+        batch.tokens_bt, batch.lengths_b, tree=settings.tree, cache_size=cache, max_new_tokens=N,
+        acceptance=settings.decode, eos_ids=(), pad_id=settings.pad_id)
+    return by_engine, (tokens_bo[0, : num_b[0]].tolist(), accept_bo[0, : steps_b[0]].tolist(), 1 + int(steps_b[0]))
 
 
 @pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap", "dear"])
 def test_a_mix_through_the_engine_takes_the_direct_calls_steps(model, costs):
     """Lookup + recycling at cheap and at dear step costs, one call per prompt on one model per path (the
     recycling table warm from call to call): tokens equal plain greedy's on both paths, and every accept length is
-    the direct call's (so the engine's size choice and backoff, and its table, are the batch path's); the dear
+    the direct call's (so the engine's size choice and backoff, and its table, are the decode loop's); the dear
     costs change the steps (the backoff skips drafting)."""
     prompts = prompts_of((7, 30, 12), seed=3)
     want = [generate(model, [p], max_new_tokens=N, eos_ids=())[0].token_ids for p in prompts]
@@ -70,10 +71,10 @@ def test_a_mix_through_the_engine_takes_the_direct_calls_steps(model, costs):
         models = ShardedModel(model, mix, MeshConfig()), ShardedModel(model, mix_of(model, True), MeshConfig())
         accepts[name] = []
         for prompt, tokens in zip(prompts, want):
-            (by_engine,), (direct,) = both_paths(*models, [prompt], settings)
-            assert by_engine.token_ids == direct.token_ids == tokens
-            assert by_engine.accept_lengths == direct.accept_lengths
-            assert by_engine.steps == direct.steps
+            by_engine, (direct_ids, direct_accepts, direct_steps) = both_paths(*models, prompt, settings)
+            assert by_engine.token_ids == direct_ids == tokens
+            assert by_engine.accept_lengths == direct_accepts
+            assert by_engine.steps == direct_steps
             accepts[name].append(by_engine.accept_lengths)
     if costs == DEAR:
         assert accepts["given"] != accepts["cheap"]
@@ -94,9 +95,9 @@ def test_a_mix_at_batch_3_equals_plain_greedy_through_the_engine(model):
 
 
 def test_recycling_stays_warm_from_call_to_call_as_on_the_direct_path(model):
-    """Token Recycling alone, three generate_batch calls on one ShardedModel per path: the engine starts from the
-    model's table and hands its table back, so each call's steps are the direct path's, the model's table after
-    each call is the direct path's, and a repeated prompt takes fewer steps the second time."""
+    """Token Recycling alone, three calls on one ShardedModel per path: the engine starts from the model's table
+    and hands its table back, so each call's steps are the direct call's, the model's table after each call is
+    the direct calls', and a repeated prompt takes fewer steps the second time."""
     config = model.config
     sharded = [ShardedModel(model, RecycleDrafter(RecycleConfig(config.hidden_size, config.vocab_size)),
                             MeshConfig()) for _ in range(2)]
@@ -104,10 +105,10 @@ def test_recycling_stays_warm_from_call_to_call_as_on_the_direct_path(model):
                              bucket=PROMPT_BUCKET)
     prompt, other = prompts_of((9, 20), seed=5)
     steps = []
-    for prompts in ([prompt], [other], [prompt]):
-        by_engine, direct = both_paths(*sharded, prompts, settings)
-        assert [r.token_ids for r in by_engine] == [r.token_ids for r in direct]
-        assert [r.accept_lengths for r in by_engine] == [r.accept_lengths for r in direct]
+    for one in (prompt, other, prompt):
+        by_engine, (direct_ids, direct_accepts, _) = both_paths(*sharded, one, settings)
+        assert by_engine.token_ids == direct_ids
+        assert by_engine.accept_lengths == direct_accepts
         np.testing.assert_array_equal(sharded[0].heads.table, sharded[1].heads.table)
-        steps.append(by_engine[0].steps)
+        steps.append(by_engine.steps)
     assert steps[2] < steps[0], steps

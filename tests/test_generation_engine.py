@@ -208,6 +208,10 @@ def test_cancel_frees_the_row_and_a_full_queue_refuses(model):
             engine.submit(bad, RequestParams())
     with pytest.raises(ValueError, match="lower max_tokens to at most 61"):
         engine.submit([1, 2, 3], RequestParams(max_tokens=62))
+    with pytest.raises(ValueError, match="shorten the prompt to at most 63 tokens"):
+        engine.submit([1] * 64, RequestParams(max_tokens=1))
+    with pytest.raises(ValueError, match="top_k must be at most the vocabulary size 128"):  # not int32's overflow
+        engine.submit([1], RequestParams(sampling=SamplingConfig(0.5, top_k=2**40)))
     engine.close()
     with pytest.raises(EngineClosed):
         engine.submit([1], RequestParams())

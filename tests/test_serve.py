@@ -258,6 +258,12 @@ BAD = [  # (path, body, status, param, words of the message)
     ("/v1/chat/completions", "{not json", 400, None, "not valid JSON"),
     ("/v1/chat/completions", "[1, 2]", 400, None, "JSON object"),
     ("/v1/chat/completions", "x" * (2 << 20), 413, None, "bytes"),
+    ("/v1/chat/completions", "[" * 100_000, 400, None, "not valid JSON"),  # nested too deep for the parser
+    ("/v1/completions", '{"prompt": "w1", "max_tokens": 1' + "0" * 5000 + "}", 400, None, "not valid JSON"),
+    ("/v1/completions", {"model": MODEL, "prompt": "w1", "top_k": 2**40}, 400, "top_k", "vocabulary size"),
+    ("/v1/completions", {"model": MODEL, "prompt": "w1", "stop_token_ids": [-1]}, 400, "stop_token_ids", "[0, 128)"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w1 " * CONTEXT}]}, 400,
+     "messages", "shorten the prompt"),
 ]
 
 
