@@ -64,6 +64,7 @@ class ProposeInputs:
     data: Any  # the proposer_data pytree given to generate_medusa / generate_batch
     draft: Any = None  # the drafter state carried from step to step (heads.init_draft; None: none kept)
     active_b: jax.Array | None = None  # rows still decoding
+    given: Any = None  # a mix's member proposals drafted earlier in the step (MixedDrafter.lookup_proposals)
 
 
 # A proposer returns (proposal, draft): the proposal is either [b, m, r] int32 candidate ids (m = tree.depth
@@ -80,6 +81,9 @@ def heads_proposer(inputs: ProposeInputs) -> tuple[jax.Array, Any]:
     ([b, m, r]), Hydra heads' or the EAGLE drafter's tree drafted depth by depth along each node's path
     ([b, t])."""
     model = inputs.model
+    if inputs.given is not None:
+        return model.heads.propose(inputs.hidden_bd, inputs.root_b, model.base, inputs.tree, inputs.draft,
+                                   inputs.active_b, given=inputs.given)
     return model.heads.propose(inputs.hidden_bd, inputs.root_b, model.base, inputs.tree, inputs.draft,
                                inputs.active_b)
 
@@ -222,9 +226,13 @@ def mixed_step(model: MedusaModel, state: MedusaState, proposer: Proposer, input
     """A mixed-draft step: drafted (`sized_verify`) or, while the size choice backs off after drafted steps that
     did not pay (`size_choice.SizeChoiceState`) and prompt lookup's chains alone do not promise a paying step
     (`size_choice.lookup_pays`), a plain step that skips the drafting (the drafters' states still see its token).
-    With no size-choice state in `state` (one built by hand), every step drafts."""
+    With no size-choice state in `state` (one built by hand), every step drafts. Prompt lookup's proposals are
+    drafted once, before the decision, and handed to the drafted branch (`MixedDrafter.lookup_proposals`)."""
+    given = model.heads.lookup_proposals(state.draft, state.root_b) if hasattr(model.heads, "lookup_proposals") \
+        else None
+
     def drafted(state_: MedusaState) -> MedusaState:
-        proposal, draft = proposer(dataclasses.replace(inputs, draft=state_.draft))
+        proposal, draft = proposer(dataclasses.replace(inputs, draft=state_.draft, given=given))
         return sized_verify(model, state_, proposal, draft, sizes, acceptance, eos_ids)
 
     if state.choice is None:
@@ -234,7 +242,7 @@ def mixed_step(model: MedusaModel, state: MedusaState, proposer: Proposer, input
         state_ = verify_and_emit(model, state_, plain_inputs(state_, sizes.depth), state_.draft, acceptance, eos_ids)
         return dataclasses.replace(state_, choice=state_.choice.skipped())
 
-    drafts = state.choice.drafts | lookup_pays(model.heads.drafters, state.draft, state.root_b, sizes, state.active_b)
+    drafts = state.choice.drafts | lookup_pays(list((given or {}).values()), sizes, state.active_b)
     state = run_if(~drafts, plain, state)
     return run_if(drafts, drafted, state)
 

@@ -9,7 +9,8 @@ decoding. A step that skips the drafting is a plain step of the same loop (the d
 emitted token). After a drafted step that did not pay (it emitted fewer tokens over the active rows than plain
 steps would have in its time, `DraftSizes.costs`), the next 1, 2, 4, ... up to `MAX_SKIP` steps skip the drafting;
 a drafted step that pays ends the backoff. A cheap signal overrides the backoff: when prompt lookup's own chains
-(a few ms of matching, no model call) already predict that a drafted step pays, the step drafts (`lookup_pays`).
+(matching only, no model call; drafted once per step, before the decision, and reused when the step drafts) already
+predict that a drafted step beats a plain one, the step drafts (`lookup_pays`).
 
 At batch > 1 one size serves every row (the verify forward has one shape): the size with the most predicted tokens
 of all active rows per unit of time, so a row with no good draft adds its one token to every size and weighs
@@ -19,12 +20,12 @@ towards the smaller ones.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from medusa_jax.heads.draft_merge import DraftSizes, expected_accepts
-from medusa_jax.heads.lookup import LookupDrafter, lookup_proposal
 from medusa_jax.trees.dynamic_tree import TreeProposal
 
 MAX_SKIP = 8  # the longest run of steps without drafting after drafted steps that did not pay
@@ -78,14 +79,16 @@ def choose(accepts_k: jax.Array, sizes: DraftSizes, rows: jax.Array) -> jax.Arra
     return jnp.argmax(gain_k).astype(jnp.int32)
 
 
-def lookup_pays(drafters, draft, root_b: jax.Array, sizes: DraftSizes, active_b: jax.Array) -> jax.Array:
-    """Whether the mix's prompt-lookup members alone (their chains, `heads.lookup.lookup_proposal`, scored with
-    lookup's measured acceptance, so uncorrected) predict a drafted step that beats a plain one (bool scalar;
-    False with no lookup member)."""
+def lookup_pays(proposals: Sequence[TreeProposal], sizes: DraftSizes, active_b: jax.Array) -> jax.Array:
+    """Whether the mix's prompt-lookup chains alone (`proposals`: `MixedDrafter.lookup_proposals`, drafted once per
+    step and reused by a drafted step; scored with lookup's measured acceptance, so uncorrected) predict a drafted
+    step that beats the plain step it would replace (bool scalar; False with no lookup member): some drafted size
+    n > 0 whose rows + predicted accepts per its cost exceed the rows of a plain step (cost 1; a step that skips
+    the drafting costs what a plain step does, not `sizes.costs[0]`, which also pays the drafting)."""
     rows = jnp.sum(active_b).astype(jnp.float32)
+    drafted_k = jnp.asarray(sizes.sizes) > 0
     pays = jnp.zeros((), bool)
-    for drafter, state in zip(drafters, draft):
-        if isinstance(drafter, LookupDrafter):
-            accepts_k = predicted_accepts(lookup_proposal(drafter.lookup, state, root_b), sizes, active_b)
-            pays |= choose(accepts_k, sizes, rows) > 0
+    for proposal in proposals:
+        gain_k = (rows + predicted_accepts(proposal, sizes, active_b)) / jnp.asarray(sizes.costs, jnp.float32)
+        pays |= jnp.any(drafted_k & (gain_k > rows))
     return pays

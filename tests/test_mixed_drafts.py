@@ -27,7 +27,7 @@ from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.folder import save_heads
 from medusa_jax.heads.draft_merge import DraftSizes, expected_accepts, keep_best, merge_proposals
 from medusa_jax.trees.dynamic_tree import TreeProposal
-from medusa_jax.heads.lookup import LookupConfig, LookupDrafter, init_lookup, lookup_matches, lookup_proposal
+from medusa_jax.heads.lookup import LookupConfig, init_lookup, lookup_matches, lookup_proposal
 from medusa_jax.heads.medusa import MedusaModel
 from medusa_jax.heads.mixed import make_mix, template_spec
 from medusa_jax.heads.recycle import RANK_ACCEPTANCE, RecycleConfig, RecycleDrafter, template_tree
@@ -216,17 +216,24 @@ def test_size_choice_backs_off_after_drafted_steps_that_did_not_pay():
 
 
 def test_lookup_pays_reads_the_lookup_chains_alone():
-    """`size_choice.lookup_pays`: a long match (a repeat) promises a paying step at batch 1, no match does not, and a
-    mix without prompt lookup never overrides the backoff."""
+    """`size_choice.lookup_pays`: a long match (a repeat) promises a paying step at batch 1, no match does not, a
+    mix without prompt lookup never overrides the backoff, and the drafted sizes are weighed against a plain step
+    (cost 1), not against costs[0], a drafted step that verifies the root alone."""
     config = LookupConfig(length=6)
     sizes = DraftSizes((0, 2, 6), (1.1, 1.5, 2.0), depth=6)
-    drafter = LookupDrafter(config)
     repeat = init_lookup(jnp.asarray([REPEATING]), jnp.asarray([len(REPEATING)]), 64)
     fresh = init_lookup(jnp.asarray([list(range(10, 27))]), jnp.asarray([17]), 64)
     active = jnp.asarray([True])
-    assert bool(lookup_pays([drafter], (repeat,), jnp.asarray([17]), sizes, active))  # ... 9 2 17 -> 33 4 8 ...
-    assert not bool(lookup_pays([drafter], (fresh,), jnp.asarray([99]), sizes, active))
-    assert not bool(lookup_pays([object()], (None,), jnp.asarray([17]), sizes, active))
+    hit = lookup_proposal(config, repeat, jnp.asarray([17]))  # ... 9 2 17 -> 33 4 8 ...
+    assert bool(lookup_pays([hit], sizes, active))
+    assert not bool(lookup_pays([lookup_proposal(config, fresh, jnp.asarray([99]))], sizes, active))
+    assert not bool(lookup_pays([], sizes, active))
+    # a one-token match (0.377 + 0.377^2 + ... = 0.60 predicted tokens at 6 nodes): at cost 1.65 it beats costs[0]
+    # = 1.25 (1.60 / 1.65 > 1 / 1.25) but not a plain step; at 1.55 it beats a plain step too
+    one = lookup_proposal(config, init_lookup(jnp.asarray([[7, 8, 1, 2, 3, 4, 5, 6, 9]]), jnp.asarray([9]), 64),
+                          jnp.asarray([7]))
+    assert not bool(lookup_pays([one], DraftSizes((0, 6), (1.25, 1.65), depth=6), active))
+    assert bool(lookup_pays([one], DraftSizes((0, 6), (1.25, 1.55), depth=6), active))
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from flax import nnx
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.draft_merge import DraftSizes, keep_best, merge_proposals
 from medusa_jax.trees.dynamic_tree import TreeProposal
-from medusa_jax.heads.lookup import LookupConfig, LookupDrafter
+from medusa_jax.heads.lookup import LookupConfig, LookupDrafter, lookup_proposal
 from medusa_jax.heads.merge_calibration import MemberCalibration, calibration_for
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 
@@ -104,18 +104,33 @@ class MixedDrafter(nnx.Module):
                                         max_depth if spec is None else spec.depth)
                      for drafter, spec in zip(self.drafters, self.specs))
 
-    def propose(self, hidden_bd, root_b, base, tree: DraftSizes, draft, active_b):
+    def propose(self, hidden_bd, root_b, base, tree: DraftSizes, draft, active_b,
+                given: dict[int, TreeProposal] | None = None):
+        """The merged candidate tree of the step's largest size and the members' new states; `given`: proposals
+        already drafted this step by member index (`lookup_proposals`: the step's size choice read them first),
+        not drafted again."""
         if not isinstance(tree, DraftSizes):
             raise ValueError(f"mixed drafts decode with draft sizes (draft_merge.DraftSizes), got {tree!r}")
-        proposals, states = self.member_proposals(hidden_bd, root_b, base, draft, active_b)
+        proposals, states = self.member_proposals(hidden_bd, root_b, base, draft, active_b, given)
         merged = merge_proposals(proposals, tree.depth, self.calibrations)
         return keep_best(merged, tree.nodes), states
 
-    def member_proposals(self, hidden_bd, root_b, base, draft, active_b) -> tuple[list[TreeProposal], tuple]:
-        """Each member's own candidate tree (scored with its own log predicted acceptance) and new state."""
+    def lookup_proposals(self, draft, root_b) -> dict[int, TreeProposal]:
+        """The prompt-lookup members' proposals by member index: matching only, no model call, so the step drafts
+        them before it decides whether to draft at all (`size_choice.lookup_pays`) and hands them to `propose`.
+        Lookup's state is unchanged by proposing."""
+        return {i: lookup_proposal(drafter.lookup, state, root_b)
+                for i, (drafter, state) in enumerate(zip(self.drafters, draft)) if isinstance(drafter, LookupDrafter)}
+
+    def member_proposals(self, hidden_bd, root_b, base, draft, active_b,
+                         given: dict[int, TreeProposal] | None = None) -> tuple[list[TreeProposal], tuple]:
+        """Each member's own candidate tree (scored with its own log predicted acceptance) and new state (a
+        member in `given` keeps its state and the given proposal)."""
         proposals, states = [], []
-        for drafter, spec, state in zip(self.drafters, self.specs, draft):
-            if isinstance(spec, TemplateSpec):
+        for i, (drafter, spec, state) in enumerate(zip(self.drafters, self.specs, draft)):
+            if given and i in given:
+                proposal = given[i]
+            elif isinstance(spec, TemplateSpec):
                 tokens_bt, state = drafter.propose(hidden_bd, root_b, base, spec.tree, state, active_b)
                 proposal = spec.proposal(tokens_bt)
             else:
