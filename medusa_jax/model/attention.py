@@ -15,9 +15,15 @@ A cache-free forward (training's packed rows: the call's own T tokens are the sl
 "chunked" takes the queries in blocks of QUERY_CHUNK, each block under `jax.checkpoint`, so the forward holds
 one block's scores at a time and the backward recomputes them (only q, K, V, the mask and the output are kept:
 no [B, heads, T, T] tensor lives across layers); "xla" and "cudnn" are `jax.nn.dot_product_attention` with that
-implementation (cudnn: a fused flash kernel on NVIDIA GPUs). The cache paths (prefill, decode, tree verify)
-have no backward pass and keep `grouped_attention`, which reads the cache in its stored layout (the fused
-kernels take K/V as [B, S, K, H]: re-laying the cache each step is the copy tests/test_decode_hlo.py forbids).
+implementation (cudnn: a fused flash kernel on NVIDIA GPUs).
+
+The cache paths (prefill, decode, tree verify) take the same setting, in `cache_attention`: "chunked" runs the
+queries in blocks of QUERY_CHUNK over the cache in its stored layout (no backward pass there, so no
+checkpoint): a prefill holds one block's [B, heads, QUERY_CHUNK, S] scores, and decode and a tree's verify are
+one block, exactly `grouped_attention` (the CPU default, byte-identical to before). "xla" and "cudnn" re-lay
+the layer's K/V as [B, S, K, H] for `jax.nn.dot_product_attention` (a copy per layer per call, the copy
+tests/test_decode_hlo.py forbids in the default loops): the tree mask is its boolean mask, positions are
+rope's and unchanged, GQA is its grouped heads.
 """
 
 from __future__ import annotations
@@ -44,10 +50,11 @@ def grouped_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, 
 
 
 def chunked_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array,
-                      chunk: int = QUERY_CHUNK) -> jax.Array:
+                      chunk: int = QUERY_CHUNK, recompute: bool = True) -> jax.Array:
     """`grouped_attention` over blocks of `chunk` query tokens (one `lax.map` step each), every block under
-    `jax.checkpoint`: the backward pass keeps the inputs and recomputes a block's scores when it needs them."""
-    attend = jax.checkpoint(grouped_attention)
+    `jax.checkpoint` when `recompute`: the backward pass keeps the inputs and recomputes a block's scores when it
+    needs them."""
+    attend = jax.checkpoint(grouped_attention) if recompute else grouped_attention
     b, t, k, g, h = q_btkgh.shape
     if t <= chunk:
         return attend(q_btkgh, k_bkhs, v_bksh, mask_bts)
@@ -66,8 +73,25 @@ def self_attention(q_btkgh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, mas
     [B, T, T] -> [B, T, K, G, H]. kind: "chunked" | "xla" | "cudnn" (module docstring)."""
     if kind == "chunked":
         return chunked_attention(q_btkgh, k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3), mask_bts)
+    return _fused_attention(q_btkgh, k_btkh, v_btkh, mask_bts, kind)
+
+
+def cache_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array,
+                    kind: str) -> jax.Array:
+    """Attention of T new tokens over one layer's cache (prefill, decode, tree verify): q [B, T, K, G, H], K
+    [B, K, H, S], V [B, K, S, H] (the stored layout), mask [B, T, S] -> [B, T, K, G, H]. kind: as
+    `self_attention` (module docstring)."""
+    if kind == "chunked":
+        return chunked_attention(q_btkgh, k_bkhs, v_bksh, mask_bts, recompute=False)
+    return _fused_attention(q_btkgh, k_bkhs.transpose(0, 3, 1, 2), v_bksh.transpose(0, 2, 1, 3), mask_bts, kind)
+
+
+def _fused_attention(q_btkgh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array,
+                     kind: str) -> jax.Array:
+    """`jax.nn.dot_product_attention` (implementation `kind`: "xla" or "cudnn") of q [B, T, K, G, H] over K and V
+    [B, S, K, H] under mask [B, T, S] -> [B, T, K, G, H]; the K query heads' groups are its GQA heads."""
     b, t, k, g, h = q_btkgh.shape
-    out_btnh = jax.nn.dot_product_attention(q_btkgh.reshape(b, t, k * g, h), k_btkh.astype(q_btkgh.dtype),
-                                            v_btkh.astype(q_btkgh.dtype), mask=mask_bts[:, None],
+    out_btnh = jax.nn.dot_product_attention(q_btkgh.reshape(b, t, k * g, h), k_bskh.astype(q_btkgh.dtype),
+                                            v_bskh.astype(q_btkgh.dtype), mask=mask_bts[:, None],
                                             implementation=kind)
     return out_btnh.reshape(b, t, k, g, h)
