@@ -7,7 +7,7 @@ load from other processes falls on all of them alike:
   verify   a tree's N nodes over a cache of --cache slots holding --committed tokens per row (mask: the tree
            mc_sim_7b_63's first N nodes, each seeing its ancestors only)
 One JSON line per case: each kind's median seconds over --rounds and its ratio to the first kind. "grouped" is the
-cache paths' attention before issue 41, timed only on prompts longer than QUERY_CHUNK (below, chunked is it).
+cache paths' attention before issue 41, timed only on prompts longer than PREFILL_QUERY_CHUNK (below, chunked is it).
 
   python bench/cache_attention.py --kinds chunked,xla,grouped --batches 1,4 --prompts 128,1024 --nodes 4,16,64
 """
@@ -27,7 +27,7 @@ from flax import nnx
 from medusa_jax.demo_model import resolve_model_dir
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model import backbone
-from medusa_jax.model.attention import QUERY_CHUNK, grouped_attention
+from medusa_jax.model.attention import PREFILL_QUERY_CHUNK, grouped_attention
 from medusa_jax.model.backbone import with_layer_execution
 from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
@@ -102,8 +102,8 @@ def main() -> None:
     cases += [("verify", b, n, args.cache, args.committed, tree_block(n)) for b in map(int, args.batches.split(","))
               for n in map(int, args.nodes.split(","))]
     for name, batch, tokens, slots, committed, block_tt in cases:
-        # up to QUERY_CHUNK tokens, chunked is grouped_attention itself: the baseline is timed on longer prompts
-        timed = {k: f for k, f in models.items() if k != "grouped" or tokens > QUERY_CHUNK}
+        # up to PREFILL_QUERY_CHUNK tokens chunked is grouped_attention itself: the baseline runs on longer prompts
+        timed = {k: f for k, f in models.items() if k != "grouped" or tokens > PREFILL_QUERY_CHUNK}
         seconds = compare(timed, case_inputs(base.config, batch, tokens, slots, committed, block_tt), args.rounds)
         print(json.dumps({"case": name, "batch": batch, "tokens": tokens, "slots": slots,
                           "seconds": {k: round(v, 5) for k, v in seconds.items()},

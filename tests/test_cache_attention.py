@@ -60,7 +60,8 @@ FP32, BF16 = ("float32", 2e-5, 2e-6), ("bfloat16", 3e-2, 3e-2)  # dtype, rtol, a
 
 @pytest.mark.parametrize("execution, dtype, rtol, atol_frac",
                          [(LayerExecution(attention="xla"), *FP32), (LayerExecution(attention="xla"), *BF16),
-                          (LayerExecution(scan=True, attention="xla"), *FP32)], ids=["xla-fp32", "xla-bf16", "scan-xla-fp32"])
+                          (LayerExecution(scan=True, attention="xla"), *FP32)],
+                         ids=["xla-fp32", "xla-bf16", "scan-xla-fp32"])
 def test_prefill_and_verify_equal_grouped_attention(execution, dtype, rtol, atol_frac):
     tokens_bt = jax.random.randint(jax.random.key(1), (B, PROMPT + NODES), 0, CFG.vocab_size)
     run = jax.jit(_prefill_and_verify)

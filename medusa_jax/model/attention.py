@@ -18,9 +18,10 @@ no [B, heads, T, T] tensor lives across layers); "xla" and "cudnn" are `jax.nn.d
 implementation (cudnn: a fused flash kernel on NVIDIA GPUs).
 
 The cache paths (prefill, decode, tree verify) take the same setting, in `cache_attention`: "chunked" runs the
-queries in blocks of QUERY_CHUNK over the cache in its stored layout (no backward pass there, so no
-checkpoint): a prefill holds one block's [B, heads, QUERY_CHUNK, S] scores, and decode and a tree's verify are
-one block, exactly `grouped_attention` (the CPU default, byte-identical to before). "xla" and "cudnn" re-lay
+queries in blocks of PREFILL_QUERY_CHUNK over the cache in its stored layout (no backward pass there, so no
+checkpoint): a long prefill holds one block's [B, heads, PREFILL_QUERY_CHUNK, S] scores, and decode, a tree's
+verify and prompts up to PREFILL_QUERY_CHUNK tokens are one block, exactly `grouped_attention` (the CPU
+default, byte-identical to before). "xla" and "cudnn" re-lay
 the layer's K/V as [B, S, K, H] for `jax.nn.dot_product_attention` (a copy per layer per call, the copy
 tests/test_decode_hlo.py forbids in the default loops): the tree mask is its boolean mask, positions are
 rope's and unchanged, GQA is its grouped heads.
@@ -32,7 +33,10 @@ import jax
 import jax.numpy as jnp
 
 _NEG_INF = -1e30
-QUERY_CHUNK = 512  # query tokens per block of chunked attention
+QUERY_CHUNK = 512  # query tokens per block of chunked attention (training's rows)
+# query tokens per block over a cache (prefill): larger, because each block loop holds its own blocked queries and
+# mask; 8B decode plans at 1024-token prompts grew by 0.30-0.46 GiB per device with blocks of 512 (docs/planning.md)
+PREFILL_QUERY_CHUNK = 2048
 
 
 def grouped_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array) -> jax.Array:
@@ -82,7 +86,7 @@ def cache_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, ma
     [B, K, H, S], V [B, K, S, H] (the stored layout), mask [B, T, S] -> [B, T, K, G, H]. kind: as
     `self_attention` (module docstring)."""
     if kind == "chunked":
-        return chunked_attention(q_btkgh, k_bkhs, v_bksh, mask_bts, recompute=False)
+        return chunked_attention(q_btkgh, k_bkhs, v_bksh, mask_bts, PREFILL_QUERY_CHUNK, recompute=False)
     return _fused_attention(q_btkgh, k_bkhs.transpose(0, 3, 1, 2), v_bksh.transpose(0, 2, 1, 3), mask_bts, kind)
 
 
