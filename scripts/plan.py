@@ -85,7 +85,7 @@ def add_train_step(p: ArgumentParser, *more: Option) -> None:
     train = p.add_argument_group("the train step (--job train), as train_heads.py's flags of the same names set it")
     add_fields(train, PlanConfig, options.MEDUSA2, options.LOSS_CHUNK, options.OPTIMIZER_DTYPE, *more)
     add_fields(train, LayerExecution, options.REMAT)
-    add_fields(p, LayerExecution, options.SCAN_LAYERS, options.ATTENTION)  # train and decode (a stacked cache)
+    add_fields(p, LayerExecution, options.SCAN_LAYERS, options.ATTENTION)  # train and decode (stacked cache, prefill)
 
 
 def main(argv=None) -> int:
