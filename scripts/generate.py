@@ -112,6 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     options.MESH.add(p, more="for sharded decoding (a batch that does not divide by data*fsdp is padded with "
                          "inactive rows; for decoding prefer data x tensor) (default: one device)")
     options.SCAN_LAYERS.add(p, action="store_true", more="; not with a mix of drafters in --heads")
+    add_fields(p, LayerExecution(), options.ATTENTION)
 
     add_distributed_args(p)
     a = p.parse_args(argv)
@@ -155,6 +156,9 @@ def check(a: argparse.Namespace) -> None:
     if a.scan and is_mix(a.heads):
         raise validate.UsageError("--scan-layers: a mix of drafters in --heads loads the layers one by one; "
                                   "drop --scan-layers")
+    if a.attention != LayerExecution.attention and is_mix(a.heads):
+        raise validate.UsageError(f"--attention {a.attention}: a mix of drafters in --heads runs the default "
+                                  f"attention; drop --attention")
     if a.prompt == "":  # as in an --input file, an empty prompt is refused
         raise validate.UsageError("--prompt: empty; give some text")
     validate.given("--input", a.input, "a JSONL file of prompts")
@@ -203,7 +207,7 @@ def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:
     else:
         model = load_sharded(folder, resolve_heads_dir(a.heads) if a.heads and not recycling else None,
                              MeshConfig.parse(a.mesh), a.dtype, drafter=drafter,
-                             layers=LayerExecution(scan=a.scan))
+                             layers=LayerExecution(scan=a.scan, attention=a.attention))
     if a.heads and not is_mix(a.heads):
         hc = model.heads_config
         if recycling and (a.tree is None or a.tree in recycle.TEMPLATES):

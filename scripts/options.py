@@ -329,7 +329,8 @@ LOSS_CHUNK = Option("--loss-chunk", "tokens per chunk of the heads' (and Medusa-
                     "rows)", check=at_least(0))
 REMAT = Option("--remat", "what the backward pass keeps of each backbone layer (Medusa-2): none = everything, full = "
                "its input only (recompute the layer), dots = the matrix products' outputs", choices=REMAT_POLICIES)
-ATTENTION = Option("--attention", "attention of the training rows: chunked (query blocks, scores recomputed for the "
-                   "backward), xla or cudnn (jax.nn.dot_product_attention; cudnn = fused flash attention on NVIDIA "
-                   "GPUs with --compute-dtype bfloat16)", choices=ATTENTION_KINDS)
+ATTENTION = Option("--attention", "attention of the training rows and of prefill, decode and tree verify: chunked "
+                   "(query blocks, scores recomputed for the backward; decode and verify are one block), xla or "
+                   "cudnn (jax.nn.dot_product_attention; cudnn = fused flash attention on NVIDIA GPUs in bfloat16)",
+                   choices=ATTENTION_KINDS)
 MEDUSA2 = Option("--medusa2", "train the backbone too (Medusa-2, joint training; writes OUTPUT/base_model)")

@@ -84,8 +84,8 @@ def add_train_step(p: ArgumentParser, *more: Option) -> None:
     """The train step's settings (--job train), declared in `options` as train_heads.py takes them."""
     train = p.add_argument_group("the train step (--job train), as train_heads.py's flags of the same names set it")
     add_fields(train, PlanConfig, options.MEDUSA2, options.LOSS_CHUNK, options.OPTIMIZER_DTYPE, *more)
-    add_fields(train, LayerExecution, options.REMAT, options.ATTENTION)
-    add_fields(p, LayerExecution, options.SCAN_LAYERS)  # train and decode (a stacked cache)
+    add_fields(train, LayerExecution, options.REMAT)
+    add_fields(p, LayerExecution, options.SCAN_LAYERS, options.ATTENTION)  # train and decode (stacked cache, prefill)
 
 
 def main(argv=None) -> int:
@@ -229,7 +229,8 @@ def vs_device_main(argv: list[str]) -> int:
                  "--optimizer-dtype", args.optimizer_dtype] + ["--medusa2"] * args.medusa2 + \
             ["--scan-layers"] * args.scan
     else:
-        extra = ["--lm-head", "shared", "--cache", str(args.cache), "--tree", args.tree] + ["--scan-layers"] * args.scan
+        extra = ["--lm-head", "shared", "--cache", str(args.cache), "--tree", args.tree, "--attention",
+                 args.attention] + ["--scan-layers"] * args.scan
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *common, *extra], capture_output=True,
                           text=True)
     if proc.returncode:
@@ -248,7 +249,7 @@ def vs_device_main(argv: list[str]) -> int:
               f"{measured['compiled'] / mib:.1f} MiB")
     else:
         model = load_sharded(folder, dtype=args.dtype, random_heads=args.num_heads,
-                             layers=LayerExecution(scan=args.scan))
+                             layers=LayerExecution(scan=args.scan, attention=args.attention))
         tree = load_tree(args.tree, num_heads=args.num_heads)
         before = device.memory_stats()["bytes_in_use"]
         prompts = np.ones((args.batch, args.seq), np.int32)

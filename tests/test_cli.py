@@ -102,24 +102,30 @@ def test_generate_sampling_is_seeded(tiny_with_tokenizer, capsys):
 
 @pytest.mark.parametrize("heads", [[], ["--heads", "recycle"]])
 def test_generate_scan_layers_gives_the_per_layer_tokens(tiny_with_tokenizer, tmp_path, capsys, heads):
-    """--scan-layers loads the layers stacked and decodes over a stacked KV cache: plain and Token Recycling
-    decoding of a batched input file give the per-layer run's tokens."""
+    """--scan-layers loads the layers stacked and decodes over a stacked KV cache, --attention xla runs prefill and
+    verify through jax.nn.dot_product_attention: plain and Token Recycling decoding of a batched input file give
+    the per-layer run's tokens."""
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(p) for p in ["w5 w6", "w7 w8 w9 w10 w11", "w14"]) + "\n")
     rows = {}
-    for name, flags in (("per-layer", []), ("stacked", ["--scan-layers"])):
+    for name, flags in (("per-layer", []), ("stacked", ["--scan-layers"]), ("xla", ["--attention", "xla"])):
         dst = tmp_path / f"{name}.jsonl"
         code, _, err = run_generate(capsys, "--model", str(tiny_with_tokenizer), "--input", str(src), "--output",
                                     str(dst), "--batch-size", "2", "--max-new-tokens", "12", *heads, *flags)
         assert code == 0, err
         rows[name] = [json.loads(line) for line in dst.read_text().splitlines()]
-    assert [r["token_ids"] for r in rows["stacked"]] == [r["token_ids"] for r in rows["per-layer"]]
-    assert [r["steps"] for r in rows["stacked"]] == [r["steps"] for r in rows["per-layer"]]
+    for name in ("stacked", "xla"):
+        assert [r["token_ids"] for r in rows[name]] == [r["token_ids"] for r in rows["per-layer"]], name
+        assert [r["steps"] for r in rows[name]] == [r["steps"] for r in rows["per-layer"]], name
     assert all(len(r["token_ids"]) > 0 for r in rows["stacked"])
     with pytest.raises(SystemExit):  # a mix loads per layer
         run_generate(capsys, "--model", str(tiny_with_tokenizer), "--prompt", "w1", "--heads", "recycle+lookup",
                      "--scan-layers")
     assert "--scan-layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_generate(capsys, "--model", str(tiny_with_tokenizer), "--prompt", "w1", "--heads", "recycle+lookup",
+                     "--attention", "xla")
+    assert "--attention xla" in capsys.readouterr().err
 
 
 def test_generate_errors(tiny_with_tokenizer, tmp_path, capsys):

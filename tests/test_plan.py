@@ -148,7 +148,7 @@ def test_cli_plans_a_config_folder_as_json(tmp_path):
     (["--model", "llama3-8b", "--device", "a100"], "unknown device"),
     (["--model", "llama3-8b", "--mesh", "data=2", "--batch", "3"], "not divisible"),
     (["--model", "llama3-8b", "--seq", "1024", "--cache", "1024"], "leaves no room"),
-    (["--model", "llama3-8b", "--scan-layers", "--remat", "full"], "a decode plan takes only --scan-layers"),
+    (["--model", "llama3-8b", "--scan-layers", "--remat", "full"], "a decode plan takes only --scan-layers and --attention"),
 ])
 def test_cli_bad_input_is_one_clear_error(args, message, monkeypatch, capsys):
     code, err = plan_cli_in_process(args, monkeypatch, capsys)

@@ -25,8 +25,9 @@ One device of a mesh (`estimate_per_device`, for a `training.plan.PlanConfig`), 
 `medusa_jax.model.sharding`: weight matrices split over fsdp x tensor, norms replicated, biases over tensor;
 each layer's K and V cache buffers split over rows (data x fsdp) and KV heads (tensor); Adam's two moments
 like their parameters. Activations are the largest working sets, not a full liveness analysis:
-  decode  prefill: one layer's attention scores and probabilities (fp32) and MLP activations of the prompt, for
-          one length group of rows (`inference.autoregressive.prefill_groups`), and that group's fresh cache;
+  decode  prefill: one layer's attention scores and probabilities (fp32) of one query block of 2048 (--attention
+          chunked; every prompt token with xla) and MLP activations of the prompt, for one length group of rows
+          (`inference.autoregressive.prefill_groups`), and that group's fresh cache;
           loop: the tree's base logits and the heads' logits (fp32)
   train   every head's logits and their gradient (fp32; XLA runs the heads side by side; one chunk of tokens
           with `--loss-chunk`), with fsdp > 1 each own lm_head whole twice (gathered, and its gradient before the
@@ -47,7 +48,7 @@ import dataclasses
 import numpy as np
 
 from medusa_jax.inference.autoregressive import prefill_groups
-from medusa_jax.model.attention import QUERY_CHUNK
+from medusa_jax.model.attention import PREFILL_QUERY_CHUNK, QUERY_CHUNK
 from medusa_jax.model.config import ModelConfig, resolve_dtype
 
 GIB = 2**30
@@ -207,7 +208,8 @@ def estimate_per_device(config) -> DeviceEstimate:
         # the prefill runs its rows in length groups (`grouped_prefill`), each into a fresh cache of its rows
         groups = prefill_groups(config.batch, rows)
         group_rows = dev_rows / groups
-        prefill = group_rows * (2 * heads_part * config.seq * config.cache * 4
+        queries = config.seq if config.layers.attention == "xla" else min(config.seq, PREFILL_QUERY_CHUNK)
+        prefill = group_rows * (2 * heads_part * queries * config.cache * 4
                                 + config.seq * (4 * m.hidden_size + 3 * mlp_part) * act)
         prefill += cache / groups if groups > 1 else 0
         loop = dev_rows * (config.tree_tokens * vocab_part * 4 + config.num_heads * vocab_part * 4)

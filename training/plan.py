@@ -54,8 +54,9 @@ class PlanConfig:
     medusa2: bool = False
     compute_dtype: str = "bfloat16"  # train only: the dtype the step computes in
     heads_dtype: str = "float32"  # train: heads are trained in float32; decode uses the model's dtype
-    # train: the backbone's scan, remat and attention (train_heads flags); decode: its scan only, a stacked model
-    # decoding over a stacked KV cache (one scan over the layers per forward, `model.layer_stack.run_cached_layers`)
+    # train: the backbone's scan, remat and attention (train_heads flags); decode: its scan, a stacked model
+    # decoding over a stacked KV cache (one scan over the layers per forward, `model.layer_stack.run_cached_layers`),
+    # and the attention of prefill and verify (`model.attention.cache_attention`)
     layers: LayerExecution = LayerExecution()
     loss_chunk: int = 0  # train: tokens per chunk of the vocabulary-wide losses (TrainConfig.loss_chunk)
     optimizer_dtype: str = "float32"  # train: storage dtype of Adam's moments (TrainConfig.optimizer_dtype)
@@ -77,9 +78,9 @@ class PlanConfig:
         if self.job == "decode" and self.cache > positions + 4096:
             raise ValueError(f"--cache {self.cache}: the model has {positions} positions (plus the tree's scratch "
                              f"slots); plan fewer cache slots")
-        if self.job == "decode" and (self.layers.remat, self.layers.attention) != ("none", "chunked"):
-            raise ValueError(f"--remat {self.layers.remat} / --attention {self.layers.attention}: they set how "
-                             f"training runs the layers; a decode plan takes only --scan-layers")
+        if self.job == "decode" and self.layers.remat != "none":
+            raise ValueError(f"--remat {self.layers.remat}: it sets what training's backward pass keeps; a decode "
+                             f"plan takes only --scan-layers and --attention")
         if self.job == "decode" and self.max_new_tokens < 1:
             raise ValueError(f"cache {self.cache} leaves no room for new tokens after a {self.seq}-token prompt "
                              f"and the tree's {self.tree_tokens} scratch slots")
@@ -180,18 +181,21 @@ def abstract_models(config: PlanConfig) -> tuple[CausalLM, MedusaHeads]:
     """The backbone and heads as shapes only (nnx.eval_shape: no parameter is allocated). A decode plan's backbone
     is built in the layout it decodes in (stacked for `layers.scan`, as `load_pretrained(layers=...)` loads it);
     the train step stacks its layers itself (`Trainer`)."""
-    model = config.model.replace(execution=config.layers) if config.job == "decode" else config.model
+    model = config.model.replace(execution=planned_layers(config.layers)) if config.job == "decode" else config.model
     base = nnx.eval_shape(lambda: CausalLM(model, nnx.Rngs(0)))
     heads = nnx.eval_shape(lambda: MedusaHeads(config.heads_config(), nnx.Rngs(0)))
     return base, heads
 
 
+def planned_layers(layers: LayerExecution) -> LayerExecution:
+    """`layers` as the CPU compiler can plan them: it has no cuDNN, so the flash kernel is planned as chunked
+    attention (neither keeps a [B, heads, T, T] tensor)."""
+    return dataclasses.replace(layers, attention="chunked") if layers.attention == "cudnn" else layers
+
+
 def train_config(config: PlanConfig, planned: bool = True) -> TrainConfig:
-    """The TrainConfig of a planned train job (`planned`: the CPU compiler has no cuDNN, so its flash kernel is
-    planned as chunked attention; neither keeps scores for the backward)."""
-    layers = config.layers
-    if planned and layers.attention == "cudnn":
-        layers = dataclasses.replace(layers, attention="chunked")
+    """The TrainConfig of a planned train job (`planned`: as the CPU compiler can plan it, `planned_layers`)."""
+    layers = planned_layers(config.layers) if planned else config.layers
     return TrainConfig(medusa2=config.medusa2, compute_dtype=config.compute_dtype, head_lr_multiplier=4.0
                        if config.medusa2 else 1.0, layers=layers, loss_chunk=config.loss_chunk,
                        optimizer_dtype=config.optimizer_dtype)

@@ -15,9 +15,16 @@ A cache-free forward (training's packed rows: the call's own T tokens are the sl
 "chunked" takes the queries in blocks of QUERY_CHUNK, each block under `jax.checkpoint`, so the forward holds
 one block's scores at a time and the backward recomputes them (only q, K, V, the mask and the output are kept:
 no [B, heads, T, T] tensor lives across layers); "xla" and "cudnn" are `jax.nn.dot_product_attention` with that
-implementation (cudnn: a fused flash kernel on NVIDIA GPUs). The cache paths (prefill, decode, tree verify)
-have no backward pass and keep `grouped_attention`, which reads the cache in its stored layout (the fused
-kernels take K/V as [B, S, K, H]: re-laying the cache each step is the copy tests/test_decode_hlo.py forbids).
+implementation (cudnn: a fused flash kernel on NVIDIA GPUs).
+
+The cache paths (prefill, decode, tree verify) take the same setting, in `cache_attention`: "chunked" runs the
+queries in blocks of PREFILL_QUERY_CHUNK over the cache in its stored layout (no backward pass there, so no
+checkpoint): a long prefill holds one block's [B, heads, PREFILL_QUERY_CHUNK, S] scores, and decode, a tree's
+verify and prompts up to PREFILL_QUERY_CHUNK tokens are one block, exactly `grouped_attention` (the CPU
+default, byte-identical to before). "xla" and "cudnn" re-lay
+the layer's K/V as [B, S, K, H] for `jax.nn.dot_product_attention` (a copy per layer per call, the copy
+tests/test_decode_hlo.py forbids in the default loops): the tree mask is its boolean mask, positions are
+rope's and unchanged, GQA is its grouped heads.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ import jax
 import jax.numpy as jnp
 
 _NEG_INF = -1e30
-QUERY_CHUNK = 512  # query tokens per block of chunked attention
+QUERY_CHUNK = 512  # query tokens per block of chunked attention (training's rows)
+# query tokens per block over a cache (prefill): larger, because each block loop holds its own blocked queries and
+# mask; 8B decode plans at 1024-token prompts grew by 0.30-0.46 GiB per device with blocks of 512 (docs/planning.md)
+PREFILL_QUERY_CHUNK = 2048
 
 
 def grouped_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array) -> jax.Array:
@@ -44,10 +54,11 @@ def grouped_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, 
 
 
 def chunked_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array,
-                      chunk: int = QUERY_CHUNK) -> jax.Array:
+                      chunk: int = QUERY_CHUNK, recompute: bool = True) -> jax.Array:
     """`grouped_attention` over blocks of `chunk` query tokens (one `lax.map` step each), every block under
-    `jax.checkpoint`: the backward pass keeps the inputs and recomputes a block's scores when it needs them."""
-    attend = jax.checkpoint(grouped_attention)
+    `jax.checkpoint` when `recompute`: the backward pass keeps the inputs and recomputes a block's scores when it
+    needs them."""
+    attend = jax.checkpoint(grouped_attention) if recompute else grouped_attention
     b, t, k, g, h = q_btkgh.shape
     if t <= chunk:
         return attend(q_btkgh, k_bkhs, v_bksh, mask_bts)
@@ -66,8 +77,25 @@ def self_attention(q_btkgh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, mas
     [B, T, T] -> [B, T, K, G, H]. kind: "chunked" | "xla" | "cudnn" (module docstring)."""
     if kind == "chunked":
         return chunked_attention(q_btkgh, k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3), mask_bts)
+    return _fused_attention(q_btkgh, k_btkh, v_btkh, mask_bts, kind)
+
+
+def cache_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array,
+                    kind: str) -> jax.Array:
+    """Attention of T new tokens over one layer's cache (prefill, decode, tree verify): q [B, T, K, G, H], K
+    [B, K, H, S], V [B, K, S, H] (the stored layout), mask [B, T, S] -> [B, T, K, G, H]. kind: as
+    `self_attention` (module docstring)."""
+    if kind == "chunked":
+        return chunked_attention(q_btkgh, k_bkhs, v_bksh, mask_bts, PREFILL_QUERY_CHUNK, recompute=False)
+    return _fused_attention(q_btkgh, k_bkhs.transpose(0, 3, 1, 2), v_bksh.transpose(0, 2, 1, 3), mask_bts, kind)
+
+
+def _fused_attention(q_btkgh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array,
+                     kind: str) -> jax.Array:
+    """`jax.nn.dot_product_attention` (implementation `kind`: "xla" or "cudnn") of q [B, T, K, G, H] over K and V
+    [B, S, K, H] under mask [B, T, S] -> [B, T, K, G, H]; the K query heads' groups are its GQA heads."""
     b, t, k, g, h = q_btkgh.shape
-    out_btnh = jax.nn.dot_product_attention(q_btkgh.reshape(b, t, k * g, h), k_btkh.astype(q_btkgh.dtype),
-                                            v_btkh.astype(q_btkgh.dtype), mask=mask_bts[:, None],
+    out_btnh = jax.nn.dot_product_attention(q_btkgh.reshape(b, t, k * g, h), k_bskh.astype(q_btkgh.dtype),
+                                            v_bskh.astype(q_btkgh.dtype), mask=mask_bts[:, None],
                                             implementation=kind)
     return out_btnh.reshape(b, t, k, g, h)

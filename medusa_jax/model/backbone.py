@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from medusa_jax.model.attention import grouped_attention, self_attention
+from medusa_jax.model.attention import cache_attention, self_attention
 from medusa_jax.model.config import LayerExecution, ModelConfig
 from medusa_jax.model.kv_cache import KVCache, write_layer
 from medusa_jax.model.layer_stack import layer_slices, run_cached_layers, run_layers, stacked
@@ -65,7 +65,8 @@ class Attention(nnx.Module):
                                        cfg.execution.attention)
             return self.o_proj(out_btkgh.reshape(b, t, n * h)), None, None
         k_bkhs, v_bksh = write_layer(k_bkhs, v_bksh, k_btkh, v_btkh, lengths_b)
-        out_btkgh = grouped_attention(q_btnh.reshape(b, t, k, g, h), k_bkhs, v_bksh, mask_bts)
+        out_btkgh = cache_attention(q_btnh.reshape(b, t, k, g, h), k_bkhs, v_bksh, mask_bts,
+                                    cfg.execution.attention)
         return self.o_proj(out_btkgh.reshape(b, t, n * h)), k_bkhs, v_bksh
 
 

@@ -42,16 +42,18 @@ ATTENTION_KINDS = ("chunked", "xla", "cudnn")
 
 @dataclasses.dataclass(frozen=True)
 class LayerExecution:
-    """How a cache-free forward (training's packed rows) runs the decoder layers (`medusa_jax.model.layer_stack`;
-    `backbone.with_layer_execution` converts a model between the settings).
+    """How the decoder layers run (`medusa_jax.model.layer_stack`; `backbone.with_layer_execution` converts a model
+    between the settings): scan and remat for a cache-free forward (training's packed rows), scan and attention
+    for the cache paths (prefill, decode, tree verify) too.
 
     scan       False: the layers stored one by one and unrolled; True: stored stacked ([L, ...] parameters) and
                run by one `jax.lax.scan` (FSDP gathers one layer at a time, the program holds one layer)
     remat      what the backward pass keeps of each layer: "none" everything (fastest, most memory), "full" only
                the layer's input (the layer is recomputed), "dots" the matrix products' outputs
     attention  "chunked" (queries in blocks, scores recomputed for the backward: no [B, heads, T, T] tensor is
-               kept), "xla" / "cudnn" (`jax.nn.dot_product_attention` with that implementation; cudnn: fused
-               flash attention on NVIDIA GPUs, bf16/fp16 only)
+               kept; over a cache: blocks of a prefill's prompt, decode and verify are one block), "xla" /
+               "cudnn" (`jax.nn.dot_product_attention` with that implementation; cudnn: fused flash attention
+               on NVIDIA GPUs, bf16/fp16 only); `model.attention`
     """
 
     scan: bool = False
