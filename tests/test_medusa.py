@@ -77,10 +77,8 @@ def tiny(tiny_model_dir):
             # a wider init than the default 0.02 gives varied (not constant) greedy continuations
             base = load_pretrained(tiny_model_dir(kind, initializer_range=0.3))
             refs = {"batch1": ((), generate(base, PROMPTS["batch1"], max_new_tokens=N, eos_ids=()))}
-            # row 1's free continuation decoded alone: the batch1 reference's program (one row, width 64, N, no
-            # EOS), not a compile of its own
-            free = generate(base, PROMPTS["ragged4"][1:2], max_new_tokens=N, eos_ids=())
-            eos = pick_eos(free[0].token_ids, lo=N // 3)
+            free = generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=())
+            eos = pick_eos(free[1].token_ids, lo=N // 3)
             refs["ragged4"] = ((eos,), generate(base, PROMPTS["ragged4"], max_new_tokens=N, eos_ids=(eos,)))
             assert len(refs["ragged4"][1][1].token_ids) < N  # row 1 stops at the EOS, mid-generation
             made[kind] = (base, refs)
@@ -88,28 +86,6 @@ def tiny(tiny_model_dir):
         if (kind, head_type) not in heads:
             heads[kind, head_type] = random_heads(base, head_type=head_type)
         return base, heads[kind, head_type], refs
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def llama_jit(tiny):
-    """llama_jit(name, taps=None) -> a jitted prefill of the tiny Llama (autoregressive.prefill,
-    prefill_states or narrow_prefill_states with these taps), made once per module: tests and parametrizations
-    of the same shapes reuse its compiles."""
-    base = tiny("llama")[0]
-    made = {}
-
-    def get(name, taps=None):
-        if (name, taps) not in made:
-            extra = () if taps is None else (taps,)
-            made[name, taps] = jax.jit({
-                "prefill": lambda p, n, c: prefill(base, p, n, c),
-                "prefill_states": lambda p, n, c: prefill_states(base, p, n, c, *extra),
-                "narrow_prefill_states": lambda p, n, c: narrow_prefill_states(base, p, n, c, *(
-                    () if taps is None else (True, taps))),
-            }[name])
-        return made[name, taps]
 
     return get
 
@@ -206,7 +182,7 @@ def test_grouped_prefill_equals_prefill_in_any_row_order(tiny):
 
 
 @pytest.mark.parametrize("longest", [64, 100])
-def test_narrow_prefill_equals_the_padded_width(tiny, llama_jit, longest):
+def test_narrow_prefill_equals_the_padded_width(tiny, longest):
     """A small batch (one group) padded to t = 256 is prefilled at the narrowest width holding its longest
     prompt (64, then 128): the same last hidden states, K/V of the prompt slots, lengths, every prompt position's
     hidden state and an EAGLE-3 style tap as the prefill at the whole width; positions past the width are zero."""
@@ -218,8 +194,10 @@ def test_narrow_prefill_equals_the_padded_width(tiny, llama_jit, longest):
         prompt_bt[b, :n] = rng.integers(1, base.config.vocab_size, n)
     args = (jnp.asarray(prompt_bt), jnp.asarray(lengths))
     for taps in ((), (1,)):
-        want_bd, want, want_btd = llama_jit("prefill_states", taps)(*args, KVCache.zeros(base.config, 3, 300))
-        got_bd, got, got_btd = llama_jit("narrow_prefill_states", taps)(*args, KVCache.zeros(base.config, 3, 300))
+        want_bd, want, want_btd = jax.jit(lambda p, n, c: prefill_states(base, p, n, c, taps))(
+            *args, KVCache.zeros(base.config, 3, 300))
+        got_bd, got, got_btd = jax.jit(lambda p, n, c: narrow_prefill_states(base, p, n, c, True, taps))(
+            *args, KVCache.zeros(base.config, 3, 300))
         close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # noqa
         close(got_bd, want_bd)
         np.testing.assert_array_equal(np.asarray(got.lengths_b), lengths)
@@ -230,33 +208,20 @@ def test_narrow_prefill_equals_the_padded_width(tiny, llama_jit, longest):
             for layer in range(base.config.num_layers):
                 close(got.k_bkhs[layer][b, :, :, :n], want.k_bkhs[layer][b, :, :, :n])
                 close(got.v_bksh[layer][b, :, :n], want.v_bksh[layer][b, :, :n])
-    _, _, none = llama_jit("narrow_prefill_states")(*args, KVCache.zeros(base.config, 3, 300))
+    _, _, none = jax.jit(lambda p, n, c: narrow_prefill_states(base, p, n, c))(*args, KVCache.zeros(base.config, 3, 300))
     assert none is None
 
 
-@pytest.fixture(scope="module")
-def sixteen_alone(tiny):
-    """16 ragged prompts (4 length groups in a batch of 16) and what the tiny Llama decodes for each alone."""
-    base, _, _ = tiny("llama")
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_batches_with_grouped_prefill_are_lossless(tiny, head_type):
+    """A batch of 16 ragged prompts (prefilled in 4 length groups) decodes, plainly and with a tree, what
+    each prompt decodes alone."""
+    base, heads, _ = tiny("llama", head_type)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, base.config.vocab_size, n).tolist()
                for n in (9, 100, 3, 41, 70, 1, 12, 66, 5, 80, 20, 2, 33, 64, 7, 50)]
-    return prompts, [generate(base, [p], max_new_tokens=12, eos_ids=())[0].token_ids for p in prompts]
-
-
-def test_plain_batches_with_grouped_prefill_are_lossless(tiny, sixteen_alone):
-    """A batch of 16 ragged prompts (prefilled in 4 length groups) decodes plainly what each prompt decodes
-    alone."""
-    base, _, _ = tiny("llama")
-    prompts, alone = sixteen_alone
+    alone = [generate(base, [p], max_new_tokens=12, eos_ids=())[0].token_ids for p in prompts]
     assert ids(generate(base, prompts, max_new_tokens=12, eos_ids=())) == alone
-
-
-@pytest.mark.parametrize("head_type", HEAD_TYPES)
-def test_batches_with_grouped_prefill_are_lossless(tiny, sixteen_alone, head_type):
-    """The batch of 16 ragged prompts decodes with a tree what each prompt decodes alone."""
-    base, heads, _ = tiny("llama", head_type)
-    prompts, alone = sixteen_alone
     assert ids(generate_medusa(base, heads, prompts, tree="mc_sim_7b_16", max_new_tokens=12, eos_ids=())) == alone
 
 
@@ -393,7 +358,7 @@ def test_compact_accepted_moves_only_the_path():
 
 
 @pytest.mark.parametrize("tree_name", ["mc_sim_7b_8", DYNAMIC_3])
-def test_returned_cache_holds_the_emitted_tokens(tiny, llama_jit, tree_name):
+def test_returned_cache_holds_the_emitted_tokens(tiny, tree_name):
     """The accepted path's K/V move is made at the start of the next step (and once after the loop): the cache
     medusa_decode returns holds, in each row's committed slots, the K/V a plain prefill of the prompt and the
     emitted tokens (all but the newest, the next root) computes. Ragged rows, every accept length, an EOS."""
@@ -412,9 +377,8 @@ def test_returned_cache_holds_the_emitted_tokens(tiny, llama_jit, tree_name):
         tree=tree, max_new_tokens=N, acceptance=GREEDY, eos_ids=eos_ids, pad_id=0,
         proposer=planted_proposer)
     assert np.asarray(accept_bo).max() == tree.depth
-    # the plain prefill, jitted, of each row's tokens padded to one width (causal: the padding changes no
-    # committed slot), so that every row and both trees share one compile
-    plain_prefill, prefill_width = llama_jit("prefill"), 64
+    # the plain prefill, jitted (one compile per sequence length, not one per operation and length as eagerly)
+    plain_prefill = jax.jit(lambda tokens_bt, lengths_b, cache: prefill(base, tokens_bt, lengths_b, cache))
     for b, prompt in enumerate(prompts):
         emitted = np.asarray(out_bo[b, : int(num_b[b])]).tolist()
         assert emitted == reference[b].token_ids
@@ -422,9 +386,7 @@ def test_returned_cache_holds_the_emitted_tokens(tiny, llama_jit, tree_name):
         tokens = prompt + emitted[: length - len(prompt)]
         assert len(prompt) + len(emitted) - 1 <= length == len(tokens)
         fresh = KVCache.zeros(base.config, 1, size)
-        assert len(tokens) <= prefill_width
-        _, expect = plain_prefill(jnp.asarray([tokens + [0] * (prefill_width - len(tokens))]),
-                                  jnp.asarray([len(tokens)]), fresh)
+        _, expect = plain_prefill(jnp.asarray([tokens]), jnp.asarray([len(tokens)]), fresh)
         for got, want in zip(cache.k_bkhs, expect.k_bkhs):  # [B, K, H, S]
             np.testing.assert_allclose(got[b, ..., :length], want[0, ..., :length], rtol=1e-4, atol=1e-4)
         for got, want in zip(cache.v_bksh, expect.v_bksh):  # [B, K, S, H]
