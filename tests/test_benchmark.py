@@ -441,10 +441,21 @@ def test_benchmark_heads_mode_compares_heads_side_by_side(tiny_chat_model, tmp_p
     assert (out / "heads.png").stat().st_size > 0
 
 
-def test_benchmark_heads_mode_adds_training_free_drafts_and_mixes_to_the_table(tiny_chat_model, tmp_path, capsys):
+def test_benchmark_heads_mode_adds_training_free_drafts_and_mixes_to_the_table(tiny_chat_model, tmp_path, capsys,
+                                                                              monkeypatch):
     """`--heads mix=HEADS+recycle+lookup --heads recycle=recycle` beside a heads folder: the same table, their rows
-    counted within each node budget and timed against plain, lossless, no held-out accuracy ('-')."""
+    counted within each node budget and timed against plain, lossless, no held-out accuracy ('-'). The mix's draft
+    sizes get given step costs (growing with the size): timing them compiles a step per size of each of its three
+    budgets, most of this test's time (test_mixed_drafts tests the timing)."""
     folder, heads_dir = tiny_chat_model
+    budgets, build_mix = [], heads_comparison.build_mix
+
+    def given_costs(base, untrained, trained, budget, **kw):
+        budgets.append((untrained, budget, kw["batch"]))
+        return build_mix(base, untrained, trained, budget, **kw, costs=lambda sizes: tuple(1.0 + 0.02 * s
+                                                                                              for s in sizes))
+
+    monkeypatch.setattr(heads_comparison, "build_mix", given_costs)
     out = tmp_path / "cmp"
     argv = ["heads", "--model", str(folder), "--heads", f"a={heads_dir}", "--heads", f"mix={heads_dir}+recycle+lookup",
             "--heads", "recycle=recycle", "--question-file", str(write_questions(tmp_path / "q.jsonl")),
@@ -463,6 +474,8 @@ def test_benchmark_heads_mode_adds_training_free_drafts_and_mixes_to_the_table(t
     assert [r["tree"] for r in doc["heads"]["recycle"]["tree_sizes"]] == ["recycle_4", "recycle_8"]
     assert all(r["tree"].startswith("mixed:0/") for r in doc["heads"]["mix"]["tree_sizes"])
     assert "mixed" in doc["heads"]["mix"]["timed"][0]["tree"]
+    # counted at each node budget at the counting batch (3 questions), timed within the default budget at batch 1
+    assert budgets == [(("recycle", "lookup"), 4, 3), (("recycle", "lookup"), 8, 3), (("recycle", "lookup"), 16, 1)]
     md = (out / "heads.md").read_text()
     assert "| mix | - | - |" in md and "| recycle | - | - |" in md and "| a |" in md
     capsys.readouterr()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from medusa_jax.inference import drafter_choice
 from medusa_jax.inference.drafter_choice import DecodeRun, choose, race
 from medusa_jax.inference.loaded_model import load_model
 
@@ -47,8 +48,17 @@ def test_a_drafter_that_changed_the_answer_is_never_chosen():
     assert choose(plain, [policy_plain, run("lookup", 0.5)]).run.drafter == "lookup"
 
 
-def test_the_race_decodes_heads_recycle_lookup_and_their_mix_like_plain(tiny_chat_model):  # noqa: F811
+def draft_size_costs(sizes):
+    """Step costs of the draft sizes over a plain step, growing with the size (given, not timed: timing them
+    compiles a step per size of each mix, most of this file's time; test_mixed_drafts tests the timing)."""
+    return tuple(1.0 + 0.02 * size for size in sizes)
+
+
+def test_the_race_decodes_heads_recycle_lookup_and_their_mix_like_plain(tiny_chat_model, monkeypatch):  # noqa: F811
     folder, heads_dir = tiny_chat_model
+    build_mix = drafter_choice.build_mix
+    monkeypatch.setattr(drafter_choice, "build_mix",
+                        lambda *args, **kw: build_mix(*args, **{**kw, "costs": draft_size_costs}))
     loaded = load_model(folder, None)
     prompt = loaded.encode_chat(["the cat the dog the cat the dog the cat"])[0]
     lines = []
@@ -59,6 +69,8 @@ def test_the_race_decodes_heads_recycle_lookup_and_their_mix_like_plain(tiny_cha
     assert all(r.token_ids == plain.token_ids for r in runs)  # greedy tree decoding is lossless
     assert all(r.steps <= plain.steps and r.seconds > 0 for r in runs)
     assert "mixed drafts" in runs[2].tree and "recycle_4" in runs[1].tree
+    for mix in runs[2:]:  # the mixes' sizes, 16 nodes at most, carry the given costs
+        assert "up to 16 nodes" in mix.tree and "costs 1.00/1.04/1.10/1.32" in mix.tree, mix.tree
     assert all(r.drafted for r in runs[1:])  # recycle, lookup and the mix draft whatever the machine
     choice = choose(plain, runs, min_speedup=1.0)
     best = max(r.tokens_per_second for r in runs if r.drafted)
