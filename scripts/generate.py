@@ -266,6 +266,7 @@ def main(argv=None) -> int:
 
     try:
         options.mesh_devices("--mesh", a.mesh)
+        options.attention_here("--attention", a.attention)
         folder = options.model_arg("--model", a.model)
         positions = options.max_positions(folder)
         if a.max_new_tokens >= positions:

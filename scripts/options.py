@@ -258,6 +258,13 @@ def mesh_devices(flag: str, spec: str | None, local: bool = False):
     return mesh
 
 
+def attention_here(flag: str, kind: str) -> None:
+    """--attention cudnn needs an NVIDIA GPU among JAX's devices (call after distributed initialisation)."""
+    if kind == "cudnn" and jax.default_backend() != "gpu":
+        raise UsageError(f"{flag} cudnn: needs an NVIDIA GPU and JAX's backend here is {jax.default_backend()}; "
+                         f"use --attention chunked or xla")
+
+
 # ---- --out -------------------------------------------------------------------------------------------------------
 OUT = Option("--out", "where the results are written (refused when it is an input or inside one):")
 

@@ -180,6 +180,7 @@ def main(argv=None) -> int:
             options.model_folder("--model", args.model)
         initialize(config_from_args(args))  # before any other JAX call
         options.mesh_devices("--mesh", args.mesh)
+        options.attention_here("--attention", args.attention)
         model = str(options.model_arg("--model", args.model))  # 'default' built, a Hub id resolved
         options.within_positions(f"--seq-len {args.seq_len}", args.seq_len, model)
         hub_id = args.model if is_hub_id(args.model) else None  # the heads' config names it, not this machine's cache
