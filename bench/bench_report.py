@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from medusa_jax.atomic import save_figure_atomic
+from medusa_jax.atomic import pyplot, save_figure_atomic
 from medusa_jax.bench.bench_inputs import write_files
 
 TARGETS = {"acceleration_rate": 3.0, "speedup_batch1": 2.5, "speedup_batch8": 1.5}
@@ -94,16 +94,11 @@ def markdown(results: dict) -> str:
 
 
 def plot_all(results: dict, out: Path) -> list[Path]:
-    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     written = []
 
     def save(fig, name):
         save_figure_atomic(fig, out / name, dpi=110, bbox_inches="tight")
-        plt.close(fig)
         written.append(out / name)
 
     cats = list(results["per_category"])

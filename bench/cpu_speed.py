@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import numpy as np
 
@@ -13,14 +12,9 @@ from medusa_jax.demo_model import resolve_model_dir
 
 
 def train(rev: str) -> None:
-    from medusa_jax.bench.scan_benchmark import train_case
-    from medusa_jax.heads.config import HeadsConfig
-    from medusa_jax.heads.init import init_heads
-    from medusa_jax.hf.load import load_pretrained
+    from medusa_jax.bench.scan_benchmark import demo_model_and_heads, train_case
 
-    base = load_pretrained(resolve_model_dir("default"))
-    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, num_layers=1,
-                                   lm_head="shared"), base)
+    base, heads = demo_model_and_heads()
     for medusa2 in (False, True):
         seconds = train_case(base, heads, medusa2, "unrolled", 2, 128, 3)
         print(json.dumps({"code": rev, "case": f"train-m{2 if medusa2 else 1}", "seconds": round(seconds, 3)}),
@@ -28,6 +22,7 @@ def train(rev: str) -> None:
 
 
 def decode(rev: str) -> None:
+    from medusa_jax.bench.scan_benchmark import fastest
     from medusa_jax.inference.api import BatchSettings, generate_batch
     from medusa_jax.inference.sharded import load_sharded
 
@@ -36,12 +31,7 @@ def decode(rev: str) -> None:
     prompts = [rng.randint(1, 40000, size=n).tolist() for n in (90, 110, 70, 100)]
     for batch in (1, 4):
         settings = BatchSettings(batch_size=batch, max_new_tokens=64, eos_ids=())
-        generate_batch(model, prompts, settings, progress=False)  # compiles
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            generate_batch(model, prompts, settings, progress=False)
-            best = min(best, time.perf_counter() - start)
+        best = fastest(lambda: generate_batch(model, prompts, settings, progress=False), 3)  # after a compiling call
         print(json.dumps({"code": rev, "batch": batch, "tokens_per_s": round(len(prompts) * 64 / best, 2)}),
               flush=True)
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
-from medusa_jax.atomic import save_figure_atomic
+from medusa_jax.atomic import pyplot, save_figure_atomic
 from medusa_jax.paths import portable_path
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import DEFAULT_DYNAMIC_DEPTH, DynamicTree, TreeError, build_tree, parse_dynamic_tree
@@ -340,11 +340,7 @@ def dynamic_markdown(results: dict) -> list[str]:
 
 
 def plot(results: dict, path: Path) -> Path:
-    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, h in results["heads"].items():
         rows = h["tree_sizes"]
@@ -355,7 +351,6 @@ def plot(results: dict, path: Path) -> Path:
     ax.legend()
     fig.tight_layout()
     save_figure_atomic(fig, path, dpi=120)
-    plt.close(fig)
     return path
 
 

@@ -8,14 +8,10 @@ import json
 
 import jax
 
-from medusa_jax.demo_model import resolve_model_dir
-from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.init import init_heads
-from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.training.plan import random_packed_batch
 from medusa_jax.training.trainer import TrainConfig, Trainer
-from medusa_jax.bench.scan_benchmark import fastest
+from medusa_jax.bench.scan_benchmark import demo_model_and_heads, fastest
 
 SETTINGS = {"whole": dict(), "chunk-128": dict(loss_chunk=128), "chunk-256": dict(loss_chunk=256),
             "chunk-512": dict(loss_chunk=512)}
@@ -30,9 +26,7 @@ def main() -> None:
     p.add_argument("--lm-head", default="own", choices=("own", "shared"), help="the heads' lm_head")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"from {list(SETTINGS)}")
     args = p.parse_args()
-    base = load_pretrained(resolve_model_dir("default"))
-    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, num_layers=1,
-                                   lm_head=args.lm_head), base)
+    base, heads = demo_model_and_heads(args.lm_head)
     batch = random_packed_batch(base.config.vocab_size, args.rows, args.seq)
     for medusa2 in (False, True):  # the settings' trainers of one case at a time (memory), timed in turns
         trainers = {}

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.atomic import save_figure_atomic
+from medusa_jax.atomic import pyplot, save_figure_atomic
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import TreeBuffers
@@ -101,11 +101,7 @@ def markdown(results: dict, command: str, machine: str) -> str:
 
 
 def plot(results: dict, path) -> None:
-    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for size in sorted({r["cache"] for r in results["rows"]}):
         rows = [r for r in results["rows"] if r["cache"] == size]
@@ -118,7 +114,6 @@ def plot(results: dict, path) -> None:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     save_figure_atomic(fig, path, dpi=110)
-    plt.close(fig)
 
 
 def write(results: dict, out, command: str, machine: dict) -> str:

@@ -39,6 +39,13 @@ def fastest(fn, repeats: int, warm_up: bool = True) -> float:
     return min(times)
 
 
+def demo_model_and_heads(lm_head: str = "shared"):
+    """SmolLM2 (prepared once) and four fresh one-layer heads over it: what these CPU benchmarks time."""
+    base = load_pretrained(resolve_model_dir("default"))
+    return base, init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, num_layers=1,
+                                        lm_head=lm_head), base)
+
+
 def train_case(base, heads, medusa2: bool, setting: str, rows: int, seq: int, repeats: int) -> float:
     extra = {} if LayerExecution is None else {"layers": LayerExecution(**SETTINGS[setting])}
     trainer = Trainer(base, heads, TrainConfig(medusa2=medusa2, warmup_steps=0, **extra), MeshConfig().make_mesh())
@@ -57,9 +64,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed calls per case (the fastest counts)")
     p.add_argument("--settings", default="unrolled,scan,scan-remat-full", help=f"from {list(SETTINGS)}")
     args = p.parse_args()
-    base = load_pretrained(resolve_model_dir("default"))
-    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, num_layers=1,
-                                   lm_head="shared"), base)
+    base, heads = demo_model_and_heads()
     code = "baseline" if LayerExecution is None else "issue-41"
     settings = ["default"] if LayerExecution is None else args.settings.split(",")
     for setting in settings:

@@ -6,10 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from medusa_jax.bench.scan_benchmark import fastest
+from medusa_jax.bench.scan_benchmark import demo_model_and_heads, fastest
 from medusa_jax.demo_model import resolve_model_dir
-from medusa_jax.heads.config import HeadsConfig
-from medusa_jax.heads.init import init_heads
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.model.config import LayerExecution
@@ -21,9 +19,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed calls per case (the fastest counts)")
     p.add_argument("--new", type=int, default=32, help="new tokens per prompt (default: %(default)s)")
     args = p.parse_args()
-    base = load_pretrained(resolve_model_dir("default"))
-    heads = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=4, num_layers=1,
-                                   lm_head="shared"), base)
+    base, heads = demo_model_and_heads()
     # the stacked form as users get it: read straight into the stacked layout (generate.py --scan-layers)
     forms = {"per-layer": base, "stacked": load_pretrained(resolve_model_dir("default"),
                                                            layers=LayerExecution(scan=True))}

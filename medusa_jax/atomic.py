@@ -87,12 +87,22 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return Path(path)
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (lazy: seconds to import, and the backend is chosen before it loads)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def save_figure_atomic(fig, path: str | os.PathLike, **savefig_kwargs) -> Path:
-    """A matplotlib figure saved with `fig.savefig` under a temporary name, then renamed; the format is the
-    path's suffix (png without one)."""
+    """A matplotlib figure saved with `fig.savefig` under a temporary name, then renamed, and closed; the format
+    is the path's suffix (png without one)."""
     path = Path(path)
     with atomic_path(path) as tmp:
         fig.savefig(str(tmp), format=path.suffix[1:] or "png", **savefig_kwargs)
+    pyplot().close(fig)
     return path
 
 

@@ -8,7 +8,7 @@ import numbers
 from pathlib import Path
 from typing import Any
 
-from medusa_jax.atomic import save_figure_atomic
+from medusa_jax.atomic import pyplot, save_figure_atomic
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -115,11 +115,7 @@ def read_log(path: Path) -> tuple[list[dict], list[dict]]:
 
 def plot_curves(train: list[dict], evals: list[dict], output: Path, title: str) -> Path:
     """Loss, per-head loss and held-out top-1/top-5 against the step, one figure of four panels."""
-    import matplotlib  # lazy: seconds to import, and the Agg backend must be chosen before pyplot loads
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     ax = axes[0, 0]
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
@@ -145,5 +141,4 @@ def plot_curves(train: list[dict], evals: list[dict], output: Path, title: str) 
     fig.suptitle(title)
     fig.tight_layout()
     save_figure_atomic(fig, output, dpi=100)
-    plt.close(fig)
     return output
