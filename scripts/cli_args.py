@@ -1,17 +1,5 @@
-"""The command lines' argument parser and value rules: every numeric flag is checked at parse time.
-
-`ArgumentParser` is argparse's with two changes:
-- `add_argument(..., check=RULE)`: RULE(value) returns None (fine) or what is wrong, phrased as the fix
-  ("must be >= 1"); after parsing, each given value is checked and the first failure is the error
-  "--flag VALUE: must be >= 1". A numeric flag (type int, float or a list parser below) without a rule is a
-  programming error (RuntimeError at parse time), so no numeric flag goes unchecked. Floats must also be finite
-  (nan and inf are refused for every float flag, whatever its rule).
-- errors are one line, `error: MESSAGE`, on stderr, exit status 2 (argparse prints the usage first).
-Rules: `at_least`, `above`, `in_range`, `SEED` (0 .. 2**31 - 1: seeds reach jitted code as int32),
-`each(rule)` for comma-separated lists, `each_or_none(rule)` also takes an empty list;
-`mesh_spec` checks a --mesh string's form.
-Options several commands share are declared once, with their rules, in `options`.
-"""
+"""The command lines' argument parser (argparse's, with a parse-time rule per numeric flag and one-line errors)
+and the value rules; the parser's rules are in docs/modules.md."""
 
 from __future__ import annotations
 
@@ -135,7 +123,8 @@ class _CheckedGroup(_Checked, argparse._ArgumentGroup):
 
 
 class ArgumentParser(_Checked, argparse.ArgumentParser):
-    """argparse with per-flag rules (`check=`) and one-line errors; see the module docstring."""
+    """argparse with a rule per flag (`add_argument(..., check=RULE)`, required of every numeric flag; floats must
+    also be finite) and one-line `error: ...` messages, exit status 2 (docs/modules.md)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)

@@ -1,16 +1,5 @@
 """Multi-host start-up shared by decoding and training: `jax.distributed.initialize` from flags or the
-environment, before any other JAX call.
-
-Sources, first found wins, per field:
-    flags   --coordinator HOST:PORT  --num-processes N  --process-id I   (see `add_distributed_args`)
-    env     JAX_COORDINATOR_ADDRESS  JAX_NUM_PROCESSES  JAX_PROCESS_ID
-    --distributed-auto lets JAX detect the cluster itself (SLURM, Open MPI, Kubernetes, Cloud TPU).
-Nothing set means a single process, and nothing is initialised. On CPU hosts the cross-process collectives
-use gloo (`jax_cpu_collectives_implementation`), which is how the 2-process CPU test runs.
-
-After initialisation `jax.devices()` lists every process's devices; a mesh built from all of them spans the
-hosts, and every process must run the same jitted calls with the same global shapes (SPMD).
-"""
+environment, before any other JAX call (where each setting comes from: docs/modules.md)."""
 
 from __future__ import annotations
 

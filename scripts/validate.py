@@ -1,15 +1,5 @@
-"""The command lines' checks of inputs and outputs, run before any model loads or work starts. The shared options
-(--model, --heads, --tree, --mesh, --batch-size, --out, --data, ...) and the checks of what their values name are in
-`options`; numbers are checked at parse time (`cli_args.ArgumentParser`). Here, the checks any path flag uses:
-- input files (prompt and question files, a recycling table) exist, are readable and parse as far as is
-  cheap; a flag given as '' is refused, not ignored;
-- outputs can be written (the nearest existing parent is a writable folder where a file can really be created —
-  root passes os.access everywhere, /proc and /sys included —, no parent is a regular file, an
-  existing file is writable) and are not an input, nor inside an input folder (`--output MODEL/config.json` is
-  refused: it would overwrite the model).
-Every failure is a `UsageError` whose message names the flag and the fix; the scripts print it as one
-`error:` line and exit with status 2 (`fail`).
-"""
+"""The command lines' checks of input and output paths, run before any model loads or work starts; each failure
+is a `UsageError` naming the flag and the fix (what is checked: docs/modules.md)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from medusa_jax import paths
 from medusa_jax.atomic import atomic_folder
+from medusa_jax.text import pad_token_id
 from medusa_jax.training.sharegpt import DataError, ReadReport, read_conversations
 
 CACHE_VERSION = "1"
@@ -190,9 +191,8 @@ def load_chat_data(source: str | None, tokenizer, eos_ids: tuple[int, ...], conf
     n_held = int(round(config.heldout_fraction * len(seqs)))
     if config.heldout_fraction > 0 and len(seqs) > 1:
         n_held = min(max(n_held, 1), len(seqs) - 1)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    held = pack([seqs[i] for i in order[:n_held]], config.seq_len, pad_id)
-    train = pack([seqs[i] for i in order[n_held:]], config.seq_len, pad_id)
+    held = pack([seqs[i] for i in order[:n_held]], config.seq_len, pad_token_id(tokenizer, eos_ids))
+    train = pack([seqs[i] for i in order[n_held:]], config.seq_len, pad_token_id(tokenizer, eos_ids))
     return ChatData(train, held, report, (len(seqs) - n_held, n_held), dropped)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from medusa_jax.text import chat_prompt_ids, load_tokenizer
+from medusa_jax.text import chat_prompt_ids, load_tokenizer, pad_token_id
 from medusa_jax.model import sharding as shd
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model.backbone import CausalLM
@@ -147,7 +147,7 @@ def _self_distill(model_dir, data, output: Path, config: DistillConfig, progress
     tokenizer = load_tokenizer(model_dir)
     model = load_pretrained(model_dir)
     eos = tuple(model.config.eos_token_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    pad_id = pad_token_id(tokenizer, eos)
 
     def users(i):
         return [m["content"] for m in records[i]["messages"] if m["role"] == "user"][: config.turns]

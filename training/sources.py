@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
+from medusa_jax.text import pad_token_id
 from medusa_jax.training import feature_batches, hidden_store, memory_plan
 from medusa_jax.training.data import ChatData, DataConfig, EpochIterator, load_chat_data, row_batch, row_iterator
 from medusa_jax.training.hidden_examples import HiddenExamples
@@ -133,8 +134,7 @@ class StoreRows:
     store: Path
 
     def packed(self, settings: FeedSettings, inputs: RunInputs) -> ChatData:
-        tokenizer, eos = inputs.tokenizer, inputs.eos_ids
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+        pad = pad_token_id(inputs.tokenizer, inputs.eos_ids)
         return _log_packed(hidden_store.store_chat_data(self.store, settings.data, pad), settings, inputs.log)
 
     def feed(self, settings: FeedSettings, inputs: RunInputs) -> Feed:
