@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from medusa_jax.atomic import write_text_atomic
 from medusa_jax.mtbench import MTBenchQuestion, load_mtbench_questions
@@ -20,6 +21,17 @@ def git_revision(folder: Path) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+def fastest(fn: Callable[[], object], repeats: int, warm_up: bool = True) -> tuple[object, float]:
+    """(the last call's result, the fastest wall-clock seconds of `repeats` timed calls of fn), after one untimed
+    (compiling) call when `warm_up`."""
+    result, best = fn() if warm_up else None, float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return result, best
 
 
 def write_files(out: str | os.PathLike, files: dict[str, str]) -> dict[str, Path]:

@@ -22,7 +22,7 @@ def train(rev: str) -> None:
 
 
 def decode(rev: str) -> None:
-    from medusa_jax.bench.scan_benchmark import fastest
+    from medusa_jax.bench.bench_inputs import fastest
     from medusa_jax.inference.api import BatchSettings, generate_batch
     from medusa_jax.inference.sharded import load_sharded
 
@@ -31,7 +31,7 @@ def decode(rev: str) -> None:
     prompts = [rng.randint(1, 40000, size=n).tolist() for n in (90, 110, 70, 100)]
     for batch in (1, 4):
         settings = BatchSettings(batch_size=batch, max_new_tokens=64, eos_ids=())
-        best = fastest(lambda: generate_batch(model, prompts, settings, progress=False), 3)  # after a compiling call
+        best = fastest(lambda: generate_batch(model, prompts, settings, progress=False), 3)[1]  # after compiling
         print(json.dumps({"code": rev, "batch": batch, "tokens_per_s": round(len(prompts) * 64 / best, 2)}),
               flush=True)
 

@@ -11,7 +11,8 @@ import jax
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.training.plan import random_packed_batch
 from medusa_jax.training.trainer import TrainConfig, Trainer
-from medusa_jax.bench.scan_benchmark import demo_model_and_heads, fastest
+from medusa_jax.bench.bench_inputs import fastest
+from medusa_jax.bench.scan_benchmark import demo_model_and_heads
 
 SETTINGS = {"whole": dict(), "chunk-128": dict(loss_chunk=128), "chunk-256": dict(loss_chunk=256),
             "chunk-512": dict(loss_chunk=512)}
@@ -36,8 +37,8 @@ def main() -> None:
             trainers[setting].train_step(batch)  # compile
         for round_ in range(1, args.rounds + 1):
             for setting, trainer in trainers.items():
-                seconds = fastest(lambda: jax.block_until_ready(trainer.train_step(batch)["loss"]), args.repeats,
-                                  warm_up=False)  # compiled above
+                _, seconds = fastest(lambda: jax.block_until_ready(trainer.train_step(batch)["loss"]), args.repeats,
+                                     warm_up=False)  # compiled above
                 print(json.dumps({"round": round_, "case": f"train-m{2 if medusa2 else 1}", "setting": setting,
                                   "lm_head": args.lm_head, "rows": args.rows, "seq": args.seq,
                                   "seconds": round(seconds, 4)}), flush=True)

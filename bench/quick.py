@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -14,6 +13,7 @@ from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.api import generate, generate_medusa
+from medusa_jax.bench.bench_inputs import fastest
 from medusa_jax.trees.search.oracle import planted_data, planted_over_heads_proposer
 
 PROMPTS = (
@@ -37,16 +37,6 @@ class QuickConfig:
             raise ValueError(f"batch sizes must be in 1..{len(PROMPTS)}, got {self.batch_sizes}")
         if self.max_new_tokens < 1 or self.repeats < 1 or not self.trees:
             raise ValueError(f"need max_new_tokens >= 1, repeats >= 1 and at least one tree: {self}")
-
-
-def timed(fn: Callable[[], object], repeats: int):
-    """(results of the last call, fastest wall-clock seconds over `repeats` calls after one warm-up call)."""
-    results, best = fn(), float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        results = fn()
-        best = min(best, time.perf_counter() - start)
-    return results, best
 
 
 def _row(batch: int, name: str, results, seconds: float) -> dict:
@@ -78,15 +68,15 @@ def run_quick(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequence[int
 
     for batch in config.batch_sizes:
         chunk = list(prompts[:batch])
-        plain, seconds = timed(lambda: generate(base, chunk, **common), config.repeats)
+        plain, seconds = fastest(lambda: generate(base, chunk, **common), config.repeats)
         report(batch, "plain", plain, seconds)
         for tree_name in config.trees:
             tree = load_tree(tree_name, num_heads=heads.config.num_heads)
-            results, seconds = timed(lambda: generate_medusa(base, heads, chunk, tree=tree, **common),
+            results, seconds = fastest(lambda: generate_medusa(base, heads, chunk, tree=tree, **common),
                                      config.repeats)
             report(batch, f"medusa {tree.name} heads", results, seconds)
             data = planted_data(tree, [r.token_ids for r in plain], np.full((batch, n), tree.depth), n)
-            results, seconds = timed(lambda: generate_medusa(
+            results, seconds = fastest(lambda: generate_medusa(
                 base, heads, chunk, tree=tree, proposer=planted_over_heads_proposer, proposer_data=data,
                 **common), config.repeats)
             if [r.token_ids for r in results] != [r.token_ids for r in plain]:

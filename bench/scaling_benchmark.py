@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import jax
@@ -15,24 +14,18 @@ from medusa_jax.atomic import pyplot, save_figure_atomic
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import TreeBuffers
-from medusa_jax.trees.policy.step_cost import medusa_step_call, plain_step_call, time_interleaved
+from medusa_jax.trees.policy.step_cost import medusa_step_call, plain_step_call, time_call, time_interleaved
 from medusa_jax.bench.bench_inputs import write_files
 from medusa_jax.bench.decode_benchmark import BandwidthProbe, weight_bytes
 
 
 def gemm_rate(rows: int, d_in: int, d_out: int, repeats: int = 5) -> float:
-    """Sustained FLOP/s of a jitted fp32 [rows, d_in] x [d_in, d_out] product (median of `repeats`)."""
+    """Sustained FLOP/s of a jitted fp32 [rows, d_in] x [d_in, d_out] product (median: `step_cost.time_call`)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((rows, d_in)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((8, d_in, d_out)), jnp.float32)  # 8 weights: no cache-resident reuse
     f = jax.jit(lambda x, w: sum(x @ w[i] for i in range(w.shape[0])))
-    f(x, w).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f(x, w).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2.0 * rows * d_in * d_out * w.shape[0] / float(np.median(times))
+    return 2.0 * rows * d_in * d_out * w.shape[0] / time_call(lambda: f(x, w), repeats)
 
 
 def flops_per_token(base: CausalLM, context: int) -> float:

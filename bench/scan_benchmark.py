@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import numpy as np
 
+from medusa_jax.bench.bench_inputs import fastest
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.inference.api import generate, generate_medusa
@@ -27,18 +27,6 @@ SETTINGS = {"unrolled": dict(), "scan": dict(scan=True), "scan-remat-full": dict
             "unrolled-remat-full": dict(remat="full"), "unrolled-xla": dict(attention="xla")}
 
 
-def fastest(fn, repeats: int, warm_up: bool = True) -> float:
-    """The shortest of `repeats` timed calls of fn (after one untimed, compiling call when warm_up)."""
-    if warm_up:
-        fn()  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def demo_model_and_heads(lm_head: str = "shared"):
     """SmolLM2 (prepared once) and four fresh one-layer heads over it: what these CPU benchmarks time."""
     base = load_pretrained(resolve_model_dir("default"))
@@ -54,7 +42,7 @@ def train_case(base, heads, medusa2: bool, setting: str, rows: int, seq: int, re
              "segment_ids": np.ones((rows, seq), np.int32),
              "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (rows, seq)).copy(),
              "loss_mask": np.ones((rows, seq), bool)}
-    return fastest(lambda: jax.block_until_ready(trainer.train_step(batch)["loss"]), repeats)
+    return fastest(lambda: jax.block_until_ready(trainer.train_step(batch)["loss"]), repeats)[1]
 
 
 def main() -> None:
@@ -78,7 +66,7 @@ def main() -> None:
                        ("medusa", lambda: generate_medusa(base, heads, prompts, tree="mc_sim_7b_16",
                                                           max_new_tokens=32))):
         print(json.dumps({"code": code, "case": case, "layers": "cache path", "rows": 4,
-                          "seconds": round(fastest(call, args.repeats), 4)}), flush=True)
+                          "seconds": round(fastest(call, args.repeats)[1], 4)}), flush=True)
 
 
 if __name__ == "__main__":

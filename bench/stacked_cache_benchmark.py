@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from medusa_jax.bench.scan_benchmark import demo_model_and_heads, fastest
+from medusa_jax.bench.bench_inputs import fastest
+from medusa_jax.bench.scan_benchmark import demo_model_and_heads
 from medusa_jax.demo_model import resolve_model_dir
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.inference.api import generate, generate_medusa
@@ -29,9 +30,8 @@ def main() -> None:
     for rnd in range(args.rounds):
         for case, call in cases.items():
             for form, model in forms.items():
-                out = []
-                seconds = fastest(lambda: out.append(call(model)), args.repeats, warm_up=rnd == 0)
-                tokens = sum(r.new_tokens for r in out[-1])
+                results, seconds = fastest(lambda: call(model), args.repeats, warm_up=rnd == 0)
+                tokens = sum(r.new_tokens for r in results)
                 print(json.dumps({"round": rnd + 1, "case": case, "form": form, "seconds": round(seconds, 4),
                                   "new_tokens": tokens, "tokens_per_s": round(tokens / seconds, 2)}), flush=True)
 

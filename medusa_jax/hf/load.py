@@ -55,27 +55,18 @@ def hf_layer_names(path: tuple[str, ...], num_layers: int) -> list[tuple[str, bo
     return [hf_param_name(("layers", str(i)) + path[1:]) for i in range(num_layers)]
 
 
-def sliced_array(read_full: Callable[[], np.ndarray], shape, dtype, sharding, transpose: bool) -> jax.Array:
-    """Builds a (possibly sharded) jax.Array whose shards are read lazily from `read_full()` (a memmap)."""
+def lazy_array(read_layers: list[Callable[[], np.ndarray]], shape, dtype, sharding, transpose: bool,
+               stacked: bool) -> jax.Array:
+    """A (possibly sharded) jax.Array whose shards are read lazily from memmaps: `read_layers[0]()` the whole
+    tensor, or (`stacked`, shape [L, ...]) `read_layers[i]()` layer i's, so a device's shard reads only its slice
+    of its layers."""
+    def part(src, index):
+        return np.asarray(src[tuple(reversed(index))].T if transpose else src[index]).astype(dtype)
+
     def shard(index):
-        src = read_full()
-        part = src[tuple(reversed(index))].T if transpose else src[index]
-        return np.asarray(part).astype(dtype)
-
-    return jax.make_array_from_callback(tuple(shape), sharding, shard)
-
-
-def stacked_array(read_layers: list[Callable[[], np.ndarray]], shape, dtype, sharding,
-                  transpose: bool) -> jax.Array:
-    """A (possibly sharded) [L, ...] jax.Array whose shards are read lazily, layer by layer, from
-    `read_layers[i]()` (memmaps of each layer's tensor): a device's shard reads only its slice of its layers."""
-    def shard(index):
-        parts = []
-        for i in range(len(read_layers))[index[0]]:
-            src = read_layers[i]()
-            inner = index[1:]
-            parts.append(src[tuple(reversed(inner))].T if transpose else src[inner])
-        return np.stack([np.asarray(part).astype(dtype) for part in parts])
+        if not stacked:
+            return part(read_layers[0](), index)
+        return np.stack([part(read_layers[i](), index[1:]) for i in range(len(read_layers))[index[0]]])
 
     return jax.make_array_from_callback(tuple(shape), sharding, shard)
 
@@ -123,9 +114,7 @@ def load_pretrained(folder: str | os.PathLike, dtype: str = "float32", sharding_
         names = hf_layer_names(path, config.num_layers)
         transpose = names[0][1]
         sharding = (sharding_for(path, tuple(leaf.shape)) if sharding_for else None) or default
-        if stacked_param(path):
-            readers = [lambda name=name: source.array(name) for name, _ in names]
-            return stacked_array(readers, leaf.shape, np_dtype, sharding, transpose)
-        return sliced_array(lambda: source.array(names[0][0]), leaf.shape, np_dtype, sharding, transpose)
+        readers = [lambda name=name: source.array(name) for name, _ in names]
+        return lazy_array(readers, leaf.shape, np_dtype, sharding, transpose, stacked_param(path))
 
     return nnx.merge(graphdef, fill_state(abstract_state, value))
