@@ -13,6 +13,7 @@ from flax import nnx
 
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.paths import portable_path
+from medusa_jax.settings import at_least, check_settings, each, setting
 from medusa_jax.trees.tree import DEFAULT_TREE, load_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.engine import PROMPT_BUCKET, check_prompts, round_up
@@ -25,16 +26,14 @@ METHODS = ("plain", "medusa", "refill")
 
 @dataclasses.dataclass(frozen=True)
 class BatchBenchConfig:
-    batch_sizes: tuple[int, ...] = (1, 8, 32)
-    max_new_tokens: int = 128
+    batch_sizes: tuple[int, ...] = setting((1, 8, 32), each(at_least(1)))
+    max_new_tokens: int = setting(128, at_least(1))
     tree: str = DEFAULT_TREE  # preset name or tree JSON file
     methods: tuple[str, ...] = ("plain", "medusa")
-    chunk_steps: int = 32  # refill: decode steps between refills
+    chunk_steps: int = setting(32, at_least(1))  # refill: decode steps between refills
 
     def __post_init__(self):
-        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes) or min(self.max_new_tokens,
-                                                                                  self.chunk_steps) < 1:
-            raise ValueError(f"need batch sizes >= 1, max_new_tokens >= 1 and chunk_steps >= 1: {self}")
+        check_settings(self)
         if set(self.methods) - set(METHODS) or not self.methods:
             raise ValueError(f"--methods {','.join(self.methods)!r}: give a comma-separated subset of "
                              f"{','.join(METHODS)}")

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from medusa_jax.paths import portable_path
+from medusa_jax.settings import at_least, check_settings, each_or_none, setting
 from medusa_jax.trees.tree import MC_SIM_7B_63, PRESETS, DynamicTree, TreeBuffers, TreeError, build_tree, load_tree
 from medusa_jax.trees.trees_file import HeadsTrees, resolve_tree, trees_of
 from medusa_jax.trees.policy import step_cost as whole_step
@@ -31,14 +32,14 @@ METHODS = ("plain", "medusa", "hf")
 
 @dataclasses.dataclass(frozen=True)
 class BenchmarkConfig:
-    max_new_tokens: int = 256
-    batch_size: int = 1  # rows per call in the main (interleaved, per-question) run
+    max_new_tokens: int = setting(256, at_least(1))
+    batch_size: int = setting(1, at_least(1))  # rows per call in the main (interleaved, per-question) run
     tree: str | None = None  # preset name or tree JSON file; None: the heads' own tree per batch size
     hf: bool = False  # also time transformers' PyTorch generate
-    hf_threads: int = 1  # torch intra-op threads (0: torch's default)
-    batched_sizes: tuple[int, ...] = (4, 8)  # extra batch sizes for the throughput table
-    sweep_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)  # tree sizes (nodes) for the speedup-vs-size plot
-    sweep_questions: int = 2  # questions per sweep size
+    hf_threads: int = setting(1, at_least(0))  # torch intra-op threads (0: torch's default)
+    batched_sizes: tuple[int, ...] = setting((4, 8), each_or_none(at_least(1)))  # more sizes for the throughput table
+    sweep_sizes: tuple[int, ...] = setting((4, 8, 16, 32, 64), each_or_none(at_least(1)))  # tree sizes for the sweep
+    sweep_questions: int = setting(2, at_least(0))  # questions per sweep size
     profile: bool = True  # time each piece of a Medusa step (step_cost.piece_seconds) at batch 1
     calibration: str | None = None  # tree None: how the heads' own tree is chosen (`inference.calibration`)
 
@@ -46,10 +47,7 @@ class BenchmarkConfig:
         if self.tree is not None and self.calibration is not None:
             raise ValueError(f"--calibration {self.calibration} chooses the heads' own tree, so it does nothing with "
                              f"--tree {self.tree}: drop one of them")
-        if self.max_new_tokens < 1 or self.batch_size < 1 or self.sweep_questions < 0:
-            raise ValueError(f"max_new_tokens and batch_size must be >= 1, sweep_questions >= 0: {self}")
-        if any(b < 1 for b in self.batched_sizes) or any(n < 1 for n in self.sweep_sizes):
-            raise ValueError("batch sizes and tree sizes must be >= 1")
+        check_settings(self)
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 from medusa_jax.atomic import pyplot, save_figure_atomic
 from medusa_jax.paths import portable_path
+from medusa_jax.settings import at_least, check_settings, each, each_or_none, setting
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import DEFAULT_DYNAMIC_DEPTH, DynamicTree, TreeError, build_tree, parse_dynamic_tree
 from medusa_jax.trees.trees_file import trees_of
@@ -30,27 +31,22 @@ from medusa_jax.bench.bench_report import machine_line
 
 @dataclasses.dataclass(frozen=True)
 class CompareConfig:
-    max_new_tokens: int = 128
-    tree_sizes: tuple[int, ...] = (4, 16, 64)  # nodes (root excluded) of the counted trees
-    chains: tuple[int, ...] = (3, 5)  # chain trees [[0], [0, 0], ...] of these lengths, counted too
-    batch_sizes: tuple[int, ...] = (1, 4)  # timed batch sizes
-    timed_nodes: int = 4  # tree for timing heads that carry no trees.json
-    heldout: int = 24
+    max_new_tokens: int = setting(128, at_least(1))
+    tree_sizes: tuple[int, ...] = setting((4, 16, 64), each(at_least(1)))  # nodes (root excluded) of counted trees
+    chains: tuple[int, ...] = setting((3, 5), each_or_none(at_least(1)))  # chain trees [[0], [0, 0], ...], counted
+    batch_sizes: tuple[int, ...] = setting((1, 4), each_or_none(at_least(1)))  # timed batch sizes
+    timed_nodes: int = setting(4, at_least(1))  # tree for timing heads that carry no trees.json
+    heldout: int = setting(24, at_least(1))
     data: str | None = None  # held-out conversations (None: the packaged ShareGPT file)
-    continuation_tokens: int = 128
+    continuation_tokens: int = setting(128, at_least(4))
     top_k: int = 10
-    count_batch: int = 16  # rows per call when counting tokens/step (untimed)
-    dynamic_nodes: tuple[int, ...] = ()  # N of the dynamic trees counted (none by default)
-    dynamic_top_k: tuple[int, ...] | None = None  # K values to try (None: tree.default_dynamic_top_k)
-    dynamic_depth: tuple[int, ...] | None = None  # D values to try (None: the default, at most the heads)
+    count_batch: int = setting(16, at_least(1))  # rows per call when counting tokens/step (untimed)
+    dynamic_nodes: tuple[int, ...] = setting((), each_or_none(at_least(1)))  # N of the dynamic trees counted
+    dynamic_top_k: tuple[int, ...] | None = setting(None, each_or_none(at_least(1)))  # None: default_dynamic_top_k
+    dynamic_depth: tuple[int, ...] | None = setting(None, each_or_none(at_least(1)))  # None: default, <= the heads
 
     def __post_init__(self):
-        if min(self.tree_sizes, default=0) < 1 or min(self.batch_sizes, default=1) < 1:
-            raise ValueError(f"tree_sizes must be >= 1 and batch_sizes >= 1: {self}")
-        if min(self.dynamic_nodes + (self.dynamic_top_k or ()) + (self.dynamic_depth or ()), default=1) < 1:
-            raise ValueError(f"dynamic_nodes, dynamic_top_k and dynamic_depth must be >= 1: {self}")
-        if self.max_new_tokens < 1 or self.timed_nodes < 1 or self.count_batch < 1:
-            raise ValueError(f"max_new_tokens, timed_nodes and count_batch must be >= 1: {self}")
+        check_settings(self)
 
 
 def _settings(loaded: LoadedModel, config: CompareConfig, batch: int, tree=None) -> BatchSettings:

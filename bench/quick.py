@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
+from medusa_jax.settings import at_least, check_settings, each, in_range, setting
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.api import generate, generate_medusa
@@ -27,16 +28,15 @@ PROMPTS = (
 @dataclasses.dataclass(frozen=True)
 class QuickConfig:
     trees: tuple[str, ...]  # tree presets or JSON files
-    batch_sizes: tuple[int, ...] = (1, 4)
-    max_new_tokens: int = 64
+    batch_sizes: tuple[int, ...] = setting((1, 4), each(in_range(1, len(PROMPTS))))
+    max_new_tokens: int = setting(64, at_least(1))
     stop_at_eos: bool = False  # False: every row generates exactly max_new_tokens
-    repeats: int = 2
+    repeats: int = setting(2, at_least(1))
 
     def __post_init__(self):
-        if not self.batch_sizes or min(self.batch_sizes) < 1 or max(self.batch_sizes) > len(PROMPTS):
-            raise ValueError(f"batch sizes must be in 1..{len(PROMPTS)}, got {self.batch_sizes}")
-        if self.max_new_tokens < 1 or self.repeats < 1 or not self.trees:
-            raise ValueError(f"need max_new_tokens >= 1, repeats >= 1 and at least one tree: {self}")
+        if not self.trees:
+            raise ValueError("give at least one tree")
+        check_settings(self)
 
 
 def _row(batch: int, name: str, results, seconds: float) -> dict:

@@ -8,6 +8,7 @@ import json
 from typing import Callable, Sequence
 
 from medusa_jax.heads.recycle import TEMPLATES, RecycleDrafter, template_tree
+from medusa_jax.settings import at_least, check_settings, each, setting
 from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.inference.loaded_model import LoadedModel
@@ -17,16 +18,15 @@ from medusa_jax.bench.bench_inputs import write_files
 @dataclasses.dataclass(frozen=True)
 class RecycleBenchConfig:
     templates: tuple[str, ...] = ("recycle_4", "recycle_16", "recycle_64")
-    batch_sizes: tuple[int, ...] = (1,)
-    max_new_tokens: int = 128
+    batch_sizes: tuple[int, ...] = setting((1,), each(at_least(1)))
+    max_new_tokens: int = setting(128, at_least(1))
 
     def __post_init__(self):
         unknown = [t for t in self.templates if t not in TEMPLATES]
         if unknown or not self.templates:
             raise ValueError(f"--templates {','.join(self.templates)}: unknown {unknown}; choose among "
                              f"{', '.join(TEMPLATES)}")
-        if min(self.batch_sizes, default=0) < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"batch_sizes and max_new_tokens must be >= 1: {self}")
+        check_settings(self)
 
 
 @dataclasses.dataclass

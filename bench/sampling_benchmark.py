@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from medusa_jax.paths import portable_path
+from medusa_jax.settings import above, at_least, check_settings, each, setting
 from medusa_jax.trees.tree import TreeBuffers
 from medusa_jax.trees.trees_file import trees_of
 from medusa_jax.inference.acceptance import AcceptanceConfig
@@ -28,17 +29,14 @@ RATIO_TARGET = {"temperature": 0.7, "min_ratio": 0.85}
 
 @dataclasses.dataclass(frozen=True)
 class SamplingBenchConfig:
-    temperatures: tuple[float, ...] = (0.7, 1.0)
-    max_new_tokens: int = 256
-    batch_size: int = 1
+    temperatures: tuple[float, ...] = setting((0.7, 1.0), each(above(0.0)))
+    max_new_tokens: int = setting(256, at_least(1))
+    batch_size: int = setting(1, at_least(1))
     tree: str | None = None  # None: the heads' own tree for this backend and batch size (trees.json)
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperatures or any(not t > 0 for t in self.temperatures):
-            raise ValueError(f"temperatures must be a non-empty list of values > 0, got {self.temperatures}")
-        if self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError("max_new_tokens and batch_size must be >= 1")
+        check_settings(self)
 
 
 class _Runner:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
+from medusa_jax.settings import at_least, check_settings, each, in_range, setting
 from medusa_jax.training.data import top_token_ids
 from medusa_jax.training.hidden_store import open_store
 
@@ -19,16 +20,14 @@ CHUNK = 256  # held-out positions per jitted softmax
 
 @dataclasses.dataclass(frozen=True)
 class TeacherMassConfig:
-    sizes: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)  # token_map sizes N
-    heldout_fraction: float = 0.2  # share of conversations measured; the map comes from the rest
-    max_positions: int = 20000  # held-out positions measured at most
+    sizes: tuple[int, ...] = setting((1024, 2048, 4096, 8192, 16384), each(at_least(1)))  # token_map sizes N
+    # share of conversations measured; the map comes from the rest
+    heldout_fraction: float = setting(0.2, in_range(0.0, 1.0, low_open=True, high_open=True))
+    max_positions: int = setting(20000, at_least(1))  # held-out positions measured at most
     seed: int = 0  # held-out split and position sample
 
     def __post_init__(self):
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"--heldout-fraction must be in (0, 1), got {self.heldout_fraction}")
-        if not self.sizes or min(self.sizes) < 1 or self.max_positions < 1:
-            raise ValueError(f"need sizes >= 1 and max_positions >= 1: {self}")
+        check_settings(self)
 
 
 def outside_mass(base: CausalLM, store: str | os.PathLike, config: TeacherMassConfig) -> dict:

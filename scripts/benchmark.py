@@ -54,7 +54,7 @@ from medusa_jax.bench.quick import PROMPTS, QuickConfig, run_quick
 from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_sampling_benchmark, write_sampling_report
 from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, each_or_none, in_range,
+from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, in_range,
                                          parse_float_list, parse_int_list, parse_positive_int_list, run_mode)
 from medusa_jax.scripts.options import Option, add_fields, config_from
 
@@ -82,15 +82,15 @@ def mtbench_main(argv: list[str]) -> int:
                             "to choose the heads' tree, redo times them again, skip takes the shipped trees.json as "
                             "it is (default: $MEDUSA_JAX_CALIBRATION, else auto)", choices=("auto", "redo", "skip")),
                Option("--batched-sizes", "further batch sizes for the total-throughput table, comma-separated; '' "
-                      "for none", parse_int_list, each_or_none(at_least(1))),
+                      "for none", parse_int_list),
                Option("--sweep-sizes", "tree sizes (nodes) for the speedup-vs-tree-size plot: prefixes of the tree's "
-                      "greedy order; '' for none", parse_int_list, each_or_none(at_least(1))),
-               Option("--sweep-questions", "questions per tree size in the sweep; 0 skips it", check=at_least(0)),
+                      "greedy order; '' for none", parse_int_list),
+               Option("--sweep-questions", "questions per tree size in the sweep; 0 skips it"),
                Option("--no-profile", "skip timing each piece of a Medusa step (verify forward, base logits, "
                       "acceptance, heads top-k, cache compaction)", dest="profile"),
                Option("--hf", "also time transformers' PyTorch generate (greedy) on every question"),
                Option("--hf-threads", "PyTorch intra-op threads for --hf; 0 keeps torch's default (on a machine "
-                      "shared with other work torch's spinning OpenMP threads slow generate down)", check=at_least(0)))
+                      "shared with other work torch's spinning OpenMP threads slow generate down)"))
     options.DTYPE.add(p, default="float32")
     p.add_argument("--temperatures", check=each(above(0.0)), type=parse_float_list, default=None,
                    help="sampling mode: comma-separated temperatures (e.g. 0.7,1.0); times plain sampling, Medusa "
@@ -174,11 +174,9 @@ def teacher_mass_main(argv: list[str]) -> int:
                               "--model default --data data/smollm2_distill.jsonl.arrow --sizes 2048,4096,8192")
     options.MODEL.add(p, required=True, more="(the one the store was generated with)")
     options.DATA.add(p, required=True, help="self-distilled Arrow store (self_distill.py --save-hidden)")
-    add_fields(p, d, Option("--sizes", "token_map sizes N to measure, comma-separated", parse_positive_int_list,
-                            each(at_least(1))),
+    add_fields(p, d, Option("--sizes", "token_map sizes N to measure, comma-separated", parse_positive_int_list),
                Option("--heldout-fraction", "share of conversations the mass is measured on; the map comes from the "
-                      "rest", check=in_range(0.0, 1.0, low_open=True, high_open=True)),
-               Option("--max-positions", "held-out positions measured at most", check=at_least(1)))
+                      "rest"), Option("--max-positions", "held-out positions measured at most"))
     options.SEED_OPTION.add(p, default=d.seed, more="the held-out split")
     a = p.parse_args(argv)
     try:  # the flags, before anything loads
@@ -208,27 +206,24 @@ def heads_main(argv: list[str]) -> int:
     options.QUESTIONS.add(p, default=16)
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     add_fields(p, d, Option("--tree-sizes", "nodes of the greedy trees whose tokens/step is counted",
-                            parse_positive_int_list, each(at_least(1))),
+                            parse_positive_int_list),
                Option("--chains", "lengths of the chain trees ([[0], [0, 0], ...]) whose tokens/step is counted, "
-                      "where the heads reach that deep; '' for none", parse_int_list, each_or_none(at_least(1))),
-               Option("--batch-sizes", "timed batch sizes, plain vs Medusa; '' for none", parse_int_list,
-                      each_or_none(at_least(1))),
+                      "where the heads reach that deep; '' for none", parse_int_list),
+               Option("--batch-sizes", "timed batch sizes, plain vs Medusa; '' for none", parse_int_list),
                Option("--dynamic-nodes", "also count dynamic trees (EAGLE-2 style, grown per step from the heads' "
                       "probabilities) of these node budgets N, against the greedy static tree of N nodes (default: "
-                      "none)", parse_int_list, each_or_none(at_least(1))),
+                      "none)", parse_int_list),
                Option("--dynamic-top-k", "K values to try for each dynamic tree: children per expanded node and "
                       "frontier width (default: the default K of dynamic:N, see "
                       "medusa_jax.trees.tree.default_dynamic_top_k)", parse_positive_int_list, each(at_least(1))),
                Option("--dynamic-depth", "D values (drafting depths) to try for each dynamic tree, at most the "
                       "heads' number (default: 4, or the number of heads if fewer)", parse_positive_int_list,
                       each(at_least(1))),
-               Option("--timed-nodes", "greedy tree size timed for heads without trees.json", check=at_least(1)),
-               Option("--heldout", "held-out ShareGPT prompts (the last of the file) for the accuracy table",
-                      check=at_least(1)))
+               Option("--timed-nodes", "greedy tree size timed for heads without trees.json"),
+               Option("--heldout", "held-out ShareGPT prompts (the last of the file) for the accuracy table"))
     options.DATA.add(p, help="ShareGPT-style conversations for the held-out prompts (default: the packaged ShareGPT "
                              "file)")
-    add_fields(p, d, Option("--continuation-tokens", "greedy tokens generated per held-out prompt",
-                            check=at_least(4)))
+    add_fields(p, d, Option("--continuation-tokens", "greedy tokens generated per held-out prompt"))
     options.QUESTION_FILE.add(p)
     options.OUT.add(p, default="artifacts/benchmark_heads", more="folder for heads.json, heads.md and "
                     "heads.png; the committed bench/heads is written only when named here")

@@ -64,9 +64,8 @@ def throughput_main(argv: list[str]) -> int:
     p.add_argument("--methods", default=",".join(d.methods),
                    help=f"comma-separated subset of {','.join(METHODS)} (default: %(default)s)")
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
-    add_fields(p, d, Option("--batch-sizes", "batch sizes, comma-separated", parse_int_list, each(at_least(1))),
-               Option("--chunk-steps", "method refill: decode steps between refills of finished rows",
-                      check=at_least(1)))
+    add_fields(p, d, Option("--batch-sizes", "batch sizes, comma-separated", parse_int_list),
+               Option("--chunk-steps", "method refill: decode steps between refills of finished rows"))
     options.MESH.add(p, default="", more="; batch sizes must divide by data*fsdp (default: one device)")
     options.DTYPE.add(p, default="float32")
     options.NO_PROGRESS.add(p, action="store_true")

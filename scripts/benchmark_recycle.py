@@ -22,7 +22,7 @@ from medusa_jax.trees.policy.calibration import machine_description
 from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.recycle_bench import RecycleBenchConfig, run_recycle_bench, write_report
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
+from medusa_jax.scripts.cli_args import ArgumentParser, parse_positive_int_list
 from medusa_jax.paths import portable_path
 from medusa_jax.scripts.options import Option, add_fields, config_from
 
@@ -37,8 +37,7 @@ def parse_args(argv=None):
     options.MAX_NEW_TOKENS.add(p, default=d.max_new_tokens)
     p.add_argument("--templates", default=",".join(d.templates),
                    help=f"comma-separated templates among {', '.join(TEMPLATES)} (default: %(default)s)")
-    add_fields(p, d, Option("--batch-sizes", "comma-separated batch sizes", parse_positive_int_list,
-                            each(at_least(1))))
+    add_fields(p, d, Option("--batch-sizes", "comma-separated batch sizes", parse_positive_int_list))
     options.OUT.add(p, required=True, more="folder for results.json and results.md")
     return p.parse_args(argv)
 

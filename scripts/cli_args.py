@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 from medusa_jax.model.sharding import MeshConfig
+# the value rules live with the settings they check (medusa_jax.settings); the commands take them from here too
+from medusa_jax.settings import SEED, Rule, above, at_least, each, each_or_none, in_range, shown  # noqa: F401
 
-Rule = Callable[[Any], "str | None"]
-SEED_MAX = 2**31 - 1
 
 
 def _list_of(kind: type, what: str) -> Callable[[str], tuple]:
@@ -39,58 +39,6 @@ def parse_positive_int_list(text: str) -> tuple[int, ...]:
 NUMERIC_TYPES = (int, float, parse_int_list, parse_positive_int_list, parse_float_list)
 
 
-def _finite(value) -> bool:
-    return not isinstance(value, float) or math.isfinite(value)
-
-
-def at_least(low: float) -> Rule:
-    def rule(value):
-        if not _finite(value) or not value >= low:
-            return f"must be a finite number >= {low}" if isinstance(value, float) else f"must be >= {low}"
-        return None
-    return rule
-
-
-def above(low: float) -> Rule:
-    def rule(value):
-        if not _finite(value) or not value > low:
-            return f"must be a finite number > {low}"
-        return None
-    return rule
-
-
-def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Rule:
-    """low <= value <= high (strict at an open end)."""
-    left, right = ("(" if low_open else "["), (")" if high_open else "]")
-
-    def rule(value):
-        ok = _finite(value) and (value > low if low_open else value >= low) and (
-            value < high if high_open else value <= high)
-        return None if ok else f"must be in {left}{low}, {high}{right}"
-    return rule
-
-
-SEED = in_range(0, SEED_MAX)
-
-
-def each(rule: Rule) -> Rule:
-    """For list values: every element passes `rule`, and the list is not empty."""
-    def check(values):
-        if not values:
-            return "needs at least one value"
-        for v in values:
-            problem = rule(v)
-            if problem:
-                return f"every value {problem} (got {v})"
-        return None
-    return check
-
-
-def each_or_none(rule: Rule) -> Rule:
-    """Like `each`, but an empty list ('' = none of these) is allowed."""
-    return lambda values: each(rule)(values) if values else None
-
-
 def mesh_spec(spec: str) -> str | None:
     """A --mesh string such as 'data=2,tensor=4' (axes data, fsdp, tensor, each >= 1)."""
     try:
@@ -102,12 +50,6 @@ def mesh_spec(spec: str) -> str | None:
 
 def _flag(action: argparse.Action) -> str:
     return max(action.option_strings, key=len) if action.option_strings else action.dest
-
-
-def _show(value) -> str:
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
-    return str(value)
 
 
 class _Checked:
@@ -157,7 +99,7 @@ class ArgumentParser(_Checked, argparse.ArgumentParser):
                 self.error(f"{_flag(action)} {value}: must be a finite number")
             problem = check(value) if check is not None else None
             if problem:
-                self.error(f"{_flag(action)} {_show(value)}: {problem}")
+                self.error(f"{_flag(action)} {shown(value)}: {problem}")
         return ns
 
 

@@ -54,16 +54,18 @@ class Option:
         if default not in (None, "", ()) and "(default" not in text:
             text += f" (default: {','.join(map(str, default))})" if isinstance(default, tuple) else \
                 " (default: %(default)s)"
-        for name in ("type", "choices", "dest"):
+        for name in ("type", "check", "choices", "dest"):
             if getattr(self, name) is not None:
                 kwargs.setdefault(name, getattr(self, name))
-        return parser.add_argument(self.flag, check=self.check, help=text, **kwargs)
+        return parser.add_argument(self.flag, help=text, **kwargs)
 
 
 def add_fields(parser, config, *options: Option) -> None:
     """Options that fill fields of the dataclass `config` (the field the flag names, --max-steps -> max_steps, or
-    the option's dest), each with the field's value as its default and, unless the option says, its type; a bool
-    field is a switch (a field that defaults to True is the flag's negation, e.g. --no-progress -> progress)."""
+    the option's dest), each with the field's value as its default and, unless the option says, its type and its
+    rule (`settings.setting`); a bool field is a switch (a field that defaults to True is the flag's negation, e.g.
+    --no-progress -> progress)."""
+    fields = {field.name: field for field in dataclasses.fields(config)}
     for option in options:
         name = option.dest or option.flag.removeprefix("--").replace("-", "_")
         default = getattr(config, name)
@@ -72,7 +74,8 @@ def add_fields(parser, config, *options: Option) -> None:
         else:
             kind = type(default) if option.type is None and isinstance(default, (int, float)) else option.type
             shown = None if option.dest is None else option.flag.removeprefix("--").upper().replace("-", "_")
-            option.add(parser, default=default, dest=name, type=kind, metavar=shown)
+            option.add(parser, default=default, dest=name, type=kind, metavar=shown,
+                       check=option.check or fields[name].metadata.get("rule"))
 
 
 def config_from(cls, args: argparse.Namespace, **given):
