@@ -40,15 +40,13 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--output", required=True,
                    help="the store folder: new, empty, or a store to resume or grow; one build per store at a time; "
                         "never inside --model or --data")
-    add_fields(p, d, Option("--max-tokens", "stop once the store holds this many tokens", check=at_least(1)),
+    add_fields(p, d, Option("--max-tokens", "stop once the store holds this many tokens"),
                Option("--seq-len", "a conversation keeps its first SEQ_LEN tokens; forward rows are this wide; at "
                       "most the model's positions", check=at_least(8)),
-               Option("--rows-per-call", "packed rows per forward call; on a mesh it must divide over the data axes",
-                      check=at_least(1)),
-               Option("--chunk-tokens", "tokens per written shard, about", check=at_least(1)))
+               Option("--rows-per-call", "packed rows per forward call; on a mesh it must divide over the data axes"),
+               Option("--chunk-tokens", "tokens per written shard, about"))
     options.SEED_OPTION.add(p, default=d.seed, more="the order conversations are taken in")
-    add_fields(p, d, Option("--limit", "read only the first N usable conversations (default: all)", int,
-                            at_least(1)))
+    add_fields(p, d, Option("--limit", "read only the first N usable conversations (default: all)", int))
     options.MESH.add(p, default="", more="for the forward, e.g. data=8 (default: one device)")
     options.NO_PROGRESS.add(p, action="store_true")
     return p

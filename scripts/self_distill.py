@@ -27,7 +27,7 @@ from medusa_jax.training.self_distill import DistillConfig, read_done, self_dist
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.hidden_store import store_path
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import ArgumentParser, at_least
+from medusa_jax.scripts.cli_args import ArgumentParser
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 from medusa_jax.scripts.options import Option, add_fields, config_from
 
@@ -44,24 +44,22 @@ def build_parser() -> ArgumentParser:
     options.BATCH_SIZE.add(p, default=d.batch_size, more="decode slots run together; larger is faster "
                            "until memory runs out; on a mesh padded up to a multiple of data x fsdp with idle slots")
     add_fields(p, d, Option("--chunk-steps", "decode steps per jitted call; finished slots get new prompts between "
-                            "calls", check=at_least(1)),
+                            "calls"),
                Option("--max-prompt-tokens", "skip conversations whose first prompt (chat template applied) is "
                       "longer; with --max-new-tokens and --turns it sets the KV cache size, which must fit the "
-                      "model's positions", check=at_least(1)),
+                      "model's positions"),
                Option("--turns", "assistant turns regenerated per conversation, each seeing the earlier regenerated "
-                      "ones", check=at_least(1)),
-               Option("--temperature", "0 = greedy (matches greedy Medusa decoding); > 0 samples",
-                      check=at_least(0.0)))
+                      "ones"), Option("--temperature", "0 = greedy (matches greedy Medusa decoding); > 0 samples"))
     options.SEED_OPTION.add(p, default=d.seed, more="conversation order and sampling")
     add_fields(p, d, Option("--limit", "stop after this many conversations in total (>= 1), counting those already "
-                            "written (default: all)", int, at_least(1)),
+                            "written (default: all)", int),
                Option("--save-hidden", "also store the prompt/reply token ids, loss mask and the base model's hidden "
                       "state behind every generated token in the Arrow store OUTPUT.arrow/ (datasets.load_from_disk "
                       "opens it), so train_heads.py --data OUTPUT.arrow --cache-hidden trains the heads from it, "
                       "memory-mapped, without another pass over the backbone"),
                Option("--num-shards", "processes (hosts) splitting the conversations; each writes OUTPUT with "
-                      ".shard-I-of-N before its suffix", check=at_least(1)),
-               Option("--shard-index", "this process's shard, 0 .. num-shards - 1", check=at_least(0)))
+                      ".shard-I-of-N before its suffix"),
+               Option("--shard-index", "this process's shard, 0 .. num-shards - 1"))
     options.MESH.add(p, default="", more="of this process's devices for the decode slots (slots over data x "
                       "fsdp, weights over tensor) (default: one device)")
     options.NO_PROGRESS.add(p, action="store_true")

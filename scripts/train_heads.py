@@ -32,7 +32,7 @@ from medusa_jax.training.run import RunConfig, TrainingDiverged, train_heads
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.trainer import TrainConfig
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import ArgumentParser, above, at_least, in_range
+from medusa_jax.scripts.cli_args import ArgumentParser, above
 from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
 from medusa_jax.scripts.options import Option, add_fields
 
@@ -55,18 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "(it adds only its own files; a model folder is always refused)"),
                Option("--max-tokens", "a feature store as --data: use its first conversations holding this many "
                       "tokens (the 1M-token prefix of a 5M store is the 1M store of the same settings) (default: "
-                      "all)", int, at_least(1)))
+                      "all)", int))
     add_fields(g, d, Option("--seq-len", "tokens per packed row; longer conversations keep their first seq-len "
-                            "tokens", check=at_least(8)),
-               Option("--heldout-fraction", "fraction of conversations held out for evaluation",
-                      check=in_range(0.0, 1.0, high_open=True)),
+                            "tokens"),
+               Option("--heldout-fraction", "fraction of conversations held out for evaluation"),
                Option("--max-conversations", "use only the first N usable conversations of --data (default: all)",
-                      int, at_least(1), dest="limit"),
-               Option("--num-proc", "processes for tokenisation (datasets.map); cached after the first run",
-                      check=at_least(1)))
+                      int, dest="limit"),
+               Option("--num-proc", "processes for tokenisation (datasets.map); cached after the first run"))
     g = p.add_argument_group("heads")
     options.NUM_HEADS.add(g, default=r.num_heads, more="; head i predicts token t+2+i")
-    add_fields(g, r, Option("--num-layers", "ResBlocks per head", check=at_least(0)), Option(
+    add_fields(g, r, Option("--num-layers", "ResBlocks per head"), Option(
         "--head-type", "'medusa': every head reads only the base hidden state; 'hydra': head i also reads the "
         "embeddings of the tokens already drafted on its path (the base's next token and heads 0..i-1's picks), "
         "trained by teacher forcing; 'eagle': a feature-level drafter (one decoder layer of the base's "
@@ -95,28 +93,26 @@ def build_parser() -> argparse.ArgumentParser:
                            "fsdp and over hosts)")
     g.add_argument("--head-lr-multiplier", type=float, check=above(0.0), help="heads' learning rate / "
                    "--learning-rate (default: 1 for Medusa-1, 4 for --medusa2)")
-    add_fields(g, t, Option("--max-steps", "optimiser steps; also the cosine schedule length", check=at_least(1)),
+    add_fields(g, t, Option("--max-steps", "optimiser steps; also the cosine schedule length"),
                Option("--learning-rate", "peak learning rate (the backbone's in Medusa-2; heads get it times "
-                      "--head-lr-multiplier)", check=above(0.0)),
-               Option("--warmup-steps", "linear warmup steps before the cosine decay", check=at_least(0)),
-               Option("--weight-decay", "AdamW weight decay", check=at_least(0.0)),
-               Option("--clip-norm", "global gradient-norm clip, 0 = off", check=at_least(0.0)),
-               Option("--loss-decay", "head i's loss weight is decay**i", check=above(0.0)),
+                      "--head-lr-multiplier)"),
+               Option("--warmup-steps", "linear warmup steps before the cosine decay"),
+               Option("--weight-decay", "AdamW weight decay"),
+               Option("--clip-norm", "global gradient-norm clip, 0 = off"),
+               Option("--loss-decay", "head i's loss weight is decay**i"),
                Option("--head-loss", "what head i at position t learns: 'ce' the data's token t+2+i, 'kl' the "
                       "frozen base model's own distribution for it (its lm_head on its hidden state at t+1+i, from "
                       "the same forward or the cache; a truncated head's teacher is renormalised over the "
                       "token_map), 'ce+kl' both", choices=("ce", "kl", "ce+kl")),
-               Option("--ce-weight", "weight of each head's cross-entropy in --head-loss ce+kl", check=at_least(0.0)),
-               Option("--kl-weight", "weight of each head's KL in --head-loss kl and ce+kl", check=at_least(0.0)),
-               Option("--eagle-noise", "eagle: uniform noise U(-x, x) added to the input features while training",
-                      check=at_least(0.0)),
-               Option("--eagle-feature-weight", "eagle: weight of the SmoothL1 regression of the next feature",
-                      check=at_least(0.0)),
+               Option("--ce-weight", "weight of each head's cross-entropy in --head-loss ce+kl"),
+               Option("--kl-weight", "weight of each head's KL in --head-loss kl and ce+kl"),
+               Option("--eagle-noise", "eagle: uniform noise U(-x, x) added to the input features while training"),
+               Option("--eagle-feature-weight", "eagle: weight of the SmoothL1 regression of the next feature"),
                Option("--eagle-ce-weight", "eagle: weight of the cross-entropy against the base's next-token "
-                      "distribution", check=at_least(0.0)),
+                      "distribution"),
                Option("--eagle-train-depth", "eagle: depths trained; above 1, depths 2..N learn from the drafter's "
                       "own outputs along the true tokens (the chain a tree step drafts), weighted "
-                      "--loss-decay**(k-1)", check=at_least(1)),
+                      "--loss-decay**(k-1)"),
                options.COMPUTE_DTYPE, options.OPTIMIZER_DTYPE, options.LOSS_CHUNK)
     add_fields(g, r, Option("--eagle-init", "eagle: 'random' fc (default) or 'identity': fc starts passing the "
                             "feature through unchanged, the token embedding scaled to the feature's RMS (folded into "
@@ -128,31 +124,29 @@ def build_parser() -> argparse.ArgumentParser:
     options.SEED_OPTION.add(g, default=r.seed, more="data split/order and head initialisation")
     add_fields(p.add_argument_group("Medusa-2 (joint training)"), t,
                options.MEDUSA2,
-               Option("--lm-loss-weight", "weight of the backbone's own objective added to the heads' loss",
-                      check=at_least(0.0)),
+               Option("--lm-loss-weight", "weight of the backbone's own objective added to the heads' loss"),
                Option("--distill-kl", "for self-distilled data: the backbone's objective is the KL divergence to the "
                       "frozen original model's next-token distribution instead of cross-entropy on the data"))
     add_fields(p.add_argument_group("CPU path"), r, Option(
         "--cache-hidden", "Medusa-1 only: train the heads on the backbone's hidden states computed once "
         "(OUTPUT/hidden_cache), or saved by scripts/self_distill.py --save-hidden (--data the OUTPUT.arrow store, "
         "read memory-mapped, or the JSONL next to it); each step then costs only the heads"),
-               Option("--cached-batch-size", "with --cache-hidden: global token positions per step", check=at_least(1)),
+               Option("--cached-batch-size", "with --cache-hidden: global token positions per step"),
                Option("--memory-limit", "GiB this run may use: the trainer estimates its peak memory before loading "
                       "anything and refuses a run that would not fit, with advice (default: MemAvailable from "
-                      "/proc/meminfo on CPU, no check on accelerators; 0 = no check)", float, at_least(0.0),
-                      dest="memory_limit_gib"))
+                      "/proc/meminfo on CPU, no check on accelerators; 0 = no check)", float, dest="memory_limit_gib"))
     options.MESH.add(p.add_argument_group("devices"), default=r.mesh, more=": batch over data x fsdp (--batch-size "
                      "must divide by it), weights over fsdp x tensor (default: one device)")
     add_distributed_args(p)
     g = p.add_argument_group("checkpoints and logging")
     add_fields(g, r, Option("--checkpoint-dir", "Orbax checkpoint folder (default: OUTPUT/checkpoints)"),
-               Option("--save-every", "checkpoint every N steps, and at the end", check=at_least(1)),
-               Option("--keep-checkpoints", "checkpoints kept", check=at_least(1)),
+               Option("--save-every", "checkpoint every N steps, and at the end"),
+               Option("--keep-checkpoints", "checkpoints kept"),
                Option("--resume", "continue from the latest checkpoint (parameters, optimiser, step, data position); "
                       "starts fresh if there is none"),
-               Option("--eval-every", "held-out evaluation every N steps, and at the end", check=at_least(1)),
-               Option("--eval-batches", "held-out batches per evaluation, at most", check=at_least(1)),
-               Option("--log-every", "train_log.jsonl record every N steps", check=at_least(1)),
+               Option("--eval-every", "held-out evaluation every N steps, and at the end"),
+               Option("--eval-batches", "held-out batches per evaluation, at most"),
+               Option("--log-every", "train_log.jsonl record every N steps"),
                dataclasses.replace(options.NO_PROGRESS, dest="progress"))
     g.add_argument("--wandb", metavar="PROJECT", dest="wandb_project", help="also log the metrics to Weights & "
                    "Biases under this project name (needs the wandb package; TensorBoard event files are always "

@@ -14,6 +14,7 @@ import numpy as np
 
 from medusa_jax import paths
 from medusa_jax.atomic import atomic_folder
+from medusa_jax.settings import SEED, at_least, check_settings, in_range, setting
 from medusa_jax.text import pad_token_id
 from medusa_jax.training.sharegpt import DataError, ReadReport, read_conversations
 
@@ -22,18 +23,15 @@ CACHE_VERSION = "1"
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    seq_len: int = 1024
-    heldout_fraction: float = 0.02
-    seed: int = 0
-    num_proc: int = 1  # tokenisation processes (datasets.map)
+    seq_len: int = setting(1024, at_least(8))
+    heldout_fraction: float = setting(0.02, in_range(0.0, 1.0, high_open=True))
+    seed: int = setting(0, SEED)
+    num_proc: int = setting(1, at_least(1))  # tokenisation processes (datasets.map)
     cache_dir: str | None = None  # None: $MEDUSA_JAX_CACHE/tokenized (default ~/.cache/medusa_jax/tokenized)
-    limit: int | None = None  # use only the first N usable conversations
+    limit: int | None = setting(None, at_least(1))  # use only the first N usable conversations
 
     def __post_init__(self):
-        if self.seq_len < 8:
-            raise ValueError(f"seq_len must be >= 8, got {self.seq_len}")
-        if not 0.0 <= self.heldout_fraction < 1.0:
-            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        check_settings(self)
 
 
 @dataclasses.dataclass(frozen=True)

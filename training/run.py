@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from medusa_jax.atomic import commit_entries
+from medusa_jax.settings import SEED, at_least, check_settings, in_range, setting
 from medusa_jax.text import load_tokenizer
 from medusa_jax.model import sharding as shd
 from medusa_jax.model.config import ModelConfig
@@ -43,39 +44,41 @@ class RunConfig:
     model: str
     output: str
     data: str | None = None  # None: the packaged ShareGPT file
-    num_heads: int = 4
-    num_layers: int = 1
+    num_heads: int = setting(4, in_range(1, 64))
+    num_layers: int = setting(1, at_least(0))
     lm_head: str = "truncated:3072"  # own | shared | truncated:N (3,072 divides tensor degrees 2, 3, 4, 6, 8)
     head_type: str = "medusa"  # a trainable drafter kind (training.objectives.OBJECTIVES): medusa | hydra (heads
     # that also see the drafted tokens) | eagle (a feature drafter, heads/eagle.py) | eagle3 (heads/eagle3.py,
     # packed rows only); hydra and the eagles: Medusa-1 only
     hydra_input: str = HeadsConfig.hydra_input  # hydra: add | concat (medusa_jax.heads.hydra)
     eagle_init: str = "random"  # eagle: random | identity (fc = [0; I], embedding at the feature's scale: heads.eagle_init)
-    batch_size: int = 8  # global packed rows per step
-    cached_batch_size: int = 4096  # global positions per step with cache_hidden
+    batch_size: int = setting(8, at_least(1))  # global packed rows per step
+    cached_batch_size: int = setting(4096, at_least(1))  # global positions per step with cache_hidden
     cache_hidden: bool = False
     mesh: str = ""
     checkpoint_dir: str | None = None
-    save_every: int = 500
-    keep_checkpoints: int = 3
+    save_every: int = setting(500, at_least(1))
+    keep_checkpoints: int = setting(3, at_least(1))
     resume: bool = False
-    eval_every: int = 500
-    eval_batches: int = 50  # at most this many held-out batches per evaluation
-    log_every: int = 10
+    eval_every: int = setting(500, at_least(1))
+    eval_batches: int = setting(50, at_least(1))  # at most this many held-out batches per evaluation
+    log_every: int = setting(10, at_least(1))
     heads_dtype: str = "float32"  # storage dtype of the saved heads file (they load as float32)
     backbone_dtype: str = "float32"  # storage dtype of the backbone's weights in memory (bfloat16: Medusa-1 only)
     base_model_name: str | None = None  # recorded in the heads config (default: the --model path)
-    seed: int = 0
+    seed: int = setting(0, SEED)
     progress: bool = True
     force_output: bool = False  # write into an existing folder the trainer did not make (never a model folder)
-    memory_limit_gib: float | None = None  # None: MemAvailable; 0: no check (training.memory_plan)
-    max_tokens: int | None = None  # a feature store as --data: train on its first conversations of this many tokens
+    memory_limit_gib: float | None = setting(None, at_least(0.0))  # None: MemAvailable; 0: no check (memory_plan)
+    # a feature store as --data: train on its first conversations of this many tokens
+    max_tokens: int | None = setting(None, at_least(1))
     wandb_project: str | None = None  # also log to Weights & Biases (training.metrics_log)
     data_config: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
 
     def __post_init__(self):
-        """The settings that rule each other out, named by their flags (ValueError)."""
+        """Each setting's rule, and the settings that rule each other out, named by their flags (ValueError)."""
+        check_settings(self)
         objective, medusa2 = objective_for(self.head_type), self.train.medusa2
         if medusa2 and not objective.joint_backbone:
             raise ValueError(f"--head-type {self.head_type} trains with a frozen backbone (Medusa-1) only; drop "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import math
 import os
 import time
 import zlib
@@ -19,6 +18,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from medusa_jax.settings import SEED, at_least, check_settings, setting
 from medusa_jax.text import chat_prompt_ids, load_tokenizer, pad_token_id
 from medusa_jax.model import sharding as shd
 from medusa_jax.hf.load import load_pretrained
@@ -36,29 +36,23 @@ HIDDEN_CALL_TOKENS = 4096  # tokens per forward call of the hidden-state pass (r
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
-    max_new_tokens: int = 512  # per assistant turn
-    batch_size: int = 64  # decode rows of the engine
-    chunk_steps: int = 32  # decode steps per jitted call; finished rows are refilled between calls
-    max_prompt_tokens: int = 256  # conversations whose first prompt is longer are skipped
-    turns: int = 1  # assistant turns regenerated per conversation
-    temperature: float = 0.0  # 0 = greedy, the distribution greedy Medusa decoding verifies against
-    seed: int = 0  # conversation order and sampling
-    limit: int | None = None  # stop after this many conversations (None: all)
+    max_new_tokens: int = setting(512, at_least(1))  # per assistant turn
+    batch_size: int = setting(64, at_least(1))  # decode rows of the engine
+    chunk_steps: int = setting(32, at_least(1))  # decode steps per jitted call; finished rows refilled between calls
+    max_prompt_tokens: int = setting(256, at_least(1))  # conversations whose first prompt is longer are skipped
+    turns: int = setting(1, at_least(1))  # assistant turns regenerated per conversation
+    temperature: float = setting(0.0, at_least(0.0))  # 0 = greedy, the distribution greedy Medusa decoding verifies
+    seed: int = setting(0, SEED)  # conversation order and sampling
+    limit: int | None = setting(None, at_least(1))  # stop after this many conversations (None: all)
     save_hidden: bool = False  # also keep the hidden state behind every generated token
-    num_shards: int = 1  # processes splitting the conversations
-    shard_index: int = 0  # this process's slice
+    num_shards: int = setting(1, at_least(1))  # processes splitting the conversations
+    shard_index: int = setting(0, at_least(0))  # this process's slice
     mesh: str = ""  # local device mesh for the decode slots, e.g. "data=8" ('' = one device)
 
     def __post_init__(self):
-        if min(self.max_new_tokens, self.batch_size, self.turns, self.max_prompt_tokens, self.chunk_steps) < 1:
-            raise ValueError(f"max_new_tokens, batch_size, chunk_steps, turns and max_prompt_tokens must be >= 1: "
-                             f"{self}")
-        if not 0 <= self.shard_index < self.num_shards:
+        check_settings(self)
+        if not self.shard_index < self.num_shards:
             raise ValueError(f"--shard-index {self.shard_index}: must be in [0, --num-shards {self.num_shards})")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be >= 1 (None: all conversations), got {self.limit}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
 
     @property
     def shard_limit(self) -> int | None:

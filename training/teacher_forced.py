@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
+from medusa_jax.settings import SEED, at_least, check_settings, setting
 from medusa_jax.training.data import DataConfig, PackedRows, first_fit, tokenize_conversations, source_fingerprint
 from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows
 from medusa_jax.training.hidden_store import FEATURES, STORE_DTYPE, StoreWriter, listed_shards, open_store
@@ -29,17 +30,15 @@ CACHE_CHUNK_ROWS = 64  # packed rows per shard of the --cache-hidden store
 
 @dataclasses.dataclass(frozen=True)
 class FeatureStoreConfig:
-    max_tokens: int = 5_000_000  # stop once the store holds this many tokens (all positions)
-    seq_len: int = 2048  # a conversation keeps its first seq_len tokens; rows of the forward are this wide
-    rows_per_call: int = 2  # packed rows per forward call
-    chunk_tokens: int = 65_536  # tokens per shard (about)
-    seed: int = 0  # the order conversations are taken in
-    limit: int | None = None  # read only the first N usable conversations of the source
+    max_tokens: int = setting(5_000_000, at_least(1))  # stop once the store holds this many tokens (all positions)
+    seq_len: int = setting(2048, at_least(1))  # a conversation keeps its first seq_len tokens; forward rows' width
+    rows_per_call: int = setting(2, at_least(1))  # packed rows per forward call
+    chunk_tokens: int = setting(65_536, at_least(1))  # tokens per shard (about)
+    seed: int = setting(0, SEED)  # the order conversations are taken in
+    limit: int | None = setting(None, at_least(1))  # read only the first N usable conversations of the source
 
     def __post_init__(self):
-        for name in ("max_tokens", "seq_len", "rows_per_call", "chunk_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_settings(self)
 
     def build_key(self) -> dict:
         """The settings a resumed build must share with the store (max_tokens may grow)."""

@@ -17,6 +17,7 @@ from medusa_jax.model import sharding as shd
 from medusa_jax.model.backbone import CausalLM, with_layer_execution
 from medusa_jax.model.config import LayerExecution, resolve_dtype
 from medusa_jax.heads.medusa import MedusaHeads
+from medusa_jax.settings import above, at_least, check_settings, setting
 from medusa_jax.training import losses
 from medusa_jax.training.layer_updates import clipped, layer_by_layer
 from medusa_jax.training.objectives import LossSettings, objective_for
@@ -26,53 +27,45 @@ HEAD_LOSSES = ("ce", "kl", "ce+kl")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    learning_rate: float = 1e-3  # peak LR of the backbone (Medusa-2); heads use learning_rate * head_lr_multiplier
-    head_lr_multiplier: float = 1.0
-    warmup_steps: int = 50
-    max_steps: int = 1000  # length of the cosine schedule
-    weight_decay: float = 0.0
-    clip_norm: float = 1.0  # global gradient norm clip (0 = off)
-    loss_decay: float = 0.8  # head i's loss weight is loss_decay**i
+    learning_rate: float = setting(1e-3, above(0.0))  # peak LR of the backbone (Medusa-2); the heads' is
+    head_lr_multiplier: float = setting(1.0, above(0.0))  # learning_rate * head_lr_multiplier
+    warmup_steps: int = setting(50, at_least(0))
+    max_steps: int = setting(1000, at_least(1))  # length of the cosine schedule
+    weight_decay: float = setting(0.0, at_least(0.0))
+    clip_norm: float = setting(1.0, at_least(0.0))  # global gradient norm clip (0 = off)
+    loss_decay: float = setting(0.8, above(0.0))  # head i's loss weight is loss_decay**i
     medusa2: bool = False  # train the backbone jointly
-    lm_loss_weight: float = 1.0  # Medusa-2: weight of the base model's objective
+    lm_loss_weight: float = setting(1.0, at_least(0.0))  # Medusa-2: weight of the base model's objective
     distill_kl: bool = False  # Medusa-2 on self-distilled data: KL to the frozen original instead of LM loss
     compute_dtype: str = "float32"
     freeze_head_lm_heads: bool = False  # train only the ResBlocks; each head's lm_head keeps its initial value
     head_loss: str = "ce"  # ce (data tokens) | kl (the base's distribution, see losses.py) | ce+kl
-    ce_weight: float = 1.0  # weight of each head's CE in ce+kl
-    kl_weight: float = 1.0  # weight of each head's KL in kl and ce+kl
+    ce_weight: float = setting(1.0, at_least(0.0))  # weight of each head's CE in ce+kl
+    kl_weight: float = setting(1.0, at_least(0.0))  # weight of each head's KL in kl and ce+kl
     # EAGLE drafter (training/eagle_loss.py): uniform noise on the input features, and the weights of the
     # feature regression and of the cross-entropy against the base's distribution
-    eagle_noise: float = 0.1
-    eagle_feature_weight: float = 1.0
-    eagle_ce_weight: float = 0.1
-    eagle_train_depth: int = 1  # > 1: also train depths 2..N on the drafter's own outputs (loss_decay**(k-1))
+    eagle_noise: float = setting(0.1, at_least(0.0))
+    eagle_feature_weight: float = setting(1.0, at_least(0.0))
+    eagle_ce_weight: float = setting(0.1, at_least(0.0))
+    eagle_train_depth: int = setting(1, at_least(1))  # > 1: also train depths 2..N on the drafter's own outputs
     layers: LayerExecution = LayerExecution()  # the backbone's layers in the step: scan, remat, attention kernel
     # tokens per chunk of the heads' and Medusa-2's LM loss: one chunk's logits live at a time (training/
     # chunked_loss.py; exact); 0 = whole rows
-    loss_chunk: int = 0
+    loss_chunk: int = setting(0, at_least(0))
     optimizer_dtype: str = "float32"  # storage dtype of Adam's moments (bfloat16 halves them; updated in float32)
 
     def __post_init__(self):
+        check_settings(self)
         resolve_dtype(self.compute_dtype)
         if self.head_loss not in HEAD_LOSSES:
             raise ValueError(f"head_loss must be one of {HEAD_LOSSES}, got {self.head_loss!r}")
         if self.distill_kl and not self.medusa2:
             raise ValueError("--distill-kl trains the backbone: it needs --medusa2")
-        if self.ce_weight < 0 or self.kl_weight < 0:
-            raise ValueError(f"--ce-weight {self.ce_weight}, --kl-weight {self.kl_weight}: must be >= 0")
         if self.head_loss_weights == (0.0, 0.0):
             raise ValueError(f"--head-loss {self.head_loss}: its weights (--ce-weight/--kl-weight) are all 0; make "
                              f"one > 0")
         if self.optimizer_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"optimizer_dtype must be float32 or bfloat16, got {self.optimizer_dtype!r}")
-        if self.loss_chunk < 0:
-            raise ValueError(f"loss_chunk must be >= 0 (0 = whole rows), got {self.loss_chunk}")
-        if self.max_steps < 1 or self.warmup_steps < 0 or self.learning_rate <= 0 or self.head_lr_multiplier <= 0:
-            raise ValueError(f"bad schedule: {self}")
-        if self.eagle_noise < 0 or self.eagle_feature_weight < 0 or self.eagle_ce_weight < 0 or \
-                self.eagle_train_depth < 1:
-            raise ValueError(f"EAGLE noise and loss weights must be >= 0 and the train depth >= 1: {self}")
         if self.eagle_feature_weight + self.eagle_ce_weight == 0:
             raise ValueError("--eagle-feature-weight and --eagle-ce-weight are both 0: nothing to train; make one > 0")
 
