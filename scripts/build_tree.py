@@ -21,8 +21,7 @@ from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.trees.search.tree_builder import BuildTreeConfig, build, save_trees
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, each_or_none, in_range, parse_int_list,
-                                         parse_positive_int_list)
+from medusa_jax.scripts.cli_args import ArgumentParser, each, in_range, parse_int_list, parse_positive_int_list
 from medusa_jax.scripts.options import Option, add_fields, config_from
 
 
@@ -40,26 +39,24 @@ def main(argv=None) -> int:
                         % ",".join(map(str, d.batch_sizes)))
     add_fields(p, d, Option("--accuracy-scale", "multiply each drafted token's held-out acceptance by this (0 < s <= "
                             "1) when sizing and predicting trees: held-out ShareGPT text is easier than most prompts "
-                            "(MT-Bench accepted 0.72x of it); 1 trusts the held-out text",
-                            check=in_range(0.0, 1.0, low_open=True)),
+                            "(MT-Bench accepted 0.72x of it); 1 trusts the held-out text"),
                Option("--min-speedup", "keep a tree only if its predicted speedup over plain decoding reaches this: a "
-                      "margin for timing noise and for heads less independent than the prediction assumes",
-                      check=above(0.0)))
+                      "margin for timing noise and for heads less independent than the prediction assumes"))
     options.DATA.add(p, more="for the held-out prompts (default: packaged ShareGPT)")
     add_fields(p, d, Option("--heldout", "prompts taken from the END of the data, away from what training reads "
-                            "first", check=at_least(1)),
+                            "first"),
                Option("--continuation-tokens", "greedy tokens the base model generates per prompt; heads are scored "
-                      "on them", check=at_least(4)),
-               Option("--top-k", "ranks measured per head", check=at_least(1)),
-               Option("--max-nodes", "largest tree considered, root excluded", check=in_range(1, 4096)),
+                      "on them"),
+               Option("--top-k", "ranks measured per head"),
+               Option("--max-nodes", "largest tree considered, root excluded"),
                Option("--tree-tokens", "tree sizes T (root included) whose step time is measured, comma-separated; "
-                      "sizes in between are interpolated", parse_int_list, each(in_range(2, 4096))),
+                      "sizes in between are interpolated", parse_int_list),
                Option("--dynamic-nodes", "also weigh dynamic trees (EAGLE-2 style) of these node budgets N: the "
                       "held-out prompts are decoded with each and with the static tree of N nodes, and its step is "
                       "timed; the chooser keeps whichever tree, static or dynamic, predicts the most tokens per "
-                      "second; '' for none", parse_int_list, each_or_none(in_range(1, 4096))),
-               Option("--context", "committed tokens in the cache when timing", check=at_least(1)),
-               Option("--repeats", "timed calls per size (median)", check=at_least(1)))
+                      "second; '' for none", parse_int_list),
+               Option("--context", "committed tokens in the cache when timing"),
+               Option("--repeats", "timed calls per size (median)"))
     a = p.parse_args(argv)
     try:
         config = config_from(BuildTreeConfig, a)

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from medusa_jax.atomic import write_text_atomic
+from medusa_jax.settings import above, at_least, check_settings, each, each_or_none, in_range, setting
 from medusa_jax.trees import trees_file
 from medusa_jax.trees.tree import DynamicTree, TreeError, build_tree, parse_dynamic_tree
 from medusa_jax.trees.policy import step_cost, tree_choice
@@ -45,43 +46,33 @@ from medusa_jax.trees.policy.calibration import machine_description
 @dataclasses.dataclass(frozen=True)
 class BuildTreeConfig:
     data: str | None = None  # ShareGPT-style conversations (None: the packaged ShareGPT file)
-    heldout: int = 24  # prompts taken from the end of the data
+    heldout: int = setting(24, at_least(1))  # prompts taken from the end of the data
     max_prompt_tokens: int = 192  # longer prompts are skipped
-    continuation_tokens: int = 128  # greedy tokens generated per prompt
-    top_k: int = 10  # ranks measured per head (the largest rank a tree may use)
-    max_nodes: int = 64  # largest tree considered (root excluded)
-    tree_tokens: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64)  # T values whose step time is measured
-    batch_sizes: tuple[int, ...] = (1,)  # rows per step when timing: one tree per batch size
+    continuation_tokens: int = setting(128, at_least(4))  # greedy tokens generated per prompt
+    top_k: int = setting(10, at_least(1))  # ranks measured per head (the largest rank a tree may use)
+    max_nodes: int = setting(64, in_range(1, 4096))  # largest tree considered (root excluded)
+    # T values whose step time is measured (root + at least one node)
+    tree_tokens: tuple[int, ...] = setting((2, 4, 8, 12, 16, 24, 32, 48, 64), each(in_range(2, 4096)))
+    batch_sizes: tuple[int, ...] = setting((1,), each(in_range(1, 4096)))  # rows per timed step: a tree each
     # each drafted token's held-out acceptance is multiplied by this before trees are sized and predicted, so a
     # node at depth d counts scale**d of its held-out value. Held-out ShareGPT text is easier than what users
     # decode: on 16 MT-Bench questions (greedy, 128 tokens, batch 1) the shipped Hydra heads' first head was
     # accepted 0.415 of the time against 0.575 held out (0.72), and a second chained token 0.131 against
     # 0.295 (0.67 per token). Unscaled, build_tree sized the batch-1 tree at 5 nodes, predicted 1.51x and
     # measured 1.09x, where 1 node measured 1.28x (docs/training.md). 1.0 trusts the held-out text.
-    accuracy_scale: float = 0.72
+    accuracy_scale: float = setting(0.72, in_range(0.0, 1.0, low_open=True))
     # a tree is kept only if its predicted speedup over plain (with the scale above) reaches this: a margin for
     # timing noise and for batches of rows more varied than the held-out text (at batch 4 and 8 the predicted
     # 1.23x and 1.11x measured 0.99x on MT-Bench)
-    min_speedup: float = 1.15
-    context: int = 256  # committed tokens in the cache when timing
-    repeats: int = 7  # timed calls per size (median)
+    min_speedup: float = setting(1.15, above(0.0))
+    context: int = setting(256, at_least(1))  # committed tokens in the cache when timing
+    repeats: int = setting(7, at_least(1))  # timed calls per size (median)
     batch_size: int = 8  # rows per call when generating / scoring the held-out text
     # dynamic trees (their default K and D) measured against the static tree of the same size; () for none
-    dynamic_nodes: tuple[int, ...] = (4, 16)
+    dynamic_nodes: tuple[int, ...] = setting((4, 16), each_or_none(in_range(1, 4096)))
 
     def __post_init__(self):
-        if self.heldout < 1 or self.top_k < 1 or self.max_nodes < 1 or self.continuation_tokens < 4:
-            raise ValueError(f"heldout, top_k, max_nodes must be >= 1 and continuation_tokens >= 4: {self}")
-        if not self.tree_tokens or min(self.tree_tokens) < 2:
-            raise ValueError(f"tree_tokens must be sizes >= 2 (root + at least one node), got {self.tree_tokens}")
-        if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ValueError(f"batch_sizes must be sizes >= 1, got {self.batch_sizes}")
-        if not 0 < self.accuracy_scale <= 1:
-            raise ValueError(f"accuracy_scale must be in (0, 1]: {self.accuracy_scale}")
-        if not self.min_speedup > 0 or self.repeats < 1 or self.context < 1:
-            raise ValueError(f"min_speedup must be > 0, repeats and context >= 1: {self}")
-        if any(n < 1 for n in self.dynamic_nodes):
-            raise ValueError(f"dynamic_nodes must be sizes >= 1, got {self.dynamic_nodes}")
+        check_settings(self)
 
 
 def heldout_prompts(loaded: LoadedModel, config: BuildTreeConfig) -> tuple[list[list[int]], str]:
