@@ -75,11 +75,11 @@ def shown(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
-def check_settings(config) -> None:
-    """Every field of the dataclass `config` declared with a rule (`setting`) passes it; else ValueError naming
-    the field, its value and the fix."""
+def check_settings(config, error: type[ValueError] = ValueError) -> None:
+    """Every field of the dataclass `config` declared with a rule (`setting`) passes it; else `error` naming the
+    field, its value and the fix."""
     for field in dataclasses.fields(config):
         rule, value = field.metadata.get("rule"), getattr(config, field.name)
         problem = None if rule is None or value is None else rule(value)
         if problem:
-            raise ValueError(f"{field.name} {shown(value)}: {problem}")
+            raise error(f"{field.name} {shown(value)}: {problem}")

@@ -10,7 +10,7 @@ from typing import Mapping
 
 import jax
 
-from medusa_jax.scripts.cli_args import at_least
+from medusa_jax.settings import at_least, check_settings, setting
 from medusa_jax.scripts.options import Option, add_fields
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
@@ -25,11 +25,12 @@ class DistributedError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
     coordinator_address: str | None = None  # host:port of process 0's coordinator service
-    num_processes: int | None = None
-    process_id: int | None = None
+    num_processes: int | None = setting(None, at_least(1))
+    process_id: int | None = setting(None, at_least(0))
     auto: bool = False  # let JAX detect the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU)
 
     def __post_init__(self):
+        check_settings(self, DistributedError)
         explicit = (self.coordinator_address, self.num_processes, self.process_id)
         if not self.auto and any(v is not None for v in explicit) and any(v is None for v in explicit):
             raise DistributedError(
@@ -42,8 +43,6 @@ class DistributedConfig:
             if not host.strip() or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
                 raise DistributedError(f"--coordinator {self.coordinator_address!r} (or env {ENV_COORDINATOR}): "
                                        f"expected HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:1234")
-        if self.num_processes is not None and self.num_processes < 1:
-            raise DistributedError(f"num_processes must be >= 1, got {self.num_processes}")
         n, i = self.num_processes, self.process_id
         if i is not None and n is not None and not 0 <= i < n:
             raise DistributedError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
@@ -79,10 +78,8 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     add_fields(group, DistributedConfig(),
                Option("--coordinator", f"address HOST:PORT of process 0's coordinator, reachable from every host "
                       f"(env {ENV_COORDINATOR})", dest="coordinator_address"),
-               Option("--num-processes", f"total number of processes, one per host (env {ENV_NUM_PROCESSES})", int,
-                      at_least(1)),
-               Option("--process-id", f"this process's index, 0 .. num-processes - 1 (env {ENV_PROCESS_ID})", int,
-                      at_least(0)),
+               Option("--num-processes", f"total number of processes, one per host (env {ENV_NUM_PROCESSES})", int),
+               Option("--process-id", f"this process's index, 0 .. num-processes - 1 (env {ENV_PROCESS_ID})", int),
                Option("--distributed-auto", "let JAX detect the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU) "
                       "instead", dest="auto"))
 
