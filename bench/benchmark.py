@@ -157,16 +157,10 @@ def sweep_order(tree_spec: str | None, heads_trees: HeadsTrees | None = None) ->
     if tree_spec is None:
         resolution = resolve_tree(heads_trees, jax.default_backend(), 1)
         built = heads_trees.built(resolution.backend) if heads_trees and resolution.backend else {}
-        order = greedy_order_of(built)
-        return order if order else list(MC_SIM_7B_63)
+        return greedy_order_of(built) or list(MC_SIM_7B_63)
     if tree_spec in PRESETS:
         return list(MC_SIM_7B_63)
-    path = Path(tree_spec)
-    document = json.loads(path.read_text())
-    order = greedy_order_of(document if isinstance(document, dict) else None)
-    if order:
-        return order
-    return sorted(load_tree(path).paths, key=lambda p: (len(p), p))
+    return greedy_order_of(tree_document(tree_spec)) or sorted(load_tree(tree_spec).paths, key=lambda p: (len(p), p))
 
 
 def tree_metadata(tree_spec: str | None, chosen: ChosenTree, heads_trees: HeadsTrees | None,
@@ -179,14 +173,17 @@ def tree_metadata(tree_spec: str | None, chosen: ChosenTree, heads_trees: HeadsT
         record = heads_trees.built(resolution.backend).get("batches", {}).get(str(resolution.batch), {})
         keys = ("predicted_tokens_per_step", "predicted_speedup_vs_plain", "num_nodes")
         return {"origin": chosen.note, **{k: record[k] for k in keys if k in record}}
-    path = Path(tree_spec)
-    if tree_spec in PRESETS or not path.is_file():
-        return {}
-    document = json.loads(path.read_text())
-    if not isinstance(document, dict):
-        return {}
+    document = tree_document(tree_spec) or {}
     keys = ("predicted_tokens_per_step", "predicted_speedup_vs_plain", "head_top1", "num_nodes")
     return {k: document[k] for k in keys if k in document}
+
+
+def tree_document(tree_spec: str) -> dict | None:
+    """A tree file's JSON object (build_tree's carries its greedy order and predictions); None for a preset, a
+    dynamic spec or a file of bare paths."""
+    path = Path(tree_spec)
+    document = json.loads(path.read_text()) if tree_spec not in PRESETS and path.is_file() else None
+    return document if isinstance(document, dict) else None
 
 
 def run_benchmark(loaded: LoadedModel, questions: Sequence[MTBenchQuestion], config: BenchmarkConfig,

@@ -105,27 +105,24 @@ def writable_place(flag: str, path: str | os.PathLike) -> None:
 
 def output_file(flag: str, path: str | os.PathLike, inputs: Mapping[str, "str | os.PathLike | None"] = {}) -> Path:
     """A file the command will write (or append to): writable, not a folder, not an input."""
-    if not str(path).strip():
-        raise UsageError(f"{flag}: empty path; give a file name")
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"{flag} {path} is a folder: give a file name")
-    writable_place(flag, path)
-    if path.exists() and not os.access(path, os.W_OK):
-        raise UsageError(f"{flag} {path}: the file is not writable (check its permissions)")
-    not_an_input(flag, path, inputs)
-    return path
+    return _output(flag, path, inputs, folder=False)
 
 
 def output_folder(flag: str, path: str | os.PathLike, inputs: Mapping[str, "str | os.PathLike | None"] = {}) -> Path:
     """A folder the command will create or write into: a folder (or absent), writable, not an input."""
+    return _output(flag, path, inputs, folder=True)
+
+
+def _output(flag: str, path, inputs, folder: bool) -> Path:
     if not str(path).strip():
-        raise UsageError(f"{flag}: empty path; give a folder")
+        raise UsageError(f"{flag}: empty path; give {'a folder' if folder else 'a file name'}")
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {path} is a file: give a folder (it may not exist yet)")
+    if path.exists() and path.is_dir() != folder:
+        raise UsageError(f"{flag} {path} is a file: give a folder (it may not exist yet)" if folder else
+                         f"{flag} {path} is a folder: give a file name")
     writable_place(flag, path)
-    if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path}: the folder is not writable (check its permissions)")
+    if path.exists() and not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
+        raise UsageError(f"{flag} {path}: the {'folder' if folder else 'file'} is not writable (check its "
+                         f"permissions)")
     not_an_input(flag, path, inputs)
     return path
