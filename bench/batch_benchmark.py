@@ -20,6 +20,7 @@ from medusa_jax.inference.engine import PROMPT_BUCKET, check_prompts, round_up
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.bench.bench_inputs import write_files
+from medusa_jax.bench.bench_report import table
 
 METHODS = ("plain", "medusa", "refill")
 
@@ -108,12 +109,10 @@ def _refill_row(model: ShardedModel, prompts, config: BatchBenchConfig, batch_si
 
 def markdown(result: dict, title: str) -> str:
     rows = result["rows"]
-    lines = [title, "", "| batch | method | new tokens | tokens/step | tokens/s | tokens/s excl. compile | seconds "
-             "| compile s | differs from plain |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['batch_size']} | {r['method']} | {r['new_tokens']} | {r['tokens_per_step']} | "
-                     f"{r['tokens_per_s']} | {r['tokens_per_s_excl_compile']} | {r['seconds']} | "
-                     f"{r['compile_seconds']} | {r.get('rows_differing_from_plain', '')} |")
+    keys = ("batch_size", "method", "new_tokens", "tokens_per_step", "tokens_per_s", "tokens_per_s_excl_compile",
+            "seconds", "compile_seconds", "rows_differing_from_plain")
+    lines = [title, "", *table("batch | method | new tokens | tokens/step | tokens/s | tokens/s excl. compile | "
+                               "seconds | compile s | differs from plain", ([r.get(k, "") for k in keys] for r in rows))]
     by_size = {}
     for r in rows:
         by_size.setdefault(r["batch_size"], {})[r["method"]] = r

@@ -6,6 +6,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Iterable, Sequence
 
 from medusa_jax.atomic import pyplot, save_figure_atomic
 from medusa_jax.bench.bench_inputs import write_files
@@ -23,6 +24,11 @@ def machine_line(machine: dict) -> str:
 
 def fmt(x: float, digits: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def table(header: str, rows: Iterable[Sequence]) -> list[str]:
+    """A Markdown table: the `header` row ('a | b | c'), its rule, and a line per row of cells."""
+    return [f"| {header} |", "|---" * (header.count("|") + 1) + "|", *(f"| {' | '.join(map(str, r))} |" for r in rows)]
 
 
 def target_status(results: dict) -> dict:
@@ -43,15 +49,10 @@ def markdown(results: dict) -> str:
         f"lm_head={results['heads']['lm_head']}); tree: {tree.get('origin', tree['spec'])} "
         f"({tree['num_nodes']} nodes + root, depth {tree['depth']}); {ov['questions']} MT-Bench first turns, greedy, max {results['config']['max_new_tokens']} "
         f"new tokens, batch {results['config']['batch_size']}.",
-        "",
-        "| method | tokens/s | tokens/step | ms/step | speedup vs plain |",
-        "|---|---|---|---|---|",
-    ]
-    for m, tps in ov["tokens_per_s"].items():
-        per_step = ov["tokens"][m] / ov["steps"][m]
-        ms = 1e3 * ov["seconds"][m] / ov["steps"][m]
-        lines.append(f"| {_METHOD_NAMES[m]} | {fmt(tps, 1)} | {fmt(per_step)} | {fmt(ms, 1)} | "
-                     f"{fmt(tps / ov['tokens_per_s']['plain'])}x |")
+        "", *table("method | tokens/s | tokens/step | ms/step | speedup vs plain",
+                   ([_METHOD_NAMES[m], fmt(tps, 1), fmt(ov["tokens"][m] / ov["steps"][m]),
+                     fmt(1e3 * ov["seconds"][m] / ov["steps"][m], 1), f"{fmt(tps / ov['tokens_per_s']['plain'])}x"]
+                    for m, tps in ov["tokens_per_s"].items()))]
     lines += ["", f"Acceleration rate {fmt(results['acceleration_rate'])} tokens/step; step overhead "
               f"{fmt(results['step_overhead'])}x; speedup {fmt(results['speedup'])}x; Medusa/plain mismatches: "
               f"{results['mismatches']} of {ov['questions']}."
@@ -59,27 +60,22 @@ def markdown(results: dict) -> str:
                  if "predicted_tokens_per_step" in tree else "")
               + (f" transformers vs our plain: {ov['hf_mismatches']} outputs differ (fp32 rounding can flip a "
                  f"near-tie argmax)." if "hf_mismatches" in ov else "")]
-    lines += ["", "| category | questions | plain tok/s | Medusa tok/s | speedup | tokens/step | step overhead |",
-              "|---|---|---|---|---|---|---|"]
-    for c, s in results["per_category"].items():
-        lines.append(f"| {c} | {s['questions']} | {fmt(s['tokens_per_s']['plain'], 1)} | "
-                     f"{fmt(s['tokens_per_s']['medusa'], 1)} | {fmt(s['speedup'])}x | {fmt(s['acceleration_rate'])} | "
-                     f"{fmt(s['step_overhead'])}x |")
+    lines += ["", *table("category | questions | plain tok/s | Medusa tok/s | speedup | tokens/step | step overhead",
+                         ([c, s["questions"], fmt(s["tokens_per_s"]["plain"], 1), fmt(s["tokens_per_s"]["medusa"], 1),
+                           f"{fmt(s['speedup'])}x", fmt(s["acceleration_rate"]), f"{fmt(s['step_overhead'])}x"]
+                          for c, s in results["per_category"].items()))]
     if results.get("batched"):
-        lines += ["", "| batch | questions | plain tok/s (total) | Medusa tok/s (total) | speedup | tokens/step | "
-                      "mismatches |", "|---|---|---|---|---|---|---|"]
-        for row in results["batched"]:
-            lines.append(f"| {row['batch_size']} | {row['questions']} | {fmt(row['tokens_per_s']['plain'], 1)} | "
-                         f"{fmt(row['tokens_per_s']['medusa'], 1)} | {fmt(row['speedup'])}x | "
-                         f"{fmt(row['acceleration_rate'])} | {row['mismatches']} |")
+        lines += ["", *table("batch | questions | plain tok/s (total) | Medusa tok/s (total) | speedup | tokens/step "
+                             "| mismatches", ([r["batch_size"], r["questions"], fmt(r["tokens_per_s"]["plain"], 1),
+                                               fmt(r["tokens_per_s"]["medusa"], 1), f"{fmt(r['speedup'])}x",
+                                               fmt(r["acceleration_rate"]), r["mismatches"]]
+                                              for r in results["batched"]))]
     if results.get("tree_sweep"):
-        lines += ["", "| tree nodes | tokens/step | Medusa tok/s | plain tok/s (same questions, timed alongside) | "
-                      "speedup |", "|---|---|---|---|---|"]
-        for row in results["tree_sweep"]:
-            mark = " (main)" if row["is_main_tree"] else ""
-            lines.append(f"| {row['num_nodes']}{mark} | {fmt(row['acceleration_rate'])} | "
-                         f"{fmt(row['tokens_per_s'], 1)} | {fmt(row['plain_tokens_per_s'], 1)} | "
-                         f"{fmt(row['speedup'])}x |")
+        lines += ["", *table("tree nodes | tokens/step | Medusa tok/s | plain tok/s (same questions, timed alongside) "
+                             "| speedup", ([f"{r['num_nodes']}{' (main)' if r['is_main_tree'] else ''}",
+                                            fmt(r["acceleration_rate"]), fmt(r["tokens_per_s"], 1),
+                                            fmt(r["plain_tokens_per_s"], 1), f"{fmt(r['speedup'])}x"]
+                                           for r in results["tree_sweep"]))]
     prof = results.get("step_profile")
     if prof:
         lines += ["", f"Where a Medusa step's time goes (batch 1, {prof['context']} tokens of context, each piece "
@@ -87,9 +83,9 @@ def markdown(results: dict) -> str:
                                                           for k, v in prof["pieces_ms"].items())
                   + f"; the whole step in one jitted call {fmt(prof['medusa_step_ms'], 1)}; a plain step "
                     f"{fmt(prof['plain_step_ms'], 1)}."]
-    lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
-    for name, t in target_status(results).items():
-        lines.append(f"| {name} | >= {t['target']} | {fmt(t['measured'])} | {'yes' if t['met'] else 'no'} |")
+    lines += ["", *table("target | goal | measured | met", ([name, f">= {t['target']}", fmt(t["measured"]),
+                                                           "yes" if t["met"] else "no"]
+                                                          for name, t in target_status(results).items()))]
     return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,7 @@ from medusa_jax.trees.search import head_accuracy
 from medusa_jax.inference.loaded_model import LoadedModel
 from medusa_jax.trees.search.tree_builder import BuildTreeConfig, heldout_prompts
 from medusa_jax.bench.bench_inputs import write_files
-from medusa_jax.bench.bench_report import machine_line
+from medusa_jax.bench.bench_report import machine_line, table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,31 +291,29 @@ def markdown(results: dict, command: str, machine: str) -> str:
     batches = sorted({r["batch"] for h in heads.values() for r in h["timed"]})
     lines = [f"Command: `{command}`", machine,
              f"{results['questions']} MT-Bench first turns, greedy, at most {results['config']['max_new_tokens']} "
-             f"new tokens; held-out accuracy on {results['heldout']}.", "",
-             "| " + " | ".join(["heads", "held-out top-1 per head (depth)", "top-5 per head"]
-                               + [f"tokens/step @{n}" for n in sizes] + [f"chain of {c}" for c in chains]
-                               + [f"speedup b{b}" for b in batches] + ["mismatches"]) + " |",
-             "|---" * (4 + len(sizes) + len(chains) + len(batches)) + "|"]
+             f"new tokens; held-out accuracy on {results['heldout']}.", ""]
+    header = " | ".join(["heads", "held-out top-1 per head (depth)", "top-5 per head"]
+                        + [f"tokens/step @{n}" for n in sizes] + [f"chain of {c}" for c in chains]
+                        + [f"speedup b{b}" for b in batches] + ["mismatches"])
+    rows = []
     for label, h in heads.items():
         tps = {r["nodes"]: r["tokens_per_step"] for r in h["tree_sizes"]}
         chain = {r["chain"]: r["tokens_per_step"] for r in h.get("chains", [])}
         spd = {r["batch"]: r["speedup"] for r in h["timed"]}
         bad = sum(r["mismatches"] for key in ("tree_sizes", "chains", "timed", "dynamic") for r in h.get(key, []))
-        cells = ([label, " / ".join(f"{a:.2f}" for a in h["heldout_top1"]) or "-",
-                  " / ".join(f"{a:.2f}" for a in h["heldout_top5"]) or "-"]
-                 + [f"{tps[n]:.2f}" if n in tps else "-" for n in sizes]
-                 + [f"{chain[c]:.2f}" if c in chain else "-" for c in chains]
-                 + [f"{spd[b]:.2f}x" if b in spd else "-" for b in batches] + [str(bad)])
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += dynamic_markdown(results)
+        rows.append([label, " / ".join(f"{a:.2f}" for a in h["heldout_top1"]) or "-",
+                     " / ".join(f"{a:.2f}" for a in h["heldout_top5"]) or "-"]
+                    + [f"{tps[n]:.2f}" if n in tps else "-" for n in sizes]
+                    + [f"{chain[c]:.2f}" if c in chain else "-" for c in chains]
+                    + [f"{spd[b]:.2f}x" if b in spd else "-" for b in batches] + [bad])
+    lines += table(header, rows) + dynamic_markdown(results)
     if not batches:
         return "\n".join(lines + ["", "(untimed run: --batch-sizes '')"]) + "\n"
     lines += ["", "Timed runs (compilation excluded; plain and Medusa interleaved batch by batch):", "",
-              "| heads | batch | plain tok/s | Medusa tok/s | speedup | tokens/step | tree |", "|---" * 7 + "|"]
-    for label, h in heads.items():
-        for r in h["timed"]:
-            lines.append(f"| {label} | {r['batch']} | {r['plain_tokens_per_s']:.1f} | {r['medusa_tokens_per_s']:.1f} "
-                         f"| {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {r['tree']} |")
+              *table("heads | batch | plain tok/s | Medusa tok/s | speedup | tokens/step | tree",
+                     ([label, r["batch"], f"{r['plain_tokens_per_s']:.1f}", f"{r['medusa_tokens_per_s']:.1f}",
+                       f"{r['speedup']:.2f}x", f"{r['tokens_per_step']:.2f}", r["tree"]]
+                      for label, h in heads.items() for r in h["timed"]))]
     return "\n".join(lines) + "\n"
 
 
@@ -325,14 +323,13 @@ def dynamic_markdown(results: dict) -> list[str]:
     rows = [(label, r) for label, h in results["heads"].items() for r in h.get("dynamic", [])]
     if not rows:
         return []
-    lines = ["", "Dynamic trees (EAGLE-2 style: K children of the K best frontier nodes per depth, D depths, the N "
-                 "best drafted nodes kept) against the greedy static tree of the same N nodes, tokens/step:", "",
-             "| heads | N | dynamic tree | static tokens/step | dynamic tokens/step | dynamic / static | mismatches |",
-             "|---" * 7 + "|"]
-    for label, r in rows:
-        lines.append(f"| {label} | {r['nodes']} | {r['tree']} | {r['static_tokens_per_step']:.3f} | "
-                     f"{r['tokens_per_step']:.3f} | {r['ratio_to_static']:.3f}x | {r['mismatches']} |")
-    return lines
+    return ["", "Dynamic trees (EAGLE-2 style: K children of the K best frontier nodes per depth, D depths, the N "
+                "best drafted nodes kept) against the greedy static tree of the same N nodes, tokens/step:", "",
+            *table("heads | N | dynamic tree | static tokens/step | dynamic tokens/step | dynamic / static | "
+                   "mismatches",
+                   ([label, r["nodes"], r["tree"], f"{r['static_tokens_per_step']:.3f}",
+                     f"{r['tokens_per_step']:.3f}", f"{r['ratio_to_static']:.3f}x", r["mismatches"]]
+                    for label, r in rows))]
 
 
 def plot(results: dict, path: Path) -> Path:

@@ -16,6 +16,7 @@ from flax import nnx
 
 from medusa_jax.model.sharding import MeshConfig, param_shardings, sharding_for
 from medusa_jax.hf.load import load_pretrained
+from medusa_jax.bench.bench_report import table
 
 MODES = ("sharded", "via_one")
 
@@ -101,12 +102,11 @@ def parse_run(text: str) -> tuple[int, str, str]:
 
 
 def markdown(rows: list[dict], model: str) -> str:
+    keys = ("devices", "mesh", "mode", "on_devices_mib", "max_per_device_mib", "anon_growth_mib", "peak_total_mib",
+            "seconds")
     lines = [f"Loading {model} (float32): peak host memory, MiB (fresh process per row)", "",
-             "| devices | mesh | mode | on devices | max per device | private memory growth (peak RssAnon) "
-             "| VmHWM (incl. mapped file) | seconds |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['devices']} | {r['mesh']} | {r['mode']} | {r['on_devices_mib']} | "
-                     f"{r['max_per_device_mib']} | {r['anon_growth_mib']} | {r['peak_total_mib']} | {r['seconds']} |")
+             *table("devices | mesh | mode | on devices | max per device | private memory growth (peak RssAnon) | "
+                    "VmHWM (incl. mapped file) | seconds", ([r[k] for k in keys] for r in rows))]
     return "\n".join(lines) + "\n"
 
 
