@@ -18,7 +18,7 @@ from medusa_jax.inference.api import BatchSettings
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.inference.loaded_model import LoadedModel
 from medusa_jax.bench.bench_inputs import write_files
-from medusa_jax.bench.bench_report import machine_line
+from medusa_jax.bench.bench_report import machine_line, table
 from medusa_jax.bench.heads_comparison import interleaved
 
 
@@ -84,26 +84,25 @@ def run(loaded: LoadedModel, prompts: Sequence[Sequence[int]], batch_sizes: Sequ
 
 
 def markdown(results: dict, command: str, machine: str) -> str:
+    choices = [(row["batch"], name, row[name]) for row in results["batches"] for name in ("calibrated", "shipped")]
     lines = [f"Command: `{command}`", machine, "",
              f"{results['questions']} MT-Bench first turns, greedy, at most {results['max_new_tokens']} new tokens; "
              "plain, the calibrated choice and the shipped choice interleaved batch by batch (compilation "
              "excluded). Predicted = the chooser's prediction (speedup over plain, tokens/step).", "",
-             "| batch | choice | tree | predicted speedup | measured speedup | predicted tokens/step | "
-             "measured tokens/step | mismatches |", "|---" * 8 + "|"]
-    for row in results["batches"]:
-        for name in ("calibrated", "shipped"):
-            r = row[name]
-            pred_s = r.get("predicted_speedup")
-            pred_t = r.get("predicted_tokens_per_step")
-            lines.append(f"| {row['batch']} | {name} | {r['tree']} | "
-                         f"{'-' if pred_s is None else f'{pred_s:.2f}x'} | {r['speedup']:.2f}x | "
-                         f"{'-' if pred_t is None else f'{pred_t:.2f}'} | {r['tokens_per_step']:.2f} | "
-                         f"{r['mismatches']} |")
-    lines += ["", "Plain tokens/s and calibration time per batch size:", "",
-              "| batch | plain tok/s | calibration seconds |", "|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['plain_tokens_per_s']:.1f} | {r['calibrate_seconds']:.1f} |"
-              for r in results["batches"]]
+             *table("batch | choice | tree | predicted speedup | measured speedup | predicted tokens/step | "
+                    "measured tokens/step | mismatches",
+                    ([batch, name, r["tree"], _shown(r.get("predicted_speedup"), "x"), f"{r['speedup']:.2f}x",
+                      _shown(r.get("predicted_tokens_per_step")), f"{r['tokens_per_step']:.2f}", r["mismatches"]]
+                     for batch, name, r in choices)),
+             "", "Plain tokens/s and calibration time per batch size:", "",
+             *table("batch | plain tok/s | calibration seconds", ([r["batch"], f"{r['plain_tokens_per_s']:.1f}",
+                                                                  f"{r['calibrate_seconds']:.1f}"]
+                                                                 for r in results["batches"]))]
     return "\n".join(lines) + "\n"
+
+
+def _shown(value: float | None, unit: str = "") -> str:
+    return "-" if value is None else f"{value:.2f}{unit}"
 
 
 def write(results: dict, out: str | Path, command: str, machine: dict) -> Path:

@@ -13,6 +13,7 @@ from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.inference.loaded_model import LoadedModel
 from medusa_jax.bench.bench_inputs import write_files
+from medusa_jax.bench.bench_report import table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,14 +94,10 @@ def markdown(results: dict, meta: dict) -> str:
              f"started from {meta['table']}.", ""]
     for batch, rows in results.items():
         lines += [f"## {batch.replace('_', ' ')}", "",
-                  "| method | nodes | tokens/step | tokens/s | speedup vs plain | mismatches |",
-                  "|---|---|---|---|---|---|"]
-        for name, row in rows.items():
-            lines.append(f"| {name} | {row.get('nodes', '-')} | {row['tokens_per_step']:.2f} | "
-                         f"{row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {row['mismatches']} |"
-                         if name != "plain" else
-                         f"| plain | - | {row['tokens_per_step']:.2f} | {row['tokens_per_s']:.1f} | 1.00x | - |")
-        lines.append("")
+                  *table("method | nodes | tokens/step | tokens/s | speedup vs plain | mismatches",
+                         ([name, row.get("nodes", "-"), f"{row['tokens_per_step']:.2f}", f"{row['tokens_per_s']:.1f}",
+                           f"{row.get('speedup', 1.0):.2f}x", row["mismatches"] if name != "plain" else "-"]
+                          for name, row in rows.items())), ""]
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.trees.policy.choose import choose_tree
 from medusa_jax.inference.loaded_model import LoadedModel
 from medusa_jax.bench.bench_inputs import write_files
-from medusa_jax.bench.bench_report import fmt, machine_line
+from medusa_jax.bench.bench_report import fmt, machine_line, table
 from medusa_jax.mtbench import MTBenchQuestion
 
 SAMPLED = ("plain", "exact", "typical")  # methods timed at each temperature
@@ -123,11 +123,9 @@ def sampling_markdown(results: dict) -> str:
              f"{fmt(greedy['tokens_per_s'], 1)} tokens/s.", ""]
     names = {"plain": "plain sampling", "exact": "Medusa, exact acceptance", "typical": "Medusa, typical acceptance"}
     for t, row in results["by_temperature"].items():
-        lines += [f"### Temperature {t}", "", "| method | tokens/s | tokens/step | speedup vs plain sampling |",
-                  "|---|---|---|---|"]
-        for m in SAMPLED:
-            lines.append(f"| {names[m]} | {fmt(row[m]['tokens_per_s'], 1)} | {fmt(row[m]['tokens_per_step'])} | "
-                         f"{fmt(row[m]['speedup_vs_plain'])}x |")
+        lines += [f"### Temperature {t}", "", *table("method | tokens/s | tokens/step | speedup vs plain sampling", (
+            [names[m], fmt(row[m]["tokens_per_s"], 1), fmt(row[m]["tokens_per_step"]),
+             f"{fmt(row[m]['speedup_vs_plain'])}x"] for m in SAMPLED))]
         lines += ["", f"Exact tokens/step / greedy tokens/step: {fmt(row['exact_over_greedy_tokens_per_step'])}"
                   + (f" (target >= {RATIO_TARGET['min_ratio']})" if float(t) == RATIO_TARGET["temperature"] else ""),
                   ""]
