@@ -1,22 +1,7 @@
-"""Decoding under a device mesh: the plain and Medusa decode loops jitted with explicit in/out shardings.
-
-Layouts (mesh axes from `medusa_jax.model.sharding`):
-    parameters        PARAM_RULES (attention heads, MLP width and vocabulary over `tensor`; hidden over `fsdp`)
-    KV cache          per layer, K [B, K, H, S] and V [B, K, S, H]: rows over (data, fsdp), KV heads over `tensor`
-    prompts, outputs  [B, ...]: rows over (data, fsdp); the PRNG key is replicated
-With data x tensor meshes each decode step moves only activations: all-reduces after the row-parallel o_proj
-and down_proj and the vocabulary-parallel embedding, the k best candidates of each vocabulary shard for argmax
-and top-k (`sharded_top_k`); `data` alone needs no collective but the loop's "any row still running" flag.
-`fsdp` > 1 stores weights split over hidden_size: the prefill all-gathers them layer by layer (once per
-batch), and the decode loop needs extra activation collectives over fsdp per layer (XLA's choice on the
-meshes we compiled; it could as well gather weights). It saves memory, not time: for decoding prefer
-data x tensor, and fsdp only when the weights do not fit. The tests check the compiled loops with
-`medusa_jax.training.hlo_collectives` (`invariant_gathers` lists weights re-gathered at every step).
-
-Multi-host: every process holds the same (small) host batch of token ids; `put_rows` builds each process's
-addressable shards from it, so each process feeds only the rows its devices hold, and `engine_mesh.fetch`
-gathers the outputs from all processes.
-"""
+"""Decoding under a device mesh: the plain and Medusa decode loops jitted with explicit in/out shardings. The
+layouts and the collectives of each mesh axis (decode over data x tensor; fsdp saves memory, not time) are in
+docs/design.md, "Sharded decoding and batch generation". Multi-host: every process holds the same host batch and
+`put_rows` builds only its own devices' shards; `engine_mesh.fetch` gathers the outputs."""
 
 from __future__ import annotations
 
