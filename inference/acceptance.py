@@ -111,13 +111,9 @@ def typical_accept(candidate_prob_bce: jax.Array, threshold_bce: jax.Array,
     return longest_b.astype(jnp.int32), jnp.argmax(loglik_bc, axis=-1).astype(jnp.int32)
 
 
-def typical_threshold(probs_xv: jax.Array, config: AcceptanceConfig) -> jax.Array:
-    """[..., V] probabilities -> [...] min(epsilon, delta * exp(-entropy))."""
-    return typical_bound(probs_xv, config.posterior_threshold, config.posterior_alpha)
-
-
 def typical_bound(probs_xv: jax.Array, epsilon, delta) -> jax.Array:
-    """`typical_threshold` with epsilon and delta given as numbers or arrays that broadcast against [...] (each
+    """[..., V] probabilities -> [...] min(epsilon, delta * exp(-entropy)): the typical threshold, epsilon and delta
+    numbers (AcceptanceConfig's posterior_threshold, posterior_alpha) or arrays that broadcast against [...] (each
     row's own: inference/row_acceptance.py)."""
     entropy_x = -jnp.sum(probs_xv * jnp.log(probs_xv + 1e-30), axis=-1)
     return jnp.minimum(epsilon, delta * jnp.exp(-entropy_x))
@@ -137,7 +133,8 @@ def sample_typical(logits_bv: jax.Array, key: jax.Array, config: DecodeConfig) -
     if config.kind == "greedy":
         return greedy_tokens(logits_bv)
     scaled_bv = logits_bv.astype(jnp.float32) / config.temperature
-    threshold_b = typical_threshold(jax.nn.softmax(scaled_bv, axis=-1), config.acceptance)
+    threshold_b = typical_bound(jax.nn.softmax(scaled_bv, axis=-1), config.acceptance.posterior_threshold,
+                                config.acceptance.posterior_alpha)
     return jax.random.categorical(key, typical_set_logits(scaled_bv, threshold_b), axis=-1).astype(jnp.int32)
 
 
@@ -169,7 +166,9 @@ def accept_tree(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: j
             child(tokens_bt), parent(predictions_bt), valid_ce))
     else:
         probs_btv = jax.nn.softmax(logits_btv.astype(jnp.float32) / config.temperature, axis=-1)
-        length_b, nodes_be = typical_walk(tree, tokens_bt, probs_btv, typical_threshold(probs_btv, config.acceptance))
+        typical = config.acceptance
+        threshold_bt = typical_bound(probs_btv, typical.posterior_threshold, typical.posterior_alpha)
+        length_b, nodes_be = typical_walk(tree, tokens_bt, probs_btv, threshold_bt)
     return length_b, nodes_be, sample_typical(path_end(logits_btv, nodes_be, length_b), key, config)
 
 

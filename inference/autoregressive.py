@@ -211,13 +211,6 @@ def plain_step(model: CausalLM, state: PlainState, *, sampling: SamplingConfig,
                       state.budget_b, state.done_b | (active_b & is_eos(token_b, eos_ids)), key, hidden_bod)
 
 
-def run_plain_steps(model: CausalLM, state: PlainState, *, sampling: SamplingConfig,
-                    eos_ids: tuple[int, ...]) -> PlainState:
-    """`plain_step` while any row is active."""
-    return jax.lax.while_loop(lambda s: jnp.any(s.active_b),
-                              partial(plain_step, model, sampling=sampling, eos_ids=eos_ids), state)
-
-
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids", "pad_id",
                                    "prefill_groups"), donate_argnames=("cache",))
 def decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key, *, max_new_tokens: int,
@@ -232,5 +225,6 @@ def decode(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, key, *, m
     out_bo = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_b)
     state = PlainState(cache, first_b, out_bo, jnp.ones((b,), jnp.int32), jnp.full((b,), max_new_tokens, jnp.int32),
                        is_eos(first_b, eos_ids), key)
-    state = run_plain_steps(model, state, sampling=sampling, eos_ids=eos_ids)
+    state = jax.lax.while_loop(lambda s: jnp.any(s.active_b),
+                               partial(plain_step, model, sampling=sampling, eos_ids=eos_ids), state)
     return state.out_bo, state.num_out_b, state.cache

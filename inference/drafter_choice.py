@@ -1,16 +1,6 @@
 """Which drafter pays on this machine, for one prompt: plain decoding against each drafter with its own tree policy,
-timed in the same run, and the fastest chosen, or plain with the reason (the README demo, scripts/demo_drafters.py).
-
-Each candidate decodes the prompt greedily with the tree its policy gives on this machine: trained heads their own
-tree for batch 1 (`trees.policy.choose`, calibrated here once and cached, or plain where no tree is predicted to
-pay), Token Recycling its default template, prompt lookup and a mix their draft sizes of `DEFAULT_BUDGET` nodes,
-the size chosen per step from this machine's step costs (measured once and cached, `draft_size_cache`). Greedy
-tree decoding is lossless, so every candidate writes plain's answer (checked: a candidate that does not is never
-chosen). Each candidate's timed decodes alternate with plain ones and every method keeps its fastest (`race`);
-speed = tokens per second without compilation over plain's, in the same run. The fastest candidate that drafts
-(a policy that decodes plainly here is plain) at or above `min_speedup` x plain is chosen, else plain, with the best
-figure in the reason.
-"""
+timed in the same run, and the fastest chosen, or plain with the reason (the README demo, scripts/demo_drafters.py);
+the run's rules are in docs/modules.md."""
 
 from __future__ import annotations
 
@@ -102,7 +92,7 @@ def choose(plain: DecodeRun, runs: Sequence[DecodeRun], min_speedup: float = MIN
 
 def race(loaded: LoadedModel, prompt: Sequence[int], max_new_tokens: int, candidates: Sequence[str] = CANDIDATES,
          rounds: int = ROUNDS, say: Callable[[str], None] = print) -> tuple[DecodeRun, list[DecodeRun]]:
-    """Plain, then every candidate, on `prompt` (the module docstring): each candidate's decodes alternate with
+    """Plain, then every candidate, on `prompt` (docs/modules.md): each candidate's decodes alternate with
     plain ones, `rounds` of each (the first call of each compiles, which is excluded), and every method keeps its
     fastest (a loaded machine only ever slows a run down). A candidate whose policy decodes plainly runs once.
     `say` gets one line per candidate and one for plain."""

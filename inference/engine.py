@@ -63,8 +63,7 @@ def check_positions(max_positions: int, prompt_lengths: Sequence[int], max_new_t
 @dataclasses.dataclass(frozen=True)
 class PaddedBatch:
     tokens_bt: np.ndarray  # int32, right-padded with pad_id
-    lengths_b: np.ndarray  # int32
-    num_real: int  # rows beyond this are filler (copies of row 0) that callers drop
+    lengths_b: np.ndarray  # int32; rows past the prompts given are filler (copies of row 0) that callers drop
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, batch_size: int | None = None,
@@ -78,7 +77,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, batch_size: int |
     tokens = np.full((batch_size, width), pad_id, np.int32)
     for i, p in enumerate(rows):
         tokens[i, : len(p)] = p
-    return PaddedBatch(tokens, np.asarray([len(p) for p in rows], np.int32), len(prompts))
+    return PaddedBatch(tokens, np.asarray([len(p) for p in rows], np.int32))
 
 
 def cache_size_for(prompt_width: int, max_new_tokens: int, extra: int = 0, bucket: int = PROMPT_BUCKET) -> int:

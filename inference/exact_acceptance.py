@@ -1,49 +1,5 @@
-"""Lossless ("exact") sampling over a Medusa tree: the emitted tokens have exactly the plain sampler's law.
-
-Target. At every tree node u the target q_u is the plain sampler's distribution of the next token given the
-prompt, the tokens emitted so far and u's path: softmax(sampling.target_logits(logits at u)), i.e. the same
-temperature, top-k and top-p code that `sample_tokens` runs. The drafts are point masses: node u's children
-x_1, ..., x_m (in rank order) are fixed before any coin is drawn (they come from the heads' top-k at the
-previous step's hidden state, or from any proposer that does not look at this step's coins).
-
-Walk. Start at the root (the last emitted token). At node u try its children in rank order: child x_i is
-accepted with probability q(x_i) under the current q; on rejection q(x_i) <- 0 and q is renormalised. After
-an acceptance, descend to that child and repeat with its own target. When every child of the current node
-is rejected (or it has none: a leaf), the step's last token (the bonus) is drawn from what is left of q:
-q with the rejected children's tokens removed, renormalised (a leaf's full q).
-
-Why the law is exact. Fix node u and its distinct children; write S_i = q(x_1) + ... + q(x_i), S_0 = 0.
-After the rejections of x_1..x_{i-1} the current q gives x_i the mass q(x_i) / (1 - S_{i-1}), so
-    P(x_i is emitted) = prod_{j<i} (1 - q(x_j) / (1 - S_{j-1})) * q(x_i) / (1 - S_{i-1})
-                      = prod_{j<i} ((1 - S_j) / (1 - S_{j-1})) * q(x_i) / (1 - S_{i-1})
-                      = (1 - S_{i-1}) * q(x_i) / (1 - S_{i-1}) = q(x_i)            (the product telescopes)
-and for a token y that is no child, P(y) = P(all rejected) * q(y) / (1 - S_m) = (1 - S_m) q(y) / (1 - S_m)
-= q(y). So the token emitted after u is distributed as q_u, whatever the tree looks like. If it is the child
-x_i, the next token is decided at node x_i with coins not used before, and x_i's target is the plain
-conditional given the prefix extended by x_i; if it is a bonus token the step ends and the next step builds
-a new tree from the extended prefix, again before drawing its coins. So every emitted token, given all the
-tokens before it, is distributed as the plain sampler's conditional, and by the chain rule the whole emitted
-sequence (cut at the first EOS or at max_new_tokens, rules that look only at the emitted tokens, as plain
-decoding's do) has the plain sampler's distribution. It relies on: (1) each trial's coin is fresh, (2) the
-children of a node are distinct tokens, (3) the tree does not depend on the coins, (4) the verify forward's
-logits at a node equal a plain forward's on the same prefix (the greedy losslessness tests check that).
-
-Distinct siblings. In a `medusa_choices` tree all children of one node are the same head's top-k ranks at
-one hidden state (paths [..., a] and [..., b] with a != b), and `jax.lax.top_k` returns distinct indices
-(a truncated head's token_map is one-to-one), so siblings are distinct tokens. A custom proposer may still repeat a token among siblings: a repeat is given
-probability 0 here (its token was already zeroed when the first copy was rejected), which is exactly what
-the walk above does, so the law stays exact.
-
-Vectorised. A node is tried at most once per step, so every node gets one uniform u_t up front and the
-event "x_t accepted when tried" is u_t * (1 - S_before(t)) < q_parent(x_t), with S_before(t) the mass of
-its earlier (distinct) siblings: a [B, T] computation from the [B, T, V] verified logits. The walk itself is
-E static rounds (E = tree depth) over a [T, J] table of each node's children (J = the most children of any
-node): each round moves every row to its first accepted child, or stops it. No Python runs per token.
-
-Dynamic trees. The tree may be a dynamic tree's per-row RowTree (medusa_jax/trees/dynamic_tree.py): the same walk over
-per-row tables ([B, T, J] children, [B, T, T] earlier siblings). Conditions (2) and (3) hold: a dynamic tree is
-grown from the drafter's probabilities before any coin is drawn, and siblings are the top-K of one distribution.
-"""
+"""Lossless ("exact") sampling over a Medusa tree: the emitted tokens have exactly the plain sampler's law. The
+walk, why its law is exact, distinct siblings and the vectorised form are in docs/modules.md."""
 
 from __future__ import annotations
 
@@ -78,17 +34,12 @@ def earlier_siblings(tree: TreeBuffers) -> np.ndarray:
 def trial_outcomes(tokens_bt: jax.Array, node_prob_bt: jax.Array, uniform_bt: jax.Array,
                    tree: TreeBuffers | RowTree) -> jax.Array:
     """[B, T] bool: would node t be accepted when tried? node_prob_bt: q_parent(token_t); uniform_bt: one
-    fresh U[0, 1) coin per node. A token repeating an earlier sibling's has probability 0 (see the docstring)."""
-    if isinstance(tree, RowTree):
-        earlier_btt = tree.earlier_btt
-        repeat_bt = jnp.any(earlier_btt & (tokens_bt[:, :, None] == tokens_bt[:, None, :]), axis=-1)
-        prob_bt = jnp.where(repeat_bt, 0.0, node_prob_bt)
-        mass_before_bt = jnp.einsum("bs,bts->bt", prob_bt, earlier_btt.astype(prob_bt.dtype))
-        return uniform_bt * jnp.maximum(1.0 - mass_before_bt, 0.0) < prob_bt
-    earlier_tt = jnp.asarray(earlier_siblings(tree))
-    repeat_bt = jnp.any(earlier_tt[None] & (tokens_bt[:, :, None] == tokens_bt[:, None, :]), axis=-1)
+    fresh U[0, 1) coin per node. A token repeating an earlier sibling's has probability 0 (docs/modules.md)."""
+    per_row = isinstance(tree, RowTree)
+    earlier = tree.earlier_btt if per_row else jnp.asarray(earlier_siblings(tree))  # [b, t, s] or [t, s]
+    repeat_bt = jnp.any(earlier & (tokens_bt[:, :, None] == tokens_bt[:, None, :]), axis=-1)
     prob_bt = jnp.where(repeat_bt, 0.0, node_prob_bt)
-    mass_before_bt = jnp.einsum("bs,ts->bt", prob_bt, earlier_tt.astype(prob_bt.dtype))
+    mass_before_bt = jnp.einsum("bs,bts->bt" if per_row else "bs,ts->bt", prob_bt, earlier.astype(prob_bt.dtype))
     left_bt = jnp.maximum(1.0 - mass_before_bt, 0.0)  # the current q's normaliser when t is tried
     return uniform_bt * left_bt < prob_bt  # strict: a token with q = 0 is never accepted
 
@@ -104,7 +55,7 @@ def exact_accept(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: 
                  sampling: SamplingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """tokens_bt / logits_btv: the T tree tokens and the base logits at each. Returns (accept length [B],
     accepted nodes [B, E + 1] root first (past the accept length: the last accepted node repeated), bonus
-    token [B]) with the plain sampler's law (module docstring)."""
+    token [B]) with the plain sampler's law (docs/modules.md)."""
     coin_key, bonus_key = jax.random.split(key)
     length_b, nodes_be, residual_bv = exact_walk(tree, tokens_bt, target_logits(logits_btv, sampling),
                                                  jax.random.uniform(coin_key, tokens_bt.shape))
@@ -113,7 +64,7 @@ def exact_accept(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, logits_btv: 
 
 def exact_walk(tree: TreeBuffers | RowTree, tokens_bt: jax.Array, target_btv: jax.Array,
                uniform_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The walk of the module docstring with the target logits at every node (target_btv: `target_logits` of
+    """The walk (docs/modules.md) with the target logits at every node (target_btv: `target_logits` of
     the base logits, each row's own settings allowed) and one fresh U[0, 1) coin per node. Returns (accept
     length [B], accepted nodes [B, E + 1], the logits [B, V] the bonus token is drawn from)."""
     b = tokens_bt.shape[0]

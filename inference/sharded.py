@@ -1,22 +1,7 @@
-"""Decoding under a device mesh: the plain and Medusa decode loops jitted with explicit in/out shardings.
-
-Layouts (mesh axes from `medusa_jax.model.sharding`):
-    parameters        PARAM_RULES (attention heads, MLP width and vocabulary over `tensor`; hidden over `fsdp`)
-    KV cache          per layer, K [B, K, H, S] and V [B, K, S, H]: rows over (data, fsdp), KV heads over `tensor`
-    prompts, outputs  [B, ...]: rows over (data, fsdp); the PRNG key is replicated
-With data x tensor meshes each decode step moves only activations: all-reduces after the row-parallel o_proj
-and down_proj and the vocabulary-parallel embedding, the k best candidates of each vocabulary shard for argmax
-and top-k (`sharded_top_k`); `data` alone needs no collective but the loop's "any row still running" flag.
-`fsdp` > 1 stores weights split over hidden_size: the prefill all-gathers them layer by layer (once per
-batch), and the decode loop needs extra activation collectives over fsdp per layer (XLA's choice on the
-meshes we compiled; it could as well gather weights). It saves memory, not time: for decoding prefer
-data x tensor, and fsdp only when the weights do not fit. The tests check the compiled loops with
-`medusa_jax.training.hlo_collectives` (`invariant_gathers` lists weights re-gathered at every step).
-
-Multi-host: every process holds the same (small) host batch of token ids; `put_rows` builds each process's
-addressable shards from it, so each process feeds only the rows its devices hold, and `engine_mesh.fetch`
-gathers the outputs from all processes.
-"""
+"""Decoding under a device mesh: the plain and Medusa decode loops jitted with explicit in/out shardings. The
+layouts and the collectives of each mesh axis (decode over data x tensor; fsdp saves memory, not time) are in
+docs/design.md, "Sharded decoding and batch generation". Multi-host: every process holds the same host batch and
+`put_rows` builds only its own devices' shards; `engine_mesh.fetch` gathers the outputs."""
 
 from __future__ import annotations
 
@@ -109,51 +94,20 @@ class MeshHeadsProposer:
 
 
 @dataclasses.dataclass(frozen=True)
-class PlainStatics:
-    """Everything the plain decode loop is specialised on (one compilation per distinct value)."""
+class DecodeStatics:
+    """Everything one decode loop is specialised on (one compilation per distinct value): the loop
+    (`autoregressive.decode`, `medusa.medusa_decode` or `medusa.medusa_decode_keeping_draft`), the graphdef of its
+    model (the CausalLM or the MedusaModel) and its keyword settings (max_new_tokens, sampling or tree and
+    acceptance, eos_ids, pad_id, prefill_groups (autoregressive.grouped_prefill), a Medusa loop's proposer)."""
 
-    graphdef: Any  # of the CausalLM
-    max_new_tokens: int
-    sampling: SamplingConfig
-    eos_ids: tuple[int, ...]
-    pad_id: int
-    prefill_groups: int = 1  # autoregressive.grouped_prefill
-
-
-@dataclasses.dataclass(frozen=True)
-class MedusaStatics:
-    """Everything the Medusa decode loop is specialised on."""
-
-    graphdef: Any  # of the MedusaModel
-    tree: TreeBuffers | DynamicTree
-    max_new_tokens: int
-    acceptance: DecodeConfig
-    eos_ids: tuple[int, ...]
-    pad_id: int
-    proposer: medusa.Proposer  # MeshHeadsProposer, or a caller's (it gets the proposer_data argument)
-    prefill_groups: int = 1
+    loop: Callable
+    graphdef: Any
+    settings: tuple[tuple[str, Any], ...]
 
 
-def _plain_decode(statics: PlainStatics, params, cache, prompt_bt, prompt_lens_b, key, _data):
-    return autoregressive.decode(statics.graphdef, params, cache, prompt_bt, prompt_lens_b, key,
-                                 max_new_tokens=statics.max_new_tokens, sampling=statics.sampling,
-                                 eos_ids=statics.eos_ids, pad_id=statics.pad_id,
-                                 prefill_groups=statics.prefill_groups)
-
-
-def _medusa_decode(statics: MedusaStatics, params, cache, prompt_bt, prompt_lens_b, key, proposer_data):
-    return medusa.medusa_decode(statics.graphdef, params, cache, prompt_bt, prompt_lens_b, key, proposer_data,
-                                tree=statics.tree, max_new_tokens=statics.max_new_tokens,
-                                acceptance=statics.acceptance, eos_ids=statics.eos_ids, pad_id=statics.pad_id,
-                                proposer=statics.proposer, prefill_groups=statics.prefill_groups)
-
-
-def _medusa_decode_keeping_draft(statics: MedusaStatics, params, cache, prompt_bt, prompt_lens_b, key,
-                                 proposer_data):
-    return medusa.medusa_decode_keeping_draft(
-        statics.graphdef, params, cache, prompt_bt, prompt_lens_b, key, proposer_data, tree=statics.tree,
-        max_new_tokens=statics.max_new_tokens, acceptance=statics.acceptance, eos_ids=statics.eos_ids,
-        pad_id=statics.pad_id, proposer=statics.proposer, prefill_groups=statics.prefill_groups)
+def _decode(statics: DecodeStatics, params, cache, prompt_bt, prompt_lens_b, key, proposer_data):
+    data = () if statics.loop is autoregressive.decode else (proposer_data,)  # a proposer's, replicated
+    return statics.loop(statics.graphdef, params, cache, prompt_bt, prompt_lens_b, key, *data, **dict(statics.settings))
 
 
 class ShardedModel:
@@ -224,19 +178,19 @@ class ShardedModel:
     def key(self, seed: int) -> jax.Array:
         return jax.jit(jax.random.key, out_shardings=replicated(self.mesh))(seed)
 
-    def _jit(self, fn: Callable, params_shardings, batch_size: int, cache_size: int,
+    def _jit(self, loop: Callable, params_shardings, batch_size: int, cache_size: int,
              out_batch_ndims: tuple[int | None, ...]) -> Callable:
-        """fn(statics, params, cache, prompt_bt, prompt_lens_b, key, data) with explicit shardings (data: a
-        replicated pytree, e.g. a proposer's); it returns batch-major arrays of `out_batch_ndims` (None: a
-        replicated pytree) and then the cache (donated in, returned out)."""
-        memo = (fn, batch_size, cache_size, out_batch_ndims)
+        """`_decode` of a DecodeStatics with this `loop` under explicit shardings (data: a replicated pytree, e.g. a
+        proposer's); it returns batch-major arrays of `out_batch_ndims` (None: a replicated pytree) and then the
+        cache (donated in, returned out)."""
+        memo = (loop, batch_size, cache_size, out_batch_ndims)
         if memo not in self._jits:
             kv_shardings = self.cache_sharding(batch_size, cache_size)
             rows_2d, rows_1d = batch_sharding(self.mesh, 2), batch_sharding(self.mesh, 1)
             outs = tuple(replicated(self.mesh) if nd is None else batch_sharding(self.mesh, nd)
                          for nd in out_batch_ndims) + (kv_shardings,)
             self._jits[memo] = jax.jit(
-                fn, static_argnums=(0,), donate_argnums=(2,),
+                _decode, static_argnums=(0,), donate_argnums=(2,),
                 in_shardings=(params_shardings, kv_shardings, rows_2d, rows_1d, replicated(self.mesh),
                               replicated(self.mesh)),
                 out_shardings=outs)
@@ -254,11 +208,11 @@ class ShardedModel:
                 jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=rows_1d),
                 jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep))
 
-    def _run(self, fn, statics, params, params_shardings, prompt_bt, prompt_lens_b, cache_size, seed,
+    def _run(self, statics, params, params_shardings, prompt_bt, prompt_lens_b, cache_size, seed,
              out_batch_ndims, lowered_only, data=None):
         batch_size = prompt_bt.shape[0]
         self.check_batch_size(batch_size)
-        jitted = self._jit(fn, params_shardings, batch_size, cache_size, out_batch_ndims)
+        jitted = self._jit(statics.loop, params_shardings, batch_size, cache_size, out_batch_ndims)
         if lowered_only:  # shapes suffice: no cache, prompt or key is allocated
             with jax.set_mesh(self.mesh):
                 return jitted.lower(statics, params, *self.abstract_inputs(batch_size, prompt_bt.shape[1],
@@ -277,9 +231,10 @@ class ShardedModel:
         """Prefill + plain decoding of one padded batch -> host (tokens [b, o], num_new [b]).
         `lowered_only` returns the lowered computation instead (for HLO inspection and memory plans; only the
         prompts' shape is used)."""
-        statics = PlainStatics(self.base_graphdef, max_new_tokens, sampling, tuple(eos_ids), pad_id,
-                               autoregressive.prefill_groups(prompt_bt.shape[0], self.row_multiple))
-        outs = self._run(_plain_decode, statics, self.base_params, self.base_shardings, prompt_bt,
+        settings = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=tuple(eos_ids), pad_id=pad_id,
+                        prefill_groups=autoregressive.prefill_groups(prompt_bt.shape[0], self.row_multiple))
+        statics = DecodeStatics(autoregressive.decode, self.base_graphdef, tuple(settings.items()))
+        outs = self._run(statics, self.base_params, self.base_shardings, prompt_bt,
                          prompt_lens_b, cache_size, seed, (2, 1), lowered_only)
         return outs if lowered_only else tuple(fetch(o) for o in outs)
 
@@ -293,20 +248,19 @@ class ShardedModel:
         heads' top-k, computed per shard) receives `proposer_data`, replicated on every device."""
         if not self.has_heads:
             raise ValueError("this ShardedModel was built without Medusa heads")
-        statics = MedusaStatics(self.medusa_graphdef, tree, max_new_tokens, acceptance, tuple(eos_ids), pad_id,
-                                proposer or MeshHeadsProposer(self.mesh),
-                                autoregressive.prefill_groups(prompt_bt.shape[0], self.row_multiple))
-        if self.heads is None:
-            outs = self._run(_medusa_decode, statics, self.medusa_params, self.medusa_shardings, prompt_bt,
-                             prompt_lens_b, cache_size, seed, (2, 1, 1, 2), lowered_only, proposer_data)
-            return outs if lowered_only else tuple(fetch(o) for o in outs)
-        outs = self._run(_medusa_decode_keeping_draft, statics, self.medusa_params, self.medusa_shardings,
-                         prompt_bt, prompt_lens_b, cache_size, seed, (2, 1, 1, 2, None), lowered_only,
-                         proposer_data)
+        settings = dict(tree=tree, max_new_tokens=max_new_tokens, acceptance=acceptance, eos_ids=tuple(eos_ids),
+                        pad_id=pad_id, proposer=proposer or MeshHeadsProposer(self.mesh),
+                        prefill_groups=autoregressive.prefill_groups(prompt_bt.shape[0], self.row_multiple))
+        keeps_draft = self.heads is not None
+        loop = medusa.medusa_decode_keeping_draft if keeps_draft else medusa.medusa_decode
+        outs = self._run(DecodeStatics(loop, self.medusa_graphdef, tuple(settings.items())), self.medusa_params,
+                         self.medusa_shardings, prompt_bt, prompt_lens_b, cache_size, seed,
+                         (2, 1, 1, 2) + ((None,) if keeps_draft else ()), lowered_only, proposer_data)
         if lowered_only:
             return outs
-        *outs, draft = outs
-        self.keep_draft(draft)
+        if keeps_draft:
+            *outs, draft = outs
+            self.keep_draft(draft)
         return tuple(fetch(o) for o in outs)
 
     def keep_draft(self, draft) -> None:

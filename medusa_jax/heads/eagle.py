@@ -1,29 +1,8 @@
 """An EAGLE-style feature drafter (Li et al., 2024): one decoder layer of the base's own architecture that predicts
-the base's next final hidden state, drafted autoregressively over the tree inside the jitted tree step.
-
-At position t the drafter reads the pair (f_t, x_{t+1}): the base's final-norm hidden state at t and the embedding
-of the token after it (the one-token shift of EAGLE), x = fc([emb(x_{t+1}); f_t]) (2D -> D; a bias with
-config.fc_bias, as in the EAGLE authors' published drafts), then
-`num_layers` decoder layers (the first without its input norm, as EAGLE's) and no final norm; its output g_t
-predicts f_{t+1}, and the lm_head (the base's, or a draft vocabulary of the most frequent tokens: `token_map`)
-turns it into the draft distribution of x_{t+2}. The token embeddings are the base's (frozen, never copied).
-
-The drafter keeps its own KV cache (one buffer pair per drafter layer, the layout of kv_cache.py), carried
-between tree steps in `DraftState`; slot p holds the pair of position p. Per tree step, for a row whose base
-cache holds L tokens, root x_L and last feature f_{L-1}:
-  1. catch-up: ONE drafter forward over E + 1 entries: the n pairs of the previous step's accepted path, whose
-     true features the verify produced (positions P..P+n-1), then the root pair (f_{L-1}, x_L) at P + n = L - 1;
-     all are committed (P becomes L). The root pair's output gives the depth-1 draft.
-  2. tree rounds, depth d = 2..D: one forward over the tree nodes of depth d - 1 that have children; node u's
-     pair is (g of u's parent, x_u) at position L - 1 + depth(u), written to the tree block after the committed
-     slots and attending to the committed slots and its own ancestors' block entries. Its top-k fill u's
-     children. Block entries are scratch: the next step recomputes the accepted ones from true features.
-  3. after the verify (`accepted`): the accepted path's pairs (f at path node j, token of node j + 1) become the
-     next step's catch-up entries.
-A dynamic tree (`tree.DynamicTree`) replaces step 2 by EAGLE-2's growth (medusa_jax/heads/eagle_dynamic.py): each round
-runs the K frontier nodes' pairs, the same way, and their outputs' top-K become the candidates.
-Axes as in the package legend; here t runs over a call's drafter entries and `i` over the tree's internal nodes.
-"""
+the base's next final hidden state, drafted autoregressively over the tree inside the jitted tree step. Its
+inputs, its own KV cache (`DraftState`) and the three parts of a tree step (catch-up, tree rounds, the accepted
+path) are in docs/design.md, "The EAGLE-style drafter". Axes as in the package legend; here t runs over a call's
+drafter entries and `i` over the tree's internal nodes."""
 
 from __future__ import annotations
 
@@ -38,6 +17,7 @@ from medusa_jax.model.backbone import CausalLM, DecoderLayer
 from medusa_jax.model.config import resolve_dtype
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.eagle_dynamic import propose_dynamic
+from medusa_jax.heads.hydra import draft_rounds
 from medusa_jax.heads.medusa import HeadsBase, head_lm_head, head_logits
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.model.rope import inverse_frequencies
@@ -193,7 +173,7 @@ class EagleDrafter(HeadsBase):
 
     def catch_up(self, hidden_bd, root_b, base: CausalLM, draft: DraftState,
                  active_b) -> tuple[jax.Array, KVCache, jax.Array]:
-        """Step 1 of the module docstring: the pending pairs and the root pair written to the drafter cache.
+        """Step 1 of a tree step (catch-up): the pending pairs and the root pair written to the drafter cache.
         Returns (the root pair's output g [B, D], the cache, the committed pairs per row: L for an active row)."""
         b, e = draft.pending_tok_be.shape
         cache, p_b, n_b = draft.cache, draft.cache.lengths_b, draft.pending_n_b
@@ -223,9 +203,7 @@ class EagleDrafter(HeadsBase):
         tokens_bt = jnp.zeros((b, tree.num_tokens), jnp.int32).at[:, 0].set(root_b.astype(jnp.int32))
         out_btd = jnp.zeros((b, tree.num_tokens, hidden_bd.shape[-1]), g_root_bd.dtype).at[:, 0].set(g_root_bd)
         rounds = DrafterRounds(tree)
-        for depth in range(1, tree.depth + 1):
-            children = np.nonzero(tree.depth_t == depth)[0]
-            parents = np.unique(tree.parent_t[children])
+        for depth, r in enumerate(draft_rounds(tree), start=1):
             if depth > 1:  # run the parents' own pairs (they are internal nodes at depth - 1)
                 lo, hi = rounds.starts[depth], rounds.starts[depth + 1]
                 nodes = rounds.internal_i[lo:hi]
@@ -240,10 +218,8 @@ class EagleDrafter(HeadsBase):
                 out_b_d, cache = self(feats_btd, tokens_bt[:, nodes], positions_bt, mask_bts, cache, base,
                                       offsets_b=committed_b + lo)
                 out_btd = out_btd.at[:, nodes].set(out_b_d)
-            ranks = tree.rank_t[children]
-            ids_bpr = self.top_k(out_btd[:, parents], base, int(ranks.max()) + 1)
-            slot_of_parent = np.searchsorted(parents, tree.parent_t[children])
-            tokens_bt = tokens_bt.at[:, children].set(ids_bpr[:, slot_of_parent, ranks])
+            ids_bpr = self.top_k(out_btd[:, r.parents_t], base, r.top_k)
+            tokens_bt = tokens_bt.at[:, r.children_t].set(ids_bpr[:, r.parent_slot_t, r.rank_t])
         return tokens_bt, dataclasses.replace(draft, cache=cache.replace(lengths_b=committed_b))
 
     def accepted(self, draft: DraftState, hidden_btd, tokens_bt, nodes_be, accept_b, active_b) -> DraftState:

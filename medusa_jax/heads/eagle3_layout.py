@@ -11,7 +11,7 @@ import numpy as np
 
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.eagle3 import Eagle3Drafter, default_feature_layers
-from medusa_jax.heads.eagle_layout import drafter_decoder, lm_head_tensors, read_named
+from medusa_jax.heads.eagle_layout import drafter_decoder, drafter_hf_config, lm_head_tensors, read_named
 from medusa_jax.heads.export import write_heads_folder
 from medusa_jax.heads.folder import heads_from_tensors, heads_tensors
 from medusa_jax.hf.tensor_files import CheckpointError, TensorSource, find_model_weights
@@ -45,16 +45,9 @@ def eagle3_tensors(drafter: Eagle3Drafter, base: CausalLM, dtype: str = "float16
     if not head:  # a drafter over the base's lm_head: the layout has a head of its own, so write the base's
         head = {"lm_head.weight": np.asarray(jax.device_get(base.lm_head_weight())).T.astype(store)}
     tensors.update(head)
-    cfg = drafter.decoder.to_hf_config()
-    cfg.update({"model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
-                "draft_vocab_size": draft_vocab or drafter.config.vocab_size,
-                "eagle_aux_hidden_state_layer_ids": list(drafter.config.feature_layers),
-                "attention_bias": drafter.decoder.attention_bias, "tie_word_embeddings": False,
-                "torch_dtype": dtype, "exported_by": "medusa-jax",
-                "medusa_jax": {"head_type": "eagle3", "draft_depth": drafter.config.num_heads,
-                               "base_model_name_or_path": drafter.config.base_model_name_or_path}})
-    cfg.pop("use_sliding_window", None)
-    return tensors, cfg
+    return tensors, drafter_hf_config(drafter, dtype, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+                                      draft_vocab_size=draft_vocab or drafter.config.vocab_size,
+                                      eagle_aux_hidden_state_layer_ids=list(drafter.config.feature_layers))
 
 
 def is_eagle3_folder(folder: Path, raw: dict | None) -> bool:

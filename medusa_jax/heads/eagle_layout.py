@@ -69,21 +69,25 @@ def eagle_tensors(drafter: EagleDrafter, base: CausalLM, dtype: str = "float16",
     tensors["embed_tokens.weight"] = np.asarray(jax.device_get(base.embed_tokens.embedding[...])).astype(store)
     if sglang and "fc.bias" not in tensors:  # SGLang's LlamaForCausalLMEagle builds fc with a bias
         tensors["fc.bias"] = np.zeros((drafter.config.hidden_size,), store)
-    cfg = drafter.decoder.to_hf_config()
-    qkv_bias = drafter.decoder.attention_bias
-    cfg.update({"model_type": "llama",  # EAGLE-1 drafts are Llama layers (a Qwen2 one: with q/k/v biases)
-                "architectures": ["LlamaForCausalLMEagle" if sglang else "LlamaForCausalLM"],
-                "num_hidden_layers": drafter.config.num_layers, "bias": "fc.bias" in tensors,
-                "attention_bias": qkv_bias, "tie_word_embeddings": False, "torch_dtype": dtype,
-                "exported_by": "medusa-jax",
-                "medusa_jax": {"head_type": "eagle", "draft_depth": drafter.config.num_heads,
-                               "base_model_name_or_path": drafter.config.base_model_name_or_path}})
-    cfg.pop("use_sliding_window", None)
-    if qkv_bias:
+    # EAGLE-1 drafts are Llama layers (a Qwen2 one: with q/k/v biases)
+    cfg = drafter_hf_config(drafter, dtype, architectures=["LlamaForCausalLMEagle" if sglang else "LlamaForCausalLM"],
+                            num_hidden_layers=drafter.config.num_layers, bias="fc.bias" in tensors)
+    if drafter.decoder.attention_bias:
         cfg["qkv_bias"] = True
     if draft_vocab is not None:
         cfg["draft_vocab_size"] = draft_vocab
     return tensors, cfg
+
+
+def drafter_hf_config(drafter, dtype: str, **fields) -> dict:
+    """The config.json of an exported EAGLE drafter: its decoder as a Llama layer, `fields`, and who wrote it."""
+    cfg = drafter.decoder.to_hf_config()
+    cfg.pop("use_sliding_window", None)
+    cfg.update(model_type="llama", attention_bias=drafter.decoder.attention_bias, tie_word_embeddings=False,
+               torch_dtype=dtype, exported_by="medusa-jax", **fields,
+               medusa_jax={"head_type": drafter.head_type, "draft_depth": drafter.config.num_heads,
+                           "base_model_name_or_path": drafter.config.base_model_name_or_path})
+    return cfg
 
 
 def is_eagle_folder(folder: Path, raw: dict | None) -> bool:

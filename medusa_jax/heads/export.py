@@ -94,11 +94,13 @@ def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "
 
     name = base_model_name_or_path if base_model_name_or_path is not None else cfg.base_model_name_or_path
     tensors: dict[str, np.ndarray] = {}
+    layout = MEDUSA if format == "medusa" else VLLM
+    for h, (blocks, _) in enumerate(per_head):
+        for l, (w, b) in enumerate(blocks):
+            tensors[layout.weight(h, l)] = cast(w)
+            tensors[layout.bias(h, l)] = cast(b)
     if format == "medusa":
-        for h, (blocks, lm) in enumerate(per_head):
-            for l, (w, b) in enumerate(blocks):
-                tensors[MEDUSA.weight(h, l)] = cast(w)
-                tensors[MEDUSA.bias(h, l)] = cast(b)
+        for h, (_, lm) in enumerate(per_head):
             if cfg.lm_head == "truncated":
                 full = np.zeros((cfg.vocab_size, cfg.hidden_size), np_dtype)
                 full[token_map] = cast(lm)
@@ -113,10 +115,7 @@ def export_tensors(heads: MedusaHeads, *, format: str = "medusa", dtype: str = "
             config["version"] = "2"  # informational; readers tell v1 from v2 by the keys
     else:
         original_lm_head = cfg.lm_head == "shared" and not materialize_lm_head
-        for h, (blocks, lm) in enumerate(per_head):
-            for l, (w, b) in enumerate(blocks):
-                tensors[VLLM.weight(h, l)] = cast(w)
-                tensors[VLLM.bias(h, l)] = cast(b)
+        for h, (_, lm) in enumerate(per_head):
             if lm is not None:
                 tensors[VLLM.lm(h)] = cast(lm)
             elif materialize_lm_head or h == 0:

@@ -1,24 +1,6 @@
-"""Hydra heads (Ankner et al., 2024): draft heads that also see the tokens already drafted on their path.
-
-Head i (0-based) reads the base model's final-norm hidden state h_t and the embeddings of the i + 1 tokens on
-its path: the base model's next token x_{t+1} (the tree root) and the drafts x_{t+2}..x_{t+1+i} at depths
-1..i. It predicts x_{t+2+i}, as Medusa head i does. The embeddings are looked up in the base model's input
-table (frozen and shared: never copied into the heads). `HeadsConfig.hydra_input` combines them:
-  concat  x = W [h; e_0; ...; e_i] + b     W starts as [I; 0; ...] (a fresh head is a Medusa head)
-  add     x = h + P [e_0; ...; e_i]        P starts at zero (= h + the sum of per-position projections)
-then `num_layers` ResBlocks and an lm_head in the Medusa modes (own / shared / truncated, see heads/medusa.py).
-"add" is the default: on SmolLM2 hidden states (same data, steps and seed) it gave higher held-out top-1 on
-every head and a lower held-out loss than "concat" (docs/training.md), with fewer parameters (concat's
-trainable [D, D] block on h only adds capacity to overfit; add keeps h's path through the head fixed, as Medusa
-does).
-
-Drafting runs inside the jitted decode loop on the same static tree buffers as Medusa heads, in tree.depth
-rounds: round d runs head d - 1 once per tree node at depth d - 1 that has children, on that node's own path
-tokens, and its top-k tokens fill the node's children (node (a, b) = head 1's rank-b token given head 0's
-rank-a token on its path). Axes: t tree nodes (in a round: its parent nodes, or the nodes it fills), e depth
-along a path, r the head's top-k ranks. A dynamic tree (`tree.DynamicTree`) is grown from the heads' own
-conditional probabilities instead: round d runs head d - 1 on the K frontier nodes' paths (`dynamic_tree`).
-"""
+"""Hydra heads (Ankner et al., 2024): draft heads that also see the tokens already drafted on their path; their
+inputs (`HeadsConfig.hydra_input`: concat or add, and why add is the default) and how they draft a static or
+dynamic tree are in docs/modules.md. Axes: t tree nodes, e depth along a path, r the head's top-k ranks."""
 
 from __future__ import annotations
 

@@ -94,12 +94,9 @@ def _check_names(origin: str, present, expected: dict[str, tuple], head_re: str,
 def _check_sizes(origin: str, hidden: int, vocab: int, raw: dict | None, base_config: ModelConfig | None):
     for source, cfg in (("config.json", raw or {}), ("the base model config", dataclasses.asdict(base_config)
                                                       if base_config is not None else {})):
-        if cfg.get("hidden_size") is not None and int(cfg["hidden_size"]) != hidden:
-            raise CheckpointError(f"{origin}: the heads have hidden size {hidden} but {source} says "
-                                  f"{cfg['hidden_size']}")
-        if cfg.get("vocab_size") is not None and int(cfg["vocab_size"]) != vocab:
-            raise CheckpointError(f"{origin}: the heads have vocabulary size {vocab} but {source} says "
-                                  f"{cfg['vocab_size']}")
+        for field, what, size in (("hidden_size", "hidden size", hidden), ("vocab_size", "vocabulary size", vocab)):
+            if cfg.get(field) is not None and int(cfg[field]) != size:
+                raise CheckpointError(f"{origin}: the heads have {what} {size} but {source} says {cfg[field]}")
 
 
 def _base_lm_head_vd(base: CausalLM | None) -> np.ndarray | None:

@@ -1,20 +1,6 @@
 """Measured acceptance of each drafter's candidates, by depth and by the drafter's own score: what the mixed tree
-(`heads.draft_merge.merge_proposals`) scores a node with.
-
-Every drafter scores its candidates with a predicted P(node right | parent right) of its own: the heads their
-probability, Token Recycling the measured acceptance of its rank, prompt lookup that of its match length. Those
-are biased in different ways, so comparing them across drafters misallocates the node budget. Measured on 16
-MT-Bench first turns (bench/mixed_tree/calibration.json): recycling's rank 0 was right 0.36 of the time at every
-depth (its own score 0.26); prompt lookup's first drafted token after a 1-token match 0.25 (own 0.38) but each
-later one of its chain 0.5-0.9; the Hydra heads' probabilities held at depth 1 and ran high at depth 3-4. A `MemberCalibration` holds, per depth (1..`MAX_DEPTH`, deeper counts as the
-last) and bin of the drafter's own conditional score (`draft_merge.PROB_EDGES`), how many candidates were tried
-(their parent on the greedy answer) and how many were right, counted by `bench/merge_calibration.py` on MT-Bench
-prompts the benchmarks do not use. The calibrated conditional is (right + w * own) / (tried + w), w =
-`PRIOR_WEIGHT`: the drafter's own score where few were counted.
-
-The shipped counts (`assets/merge/smollm2.json`) were measured with SmolLM2-135M-Instruct and its shipped Hydra
-heads; a mix applies them by drafter kind (a kind with no counts keeps its own scores).
-"""
+(`heads.draft_merge.merge_proposals`) scores a node with; why, and how the shipped counts were made, in
+docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,31 +1,5 @@
-"""Grouped-query attention over one layer of the static KV cache (layout in `kv_cache.py`).
-
-Each KV head's K and V are read once per call, by two batched matrix products per (row, KV head): the g query
-heads that share a KV head and the t query tokens are one [t*g, h] operand, K is read as its [h, s] panel and V
-as its [s, h] panel, both in the order they are stored. No per-group copy of K/V is made (a GQA broadcast would
-read them g times) and no transposed copy either: tests/test_decode_hlo.py checks both in the compiled decode
-loops.
-
-Every slot is read, also the masked ones past a row's length. Reading only a prefix window of the cache (the
-previous design) needs a slice, and XLA:CPU materialises a slice of a cache buffer before a dot: the copy
-cost more than the slots it saved (measured in docs/design.md, "Why per layer"). Masked slots contribute exactly
-zero to the softmax.
-
-A cache-free forward (training's packed rows: the call's own T tokens are the slots) runs `self_attention`:
-"chunked" takes the queries in blocks of QUERY_CHUNK, each block under `jax.checkpoint`, so the forward holds
-one block's scores at a time and the backward recomputes them (only q, K, V, the mask and the output are kept:
-no [B, heads, T, T] tensor lives across layers); "xla" and "cudnn" are `jax.nn.dot_product_attention` with that
-implementation (cudnn: a fused flash kernel on NVIDIA GPUs).
-
-The cache paths (prefill, decode, tree verify) take the same setting, in `cache_attention`: "chunked" runs the
-queries in blocks of PREFILL_QUERY_CHUNK over the cache in its stored layout (no backward pass there, so no
-checkpoint): a long prefill holds one block's [B, heads, PREFILL_QUERY_CHUNK, S] scores, and decode, a tree's
-verify and prompts up to PREFILL_QUERY_CHUNK tokens are one block, exactly `grouped_attention` (the CPU
-default, byte-identical to before). "xla" and "cudnn" re-lay
-the layer's K/V as [B, S, K, H] for `jax.nn.dot_product_attention` (a copy per layer per call, the copy
-tests/test_decode_hlo.py forbids in the default loops): the tree mask is its boolean mask, positions are
-rope's and unchanged, GQA is its grouped heads.
-"""
+"""Grouped-query attention over one layer of the static KV cache (layout in `kv_cache.py`), and over a call's own
+tokens (training); how each kind ("chunked", "xla", "cudnn") reads K and V, and why, is in docs/modules.md."""
 
 from __future__ import annotations
 
@@ -74,7 +48,7 @@ def chunked_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, 
 def self_attention(q_btkgh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, mask_bts: jax.Array,
                    kind: str) -> jax.Array:
     """Attention of T tokens over their own K/V (S = T slots): q [B, T, K, G, H], K and V [B, T, K, H], mask
-    [B, T, T] -> [B, T, K, G, H]. kind: "chunked" | "xla" | "cudnn" (module docstring)."""
+    [B, T, T] -> [B, T, K, G, H]. kind: "chunked" | "xla" | "cudnn" (docs/modules.md)."""
     if kind == "chunked":
         return chunked_attention(q_btkgh, k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3), mask_bts)
     return _fused_attention(q_btkgh, k_btkh, v_btkh, mask_bts, kind)
@@ -84,7 +58,7 @@ def cache_attention(q_btkgh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, ma
                     kind: str) -> jax.Array:
     """Attention of T new tokens over one layer's cache (prefill, decode, tree verify): q [B, T, K, G, H], K
     [B, K, H, S], V [B, K, S, H] (the stored layout), mask [B, T, S] -> [B, T, K, G, H]. kind: as
-    `self_attention` (module docstring)."""
+    `self_attention` (docs/modules.md)."""
     if kind == "chunked":
         return chunked_attention(q_btkgh, k_bkhs, v_bksh, mask_bts, PREFILL_QUERY_CHUNK, recompute=False)
     return _fused_attention(q_btkgh, k_bkhs.transpose(0, 3, 1, 2), v_bksh.transpose(0, 2, 1, 3), mask_bts, kind)

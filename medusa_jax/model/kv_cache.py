@@ -1,21 +1,6 @@
-"""The static KV cache and the attention masks over it.
-
-Layout: one K and one V buffer per layer (tuples over the layers; or, for a model whose layers are stacked,
-`LayerExecution.scan`, all layers' buffers stacked in one [L, ...] array, `stacked`), slots in the layout the
-attention dots read without re-laying them:
-    k_bkhs[l] : [batch, num_kv_heads, head_dim, cache_size]  (b, k, h, s): q . K reads [h, s] panels
-    v_bksh[l] : [batch, num_kv_heads, cache_size, head_dim]  (b, k, s, h): probs . V reads [s, h] panels
-    lengths_b : [batch] int32 — slots [0, lengths[b]) of row b hold its committed tokens, slot == position.
-Why this layout (measured on XLA:CPU, SmolLM2 shapes, 64 rows x 512 slots, 30 layers of decode attention):
-slots-before-heads buffers ([b, s, k, h]) made XLA transpose every layer's K and V before its batched dots, and
-one stacked [l, ...] buffer made it copy the layer out of the stack, several times slower than these per-layer
-buffers, which the dots read in place at the machine's read bandwidth (the figures: docs/design.md). So the
-stacked form is for stacked models (pods' `--scan-layers` backbones, decoding without unstacking): their scan
-over the layers reads and writes one layer of the stacks per iteration (model/layer_stack.run_cached_layers).
-A forward over T new tokens writes their K/V to slots [lengths[b], lengths[b] + T) of each row and does NOT
-advance `lengths`: the caller commits what it keeps (plain decode: +1; Medusa: the accepted path, after
-moving its K/V into consecutive slots). Slots at or past `lengths[b]` are scratch and are always masked.
-"""
+"""The static KV cache and the attention masks over it. The buffers' layout (one K [b, k, h, s] and one V
+[b, k, s, h] per layer, or their [L, ...] stacks for a stacked model), why it is this one, and how a forward
+writes slots that its caller then commits: docs/design.md, "The KV cache"."""
 
 from __future__ import annotations
 

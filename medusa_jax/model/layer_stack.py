@@ -1,19 +1,6 @@
 """The decoder layers stored one by one (an nnx.List, the default) or stacked (one DecoderLayer whose parameters
-carry a leading layer axis [L, ...], `LayerExecution.scan`), and the forward over them.
-
-Stacked layers run as one `jax.lax.scan` over their parameters: the program holds one layer, under FSDP each
-iteration all-gathers one layer's weights (`sharding.gathered_over_fsdp`), and the backward pass keeps one layer's
-saved values per layer. Both forms run each layer under the rematerialisation policy `LayerExecution.remat`.
-HF files and the saver see the stored-per-layer form: `backbone.with_layer_execution` converts a model between
-the two (the trainer stacks the backbone it is given and unstacks the one it returns). A stacked model runs the
-cache paths (prefill, decode, tree verify) under the same kind of scan over a stacked KV cache
-(`run_cached_layers`, `kv_cache.KVCache.stacked`), so it decodes without being unstacked; given a per-layer
-cache it runs them one layer slice at a time. On a CPU Medusa decoding measured faster per layer
-(bench/stacked_cache/), so models load per layer by default.
-
-On a CPU the scanned Medusa-2 step measured slower than the unrolled one (bench/scan/), so the layers stay
-unrolled by default; pods use the scan, which is what makes their steps fit (docs/planning.md).
-"""
+carry a leading layer axis [L, ...], `LayerExecution.scan`), and the forward over them; how each form runs, and
+which is the default where, in docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,26 +1,7 @@
 """Dynamic draft trees (EAGLE-2, Li et al., 2024): each step grows each row's tree from the drafter's own
 probabilities, inside the jitted tree step, on the static sizes of a `tree.DynamicTree(nodes=N, top_k=K, depth=D)`.
-
-Growth (`grow_tree`, per row). Depth 1: the root's K most likely children. Depth d = 2..D: the frontier is the K
-nodes of depth d - 1 with the highest cumulative draft log-probability (the log of the product of the drafter's
-probabilities along the node's path: for Medusa heads p_head(e)(token) at each depth e, for Hydra heads and the
-EAGLE drafter their probability given the path); each frontier node gets its K most likely children, scored
-parent + log p(child). All drafted nodes, K + (D - 1) K^2 candidates in a depth-major list (axis `a`), are
-reranked and the N best kept. A child never scores above its parent (log p <= 0) and on a tie ranks after it
-(`lax.top_k` puts the lower index first, and a parent precedes its children in the list), so every kept node's
-ancestors are kept. Kept nodes keep the list's order: depth by depth, and the children of one parent in rank
-order (distinct tokens: the top-K of one distribution), so parents come before children, as in static trees.
-
-What a proposer returns (`TreeProposal`): tokens [b, T] (node 0 = the root, filled in by the tree step), parent
-[b, T] and depth [b, T] (T = N + 1), the cumulative scores. What verification and acceptance need is derived on
-device (`row_tree` -> `RowTree`): the ancestor mask [b, T, T] (each node sees its ancestors and itself), every
-node's path as a candidate path, retrieve [b, C, E] root first with its valid mask (C = N: the paths of all N
-nodes; a path that is the prefix of another never accepts more than it, so leaves-only would pick the same), and
-for exact acceptance each node's children [b, T, K] in rank order and its earlier siblings [b, T, T].
-
-Axes: b rows, t tree nodes, e depth along a path (0 = the root), r the K ranks of one node's children, w the K
-frontier nodes of a depth, a the drafted candidates of a step, j a node's children (exact acceptance).
-"""
+The growth rule (`grow_tree`), the proposal (`TreeProposal`) and what verification derives from it (`row_tree`)
+are in docs/design.md, "Dynamic trees"; axes as in the package legend (w frontier, a candidates)."""
 
 from __future__ import annotations
 
@@ -79,8 +60,8 @@ def _take(x_bw, index_bw):
 
 
 def grow_tree(spec: DynamicTree, root_b: jax.Array, expand: Expand, carry: Any = None) -> tuple[TreeProposal, Any]:
-    """The kept tree of every row (module docstring) and expand's final carry. D static rounds, each one expand
-    call over the K frontier nodes (one, the root, in round 1)."""
+    """The kept tree of every row (docs/design.md, "Dynamic trees") and expand's final carry. D static rounds, each
+    one expand call over the K frontier nodes (one, the root, in round 1)."""
     b, k = root_b.shape[0], spec.top_k
     frontier = Frontier(root_b.astype(jnp.int32)[:, None, None], jnp.zeros((b, 1, 0), jnp.int32),
                         jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, 1), jnp.float32))

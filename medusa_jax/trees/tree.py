@@ -1,21 +1,6 @@
-"""Medusa candidate trees: the official `medusa_choices` format -> static NumPy buffers, built once.
-
-A tree is a list of paths of 0-based top-k ranks: `[a]` is head 0's top-(a+1) token as a child of the root,
-`[a, b]` then head 1's top-(b+1) token below it, and so on. Node 0 is the root (the base model's own next
-token); nodes 1..n are the paths sorted by (length, ranks). With T = n + 1 tree tokens the buffers are:
-    ancestor_mask_tt  [T, T] bool   node t sees its ancestors and itself (root column all ones)
-    depth_t           [T] int32     0 for the root; position of node t = row length + depth_t[t]
-    parent_t          [T] int32     parent node (the root is its own parent)
-    head_t, rank_t    [T] int32     node t is head_t's top-(rank_t+1) token (root: -1, 0)
-    candidate_index_t [T] int32     index into the flat candidate list [root, head0 top-k, head1 top-k, ...]
-    retrieve_ce       [C, depth+1]  nodes of candidate path c (one per leaf) by depth e, root first, padded
-                                    with 0 past the leaf
-    retrieve_valid_ce [C, depth+1]  bool, False on padding
-
-A dynamic tree (`DynamicTree`, "dynamic:N[,k=K,d=D]") is not a fixed shape but a recipe: each step grows each row's
-tree from the drafter's own probabilities on static sizes (medusa_jax/trees/dynamic_tree.py). It is accepted wherever a
-tree is decoded with; `load_tree` parses its text form.
-"""
+"""Medusa candidate trees: the official `medusa_choices` format -> static NumPy buffers, built once (their layout
+in docs/modules.md), and the dynamic tree spec `DynamicTree` ("dynamic:N[,k=K,d=D]", grown per step by
+medusa_jax/trees/dynamic_tree.py), which `load_tree` parses."""
 
 from __future__ import annotations
 
@@ -154,7 +139,7 @@ def parse_dynamic_tree(text: str, num_heads: int | None = None, max_top_k: int |
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TreeBuffers:
-    """Static buffers of one tree (see the module docstring). Hashable by its paths, so it can be a static
+    """Static buffers of one tree (layout: docs/modules.md). Hashable by its paths, so it can be a static
     argument of a jitted function; the arrays become compile-time constants."""
 
     name: str

@@ -1,24 +1,6 @@
-"""The trees a heads folder carries: `trees.json`, one Medusa tree per backend and batch size.
-
-Which tree pays depends on the heads (how often their guesses are right) and on the hardware (what verifying
-T tree tokens for B rows costs against one plain step), so `scripts/build_tree.py` measures both and writes
-the pick into the heads folder; decoding uses it unless a tree is given explicitly. The file:
-
-    {"format": "medusa-jax-trees", "version": 1,
-     "trees": {"cpu": {"1": [[0], [1], [0, 0]], "4": [[0]], "8": []}},   # backend -> batch size -> paths
-     "built": {"cpu": {...}}}                                         # how each backend's entry was made
-
-A list of paths is a `medusa_choices` tree; `[]` says no tree beats plain decoding at that batch: decode
-plainly; `{"dynamic": {"nodes": 16, "top_k": 4, "depth": 4}}` is a dynamic tree (`tree.DynamicTree`, grown per
-step from the drafter's probabilities; top_k and depth optional). Resolution (`resolve_tree`) for a backend and
-batch size B:
-  - backend: the entry for it; an accelerator (gpu, tpu) without one uses the other accelerator's, then the
-    cpu entry (verifying a tree is relatively cheaper on accelerators, so a tree that pays on a CPU pays
-    there too); a cpu without a cpu entry decodes plainly (an accelerator's tree can be far too big for it);
-  - batch: the entry for B, else the nearest smaller measured batch, else the smallest measured one (a
-    tree that pays at a larger batch pays at a smaller one: verify cost grows with B x T);
-  - heads without trees.json: the preset `medusa_jax.trees.tree.DEFAULT_TREE`, as before trees.json existed.
-"""
+"""The trees a heads folder carries: `trees.json`, one Medusa tree per backend and batch size, written by
+scripts/build_tree.py; the file and how a backend and batch size resolve to an entry (`resolve_tree`) are in
+docs/design.md, "The tree belongs to the heads" and "Dynamic trees"."""
 
 from __future__ import annotations
 
@@ -190,7 +172,9 @@ def _pick_batch(batches: dict, batch_size: int) -> int:
 
 
 def resolve_tree(trees: HeadsTrees | None, backend: str, batch_size: int) -> TreeResolution:
-    """The heads' tree for this backend and batch size (rules in the module docstring)."""
+    """The heads' tree for this backend and batch size: the backend's entry, else (an accelerator) the other
+    accelerator's, then the cpu's (a cpu without one decodes plainly); in it, the entry for batch_size, else the
+    nearest smaller measured batch, else the smallest; heads without trees.json: the preset DEFAULT_TREE."""
     if trees is None:
         return TreeResolution(None, f"preset {DEFAULT_TREE} (the heads carry no {FILE_NAME}; build one with "
                                     f"scripts/build_tree.py)", preset=DEFAULT_TREE)

@@ -29,7 +29,6 @@ from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
 class HeadAccuracy:
     accuracy_mr: np.ndarray  # [num_heads, top_k] P(head m's rank-r guess is right)
     positions_m: np.ndarray  # [num_heads] positions counted per head
-    num_sequences: int
     # [sequences, num_heads, top_k]: each sequence's own table (a head with no position in a sequence gets the
     # pooled row), for predictions over a batch of rows (`tree_choice.batch_tokens_per_step`)
     per_sequence_smr: np.ndarray | None = None
@@ -111,7 +110,7 @@ def measure_head_accuracy(base: CausalLM, heads: MedusaHeads, sequences: Sequenc
     pooled_mr = total_mr / total_m[:, None]
     per_sequence = np.where(counted_sm[..., None] > 0, hits_smr / np.maximum(counted_sm, 1)[..., None],
                             pooled_mr[None])
-    return HeadAccuracy(pooled_mr, total_m, len(sequences), per_sequence)
+    return HeadAccuracy(pooled_mr, total_m, per_sequence)
 
 
 def self_distill(base: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids,
