@@ -353,6 +353,26 @@ def test_bad_flags_are_one_error_line_before_loading(tiny_with_tokenizer, capsys
     assert code == 2 and err.startswith("error: --context 100000: the model has 512 positions")
 
 
+def test_attention_flag_reaches_the_model_load(tiny_with_tokenizer, reference, monkeypatch):
+    """--attention xla: the model is loaded with that attention and the engine's greedy tokens equal `generate`'s
+    (whose model runs the default chunked attention)."""
+    serve = load_script("serve")
+    loads = []
+
+    def recording_load(*args, **kwargs):
+        loads.append(kwargs["layers"].attention)
+        return load_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "load_pretrained", recording_load)
+    a = serve.parse_args(["--model", str(tiny_with_tokenizer), "--port", str(free_port()), "--batch-size", "2",
+                          "--context", "64", "--attention", "xla"])
+    engine, tokenizer, _ = serve.build_engine(a)
+    assert loads == ["xla"]
+    _, greedy = reference
+    prompts = [[5, 6, 7], [9, 10]]
+    assert engine.generate_all(prompts, RequestParams(max_tokens=8)) == [greedy(p, 8) for p in prompts]
+
+
 def test_benchmark_load_levels_and_soak(server, tmp_path, capsys):
     """scripts/benchmark_serve.py against this server: every request of the load levels answered; a short soak of
     mixed streamed, whole, cancelled and bad requests: each good one answered exactly once, each bad one a 4xx."""
