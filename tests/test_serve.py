@@ -186,6 +186,34 @@ def test_concurrent_mixed_requests_each_get_their_own_answer(server, client, ref
     assert stats["medusa_time_to_first_token_seconds_count"] >= 12 and stats["medusa_accepted_tokens_per_step"] == 1
 
 
+def test_metrics_count_requests_tokens_and_first_tokens(server, client):
+    """/metrics in Prometheus text: every metric the issue names is there, and two answered requests move the
+    request, token, step and time-to-first-token counters by exactly their own counts."""
+    text = httpx.get(f"{server[0]}/metrics", timeout=10).text
+    for name, kind in (("medusa_requests_total", "counter"), ("medusa_generation_tokens_total", "counter"),
+                       ("medusa_prompt_tokens_total", "counter"), ("medusa_accepted_tokens_per_step", "gauge"),
+                       ("medusa_queue_depth", "gauge"), ("medusa_rows_busy", "gauge"),
+                       ("medusa_time_to_first_token_seconds", "histogram")):
+        assert f"# TYPE {name} {kind}\n" in text
+    before = metrics(server[0])
+    whole = client.completions.create(model=MODEL, prompt="w4 w5", max_tokens=5, temperature=0)
+    streamed = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w8"}],
+                                                   max_tokens=7, temperature=0, stream=True,
+                                                   stream_options={"include_usage": True}))
+    after = metrics(server[0])
+    usages = (whole.usage, streamed[-1].usage)
+
+    def grew(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew("medusa_requests_total") == 2 and grew("medusa_time_to_first_token_seconds_count") == 2
+    assert grew("medusa_generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert grew("medusa_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert grew('medusa_requests_finished_total{reason="length"}') + \
+        grew('medusa_requests_finished_total{reason="stop"}') == 2
+    assert grew("medusa_time_to_first_token_seconds_sum") > 0 and grew("medusa_decode_steps_total") >= 1
+
+
 def test_stop_strings_end_the_text(client, reference):
     tokenizer, greedy = reference
     prompt = tokenizer.decode(long_answer(greedy, [tokenizer(p)["input_ids"] for p in CANDIDATES[::-1]]))
@@ -194,9 +222,12 @@ def test_stop_strings_end_the_text(client, reference):
     stop = " ".join(words[2:4])
     stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
     assert stopped.choices[0].text == full[: full.index(stop)] and stopped.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop,
-                                         stream=True)
-    assert "".join(p.choices[0].text for p in streamed) == stopped.choices[0].text
+    through_stop = next(n for n in range(1, 13) if stop in " ".join(words[:n]))  # a word per token
+    assert stopped.usage.completion_tokens == through_stop  # not what the engine made before it was cancelled
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in streamed if p.choices) == stopped.choices[0].text
+    assert streamed[-1].usage.completion_tokens == through_stop
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_row(tiny_with_tokenizer):
