@@ -116,7 +116,9 @@ class OpenAIServer:
         except TokenizerError as e:
             raise ApiError(400, str(e), "prompt") from None
         except Exception as e:  # a chat template that raises on these messages (jinja's TemplateError, ...)
-            raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
+            if parsed.chat:
+                raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
+            raise ApiError(400, f"the tokenizer refused the prompt: {e}", "prompt") from None
 
     async def generate(self, request: Request, chat: bool) -> Response:
         try:

@@ -295,6 +295,10 @@ BAD = [  # (path, body, status, param, words of the message)
     ("/v1/completions", {"model": MODEL, "prompt": "w1", "stop_token_ids": [-1]}, 400, "stop_token_ids", "[0, 128)"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w1 " * CONTEXT}]}, 400,
      "messages", "shorten the prompt"),
+    ("/v1/completions", '{"model": "model", "prompt": "w1 \\ud800"}', 400, "prompt", "lone surrogate (\\ud800)"),
+    ("/v1/chat/completions", '{"model": "model", "messages": [{"role": "user", "content": "\\udfff w1"}]}', 400,
+     "messages", "messages[0].content is not valid Unicode"),
+    ("/v1/completions", '{"model": "model", "prompt": "w1", "stop": ["w2", "\\ud83d"]}', 400, "stop", "surrogate"),
 ]
 
 
