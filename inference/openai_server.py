@@ -165,14 +165,18 @@ class OpenAIServer:
     async def pieces(self, request: Request, job: EngineRequest, events: asyncio.Queue, stream: TextStream):
         """(text, None) per piece, then (text, finish reason) last; ends without a reason if the client left
         (the request is cancelled then, and whenever this generator is closed early)."""
-        finished = False
+        finished, checked = False, time.monotonic()
         try:
             while True:
                 try:
                     event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
                 except TimeoutError:
+                    event = None
+                if time.monotonic() - checked >= DISCONNECT_POLL_SECONDS:  # also while tokens keep coming
                     if await request.is_disconnected():
                         return
+                    checked = time.monotonic()
+                if event is None:
                     continue
                 text = stream.push(event.tokens)
                 if stream.stopped:  # a stop string: the text ends before it

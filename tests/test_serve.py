@@ -230,14 +230,15 @@ def test_stop_strings_end_the_text(client, reference):
     assert streamed[-1].usage.completion_tokens == through_stop
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_row(tiny_with_tokenizer):
-    """uvicorn serves the app on a free loopback port in a thread, over an engine the test steps itself (its thread
-    not started), so the client surely leaves while its request runs: the row is freed, the request cancelled."""
+@contextlib.contextmanager
+def stepped_server(folder):
+    """(engine, base URL): uvicorn serves the app on a free loopback port in a thread, over an engine the test
+    steps itself (its thread not started), so a client surely leaves while its request runs."""
     import threading
 
     import uvicorn
 
-    tokenizer, model = load_tokenizer(tiny_with_tokenizer), load_pretrained(tiny_with_tokenizer)
+    tokenizer, model = load_tokenizer(folder), load_pretrained(folder)
     engine = GenerationEngine(model, EngineConfig(rows=2, context=128, chunk_steps=2), eos_ids=())
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(OpenAIServer(engine, tokenizer, MODEL).app(), host="127.0.0.1",
@@ -249,23 +250,51 @@ def test_a_client_that_leaves_mid_stream_frees_its_row(tiny_with_tokenizer):
             if server.started:
                 break
             time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield engine, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def step_until_cancelled(engine: GenerationEngine) -> None:
+    """Steps the engine (40 more chunks would end the request at its budget) until the server has cancelled it."""
+    for _ in range(40):
+        engine.run_once()
+        if engine.metrics.finished:
+            break
+        time.sleep(0.1)
+    assert engine.metrics.finished == {"cancelled": 1} and engine.rows_busy == 0
+    assert engine.metrics.generated_tokens < 100
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(tiny_with_tokenizer):
+    with stepped_server(tiny_with_tokenizer) as (engine, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
         stream = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=100, temperature=0,
                                            stream=True)
         assert engine.queue_depth == 1
         engine.run_once()  # admitted: the first token and one chunk of 2
         assert engine.rows_busy == 1 and next(iter(stream)).choices[0].text
         stream.close()
-        for _ in range(40):  # 40 more chunks would end it at its budget: the server notices the client left first
-            engine.run_once()
-            if engine.metrics.finished:
-                break
-            time.sleep(0.1)
-        assert engine.metrics.finished == {"cancelled": 1} and engine.rows_busy == 0
-        assert engine.metrics.generated_tokens < 100
-    finally:
-        server.should_exit = True
-        thread.join(30)
+        step_until_cancelled(engine)
+
+
+def test_a_client_that_leaves_before_its_whole_answer_frees_its_row(tiny_with_tokenizer):
+    """Without `stream`: the client gives up waiting (its read times out); the handler, polling, cancels."""
+    with stepped_server(tiny_with_tokenizer) as (engine, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=1.5)
+        with pytest.raises(openai.APITimeoutError):
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(client.completions.create, model=MODEL, prompt=[5, 6, 7], max_tokens=100,
+                                      temperature=0)
+                for _ in range(100):
+                    if engine.queue_depth:
+                        break
+                    time.sleep(0.02)
+                engine.run_once()  # admitted; the answer is not whole yet
+                assert engine.rows_busy == 1
+                waiting.result()
+        step_until_cancelled(engine)
 
 
 BAD = [  # (path, body, status, param, words of the message)
