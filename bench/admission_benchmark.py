@@ -19,10 +19,11 @@ from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.trees.tree import DEFAULT_TREE, load_tree
-from medusa_jax.inference import api
+from medusa_jax.inference import api, engine_batches
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
 from medusa_jax.bench.bench_inputs import mtbench_questions
+from medusa_jax.bench.refill_uneven import uneven_questions
 
 METHODS = ("direct", "sorted", "fifo")
 REPO = Path(__file__).resolve().parents[1]
@@ -70,6 +71,10 @@ def main(argv=None) -> int:
     p.add_argument("--direct-rev", default=None, help="git revision whose api.py is the direct method")
     p.add_argument("--random-heads", type=int, default=0,
                    help="Medusa decoding with this many randomly initialised heads and the default tree (0: plain)")
+    p.add_argument("--prompt-set", default="mtbench", choices=("mtbench", "uneven"),
+                   help="MT-Bench first turns, or uneven (refill_uneven.uneven_questions: replies of uneven length)")
+    p.add_argument("--refill-chunk-steps", type=int, default=engine_batches.REFILL_CHUNK_STEPS,
+                   help="decode steps between the fifo method's refills (default: %(default)s)")
     p.add_argument("--out", required=True, help="JSON lines output")
     a = p.parse_args(argv)
     try:
@@ -77,14 +82,18 @@ def main(argv=None) -> int:
         methods = a.methods.split(",")
     except ValueError:
         p.exit(2, "error: --batch-sizes takes comma-separated integers, e.g. 1,4,16\n")
-    if min(batch_sizes) < 1 or a.prompts < 1 or a.max_new_tokens < 1 or a.rounds < 1 or a.random_heads < 0:
-        p.exit(2, "error: --batch-sizes, --prompts, --max-new-tokens and --rounds must be >= 1, --random-heads >= 0\n")
+    if min(batch_sizes + [a.prompts, a.max_new_tokens, a.rounds, a.refill_chunk_steps]) < 1 or a.random_heads < 0:
+        p.exit(2, "error: --batch-sizes, --prompts, --max-new-tokens, --rounds and --refill-chunk-steps must be >= 1, "
+                  "--random-heads >= 0\n")
+    engine_batches.REFILL_CHUNK_STEPS = a.refill_chunk_steps  # read by refilled_slots at each call
     if set(methods) - set(METHODS) or ("direct" in methods and not a.direct_rev):
         p.exit(2, f"error: --methods takes {','.join(METHODS)}; direct needs --direct-rev\n")
     direct_api = load_direct_api(a.direct_rev) if "direct" in methods else None
     tokenizer = load_tokenizer(a.model)
     eos = eos_token_ids(a.model, tokenizer)
-    prompts = [encode_prompt(tokenizer, q.first_turn, chat=True) for q in mtbench_questions(a.prompts)]
+    questions = uneven_questions(a.prompts) if a.prompt_set == "uneven" else \
+        [q.first_turn for q in mtbench_questions(a.prompts)]
+    prompts = [encode_prompt(tokenizer, q, chat=True) for q in questions]
     base = load_pretrained(a.model)
     tree, heads = None, None
     if a.random_heads:
@@ -103,8 +112,11 @@ def main(argv=None) -> int:
                     row = run_method(method, model, prompts, settings, direct_api)
                     tokens = row.pop("tokens")
                     first = first or tokens
+                    lengths = sorted(map(len, tokens))  # quartiles and the longest reply
                     row.update(batch_size=batch, method=method, round=round_, prompts=len(prompts),
-                               rows_differing=sum(x != y for x, y in zip(tokens, first)))
+                               rows_differing=sum(x != y for x, y in zip(tokens, first)),
+                               reply_lengths=[lengths[len(lengths) * q // 4] for q in range(4)] + [lengths[-1]],
+                               refill_chunk_steps=a.refill_chunk_steps)
                     rates[method].append(row["tokens_per_s"])
                     cpu[method].append(row["cpu_seconds"])
                     out.write(json.dumps(row) + "\n")

@@ -15,7 +15,7 @@ works on any mesh). Refilled slots (`engine="refill"`, admission "fifo"): `batch
 jitted chunks and a finished row takes the next prompt between chunks (continuous batching). `engine="auto"`
 (the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and there are at least
 batch_size prompts, and forms sorted batches otherwise (the engine's two policies measured against each other:
-bench/refill/auto_rule). Both give
+bench/refill/auto_rule, and on replies of uneven length bench/refill/uneven). Both give
 the same greedy tokens; prompt i samples with seed + i. Mixed drafts (their size choice and backoff), Token
 Recycling (its table kept warm from call to call: the engine starts from the model's and hands it back),
 typical acceptance and a caller's proposer run through the engine too.
@@ -46,7 +46,7 @@ from medusa_jax.inference.medusa import Proposer, heads_proposer
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import ShardedModel
 
-REFILL_MIN_BATCH = 64  # engine "auto" refills slots from this batch size on (bench/refill/auto_rule)
+REFILL_MIN_BATCH = 64  # engine "auto" refills slots from this batch size on (bench/refill/auto_rule, uneven)
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:

@@ -79,6 +79,17 @@ def _token_ids(value: Any, name: str) -> list[int]:
     return value
 
 
+def _unicode(text: str, where: str, param: str) -> str:
+    """`text` if it is valid Unicode; JSON's \\u escapes can carry a lone UTF-16 surrogate, which no tokenizer
+    encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{where} is not valid Unicode text: a lone surrogate (\\u{ord(text[e.start]):04x}) at "
+                            f"character {e.start}; send the character whole (a surrogate pair)", param) from None
+    return text
+
+
 def _content(message: Any, i: int) -> dict:
     if not isinstance(message, dict):
         raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", "messages")
@@ -93,7 +104,7 @@ def _content(message: Any, i: int) -> dict:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ApiError(400, f"messages[{i}].content must be a string, got {type(content).__name__}", "messages")
-    return {"role": role, "content": content}
+    return {"role": role, "content": _unicode(content, f"messages[{i}].content", "messages")}
 
 
 def parse_request(body: Any, chat: bool, model_id: str) -> ParsedRequest:
@@ -125,6 +136,8 @@ def parse_request(body: Any, chat: bool, model_id: str) -> ParsedRequest:
             prompt = _token_ids(prompt, "prompt")
         elif not isinstance(prompt, str):
             raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
+        else:
+            _unicode(prompt, "'prompt'", "prompt")
         if not prompt:
             raise ApiError(400, "'prompt' is empty", "prompt")
     max_tokens = _integer(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
@@ -139,6 +152,8 @@ def parse_request(body: Any, chat: bool, model_id: str) -> ParsedRequest:
             or len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
                        "stop")
+    for s in stop:
+        _unicode(s, "'stop'", "stop")
     stop_ids = tuple(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

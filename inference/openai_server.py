@@ -116,7 +116,9 @@ class OpenAIServer:
         except TokenizerError as e:
             raise ApiError(400, str(e), "prompt") from None
         except Exception as e:  # a chat template that raises on these messages (jinja's TemplateError, ...)
-            raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
+            if parsed.chat:
+                raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
+            raise ApiError(400, f"the tokenizer refused the prompt: {e}", "prompt") from None
 
     async def generate(self, request: Request, chat: bool) -> Response:
         try:
@@ -145,9 +147,11 @@ class OpenAIServer:
         except ApiError as e:
             return error_response(e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        pieces = self.pieces(request, job, events, TextStream(self.tokenizer, parsed.stop))
+        text_stream = TextStream(self.tokenizer, parsed.stop)
+        pieces = self.pieces(request, job, events, text_stream)
         if parsed.stream:
-            return StreamingResponse(self.sse(chat, rid, job, parsed, pieces), media_type="text/event-stream")
+            return StreamingResponse(self.sse(chat, rid, job, parsed, pieces, text_stream),
+                                     media_type="text/event-stream")
         text, reason = [], None
         async for piece, reason in pieces:
             text.append(piece)
@@ -156,19 +160,23 @@ class OpenAIServer:
         if reason == "error":
             return error_response(ApiError(500, f"generation failed: {self.engine.failure}", kind="server_error"))
         return JSONResponse(answer_body(chat, rid, int(time.time()), self.model_id, "".join(text), reason,
-                                        len(job.prompt_ids), len(job.tokens)))
+                                        len(job.prompt_ids), text_stream.token_count))
 
     async def pieces(self, request: Request, job: EngineRequest, events: asyncio.Queue, stream: TextStream):
         """(text, None) per piece, then (text, finish reason) last; ends without a reason if the client left
         (the request is cancelled then, and whenever this generator is closed early)."""
-        finished = False
+        finished, checked = False, time.monotonic()
         try:
             while True:
                 try:
                     event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
                 except TimeoutError:
+                    event = None
+                if time.monotonic() - checked >= DISCONNECT_POLL_SECONDS:  # also while tokens keep coming
                     if await request.is_disconnected():
                         return
+                    checked = time.monotonic()
+                if event is None:
                     continue
                 text = stream.push(event.tokens)
                 if stream.stopped:  # a stop string: the text ends before it
@@ -185,7 +193,8 @@ class OpenAIServer:
             if not finished:
                 self.engine.cancel(job)
 
-    async def sse(self, chat: bool, rid: str, job: EngineRequest, parsed: ParsedRequest, pieces):
+    async def sse(self, chat: bool, rid: str, job: EngineRequest, parsed: ParsedRequest, pieces,
+                  text_stream: TextStream):
         created = int(time.time())
 
         def data(body) -> str:
@@ -203,5 +212,5 @@ class OpenAIServer:
                 yield data(chunk_body(chat, rid, created, self.model_id, None, reason))
                 if parsed.include_usage:
                     yield data(chunk_body(chat, rid, created, self.model_id, None,
-                                          usage_counts=usage(len(job.prompt_ids), len(job.tokens))))
+                                          usage_counts=usage(len(job.prompt_ids), text_stream.token_count)))
         yield "data: [DONE]\n\n"

@@ -3,7 +3,9 @@
 `TextStream.push(tokens)` returns the text that may be sent now. It decodes the reply's ids so far (special
 tokens dropped) and holds back what could still change: a trailing U+FFFD (a multi-byte character whose bytes
 have not all arrived) and the longest tail that starts a stop string. When a stop string appears, the text up to
-it is the reply's last piece and `stopped` is set: the caller cancels the request.
+it is the reply's last piece and `stopped` is set: the caller cancels the request. `token_count` is the reply's
+length in tokens for `usage`: after a stop string, the tokens up to the one that completed it (the engine may have
+made more by the time the request is cancelled).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text handed out
         self.stopped = False
+        self._stop_tokens = 0  # after a stop string: the tokens up to the one that completed it
 
     def push(self, tokens: Sequence[int]) -> str:
         """The new text that is final after these tokens ('' if none)."""
@@ -31,6 +34,7 @@ class TextStream:
         found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         if found:
             self.stopped = True
+            self._stop_tokens = self._tokens_through(min(found), text)
             return self._take(text, min(found))
         end = len(text) - 1 if text.endswith("\ufffd") else len(text)
         for s in self.stop:  # a tail that may become a stop string waits
@@ -39,6 +43,24 @@ class TextStream:
                     end = min(end, len(text[:end]) - n)
                     break
         return self._take(text, end)
+
+    @property
+    def token_count(self) -> int:
+        """Tokens of the reply the text stands for: all pushed, or after a stop string those up to its end."""
+        return self._stop_tokens if self.stopped else len(self.ids)
+
+    def _tokens_through(self, at: int, text: str) -> int:
+        """The fewest leading ids whose text holds the stop string found at character `at` (bisection: a longer
+        prefix's text extends a shorter one's)."""
+        end = at + min(len(s) for s in self.stop if text.startswith(s, at))
+        low, high = 1, len(self.ids)
+        while low < high:
+            mid = (low + high) // 2
+            if len(decode_tokens(self.tokenizer, self.ids[:mid]).rstrip("\ufffd")) >= end:
+                high = mid
+            else:
+                low = mid + 1
+        return low
 
     def finish(self) -> str:
         """The rest of the text once the reply has ended (without a stop string)."""

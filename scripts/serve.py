@@ -39,6 +39,7 @@ from medusa_jax.inference.mixed_decoding import is_mix
 from medusa_jax.inference.served_drafter import served_drafter
 from medusa_jax.hub import HubError
 from medusa_jax.scripts import options, validate
+from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.sharding import MeshConfig, check_rows_split
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
 from medusa_jax.scripts.options import Option, add_fields, config_from
@@ -75,6 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "temperature/top_p/top_k) or typical (the official Medusa's posterior threshold 0.09, "
                         "alpha 0.3, at the temperature; changes the distribution; requests with top_p or top_k "
                         "are refused); needs --heads (default: exact)")
+    add_fields(p, LayerExecution(), options.ATTENTION)
     options.MESH.add(p, more="for sharded decoding; data x fsdp must divide --batch-size; for decoding prefer "
                      "data x tensor (default: one device)")
     p.add_argument("--served-model-name", default=None,
@@ -91,8 +93,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         if a.tree is not None and is_mix(a.heads):
             raise validate.UsageError(f"--tree {a.tree}: --heads {a.heads} (mixed drafts) chooses its draft size "
                                       f"per step; drop --tree")
+        if a.attention != LayerExecution.attention and is_mix(a.heads):
+            raise validate.UsageError(f"--attention {a.attention}: a mix of drafters in --heads runs the default "
+                                      f"attention; drop --attention")
         (options.recycle_tree if a.heads == recycle.HEAD_TYPE else options.tree_arg)("--tree", a.tree)
         options.mesh_devices("--mesh", a.mesh)
+        options.attention_here("--attention", a.attention)
         check_rows_split("--batch-size", a.batch_size, a.mesh)
         check_listen(a.host, a.port)
     except ValueError as e:
@@ -127,7 +133,7 @@ def build_engine(a: argparse.Namespace):
     context = a.context or min(DEFAULT_CONTEXT, positions)
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(folder, tokenizer)
-    model = load_pretrained(folder, a.dtype)
+    model = load_pretrained(folder, a.dtype, layers=LayerExecution(attention=a.attention))
     drafter = served_drafter(model, a.heads, heads_dir, a.tree, a.batch_size, a.dtype)
     if a.heads is not None:
         print(f"medusa-serve: {drafter.note}", file=sys.stderr, flush=True)

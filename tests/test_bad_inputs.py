@@ -244,6 +244,8 @@ CASES = [  # (command, extra args, text the error line must hold)
     (SV, ["--served-model-name", " "], "--served-model-name"), (SV, ["--dtype", "float16"], "--dtype"),
     (SV, ["--tree", "mc_sim_7b_8"], "--tree mc_sim_7b_8: needs --heads"), (SV, ["--heads", ""], "--heads"),
     (SV, ["--heads", H, "--tree", "no_such_preset"], "--tree"), (SV, ["--heads", "{w}/nope"], "--heads"),
+    (SV, ["--attention", "cudnn"], "--attention cudnn: needs an NVIDIA GPU"), (SV, ["--attention", "flash"], "--attention"),
+    (SV, ["--heads", "recycle+lookup", "--attention", "xla"], "--attention xla: a mix of drafters"),
 ]
 
 

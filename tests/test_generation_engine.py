@@ -230,8 +230,10 @@ def test_text_stream_holds_back_partial_characters_and_stop_strings():
     assert stream.push([1, 2]) == "w1 w2"
     assert stream.push([3]) == " "  # "w3" may start the stop string
     assert stream.push([5]) == "w3 w5"
+    assert stream.token_count == 4
     assert stream.push([3, 4, 6]) == " " and stream.stopped  # text ends before the stop string
     assert stream.push([7]) == "" and stream.finish() == ""
+    assert stream.token_count == 6  # the reply's usage: through the 4 that completed the stop string, not the 6
     partial = TextStream(WordTokenizer())
     assert partial.push([1, 9]) == "w1"  # half a character waits
-    assert partial.push([10]) == "é" and partial.finish() == ""
+    assert partial.push([10]) == "é" and partial.finish() == "" and partial.token_count == 3

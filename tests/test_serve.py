@@ -186,6 +186,34 @@ def test_concurrent_mixed_requests_each_get_their_own_answer(server, client, ref
     assert stats["medusa_time_to_first_token_seconds_count"] >= 12 and stats["medusa_accepted_tokens_per_step"] == 1
 
 
+def test_metrics_count_requests_tokens_and_first_tokens(server, client):
+    """/metrics in Prometheus text: every metric the issue names is there, and two answered requests move the
+    request, token, step and time-to-first-token counters by exactly their own counts."""
+    text = httpx.get(f"{server[0]}/metrics", timeout=10).text
+    for name, kind in (("medusa_requests_total", "counter"), ("medusa_generation_tokens_total", "counter"),
+                       ("medusa_prompt_tokens_total", "counter"), ("medusa_accepted_tokens_per_step", "gauge"),
+                       ("medusa_queue_depth", "gauge"), ("medusa_rows_busy", "gauge"),
+                       ("medusa_time_to_first_token_seconds", "histogram")):
+        assert f"# TYPE {name} {kind}\n" in text
+    before = metrics(server[0])
+    whole = client.completions.create(model=MODEL, prompt="w4 w5", max_tokens=5, temperature=0)
+    streamed = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w8"}],
+                                                   max_tokens=7, temperature=0, stream=True,
+                                                   stream_options={"include_usage": True}))
+    after = metrics(server[0])
+    usages = (whole.usage, streamed[-1].usage)
+
+    def grew(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew("medusa_requests_total") == 2 and grew("medusa_time_to_first_token_seconds_count") == 2
+    assert grew("medusa_generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert grew("medusa_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert grew('medusa_requests_finished_total{reason="length"}') + \
+        grew('medusa_requests_finished_total{reason="stop"}') == 2
+    assert grew("medusa_time_to_first_token_seconds_sum") > 0 and grew("medusa_decode_steps_total") >= 1
+
+
 def test_stop_strings_end_the_text(client, reference):
     tokenizer, greedy = reference
     prompt = tokenizer.decode(long_answer(greedy, [tokenizer(p)["input_ids"] for p in CANDIDATES[::-1]]))
@@ -194,19 +222,23 @@ def test_stop_strings_end_the_text(client, reference):
     stop = " ".join(words[2:4])
     stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
     assert stopped.choices[0].text == full[: full.index(stop)] and stopped.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop,
-                                         stream=True)
-    assert "".join(p.choices[0].text for p in streamed) == stopped.choices[0].text
+    through_stop = next(n for n in range(1, 13) if stop in " ".join(words[:n]))  # a word per token
+    assert stopped.usage.completion_tokens == through_stop  # not what the engine made before it was cancelled
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in streamed if p.choices) == stopped.choices[0].text
+    assert streamed[-1].usage.completion_tokens == through_stop
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_row(tiny_with_tokenizer):
-    """uvicorn serves the app on a free loopback port in a thread, over an engine the test steps itself (its thread
-    not started), so the client surely leaves while its request runs: the row is freed, the request cancelled."""
+@contextlib.contextmanager
+def stepped_server(folder):
+    """(engine, base URL): uvicorn serves the app on a free loopback port in a thread, over an engine the test
+    steps itself (its thread not started), so a client surely leaves while its request runs."""
     import threading
 
     import uvicorn
 
-    tokenizer, model = load_tokenizer(tiny_with_tokenizer), load_pretrained(tiny_with_tokenizer)
+    tokenizer, model = load_tokenizer(folder), load_pretrained(folder)
     engine = GenerationEngine(model, EngineConfig(rows=2, context=128, chunk_steps=2), eos_ids=())
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(OpenAIServer(engine, tokenizer, MODEL).app(), host="127.0.0.1",
@@ -218,23 +250,51 @@ def test_a_client_that_leaves_mid_stream_frees_its_row(tiny_with_tokenizer):
             if server.started:
                 break
             time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield engine, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def step_until_cancelled(engine: GenerationEngine) -> None:
+    """Steps the engine (40 more chunks would end the request at its budget) until the server has cancelled it."""
+    for _ in range(40):
+        engine.run_once()
+        if engine.metrics.finished:
+            break
+        time.sleep(0.1)
+    assert engine.metrics.finished == {"cancelled": 1} and engine.rows_busy == 0
+    assert engine.metrics.generated_tokens < 100
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(tiny_with_tokenizer):
+    with stepped_server(tiny_with_tokenizer) as (engine, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
         stream = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=100, temperature=0,
                                            stream=True)
         assert engine.queue_depth == 1
         engine.run_once()  # admitted: the first token and one chunk of 2
         assert engine.rows_busy == 1 and next(iter(stream)).choices[0].text
         stream.close()
-        for _ in range(40):  # 40 more chunks would end it at its budget: the server notices the client left first
-            engine.run_once()
-            if engine.metrics.finished:
-                break
-            time.sleep(0.1)
-        assert engine.metrics.finished == {"cancelled": 1} and engine.rows_busy == 0
-        assert engine.metrics.generated_tokens < 100
-    finally:
-        server.should_exit = True
-        thread.join(30)
+        step_until_cancelled(engine)
+
+
+def test_a_client_that_leaves_before_its_whole_answer_frees_its_row(tiny_with_tokenizer):
+    """Without `stream`: the client gives up waiting (its read times out); the handler, polling, cancels."""
+    with stepped_server(tiny_with_tokenizer) as (engine, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=1.5)
+        with pytest.raises(openai.APITimeoutError):
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(client.completions.create, model=MODEL, prompt=[5, 6, 7], max_tokens=100,
+                                      temperature=0)
+                for _ in range(100):
+                    if engine.queue_depth:
+                        break
+                    time.sleep(0.02)
+                engine.run_once()  # admitted; the answer is not whole yet
+                assert engine.rows_busy == 1
+                waiting.result()
+        step_until_cancelled(engine)
 
 
 BAD = [  # (path, body, status, param, words of the message)
@@ -264,6 +324,10 @@ BAD = [  # (path, body, status, param, words of the message)
     ("/v1/completions", {"model": MODEL, "prompt": "w1", "stop_token_ids": [-1]}, 400, "stop_token_ids", "[0, 128)"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w1 " * CONTEXT}]}, 400,
      "messages", "shorten the prompt"),
+    ("/v1/completions", '{"model": "model", "prompt": "w1 \\ud800"}', 400, "prompt", "lone surrogate (\\ud800)"),
+    ("/v1/chat/completions", '{"model": "model", "messages": [{"role": "user", "content": "\\udfff w1"}]}', 400,
+     "messages", "messages[0].content is not valid Unicode"),
+    ("/v1/completions", '{"model": "model", "prompt": "w1", "stop": ["w2", "\\ud83d"]}', 400, "stop", "surrogate"),
 ]
 
 
@@ -351,6 +415,26 @@ def test_bad_flags_are_one_error_line_before_loading(tiny_with_tokenizer, capsys
     code = serve.main(["--model", str(tiny_with_tokenizer), "--port", str(free_port()), "--context", "100000"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: --context 100000: the model has 512 positions")
+
+
+def test_attention_flag_reaches_the_model_load(tiny_with_tokenizer, reference, monkeypatch):
+    """--attention xla: the model is loaded with that attention and the engine's greedy tokens equal `generate`'s
+    (whose model runs the default chunked attention)."""
+    serve = load_script("serve")
+    loads = []
+
+    def recording_load(*args, **kwargs):
+        loads.append(kwargs["layers"].attention)
+        return load_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "load_pretrained", recording_load)
+    a = serve.parse_args(["--model", str(tiny_with_tokenizer), "--port", str(free_port()), "--batch-size", "2",
+                          "--context", "64", "--attention", "xla"])
+    engine, tokenizer, _ = serve.build_engine(a)
+    assert loads == ["xla"]
+    _, greedy = reference
+    prompts = [[5, 6, 7], [9, 10]]
+    assert engine.generate_all(prompts, RequestParams(max_tokens=8)) == [greedy(p, 8) for p in prompts]
 
 
 def test_benchmark_load_levels_and_soak(server, tmp_path, capsys):
