@@ -184,10 +184,10 @@ class CausalLM(nnx.Module):
             out_vx = jax.lax.dot_general(embedding_vd, hidden_xd, (((1,), (1,)), ((), ())))
             if 1 < hidden_xd.shape[0] <= FEW_ROWS and jax.default_backend() == "cpu":
                 # a few rows (a tree verify, the heads' drafts): the product kept [V, x]. Left alone, XLA folds
-                # the transpose below into the dot, whose embedding becomes the right operand, and XLA:CPU's
-                # YNNPACK dot repacks it every call: 2 / 5 / 17 rows cost 2.1x / 2.4x / 3.7x one row, with the
-                # barrier 1.4x / 2.0x / 3.1x (SmolLM2's [49152, 576], bench/lm_head_rows/). One row (a plain
-                # step) is XLA's own matrix-vector product either way.
+                # the transpose below into the dot, whose embedding becomes the right operand, the slower order
+                # for XLA:CPU's YNNPACK dot: 2 / 5 / 17 rows cost 2.1x / 2.4x / 3.7x one row, with
+                # the barrier 1.5x / 2.1x / 3.2x (SmolLM2's [49152, 576], bench/mixed_drafts/lm_head_rows/). One
+                # row (a plain step) is XLA's own matrix-vector product either way.
                 out_vx = jax.lax.optimization_barrier(out_vx)
             out = out_vx.T.reshape(*hidden.shape[:-1], embedding_vd.shape[0])
         else:
