@@ -23,6 +23,10 @@ from medusa_jax.model.layer_stack import layer_slices, run_cached_layers, run_la
 from medusa_jax.model.rope import apply_rope, inverse_frequencies
 from medusa_jax.model.sharding import constrain_rows
 
+# the most rows whose tied-embedding logits keep the [V, x] product on a CPU (`CausalLM.logits`): 64 rows measured
+# alike either way, 128 and 256 slower with it
+FEW_ROWS = 32
+
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype):
@@ -178,6 +182,13 @@ class CausalLM(nnx.Module):
             embedding_vd = self.embed_tokens.embedding[...]
             hidden_xd = hidden.reshape(-1, hidden.shape[-1]).astype(embedding_vd.dtype)
             out_vx = jax.lax.dot_general(embedding_vd, hidden_xd, (((1,), (1,)), ((), ())))
+            if 1 < hidden_xd.shape[0] <= FEW_ROWS and jax.default_backend() == "cpu":
+                # a few rows (a tree verify, the heads' drafts): the product kept [V, x]. Left alone, XLA folds
+                # the transpose below into the dot, whose embedding becomes the right operand, the slower order
+                # for XLA:CPU's YNNPACK dot: 2 / 5 / 17 rows cost 2.1x / 2.4x / 3.7x one row, with
+                # the barrier 1.5x / 2.1x / 3.2x (SmolLM2's [49152, 576], bench/mixed_drafts/lm_head_rows/). One
+                # row (a plain step) is XLA's own matrix-vector product either way.
+                out_vx = jax.lax.optimization_barrier(out_vx)
             out = out_vx.T.reshape(*hidden.shape[:-1], embedding_vd.shape[0])
         else:
             out = self.lm_head(hidden)
