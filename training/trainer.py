@@ -251,7 +251,8 @@ class Trainer:
     # ---- sharded entry points ---------------------------------------------------------------------
     def _batch_shardings(self, batch: dict[str, np.ndarray]):
         return {k: shd.checked_sharding(self.mesh, shd.batch_sharding(self.mesh, v.ndim).spec,
-                                        _global_shape(v.shape), f"batch array {k!r} (rows over data x fsdp)")
+                                        (v.shape[0] * jax.process_count(), *v.shape[1:]),
+                                        f"batch array {k!r} (rows over data x fsdp)")
                 for k, v in batch.items()}
 
     def device_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -311,10 +312,6 @@ class Trainer:
 def batch_kind(batch) -> str:
     """"hidden" (cached hidden states), "features" (packed rows with their features) or "rows"."""
     return "hidden" if "hidden" in batch else "features" if "feat" in batch else "rows"
-
-
-def _global_shape(local_shape) -> tuple[int, ...]:
-    return (local_shape[0] * jax.process_count(),) + tuple(local_shape[1:])
 
 
 def _abstract(tree, shardings):
