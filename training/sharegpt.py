@@ -203,7 +203,7 @@ def read_conversation_dataset(name_or_path: str, split: str = "train", limit: in
                 raise DataError(f"{name_or_path}: no such local file or folder, and the Hugging Face Hub cannot be "
                                 f"reached to load it as a dataset name (set HF_HUB_OFFLINE=1 to use a cached copy)")
             ds = datasets.load_dataset(name_or_path)
-    except (OSError, ConnectionError, ValueError) as e:  # datasets' not-found and offline errors among them
+    except (OSError, ValueError) as e:  # datasets' not-found and offline (ConnectionError) errors among them
         if isinstance(e, DataError):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
