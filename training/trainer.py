@@ -139,7 +139,7 @@ def _path_keys(path) -> tuple[str, ...]:
     return tuple(out)
 
 
-def shardings_like_params(tree, params, param_shardings, mesh: Mesh):
+def shardings_like_params(tree, param_shardings, mesh: Mesh):
     """Shardings for an optimiser state: a leaf whose path ends with a parameter's path (Adam's mu/nu) takes
     that parameter's sharding; anything else (step counts) is replicated."""
     by_path = {_path_keys(p): s for p, s in jax.tree_util.tree_leaves_with_path(param_shardings)}
@@ -206,7 +206,7 @@ class Trainer:
                                          self.param_shardings)
             self.frozen = jax.device_put(frozen, self.frozen_shardings)
         abstract_opt = jax.eval_shape(self.optimizer.init, self.params)
-        self.opt_shardings = shardings_like_params(abstract_opt, self.params, self.param_shardings, mesh)
+        self.opt_shardings = shardings_like_params(abstract_opt, self.param_shardings, mesh)
         self.opt_state = _abstract(abstract_opt, self.opt_shardings) if abstract else jax.jit(
             self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
         self.step = 0
