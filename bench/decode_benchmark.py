@@ -19,21 +19,13 @@ from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.inference.api import generate
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
+from medusa_jax.trees.policy.step_cost import time_call
 from medusa_jax.bench.bench_inputs import write_files
 
 
 def weight_bytes(model: CausalLM) -> int:
     """Bytes of all parameters (a tied embedding counts once: the decode step reads it once, as lm_head)."""
     return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))))
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 @dataclasses.dataclass
@@ -52,18 +44,12 @@ class BandwidthProbe:
         self._vec = jnp.ones((1, rows), jnp.float32)
         self._sum = jax.jit(jnp.sum)
         self._gemv = jax.jit(lambda v, m: v @ m)
-        self._sum(self._dev).block_until_ready()
-        self._gemv(self._vec, self._dev).block_until_ready()
 
     def measure(self) -> dict[str, float]:
         """GB/s of each way and `best` (the highest)."""
-        n = self._host.nbytes
-        out = {
-            "numpy_sum": n / _median_seconds(lambda: self._host.sum(), self.repeats) / 1e9,
-            "jax_sum": n / _median_seconds(lambda: self._sum(self._dev).block_until_ready(), self.repeats) / 1e9,
-            "jax_gemv": n / _median_seconds(
-                lambda: self._gemv(self._vec, self._dev).block_until_ready(), self.repeats) / 1e9,
-        }
+        ways = {"numpy_sum": self._host.sum, "jax_sum": lambda: self._sum(self._dev),
+                "jax_gemv": lambda: self._gemv(self._vec, self._dev)}
+        out = {name: self._host.nbytes / time_call(fn, self.repeats) / 1e9 for name, fn in ways.items()}
         out["best"] = max(out.values())
         return out
 
@@ -101,12 +87,7 @@ class TorchGenerate:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def run_decode_benchmark(model: CausalLM, folder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,

@@ -36,11 +36,10 @@ from pathlib import Path
 
 from medusa_jax.paths import command_line, portable_path
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.heads.load import load_heads
-from medusa_jax.trees.tree import PRESETS, TreeError
+from medusa_jax.trees.tree import PRESETS
 from medusa_jax.training.hidden_store import is_store
 from medusa_jax.bench import calibration_report, heads_comparison, quick, teacher_mass
 from medusa_jax.inference.loaded_model import load_model
@@ -49,7 +48,6 @@ from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions
 from medusa_jax.bench.bench_report import write_report
 from medusa_jax.bench.benchmark import BenchmarkConfig, run_benchmark
 from medusa_jax.bench.heads_comparison import CompareConfig
-from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.quick import PROMPTS, QuickConfig, run_quick
 from medusa_jax.bench.sampling_benchmark import SamplingBenchConfig, run_sampling_benchmark, write_sampling_report
 from medusa_jax.bench.teacher_mass import TeacherMassConfig, outside_mass
@@ -58,7 +56,7 @@ from medusa_jax.scripts.cli_args import (ArgumentParser, above, at_least, each, 
                                          parse_float_list, parse_int_list, parse_positive_int_list, run_mode)
 from medusa_jax.scripts.options import Option, add_fields, config_from
 
-FAILURES = (OSError, ValueError, CheckpointError, MTBenchError, TreeError)
+FAILURES = (OSError, ValueError)  # CheckpointError, MTBenchError and TreeError are ValueErrors
 
 
 def main(argv=None) -> int:

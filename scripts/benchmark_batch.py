@@ -35,14 +35,13 @@ from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.trees.policy.calibration import machine_description
 from medusa_jax.bench.bench_inputs import mtbench_questions
-from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.op_profile import op_times
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, parse_int_list,
                                          parse_positive_int_list, run_mode)
 from medusa_jax.scripts.options import Option, add_fields, config_from
 
-FAILURES = (OSError, ValueError, MTBenchError)  # CheckpointError and TokenizerError are ValueErrors
+FAILURES = (OSError, ValueError)  # CheckpointError, TokenizerError and MTBenchError are ValueErrors
 
 
 def main(argv=None) -> int:

@@ -12,14 +12,12 @@ from pathlib import Path
 
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.heads.recycle import TEMPLATES, recycle_drafter
-from medusa_jax.heads.recycle_file import RecycleFileError, starting_table
-from medusa_jax.hub import HubError
+from medusa_jax.heads.recycle_file import starting_table
 from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions
 from medusa_jax.bench.bench_report import machine_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.paths import command_line
 from medusa_jax.trees.policy.calibration import machine_description
-from medusa_jax.mtbench import MTBenchError
 from medusa_jax.bench.recycle_bench import RecycleBenchConfig, run_recycle_bench, write_report
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, parse_positive_int_list
@@ -57,7 +55,7 @@ def main(argv=None) -> int:
         results = run_recycle_bench(loaded, loaded.encode_chat([q.first_turn for q in questions]),
                                     lambda: recycle_drafter(loaded.base, a.recycle_table), config,
                                     progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except (OSError, ValueError, MTBenchError, HubError, RecycleFileError) as e:
+    except (OSError, ValueError) as e:  # HubError is an OSError, the others ValueErrors
         return validate.fail(e)
     meta = {"command": command_line("scripts/benchmark_recycle.py", argv), "machine": machine,
             "machine_line": machine_line(machine), "git": git_revision(Path(__file__).resolve().parents[1]),

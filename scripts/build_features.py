@@ -20,13 +20,10 @@ import jax.numpy as jnp
 
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.hf.tensor_files import CheckpointError
-from medusa_jax.hub import HubError
 from medusa_jax.model import sharding as shd
-from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer
+from medusa_jax.text import eos_token_ids, load_tokenizer
 from medusa_jax.training.teacher_forced import FeatureStoreConfig, build_feature_store
-from medusa_jax.training.output_folder import FileLock, OutputFolderError, made_folders
-from medusa_jax.training.sharegpt import DataError
+from medusa_jax.training.output_folder import FileLock, made_folders
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least
 from medusa_jax.scripts.options import Option, add_fields, config_from
@@ -70,7 +67,7 @@ def main(argv=None) -> int:
             tokenizer = load_tokenizer(model_dir)
             folder = build_feature_store(base, tokenizer, eos_token_ids(model_dir, tokenizer), a.data, a.output,
                                          config, model_name=model_dir.name, put=put, progress=not a.no_progress)
-    except (DataError, OutputFolderError, CheckpointError, TokenizerError, HubError, OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # HubError is an OSError, the others ValueErrors
         return validate.fail(e)
     print(json.dumps({"store": str(folder)}))
     return 0

@@ -15,8 +15,6 @@ import sys
 from pathlib import Path
 
 from medusa_jax.trees import trees_file
-from medusa_jax.trees.tree import TreeError
-from medusa_jax.training.sharegpt import DataError
 from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.trees.search.tree_builder import BuildTreeConfig, build, save_trees
@@ -74,7 +72,7 @@ def main(argv=None) -> int:
         existing = trees_file.read_trees_file(out)
         loaded = load_model(options.model_arg("--model", a.model), heads_dir)
         batches, built = build(loaded, config, progress=lambda m: print(m, flush=True))
-    except (OSError, ValueError, TreeError, DataError) as e:
+    except (OSError, ValueError) as e:  # TreeError and DataError are ValueErrors
         return validate.fail(e)
     print("\n".join(save_trees(out, existing, batches, built, command_line("scripts/build_tree.py", argv))))
     return 0

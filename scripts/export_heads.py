@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads.eagle3_layout import eagle3_serving_notes, export_eagle3
 from medusa_jax.heads.eagle_layout import eagle_serving_notes, export_eagle
 from medusa_jax.heads.export import ExportError, export_heads, not_an_export, serving_notes
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
 
     try:
         return run(args)
-    except (CheckpointError, ExportError, OSError, ValueError) as e:  # ValueError: UsageError, unsupported models
+    except (OSError, ValueError) as e:  # CheckpointError, ExportError and UsageError are ValueErrors
         return validate.fail(e)
 
 

@@ -31,10 +31,9 @@ import jax
 
 from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
-from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
-from medusa_jax.model.config import LayerExecution, UnsupportedModelError
+from medusa_jax.text import eos_token_ids, load_tokenizer, pad_token_id
+from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.sharding import MeshConfig
-from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads import recycle, recycle_file
 from medusa_jax.trees.tree import DEFAULT_TREE, DYNAMIC_PREFIX, PRESETS, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig, DecodeConfig
@@ -42,8 +41,7 @@ from medusa_jax.inference.api import HEADS_TREE, BatchSettings
 from medusa_jax.inference.mixed_decoding import is_mix, load_mixed
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.sharded import load_sharded
-from medusa_jax.inference.text_generation import PromptFileError, PromptRecord, generate_rows, read_prompts, write_jsonl
-from medusa_jax.hub import HubError
+from medusa_jax.inference.text_generation import PromptRecord, generate_rows, read_prompts, write_jsonl
 from medusa_jax.progress import heartbeat
 from medusa_jax.scripts import distributed, options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, in_range
@@ -277,8 +275,7 @@ def main(argv=None) -> int:
         records = read_prompts(a.input) if a.input else [PromptRecord(0, a.prompt)]
         tokenizer = load_tokenizer(folder)
         return run(a, folder, records, tokenizer, eos_token_ids(folder, tokenizer))
-    except (OSError, ValueError, CheckpointError, UnsupportedModelError, TokenizerError, PromptFileError,
-            HubError) as e:
+    except (OSError, ValueError) as e:  # HubError is an OSError, the others ValueErrors
         return validate.fail(e)
 
 

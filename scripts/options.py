@@ -31,7 +31,7 @@ from medusa_jax.scripts.validate import UsageError, file_read_by, given, input_f
 from medusa_jax.training import hidden_store
 from medusa_jax.training.sharegpt import DataError, read_conversation_file
 from medusa_jax.trees import trees_file
-from medusa_jax.trees.tree import DYNAMIC_PREFIX, PRESETS, TreeError, load_tree
+from medusa_jax.trees.tree import DYNAMIC_PREFIX, PRESETS, load_tree
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -221,7 +221,7 @@ def tree_arg(flag: str, spec: str | None) -> None:
         input_file(flag, spec)
     try:
         load_tree(spec)
-    except (TreeError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # TreeError among them
         raise UsageError(f"{flag} {spec}: {e}") from None
 
 
@@ -236,7 +236,7 @@ def recycle_tree(flag: str, spec: str | None) -> None:
     tree_arg(flag, spec)
     try:
         load_tree(spec, num_heads=recycle.DEFAULT_MAX_DEPTH, max_top_k=recycle.DEFAULT_TOP_K)
-    except (TreeError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:
         raise UsageError(f"{flag} {spec}: {e} (Token Recycling drafts from a table of {recycle.DEFAULT_TOP_K} "
                          f"successors per token, at most {recycle.DEFAULT_MAX_DEPTH} deep)") from None
 

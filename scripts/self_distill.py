@@ -21,14 +21,11 @@ from pathlib import Path
 import jax
 
 from medusa_jax.compile_cache import enable_compile_cache
-from medusa_jax.hub import HubError
-from medusa_jax.training.output_folder import OutputFolderError
 from medusa_jax.training.self_distill import DistillConfig, read_done, self_distill, shard_output
-from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.hidden_store import store_path
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser
-from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
+from medusa_jax.scripts.distributed import add_distributed_args, config_from_args, initialize
 from medusa_jax.scripts.options import Option, add_fields, config_from
 
 
@@ -95,7 +92,7 @@ def main(argv=None) -> int:
                                  f"{a.max_new_tokens}) = {needed}", needed, folder, "lower them")
         enable_compile_cache()
         stats = self_distill(str(folder), a.data, output, config, progress=not a.no_progress)
-    except (DataError, DistributedError, OutputFolderError, HubError, OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # HubError is an OSError, the others ValueErrors
         return validate.fail(e)
     print(json.dumps(stats))
     return 0

@@ -22,18 +22,13 @@ from medusa_jax.assets import is_default_model
 from medusa_jax.hub import is_hub_id
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
 from medusa_jax.model.config import LayerExecution
-from medusa_jax.model.sharding import MeshError
-from medusa_jax.training.checkpointing import CheckpointMismatch
 from medusa_jax.training.data import DataConfig
-from medusa_jax.training.memory_plan import MemoryPlanError
 from medusa_jax.training.objectives import OBJECTIVES
-from medusa_jax.training.output_folder import OutputFolderError
 from medusa_jax.training.run import RunConfig, TrainingDiverged, train_heads
-from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.trainer import TrainConfig
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, above
-from medusa_jax.scripts.distributed import DistributedError, add_distributed_args, config_from_args, initialize
+from medusa_jax.scripts.distributed import add_distributed_args, config_from_args, initialize
 from medusa_jax.scripts.options import Option, add_fields
 
 
@@ -186,8 +181,7 @@ def main(argv=None) -> int:
             result = train_heads(config)
         print(json.dumps({**result, **compiles.summary()}))
         return 0
-    except (ValueError, OSError, DistributedError, MeshError, CheckpointMismatch, MemoryPlanError,
-            OutputFolderError, DataError) as e:
+    except (ValueError, OSError) as e:  # every input error here is a ValueError (DataError, MeshError, ...)
         return validate.fail(e)
     except TrainingDiverged as e:  # not a bad input: the run itself went wrong (exit 1)
         validate.fail(e)

@@ -99,9 +99,10 @@ def hydra_head_stats(heads, base, hidden_xd, path_xe, targets_mx, teacher_hidden
 
 
 def lm_sums(base, hidden_btd, targets_bt, chunk: int) -> tuple:
-    """Medusa-2's base next-token loss (losses.lm_loss on base.logits(hidden)) in token chunks: (sum, count)."""
+    """Medusa-2's base next-token cross-entropy (targets from losses.shifted_targets(..., 1)) in token chunks:
+    (sum, count)."""
     def sums(h_btd, t_bt):
-        return losses.lm_loss(base.logits(h_btd), t_bt)
+        return losses.one_head_stats(base.logits(h_btd), t_bt)[:2]
 
     return chunked_sums(sums, (hidden_btd, targets_bt), (0, losses.NO_TARGET), chunk)
 

@@ -186,12 +186,20 @@ def load_chat_data(source: str | None, tokenizer, eos_ids: tuple[int, ...], conf
         raise DataError(f"{report.source}: no conversation has assistant tokens within the first "
                         f"{config.seq_len} tokens")
     order = np.random.default_rng(config.seed).permutation(len(seqs))
-    n_held = int(round(config.heldout_fraction * len(seqs)))
-    if config.heldout_fraction > 0 and len(seqs) > 1:
-        n_held = min(max(n_held, 1), len(seqs) - 1)
+    n_held = len(heldout_groups(len(seqs), config.heldout_fraction, config.seed))  # that permutation's first share
     held = pack([seqs[i] for i in order[:n_held]], config.seq_len, pad_token_id(tokenizer, eos_ids))
     train = pack([seqs[i] for i in order[n_held:]], config.seq_len, pad_token_id(tokenizer, eos_ids))
     return ChatData(train, held, report, (len(seqs) - n_held, n_held), dropped)
+
+
+def heldout_groups(num_groups: int, heldout_fraction: float, seed: int) -> np.ndarray:
+    """Indices of the held-out groups (conversations): a seeded permutation's first share, at least one and
+    never all when heldout_fraction > 0."""
+    order = np.random.default_rng(seed).permutation(num_groups)
+    n_held = int(round(heldout_fraction * num_groups))
+    if heldout_fraction > 0 and num_groups > 1:
+        n_held = min(max(n_held, 1), num_groups - 1)
+    return order[:n_held]
 
 
 def segment_mask(segment_ids_bt: np.ndarray):

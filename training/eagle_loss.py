@@ -61,43 +61,58 @@ def eagle_stats(drafter: EagleDrafter, base: CausalLM, batch: dict, *, noise: fl
     chain a tree step drafts; EAGLE-3's training-time test), depth k weighted decay**(k - 1)."""
     f = jnp.float32
     feat_btd = batch["feat"].astype(f)
-    tokens_bt, seg_bt, loss_bt = batch["tokens"], batch["segment_ids"], batch["loss_mask"].astype(bool)
-    seeds = batch.get("noise_seed")
-    if seeds is None:  # packed rows (features from the backbone in the step) carry no seed: one from each row
-        seeds = content_seeds(tokens_bt)
-    inputs_btd = feat_btd + feature_noise(seeds, feat_btd.shape[1:], noise, feat_btd.dtype)
+    tokens_bt, seg_bt = batch["tokens"], batch["segment_ids"]
+    inputs_btd = feat_btd + feature_noise(noise_seeds(batch), feat_btd.shape[1:], noise, feat_btd.dtype)
     if depth == 1:
         out_btd, _ = drafter(inputs_btd, _shift(tokens_bt), batch["positions"], segment_mask(seg_bt), None, base)
         outs = [out_btd]
     else:
         outs = list(drafter.unrolled(inputs_btd, tokens_bt, base, depth, seg_bt))
-    token_map = None if drafter.token_map is None else drafter.token_map[...]
-    teacher_w_du = losses.teacher_lm_weight(base.lm_head_weight(), token_map)
-    inverse = None if token_map is None else losses.inverse_token_map(token_map, base.config.vocab_size)
+    teacher = draft_teacher(drafter, base)
     per_depth, loss, feature_total, ce_total = [], 0.0, 0.0, 0.0
     for k, out_btd in enumerate(outs, start=1):
-        # depth k at t drafts x_{t+k+1}: its target feature is f_{t+k}, present while t + k is in the conversation
-        target_btd = jax.lax.stop_gradient(_shift_by(feat_btd, k))
-        valid_bt = (seg_bt > 0) & (_shift_by(seg_bt, k) == seg_bt) & _shift_by(loss_bt, k, False)
-        count = jnp.sum(valid_bt, dtype=f)
+        target_btd, valid_bt, row = depth_stats(drafter, base, out_btd, batch, k, teacher, full_vocab_targets)
         diff = jnp.abs(out_btd.astype(f) - target_btd)
         smooth_l1_bt = jnp.mean(jnp.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5), axis=-1)
         feature_sum = jnp.sum(jnp.where(valid_bt, smooth_l1_bt, 0.0))
-        # the teacher: the base's distribution over the drafter's vocabulary at f_{t+k}
-        teacher_btu = jnp.dot(target_btd.astype(teacher_w_du.dtype), teacher_w_du).astype(f)
-        student_btu = drafter.logits(out_btd, base)
-        ce_bt = -jnp.sum(jax.nn.softmax(teacher_btu, axis=-1) * jax.nn.log_softmax(student_btu, axis=-1), axis=-1)
-        ce_sum = jnp.sum(jnp.where(valid_bt, ce_bt, 0.0))
-        if full_vocab_targets:  # the base's own greedy token (full vocabulary)
-            greedy_bt = base_greedy(base, target_btd)
-        else:
-            greedy_bt = drafter.to_full_vocab(jnp.argmax(teacher_btu, axis=-1).astype(jnp.int32))
-        targets_bt = jnp.where(valid_bt, greedy_bt, losses.NO_TARGET)
-        _, _, total, top1, top5 = losses.one_head_stats(student_btu, targets_bt, inverse)
-        per_depth.append((ce_sum, count, total, top1, top5))
-        denom = jnp.maximum(count, 1.0)
+        per_depth.append(row)
+        ce_sum, denom = row[0], jnp.maximum(row[1], 1.0)
         weight = decay ** (k - 1)
         loss = loss + weight * (feature_weight * feature_sum + ce_weight * ce_sum) / denom
         feature_total, ce_total = feature_total + feature_sum / denom, ce_total + ce_sum / denom
     extras = {"feature_loss": feature_total / depth, "ce_loss": ce_total / depth}
     return loss, losses.stack_stats(per_depth), extras
+
+
+def noise_seeds(batch: dict) -> jax.Array:
+    """[B] the batch's noise seeds; packed rows (features from the backbone in the step) carry none: one from each
+    row's tokens (`content_seeds`)."""
+    return batch["noise_seed"] if "noise_seed" in batch else content_seeds(batch["tokens"])
+
+
+def draft_teacher(drafter, base: CausalLM) -> tuple[jax.Array, jax.Array | None]:
+    """(the base's lm_head over the drafter's vocabulary [D, U], the full-to-draft vocabulary map or None)."""
+    token_map = None if drafter.token_map is None else drafter.token_map[...]
+    return (losses.teacher_lm_weight(base.lm_head_weight(), token_map),
+            None if token_map is None else losses.inverse_token_map(token_map, base.config.vocab_size))
+
+
+def depth_stats(drafter, base: CausalLM, out_btd: jax.Array, batch: dict, k: int, teacher, full_vocab_targets: bool):
+    """Depth k's output `out_btd` (drafting x_{t+k+1} at t) against the base: (its target feature f_{t+k}, the
+    positions where t + k is a loss token of the same conversation, the HeadStats row (CE sum against the base's
+    distribution over the drafter's vocabulary, count, total, top-1, top-5))."""
+    f, (teacher_w_du, inverse) = jnp.float32, teacher
+    seg_bt = batch["segment_ids"]
+    target_btd = jax.lax.stop_gradient(_shift_by(batch["feat"].astype(f), k))
+    valid_bt = (seg_bt > 0) & (_shift_by(seg_bt, k) == seg_bt) & _shift_by(batch["loss_mask"].astype(bool), k, False)
+    teacher_btu = jnp.dot(target_btd.astype(teacher_w_du.dtype), teacher_w_du).astype(f)
+    student_btu = drafter.logits(out_btd, base)
+    ce_bt = -jnp.sum(jax.nn.softmax(teacher_btu, axis=-1) * jax.nn.log_softmax(student_btu, axis=-1), axis=-1)
+    ce_sum = jnp.sum(jnp.where(valid_bt, ce_bt, 0.0))
+    if full_vocab_targets:  # the base's own greedy token (full vocabulary)
+        greedy_bt = base_greedy(base, target_btd)
+    else:
+        greedy_bt = drafter.to_full_vocab(jnp.argmax(teacher_btu, axis=-1).astype(jnp.int32))
+    _, _, total, top1, top5 = losses.one_head_stats(student_btu, jnp.where(valid_bt, greedy_bt, losses.NO_TARGET),
+                                                    inverse)
+    return target_btd, valid_bt, (ce_sum, jnp.sum(valid_bt, dtype=f), total, top1, top5)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from medusa_jax.training.data import EpochIterator
-from medusa_jax.training.hidden_examples import HIDDEN_DTYPE, heldout_groups
+from medusa_jax.training.data import EpochIterator, heldout_groups
+from medusa_jax.training.hidden_examples import HIDDEN_DTYPE
 from medusa_jax.training.hidden_store import StoredSequences
 from medusa_jax.training.sharegpt import DataError
 from medusa_jax.training.teacher_forced import place_rows

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from medusa_jax.training.data import EpochIterator
+from medusa_jax.training.data import EpochIterator, heldout_groups
 
 HIDDEN_DTYPE = np.float16
 
@@ -94,16 +94,6 @@ class HiddenExamples:
     def iterator(self, global_batch: int, seed: int, teacher: bool = False, **kw) -> EpochIterator:
         """Batches in the same seeded (epoch, index) order scheme as packed rows."""
         return EpochIterator(len(self), lambda idx: self.batch(idx, teacher), global_batch, seed, **kw)
-
-
-def heldout_groups(num_groups: int, heldout_fraction: float, seed: int) -> np.ndarray:
-    """Indices of the held-out groups (conversations): a seeded permutation's first share, at least one and
-    never all when heldout_fraction > 0 (the rule of data.load_chat_data)."""
-    order = np.random.default_rng(seed).permutation(num_groups)
-    n_held = int(round(heldout_fraction * num_groups))
-    if heldout_fraction > 0 and num_groups > 1:
-        n_held = min(max(n_held, 1), num_groups - 1)
-    return order[:n_held]
 
 
 def sequence_examples(hidden: HiddenRows, starts_c, lengths_c, tokens_x, loss_x, hidden_starts_c, hidden_lengths_c,

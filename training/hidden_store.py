@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from medusa_jax.atomic import atomic_path, write_text_atomic
-from medusa_jax.training.data import ChatData, DataConfig, pack
-from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows, heldout_groups, sequence_examples
+from medusa_jax.training.data import ChatData, DataConfig, heldout_groups, pack
+from medusa_jax.training.hidden_examples import HiddenExamples, HiddenRows, sequence_examples
 from medusa_jax.training.sharegpt import DataError, ReadReport
 
 STORE_DTYPE = np.float16

@@ -127,9 +127,24 @@ def _collectives_in(comps: dict[str, list[str]], names: list[str]) -> list[Colle
         for line in comps[name]:
             match = _INSTRUCTION.match(line)
             if match:
-                origin = re.search(r'op_name="([^"]*)"', line)
-                found.append(Collective(match.group(2), match.group(1), name, origin.group(1) if origin else ""))
+                found.append(Collective(match.group(2), match.group(1), name, _op_name(line)))
     return found
+
+
+def _op_name(line: str) -> str:
+    """The JAX operation an instruction came from (its HLO metadata's op_name), or ''."""
+    origin = re.search(r'op_name="([^"]*)"', line)
+    return origin.group(1) if origin else ""
+
+
+def _definitions(lines: list[str]):
+    """(name, opcode, the text after the opcode's parenthesis, result type, line) of each instruction."""
+    for line in lines:
+        match = _DEFINITION.match(line)
+        if match:
+            name, opcode, rest = match.groups()
+            result = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s" + re.escape(opcode) + r"\(", line)
+            yield name, opcode, rest, result.group(1) if result else "", line
 
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -175,13 +190,9 @@ def invariant_gathers(hlo_text: str) -> list[Collective]:
     found = []
     for body in sorted(bodies & set(comps)):
         defs, order, root = {}, [], None
-        for line in comps[body]:
-            match = _DEFINITION.match(line)
-            if not match:
-                continue
-            name, opcode, rest = match.groups()
+        for name, opcode, rest, shape, line in _definitions(comps[body]):
             index = re.search(r"\bindex=(\d+)", rest)
-            defs[name] = (opcode, _operands(rest), int(index.group(1)) if index else None, line)
+            defs[name] = (opcode, _operands(rest), int(index.group(1)) if index else None, shape, line)
             order.append(name)
             if line.lstrip().startswith("ROOT"):
                 root = name
@@ -193,7 +204,7 @@ def invariant_gathers(hlo_text: str) -> list[Collective]:
                   and defs[operand][2] == i and defs[operand][1][:1] and defs[operand][1][0] in params}
         invariant = set()
         for name in order:
-            opcode, operands, index, line = defs[name]
+            opcode, operands, index, shape, line = defs[name]
             if opcode == "get-tuple-element" and operands[:1] and operands[0] in params:
                 if index in passed:
                     invariant.add(name)
@@ -201,10 +212,7 @@ def invariant_gathers(hlo_text: str) -> list[Collective]:
                                           and all(o in invariant for o in operands)):
                 invariant.add(name)
             if opcode in ("all-gather", "all-gather-start") and operands and all(o in invariant for o in operands):
-                origin = re.search(r'op_name="([^"]*)"', line)
-                shape = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s" + re.escape(opcode), line)
-                found.append(Collective("all-gather", shape.group(1) if shape else "", body,
-                                        origin.group(1) if origin else ""))
+                found.append(Collective("all-gather", shape, body, _op_name(line)))
     return found
 
 
@@ -234,13 +242,7 @@ def loop_upcast_bytes(hlo_text: str) -> int:
 def _upcast_bytes(comps: dict[str, list[str]], computation: str, sources: tuple[str, ...] = ("parameter",)) -> int:
     derived: dict[str, bool] = {}  # weight-derived value -> passed through a half-precision type
     total = 0
-    for line in comps[computation]:
-        match = _DEFINITION.match(line)
-        if not match:
-            continue
-        name, opcode, rest = match.groups()
-        shape = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s" + re.escape(opcode) + r"\(", line)
-        shape = shape.group(1) if shape else ""
+    for name, opcode, rest, shape, _ in _definitions(comps[computation]):
         half = bool(re.match(r"\(?(bf16|f16)\[", shape))
         ops = {opcode}
         if opcode == "fusion":

@@ -24,9 +24,6 @@ class HeadStats:
     kl_sum: jax.Array  # summed KL(teacher || head) (0 where the teacher is not computed)
     kl_count: jax.Array  # positions with a teacher (the KL denominator; 0 = not computed)
 
-    def __add__(self, other: "HeadStats") -> "HeadStats":
-        return jax.tree.map(jnp.add, self, other)
-
     def mean_losses(self) -> jax.Array:
         return self.loss_sum / jnp.maximum(self.count, 1)
 
@@ -99,22 +96,13 @@ def head_stats(logits_mxv, targets_mx, inverse_map_v=None) -> HeadStats:
                         for i in range(logits_mxv.shape[0])])
 
 
-def head_weights(num_heads: int, decay: float) -> jax.Array:
-    return jnp.asarray([decay ** i for i in range(num_heads)], jnp.float32)
-
-
 def medusa_loss(stats: HeadStats, decay: float, ce_weight: float = 1.0, kl_weight: float = 0.0) -> jax.Array:
     """sum_i decay**i * (ce_weight * mean cross-entropy of head i + kl_weight * mean KL of head i)."""
     per_head = ce_weight * stats.mean_losses() if ce_weight else 0.0
     if kl_weight:
         per_head = per_head + kl_weight * stats.mean_kl()
-    return jnp.sum(head_weights(stats.loss_sum.shape[0], decay) * per_head)
-
-
-def lm_loss(logits_btv, targets_bt) -> tuple[jax.Array, jax.Array]:
-    """Base model next-token cross-entropy (targets from shifted_targets(..., 1)). Returns (sum, count)."""
-    loss_sum, count, *_ = one_head_stats(logits_btv, targets_bt)
-    return loss_sum, count
+    weights_m = jnp.asarray([decay ** i for i in range(stats.loss_sum.shape[0])], jnp.float32)
+    return jnp.sum(weights_m * per_head)
 
 
 def distill_loss(student_logits_xv, teacher_logits_xv, mask_x) -> tuple[jax.Array, jax.Array]:

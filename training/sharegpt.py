@@ -147,10 +147,6 @@ def normalise_conversation(record: Any, where: str) -> list[dict[str, str]]:
     return system + rest
 
 
-def has_assistant_reply(messages: list[dict[str, str]]) -> bool:
-    return any(m["role"] == "assistant" for m in messages)
-
-
 def _keep_conversations(records: Iterable[tuple[Any, Any, str]], source: str, report: ReadReport,
                         limit: int | None) -> list[dict[str, Any]]:
     """The conversations of (id, record, "record N" | "row N") triples that have an assistant reply, as
@@ -159,7 +155,7 @@ def _keep_conversations(records: Iterable[tuple[Any, Any, str]], source: str, re
     for rid, record, label in records:
         report.records += 1
         messages = normalise_conversation(record, f"{source}: {label} (id {rid!r})")
-        if not has_assistant_reply(messages):
+        if not any(m["role"] == "assistant" for m in messages):
             report.skipped_no_assistant += 1
             continue
         out.append({"id": str(rid), "messages": messages})
@@ -207,7 +203,7 @@ def read_conversation_dataset(name_or_path: str, split: str = "train", limit: in
                 raise DataError(f"{name_or_path}: no such local file or folder, and the Hugging Face Hub cannot be "
                                 f"reached to load it as a dataset name (set HF_HUB_OFFLINE=1 to use a cached copy)")
             ds = datasets.load_dataset(name_or_path)
-    except (OSError, ConnectionError, ValueError) as e:  # datasets' not-found and offline errors among them
+    except (OSError, ValueError) as e:  # datasets' not-found and offline (ConnectionError) errors among them
         if isinstance(e, DataError):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -139,7 +139,7 @@ def _path_keys(path) -> tuple[str, ...]:
     return tuple(out)
 
 
-def shardings_like_params(tree, params, param_shardings, mesh: Mesh):
+def shardings_like_params(tree, param_shardings, mesh: Mesh):
     """Shardings for an optimiser state: a leaf whose path ends with a parameter's path (Adam's mu/nu) takes
     that parameter's sharding; anything else (step counts) is replicated."""
     by_path = {_path_keys(p): s for p, s in jax.tree_util.tree_leaves_with_path(param_shardings)}
@@ -206,7 +206,7 @@ class Trainer:
                                          self.param_shardings)
             self.frozen = jax.device_put(frozen, self.frozen_shardings)
         abstract_opt = jax.eval_shape(self.optimizer.init, self.params)
-        self.opt_shardings = shardings_like_params(abstract_opt, self.params, self.param_shardings, mesh)
+        self.opt_shardings = shardings_like_params(abstract_opt, self.param_shardings, mesh)
         self.opt_state = _abstract(abstract_opt, self.opt_shardings) if abstract else jax.jit(
             self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
         self.step = 0
@@ -251,7 +251,8 @@ class Trainer:
     # ---- sharded entry points ---------------------------------------------------------------------
     def _batch_shardings(self, batch: dict[str, np.ndarray]):
         return {k: shd.checked_sharding(self.mesh, shd.batch_sharding(self.mesh, v.ndim).spec,
-                                        _global_shape(v.shape), f"batch array {k!r} (rows over data x fsdp)")
+                                        (v.shape[0] * jax.process_count(), *v.shape[1:]),
+                                        f"batch array {k!r} (rows over data x fsdp)")
                 for k, v in batch.items()}
 
     def device_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -311,10 +312,6 @@ class Trainer:
 def batch_kind(batch) -> str:
     """"hidden" (cached hidden states), "features" (packed rows with their features) or "rows"."""
     return "hidden" if "hidden" in batch else "features" if "feat" in batch else "rows"
-
-
-def _global_shape(local_shape) -> tuple[int, ...]:
-    return (local_shape[0] * jax.process_count(),) + tuple(local_shape[1:])
 
 
 def _abstract(tree, shardings):

@@ -26,7 +26,7 @@ class CheckpointError(ValueError):
 
 
 class SafetensorsFile:
-    """Lazy view of one .safetensors file: `names`, `shape(name)`, `read(name, index)`."""
+    """Lazy view of one .safetensors file: `names`, `metadata`, `array(name)`."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -64,9 +64,6 @@ class SafetensorsFile:
     @property
     def names(self) -> list[str]:
         return list(self._entries)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._entries[name]["shape"])
 
     def array(self, name: str) -> np.ndarray:
         """A read-only memory-mapped view of the whole tensor (slicing it reads only those bytes)."""
@@ -115,14 +112,12 @@ def load_torch_bin(path: str | os.PathLike) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{path}: cannot read PyTorch weights ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: expected a state dict, found {type(state).__name__}")
-    out = {}
-    for name, t in state.items():
+
+    def numpy(t):
         t = t.detach().cpu().contiguous()
-        if t.dtype == torch.bfloat16:
-            out[name] = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        else:
-            out[name] = t.numpy()
-    return out
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+
+    return {name: numpy(t) for name, t in state.items()}
 
 
 class TensorSource:
