@@ -20,10 +20,12 @@ lookup's token buffer one row per request (set at admission from the prompt, gro
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.eagle import EagleDrafter
@@ -93,14 +95,20 @@ def prompt_prefill(model: MedusaModel, prompt_nt, prompt_lens_n, cache_size: int
     return last_nd, fresh, draft
 
 
+@partial(jax.jit, static_argnames=("graphdef", "rows", "cache_size", "depth"))
+def _idle_draft(graphdef, params, *, rows: int, cache_size: int, depth: int) -> Any:
+    """The drafter state of `rows` one-token prompts; only its shapes are used (`empty_draft`), and jit's trace
+    cache keeps them: a new engine of the same model and shapes does not trace the base's prefill again."""
+    prompt_b1, lens_b = jnp.zeros((rows, 1), jnp.int32), jnp.ones((rows,), jnp.int32)
+    return prompt_prefill(nnx.merge(graphdef, params), prompt_b1, lens_b, cache_size, depth)[2]
+
+
 def empty_draft(model: MedusaModel, rows: int, cache_size: int, depth: int) -> Any:
     """The drafter's state before any request: zeros shaped as `rows` idle rows where it keeps one per row (None
     for heads that keep none), the drafter's own where it is shared (`shared_start`)."""
-    def build():
-        prompt_b1, lens_b = jnp.zeros((rows, 1), jnp.int32), jnp.ones((rows,), jnp.int32)
-        return prompt_prefill(model, prompt_b1, lens_b, cache_size, depth)[2]
-
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(build))
+    graphdef, params = nnx.split(model)
+    shapes = _idle_draft.eval_shape(graphdef, params, rows=rows, cache_size=cache_size, depth=depth)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     start = shared_start(model.heads, model.base, rows, cache_size, depth)
     def pick(is_shared, empty, own):  # a copy of the drafter's own: the engine's calls donate their state
         return jax.tree.map(lambda x: jnp.array(x, copy=True), own) if is_shared else empty

@@ -315,3 +315,31 @@ def plain_hidden(base, ids):
     last_bd, _ = prefill(base, jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32),
                          KVCache.zeros(base.config, 1, 8))
     return last_bd[0]
+
+
+@pytest.mark.parametrize("lens", [[40, 9], [0, 0]])
+def test_prompt_update_of_one_chunk_runs_no_loop_and_writes_its_positions(tiny, lens):
+    """A prompt width of one chunk (most chat prompts) is one update, no loop: in a loop XLA:CPU hoisted the
+    one-chunk body and its top_k became a full sort of every position's logits (20x the time on SmolLM2); empty
+    prompts write nothing, as the loop's zero trips did."""
+    from medusa_jax.model.kv_cache import KVCache
+    from medusa_jax.inference.autoregressive import prefill_states
+
+    base, _ = tiny("llama")
+    width = recycle.PROMPT_CHUNK
+    prompt = np.random.default_rng(5).integers(0, 30, (2, width)).astype(np.int32)
+    lens = np.asarray(lens, np.int32)
+    _, _, hidden_btd = prefill_states(base, jnp.asarray(prompt), jnp.asarray(lens),
+                                      KVCache.zeros(base.config, 2, width))
+    table = empty_table(base.config.vocab_size)
+    update = jax.jit(lambda t, p, n, h: recycle.prompt_update(t, base, p, n, h))
+    args = (jnp.asarray(table), jnp.asarray(prompt), jnp.asarray(lens), hidden_btd)
+    assert "stablehlo.while" not in update.lower(*args).as_text()
+    got = np.asarray(update(*args))
+    logits_btv = np.asarray(base.logits(hidden_btd))
+    want = table
+    for b, n in enumerate(lens):
+        if n:
+            want = reference_update(want, prompt[b: b + 1, :n], logits_btv[b: b + 1, :n], [True])
+    np.testing.assert_array_equal(got, want)
+    assert (got != table).any() == bool(lens.any())
