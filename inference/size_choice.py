@@ -8,9 +8,7 @@ plain step, and on text where no drafter is right (most MT-Bench writing prompts
 decoding. A step that skips the drafting is a plain step of the same loop (the drafters' states still see every
 emitted token). After a drafted step that did not pay (it emitted fewer tokens over the active rows than plain
 steps would have in its time, `DraftSizes.costs`), the next 1, 2, 4, ... up to `MAX_SKIP` steps skip the drafting;
-a drafted step that pays ends the backoff. Whether drafting pays is judged over the recent drafted steps, not the
-last one alone: an average of their tokens per plain step's time (`GAIN_WEIGHT` for the newest), so on text where
-drafted steps mostly miss one lucky step does not restart the drafting. A cheap signal overrides the backoff: when prompt lookup's own chains
+a drafted step that pays ends the backoff. A cheap signal overrides the backoff: when prompt lookup's own chains
 (matching only, no model call; drafted once per step, before the decision, and reused when the step drafts) already
 predict that a drafted step beats a plain one, the step drafts (`lookup_pays`).
 
@@ -31,7 +29,6 @@ from medusa_jax.heads.draft_merge import DraftSizes, expected_accepts
 from medusa_jax.trees.dynamic_tree import TreeProposal
 
 MAX_SKIP = 8  # the longest run of steps without drafting after drafted steps that did not pay
-GAIN_WEIGHT = 0.3  # the newest drafted step's weight in the average gain that decides whether drafting pays
 
 
 @jax.tree_util.register_dataclass
@@ -41,11 +38,10 @@ class SizeChoiceState:
 
     skip_left: jax.Array  # int32: steps still to run without drafting
     misses: jax.Array  # int32: drafted steps in a row that did not pay
-    gain: jax.Array  # float32: recent drafted steps' tokens per plain step's time, averaged (1: as plain)
 
     @staticmethod
     def start() -> "SizeChoiceState":
-        return SizeChoiceState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), jnp.ones((), jnp.float32))
+        return SizeChoiceState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
     @property
     def drafts(self) -> jax.Array:
@@ -59,16 +55,14 @@ class SizeChoiceState:
     def drafted(self, sizes: DraftSizes, choice: jax.Array, accepted: jax.Array, rows: jax.Array
                 ) -> "SizeChoiceState":
         """After a drafted step of size index `choice` that accepted `accepted` tokens over `rows` active rows
-        (scalars). The step's gain is its rows + accepted tokens over the rows tokens plain steps give in its time
-        (`sizes.costs[choice]` plain steps; a drafted step that verified no node gains nothing: it paid for the
-        drafting); drafting pays while the average gain (`GAIN_WEIGHT`) is at least 1."""
+        (scalars): a step pays when its rows + accepted tokens beat the rows
+        tokens plain steps give in its time (`sizes.costs[choice]` plain steps; a drafted step that verified no
+        node never pays: it paid for the drafting)."""
         cost = jnp.asarray(sizes.costs, jnp.float32)[choice]
-        step_gain = jnp.where(choice > 0, (rows + accepted) / jnp.maximum(rows * cost, 1e-6), 0.0)
-        gain = (1.0 - GAIN_WEIGHT) * self.gain + GAIN_WEIGHT * step_gain
-        pays = gain >= 1.0
+        pays = (choice > 0) & (rows + accepted >= rows * cost)
         misses = jnp.where(pays, 0, self.misses + 1)
         skip = jnp.where(pays, 0, jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_SKIP))
-        return SizeChoiceState(skip.astype(jnp.int32), misses.astype(jnp.int32), gain.astype(jnp.float32))
+        return SizeChoiceState(skip.astype(jnp.int32), misses.astype(jnp.int32))
 
 
 def predicted_accepts(proposal: TreeProposal, sizes: DraftSizes, active_b: jax.Array) -> jax.Array:
