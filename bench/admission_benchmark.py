@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from medusa_jax.demo_model import resolve_model_dir
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.hf.load import load_pretrained
@@ -88,6 +89,14 @@ def main(argv=None) -> int:
     engine_batches.REFILL_CHUNK_STEPS = a.refill_chunk_steps  # read by refilled_slots at each call
     if set(methods) - set(METHODS) or ("direct" in methods and not a.direct_rev):
         p.exit(2, f"error: --methods takes {','.join(METHODS)}; direct needs --direct-rev\n")
+    try:
+        a.model = resolve_model_dir(a.model)
+    except (OSError, RuntimeError, ValueError) as e:
+        p.exit(2, f"error: --model {a.model}: {e}\n")
+    if not (a.model / "config.json").is_file():
+        p.exit(2, f"error: --model {a.model}: no config.json there; give a model folder or 'default'\n")
+    if a.model.resolve() in Path(a.out).resolve().parents:
+        p.exit(2, f"error: --out {a.out}: inside the --model folder; write the rows elsewhere\n")
     direct_api = load_direct_api(a.direct_rev) if "direct" in methods else None
     tokenizer = load_tokenizer(a.model)
     eos = eos_token_ids(a.model, tokenizer)
