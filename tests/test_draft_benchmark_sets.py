@@ -35,6 +35,13 @@ def test_a_second_turn_follows_the_models_own_first_answer():
     assert [(m["role"], m["content"]) for m in messages] == [("user", "Q1"), ("assistant", "A1"), ("user", "Q2")]
 
 
+def test_a_round_that_answers_differently_counts_as_a_mismatch():
+    call = {"tokens": 2, "steps": 2, "seconds": 1.0, "token_ids": [[5, 6]]}
+    rows = {"plain": [dict(call, other_token_ids=[])], "lookup@4": [dict(call, other_token_ids=[[[5, 7]]])]}
+    summary = {row["method"]: row for row in mixed_drafts.summarise(rows, {"lookup@4": 4})}
+    assert summary["plain"]["mismatches"] == 0 and summary["lookup@4"]["mismatches"] == 1
+
+
 def test_calls_of_two_prompts_keep_plain_answers_and_count_each_prompt(tiny_model_dir):
     base = load_pretrained(tiny_model_dir("llama"))
     rng = np.random.RandomState(0)
@@ -43,8 +50,9 @@ def test_calls_of_two_prompts_keep_plain_answers_and_count_each_prompt(tiny_mode
     mix, sizes = build_mix(base, ("lookup",), None, 4, costs=lambda s: tuple(1.0 + 0.05 * n for n in s))
     models = {"plain": (ShardedModel(base, None, MeshConfig()), None),
               "lookup@4": (ShardedModel(base, mix, MeshConfig()), sizes)}
-    rows = mixed_drafts.run_set(models, prompts, 12, (), 0, batch=2)
+    rows = mixed_drafts.run_set(models, prompts, 12, (), 0, batch=2, repeats=2)
     assert [len(call["token_ids"]) for call in rows["plain"]] == [2, 1]  # a ragged last call
+    assert all(call["other_token_ids"] == [] for calls in rows.values() for call in calls)  # rounds agree
     want = [r.token_ids for r in generate(base, prompts, max_new_tokens=12, eos_ids=())]
     assert mixed_drafts.answers(rows) == mixed_drafts.answers(rows, "lookup@4") == want
     summary = {row["method"]: row for row in mixed_drafts.summarise(rows, {"lookup@4": 4})}
