@@ -1,26 +1,8 @@
-"""The generation engine's device side with a drafter: every row decodes with Medusa/Hydra heads and a tree
-(`medusa.medusa_step`, the tree decoder's own step), each with its own sampling settings
-(`row_acceptance.RowAcceptance`): a greedy row's tokens equal plain greedy decoding's, a sampled row's have the
-law of plain sampling with its settings (exact acceptance), and both kinds share one verify step.
-
-The rows are one `medusa.MedusaState` kept from chunk to chunk (its deferred cache move included). A chunk
-runs up to c verify steps; its output buffer holds c * e tokens (e = tree depth + 1, the most one step emits),
-and a row with R tokens of its budget left starts writing at c * e - R, so the step's own cut at the buffer's
-end stops it at its budget (rows with more left than the buffer stop at the buffer's end and go on in the next
-chunk). Admission prefills new prompts into their rows, records their sampling settings (`RowSampling`, kept
-beside the state) and draws each one's first token (`row_acceptance.first_row_tokens`). Stop ids besides the
-model's EOS are checked by the engine on the host. A drafter that keeps a state through a reply (EAGLE, EAGLE-3,
-prompt lookup's token buffer) gets its row's state built from the prompt at admission (`row_drafts`), so its greedy rows are
-lossless too; a state shared by all rows (Token Recycling's table, `row_drafts.shared_fields`) is the engine's:
-it starts as the drafter's, is refreshed from every admitted prompt and by every verify step of every row, and
-outlives the requests (`shared_draft` hands it back, e.g. to the model a batch client borrowed it from).
-
-Mixed drafts (`heads.mixed.MixedDrafter`, the tree a `draft_merge.DraftSizes`) run as in the batch path
-(`medusa.mixed_step`): a step drafts unless the size choice backs off after drafted steps that did not pay (and
-prompt lookup's chains do not override it), and a drafted step verifies the merged proposal's best n nodes, n one
-of the static sizes chosen from the measured step costs over the active rows (0: a plain step). The engine keeps
-ONE `size_choice.SizeChoiceState` for all its rows, carried from chunk to chunk and across requests.
-"""
+"""The generation engine's device side with a drafter: every row decodes with heads and a tree (`medusa.medusa_step`)
+with its own acceptance (`row_acceptance.RowAcceptance`), the rows one `medusa.MedusaState` kept from chunk to chunk.
+A chunk's output buffer holds c * e tokens (c verify steps, e = tree depth + 1); a row with R tokens of its budget
+left starts writing at c * e - R, so the step's own cut stops it at its budget. Drafter state per row or shared:
+`row_drafts`; a mix keeps ONE `size_choice.SizeChoiceState` for all rows. docs/serving.md, "Drafting"."""
 
 from __future__ import annotations
 
