@@ -38,13 +38,6 @@ def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled or jax.process_index() != 0:
-        return None
-
-    return tqdm(total=total, unit="prompt", desc="generate", dynamic_ncols=True)
-
-
 def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings = BatchSettings(),
                    *, progress: bool = True, on_batch: Callable[[list[GenerationResult]], None] | None = None,
                    proposer: Proposer | None = None, proposer_data: Any = None) -> BatchRun:
@@ -70,7 +63,8 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     # on a mesh the rows are rounded up to a multiple of data x fsdp (a batch keeps batch_size prompts)
     rows = round_up(settings.batch_size, model.row_multiple)
     check_prompts(prompts, model.config.max_position_embeddings, settings.max_new_tokens)
-    bar = _progress(len(prompts), progress)
+    bar = tqdm(total=len(prompts), unit="prompt", desc="generate", dynamic_ncols=True) \
+        if progress and jax.process_index() == 0 else None
     if uses_refill(model, settings, len(prompts), proposer):
         run = refilled_slots(model, prompts, settings, bar, on_batch)
     else:
@@ -105,19 +99,13 @@ def _one_batch(prompts: Sequence[Sequence[int]], batch_size: int | None) -> int:
     return batch_size
 
 
-def _max_new_tokens(max_new_tokens: int) -> int:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    return max_new_tokens
-
-
 def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
              sampling: SamplingConfig = SamplingConfig(), seed: int = 0, eos_ids: Sequence[int] | None = None,
              pad_id: int = 0, batch_size: int | None = None, cache_size: int | None = None,
              timings: dict | None = None) -> list[GenerationResult]:
     """Plain decoding of one batch of token-id prompts (ragged lengths are fine) on one device: `generate_batch`
     on a mesh of one, prompts padded to 64 * 2**k tokens. `timings` gets "seconds" (the whole call)."""
-    settings = BatchSettings(batch_size=_one_batch(prompts, batch_size), max_new_tokens=_max_new_tokens(max_new_tokens),
+    settings = BatchSettings(batch_size=_one_batch(prompts, batch_size), max_new_tokens=max_new_tokens,
                              sampling=sampling, seed=seed, eos_ids=resolve_eos(model, eos_ids), pad_id=pad_id,
                              bucket=PROMPT_BUCKET, cache_size=cache_size)
     run = generate_batch(ShardedModel(model, None, MeshConfig()), prompts, settings, progress=False)
@@ -142,7 +130,7 @@ def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequen
     the prefill and the verify steps; `accept_lengths` lists each step's. `timings` gets "seconds" and
     "tree" (the tree's origin, or why decoding was plain)."""
     limits = dict(num_heads=heads.config.num_heads, max_top_k=heads.config.head_vocab_size)
-    settings = BatchSettings(batch_size=_one_batch(prompts, batch_size), max_new_tokens=_max_new_tokens(max_new_tokens),
+    settings = BatchSettings(batch_size=_one_batch(prompts, batch_size), max_new_tokens=max_new_tokens,
                              tree=HEADS_TREE if tree is None else tree if isinstance(tree, DraftSizes)
                              else load_tree(tree, **limits), acceptance=acceptance,
                              sampling=sampling,
