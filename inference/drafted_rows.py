@@ -21,6 +21,7 @@ from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.engine_mesh import Placement, fetch
 from medusa_jax.inference.medusa import MedusaState, Proposer, heads_proposer, medusa_step
+from medusa_jax.inference.row_decode import release_rows
 from medusa_jax.inference.row_acceptance import RowAcceptance, first_row_tokens
 from medusa_jax.inference.row_drafts import (check_servable, empty_draft, prompt_prefill, put_draft_rows,
                                              shared_fields, shared_part)
@@ -96,11 +97,6 @@ def drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, r
     return state, state.out_bo, start_b, state.num_out_b
 
 
-@jax.jit
-def release_drafted(state: MedusaState, release_b) -> MedusaState:
-    return dataclasses.replace(state, done_b=state.done_b | release_b)
-
-
 class DraftedDecoder:
     """`row_decode.PlainDecoder`'s interface over tree decoding with heads."""
 
@@ -150,7 +146,7 @@ class DraftedDecoder:
 
     def release(self, release_b: np.ndarray) -> None:
         with self.placement.active():
-            self.state = release_drafted(self.state, release_b)
+            self.state = release_rows(self.state, release_b)
 
     def compile(self, shapes: list[tuple[int, int]], steps: int) -> None:
         with self.placement.active():

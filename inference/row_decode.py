@@ -105,8 +105,9 @@ def decode_chunk(graphdef, params, rows: Rows, *, steps: int, eos_ids: tuple[int
 
 
 @partial(jax.jit, donate_argnames=("rows",))
-def release_rows(rows: Rows, release_b) -> Rows:
-    """Rows with release_b set become idle (their cache rows are simply overwritten by the next admission)."""
+def release_rows(rows, release_b):
+    """Rows (or a drafted `MedusaState`) with release_b set become idle (their cache rows are simply overwritten by
+    the next admission)."""
     return dataclasses.replace(rows, done_b=rows.done_b | release_b)
 
 
