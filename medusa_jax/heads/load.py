@@ -14,8 +14,7 @@ import numpy as np
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.hf.load import read_hf_config
-from medusa_jax.hf.tensor_files import (CheckpointError, SafetensorsFile, TensorSource, find_model_weights,
-                                        load_torch_bin)
+from medusa_jax.hf.tensor_files import CheckpointError, TensorSource, find_model_weights
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.eagle_layout import equals_base, is_eagle_folder, load_eagle
 from medusa_jax.heads.eagle3_layout import is_eagle3_folder, load_eagle3
@@ -121,14 +120,9 @@ def _assemble(blocks, lms, token_map, *, hidden, vocab, base_vd, raw, dtype, ori
 
 
 def _load_medusa(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> MedusaHeads:
-    path = folder / MEDUSA_WEIGHTS
-    if path.exists():
-        st = SafetensorsFile(path)
-        tensors = {n: st.array(n) for n in st.names}
-    else:
-        path = folder / MEDUSA_WEIGHTS_PT
-        tensors = load_torch_bin(path)
-    origin = str(path)
+    name = MEDUSA_WEIGHTS if (folder / MEDUSA_WEIGHTS).exists() else MEDUSA_WEIGHTS_PT
+    source = TensorSource.from_files([folder / name])
+    tensors, origin = {n: source.array(n) for n in source.names}, source.origin
     heads = num_heads if num_heads is not None else _field(raw, origin, "medusa_num_heads")
     layers = _field(raw, origin, "medusa_num_layers")
     lm_keys = sorted((n for n in tensors if re.fullmatch(MEDUSA.lm_re(layers), n)), key=_natural)
@@ -169,8 +163,7 @@ def _load_medusa(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> M
 
 def _load_vllm(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> MedusaHeads:
     source = TensorSource.from_files(find_model_weights(folder))
-    tensors = {n: source.array(n) for n in source.names}
-    origin = source.origin
+    tensors, origin = {n: source.array(n) for n in source.names}, source.origin
     heads = num_heads if num_heads is not None else _field(raw, origin, "num_heads", "medusa_num_heads")
     layers = _field(raw, origin, "num_hidden_layers", "medusa_num_layers")
     hidden, vocab = _field(raw, origin, "hidden_size"), _field(raw, origin, "vocab_size")
