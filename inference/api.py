@@ -1,28 +1,8 @@
-"""The generation front-end: token-id prompts in, one `GenerationResult` per prompt out, on a device mesh
-(`sharded.ShardedModel`; a single device is a mesh of one). `generate` (plain decoding) and `generate_medusa`
-(Medusa decoding) are thin entry points for one batch on one device; `generate_batch` runs any number of
-prompts on any mesh, and scripts/generate.py runs every request through it. Every path checks its prompts
-with `engine.check_prompts`.
-
-One engine, two admission policies (`generation_engine.GenerationEngine`; `engine_batches`). Sorted batches
-(`BatchSettings.engine="batches"`, admission "sorted"): prompts are sorted by token length (longest first) and
-cut into batches of `batch_size` rows (prompts that fit one batch keep their input order); a batch is admitted
-when every row is free and runs as one jitted chunk until its last row finishes, so a long answer holds only
-the rows of its own batch, and at most for `max_new_tokens` steps. Each batch's cache follows its prompts'
-width (`bucket` times a power of two, `engine.bucket_length`; `engine.cache_size_for`), so consecutive batches of
-one cache size share an engine. On a mesh the rows are rounded up to a multiple of data x fsdp (any batch size
-works on any mesh). Refilled slots (`engine="refill"`, admission "fifo"): `batch_size` rows run plain steps in
-jitted chunks and a finished row takes the next prompt between chunks (continuous batching). `engine="auto"`
-(the default) refills plain decoding on one device when batch_size >= REFILL_MIN_BATCH and there are at least
-batch_size prompts, and forms sorted batches otherwise (the engine's two policies measured against each other:
-bench/refill/auto_rule, and on replies of uneven length bench/refill/uneven). Both give
-the same greedy tokens; prompt i samples with seed + i. Mixed drafts (their size choice and backoff), Token
-Recycling (its table kept warm from call to call: the engine starts from the model's and hands it back),
-typical acceptance and a caller's proposer run through the engine too.
-
-Results come back in input order with per-row stats. Under several processes every process passes the same
-prompts; each places only the rows its devices hold and all processes get all results (`engine_mesh`).
-"""
+"""The generation front-end: token-id prompts in, one `GenerationResult` per prompt out, in input order, on a device
+mesh (`sharded.ShardedModel`; one device is a mesh of one). `generate` (plain) and `generate_medusa` are one batch on
+one device; `generate_batch` runs any number of prompts on any mesh through the generation engine, in sorted
+batches or refilled slots (`uses_refill`); every path checks its prompts with `engine.check_prompts`. The policies,
+their measured rule and several processes: docs/design.md, "Batch generation"."""
 
 from __future__ import annotations
 
@@ -58,13 +38,6 @@ def plan_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled or jax.process_index() != 0:
-        return None
-
-    return tqdm(total=total, unit="prompt", desc="generate", dynamic_ncols=True)
-
-
 def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings = BatchSettings(),
                    *, progress: bool = True, on_batch: Callable[[list[GenerationResult]], None] | None = None,
                    proposer: Proposer | None = None, proposer_data: Any = None) -> BatchRun:
@@ -90,7 +63,8 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     # on a mesh the rows are rounded up to a multiple of data x fsdp (a batch keeps batch_size prompts)
     rows = round_up(settings.batch_size, model.row_multiple)
     check_prompts(prompts, model.config.max_position_embeddings, settings.max_new_tokens)
-    bar = _progress(len(prompts), progress)
+    bar = tqdm(total=len(prompts), unit="prompt", desc="generate", dynamic_ncols=True) \
+        if progress and jax.process_index() == 0 else None
     if uses_refill(model, settings, len(prompts), proposer):
         run = refilled_slots(model, prompts, settings, bar, on_batch)
     else:
@@ -105,8 +79,7 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
 def uses_refill(model: ShardedModel, settings: BatchSettings, num_prompts: int, proposer: Proposer | None = None
                 ) -> bool:
     """Whether `generate_batch` refills slots: engine "refill", or "auto" with plain decoding on one device in
-    one process, batch_size >= REFILL_MIN_BATCH, at least batch_size prompts and no fixed cache size (the
-    rule of the module docstring)."""
+    one process, batch_size >= REFILL_MIN_BATCH, at least batch_size prompts and no fixed cache size."""
     plain_on_one_device = (settings.tree is None and proposer is None and model.mesh.size == 1
                            and jax.process_count() == 1)
     if settings.engine == "refill":
@@ -126,19 +99,13 @@ def _one_batch(prompts: Sequence[Sequence[int]], batch_size: int | None) -> int:
     return batch_size
 
 
-def _max_new_tokens(max_new_tokens: int) -> int:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    return max_new_tokens
-
-
 def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
              sampling: SamplingConfig = SamplingConfig(), seed: int = 0, eos_ids: Sequence[int] | None = None,
              pad_id: int = 0, batch_size: int | None = None, cache_size: int | None = None,
              timings: dict | None = None) -> list[GenerationResult]:
     """Plain decoding of one batch of token-id prompts (ragged lengths are fine) on one device: `generate_batch`
     on a mesh of one, prompts padded to 64 * 2**k tokens. `timings` gets "seconds" (the whole call)."""
-    settings = BatchSettings(batch_size=_one_batch(prompts, batch_size), max_new_tokens=_max_new_tokens(max_new_tokens),
+    settings = BatchSettings(batch_size=_one_batch(prompts, batch_size), max_new_tokens=max_new_tokens,
                              sampling=sampling, seed=seed, eos_ids=resolve_eos(model, eos_ids), pad_id=pad_id,
                              bucket=PROMPT_BUCKET, cache_size=cache_size)
     run = generate_batch(ShardedModel(model, None, MeshConfig()), prompts, settings, progress=False)
@@ -163,7 +130,7 @@ def generate_medusa(base: CausalLM, heads: MedusaHeads, prompts: Sequence[Sequen
     the prefill and the verify steps; `accept_lengths` lists each step's. `timings` gets "seconds" and
     "tree" (the tree's origin, or why decoding was plain)."""
     limits = dict(num_heads=heads.config.num_heads, max_top_k=heads.config.head_vocab_size)
-    settings = BatchSettings(batch_size=_one_batch(prompts, batch_size), max_new_tokens=_max_new_tokens(max_new_tokens),
+    settings = BatchSettings(batch_size=_one_batch(prompts, batch_size), max_new_tokens=max_new_tokens,
                              tree=HEADS_TREE if tree is None else tree if isinstance(tree, DraftSizes)
                              else load_tree(tree, **limits), acceptance=acceptance,
                              sampling=sampling,

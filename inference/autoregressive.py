@@ -1,14 +1,7 @@
-"""Plain (one token per forward) decoding: prefill + a `jax.lax.while_loop` whose body is `plain_step`, one
-jitted call per batch.
-
-Shapes: b rows, t padded prompt length, o = max_new_tokens (the width of the output buffer), s cache slots
-(s >= t + o). Rows finish independently at an EOS id; a finished row keeps computing (the batch is one
-matmul) but never advances its cache length again, so it writes only to scratch slots.
-
-`plain_step` (a PlainState in, a PlainState out) is THE plain step of sorted batches: the decode loop's body and
-the step the step-cost timing jits (medusa_jax/trees/policy/step_cost.py). The generation engine's rows
-(inference/row_decode.py) step with their own per-row sampling settings.
-"""
+"""Plain decoding: prefill + a `jax.lax.while_loop` whose body is `plain_step` (also the step that step-cost timing
+jits), one jitted call per batch; the prefills the other decoders share. Shapes: b rows, t padded prompt length,
+o = max_new_tokens, s cache slots (s >= t + o). A row finished at an EOS keeps computing (the batch is one matmul)
+but never advances its cache length, so it writes only to scratch slots."""
 
 from __future__ import annotations
 
@@ -68,11 +61,8 @@ def narrow_prefill_states(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: 
                           all_hidden: bool = False, taps: tuple[int, ...] = ()
                           ) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """`prefill_states` of the whole batch at the narrowest of `prefill_widths(t)` that holds its longest prompt,
-    written into `cache` in place (one `run_if` per width: a batch padded to a wide bucket, say one 60-token
-    prompt at t = 512, computes 64 positions, not 512; one compilation serves every batch of this shape). Cache
-    slots from that width to t keep what they held (no row's length reaches them). Returns `prefill`'s pair and,
-    with all_hidden, every position's hidden state [b, t, d] (or the taps', as `prefill_states`; zero past the
-    width), else None."""
+    written into `cache` in place (one `run_if` per width); slots from that width to t keep what they held. Returns
+    `prefill`'s pair and, with all_hidden, `prefill_states`' per-position states (zero past the width), else None."""
     b, t = prompt_bt.shape
     widths = prefill_widths(t)
     if len(widths) == 1:
@@ -109,15 +99,11 @@ def grouped_prefill(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Ar
 def grouped_prefill_states(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Array, cache: KVCache,
                            groups: int, all_hidden: bool = False,
                            taps: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache, jax.Array | None]:
-    """`prefill`, in `groups` groups of rows of similar length: a batch padded to its longest prompt computes
-    every row at that width (64 MT-Bench first turns in one batch: 6,349 prompt tokens, 32,768 positions at
-    the padded width 512). Rows are sorted by length (inside the jitted call, so any row order works) and cut
-    into `groups` equal groups; a `fori_loop` prefills each group into a fresh cache at the narrowest of
-    `prefill_widths(t)` that holds its longest prompt (a `lax.switch` over those few static widths, so one
-    compilation serves every batch of this shape) and scatters it into its rows of `cache`. Returns what
-    `prefill` returns, and with all_hidden the hidden state of every prompt position [b, t, d] (else None), or
-    with `taps` too the residual stream entering those layers ([b, t, len(taps) d], `prefill_states`).
-    groups == 1, or a batch it does not divide, is one group prefilled in place (`narrow_prefill_states`)."""
+    """`prefill` in `groups` equal groups of rows sorted by length (inside the jitted call), so a short prompt is not
+    computed at the batch's padded width: a `fori_loop` prefills each group into a fresh cache at the narrowest of
+    `prefill_widths(t)` that holds its longest prompt (a `lax.switch` over those static widths) and scatters it into
+    its rows of `cache`. Returns `prefill`'s pair and, with all_hidden, `prefill_states`' per-position states (else
+    None). groups == 1, or a batch it does not divide, is one group prefilled in place (`narrow_prefill_states`)."""
     b, t = prompt_bt.shape
     if groups <= 1 or b % groups:
         return narrow_prefill_states(model, prompt_bt, prompt_lens_b, cache, all_hidden, taps)

@@ -60,10 +60,6 @@ class BatchSettings:
         """The one decode config of a tree decoder: the sampling settings and the acceptance."""
         return DecodeConfig(self.sampling, self.acceptance)
 
-    @property
-    def method(self) -> str:
-        return "plain" if self.tree is None else "medusa"
-
 
 @dataclasses.dataclass
 class GenerationResult:

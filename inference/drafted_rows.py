@@ -1,26 +1,8 @@
-"""The generation engine's device side with a drafter: every row decodes with Medusa/Hydra heads and a tree
-(`medusa.medusa_step`, the tree decoder's own step), each with its own sampling settings
-(`row_acceptance.RowAcceptance`): a greedy row's tokens equal plain greedy decoding's, a sampled row's have the
-law of plain sampling with its settings (exact acceptance), and both kinds share one verify step.
-
-The rows are one `medusa.MedusaState` kept from chunk to chunk (its deferred cache move included). A chunk
-runs up to c verify steps; its output buffer holds c * e tokens (e = tree depth + 1, the most one step emits),
-and a row with R tokens of its budget left starts writing at c * e - R, so the step's own cut at the buffer's
-end stops it at its budget (rows with more left than the buffer stop at the buffer's end and go on in the next
-chunk). Admission prefills new prompts into their rows, records their sampling settings (`RowSampling`, kept
-beside the state) and draws each one's first token (`row_acceptance.first_row_tokens`). Stop ids besides the
-model's EOS are checked by the engine on the host. A drafter that keeps a state through a reply (EAGLE, EAGLE-3,
-prompt lookup's token buffer) gets its row's state built from the prompt at admission (`row_drafts`), so its greedy rows are
-lossless too; a state shared by all rows (Token Recycling's table, `row_drafts.shared_fields`) is the engine's:
-it starts as the drafter's, is refreshed from every admitted prompt and by every verify step of every row, and
-outlives the requests (`shared_draft` hands it back, e.g. to the model a batch client borrowed it from).
-
-Mixed drafts (`heads.mixed.MixedDrafter`, the tree a `draft_merge.DraftSizes`) run as in the batch path
-(`medusa.mixed_step`): a step drafts unless the size choice backs off after drafted steps that did not pay (and
-prompt lookup's chains do not override it), and a drafted step verifies the merged proposal's best n nodes, n one
-of the static sizes chosen from the measured step costs over the active rows (0: a plain step). The engine keeps
-ONE `size_choice.SizeChoiceState` for all its rows, carried from chunk to chunk and across requests.
-"""
+"""The generation engine's device side with a drafter: every row decodes with heads and a tree (`medusa.medusa_step`)
+with its own acceptance (`row_acceptance.RowAcceptance`), the rows one `medusa.MedusaState` kept from chunk to chunk.
+A chunk's output buffer holds c * e tokens (c verify steps, e = tree depth + 1); a row with R tokens of its budget
+left starts writing at c * e - R, so the step's own cut stops it at its budget. Drafter state per row or shared:
+`row_drafts`; a mix keeps ONE `size_choice.SizeChoiceState` for all rows. docs/serving.md, "Drafting"."""
 
 from __future__ import annotations
 
@@ -39,6 +21,7 @@ from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.engine_mesh import Placement, fetch
 from medusa_jax.inference.medusa import MedusaState, Proposer, heads_proposer, medusa_step
+from medusa_jax.inference.row_decode import release_rows
 from medusa_jax.inference.row_acceptance import RowAcceptance, first_row_tokens
 from medusa_jax.inference.row_drafts import (check_servable, empty_draft, prompt_prefill, put_draft_rows,
                                              shared_fields, shared_part)
@@ -114,11 +97,6 @@ def drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, r
     return state, state.out_bo, start_b, state.num_out_b
 
 
-@jax.jit
-def release_drafted(state: MedusaState, release_b) -> MedusaState:
-    return dataclasses.replace(state, done_b=state.done_b | release_b)
-
-
 class DraftedDecoder:
     """`row_decode.PlainDecoder`'s interface over tree decoding with heads."""
 
@@ -168,7 +146,7 @@ class DraftedDecoder:
 
     def release(self, release_b: np.ndarray) -> None:
         with self.placement.active():
-            self.state = release_drafted(self.state, release_b)
+            self.state = release_rows(self.state, release_b)
 
     def compile(self, shapes: list[tuple[int, int]], steps: int) -> None:
         with self.placement.active():

@@ -34,26 +34,22 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_positions: int | None = 
                   max_new_tokens: int = 0) -> None:
     """The one check of token-id prompts that every generation path runs (sorted batches, refilled slots, the
     one-batch calls): at least one prompt, none empty, and, given the model's max_position_embeddings, each
-    prompt's tokens plus max_new_tokens within them."""
+    prompt's tokens plus max_new_tokens within them (no silent truncation)."""
     if not prompts:
         raise ValueError("no prompts given")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-    if max_positions is not None:
-        check_positions(max_positions, [len(p) for p in prompts], max_new_tokens)
-
-
-def check_positions(max_positions: int, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
-    """Refuses prompts whose tokens plus max_new_tokens would run past the model's max_position_embeddings
-    (no silent truncation: the caller shortens the prompt or lowers max_new_tokens)."""
-    longest = max(prompt_lengths, default=0)
+    if max_positions is None:
+        return
+    prompt_lengths = [len(p) for p in prompts]
+    longest = max(prompt_lengths)
     if max_new_tokens >= max_positions:
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no position for a prompt: the model has "
                          f"max_position_embeddings={max_positions}; lower max_new_tokens below that, by the prompt's "
                          f"length at least")
     if longest + max_new_tokens > max_positions:
-        index = list(prompt_lengths).index(longest)
+        index = prompt_lengths.index(longest)
         raise ValueError(f"prompt {index} has {longest} tokens; with max_new_tokens={max_new_tokens} it needs "
                          f"{longest + max_new_tokens} positions, but the model has max_position_embeddings="
                          f"{max_positions}: shorten the prompt to at most {max_positions - max_new_tokens} tokens "

@@ -1,21 +1,8 @@
-"""`api.generate_batch` as a client of the generation engine (`generation_engine.GenerationEngine`), with either of
-its two admission policies. Prompt i samples with seed + i (a request's own seed: its tokens do not depend on the
-rows beside it).
-
-`sorted_batches` (admission "sorted"): the prompts, longest first, in batches of `batch_size` rows; a batch is
-admitted when every row is free, so its rows finish together. The engine's rows hold a static cache, so
-consecutive batches of one cache size (their padded width as `engine.cache_size_for` sizes it, or the fixed
-`cache_size`) share one engine, and a shorter batch does not attend over a longer one's cache. A batch runs as
-one chunk of max_new_tokens - 1 steps (nothing is admitted until its rows are free; the chunk's loop ends when its
-last row does), so it costs one host round trip as a direct decode call does. On a mesh the rows are rounded
-up to a multiple of data x fsdp and a batch still takes `batch_size` prompts (the other rows idle). A drafter
-state the model keeps from call to call (Token Recycling's table, `ShardedModel.keep_draft`) is where each
-engine starts (the engine's drafter is built from the model's parameters) and what it hands back, so calls stay
-warm as the direct decode calls kept them; a mix's size choice (its backoff) is the engine's, one per engine.
-
-`refilled_slots` (admission "fifo"): `batch_size` rows in chunks of REFILL_CHUNK_STEPS steps; a finished row takes
-the next prompt between chunks (continuous batching); every row shares the run's times.
-"""
+"""`api.generate_batch` as a client of the generation engine, with either admission policy (docs/design.md, "Batch
+generation"). Prompt i samples with seed + i. `sorted_batches`: the planned batches, one chunk of max_new_tokens - 1
+steps each, consecutive batches of one cache size sharing an engine; a drafter state the model keeps across calls
+(Token Recycling's table) starts each engine and is handed back. `refilled_slots`: `batch_size` rows in chunks of
+REFILL_CHUNK_STEPS steps, a finished row taking the next prompt between chunks."""
 
 from __future__ import annotations
 
@@ -128,7 +115,7 @@ def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
 
 def refilled_slots(model: ShardedModel, prompts: Sequence[Sequence[int]], settings: BatchSettings, bar,
                    on_batch: OnBatch | None) -> BatchRun:
-    """`api.generate_batch` on refilled slots (module docstring): plain decoding on one device."""
+    """`api.generate_batch` on refilled slots: plain decoding on one device."""
     base, _ = _parts(model, False)
     context = round_up(max(map(len, prompts)) + settings.max_new_tokens, PROMPT_BUCKET)
     config = EngineConfig(rows=settings.batch_size, context=context, chunk_steps=REFILL_CHUNK_STEPS,

@@ -68,9 +68,7 @@ class EngineMetrics:
                 cumulative += count
                 samples.append((f'_bucket{{le="{"+Inf" if bound == float("inf") else bound}"}}', cumulative))
             samples += [("_sum", round(self.ttft_sum, 6)), ("_count", cumulative)]
-            lines.extend(["# HELP medusa_time_to_first_token_seconds From submission to the first token.",
-                          "# TYPE medusa_time_to_first_token_seconds histogram"])
-            lines.extend(f"medusa_time_to_first_token_seconds{suffix} {value}" for suffix, value in samples)
+            metric("medusa_time_to_first_token_seconds", "histogram", "From submission to the first token.", samples)
             resident = resident_bytes()
             if resident is not None:
                 metric("process_resident_memory_bytes", "gauge", "Resident memory of the server process.",

@@ -1,24 +1,8 @@
-"""One generation engine: requests queued, admitted into free rows of a running jitted decode (continuous
-batching over a static KV cache), each with its own sampling settings, budget and stop ids; tokens handed out
-chunk by chunk as they are emitted; a request can be cancelled and its row freed.
-
-The engine owns `config.rows` decode rows of `config.context` cache slots each and the device side that steps
-them: plain decoding (`row_decode.PlainDecoder`) or, given heads and a tree, tree decoding
-(`drafted_rows.DraftedDecoder`: the engine owns the drafter, a state it shares across rows and requests included,
-e.g. Token Recycling's table; mixed drafts take a `DraftSizes` for tree; greedy rows accept greedily, sampled rows
-exactly or, where the request's acceptance (or the engine's `config.acceptance`) says typical, typically, in one
-step). One iteration (`run_once`): drop cancelled
-requests (a cancelled row is released), admit queued requests into free rows (prompts padded to 64 * 2**k
-tokens and rows to a power of 2, so a few shapes compile; `warm_up` compiles them all before serving), then run
-one chunk of `config.chunk_steps` decode (or verify) steps. Each request's new tokens go to its `on_event` callback as a `TokenEvent` (the
-last one carries the finish reason: "stop" at an EOS or stop id, "length" at max_tokens, "cancelled"); the
-default callback puts them on `request.events`.
-
-Admission policies: "fifo" (refilled slots: any free row takes the oldest request, as a server takes them) and
-"sorted" (sorted batches: rows are filled only when all are free, with the longest prompts, in the order they
-came, so a batch's rows finish together). `start()` runs the iterations in a thread of their own (a server's); `generate_all` drives
-them in the caller's thread (a batch client). Greedy tokens equal `api.generate`'s, with or without heads.
-"""
+"""One generation engine: requests queued, admitted into free rows of a running jitted decode (continuous batching
+over a static KV cache), each with its own sampling settings, budget and stop ids; tokens handed out chunk by chunk
+(`TokenEvent`s, the last with the finish reason: "stop", "length" or "cancelled"); a request can be cancelled.
+`start()` serves in a thread of its own, `generate_all` in the caller's. Rows, drafting, the admission policies
+("fifo": refilled slots, "sorted": sorted batches) and compilation: docs/serving.md, "The engine"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""A base model, its heads and its tokenizer loaded from the folders the commands name: what the tree search
-(`medusa_jax.trees.search.tree_builder`) and the benchmarks decode with.
-
-`--model smollm2` means the real SmolLM2-135M-Instruct (`medusa_jax.demo_model.prepare_smollm2`); `--heads
-default` means the heads shipped in the package (`medusa_jax.assets.resolve_heads_dir`).
-"""
+"""A base model, its heads and its tokenizer loaded from the folders the commands name (`--model smollm2`:
+`demo_model.prepare_smollm2`; `--heads default`: `assets.resolve_heads_dir`): what the tree search and the
+benchmarks decode with."""
 
 from __future__ import annotations
 

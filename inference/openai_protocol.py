@@ -1,11 +1,6 @@
-"""The OpenAI wire format of /v1/completions and /v1/chat/completions: request bodies checked and read into
-engine requests, and the JSON of answers, stream chunks and errors (as OpenAI's API and vLLM's server write them).
-
-Every refusal is an `ApiError`: an HTTP status and one message naming the field and the fix, sent as
-{"error": {"message", "type", "param", "code"}}. Sampling fields follow OpenAI's ranges (temperature 0..2,
-default 1; top_p in (0, 1]); vLLM's extras top_k (0 or -1: no cut) and stop_token_ids are read too. Unsupported
-features (n > 1, logprobs, echo, penalties, tools, several prompts in one request) are refused, not ignored.
-"""
+"""The OpenAI wire format of /v1/completions and /v1/chat/completions: request bodies checked and read into engine
+requests, and the JSON of answers, stream chunks and errors (as OpenAI's API and vLLM's server write them). Every
+refusal is an `ApiError` naming the field and the fix; the fields read and refused: docs/serving.md, "The API"."""
 
 from __future__ import annotations
 

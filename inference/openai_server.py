@@ -1,13 +1,6 @@
 """An OpenAI-compatible HTTP front of a running `GenerationEngine` (a Starlette ASGI app; scripts/serve.py runs it
-under uvicorn).
-
-Routes: POST /v1/completions and /v1/chat/completions (`stream` false: one JSON answer; true: server-sent
-events, one `data: {chunk}` per piece of text, then `data: [DONE]`), GET /v1/models, /health and /metrics
-(Prometheus text). Handlers run on the event loop; the engine runs in its own thread and hands tokens back
-through `loop.call_soon_threadsafe` onto a per-request asyncio queue. A client that goes away (mid-stream, or
-while waiting for a whole answer) has its request cancelled, which frees its row. Every refusal is OpenAI's
-error JSON with a 4xx status (429 when the queue is full, 503 while the engine is closing).
-"""
+under uvicorn): handlers on the event loop, tokens handed back from the engine's thread onto a per-request asyncio
+queue. Routes, fields, errors and cancellation: docs/serving.md, "The API"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
-"""The generation engine's device side: b decode rows over one static KV cache, each row serving its own request
-with its own sampling settings, budget and stop ids (inference/generation_engine.py drives them).
-
-Three jitted calls, each taking and returning (donating) the `Rows`:
-- `admit_rows` prefills n new prompts into the rows named (continuous batching: any free rows, between chunks)
-  and draws each one's first token;
-- `decode_chunk` runs up to `steps` plain steps of every active row (one `jax.lax.while_loop`; it stops early
-  once no row is active) and returns the tokens each row emitted;
-- `release_rows` ends rows early (a cancelled request).
-A row is active while it is not done (idle, finished at an EOS or stop id) and has tokens of its budget left.
-An inactive row still computes in the step (the batch is one matmul) but never advances its cache length, so it
-writes only to the slot past its own tokens. Shapes: b rows, s cache slots, c chunk steps, n admitted rows,
-t padded prompt width, q per-row stop ids (padding -1).
-"""
+"""The generation engine's device side for plain decoding: b rows over one static KV cache, each serving its own
+request with its own sampling settings, budget and stop ids. Three jitted calls take and donate the `Rows`:
+`admit_rows`, `decode_chunk` and `release_rows`. A row is active while not done and within its budget; an inactive
+row still computes (the batch is one matmul) but never advances its cache length. Shapes: b rows, s cache slots,
+c chunk steps, n admitted rows, t padded prompt width, q per-row stop ids (padding -1)."""
 
 from __future__ import annotations
 
@@ -47,8 +38,7 @@ class Rows:
         return ~self.done_b & (self.num_out_b < self.budget_b)
 
     @classmethod
-    def empty(cls, model_config, rows: int, cache_size: int, stop_width: int) -> "Rows":
-        b = rows
+    def empty(cls, model_config, b: int, cache_size: int, stop_width: int) -> "Rows":
         return cls(KVCache.zeros(model_config, b, cache_size), jnp.zeros((b,), jnp.int32),
                    jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool),
                    jnp.full((b, stop_width), -1, jnp.int32), jax.tree.map(jnp.asarray, RowSampling.greedy(b)))
@@ -115,8 +105,9 @@ def decode_chunk(graphdef, params, rows: Rows, *, steps: int, eos_ids: tuple[int
 
 
 @partial(jax.jit, donate_argnames=("rows",))
-def release_rows(rows: Rows, release_b) -> Rows:
-    """Rows with release_b set become idle (their cache rows are simply overwritten by the next admission)."""
+def release_rows(rows, release_b):
+    """Rows (or a drafted `MedusaState`) with release_b set become idle (their cache rows are simply overwritten by
+    the next admission)."""
     return dataclasses.replace(rows, done_b=rows.done_b | release_b)
 
 

@@ -1,22 +1,10 @@
 """Drafter state row by row, for the generation engine's drafted rows (inference/drafted_rows.py).
 
-A drafter that keeps a state through a reply (EAGLE, EAGLE-3: `init_draft` is not `HeadsBase`'s) builds it from
-the prompt, as `medusa.decode_states` does for a batch: the base prefill keeps every prompt position's hidden
-state (or EAGLE-3's tapped features), and `init_draft` turns them into the drafter's cache of the prompt's
-pairs. The engine admits prompts a few at a time into free rows of a running batch, so `prompt_prefill` builds
-the n new rows' states and `put_draft_rows` scatters them into rows rows_n of the batch's state (a drafter
-cache row by row, like the base cache; every other field by its leading row axis). Heads without a state
-(Medusa, Hydra) carry None through all of it.
-
-Shared state. A drafter whose state outlives a reply declares it with `keeps_draft = True` (Token Recycling's
-table): that state is ONE for all rows, the engine's, kept warm across requests. It starts as the drafter's own
-(`shared_start`: its `init_draft` of an empty prompt), is updated inside the jitted chunk by the tree step
-(`verified`: the verified nodes' logits, as in the batch path) and at admission from the admitted prompts, as the
-batch path's prefill does (`prompt_prefill` with the engine's state handed to the drafter first, `keep_draft`;
-filler rows of an admission read as empty prompts). A mix (`heads.mixed.MixedDrafter`) is a tuple of its members'
-states, each shared or row by row as the member declares (`shared_fields`): e.g. recycling's table shared, prompt
-lookup's token buffer one row per request (set at admission from the prompt, grown by the row's accepted tokens).
-"""
+A drafter that keeps a state through a reply (EAGLE, EAGLE-3, prompt lookup) gets its rows' state built from their
+prompts at admission (`prompt_prefill`) and scattered into the batch's state (`put_draft_rows`); heads without a
+state (Medusa, Hydra) carry None. A state that outlives a reply (`keeps_draft`: Token Recycling's table) is ONE for
+all rows, the engine's; a mix's state is its members' tuple, each shared or per row (`shared_fields`).
+docs/serving.md, "Drafting" and "Shared drafter state"."""
 
 from __future__ import annotations
 
@@ -53,7 +41,7 @@ def check_servable(heads) -> None:
 
 def shared_fields(heads) -> Any:
     """A prefix of the drafter's state: True over a state shared by all rows (the drafter's `keeps_draft`), False
-    over one with a row per request; a mix's is its members' tuple (module docstring)."""
+    over one with a row per request; a mix's is its members' tuple."""
     if isinstance(heads, MixedDrafter):
         return tuple(shared_fields(member) for member in heads.drafters)
     return bool(getattr(heads, "keeps_draft", False))
@@ -81,7 +69,7 @@ def prompt_prefill(model: MedusaModel, prompt_nt, prompt_lens_n, cache_size: int
     """The base prefill of n right-padded prompts into a fresh cache of their width, and the drafter's state
     from them (None for heads that keep none) with a drafter cache of cache_size slots where it has one; dtype:
     the base cache's (None: the model's). `shared`: the engine's shared drafter state (`shared_part`), which the
-    drafter then refreshes from the prompts (module docstring) instead of its own; `real_n` [n] bool: the rows
+    drafter then refreshes from the prompts instead of its own; `real_n` [n] bool: the rows
     that are prompts (the others, fillers, count as empty for the drafter). Returns (last hidden state [n, d],
     base cache, drafter state)."""
     heads, (n, t) = model.heads, prompt_nt.shape

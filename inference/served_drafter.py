@@ -1,10 +1,6 @@
-"""The drafter and tree a generation engine decodes with, from a --heads value (scripts/serve.py): a heads folder
-(Medusa, Hydra, EAGLE, EAGLE-3) with its own tree choice for the batch size or --tree, Token Recycling
-(`--heads recycle`: the shipped warm table where it fits the model, on a static template) or mixed drafts
-(`--heads default+recycle+lookup`: `mixed_decoding.build_mix`, a `DraftSizes` whose step costs are this machine's
-at the engine's row count, measured once and cached). The engine owns what comes back: a recycling table is ONE
-for all rows and stays warm across requests (inference/row_drafts.py).
-"""
+"""The drafter and tree a generation engine decodes with, from a --heads value (scripts/serve.py): a heads folder with
+its own tree choice or --tree, Token Recycling on a template, or mixed drafts (`mixed_decoding.build_mix`, step
+costs at the engine's row count); docs/serving.md, "Drafting" and "Shared drafter state"."""
 
 from __future__ import annotations
 

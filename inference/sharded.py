@@ -170,14 +170,6 @@ class ShardedModel:
         """Batch sizes must be multiples of this (rows are split over data x fsdp)."""
         return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
-    def check_batch_size(self, batch_size: int) -> None:
-        if batch_size % self.row_multiple:
-            raise MeshError(f"batch size {batch_size} is not divisible by mesh axes ('data', 'fsdp') of total size "
-                            f"{self.row_multiple} (data={self.mesh.shape['data']}, fsdp={self.mesh.shape['fsdp']})")
-
-    def key(self, seed: int) -> jax.Array:
-        return jax.jit(jax.random.key, out_shardings=replicated(self.mesh))(seed)
-
     def _jit(self, loop: Callable, params_shardings, batch_size: int, cache_size: int,
              out_batch_ndims: tuple[int | None, ...]) -> Callable:
         """`_decode` of a DecodeStatics with this `loop` under explicit shardings (data: a replicated pytree, e.g. a
@@ -211,14 +203,17 @@ class ShardedModel:
     def _run(self, statics, params, params_shardings, prompt_bt, prompt_lens_b, cache_size, seed,
              out_batch_ndims, lowered_only, data=None):
         batch_size = prompt_bt.shape[0]
-        self.check_batch_size(batch_size)
+        if batch_size % self.row_multiple:
+            raise MeshError(f"batch size {batch_size} is not divisible by mesh axes ('data', 'fsdp') of total size "
+                            f"{self.row_multiple} (data={self.mesh.shape['data']}, fsdp={self.mesh.shape['fsdp']})")
         jitted = self._jit(statics.loop, params_shardings, batch_size, cache_size, out_batch_ndims)
         if lowered_only:  # shapes suffice: no cache, prompt or key is allocated
             with jax.set_mesh(self.mesh):
                 return jitted.lower(statics, params, *self.abstract_inputs(batch_size, prompt_bt.shape[1],
                                                                            cache_size), data)
         args = (statics, params, self.new_cache(batch_size, cache_size), put_rows(self.mesh, prompt_bt),
-                put_rows(self.mesh, prompt_lens_b), self.key(seed), data)
+                put_rows(self.mesh, prompt_lens_b), jax.jit(jax.random.key, out_shardings=replicated(self.mesh))(seed),
+                data)
         with jax.set_mesh(self.mesh):  # lets row-local steps run per shard (sharding.map_cache_rows)
             *outs, cache = jitted(*args)
         self._spare_cache = cache
@@ -243,9 +238,8 @@ class ShardedModel:
                       seed: int = 0, eos_ids: tuple[int, ...] = (), pad_id: int = 0, lowered_only: bool = False,
                       proposer: medusa.Proposer | None = None, proposer_data: Any = None):
         """Prefill + Medusa decoding of one padded batch (the cache needs dynamic_tree.scratch_slots(tree) scratch
-        slots) ->
-        host (tokens [b, o], num_new [b], verify steps [b], accept lengths [b, o]). `proposer` (default: the
-        heads' top-k, computed per shard) receives `proposer_data`, replicated on every device."""
+        slots) -> host (tokens [b, o], num_new [b], verify steps [b], accept lengths [b, o]). `proposer` (default:
+        the heads' top-k, computed per shard) receives `proposer_data`, replicated on every device."""
         if not self.has_heads:
             raise ValueError("this ShardedModel was built without Medusa heads")
         settings = dict(tree=tree, max_new_tokens=max_new_tokens, acceptance=acceptance, eos_ids=tuple(eos_ids),

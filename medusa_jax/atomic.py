@@ -10,6 +10,7 @@ next time NAME is written.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import tempfile
@@ -33,17 +34,13 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
     removed = []
     if not path.parent.is_dir():
         return removed
-    for p in path.parent.glob(f".{glob_escape(path.name)}.*.tmp"):
+    for p in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         pid = p.name[len(path.name) + 2:].split(".", 1)[0]
         if not pid.isdigit() or _running(int(pid)):
             continue
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         removed.append(p)
     return removed
-
-
-def glob_escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 def _running(pid: int) -> bool:

@@ -1,14 +1,7 @@
-"""JAX's persistent compilation cache for the command lines, and a count of the compilations of a run.
-
-`enable_compile_cache()` (called by every script before its first jitted call) points JAX at
-`$MEDUSA_JAX_CACHE/jax_compile` (default `~/.cache/medusa_jax/jax_compile`): a second run of the same command
-loads its executables from disk instead of compiling them again. `MEDUSA_JAX_COMPILE_CACHE=0` turns it off;
-`MEDUSA_JAX_COMPILE_CACHE=DIR` uses DIR instead.
-
-`CompileCounter` counts, from JAX's own monitoring events, the executables a block of code asked XLA for
-(`requests`), how many of those the persistent cache answered (`cache_hits`) and how many were compiled afresh
-(`compiles`), with the seconds spent tracing, lowering and compiling (`compile_seconds`).
-"""
+"""JAX's persistent compilation cache for the command lines (`enable_compile_cache`: in $MEDUSA_JAX_CACHE/jax_compile;
+MEDUSA_JAX_COMPILE_CACHE=0 turns it off, =DIR moves it; docs/design.md, "Caches on disk"), and `CompileCounter`: the
+executables a block asked XLA for (`requests`), read from the persistent cache (`cache_hits`) or compiled afresh
+(`compiles`), and the seconds spent tracing, lowering and compiling (`compile_seconds`)."""
 
 from __future__ import annotations
 

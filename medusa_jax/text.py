@@ -60,11 +60,7 @@ def decode_tokens(tokenizer, token_ids: Iterable[int]) -> str:
 
 
 def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
+    return [] if value is None else [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
 def eos_token_ids(folder: str | os.PathLike, tokenizer=None) -> tuple[int, ...]:

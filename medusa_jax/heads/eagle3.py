@@ -1,21 +1,7 @@
 """The EAGLE-3 drafter (Li et al., 2025; SafeAILab/EAGLE eagle/model/cnets.py, vLLM llama_eagle3.py): EAGLE's
-autoregressive feature drafter fed by the base's residual stream at three depths (low, mid, high) instead of its
-last hidden state, and drafting over its own vocabulary.
-
-At position t the drafter reads the pair (h_t, x_{t+1}). For a committed position h_t = fc(a_t), a_t = the base's
-residual stream entering layers `feature_layers` at t, concatenated ([len * D] -> D, no bias); along a drafted path
-h is the drafter's own previous output g (unnormed). Its one decoder layer (the "midlayer") normalises the
-embedding and h apart (input_layernorm, hidden_norm), attends with q/k/v over [emb; h] (2D wide), adds the
-attention to h (the residual is h, not the embedding), then the usual MLP block; g = its output and the draft
-distribution is lm_head(norm(g)) over the draft vocabulary (`token_map`, d2t/t2d in the published layout).
-
-The tree step is EAGLE-1's (heads/eagle.py: catch-up, tree rounds or EAGLE-2's dynamic growth, the drafter's own KV
-cache), with two differences: the features of committed positions are projected by fc before they enter the
-pending pairs, and the root pair's feature is the fused feature of the last accepted node, which the drafter keeps
-in its state (`Eagle3DraftState.root_bd`) because the tree step carries only the base's final hidden state. The
-fused features come from the verify forward itself (`CausalLM.forward_taps`, taps = feature_layers).
-Axes as in the package legend; f = len(feature_layers) * D, the fused feature's width.
-"""
+autoregressive feature drafter fed by the base's residual stream at three depths instead of its last hidden state,
+drafting over its own vocabulary; its layer and tree step: docs/modules.md. Axes as in the package legend;
+f = len(feature_layers) * D, the fused feature's width."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ import numpy as np
 
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.eagle3 import Eagle3Drafter, default_feature_layers
-from medusa_jax.heads.eagle_layout import drafter_decoder, drafter_hf_config, lm_head_tensors, read_named
+from medusa_jax.heads.eagle_layout import (drafter_decoder, drafter_hf_config, has_drafter_tensor, lm_head_tensors,
+                                           read_named)
 from medusa_jax.heads.export import write_heads_folder
 from medusa_jax.heads.folder import heads_from_tensors, heads_tensors
 from medusa_jax.hf.tensor_files import CheckpointError, TensorSource, find_model_weights
@@ -51,12 +52,7 @@ def eagle3_tensors(drafter: Eagle3Drafter, base: CausalLM, dtype: str = "float16
 
 
 def is_eagle3_folder(folder: Path, raw: dict | None) -> bool:
-    if raw is None or not any(a in EAGLE3_ARCHITECTURES for a in raw.get("architectures") or []):
-        return False
-    try:
-        return _MARK in TensorSource.from_files(find_model_weights(folder)).names
-    except CheckpointError:
-        return False
+    return has_drafter_tensor(folder, raw, EAGLE3_ARCHITECTURES, _MARK)
 
 
 def load_eagle3(folder: Path, raw: dict, base_config: ModelConfig | None, dtype: str = "float32",

@@ -1,16 +1,7 @@
-"""A starting point for an EAGLE-1 drafter's training: fc passes the feature through unchanged and sees the token
-embedding at the feature's scale.
-
-A fresh fc (random 2D -> D) must first learn to pass f_t on before the layer can refine it; the SmoothL1 of
-f_{t+1} against f_t alone is most of the initial loss (issue 40: 0.51 of 0.75 on SmolLM2). So fc starts as
-[0; I]: x = f_t exactly, the embedding's columns zero (their gradient is not: they learn from the first step).
-The embedding enters multiplied by `embed_scale` = RMS(feature) / RMS(embedding), both estimated from the base's
-weights (a final-norm feature's RMS is about the RMS of the norm's weights: SmolLM2 1.83, against 2.1 measured on
-a 64-token prompt; its embedding's RMS is 0.136, so the scale is 13.5), so that Adam's steps move both halves
-of fc at one relative rate. The scale lives in the
-drafter's config and is folded into fc's embedding columns on export (heads.eagle_layout), so the published
-layout is unchanged.
-"""
+"""A starting point for an EAGLE-1 drafter's training: fc starts as [0; I] (the drafter's input is the feature
+itself) and the token embedding enters scaled by `embed_scale` = RMS(feature) / RMS(embedding), both estimated from
+the base's weights, so Adam moves both halves of fc at one relative rate; the scale is folded into fc on export
+(heads.eagle_layout). Why and the SmolLM2 figures: docs/training.md, "EAGLE drafters"."""
 
 from __future__ import annotations
 

@@ -91,12 +91,16 @@ def drafter_hf_config(drafter, dtype: str, **fields) -> dict:
 
 
 def is_eagle_folder(folder: Path, raw: dict | None) -> bool:
-    if raw is None or "num_hidden_layers" not in raw:
-        return False
-    if not any(a in EAGLE_ARCHITECTURES for a in raw.get("architectures") or []):
+    return raw is not None and "num_hidden_layers" in raw and has_drafter_tensor(folder, raw, EAGLE_ARCHITECTURES,
+                                                                                 "fc.weight")
+
+
+def has_drafter_tensor(folder: Path, raw: dict | None, architectures: tuple[str, ...], name: str) -> bool:
+    """config.json names one of `architectures` and the folder's weights hold the tensor `name`."""
+    if raw is None or not any(a in architectures for a in raw.get("architectures") or []):
         return False
     try:
-        return "fc.weight" in TensorSource.from_files(find_model_weights(folder)).names
+        return name in TensorSource.from_files(find_model_weights(folder)).names
     except CheckpointError:
         return False
 

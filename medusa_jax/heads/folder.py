@@ -1,12 +1,7 @@
-"""Save and load heads in medusa-jax's own folder format: `config.json` + `heads.safetensors`.
-
-Tensor names are the NNX parameter paths joined by dots (`heads.0.blocks.0.linear.kernel`, kernels stored
-[in, out] as in JAX; `token_map` for truncated heads). Hydra heads (config.json `medusa_jax.head_type`
-"hydra") add `heads.{i}.input_proj.kernel` (+ `.bias` with hydra_input "concat"); only Medusa heads write the
-`medusa_num_*` fields (`folder_fields`), so Medusa tools take no other kind for Medusa heads. Writes go to a temp folder renamed
-into place, so an interrupted save never leaves a half-written heads folder. Other projects' layouts:
-`medusa_jax.heads.export`.
-"""
+"""Save and load heads in medusa-jax's own folder format: `config.json` + `heads.safetensors`, the tensors named by
+their NNX parameter paths (`heads.0.blocks.0.linear.kernel`, kernels [in, out]; `token_map` for truncated heads).
+Only Medusa heads write the `medusa_num_*` fields (`folder_fields`), so Medusa tools take no other kind. Writes are
+atomic. Other projects' layouts: `medusa_jax.heads.export`."""
 
 from __future__ import annotations
 
@@ -52,15 +47,10 @@ def write_heads_files(heads: MedusaHeads, folder: str | os.PathLike, extra_confi
     """Writes config.json and heads.safetensors into the existing `folder`, each file atomically, the weights
     first (a training output folder also holds the run's log and checkpoints, so it is not replaced whole)."""
     cfg = heads.config
-    config = {
-        "format": FORMAT,
-        "medusa_jax": cfg.to_dict(),
-        **heads.folder_fields(),  # the fields other tools read (Medusa heads: medusa_num_*), for orientation
-        "base_model_name_or_path": cfg.base_model_name_or_path,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        **(extra_config or {}),
-    }
+    config = {"format": FORMAT, "medusa_jax": cfg.to_dict(),
+              **heads.folder_fields(),  # the fields other tools read (Medusa heads: medusa_num_*), for orientation
+              "base_model_name_or_path": cfg.base_model_name_or_path, "hidden_size": cfg.hidden_size,
+              "vocab_size": cfg.vocab_size, **(extra_config or {})}
     tensors = heads_tensors(heads)
     if storage_dtype is not None:
         store = np.dtype(resolve_dtype(storage_dtype))

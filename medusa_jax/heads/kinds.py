@@ -1,21 +1,7 @@
-"""The drafter kinds, registered by name: `HeadsConfig.head_type` or a `--heads` name names a class of DRAFTERS. A
-kind's class owns its parameters or tables, its decode-loop state and proposal (init_draft / propose / accepted /
-verified: the tree step's proposer contract, inference/medusa.py), and answers for itself (class attributes):
-`trained` (its parameters live in a heads folder), `decodes_alone` (it drafts a tree by itself, not only inside a
-mix), `proposes_top_k_of_logits` (a mesh may take its heads' top-k per vocabulary shard, inference/sharded.py).
-
-A trained kind (Medusa, Hydra, EAGLE, EAGLE-3; `heads.medusa.HeadsBase` holds the defaults) also answers what it
-takes from the base (`complete_config`, `lm_head_modules`), its file layouts (`folder_fields`, `export_formats`)
-and, where its trees are searched, its teacher-forced guesses (`teacher_forced_top_k`,
-trees.search.head_accuracy); it is built from a HeadsConfig as cls(config, rngs, token_map). Its training loss and
-data needs sit one layer up under the same name (`medusa_jax.training.objectives`).
-
-A training-free kind (Token Recycling, prompt lookup) is built from the base alone: `cls.mix_member(base, budget,
-drafter=None)` gives (the drafter, its spec in a mix of `budget` nodes: a `heads.mixed.TemplateSpec` for a static
-template it fills, or None when it sizes itself from its own `depth` and `num_nodes`); the mix parser
-(inference/mixed_decoding.py) looks it up here by its `--heads` name. A new drafter is one module and one line in
-DRAFTERS.
-"""
+"""The drafter kinds, registered by name: `HeadsConfig.head_type` or a `--heads` name names a class of DRAFTERS,
+which owns its parameters or tables, its decode-loop state and proposal, and answers for itself (class attributes).
+The contract of a trained and of a training-free kind: docs/modules.md. A new drafter is one module and one line in
+DRAFTERS."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The one table of heads tensor and file names, per folder layout: what `heads.export` writes and
-`heads.load` reads (layouts described in heads.export's docstring). h = head, l = ResBlock layer.
+`heads.load` reads (the layouts: docs/interop.md, docs/modules.md). h = head, l = ResBlock layer.
 
   layout      ResBlock weight / bias                        lm_head of head h       truncated-vocab map
   medusa      {h}.{l}.linear.weight / .bias                 {h}.{num_layers}.weight  (none: expanded)

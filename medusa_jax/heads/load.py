@@ -4,7 +4,6 @@ checked by name and shape; the layouts are in docs/modules.md."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from pathlib import Path
@@ -14,8 +13,8 @@ import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import ModelConfig
-from medusa_jax.hf.tensor_files import (CheckpointError, SafetensorsFile, TensorSource, find_model_weights,
-                                        load_torch_bin)
+from medusa_jax.hf.load import read_hf_config
+from medusa_jax.hf.tensor_files import CheckpointError, TensorSource, find_model_weights
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.eagle_layout import equals_base, is_eagle_folder, load_eagle
 from medusa_jax.heads.eagle3_layout import is_eagle3_folder, load_eagle3
@@ -29,13 +28,7 @@ LAYOUTS = ("medusa-jax", "medusa", "vllm", "eagle", "eagle3")
 
 
 def _read_config(folder: Path) -> dict | None:
-    path = folder / "config.json"
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: corrupt config.json ({e})") from None
+    return read_hf_config(folder) if (folder / "config.json").exists() else None
 
 
 def detect_layout(folder: str | os.PathLike) -> str:
@@ -127,14 +120,9 @@ def _assemble(blocks, lms, token_map, *, hidden, vocab, base_vd, raw, dtype, ori
 
 
 def _load_medusa(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> MedusaHeads:
-    path = folder / MEDUSA_WEIGHTS
-    if path.exists():
-        st = SafetensorsFile(path)
-        tensors = {n: st.array(n) for n in st.names}
-    else:
-        path = folder / MEDUSA_WEIGHTS_PT
-        tensors = load_torch_bin(path)
-    origin = str(path)
+    name = MEDUSA_WEIGHTS if (folder / MEDUSA_WEIGHTS).exists() else MEDUSA_WEIGHTS_PT
+    source = TensorSource.from_files([folder / name])
+    tensors, origin = {n: source.array(n) for n in source.names}, source.origin
     heads = num_heads if num_heads is not None else _field(raw, origin, "medusa_num_heads")
     layers = _field(raw, origin, "medusa_num_layers")
     lm_keys = sorted((n for n in tensors if re.fullmatch(MEDUSA.lm_re(layers), n)), key=_natural)
@@ -175,8 +163,7 @@ def _load_medusa(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> M
 
 def _load_vllm(folder: Path, raw, base_config, base_vd, dtype, num_heads) -> MedusaHeads:
     source = TensorSource.from_files(find_model_weights(folder))
-    tensors = {n: source.array(n) for n in source.names}
-    origin = source.origin
+    tensors, origin = {n: source.array(n) for n in source.names}, source.origin
     heads = num_heads if num_heads is not None else _field(raw, origin, "num_heads", "medusa_num_heads")
     layers = _field(raw, origin, "num_hidden_layers", "medusa_num_layers")
     hidden, vocab = _field(raw, origin, "hidden_size"), _field(raw, origin, "vocab_size")
@@ -228,14 +215,10 @@ def load_heads(folder: str | os.PathLike, base_config: ModelConfig | None = None
     The folder's trees.json, if any, is checked and attached as `heads.trees`."""
     folder = Path(folder)
     trees = read_trees(folder)  # a bad trees.json fails before the weights are read
-    return attach_trees(_load_heads(folder, base_config, base, dtype, num_heads), trees)
-
-
-def _load_heads(folder: Path, base_config: ModelConfig | None, base: CausalLM | None, dtype: str | None,
-                num_heads: int | None) -> MedusaHeads:
     layout = detect_layout(folder)
     if base_config is None and base is not None:
         base_config = base.config
+    raw, dtype_or_f32 = _read_config(folder), dtype or "float32"
     if layout == "medusa-jax":
         heads = load_native_heads(folder)
         cfg = heads.config
@@ -244,11 +227,11 @@ def _load_heads(folder: Path, base_config: ModelConfig | None, base: CausalLM | 
         _check_sizes(str(folder), cfg.hidden_size, cfg.vocab_size, None, base_config)
         if dtype is not None and dtype != cfg.dtype:
             heads = heads_from_tensors(dataclasses.replace(cfg, dtype=dtype), heads_tensors(heads), str(folder))
-        return heads
-    raw = _read_config(folder)
-    if layout == "eagle":
-        return load_eagle(folder, raw, base_config, dtype or "float32", num_heads, _base_lm_head_vd(base))
-    if layout == "eagle3":
-        return load_eagle3(folder, raw, base_config, dtype or "float32", num_heads)
-    load = _load_medusa if layout == "medusa" else _load_vllm
-    return load(folder, raw, base_config, _base_lm_head_vd(base), dtype or "float32", num_heads)
+    elif layout == "eagle":
+        heads = load_eagle(folder, raw, base_config, dtype_or_f32, num_heads, _base_lm_head_vd(base))
+    elif layout == "eagle3":
+        heads = load_eagle3(folder, raw, base_config, dtype_or_f32, num_heads)
+    else:
+        load = _load_medusa if layout == "medusa" else _load_vllm
+        heads = load(folder, raw, base_config, _base_lm_head_vd(base), dtype_or_f32, num_heads)
+    return attach_trees(heads, trees)

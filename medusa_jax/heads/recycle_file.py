@@ -1,14 +1,5 @@
-"""Token Recycling tables on disk and the shipped SmolLM2 table (`heads.recycle.recycle_drafter` starts a drafter
-from them).
-
-A table file is a NumPy .npz archive (read with allow_pickle=False) of two entries:
-    table  [V, r] uint16 when V <= 65,536 (SmolLM2's 49,152 ids: 0.8 MB before compression), else uint32
-    meta   a JSON string: {"format": FORMAT, "version": VERSION, "vocab_size": V, "top_k": r, "model": the
-           fingerprint of the model whose logits filled it (`model_fingerprint`), "note": how it was built}
-Loading checks the format, the shape, every id < V and, against a model, its vocabulary size; a file for
-another model of the same vocabulary loads (its rows are still token successors), the shipped table is used
-only where the fingerprint matches too (`starting_table`). Files are written atomically (medusa_jax/atomic.py).
-"""
+"""Token Recycling tables on disk (an .npz of `table` [V, r] and a JSON `meta`) and the shipped SmolLM2 table, used
+only where the model's fingerprint matches (`starting_table`); the format and its checks: docs/recycle.md."""
 
 from __future__ import annotations
 

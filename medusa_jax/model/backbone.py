@@ -1,14 +1,9 @@
-"""Flax NNX Llama-family decoder (Llama, Mistral, Qwen2) over the static KV cache of `kv_cache.py`.
-
-The forward takes token ids [B, T], explicit positions [B, T] and an explicit boolean attention mask
-[B, T, S] over all S cache slots (build it with `kv_cache.attention_mask`): the Medusa tree mask passes
-through unchanged. It writes the new K/V at each row's `lengths` offset and returns the final-norm hidden
-states; `logits()` maps hidden states to the vocabulary (tied or untied lm_head). Without a cache
-(`cache=None`, training's packed rows) the T tokens attend only to each other, under a [B, T, T] mask, and the
-layers run as `config.execution` says (unrolled or scanned, rematerialised; `layer_stack.py`). A stacked model
-(`LayerExecution.scan`) runs the cache paths under the same scan over a stacked cache (`KVCache.stacked`, the
-form `KVCache.zeros` builds for it), or layer by layer over a per-layer cache.
-"""
+"""Flax NNX Llama-family decoder (Llama, Mistral, Qwen2) over the static KV cache of `kv_cache.py`. The forward takes
+token ids [B, T], explicit positions [B, T] and a boolean mask [B, T, S] over the cache slots
+(`kv_cache.attention_mask`; the Medusa tree mask passes through), writes the new K/V at each row's `lengths` offset
+and returns the final-norm hidden states; `logits()` maps them to the vocabulary. Without a cache (training's packed
+rows) the tokens attend to each other under a [B, T, T] mask. A stacked model (`LayerExecution.scan`) runs the
+layers under one scan over a stacked cache (`layer_stack.py`)."""
 
 from __future__ import annotations
 

@@ -93,9 +93,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         resolve_dtype(self.dtype)
 
     @property
@@ -111,9 +109,8 @@ class ModelConfig:
         """Builds a config from a HF `config.json` dict (transformers 4 or 5 spelling)."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported model_type {model_type!r}; medusa-jax supports {list(SUPPORTED_MODEL_TYPES)}"
-            )
+            raise UnsupportedModelError(f"unsupported model_type {model_type!r}; medusa-jax supports "
+                                        f"{list(SUPPORTED_MODEL_TYPES)}")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in hf:
                 raise ValueError(f"config.json lacks required field {key!r}")
@@ -132,13 +129,9 @@ class ModelConfig:
             raise UnsupportedModelError(f"unsupported rope_type {rope_type!r}; expected 'default' or 'llama3'")
         scaling = RopeScaling()
         if rope_type == "llama3":
-            scaling = RopeScaling(
-                rope_type="llama3",
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
-            )
+            scaling = RopeScaling("llama3", float(rope["factor"]), float(rope.get("low_freq_factor", 1.0)),
+                                  float(rope.get("high_freq_factor", 4.0)),
+                                  int(rope.get("original_max_position_embeddings", 8192)))
         if model_type == "qwen2":
             attention_bias = True
             sliding = hf.get("sliding_window") if hf.get("use_sliding_window") else None
@@ -147,57 +140,29 @@ class ModelConfig:
             sliding = hf.get("sliding_window")
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        return cls(
-            model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            sliding_window=sliding,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            dtype=dtype,
-        )
+        return cls(model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                   intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"], num_heads=num_heads,
+                   num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
+                   rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta), rope_scaling=scaling,
+                   max_position_embeddings=hf.get("max_position_embeddings", 2048),
+                   tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), attention_bias=attention_bias,
+                   sliding_window=sliding, bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype)
 
     def to_hf_config(self) -> dict[str, Any]:
         """The inverse of `from_hf_config` (transformers 5 spelling, with `rope_theta` kept for 4.x)."""
         rope: dict[str, Any] = {"rope_type": self.rope_scaling.rope_type, "rope_theta": self.rope_theta}
         if self.rope_scaling.rope_type == "llama3":
-            rope.update(
-                factor=self.rope_scaling.factor,
-                low_freq_factor=self.rope_scaling.low_freq_factor,
-                high_freq_factor=self.rope_scaling.high_freq_factor,
-                original_max_position_embeddings=self.rope_scaling.original_max_position_embeddings,
-            )
+            rope.update({k: v for k, v in dataclasses.asdict(self.rope_scaling).items() if k != "rope_type"})
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
         out: dict[str, Any] = {
-            "model_type": self.model_type,
-            "architectures": [arch[self.model_type]],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": rope,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
+            "model_type": self.model_type, "architectures": [arch[self.model_type]], "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
-        }
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]}
         if self.model_type == "qwen2":
             out["use_sliding_window"] = self.sliding_window is not None
             out["sliding_window"] = self.sliding_window

@@ -111,10 +111,7 @@ def parse_trees(document, origin: str) -> HeadsTrees:
             raise TreesFileError(f"{origin}: trees[{backend!r}] must map batch sizes to medusa_choices lists")
         entries = []
         for key, paths in batches.items():
-            try:
-                batch = int(key)
-            except ValueError:
-                batch = 0
+            batch = int(key) if key.isdecimal() else 0
             if batch < 1 or str(batch) != str(key):
                 raise TreesFileError(f"{origin}: trees[{backend!r}] has batch size {key!r}; batch sizes are "
                                      f"integers >= 1")
@@ -166,11 +163,6 @@ def trees_document(existing: HeadsTrees | None, backend: str,
     return document
 
 
-def _pick_batch(batches: dict, batch_size: int) -> int:
-    smaller = [b for b in batches if b <= batch_size]
-    return max(smaller) if smaller else min(batches)
-
-
 def resolve_tree(trees: HeadsTrees | None, backend: str, batch_size: int) -> TreeResolution:
     """The heads' tree for this backend and batch size: the backend's entry, else (an accelerator) the other
     accelerator's, then the cpu's (a cpu without one decodes plainly); in it, the entry for batch_size, else the
@@ -185,7 +177,7 @@ def resolve_tree(trees: HeadsTrees | None, backend: str, batch_size: int) -> Tre
                                     f"{', '.join(trees.backends())}); build one with scripts/build_tree.py, or "
                                     f"pass a tree")
     batches = trees.batches(chosen)
-    batch = _pick_batch(batches, batch_size)
+    batch = max((b for b in batches if b <= batch_size), default=min(batches))
     where = f"{chosen} batch {batch}" + ("" if chosen == backend else f", used for {backend}") + (
         "" if batch == batch_size else f", used for batch {batch_size}")
     paths = batches[batch]

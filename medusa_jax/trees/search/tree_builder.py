@@ -1,22 +1,7 @@
-"""build_tree: measure head accuracy and step time on this machine, then pick the tree (see medusa_jax/trees/policy/tree_choice.py).
-
-1. held-out prompts (the LAST conversations of the ShareGPT data, first user turn, chat template), continued
-   greedily by the base model itself (self-distilled text);
-2. each head's top-k accuracy on that text (`head_accuracy`);
-3. the greedy node order by expected accepted length, and, for each batch size B, the whole Medusa step's
-   time (the decode loop's own `medusa.medusa_step`) for trees that are prefixes of that order at several
-   sizes T, plus one plain step, timed in interleaved rounds (`step_cost`) and fitted with a non-decreasing
-   curve (a bigger tree is never cheaper; dips are noise);
-4. dynamic trees (`dynamic_nodes`): the held-out prompts are decoded greedily with the dynamic tree of N nodes
-   and with the greedy static tree of N nodes; what the dynamic one accepts per step over the static one
-   (`calibration.DynamicGain`) scales the static tree's prediction, and its step is timed with the others;
-5. per B, the tree with the most expected tokens per second = tokens per step / step time, static or dynamic,
-   or no tree (plain decoding) when even that one is predicted under `min_speedup` x plain. Tokens per step come from
-   each held-out sequence's own accuracy, discounted by `accuracy_scale` per drafted token, and account for
-   a batch waiting on its slowest row (`tree_choice.batch_tokens_per_step`). Verify cost grows with B x T
-   and the slowest of B rows accepts less than the average one, so the tree shrinks as the batch grows,
-   down to none.
-"""
+"""build_tree: each head's accuracy on held-out self-distilled text (the LAST conversations of the ShareGPT data,
+first user turn, chat template) and the decode loop's step time on this machine, then per batch size the static or
+dynamic tree with the most predicted tokens/s, or none (`trees.policy.tree_choice`); the steps and the prediction's
+discounts: docs/design.md, "The tree belongs to the heads" and "Static or dynamic, by predicted tokens/s"."""
 
 from __future__ import annotations
 
