@@ -114,10 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     add_distributed_args(p)
     a = p.parse_args(argv)
-    try:
+    with p.checking():
         check(a)
-    except validate.UsageError as e:
-        p.error(str(e))
     return a
 
 

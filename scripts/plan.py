@@ -164,10 +164,8 @@ def table_main(argv: list[str]) -> int:
                    help="compile nothing: the table from OUT/plans.json (and the exact lower bounds), missing plans "
                         "shown as 'not planned'")
     args = p.parse_args(argv)
-    try:
+    with p.checking():
         options.out_folder(args)
-    except validate.UsageError as e:
-        p.error(str(e))
 
     models = tuple(m for m in args.models.split(",") if m)
     unknown = [m for m in models if m not in PRESETS]

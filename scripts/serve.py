@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the model folder's name)")
     a = p.parse_args(argv)
-    try:
+    with p.checking():
         validate.given("--host", a.host, "an address such as 127.0.0.1")
         validate.given("--served-model-name", a.served_model_name, "a model id")
         validate.given("--heads", a.heads, "a heads folder, 'default', 'recycle', a mix such as "
@@ -101,8 +101,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         options.attention_here("--attention", a.attention)
         check_rows_split("--batch-size", a.batch_size, a.mesh)
         check_listen(a.host, a.port)
-    except ValueError as e:
-        p.error(str(e))
     return a
 
 
