@@ -1,17 +1,7 @@
-"""AOT memory plans: compile the project's real train step or Medusa decode loop on abstract inputs.
-
-The model is built with `nnx.eval_shape` (no weights), its state becomes `jax.ShapeDtypeStruct`s carrying the
-shardings of `medusa_jax.model.sharding`, and the jitted function the project runs (`Trainer.jitted_step`,
-`ShardedModel.medusa_decode`) is lowered and compiled for a mesh of (forced host) devices. XLA's own
-`memory_analysis()` then gives the bytes per device, and the optimised HLO the collectives. Nothing of the
-model's size is ever allocated, so 70B models plan on a laptop. The CPU compiler's temporaries approximate a
-GPU/TPU compiler's (fusion and rematerialisation differ); argument bytes are exact.
-
-Byte figures are per device. Arguments are split by what they are (parameters, optimiser state, KV cache,
-batch) from their shardings; `total = arguments + outputs - aliased (donated) + temporaries`, and
-`device_bytes` leaves out the float32 weight copies only XLA's CPU backend makes (`cpu_upcast_bytes` in the entry
-computation, `cpu_loop_upcast_bytes` inside loops and branches).
-"""
+"""AOT memory plans: the project's real train step or Medusa decode loop (`Trainer.jitted_step`,
+`ShardedModel.medusa_decode`) lowered and compiled on abstract inputs (`nnx.eval_shape`; ShapeDtypeStructs with
+the shardings of `model.sharding`) for a mesh of forced host devices: XLA's `memory_analysis()` gives the bytes
+per device, the optimised HLO the collectives; nothing is allocated. What the figures mean: docs/planning.md."""
 
 from __future__ import annotations
 
