@@ -108,10 +108,6 @@ def row_config(row: TableRow, mesh_key: str) -> PlanConfig:
     return PlanConfig(model_config(row.model, dtype), MeshConfig.parse(row.meshes[mesh_key]), **settings)
 
 
-def plan_row(row: TableRow, mesh_key: str) -> CompiledPlan:
-    return compile_plan(row_config(row, mesh_key))
-
-
 def markdown_table(results: list[tuple[TableRow, dict[str, CompiledPlan | None]]], devices: dict[str, tuple],
                    headroom: float) -> str:
     """devices: column name -> (mesh key, capacity bytes). Plans need `device_bytes` and `analytic_bytes`
@@ -169,7 +165,7 @@ def build_table(models: tuple[str, ...], out: str | Path, headroom: float, resum
             continue
         else:
             try:
-                saved[key] = plan_row(row, mesh_key).to_dict()
+                saved[key] = compile_plan(row_config(row, mesh_key)).to_dict()
             except ValueError as e:  # a mesh that does not divide the model
                 saved[key] = {"error": str(e)}
         log(f"{key}: {saved[key].get('device_bytes', 0) / GIB:.1f} GiB ({time.perf_counter() - start:.0f} s)")
