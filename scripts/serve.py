@@ -28,16 +28,13 @@ import time
 from pathlib import Path
 
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
-from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
-from medusa_jax.model.config import UnsupportedModelError
+from medusa_jax.text import eos_token_ids, load_tokenizer, pad_token_id
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads import recycle
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
 from medusa_jax.inference.mixed_decoding import is_mix
 from medusa_jax.inference.served_drafter import served_drafter
-from medusa_jax.hub import HubError
 from medusa_jax.scripts import options, validate
 from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.sharding import MeshConfig, check_rows_split
@@ -153,7 +150,7 @@ def main(argv=None) -> int:
     enable_compile_cache()
     try:
         engine, tokenizer, model_id = build_engine(a)
-    except (OSError, ValueError, CheckpointError, UnsupportedModelError, TokenizerError, HubError) as e:
+    except (OSError, ValueError) as e:  # HubError is an OSError, the others ValueErrors
         return validate.fail(e)
     import uvicorn  # lazy: only the server needs it
 
