@@ -85,19 +85,19 @@ DEFAULT_RUNS = ("1::sharded", "8:fsdp=8:sharded", "8:data=2,fsdp=4:sharded", "8:
 
 
 def parse_run(text: str) -> tuple[int, str, str]:
-    """'DEVICES:MESH:MODE' (e.g. 8:fsdp=8:sharded; MESH '' = one device) -> (devices, mesh, mode); a ValueError
-    says what is wrong."""
+    """--runs 'DEVICES:MESH:MODE' (e.g. 8:fsdp=8:sharded; MESH '' = one device) -> (devices, mesh, mode); a
+    ValueError says what is wrong."""
     parts = text.split(":")
     if (len(parts) != 3 or not (parts[0].isascii() and parts[0].isdigit()) or int(parts[0]) < 1
             or parts[2] not in MODES):
-        raise ValueError(f"{text!r}: expected DEVICES:MESH:MODE with DEVICES >= 1 and MODE sharded or via_one, e.g. "
-                         f"8:fsdp=8:sharded")
+        raise ValueError(f"--runs {text!r}: expected DEVICES:MESH:MODE with DEVICES >= 1 and MODE sharded or "
+                         f"via_one, e.g. 8:fsdp=8:sharded")
     try:
         size = MeshConfig.parse(parts[1]).size if parts[1] else 1
     except ValueError as e:
-        raise ValueError(f"{text!r}: {e}") from None
+        raise ValueError(f"--runs {text!r}: {e}") from None
     if size > int(parts[0]):
-        raise ValueError(f"{text!r}: the mesh needs more devices than given")
+        raise ValueError(f"--runs {text!r}: the mesh needs more devices than given")
     return int(parts[0]), parts[1], parts[2]
 
 

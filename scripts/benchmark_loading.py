@@ -31,10 +31,7 @@ def main(argv=None) -> int:
                     "committed bench/loading is written only when named here")
     a = p.parse_args(argv)
     try:
-        runs = [parse_run(run) for run in a.runs]
-    except ValueError as e:
-        p.error(f"--runs {e}")
-    try:
+        runs = [parse_run(run) for run in a.runs]  # its errors name --runs
         options.out_folder(a)
         folder = str(options.model_arg("--model", a.model, tokenizer=False))
     except (ValueError, OSError) as e:
