@@ -16,8 +16,7 @@ from medusa_jax.model.config import resolve_dtype
 from medusa_jax.heads.hydra import path_tokens
 from medusa_jax.training import chunked_loss, losses
 from medusa_jax.training.data import segment_mask
-from medusa_jax.training.eagle3_loss import eagle3_stats, with_features
-from medusa_jax.training.eagle_loss import eagle_stats
+from medusa_jax.training.eagle_loss import eagle3_stats, eagle_stats, with_features
 
 
 def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
@@ -105,7 +104,7 @@ def eagle_loss(base: CausalLM, drafter, batch: dict, s: LossSettings):
 
 def eagle3_loss(base: CausalLM, drafter, batch: dict, s: LossSettings):
     """The EAGLE-3 drafter: cross-entropy over unrolled steps on the fused features the frozen backbone gives in
-    the step (packed rows only; eagle3_loss.py)."""
+    the step (packed rows only; eagle_loss.py)."""
     cfg = s.config
     return eagle3_stats(drafter, base, with_features(base, batch, drafter.feature_layers),
                         noise=0.0 if s.full_vocab_targets else cfg.eagle_noise, depth=cfg.eagle_train_depth,
