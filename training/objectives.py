@@ -26,12 +26,6 @@ def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
     return hidden_btd
 
 
-def shifted_hidden(hidden_btd, offset: int):
-    """[B, T, D]: the hidden state at t + offset (zeros past the row's end; those positions have no target)."""
-    pad = jnp.zeros_like(hidden_btd[:, :offset])
-    return jnp.concatenate([hidden_btd[:, offset:], pad], axis=1)
-
-
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
     config: Any  # trainer.TrainConfig
@@ -58,7 +52,7 @@ def _head_inputs(base: CausalLM, heads, batch: dict, s: LossSettings):
     targets = losses.head_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], num_heads)
     if config.uses_teacher:
         frozen_hidden = jax.lax.stop_gradient(hidden)
-        teacher = [shifted_hidden(frozen_hidden, 1 + i) for i in range(num_heads)]
+        teacher = [losses.shifted(frozen_hidden, 1 + i) for i in range(num_heads)]  # zeros: no target there
     return hidden, targets, path_tokens(batch["tokens"], num_heads), teacher
 
 
