@@ -210,8 +210,7 @@ class Trainer:
         self.opt_state = _abstract(abstract_opt, self.opt_shardings) if abstract else jax.jit(
             self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
         self.step = 0
-        self._steps: dict[str, Any] = {}
-        self._evals: dict[str, Any] = {}
+        self._jitted: dict[tuple[str, str], Any] = {}  # (step or eval, batch kind): the jitted function
 
     # ---- the pure functions -----------------------------------------------------------------------
     def _modules(self, params, frozen):
@@ -244,10 +243,6 @@ class Trainer:
         metrics = {"loss": loss, "grad_norm": grad_norm, "stats": stats, **extras}
         return params, opt_state, metrics
 
-    def _eval_step(self, params, frozen, batch):
-        _, (stats, extras) = self._objective(params, frozen, batch, full_vocab_targets=True)
-        return stats, extras
-
     # ---- sharded entry points ---------------------------------------------------------------------
     def _batch_shardings(self, batch: dict[str, np.ndarray]):
         return {k: shd.checked_sharding(self.mesh, shd.batch_sharding(self.mesh, v.ndim).spec,
@@ -269,18 +264,19 @@ class Trainer:
 
         return traced
 
-    def _compiled(self, cache: dict, kind: str, batch, build):
-        if kind not in cache:
-            cache[kind] = build(self._batch_shardings(batch))
-        return cache[kind]
+    def _compiled(self, what: str, batch, build):
+        key = (what, batch_kind(batch))
+        if key not in self._jitted:
+            self._jitted[key] = build(self._batch_shardings(batch))
+        return self._jitted[key]
 
     def jitted_step(self, batch) -> Any:
         """The jitted train step (params, opt_state, frozen, batch) for batches shaped like `batch` (arrays or
         jax.ShapeDtypeStructs: this process's rows)."""
-        kind = batch_kind(batch)
         rep = shd.replicated(self.mesh)
-        return self._compiled(self._steps, kind, batch, lambda bsh: jax.jit(
-            self._under_mesh(self._train_step), in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings, bsh),
+        return self._compiled("step", batch, lambda bsh: jax.jit(
+            self._under_mesh(self._train_step), in_shardings=(self.param_shardings, self.opt_shardings,
+                                                              self.frozen_shardings, bsh),
             out_shardings=(self.param_shardings, self.opt_shardings, rep), donate_argnums=(0, 1)))
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -291,10 +287,10 @@ class Trainer:
         return jax.device_get(metrics)
 
     def eval_stats(self, batch: dict[str, np.ndarray]) -> tuple[losses.HeadStats, dict]:
-        kind = batch_kind(batch)
-        rep = shd.replicated(self.mesh)
-        fn = self._compiled(self._evals, kind, batch, lambda bsh: jax.jit(
-            self._under_mesh(self._eval_step), in_shardings=(self.param_shardings, self.frozen_shardings, bsh), out_shardings=rep))
+        evaluation = lambda params, frozen, b: self._objective(params, frozen, b, full_vocab_targets=True)[1]
+        fn = self._compiled("eval", batch, lambda bsh: jax.jit(
+            self._under_mesh(evaluation), in_shardings=(self.param_shardings, self.frozen_shardings, bsh),
+            out_shardings=shd.replicated(self.mesh)))
         return jax.device_get(fn(self.params, self.frozen, self.device_batch(batch)))
 
     # ---- results ----------------------------------------------------------------------------------
