@@ -103,9 +103,7 @@ def source_fingerprint(source: str | None) -> str:
 
 
 def cache_root(config: DataConfig) -> Path:
-    if config.cache_dir:
-        return Path(config.cache_dir)
-    return paths.cache_root() / "tokenized"
+    return Path(config.cache_dir) if config.cache_dir else paths.cache_root() / "tokenized"
 
 
 def tokenize_conversations(records: list[dict[str, Any]], tokenizer, eos_ids: tuple[int, ...],

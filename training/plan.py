@@ -153,9 +153,7 @@ def _device_bytes(tree) -> int:
 
 
 def _itemsize(dtype) -> int:
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return 8  # a threefry key: two uint32
-    return np.dtype(dtype).itemsize
+    return 8 if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).itemsize  # a key: 2 uint32
 
 
 def _mesh(config: PlanConfig):
