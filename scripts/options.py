@@ -97,9 +97,7 @@ def model_location(arg: str | os.PathLike | None) -> Path | None:
         return None
     if is_default_model(arg):
         return default_model_dir()
-    if is_hub_id(arg):
-        return cached_folder(str(arg))
-    return Path(arg)
+    return cached_folder(str(arg)) if is_hub_id(arg) else Path(arg)
 
 
 def model_folder(flag: str, folder: str | os.PathLike, *, tokenizer: bool = True, weights: bool = True) -> Path:
@@ -163,9 +161,7 @@ def heads_location(arg: str | os.PathLike | None) -> Path | None:
         return None
     if str(arg) in SHIPPED_HEADS:
         return shipped_heads_dir(SHIPPED_HEADS[str(arg)])
-    if is_hub_id(arg):
-        return cached_folder(str(arg))
-    return Path(arg)
+    return cached_folder(str(arg)) if is_hub_id(arg) else Path(arg)
 
 
 def heads_arg(flag: str, arg: str) -> Path:
