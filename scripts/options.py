@@ -1,11 +1,5 @@
 """The options several commands share, each declared once (flag, type, value rule, help), and beside each the check
-of what its value names, run before any model loads.
-
-A command adds an option with `MODEL.add(parser, default="default")`: keyword arguments are add_argument's
-(default, required, action, metavar), `more=` appends the command's own words to the shared help, `help=` replaces
-it where the command reads the value its own way. Parse-time rules are `cli_args` rules; the checks below raise
-`validate.UsageError` naming the flag and the fix.
-"""
+of what its value names, run before any model loads (how a command adds them: docs/modules.md)."""
 
 from __future__ import annotations
 
