@@ -29,10 +29,9 @@ from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.training.memory_plan import estimate_per_device
-from medusa_jax.training.plan import (JOBS, PlanConfig, compile_plan, device_capacity, largest_batch,
-                                      measure_train_step)
+from medusa_jax.training.plan import (JOBS, PRESETS, PlanConfig, compile_plan, device_capacity, largest_batch,
+                                      measure_train_step, model_config)
 from medusa_jax.training.plan_report import build_table, describe, warnings
-from medusa_jax.training.presets import PRESETS, model_config
 from medusa_jax.progress import heartbeat
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, in_range, run_mode

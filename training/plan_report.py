@@ -12,8 +12,7 @@ from medusa_jax.atomic import write_text_atomic
 from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.training.memory_plan import DeviceEstimate, estimate_per_device, lower_bound
-from medusa_jax.training.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits
-from medusa_jax.training.presets import model_config
+from medusa_jax.training.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits, model_config
 
 GIB = 2**30
 POD_LAYERS = LayerExecution(scan=True, remat="full")  # train_heads.py --scan-layers --remat full (docs/planning.md)
