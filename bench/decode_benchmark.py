@@ -161,10 +161,6 @@ def summarize(records: list[dict], nbytes: int, compile_seconds: dict[int, float
     def med(values):
         return statistics.median(list(values))
 
-    bandwidth = collections.defaultdict(list)
-    for r in records:
-        for k, v in r["bandwidth_gb_s"].items():
-            bandwidth[k].append(v)
     keys = {"ours": "ours_tokens_per_s", "ours_decode_steps": "ours_decode_tokens_per_s",
             "transformers": "hf_tokens_per_s", "floor": "floor_tokens_per_s"}
     return {
@@ -175,7 +171,8 @@ def summarize(records: list[dict], nbytes: int, compile_seconds: dict[int, float
         "tokens_per_s": {name: med(r[k] for r in records) for name, k in keys.items()},
         "best_tokens_per_s": {name: max(r[k] for r in records) for name, k in keys.items()},
         "prefill_seconds_median": med(r["ours_prefill_seconds"] for r in records),
-        "bandwidth_gb_s_median": {k: med(v) for k, v in bandwidth.items()},
+        "bandwidth_gb_s_median": {way: med(r["bandwidth_gb_s"][way] for r in records)
+                                  for way in records[0]["bandwidth_gb_s"]},
         # ratios per call (same moment, same load), then the median over calls
         "speedup_vs_transformers": med(r["ours_tokens_per_s"] / r["hf_tokens_per_s"] for r in records),
         "speedup_vs_fastest_transformers": med(r["ours_tokens_per_s"] / r["hf_fastest_tokens_per_s"] for r in records),
