@@ -106,13 +106,10 @@ class Runner:
 
 def summarize(records: list[dict], methods: Sequence[str]) -> dict:
     """Aggregate figures over per-question records (see `run_benchmark`)."""
-    out: dict = {"questions": len(records), "tokens_per_s": {}, "tokens": {}, "seconds": {}, "steps": {}}
-    for m in methods:
-        tokens = sum(r[m]["tokens"] for r in records)
-        seconds = sum(r[m]["seconds"] for r in records)
-        out["tokens"][m], out["seconds"][m] = tokens, seconds
-        out["steps"][m] = sum(r[m]["steps"] for r in records)
-        out["tokens_per_s"][m] = tokens / seconds if seconds > 0 else float("nan")
+    sums = {key: {m: sum(r[m][key] for r in records) for m in methods} for key in ("tokens", "seconds", "steps")}
+    out: dict = {"questions": len(records), "tokens_per_s": {m: sums["tokens"][m] / sums["seconds"][m]
+                                                            if sums["seconds"][m] > 0 else float("nan") for m in methods},
+                 **sums}
     tps = out["tokens_per_s"]
     out["speedup"] = tps["medusa"] / tps["plain"]
     out["acceleration_rate"] = out["tokens"]["medusa"] / out["steps"]["medusa"]
