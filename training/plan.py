@@ -185,11 +185,8 @@ class CompiledPlan:
 
 def _device_bytes(tree) -> int:
     """Bytes one device holds of a pytree of ShapeDtypeStructs with shardings (the largest shard)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-        total += int(np.prod(shape, dtype=np.int64)) * _itemsize(leaf.dtype)
-    return total
+    return sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape,
+                           dtype=np.int64)) * _itemsize(leaf.dtype) for leaf in jax.tree.leaves(tree))
 
 
 def _itemsize(dtype) -> int:
@@ -303,12 +300,9 @@ def _replicated_optimizer_bytes(groups, mesh_size: int) -> int:
     """Bytes of optimiser leaves (over 1 KiB) that every device holds whole on a mesh of more than one device."""
     if mesh_size == 1:
         return 0
-    total = 0
-    for leaf in jax.tree.leaves(groups["optimizer"]):
-        nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * _itemsize(leaf.dtype)
-        if nbytes > 1024 and leaf.sharding.is_fully_replicated:
-            total += nbytes
-    return total
+    sizes = [(int(np.prod(leaf.shape, dtype=np.int64)) * _itemsize(leaf.dtype), leaf)
+             for leaf in jax.tree.leaves(groups["optimizer"])]
+    return sum(nbytes for nbytes, leaf in sizes if nbytes > 1024 and leaf.sharding.is_fully_replicated)
 
 
 def compile_plan(config: PlanConfig, keep_hlo: list | None = None) -> CompiledPlan:
