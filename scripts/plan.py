@@ -220,14 +220,10 @@ def vs_device_main(argv: list[str]) -> int:
     except (ValueError, OSError) as e:
         return validate.fail(e)
     common = ["--model", folder, "--job", args.job, "--batch", str(args.batch), "--seq", str(args.seq), "--num-heads",
-              str(args.num_heads), "--dtype", args.dtype, "--json"]
-    if args.job == "train":
-        extra = ["--remat", args.remat, "--attention", args.attention, "--loss-chunk", str(args.loss_chunk),
-                 "--optimizer-dtype", args.optimizer_dtype] + ["--medusa2"] * args.medusa2 + \
-            ["--scan-layers"] * args.scan
-    else:
-        extra = ["--lm-head", "shared", "--cache", str(args.cache), "--tree", args.tree, "--attention",
-                 args.attention] + ["--scan-layers"] * args.scan
+              str(args.num_heads), "--dtype", args.dtype, "--attention", args.attention, "--json"]
+    extra = (["--remat", args.remat, "--loss-chunk", str(args.loss_chunk), "--optimizer-dtype", args.optimizer_dtype]
+             + ["--medusa2"] * args.medusa2 if args.job == "train" else
+             ["--lm-head", "shared", "--cache", str(args.cache), "--tree", args.tree]) + ["--scan-layers"] * args.scan
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *common, *extra], capture_output=True,
                           text=True)
     if proc.returncode:
