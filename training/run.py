@@ -33,7 +33,7 @@ from medusa_jax.heads.kinds import drafter_class
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.training import hidden_store, losses, memory_plan, output_folder, sources
 from medusa_jax.training.checkpointing import Checkpoints, TrainingDiverged
-from medusa_jax.training.metrics_log import MetricsLog, NoLog
+from medusa_jax.training.metrics_log import MetricsLog
 from medusa_jax.training.data import DataConfig, top_token_ids
 from medusa_jax.training.objectives import objective_for
 from medusa_jax.training.trainer import TrainConfig, Trainer, schedule
@@ -225,14 +225,16 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
 
     metrics = (MetricsLog(output, resume_step=resumed, wandb_project=cfg.wandb_project,
                           run_config=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
-               if is_main else NoLog())
+               if is_main else None)  # the other processes log nothing
     try:
-        result = _loop(cfg, trainer, it, ckpt, signature, metrics.write, log, tokens_per_step, eval_batches)
+        result = _loop(cfg, trainer, it, ckpt, signature, metrics.write if metrics else lambda record: None, log,
+                       tokens_per_step, eval_batches)
     except BaseException:
         ckpt.wait()  # commit a checkpoint still being written (Ctrl-C, an error) before leaving
         raise
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     if trainer.step not in ckpt.all_steps():
         ckpt.save(trainer, it.position, signature, force=True)
     ckpt.close()
