@@ -76,22 +76,18 @@ class Runner:
     def _call(self, method: str, prompts: Sequence[Sequence[int]], batch: int, tree: TreeBuffers | None) -> Timed:
         lm = self.loaded
         start = time.perf_counter()
-        if method == "plain" or (method == "medusa" and tree is None):  # no tree pays: Medusa decodes plainly
+        if method == "hf":
+            out = [self.hf_model(p, self.max_new_tokens, self.hf_threads, lm.eos_ids, lm.pad_id) for p in prompts]
+            return Timed(out, [len(t) for t in out], time.perf_counter() - start)
+        if method == "plain" or tree is None:  # no tree pays: Medusa decodes plainly
             res = generate(lm.base, prompts, max_new_tokens=self.max_new_tokens, eos_ids=lm.eos_ids,
                            pad_id=lm.pad_id, batch_size=batch)
-        elif method == "medusa":
+        else:
             res = generate_medusa(lm.base, lm.heads, prompts, tree=tree, max_new_tokens=self.max_new_tokens,
                                   eos_ids=lm.eos_ids, pad_id=lm.pad_id, batch_size=batch)
-        else:
-            return self._hf(prompts)
         seconds = time.perf_counter() - start
         return Timed([r.token_ids for r in res], [r.steps for r in res], seconds,
                      [r.accept_lengths or [] for r in res] if method == "medusa" else None)
-
-    def _hf(self, prompts: Sequence[Sequence[int]]) -> Timed:
-        lm, start = self.loaded, time.perf_counter()
-        out = [self.hf_model(p, self.max_new_tokens, self.hf_threads, lm.eos_ids, lm.pad_id) for p in prompts]
-        return Timed(out, [len(t) for t in out], time.perf_counter() - start)
 
     def run(self, method: str, prompts: Sequence[Sequence[int]], batch: int, tree: TreeBuffers | None = None) -> Timed:
         width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)

@@ -185,17 +185,15 @@ def truncate_log(output: str | os.PathLike, step: int) -> int:
     log = Path(output) / LOG
     if not log.exists():
         return 0
-    kept, dropped = [], 0
-    for line in log.read_text().splitlines():
+    def kept(line: str) -> bool:
         try:
             record = json.loads(line)
         except ValueError:  # a line cut off by a kill
-            dropped += 1
-            continue
-        if isinstance(record, dict) and record.get("step", 0) <= step:
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
-        write_text_atomic(log, "".join(line + "\n" for line in kept))
-    return dropped
+            return False
+        return isinstance(record, dict) and record.get("step", 0) <= step
+
+    lines = log.read_text().splitlines()
+    keep = [line for line in lines if kept(line)]
+    if len(keep) < len(lines):
+        write_text_atomic(log, "".join(line + "\n" for line in keep))
+    return len(lines) - len(keep)
