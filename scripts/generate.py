@@ -152,6 +152,9 @@ def check(a: argparse.Namespace) -> None:
     if a.scan and is_mix(a.heads):
         raise validate.UsageError("--scan-layers: a mix of drafters in --heads loads the layers one by one; "
                                   "drop --scan-layers")
+    if a.attention != LayerExecution.attention and is_mix(a.heads):
+        raise validate.UsageError(f"--attention {a.attention}: a mix of drafters in --heads runs the default "
+                                  f"attention; drop --attention")
     if a.prompt == "":  # as in an --input file, an empty prompt is refused
         raise validate.UsageError("--prompt: empty; give some text")
     validate.given("--input", a.input, "a JSONL file of prompts")
@@ -257,7 +260,7 @@ def main(argv=None) -> int:
 
     try:
         options.mesh_devices("--mesh", a.mesh)
-        options.attention_here("--attention", a.attention, a.heads)
+        options.attention_here("--attention", a.attention)
         folder = options.model_arg("--model", a.model)
         positions = options.max_positions(folder)
         if a.max_new_tokens >= positions:

@@ -16,8 +16,8 @@ from medusa_jax.assets import SHIPPED_HEADS, is_default_model, resolve_heads_dir
 from medusa_jax.demo_model import default_model_dir, resolve_model_dir
 from medusa_jax.heads import recycle
 from medusa_jax.hub import cached_folder, is_hub_id
-from medusa_jax.inference.mixed_decoding import UNTRAINED, MixError, is_mix, parse_mix
-from medusa_jax.model.config import ATTENTION_KINDS, REMAT_POLICIES, LayerExecution, ModelConfig
+from medusa_jax.inference.mixed_decoding import UNTRAINED, MixError, parse_mix
+from medusa_jax.model.config import ATTENTION_KINDS, REMAT_POLICIES, ModelConfig
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.mtbench import load_mtbench_questions
 from medusa_jax.scripts.cli_args import SEED, Rule, at_least, in_range, mesh_spec
@@ -251,11 +251,8 @@ def mesh_devices(flag: str, spec: str | None, local: bool = False):
     return mesh
 
 
-def attention_here(flag: str, kind: str, heads: str | None = None) -> None:
-    """--attention cudnn needs an NVIDIA GPU among JAX's devices (call after distributed initialisation); a mix of
-    drafters in --heads runs the default attention."""
-    if kind != LayerExecution.attention and is_mix(heads):
-        raise UsageError(f"{flag} {kind}: a mix of drafters in --heads runs the default attention; drop {flag}")
+def attention_here(flag: str, kind: str) -> None:
+    """--attention cudnn needs an NVIDIA GPU among JAX's devices (call after distributed initialisation)."""
     if kind == "cudnn" and jax.default_backend() != "gpu":
         raise UsageError(f"{flag} cudnn: needs an NVIDIA GPU and JAX's backend here is {jax.default_backend()}; "
                          f"use --attention chunked or xla")

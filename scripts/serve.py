@@ -90,9 +90,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         if a.tree is not None and is_mix(a.heads):
             raise validate.UsageError(f"--tree {a.tree}: --heads {a.heads} (mixed drafts) chooses its draft size "
                                       f"per step; drop --tree")
+        if a.attention != LayerExecution.attention and is_mix(a.heads):
+            raise validate.UsageError(f"--attention {a.attention}: a mix of drafters in --heads runs the default "
+                                      f"attention; drop --attention")
         (options.recycle_tree if a.heads == recycle.HEAD_TYPE else options.tree_arg)("--tree", a.tree)
         options.mesh_devices("--mesh", a.mesh)
-        options.attention_here("--attention", a.attention, a.heads)
+        options.attention_here("--attention", a.attention)
         check_rows_split("--batch-size", a.batch_size, a.mesh)
         check_listen(a.host, a.port)
     return a
