@@ -262,8 +262,9 @@ def calibration_main(argv: list[str]) -> int:
     options.OUT.add(p, required=True, more="folder for calibration.json and calibration.md (no default: "
                     "the committed bench/calibration is written only when named here)")
     a = p.parse_args(argv)
-    try:  # the --out checks' errors name their flag, as p.error would print them
+    with p.checking():
         options.out_folder(a, heads=a.heads)
+    try:
         options.heads_arg("--heads", a.heads)
         loaded = load_model(options.model_arg("--model", a.model), a.heads)
     except FAILURES as e:
