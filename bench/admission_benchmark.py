@@ -24,10 +24,26 @@ from medusa_jax.inference import api, engine_batches
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer, pad_token_id
 from medusa_jax.bench.bench_inputs import mtbench_questions
-from medusa_jax.bench.refill_uneven import uneven_questions
 
 METHODS = ("direct", "sorted", "fifo")
 REPO = Path(__file__).resolve().parents[1]
+# --prompt-set uneven: replies of uneven length (results in bench/refill/uneven/README.md)
+COUNTRIES = ("France", "Japan", "Peru", "Kenya", "Canada", "Egypt", "Norway", "Chile", "India", "Italy", "Ghana",
+             "Spain", "Brazil", "Poland", "Greece", "Mexico")
+SUBJECTS = ("a lighthouse keeper", "a lost robot", "a dragon who bakes", "two rival chefs", "a haunted library",
+            "a fox and a crow", "a sailor in a storm", "a city under the sea")
+
+
+def uneven_questions(n: int) -> list[str]:
+    """n prompts cycling through four kinds, so a reply's length is not tied to its prompt's (sorted batches sort
+    by prompt length): an MT-Bench first turn (long prompt, long reply), a one-word question (short prompt, short
+    reply), a story request (short prompt, long reply), an arithmetic question (short prompt, short reply)."""
+    mtbench = [q.first_turn for q in mtbench_questions((n + 3) // 4)]
+    kinds = (lambda i: mtbench[i],
+             lambda i: f"Name the capital of {COUNTRIES[i % len(COUNTRIES)]} in one word.",
+             lambda i: f"Write a long, detailed story about {SUBJECTS[i % len(SUBJECTS)]}.",
+             lambda i: f"What is {7 * i + 2} plus {3 * i + 5}? Reply with the number only.")
+    return [kinds[k % 4](k // 4) for k in range(n)]
 
 
 def load_direct_api(rev: str):
@@ -73,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--random-heads", type=int, default=0,
                    help="Medusa decoding with this many randomly initialised heads and the default tree (0: plain)")
     p.add_argument("--prompt-set", default="mtbench", choices=("mtbench", "uneven"),
-                   help="MT-Bench first turns, or uneven (refill_uneven.uneven_questions: replies of uneven length)")
+                   help="MT-Bench first turns, or uneven (uneven_questions: replies of uneven length)")
     p.add_argument("--refill-chunk-steps", type=int, default=engine_batches.REFILL_CHUNK_STEPS,
                    help="decode steps between the fifo method's refills (default: %(default)s)")
     p.add_argument("--out", required=True, help="JSON lines output")

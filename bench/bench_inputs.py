@@ -3,6 +3,7 @@ revision it ran at, and how it writes its report files."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import time
@@ -48,15 +49,7 @@ def select_questions(questions: Sequence[MTBenchQuestion], n: int) -> list[MTBen
     by_category: dict[str, list[MTBenchQuestion]] = defaultdict(list)
     for q in questions:
         by_category[q.category].append(q)
-    queues = list(by_category.values())
-    out: list[MTBenchQuestion] = []
-    depth = 0
-    while len(out) < min(n, len(questions)):
-        for queue in queues:
-            if depth < len(queue) and len(out) < n:
-                out.append(queue[depth])
-        depth += 1
-    return out
+    return [q for turn in itertools.zip_longest(*by_category.values()) for q in turn if q is not None][:max(n, 0)]
 
 
 def mtbench_questions(n: int, question_file: str | os.PathLike | None = None) -> list[MTBenchQuestion]:

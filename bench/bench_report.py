@@ -151,7 +151,5 @@ def write_report(results: dict, out: str | os.PathLike) -> dict[str, Path]:
     results = {**results, "targets": target_status(results)}
     files = write_files(out, {"results.json": json.dumps(results, indent=1, default=float) + "\n",
                               "results.md": markdown(results)})
-    paths = {"json": files["results.json"], "markdown": files["results.md"]}
-    for p in plot_all(results, Path(out)):
-        paths[p.stem] = p
-    return paths
+    return {"json": files["results.json"], "markdown": files["results.md"],
+            **{p.stem: p for p in plot_all(results, Path(out))}}

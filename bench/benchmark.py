@@ -76,22 +76,18 @@ class Runner:
     def _call(self, method: str, prompts: Sequence[Sequence[int]], batch: int, tree: TreeBuffers | None) -> Timed:
         lm = self.loaded
         start = time.perf_counter()
-        if method == "plain" or (method == "medusa" and tree is None):  # no tree pays: Medusa decodes plainly
+        if method == "hf":
+            out = [self.hf_model(p, self.max_new_tokens, self.hf_threads, lm.eos_ids, lm.pad_id) for p in prompts]
+            return Timed(out, [len(t) for t in out], time.perf_counter() - start)
+        if method == "plain" or tree is None:  # no tree pays: Medusa decodes plainly
             res = generate(lm.base, prompts, max_new_tokens=self.max_new_tokens, eos_ids=lm.eos_ids,
                            pad_id=lm.pad_id, batch_size=batch)
-        elif method == "medusa":
+        else:
             res = generate_medusa(lm.base, lm.heads, prompts, tree=tree, max_new_tokens=self.max_new_tokens,
                                   eos_ids=lm.eos_ids, pad_id=lm.pad_id, batch_size=batch)
-        else:
-            return self._hf(prompts)
         seconds = time.perf_counter() - start
         return Timed([r.token_ids for r in res], [r.steps for r in res], seconds,
                      [r.accept_lengths or [] for r in res] if method == "medusa" else None)
-
-    def _hf(self, prompts: Sequence[Sequence[int]]) -> Timed:
-        lm, start = self.loaded, time.perf_counter()
-        out = [self.hf_model(p, self.max_new_tokens, self.hf_threads, lm.eos_ids, lm.pad_id) for p in prompts]
-        return Timed(out, [len(t) for t in out], time.perf_counter() - start)
 
     def run(self, method: str, prompts: Sequence[Sequence[int]], batch: int, tree: TreeBuffers | None = None) -> Timed:
         width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
@@ -106,13 +102,10 @@ class Runner:
 
 def summarize(records: list[dict], methods: Sequence[str]) -> dict:
     """Aggregate figures over per-question records (see `run_benchmark`)."""
-    out: dict = {"questions": len(records), "tokens_per_s": {}, "tokens": {}, "seconds": {}, "steps": {}}
-    for m in methods:
-        tokens = sum(r[m]["tokens"] for r in records)
-        seconds = sum(r[m]["seconds"] for r in records)
-        out["tokens"][m], out["seconds"][m] = tokens, seconds
-        out["steps"][m] = sum(r[m]["steps"] for r in records)
-        out["tokens_per_s"][m] = tokens / seconds if seconds > 0 else float("nan")
+    sums = {key: {m: sum(r[m][key] for r in records) for m in methods} for key in ("tokens", "seconds", "steps")}
+    out: dict = {"questions": len(records), "tokens_per_s": {m: sums["tokens"][m] / sums["seconds"][m]
+                                                            if sums["seconds"][m] > 0 else float("nan") for m in methods},
+                 **sums}
     tps = out["tokens_per_s"]
     out["speedup"] = tps["medusa"] / tps["plain"]
     out["acceleration_rate"] = out["tokens"]["medusa"] / out["steps"]["medusa"]

@@ -39,9 +39,7 @@ def _shipped_prediction(heads, batch: int) -> dict:
 
 def _nodes(tree) -> int:
     """Verified nodes per step (root excluded): 0 for plain decoding."""
-    if tree is None:
-        return 0
-    return tree.nodes if isinstance(tree, DynamicTree) else len(tree.paths)
+    return 0 if tree is None else tree.nodes if isinstance(tree, DynamicTree) else len(tree.paths)
 
 
 def run(loaded: LoadedModel, prompts: Sequence[Sequence[int]], batch_sizes: Sequence[int], max_new_tokens: int,

@@ -6,14 +6,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import re
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.profiler import ProfileData
 
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.model.backbone import CausalLM
@@ -157,10 +161,6 @@ def summarize(records: list[dict], nbytes: int, compile_seconds: dict[int, float
     def med(values):
         return statistics.median(list(values))
 
-    bandwidth = collections.defaultdict(list)
-    for r in records:
-        for k, v in r["bandwidth_gb_s"].items():
-            bandwidth[k].append(v)
     keys = {"ours": "ours_tokens_per_s", "ours_decode_steps": "ours_decode_tokens_per_s",
             "transformers": "hf_tokens_per_s", "floor": "floor_tokens_per_s"}
     return {
@@ -171,7 +171,8 @@ def summarize(records: list[dict], nbytes: int, compile_seconds: dict[int, float
         "tokens_per_s": {name: med(r[k] for r in records) for name, k in keys.items()},
         "best_tokens_per_s": {name: max(r[k] for r in records) for name, k in keys.items()},
         "prefill_seconds_median": med(r["ours_prefill_seconds"] for r in records),
-        "bandwidth_gb_s_median": {k: med(v) for k, v in bandwidth.items()},
+        "bandwidth_gb_s_median": {way: med(r["bandwidth_gb_s"][way] for r in records)
+                                  for way in records[0]["bandwidth_gb_s"]},
         # ratios per call (same moment, same load), then the median over calls
         "speedup_vs_transformers": med(r["ours_tokens_per_s"] / r["hf_tokens_per_s"] for r in records),
         "speedup_vs_fastest_transformers": med(r["ours_tokens_per_s"] / r["hf_fastest_tokens_per_s"] for r in records),
@@ -240,3 +241,33 @@ def write(results: dict, out, command: str, machine: dict) -> str:
     paths = write_files(out, {"results.json": json.dumps({"machine": machine, "command": command, **results},
                                                          indent=1), "results.md": text})
     return text + "\nwrote " + " and ".join(str(p) for p in paths.values())
+
+
+# ---- where the time of a jitted call goes: XLA op events under jax.profiler.trace, summed by op kind (on CPU,
+# threads add up, so the total can exceed the wall clock) ---------------------------------------------------------
+_SKIP = ("ThunkExecutor", "end: ")
+
+
+def op_times(fn: Callable[[], object], per: int = 1, top: int = 12) -> list[dict]:
+    """Runs fn() once under the profiler; returns the `top` op kinds by time, each with calls and ms divided
+    by `per` (e.g. the number of decode steps)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            jax.block_until_ready(fn())
+        planes = sorted(Path(tmp).rglob("*.xplane.pb"))
+        if not planes:
+            raise RuntimeError("the profiler wrote no trace")
+        data = ProfileData.from_file(str(planes[-1]))
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for plane in data.planes:
+        for line in plane.lines:
+            if "Eigen" not in line.name and "XLA" not in line.name:
+                continue
+            for event in line.events:
+                if any(event.name.startswith(s) for s in _SKIP) or event.name.startswith("$"):
+                    continue
+                kind = re.sub(r"\.\d+$", "", event.name)
+                totals[kind][0] += 1
+                totals[kind][1] += event.duration_ns / 1e6
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"op": k, "calls_per_step": n / per, "ms_per_step": ms / per} for k, (n, ms) in rows]

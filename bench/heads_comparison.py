@@ -58,11 +58,11 @@ def _tokens(run) -> list[list[int]]:
     return [list(r.token_ids) for r in run.results]
 
 
-def _counted(loaded: LoadedModel, model: ShardedModel, prompts, reference, config: CompareConfig, tree):
-    """One untimed greedy run of `prompts` at the counting batch size: (its tokens/step, rows unlike `reference`)."""
+def _counted(loaded: LoadedModel, model: ShardedModel, prompts, reference, config: CompareConfig, tree) -> dict:
+    """One untimed greedy run of `prompts` at the counting batch size: its tokens/step and rows unlike `reference`."""
     run = generate_batch(model, prompts, _settings(loaded, config, min(config.count_batch, len(prompts)), tree),
                          progress=False)
-    return run.tokens_per_step, sum(a != b for a, b in zip(_tokens(run), reference))
+    return {"tokens_per_step": run.tokens_per_step, "mismatches": sum(a != b for a, b in zip(_tokens(run), reference))}
 
 
 def count_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts, reference,
@@ -73,8 +73,7 @@ def count_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, 
     for nodes in config.tree_sizes:
         order = tree_choice.greedy_tree(accuracy_mr, nodes)
         tree = build_tree([p for p, _ in order], name=f"greedy_{len(order)}")
-        tokens_per_step, mismatches = _counted(loaded, model, prompts, reference, config, tree)
-        rows.append({"nodes": len(order), "tokens_per_step": tokens_per_step, "mismatches": mismatches,
+        rows.append({"nodes": len(order), **_counted(loaded, model, prompts, reference, config, tree),
                      "predicted_tokens_per_step": tree_choice.expected_tokens_per_step(
                          [p for p, _ in order], accuracy_mr)})
     return rows
@@ -90,8 +89,7 @@ def count_chain_tokens_per_step(loaded: LoadedModel, heads: MedusaHeads, prompts
         if length < 1 or length > heads.config.num_heads:
             continue
         tree = build_tree([[0] * depth for depth in range(1, length + 1)], name=f"chain_{length}")
-        tokens_per_step, mismatches = _counted(loaded, model, prompts, reference, config, tree)
-        rows.append({"chain": length, "tokens_per_step": tokens_per_step, "mismatches": mismatches})
+        rows.append({"chain": length, **_counted(loaded, model, prompts, reference, config, tree)})
     return rows
 
 
@@ -123,10 +121,9 @@ def count_dynamic(loaded: LoadedModel, heads: MedusaHeads, accuracy_mr, prompts,
         if tree.nodes not in static:  # the greedy static tree of the same node budget
             static[tree.nodes] = count_tokens_per_step(
                 loaded, heads, accuracy_mr, prompts, reference, dataclasses.replace(config, tree_sizes=(tree.nodes,)))[0]
-        tokens_per_step, mismatches = _counted(loaded, model, prompts, reference, config, tree)
-        base_row = static[tree.nodes]
-        rows.append({"nodes": tree.nodes, "top_k": tree.top_k, "depth": tree.depth, "tree": tree.name,
-                     "tokens_per_step": tokens_per_step, "mismatches": mismatches,
+        counted, base_row = _counted(loaded, model, prompts, reference, config, tree), static[tree.nodes]
+        tokens_per_step = counted["tokens_per_step"]
+        rows.append({"nodes": tree.nodes, "top_k": tree.top_k, "depth": tree.depth, "tree": tree.name, **counted,
                      "static_nodes": base_row["nodes"], "static_tokens_per_step": base_row["tokens_per_step"],
                      "ratio_to_static": tokens_per_step / base_row["tokens_per_step"]})
         progress(f"  {tree.name}: tokens/step {tokens_per_step:.3f} (static {base_row['tokens_per_step']:.3f}, "
@@ -220,9 +217,7 @@ def compare_drafts(loaded: LoadedModel, name: str, prompts, reference, config: C
     counted = []
     for nodes in config.tree_sizes:
         model, tree = drafts_model(loaded, name, nodes, min(config.count_batch, len(prompts)), heads_of)
-        tokens_per_step, mismatches = _counted(loaded, model, prompts, reference, config, tree)
-        counted.append({"nodes": nodes, "tree": tree.name, "tokens_per_step": tokens_per_step,
-                        "mismatches": mismatches})
+        counted.append({"nodes": nodes, "tree": tree.name, **_counted(loaded, model, prompts, reference, config, tree)})
     progress("tokens/step " + ", ".join(f"{r['nodes']} nodes {r['tokens_per_step']:.2f}" for r in counted))
     budget = int(DEFAULT_TEMPLATE.split("_")[1]) if name == "recycle" else DEFAULT_BUDGET
 

@@ -68,16 +68,14 @@ def _child(model_dir: str, mesh_spec: str, mode: str) -> dict:
     anon_peak_kib = sampler.stop()
     shards = [s for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards]
     on_devices = sum(s.data.nbytes for s in shards)
-    per_device: dict[str, int] = {}
-    for s in shards:
-        per_device[str(s.device.id)] = per_device.get(str(s.device.id), 0) + s.data.nbytes
+    most = max(sum(s.data.nbytes for s in shards if s.device == device) for device in {s.device for s in shards})
     mib = 1 / 1024
     return {"mesh": mesh_spec or "single", "devices": mesh.size, "mode": mode, "seconds": round(seconds, 2),
             "baseline_mib": round(baseline_kib * mib, 1), "peak_total_mib": round(_status_kib("VmHWM") * mib, 1),
             "peak_anon_mib": round(anon_peak_kib * mib, 1),
             "anon_growth_mib": round((anon_peak_kib - anon_base_kib) * mib, 1),
             "on_devices_mib": round(on_devices / 2**20, 1),
-            "max_per_device_mib": round(max(per_device.values()) / 2**20, 1)}
+            "max_per_device_mib": round(most / 2**20, 1)}
 
 
 DEFAULT_RUNS = ("1::sharded", "8:fsdp=8:sharded", "8:data=2,fsdp=4:sharded", "8:data=8:sharded",
@@ -85,19 +83,19 @@ DEFAULT_RUNS = ("1::sharded", "8:fsdp=8:sharded", "8:data=2,fsdp=4:sharded", "8:
 
 
 def parse_run(text: str) -> tuple[int, str, str]:
-    """'DEVICES:MESH:MODE' (e.g. 8:fsdp=8:sharded; MESH '' = one device) -> (devices, mesh, mode); a ValueError
-    says what is wrong."""
+    """--runs 'DEVICES:MESH:MODE' (e.g. 8:fsdp=8:sharded; MESH '' = one device) -> (devices, mesh, mode); a
+    ValueError says what is wrong."""
     parts = text.split(":")
     if (len(parts) != 3 or not (parts[0].isascii() and parts[0].isdigit()) or int(parts[0]) < 1
             or parts[2] not in MODES):
-        raise ValueError(f"{text!r}: expected DEVICES:MESH:MODE with DEVICES >= 1 and MODE sharded or via_one, e.g. "
-                         f"8:fsdp=8:sharded")
+        raise ValueError(f"--runs {text!r}: expected DEVICES:MESH:MODE with DEVICES >= 1 and MODE sharded or "
+                         f"via_one, e.g. 8:fsdp=8:sharded")
     try:
         size = MeshConfig.parse(parts[1]).size if parts[1] else 1
     except ValueError as e:
-        raise ValueError(f"{text!r}: {e}") from None
+        raise ValueError(f"--runs {text!r}: {e}") from None
     if size > int(parts[0]):
-        raise ValueError(f"{text!r}: the mesh needs more devices than given")
+        raise ValueError(f"--runs {text!r}: the mesh needs more devices than given")
     return int(parts[0]), parts[1], parts[2]
 
 

@@ -7,13 +7,13 @@ import argparse
 import json
 
 import jax
-import numpy as np
 
 from medusa_jax.bench.bench_inputs import fastest
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.training.plan import random_packed_batch
 from medusa_jax.training.trainer import TrainConfig, Trainer
 from medusa_jax.demo_model import resolve_model_dir
 from medusa_jax.hf.load import load_pretrained
@@ -37,11 +37,7 @@ def demo_model_and_heads(lm_head: str = "shared"):
 def train_case(base, heads, medusa2: bool, setting: str, rows: int, seq: int, repeats: int) -> float:
     extra = {} if LayerExecution is None else {"layers": LayerExecution(**SETTINGS[setting])}
     trainer = Trainer(base, heads, TrainConfig(medusa2=medusa2, warmup_steps=0, **extra), MeshConfig().make_mesh())
-    rng = np.random.default_rng(0)
-    batch = {"tokens": rng.integers(0, base.config.vocab_size, (rows, seq)).astype(np.int32),
-             "segment_ids": np.ones((rows, seq), np.int32),
-             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (rows, seq)).copy(),
-             "loss_mask": np.ones((rows, seq), bool)}
+    batch = random_packed_batch(base.config.vocab_size, rows, seq)
     return fastest(lambda: jax.block_until_ready(trainer.train_step(batch)["loss"]), repeats)[1]
 
 

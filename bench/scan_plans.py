@@ -17,8 +17,7 @@ from medusa_jax.atomic import write_text_atomic  # noqa: E402
 from medusa_jax.model.config import LayerExecution  # noqa: E402
 from medusa_jax.model.sharding import MeshConfig  # noqa: E402
 from medusa_jax.training.memory_plan import estimate_per_device, lower_bound  # noqa: E402
-from medusa_jax.training.plan import DEVICES, PlanConfig, compile_plan  # noqa: E402
-from medusa_jax.training.presets import model_config  # noqa: E402
+from medusa_jax.training.plan import DEVICES, PlanConfig, compile_plan, model_config  # noqa: E402
 
 SCANNED = LayerExecution(scan=True, remat="full")
 # (model, Medusa-2, weight dtype, mesh): the table's training rows, and the bf16-weight rows the recipes use

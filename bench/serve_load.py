@@ -78,9 +78,7 @@ async def chat(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
 
 def percentiles(values: list) -> dict:
     values = [v for v in values if v is not None]
-    if not values:
-        return {"p50": None, "p95": None}
-    return {"p50": round(float(np.percentile(values, 50)), 4), "p95": round(float(np.percentile(values, 95)), 4)}
+    return {f"p{q}": round(float(np.percentile(values, q)), 4) if values else None for q in (50, 95)}
 
 
 async def load_level(a: ServeLoadConfig, model: str, clients: int) -> dict:

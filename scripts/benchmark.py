@@ -100,13 +100,11 @@ def mtbench_main(argv: list[str]) -> int:
                     "(sampling: sampling.json, sampling.md); the committed results in bench/ are written only when "
                     "named here")
     a = p.parse_args(argv)
-    try:  # the flags, before anything loads
+    with p.checking():  # the flags, before anything loads
         config = config_from(BenchmarkConfig, a)
         options.tree_arg("--tree", a.tree)
         options.out_folder(a, heads=a.heads)
         options.heads_arg("--heads", a.heads)
-    except ValueError as e:
-        p.error(str(e))
     run, write = run_benchmark, write_report
     if a.temperatures is not None:  # sampling mode (bench/sampling_benchmark.py)
         config, run, write = config_from(SamplingBenchConfig, a), run_sampling_benchmark, write_sampling_report
@@ -143,7 +141,7 @@ def quick_main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     a = p.parse_args(argv)
     trees = tuple(t for t in a.trees.split(",") if t.strip())
-    try:  # the flags, before anything loads
+    with p.checking():  # the flags, before anything loads
         if not trees:
             raise ValueError(f"--trees {a.trees!r}: give at least one tree preset or JSON file, comma-separated")
         for tree in trees:
@@ -151,8 +149,6 @@ def quick_main(argv: list[str]) -> int:
         if a.heads is not None:
             options.heads_arg("--heads", a.heads)
         config = config_from(QuickConfig, a, trees=trees)
-    except ValueError as e:
-        p.error(str(e))
     try:
         loaded = load_model(options.model_arg("--model", a.model), a.heads)
         heads = loaded.heads or init_heads(
@@ -177,12 +173,10 @@ def teacher_mass_main(argv: list[str]) -> int:
                       "rest"), Option("--max-positions", "held-out positions measured at most"))
     options.SEED_OPTION.add(p, default=d.seed, more="the held-out split")
     a = p.parse_args(argv)
-    try:  # the flags, before anything loads
+    with p.checking():  # the flags, before anything loads
         config = config_from(TeacherMassConfig, a)
         if not is_store(a.data):
             raise ValueError(f"--data {a.data} is not a self-distilled Arrow store")
-    except ValueError as e:
-        p.error(str(e))
     try:
         base = load_pretrained(options.model_arg("--model", a.model, tokenizer=False))
     except FAILURES as e:
@@ -226,15 +220,13 @@ def heads_main(argv: list[str]) -> int:
     options.OUT.add(p, default="artifacts/benchmark_heads", more="folder for heads.json, heads.md and "
                     "heads.png; the committed bench/heads is written only when named here")
     a = p.parse_args(argv)
-    try:  # the flags, before anything loads
+    with p.checking():  # the flags, before anything loads
         labels = heads_comparison.parse_labels(a.heads)
         config = config_from(CompareConfig, a)
         drafts = {label: name for label, name in labels.items() if heads_comparison.is_drafts(name)}
         for label, folder in labels.items():
             options.out_folder(a, heads=options.heads_mix_arg("--heads", folder) if label in drafts else folder,
                                data=a.data)
-    except ValueError as e:
-        p.error(str(e))
     try:
         folders = {label: options.heads_arg("--heads", f) for label, f in labels.items() if label not in drafts}
         loaded = load_model(options.model_arg("--model", a.model), None)
@@ -270,10 +262,8 @@ def calibration_main(argv: list[str]) -> int:
     options.OUT.add(p, required=True, more="folder for calibration.json and calibration.md (no default: "
                     "the committed bench/calibration is written only when named here)")
     a = p.parse_args(argv)
-    try:
+    with p.checking():
         options.out_folder(a, heads=a.heads)
-    except ValueError as e:
-        p.error(str(e))
     try:
         options.heads_arg("--heads", a.heads)
         loaded = load_model(options.model_arg("--model", a.model), a.heads)

@@ -35,7 +35,6 @@ from medusa_jax.paths import command_line
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.trees.policy.calibration import machine_description
 from medusa_jax.bench.bench_inputs import mtbench_questions
-from medusa_jax.bench.op_profile import op_times
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import (ArgumentParser, at_least, each, in_range, parse_int_list,
                                          parse_positive_int_list, run_mode)
@@ -174,7 +173,7 @@ def decode_main(argv: list[str]) -> int:
         loaded.base, loaded.folder, prompts, max_new_tokens=a.max_new_tokens, torch_threads=a.torch_threads,
         rounds=a.rounds, bandwidth_bytes=a.bandwidth_mib << 20, progress=lambda m: print(m, flush=True))
     if a.profile:
-        results["profile"] = op_times(
+        results["profile"] = decode_benchmark.op_times(
             lambda: generate(loaded.base, [prompts[0]], max_new_tokens=a.max_new_tokens, eos_ids=()),
             per=a.max_new_tokens)
     results["questions"] = [{"question_id": q.question_id, "category": q.category} for q in questions]

@@ -30,10 +30,8 @@ def main(argv=None) -> int:
     options.OUT.add(p, default="artifacts/benchmark_loading", more="folder for loading.json and loading.md; the "
                     "committed bench/loading is written only when named here")
     a = p.parse_args(argv)
-    try:
-        runs = [parse_run(run) for run in a.runs]
-    except ValueError as e:
-        p.error(f"--runs {e}")
+    with p.checking():
+        runs = [parse_run(run) for run in a.runs]  # its errors name --runs
     try:
         options.out_folder(a)
         folder = str(options.model_arg("--model", a.model, tokenizer=False))

@@ -16,12 +16,11 @@ from medusa_jax.heads.recycle_file import starting_table
 from medusa_jax.bench.bench_inputs import git_revision, mtbench_questions
 from medusa_jax.bench.bench_report import machine_line
 from medusa_jax.inference.loaded_model import load_model
-from medusa_jax.paths import command_line
+from medusa_jax.paths import command_line, portable_path
 from medusa_jax.trees.policy.calibration import machine_description
 from medusa_jax.bench.recycle_bench import RecycleBenchConfig, run_recycle_bench, write_report
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, parse_positive_int_list
-from medusa_jax.paths import portable_path
 from medusa_jax.scripts.options import Option, add_fields, config_from
 
 

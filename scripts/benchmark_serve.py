@@ -42,11 +42,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ServeLoadConfig]:
                Option("--timeout", "seconds one request may take at most", check=at_least(1.0)))
     options.OUT.add(p, required=True, more="JSON file for the results (written atomically)")
     a = p.parse_args(argv)
-    try:
+    with p.checking():
         config = config_from(ServeLoadConfig, a)
         validate.output_file("--out", a.out)
-    except ValueError as e:
-        p.error(str(e))
     return a, config
 
 

@@ -56,10 +56,8 @@ def main(argv=None) -> int:
                Option("--context", "committed tokens in the cache when timing"),
                Option("--repeats", "timed calls per size (median)"))
     a = p.parse_args(argv)
-    try:
+    with p.checking():
         config = config_from(BuildTreeConfig, a)
-    except ValueError as e:
-        p.error(str(e))
     try:
         inputs = {"--model": options.model_location(a.model), "--data": options.data_arg("--data", a.data)}
         if a.out is not None:

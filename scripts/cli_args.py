@@ -4,6 +4,7 @@ and the value rules; the parser's rules are in docs/modules.md."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from typing import Callable
@@ -11,7 +12,6 @@ from typing import Callable
 from medusa_jax.model.sharding import MeshConfig
 # the value rules live with the settings they check (medusa_jax.settings); the commands take them from here too
 from medusa_jax.settings import SEED, Rule, above, at_least, each, each_or_none, in_range, shown  # noqa: F401
-
 
 
 def _list_of(kind: type, what: str) -> Callable[[str], tuple]:
@@ -83,6 +83,14 @@ class ArgumentParser(_Checked, argparse.ArgumentParser):
             message += f" (see {self.prog} --help)"
         sys.stderr.write(f"error: {message}\n")
         sys.exit(2)
+
+    @contextlib.contextmanager
+    def checking(self):
+        """`with p.checking():` a ValueError inside (a validate.UsageError among them) is a bad command line."""
+        try:
+            yield
+        except ValueError as e:
+            self.error(str(e))
 
     def parse_args(self, args=None, namespace=None):
         ns = super().parse_args(args, namespace)

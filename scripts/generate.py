@@ -114,10 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     add_distributed_args(p)
     a = p.parse_args(argv)
-    try:
+    with p.checking():
         check(a)
-    except validate.UsageError as e:
-        p.error(str(e))
     return a
 
 
@@ -189,9 +187,7 @@ def recycle_drafter(base, table_file: str | None):
 
 def decoder_fields(chosen) -> dict:
     """With --heads, each row says how it was decoded: {"decoder": "medusa" | "plain", "tree": origin/why}."""
-    if chosen is None:
-        return {}
-    return {"decoder": "plain" if chosen.tree is None else "medusa", "tree": chosen.note}
+    return {} if chosen is None else {"decoder": "plain" if chosen.tree is None else "medusa", "tree": chosen.note}
 
 
 def run(a: argparse.Namespace, folder, records, tokenizer, eos) -> int:

@@ -1,11 +1,5 @@
 """The options several commands share, each declared once (flag, type, value rule, help), and beside each the check
-of what its value names, run before any model loads.
-
-A command adds an option with `MODEL.add(parser, default="default")`: keyword arguments are add_argument's
-(default, required, action, metavar), `more=` appends the command's own words to the shared help, `help=` replaces
-it where the command reads the value its own way. Parse-time rules are `cli_args` rules; the checks below raise
-`validate.UsageError` naming the flag and the fix.
-"""
+of what its value names, run before any model loads (how a command adds them: docs/modules.md)."""
 
 from __future__ import annotations
 
@@ -97,9 +91,7 @@ def model_location(arg: str | os.PathLike | None) -> Path | None:
         return None
     if is_default_model(arg):
         return default_model_dir()
-    if is_hub_id(arg):
-        return cached_folder(str(arg))
-    return Path(arg)
+    return cached_folder(str(arg)) if is_hub_id(arg) else Path(arg)
 
 
 def model_folder(flag: str, folder: str | os.PathLike, *, tokenizer: bool = True, weights: bool = True) -> Path:
@@ -163,9 +155,7 @@ def heads_location(arg: str | os.PathLike | None) -> Path | None:
         return None
     if str(arg) in SHIPPED_HEADS:
         return shipped_heads_dir(SHIPPED_HEADS[str(arg)])
-    if is_hub_id(arg):
-        return cached_folder(str(arg))
-    return Path(arg)
+    return cached_folder(str(arg)) if is_hub_id(arg) else Path(arg)
 
 
 def heads_arg(flag: str, arg: str) -> Path:

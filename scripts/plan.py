@@ -29,10 +29,9 @@ from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.sharded import load_sharded
 from medusa_jax.training.memory_plan import estimate_per_device
-from medusa_jax.training.plan import (JOBS, PlanConfig, compile_plan, device_capacity, largest_batch,
-                                      measure_train_step)
+from medusa_jax.training.plan import (JOBS, PRESETS, PlanConfig, compile_plan, device_capacity, largest_batch,
+                                      measure_train_step, model_config)
 from medusa_jax.training.plan_report import build_table, describe, warnings
-from medusa_jax.training.presets import PRESETS, model_config
 from medusa_jax.progress import heartbeat
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, in_range, run_mode
@@ -164,10 +163,8 @@ def table_main(argv: list[str]) -> int:
                    help="compile nothing: the table from OUT/plans.json (and the exact lower bounds), missing plans "
                         "shown as 'not planned'")
     args = p.parse_args(argv)
-    try:
+    with p.checking():
         options.out_folder(args)
-    except validate.UsageError as e:
-        p.error(str(e))
 
     models = tuple(m for m in args.models.split(",") if m)
     unknown = [m for m in models if m not in PRESETS]
@@ -223,14 +220,10 @@ def vs_device_main(argv: list[str]) -> int:
     except (ValueError, OSError) as e:
         return validate.fail(e)
     common = ["--model", folder, "--job", args.job, "--batch", str(args.batch), "--seq", str(args.seq), "--num-heads",
-              str(args.num_heads), "--dtype", args.dtype, "--json"]
-    if args.job == "train":
-        extra = ["--remat", args.remat, "--attention", args.attention, "--loss-chunk", str(args.loss_chunk),
-                 "--optimizer-dtype", args.optimizer_dtype] + ["--medusa2"] * args.medusa2 + \
-            ["--scan-layers"] * args.scan
-    else:
-        extra = ["--lm-head", "shared", "--cache", str(args.cache), "--tree", args.tree, "--attention",
-                 args.attention] + ["--scan-layers"] * args.scan
+              str(args.num_heads), "--dtype", args.dtype, "--attention", args.attention, "--json"]
+    extra = (["--remat", args.remat, "--loss-chunk", str(args.loss_chunk), "--optimizer-dtype", args.optimizer_dtype]
+             + ["--medusa2"] * args.medusa2 if args.job == "train" else
+             ["--lm-head", "shared", "--cache", str(args.cache), "--tree", args.tree]) + ["--scan-layers"] * args.scan
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *common, *extra], capture_output=True,
                           text=True)
     if proc.returncode:

@@ -28,16 +28,13 @@ import time
 from pathlib import Path
 
 from medusa_jax.compile_cache import CompileCounter, enable_compile_cache
-from medusa_jax.text import TokenizerError, eos_token_ids, load_tokenizer, pad_token_id
-from medusa_jax.model.config import UnsupportedModelError
+from medusa_jax.text import eos_token_ids, load_tokenizer, pad_token_id
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.hf.tensor_files import CheckpointError
 from medusa_jax.heads import recycle
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
 from medusa_jax.inference.mixed_decoding import is_mix
 from medusa_jax.inference.served_drafter import served_drafter
-from medusa_jax.hub import HubError
 from medusa_jax.scripts import options, validate
 from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.sharding import MeshConfig, check_rows_split
@@ -82,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the model folder's name)")
     a = p.parse_args(argv)
-    try:
+    with p.checking():
         validate.given("--host", a.host, "an address such as 127.0.0.1")
         validate.given("--served-model-name", a.served_model_name, "a model id")
         validate.given("--heads", a.heads, "a heads folder, 'default', 'recycle', a mix such as "
@@ -101,8 +98,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         options.attention_here("--attention", a.attention)
         check_rows_split("--batch-size", a.batch_size, a.mesh)
         check_listen(a.host, a.port)
-    except ValueError as e:
-        p.error(str(e))
     return a
 
 
@@ -155,7 +150,7 @@ def main(argv=None) -> int:
     enable_compile_cache()
     try:
         engine, tokenizer, model_id = build_engine(a)
-    except (OSError, ValueError, CheckpointError, UnsupportedModelError, TokenizerError, HubError) as e:
+    except (OSError, ValueError) as e:  # HubError is an OSError, the others ValueErrors
         return validate.fail(e)
     import uvicorn  # lazy: only the server needs it
 

@@ -73,8 +73,7 @@ def not_an_input(flag: str, path: str | os.PathLike, inputs: Mapping[str, "str |
         if given is None:
             continue
         src = Path(given).expanduser().resolve()
-        same = out == src or (out.exists() and src.exists() and os.path.samefile(out, src))
-        if same:
+        if out == src or (out.exists() and src.exists() and os.path.samefile(out, src)):
             raise UsageError(f"{flag} {path} is the {in_flag} {'folder' if src.is_dir() else 'file'}: writing it "
                              f"would destroy the input; choose another {flag}")
         if src.is_dir() and out.is_relative_to(src):

@@ -23,10 +23,10 @@ from medusa_jax.model.backbone import CausalLM  # noqa: E402
 from medusa_jax.model.config import LayerExecution, ModelConfig  # noqa: E402
 from medusa_jax.model.sharding import MeshConfig  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
-from medusa_jax.training.plan import PlanConfig, compile_plan, largest_batch, train_config  # noqa: E402
+from medusa_jax.training.plan import (PRESETS, PlanConfig, compile_plan, largest_batch, model_config,  # noqa: E402
+                                      train_config)
 from medusa_jax.training.memory_plan import estimate_per_device as estimate  # noqa: E402
 from medusa_jax.training.trainer import Trainer  # noqa: E402
-from medusa_jax.training.presets import PRESETS, model_config  # noqa: E402
 
 # Llama-3's architecture (GQA 4:1, untied lm_head, llama3 RoPE) at a size that compiles in seconds
 SMALL = ModelConfig.from_hf_config({**PRESETS["llama3-8b"], "vocab_size": 512, "hidden_size": 128,

@@ -26,8 +26,7 @@ from medusa_jax.model.sharding import MeshConfig  # noqa: E402
 from medusa_jax.heads.init import init_heads  # noqa: E402
 from medusa_jax.training.trainer import TrainConfig, Trainer  # noqa: E402
 from medusa_jax.training import hlo_collectives as hc  # noqa: E402
-from medusa_jax.training.plan import PlanConfig, lower_train  # noqa: E402
-from medusa_jax.training.presets import PRESETS  # noqa: E402
+from medusa_jax.training.plan import PRESETS, PlanConfig, lower_train  # noqa: E402
 
 # q/o projections [128, 256], k/v [128, 64], MLP [128, 448] / [448, 128]: sizes no head or embedding shares
 SMALL = ModelConfig.from_hf_config({**PRESETS["llama3-8b"], "vocab_size": 512, "hidden_size": 128,

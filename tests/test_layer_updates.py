@@ -1,4 +1,4 @@
-"""The optimiser's update of stacked layers one layer at a time (training/layer_updates.py) and the scanned,
+"""The optimiser's update of stacked layers one layer at a time (training/trainer.py, layer_by_layer) and the scanned,
 rematerialised Medusa-2 step it belongs to (with 16-bit moments): the same updates, states and trained weights as
 the unrolled step with optax's whole-tree AdamW, with the global-norm clip active."""
 
@@ -16,7 +16,7 @@ from medusa_jax.heads.init import init_heads
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import LayerExecution, ModelConfig
 from medusa_jax.model.sharding import MeshConfig
-from medusa_jax.training.layer_updates import layer_by_layer
+from medusa_jax.training.trainer import layer_by_layer
 from medusa_jax.training.trainer import TrainConfig, Trainer, stored_in
 
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3,

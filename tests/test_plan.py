@@ -18,9 +18,8 @@ import pytest
 
 from medusa_jax.training.hlo_collectives import (entry_upcast_bytes, executed_collectives, loop_upcast_bytes,
                                                  shape_bytes)
-from medusa_jax.training.plan import device_capacity
+from medusa_jax.training.plan import PRESETS, device_capacity, model_config
 from medusa_jax.training.memory_plan import backbone_params
-from medusa_jax.training.presets import PRESETS, model_config
 from medusa_jax.training.plan_report import markdown_table, table_rows
 from medusa_jax.scripts import plan
 

@@ -42,35 +42,26 @@ def chunked_sums(sums_fn: Callable[..., tuple], arrays: tuple, pads: tuple, chun
     return total
 
 
-def _one_head(graphdef, state, inputs: tuple, lm_w_dv, targets_x, inverse_v, teacher_hidden_xd=None,
-              teacher_w_dv=None):
-    head = nnx.merge(graphdef, state)
-    h_xd = head(*inputs)
-    logits_xv = jnp.dot(h_xd, lm_w_dv.astype(h_xd.dtype)) if head.lm_head is None else head.lm_head(h_xd)
-    return losses.head_stats_with_teacher(logits_xv, targets_x, inverse_v, teacher_hidden_xd, teacher_w_dv)
-
-
 def head_sums(graphdef, state, inputs: tuple, lm_w_dv, targets_x, inverse_v, teacher_xd, teacher_w_dv,
               chunk: int) -> tuple:
     """One head's sums (losses.head_stats_with_teacher) on `inputs` (its call's arguments, [B, T, ...]) in token
     chunks."""
     def sums(*arrays):
         *inputs, targets_x, teacher_xd = arrays
-        return _one_head(graphdef, state, tuple(inputs), lm_w_dv, targets_x, inverse_v, teacher_xd, teacher_w_dv)
+        head = nnx.merge(graphdef, state)
+        h_xd = head(*inputs)
+        logits_xv = jnp.dot(h_xd, lm_w_dv.astype(h_xd.dtype)) if head.lm_head is None else head.lm_head(h_xd)
+        return losses.head_stats_with_teacher(logits_xv, targets_x, inverse_v, teacher_xd, teacher_w_dv)
 
     return chunked_sums(sums, (*inputs, targets_x, teacher_xd), (0,) * len(inputs) + (losses.NO_TARGET, 0), chunk)
 
 
 def _shared_weights(heads, base, with_teacher: bool):
     """(inverse token map or None, the base lm_head for shared heads or None, the teacher's weight or None)."""
-    inverse_v = None
-    if heads.token_map is not None:
-        inverse_v = losses.inverse_token_map(heads.token_map[...], heads.config.vocab_size)
+    token_map_u = None if heads.token_map is None else heads.token_map[...]
+    inverse_v = None if token_map_u is None else losses.inverse_token_map(token_map_u, heads.config.vocab_size)
     lm_w_dv = base.lm_head_weight() if heads.config.lm_head == "shared" else None
-    teacher_w_dv = None
-    if with_teacher:
-        token_map_u = None if heads.token_map is None else heads.token_map[...]
-        teacher_w_dv = losses.teacher_lm_weight(base.lm_head_weight(), token_map_u)
+    teacher_w_dv = losses.teacher_lm_weight(base.lm_head_weight(), token_map_u) if with_teacher else None
     return inverse_v, lm_w_dv, teacher_w_dv
 
 

@@ -103,9 +103,7 @@ def source_fingerprint(source: str | None) -> str:
 
 
 def cache_root(config: DataConfig) -> Path:
-    if config.cache_dir:
-        return Path(config.cache_dir)
-    return paths.cache_root() / "tokenized"
+    return Path(config.cache_dir) if config.cache_dir else paths.cache_root() / "tokenized"
 
 
 def tokenize_conversations(records: list[dict[str, Any]], tokenizer, eos_ids: tuple[int, ...],
@@ -176,12 +174,9 @@ def load_chat_data(source: str | None, tokenizer, eos_ids: tuple[int, ...], conf
     records, report = read_conversations(source, limit=config.limit)
     log(report.summary())
     ds = tokenize_conversations(records, tokenizer, eos_ids, config, source_fingerprint(source))
-    seqs, dropped = [], 0
-    for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
-        if not any(mask):
-            dropped += 1
-            continue
-        seqs.append((np.asarray(ids, np.int32), np.asarray(mask, np.int8)))
+    ids_masks = list(zip(ds["input_ids"], ds["loss_mask"]))
+    seqs = [(np.asarray(ids, np.int32), np.asarray(mask, np.int8)) for ids, mask in ids_masks if any(mask)]
+    dropped = len(ids_masks) - len(seqs)
     if not seqs:
         raise DataError(f"{report.source}: no conversation has assistant tokens within the first "
                         f"{config.seq_len} tokens")

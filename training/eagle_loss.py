@@ -1,5 +1,5 @@
 """EAGLE drafter training: teacher forcing on the base's features, EAGLE-1's objective (feature SmoothL1 + CE),
-depths > 1 trained as they draft; docs/modules.md."""
+depths > 1 trained as they draft; EAGLE-3's training-time test (CE only, on fused features); docs/modules.md."""
 
 from __future__ import annotations
 
@@ -8,14 +8,10 @@ import jax.numpy as jnp
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.eagle import EagleDrafter
+from medusa_jax.heads.eagle3 import Eagle3Drafter
 from medusa_jax.training import losses
+from medusa_jax.training.losses import shifted
 from medusa_jax.training.data import segment_mask
-
-
-def _shift(x_bt, fill=0):
-    """x at t + 1 (fill past the row's end)."""
-    pad = jnp.full_like(x_bt[:, :1], fill)
-    return jnp.concatenate([x_bt[:, 1:], pad], axis=1)
 
 
 def feature_noise(seeds_b, shape_td, scale: float, dtype) -> jax.Array:
@@ -47,12 +43,6 @@ def base_greedy(base: CausalLM, hidden_btd: jax.Array, chunk: int = 256) -> jax.
     return ids.reshape(-1)[:n].reshape(b, t)
 
 
-def _shift_by(x_btx, k: int, fill=0):
-    """x at t + k along axis 1 (fill past the row's end)."""
-    pad = jnp.full((x_btx.shape[0], k) + x_btx.shape[2:], fill, x_btx.dtype)
-    return jnp.concatenate([x_btx[:, k:], pad], axis=1)
-
-
 def eagle_stats(drafter: EagleDrafter, base: CausalLM, batch: dict, *, noise: float, feature_weight: float,
                 ce_weight: float, depth: int = 1, decay: float = 1.0,
                 full_vocab_targets: bool = False) -> tuple[jax.Array, losses.HeadStats, dict]:
@@ -64,7 +54,7 @@ def eagle_stats(drafter: EagleDrafter, base: CausalLM, batch: dict, *, noise: fl
     tokens_bt, seg_bt = batch["tokens"], batch["segment_ids"]
     inputs_btd = feat_btd + feature_noise(noise_seeds(batch), feat_btd.shape[1:], noise, feat_btd.dtype)
     if depth == 1:
-        out_btd, _ = drafter(inputs_btd, _shift(tokens_bt), batch["positions"], segment_mask(seg_bt), None, base)
+        out_btd, _ = drafter(inputs_btd, shifted(tokens_bt, 1), batch["positions"], segment_mask(seg_bt), None, base)
         outs = [out_btd]
     else:
         outs = list(drafter.unrolled(inputs_btd, tokens_bt, base, depth, seg_bt))
@@ -103,8 +93,8 @@ def depth_stats(drafter, base: CausalLM, out_btd: jax.Array, batch: dict, k: int
     distribution over the drafter's vocabulary, count, total, top-1, top-5))."""
     f, (teacher_w_du, inverse) = jnp.float32, teacher
     seg_bt = batch["segment_ids"]
-    target_btd = jax.lax.stop_gradient(_shift_by(batch["feat"].astype(f), k))
-    valid_bt = (seg_bt > 0) & (_shift_by(seg_bt, k) == seg_bt) & _shift_by(batch["loss_mask"].astype(bool), k, False)
+    target_btd = jax.lax.stop_gradient(shifted(batch["feat"].astype(f), k))
+    valid_bt = (seg_bt > 0) & (shifted(seg_bt, k) == seg_bt) & shifted(batch["loss_mask"].astype(bool), k, False)
     teacher_btu = jnp.dot(target_btd.astype(teacher_w_du.dtype), teacher_w_du).astype(f)
     student_btu = drafter.logits(out_btd, base)
     ce_bt = -jnp.sum(jax.nn.softmax(teacher_btu, axis=-1) * jax.nn.log_softmax(student_btu, axis=-1), axis=-1)
@@ -116,3 +106,29 @@ def depth_stats(drafter, base: CausalLM, out_btd: jax.Array, batch: dict, k: int
     _, _, total, top1, top5 = losses.one_head_stats(student_btu, jnp.where(valid_bt, greedy_bt, losses.NO_TARGET),
                                                     inverse)
     return target_btd, valid_bt, (ce_sum, jnp.sum(valid_bt, dtype=f), total, top1, top5)
+
+
+# ---- EAGLE-3 (Li et al., 2025): the training-time test, cross-entropy only, over the draft vocabulary --------------
+def with_features(base: CausalLM, batch: dict, feature_layers: tuple[int, ...]) -> dict:
+    """The batch with "feat" [B, T, D] (final hidden states) and "taps" [B, T, len * D] from one frozen forward
+    of its packed rows."""
+    hidden_btd, _, taps_btf = base.forward_taps(batch["tokens"], batch["positions"], segment_mask(batch["segment_ids"]),
+                                                None, feature_layers)
+    return {**batch, "feat": jax.lax.stop_gradient(hidden_btd), "taps": jax.lax.stop_gradient(taps_btf)}
+
+
+def eagle3_stats(drafter: Eagle3Drafter, base: CausalLM, batch: dict, *, noise: float, depth: int,
+                 decay: float = 0.8, full_vocab_targets: bool = False) -> tuple[jax.Array, losses.HeadStats, dict]:
+    """(loss, HeadStats with one row per depth, {"ce_loss"}) of one batch with "feat" and "taps"."""
+    taps_btf = batch["taps"].astype(jnp.float32)
+    h_btd = drafter.project(taps_btf + feature_noise(noise_seeds(batch), taps_btf.shape[1:], noise, taps_btf.dtype))
+    outs = drafter.unrolled(h_btd, batch["tokens"], base, depth, batch["segment_ids"])
+    teacher = draft_teacher(drafter, base)
+    per_depth, loss, ce_total = [], 0.0, 0.0
+    for k in range(1, depth + 1):
+        _, _, row = depth_stats(drafter, base, outs[k - 1], batch, k, teacher, full_vocab_targets)
+        per_depth.append(row)
+        ce_sum, denom = row[0], jnp.maximum(row[1], 1.0)
+        loss = loss + decay ** (k - 1) * ce_sum / denom
+        ce_total = ce_total + ce_sum / denom
+    return loss, losses.stack_stats(per_depth), {"ce_loss": ce_total / depth}

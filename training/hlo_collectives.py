@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -153,13 +154,8 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, 
 
 def shape_bytes(shape: str) -> int:
     """Bytes of an HLO result type, e.g. 'bf16[8,64]{1,0}' or a tuple '(f32[4], f32[4])' (summed)."""
-    total = 0
-    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
-        n = 1
-        for d in dims.split(","):
-            n *= int(d) if d else 1
-        total += n * _BYTES.get(dtype, 4)
-    return total
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 4)
+               for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape))
 
 
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")

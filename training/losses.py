@@ -41,6 +41,11 @@ class HeadStats:
         return out
 
 
+def shifted(x_btx, k: int, fill=0) -> jax.Array:
+    """x at t + k along axis 1 (`fill` past the row's end)."""
+    return jnp.concatenate([x_btx[:, k:], jnp.full_like(x_btx[:, :k], fill)], axis=1)
+
+
 def shifted_targets(tokens_bt, loss_mask_bt, segment_ids_bt, offset: int) -> jax.Array:
     """[B, T] targets: tokens[t + offset] where that token is a loss token of the same segment, else -1."""
     b, t = tokens_bt.shape

@@ -1,45 +1,6 @@
 """The one memory estimator: closed-form bytes from a model's shapes, for the trainer's check before it loads
-anything (`estimate_run`, `check_fits`) and for the planner's per-device estimate of a train or decode job
-beside its compiled plan (`estimate_per_device`, `lower_bound`; medusa_jax.training.plan). Both count parameters
-with `backbone_params` and `heads_params`.
-
-A training run on one host (`estimate_run`; bytes, float32 everywhere, as the trainer stores weights and
-optimiser state):
-  weights      4 x (backbone parameters + head parameters), + 4 x backbone for the frozen reference of
-               --distill-kl
-  optimizer    12 x trainable parameters: the gradient and AdamW's two moments (the heads; the backbone too
-               with --medusa2; not the lm_heads with --freeze-lm-heads)
-  logits       12 x P x K x V_head: P positions per step (--batch-size x --seq-len, or --cached-batch-size),
-               K heads, V_head = the head's output width (the full vocabulary for own/shared lm_heads, N for
-               truncated:N); three float32 [P, V_head] blocks per head (logits, softmax, gradient) live at
-               once, for all heads together (XLA on CPU schedules the heads side by side). With --medusa2 the
-               backbone's own logits add 12 x P x V.
-  backbone     frozen backbone in the step: 4 x P x (4 D + 2 F) for one layer's activations plus one query block's
-               attention scores 4 x B x heads x min(T, 512) x T; with --medusa2 every layer's activations are kept for
-               the backward pass (x layers).
-  overhead     1.5 GiB: the Python process, XLA, tokenizer and data.
-Checked against measured peaks (VmHWM) on SmolLM2-135M: the estimates and peaks are in docs/training.md
-("Memory plan").
-
-One device of a mesh (`estimate_per_device`, for a `training.plan.PlanConfig`), following the layouts of
-`medusa_jax.model.sharding`: weight matrices split over fsdp x tensor, norms replicated, biases over tensor;
-each layer's K and V cache buffers split over rows (data x fsdp) and KV heads (tensor); Adam's two moments
-like their parameters. Activations are the largest working sets, not a full liveness analysis:
-  decode  prefill: one layer's attention scores and probabilities (fp32) of one query block of 2048 (--attention
-          chunked; every prompt token with xla) and MLP activations of the prompt, for one length group of rows
-          (`inference.autoregressive.prefill_groups`), and that group's fresh cache;
-          loop: the tree's base logits and the heads' logits (fp32)
-  train   every head's logits and their gradient (fp32; XLA runs the heads side by side; one chunk of tokens
-          with `--loss-chunk`), with fsdp > 1 each own lm_head whole twice (gathered, and its gradient before the
-          reduction; one head's at a time with `--loss-chunk`); the backbone's forward one layer at a time with
-          one query block's attention scores (Medusa-1: nothing is kept for the backward pass), or what `--remat`
-          saves of every layer (none: its activations; full: its input; dots: its products) plus two layers'
-          working sets and the LM loss's logits (Medusa-2); the trainable parameters' gradients; with fsdp > 1
-          and the layers scanned (`--scan-layers`), two layers' weights gathered (one in use, the next arriving;
-          each layer is cast to the compute dtype inside the scan) and the base lm_head where the step reads it;
-          unrolled, every weight gathered (XLA's CPU schedule of the unrolled step keeps many gathered weights
-          live). Adam's moments take `optimizer_dtype`.
-"""
+anything (`estimate_run`, `check_fits`) and for the planner's per-device estimate beside a compiled plan
+(`estimate_per_device`, `lower_bound`); what each term counts: docs/planning.md, "The analytic estimate"."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 class MetricsLog:
     """`log.write(record)` appends to the JSONL log and writes its scalars to TensorBoard (and W&B);
-    `log.close()` flushes. Only process 0 makes one (`enabled`)."""
+    `log.close()` flushes. Only process 0 makes one (training.run)."""
 
     def __init__(self, output: str | Path, *, resume_step: int | None = None, wandb_project: str | None = None,
                  run_config: dict[str, Any] | None = None, log_name: str = "train_log.jsonl"):
@@ -64,16 +64,6 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
-
-
-class NoLog:
-    """What processes other than 0 write: nothing."""
-
-    def write(self, record: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def read_log(path: Path) -> tuple[list[dict], list[dict]]:

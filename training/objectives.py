@@ -16,8 +16,7 @@ from medusa_jax.model.config import resolve_dtype
 from medusa_jax.heads.hydra import path_tokens
 from medusa_jax.training import chunked_loss, losses
 from medusa_jax.training.data import segment_mask
-from medusa_jax.training.eagle3_loss import eagle3_stats, with_features
-from medusa_jax.training.eagle_loss import eagle_stats
+from medusa_jax.training.eagle_loss import eagle3_stats, eagle_stats, with_features
 
 
 def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
@@ -25,12 +24,6 @@ def backbone_hidden(base: CausalLM, batch: dict[str, jax.Array]) -> jax.Array:
     cache-free forward: no KV cache is built)."""
     hidden_btd, _ = base(batch["tokens"], batch["positions"], segment_mask(batch["segment_ids"]))
     return hidden_btd
-
-
-def shifted_hidden(hidden_btd, offset: int):
-    """[B, T, D]: the hidden state at t + offset (zeros past the row's end; those positions have no target)."""
-    pad = jnp.zeros_like(hidden_btd[:, :offset])
-    return jnp.concatenate([hidden_btd[:, offset:], pad], axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +52,7 @@ def _head_inputs(base: CausalLM, heads, batch: dict, s: LossSettings):
     targets = losses.head_targets(batch["tokens"], batch["loss_mask"], batch["segment_ids"], num_heads)
     if config.uses_teacher:
         frozen_hidden = jax.lax.stop_gradient(hidden)
-        teacher = [shifted_hidden(frozen_hidden, 1 + i) for i in range(num_heads)]
+        teacher = [losses.shifted(frozen_hidden, 1 + i) for i in range(num_heads)]  # zeros: no target there
     return hidden, targets, path_tokens(batch["tokens"], num_heads), teacher
 
 
@@ -105,7 +98,7 @@ def eagle_loss(base: CausalLM, drafter, batch: dict, s: LossSettings):
 
 def eagle3_loss(base: CausalLM, drafter, batch: dict, s: LossSettings):
     """The EAGLE-3 drafter: cross-entropy over unrolled steps on the fused features the frozen backbone gives in
-    the step (packed rows only; eagle3_loss.py)."""
+    the step (packed rows only; eagle_loss.py)."""
     cfg = s.config
     return eagle3_stats(drafter, base, with_features(base, batch, drafter.feature_layers),
                         noise=0.0 if s.full_vocab_targets else cfg.eagle_noise, depth=cfg.eagle_train_depth,

@@ -161,17 +161,12 @@ def unlock(fd: int) -> None:
     os.close(fd)
 
 
-def checkpoint_steps(directory: str | os.PathLike) -> list[int]:
-    """Steps of the complete Orbax checkpoints in `directory` (step folders), read without Orbax."""
-    d = Path(directory)
-    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()) if d.is_dir() else []
-
-
 def check_previous_run(output: str | os.PathLike, checkpoint_dir: str | os.PathLike, resume: bool) -> None:
     """Without --resume, a folder with checkpoints or a training log is refused (nothing is deleted)."""
     if resume:
         return
-    steps, log = checkpoint_steps(checkpoint_dir), Path(output) / LOG
+    folder, log = Path(checkpoint_dir), Path(output) / LOG  # the Orbax step folders, read without Orbax:
+    steps = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit()) if folder.is_dir() else []
     if steps:
         raise OutputFolderError(f"{checkpoint_dir} already holds checkpoints (latest step {steps[-1]}): pass --resume "
                                 f"to continue that run, or choose another --output/--checkpoint-dir")
@@ -185,17 +180,15 @@ def truncate_log(output: str | os.PathLike, step: int) -> int:
     log = Path(output) / LOG
     if not log.exists():
         return 0
-    kept, dropped = [], 0
-    for line in log.read_text().splitlines():
+    def kept(line: str) -> bool:
         try:
             record = json.loads(line)
         except ValueError:  # a line cut off by a kill
-            dropped += 1
-            continue
-        if isinstance(record, dict) and record.get("step", 0) <= step:
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
-        write_text_atomic(log, "".join(line + "\n" for line in kept))
-    return dropped
+            return False
+        return isinstance(record, dict) and record.get("step", 0) <= step
+
+    lines = log.read_text().splitlines()
+    keep = [line for line in lines if kept(line)]
+    if len(keep) < len(lines):
+        write_text_atomic(log, "".join(line + "\n" for line in keep))
+    return len(lines) - len(keep)

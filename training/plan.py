@@ -1,27 +1,20 @@
-"""AOT memory plans: compile the project's real train step or Medusa decode loop on abstract inputs.
-
-The model is built with `nnx.eval_shape` (no weights), its state becomes `jax.ShapeDtypeStruct`s carrying the
-shardings of `medusa_jax.model.sharding`, and the jitted function the project runs (`Trainer.jitted_step`,
-`ShardedModel.medusa_decode`) is lowered and compiled for a mesh of (forced host) devices. XLA's own
-`memory_analysis()` then gives the bytes per device, and the optimised HLO the collectives. Nothing of the
-model's size is ever allocated, so 70B models plan on a laptop. The CPU compiler's temporaries approximate a
-GPU/TPU compiler's (fusion and rematerialisation differ); argument bytes are exact.
-
-Byte figures are per device. Arguments are split by what they are (parameters, optimiser state, KV cache,
-batch) from their shardings; `total = arguments + outputs - aliased (donated) + temporaries`, and
-`device_bytes` leaves out the float32 weight copies only XLA's CPU backend makes (`cpu_upcast_bytes` in the entry
-computation, `cpu_loop_upcast_bytes` inside loops and branches).
-"""
+"""AOT memory plans: the project's real train step or Medusa decode loop (`Trainer.jitted_step`,
+`ShardedModel.medusa_decode`) lowered and compiled on abstract inputs (`nnx.eval_shape`; ShapeDtypeStructs with
+the shardings of `model.sharding`) for a mesh of forced host devices: XLA's `memory_analysis()` gives the bytes
+per device, the optimised HLO the collectives; nothing is allocated. What the figures mean: docs/planning.md."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
+from medusa_jax.hf.load import read_hf_config
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import LayerExecution, ModelConfig
 from medusa_jax.model.sharding import MeshConfig, MeshError
@@ -35,6 +28,43 @@ from medusa_jax.training.trainer import TrainConfig, Trainer
 from medusa_jax.training import hlo_collectives as hc
 
 JOBS = ("train", "decode")
+
+# ---- well-known Llama-family shapes from their public HF config.json files -------------------------------------
+# Only the fields ModelConfig.from_hf_config reads; values as published by the model authors.
+PRESETS: dict[str, dict] = {
+    "llama3-8b": {  # meta-llama/Meta-Llama-3-8B
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128001},
+    "llama3-70b": {  # meta-llama/Meta-Llama-3-70B
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128001},
+    "mistral-7b": {  # mistralai/Mistral-7B-v0.1
+        "model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": 32768, "sliding_window": 4096,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2-7b": {  # Qwen/Qwen2-7B
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 131072, "use_sliding_window": False,
+        "sliding_window": 131072, "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151643},
+}
+
+
+def model_config(name_or_folder: str | os.PathLike, dtype: str = "bfloat16") -> ModelConfig:
+    """A preset name (see PRESETS) or a folder holding a HF config.json -> ModelConfig in `dtype`."""
+    if str(name_or_folder) in PRESETS:
+        return ModelConfig.from_hf_config(PRESETS[str(name_or_folder)], dtype=dtype)
+    folder = Path(name_or_folder)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--model {str(name_or_folder)!r} is neither a preset ({', '.join(PRESETS)}) nor a folder "
+                         f"with a config.json")
+
+    return ModelConfig.from_hf_config(read_hf_config(folder), dtype=dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,17 +185,12 @@ class CompiledPlan:
 
 def _device_bytes(tree) -> int:
     """Bytes one device holds of a pytree of ShapeDtypeStructs with shardings (the largest shard)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-        total += int(np.prod(shape, dtype=np.int64)) * _itemsize(leaf.dtype)
-    return total
+    return sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape,
+                           dtype=np.int64)) * _itemsize(leaf.dtype) for leaf in jax.tree.leaves(tree))
 
 
 def _itemsize(dtype) -> int:
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return 8  # a threefry key: two uint32
-    return np.dtype(dtype).itemsize
+    return 8 if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).itemsize  # a key: 2 uint32
 
 
 def _mesh(config: PlanConfig):
@@ -275,12 +300,9 @@ def _replicated_optimizer_bytes(groups, mesh_size: int) -> int:
     """Bytes of optimiser leaves (over 1 KiB) that every device holds whole on a mesh of more than one device."""
     if mesh_size == 1:
         return 0
-    total = 0
-    for leaf in jax.tree.leaves(groups["optimizer"]):
-        nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * _itemsize(leaf.dtype)
-        if nbytes > 1024 and leaf.sharding.is_fully_replicated:
-            total += nbytes
-    return total
+    sizes = [(int(np.prod(leaf.shape, dtype=np.int64)) * _itemsize(leaf.dtype), leaf)
+             for leaf in jax.tree.leaves(groups["optimizer"])]
+    return sum(nbytes for nbytes, leaf in sizes if nbytes > 1024 and leaf.sharding.is_fully_replicated)
 
 
 def compile_plan(config: PlanConfig, keep_hlo: list | None = None) -> CompiledPlan:

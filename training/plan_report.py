@@ -12,8 +12,7 @@ from medusa_jax.atomic import write_text_atomic
 from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.training.memory_plan import DeviceEstimate, estimate_per_device, lower_bound
-from medusa_jax.training.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits
-from medusa_jax.training.presets import model_config
+from medusa_jax.training.plan import DEVICES, CompiledPlan, PlanConfig, compile_plan, fits, model_config
 
 GIB = 2**30
 POD_LAYERS = LayerExecution(scan=True, remat="full")  # train_heads.py --scan-layers --remat full (docs/planning.md)
@@ -108,10 +107,6 @@ def row_config(row: TableRow, mesh_key: str) -> PlanConfig:
     return PlanConfig(model_config(row.model, dtype), MeshConfig.parse(row.meshes[mesh_key]), **settings)
 
 
-def plan_row(row: TableRow, mesh_key: str) -> CompiledPlan:
-    return compile_plan(row_config(row, mesh_key))
-
-
 def markdown_table(results: list[tuple[TableRow, dict[str, CompiledPlan | None]]], devices: dict[str, tuple],
                    headroom: float) -> str:
     """devices: column name -> (mesh key, capacity bytes). Plans need `device_bytes` and `analytic_bytes`
@@ -169,7 +164,7 @@ def build_table(models: tuple[str, ...], out: str | Path, headroom: float, resum
             continue
         else:
             try:
-                saved[key] = plan_row(row, mesh_key).to_dict()
+                saved[key] = compile_plan(row_config(row, mesh_key)).to_dict()
             except ValueError as e:  # a mesh that does not divide the model
                 saved[key] = {"error": str(e)}
         log(f"{key}: {saved[key].get('device_bytes', 0) / GIB:.1f} GiB ({time.perf_counter() - start:.0f} s)")

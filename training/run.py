@@ -33,7 +33,7 @@ from medusa_jax.heads.kinds import drafter_class
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.training import hidden_store, losses, memory_plan, output_folder, sources
 from medusa_jax.training.checkpointing import Checkpoints, TrainingDiverged
-from medusa_jax.training.metrics_log import MetricsLog, NoLog
+from medusa_jax.training.metrics_log import MetricsLog
 from medusa_jax.training.data import DataConfig, top_token_ids
 from medusa_jax.training.objectives import objective_for
 from medusa_jax.training.trainer import TrainConfig, Trainer, schedule
@@ -139,15 +139,6 @@ def evaluate(trainer: Trainer, batches: list[dict]) -> dict[str, Any]:
     return losses.HeadStats.summary(total) if total is not None else {}
 
 
-def feed_settings(cfg: RunConfig) -> sources.FeedSettings:
-    return sources.FeedSettings(
-        num_heads=cfg.num_heads, with_path=objective_for(cfg.head_type).path_tokens, teacher=cfg.train.uses_teacher,
-        max_tokens=cfg.max_tokens,
-        batch_size=cfg.batch_size, cached_batch_size=cfg.cached_batch_size, eval_batches=cfg.eval_batches,
-        seed=cfg.seed, data=cfg.data_config, memory_limit_gib=cfg.memory_limit_gib,
-        hidden_cache_dir=Path(cfg.output) / "hidden_cache")
-
-
 def plan_memory(cfg: RunConfig) -> memory_plan.MemoryEstimate:
     """The run's peak-memory estimate from the model's config.json (no weights loaded)."""
     mode, n_trunc = parse_lm_head(cfg.lm_head)
@@ -195,7 +186,12 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
         log(f"--lm-head {cfg.lm_head}: the vocabulary has only {base.config.vocab_size} tokens; using all of them")
         n_trunc = base.config.vocab_size
     source = sources.open_source(cfg.data, cfg.cache_hidden, objective_for(cfg.head_type).feature_rows)
-    feed = source.feed(feed_settings(cfg), sources.RunInputs(base, tokenizer, eos, log))
+    settings = sources.FeedSettings(
+        num_heads=cfg.num_heads, with_path=objective_for(cfg.head_type).path_tokens, teacher=cfg.train.uses_teacher,
+        batch_size=cfg.batch_size, cached_batch_size=cfg.cached_batch_size, eval_batches=cfg.eval_batches,
+        seed=cfg.seed, data=cfg.data_config, memory_limit_gib=cfg.memory_limit_gib,
+        hidden_cache_dir=output / "hidden_cache", max_tokens=cfg.max_tokens)
+    feed = source.feed(settings, sources.RunInputs(base, tokenizer, eos, log))
     heads_config = HeadsConfig(base.config.hidden_size, base.config.vocab_size, cfg.num_heads, cfg.num_layers,
                                mode, n_trunc, base_model_name_or_path=cfg.base_model_name or str(cfg.model),
                                head_type=cfg.head_type, hydra_input=cfg.hydra_input)
@@ -225,14 +221,16 @@ def _run(cfg: RunConfig, log: Callable[[str], None]) -> dict[str, Any]:
 
     metrics = (MetricsLog(output, resume_step=resumed, wandb_project=cfg.wandb_project,
                           run_config=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
-               if is_main else NoLog())
+               if is_main else None)  # the other processes log nothing
     try:
-        result = _loop(cfg, trainer, it, ckpt, signature, metrics.write, log, tokens_per_step, eval_batches)
+        result = _loop(cfg, trainer, it, ckpt, signature, metrics.write if metrics else lambda record: None, log,
+                       tokens_per_step, eval_batches)
     except BaseException:
         ckpt.wait()  # commit a checkpoint still being written (Ctrl-C, an error) before leaving
         raise
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     if trainer.step not in ckpt.all_steps():
         ckpt.save(trainer, it.position, signature, force=True)
     ckpt.close()

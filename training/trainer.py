@@ -19,7 +19,6 @@ from medusa_jax.model.config import LayerExecution, resolve_dtype
 from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.settings import above, at_least, check_settings, setting
 from medusa_jax.training import losses
-from medusa_jax.training.layer_updates import clipped, layer_by_layer
 from medusa_jax.training.objectives import LossSettings, objective_for
 
 HEAD_LOSSES = ("ce", "kl", "ce+kl")
@@ -100,9 +99,59 @@ def stored_in(inner: optax.GradientTransformation, dtype: str) -> optax.Gradient
     return optax.GradientTransformation(init, update)
 
 
+# ---- the update of stacked layers ([L, ...] parameters) one layer at a time in a fori_loop, so XLA's temporaries
+# are one layer's; the global-norm clip is applied per slice (docs/modules.md) -------------------------------------
+def clip_by(t: jax.Array, grad_norm: jax.Array, max_norm: float | None) -> jax.Array:
+    """`t` clipped by the global norm of all gradients, as optax.clip_by_global_norm (max_norm None: as is)."""
+    if max_norm is None:
+        return t
+    return jax.lax.select(jnp.squeeze(grad_norm < max_norm), t, (t / grad_norm.astype(t.dtype)) * max_norm)
+
+
+def clipped(inner: optax.GradientTransformation, max_norm: float | None) -> optax.GradientTransformationExtraArgs:
+    """`inner` after the global-norm clip of its gradients (the norm is update's `grad_norm=`)."""
+    def update(updates, state, params=None, *, grad_norm=None, **_):
+        return inner.update(jax.tree.map(lambda t: clip_by(t, grad_norm, max_norm), updates), state, params)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def layer_by_layer(inner: optax.GradientTransformation,
+                   max_norm: float | None) -> optax.GradientTransformationExtraArgs:
+    """`clipped(inner, max_norm)` over stacked parameters, one layer at a time. `inner` must update each leaf
+    from that leaf alone (Adam, AdamW: elementwise); its state's leaves are either stacked like the parameters
+    (moments) or scalars (step counts), which every layer's update advances alike and which are kept once."""
+    def update(updates, state, params=None, *, grad_norm=None, **_):
+        leaves = jax.tree.leaves(updates)
+        if not leaves:
+            return updates, state
+
+        def layer(tree, i):
+            return jax.tree.map(lambda x: x if x.ndim == 0 else jax.lax.dynamic_index_in_dim(x, i, keepdims=False),
+                                tree)
+
+        def put(tree, layer_tree, i):
+            return jax.tree.map(lambda x, y: y.astype(x.dtype) if x.ndim == 0 else
+                                jax.lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), i, 0), tree, layer_tree)
+
+        def body(i, carry):
+            grads, new_state = carry
+            grads_i = jax.tree.map(lambda t: clip_by(t, grad_norm, max_norm), layer(grads, i))
+            # layer i of the carry is still the state before the update (the update is in place); scalars (step
+            # counts) come from the state before the update: each layer advances them once
+            state_i = jax.tree.map(lambda x, old: old if x.ndim == 0 else x, new_state, state)
+            updates_i, state_i = inner.update(grads_i, layer(state_i, i),
+                                              None if params is None else layer(params, i))
+            return put(grads, updates_i, i), put(new_state, state_i, i)
+
+        return jax.lax.fori_loop(0, leaves[0].shape[0], body, (updates, state))
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """AdamW + warmup/cosine after a global-norm clip, heads at learning_rate * head_lr_multiplier, moments in
-    config.optimizer_dtype; stacked 16-bit layers updated one at a time (layer_updates.py)."""
+    config.optimizer_dtype; stacked 16-bit layers updated one at a time (layer_by_layer)."""
     max_norm = config.clip_norm if config.clip_norm > 0 else None
     # stacked layers' 16-bit moments: optax's whole-leaf update kept float32 temporaries of every layer (75.6 GiB
     # per device in the 70B Medusa-2 plan on 16 GPUs, 67.2 layer by layer); float32 moments it updates in place,
@@ -210,8 +259,7 @@ class Trainer:
         self.opt_state = _abstract(abstract_opt, self.opt_shardings) if abstract else jax.jit(
             self.optimizer.init, out_shardings=self.opt_shardings)(self.params)
         self.step = 0
-        self._steps: dict[str, Any] = {}
-        self._evals: dict[str, Any] = {}
+        self._jitted: dict[tuple[str, str], Any] = {}  # (step or eval, batch kind): the jitted function
 
     # ---- the pure functions -----------------------------------------------------------------------
     def _modules(self, params, frozen):
@@ -244,10 +292,6 @@ class Trainer:
         metrics = {"loss": loss, "grad_norm": grad_norm, "stats": stats, **extras}
         return params, opt_state, metrics
 
-    def _eval_step(self, params, frozen, batch):
-        _, (stats, extras) = self._objective(params, frozen, batch, full_vocab_targets=True)
-        return stats, extras
-
     # ---- sharded entry points ---------------------------------------------------------------------
     def _batch_shardings(self, batch: dict[str, np.ndarray]):
         return {k: shd.checked_sharding(self.mesh, shd.batch_sharding(self.mesh, v.ndim).spec,
@@ -269,18 +313,19 @@ class Trainer:
 
         return traced
 
-    def _compiled(self, cache: dict, kind: str, batch, build):
-        if kind not in cache:
-            cache[kind] = build(self._batch_shardings(batch))
-        return cache[kind]
+    def _compiled(self, what: str, batch, build):
+        key = (what, batch_kind(batch))
+        if key not in self._jitted:
+            self._jitted[key] = build(self._batch_shardings(batch))
+        return self._jitted[key]
 
     def jitted_step(self, batch) -> Any:
         """The jitted train step (params, opt_state, frozen, batch) for batches shaped like `batch` (arrays or
         jax.ShapeDtypeStructs: this process's rows)."""
-        kind = batch_kind(batch)
         rep = shd.replicated(self.mesh)
-        return self._compiled(self._steps, kind, batch, lambda bsh: jax.jit(
-            self._under_mesh(self._train_step), in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings, bsh),
+        return self._compiled("step", batch, lambda bsh: jax.jit(
+            self._under_mesh(self._train_step), in_shardings=(self.param_shardings, self.opt_shardings,
+                                                              self.frozen_shardings, bsh),
             out_shardings=(self.param_shardings, self.opt_shardings, rep), donate_argnums=(0, 1)))
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -291,10 +336,10 @@ class Trainer:
         return jax.device_get(metrics)
 
     def eval_stats(self, batch: dict[str, np.ndarray]) -> tuple[losses.HeadStats, dict]:
-        kind = batch_kind(batch)
-        rep = shd.replicated(self.mesh)
-        fn = self._compiled(self._evals, kind, batch, lambda bsh: jax.jit(
-            self._under_mesh(self._eval_step), in_shardings=(self.param_shardings, self.frozen_shardings, bsh), out_shardings=rep))
+        evaluation = lambda params, frozen, b: self._objective(params, frozen, b, full_vocab_targets=True)[1]
+        fn = self._compiled("eval", batch, lambda bsh: jax.jit(
+            self._under_mesh(evaluation), in_shardings=(self.param_shardings, self.frozen_shardings, bsh),
+            out_shardings=shd.replicated(self.mesh)))
         return jax.device_get(fn(self.params, self.frozen, self.device_batch(batch)))
 
     # ---- results ----------------------------------------------------------------------------------
