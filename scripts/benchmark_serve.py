@@ -25,6 +25,7 @@ import httpx
 
 from medusa_jax.atomic import write_text_atomic
 from medusa_jax.bench.serve_load import ServeLoadConfig, run
+from medusa_jax.paths import command_line
 from medusa_jax.scripts import options, validate
 from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
 from medusa_jax.scripts.options import Option, add_fields, config_from
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
         results = asyncio.run(run(config))
     except httpx.HTTPError as e:
         return validate.fail(OSError(f"--url {a.url}: {type(e).__name__}: {e}; is medusa-serve running there?"))
-    results["command"] = " ".join(["python scripts/benchmark_serve.py", *(argv if argv is not None else sys.argv[1:])])
+    results["command"] = command_line("scripts/benchmark_serve.py", argv)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(a.out, json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))

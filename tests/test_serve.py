@@ -446,6 +446,7 @@ def test_benchmark_load_levels_and_soak(server, tmp_path, capsys):
                        "--out", str(out)]) == 0
     levels = json.loads(out.read_text())["levels"]
     assert [(l["clients"], l["requests"], l["failed"]) for l in levels] == [(1, 2, 0), (3, 6, 0)]
+    assert str(tmp_path) not in json.loads(out.read_text())["command"]  # no path of this machine in a report
     assert all(l["tokens"] > 0 and l["ttft_s"]["p50"] > 0 for l in levels)
     assert bench.main(["--url", server[0], "--concurrency", "4", "--max-tokens", "8", "--soak-seconds", "4",
                        "--out", str(out)]) == 0
