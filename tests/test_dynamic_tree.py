@@ -79,7 +79,7 @@ def check_well_formed(tokens, parents, depths):
 
 
 SPECS = [DynamicTree(10, 3, 3), DynamicTree(5, 2, 4), DynamicTree(1, 1, 1), DynamicTree(30, 3, 4),
-         DynamicTree(16, 4, 4)]
+         DynamicTree(16, 4, 4), DynamicTree(4, 4, 4), DynamicTree(6, 4, 4), DynamicTree(2, 2, 4)]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
@@ -110,6 +110,24 @@ def test_path_dependent_growth_equals_the_numpy_reference(spec):
                 total += log_softmax_np(path_logits_np(prefix))[tokens[u]]
                 prefix += (tokens[u],)
             assert scores[t] == pytest.approx(total, abs=1e-5)
+
+
+def test_small_trees_expand_narrower_frontiers():
+    """Only the N - d best nodes of depth d can have kept children (`frontier_width`): a 4-node tree drafts
+    1 + 3 + 2 + 1 frontier rows, not 1 + 4 + 4 + 4 (each row is a pass of the drafter's vocabulary projection);
+    the kept tree still equals the full-frontier reference (test above, DynamicTree(4, 4, 4))."""
+    widths = []
+
+    def expand(depth, frontier, carry):
+        widths.append(frontier.path_bwe.shape[1])
+        ids, logp = top_k_log_probs(path_logits_jnp(frontier.path_bwe), 4)
+        return ids, logp, carry
+
+    jax.eval_shape(lambda r: grow_tree(DynamicTree(4, 4, 4), r, expand)[0], jnp.zeros((2,), jnp.int32))
+    assert widths == [1, 3, 2, 1]
+    widths.clear()
+    jax.eval_shape(lambda r: grow_tree(DynamicTree(16, 4, 4), r, expand)[0], jnp.zeros((2,), jnp.int32))
+    assert widths == [1, 4, 4, 4]
 
 
 def test_medusa_growth_uses_head_d_for_depth_d_and_matches_the_reference():

@@ -343,3 +343,30 @@ def test_prompt_update_of_one_chunk_runs_no_loop_and_writes_its_positions(tiny, 
             want = reference_update(want, prompt[b: b + 1, :n], logits_btv[b: b + 1, :n], [True])
     np.testing.assert_array_equal(got, want)
     assert (got != table).any() == bool(lens.any())
+
+
+def test_prompt_update_computes_logits_only_at_each_tokens_winning_position(tiny):
+    """A 200-token prompt of 10 distinct ids (4 chunks wide): one chunk of logits, those of each id's winning
+    position, not one per 64 prompt positions; the table is still the chunk-by-chunk one."""
+    from medusa_jax.model.kv_cache import KVCache
+    from medusa_jax.inference.autoregressive import prefill_states
+
+    base, _ = tiny("llama")
+    width = 200
+    prompt = np.random.default_rng(6).integers(0, 10, (1, width)).astype(np.int32)
+    lens = np.asarray([width], np.int32)
+    _, _, hidden_btd = prefill_states(base, jnp.asarray(prompt), jnp.asarray(lens),
+                                      KVCache.zeros(base.config, 1, width))
+    projections = []
+
+    class CountingBase:  # the base's vocabulary projection, counted as the jitted update runs it
+        def logits(self, hidden_xd):
+            jax.debug.callback(lambda: projections.append(1))
+            return base.logits(hidden_xd)
+
+    table = empty_table(base.config.vocab_size)
+    got = np.asarray(jax.jit(lambda t, p, n, h: recycle.prompt_update(t, CountingBase(), p, n, h))(
+        jnp.asarray(table), jnp.asarray(prompt), jnp.asarray(lens), hidden_btd))
+    assert len(projections) == 1
+    logits_btv = np.asarray(base.logits(hidden_btd))
+    np.testing.assert_array_equal(got, reference_update(table, prompt, logits_btv, [True]))

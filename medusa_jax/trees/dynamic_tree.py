@@ -59,9 +59,20 @@ def _take(x_bw, index_bw):
     return jnp.take_along_axis(x_bw, index, axis=1)
 
 
+def frontier_width(spec: DynamicTree, depth: int) -> int:
+    """How many of the best depth-`depth` nodes the next round expands: K, or N - depth when fewer can matter.
+    The N kept nodes are the N best of all candidates (ties: the lower index, so a node before its children and
+    a shallower node before a deeper one). A child kept under the depth-d node ranked m + 1 at its depth keeps
+    that node, the m ranked above it and one ancestor per depth 1..d - 1: N >= d + m + 1 nodes. So only the
+    N - d best of depth d can have kept children, and expanding them alone keeps the same N nodes (at 4 nodes,
+    depth 4, K = 4: 7 frontier rows drafted in place of 13; each round's rows are one pass of the drafter's
+    vocabulary projection)."""
+    return max(1, min(spec.top_k, spec.nodes - depth))
+
+
 def grow_tree(spec: DynamicTree, root_b: jax.Array, expand: Expand, carry: Any = None) -> tuple[TreeProposal, Any]:
     """The kept tree of every row (docs/design.md, "Dynamic trees") and expand's final carry. D static rounds, each
-    one expand call over the K frontier nodes (one, the root, in round 1)."""
+    one expand call over the frontier (`frontier_width` nodes; one, the root, in round 1)."""
     b, k = root_b.shape[0], spec.top_k
     frontier = Frontier(root_b.astype(jnp.int32)[:, None, None], jnp.zeros((b, 1, 0), jnp.int32),
                         jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, 1), jnp.float32))
@@ -77,10 +88,10 @@ def grow_tree(spec: DynamicTree, root_b: jax.Array, expand: Expand, carry: Any =
         scores.append(score_ba)
         parents.append(jnp.repeat(frontier_node_bw, k, axis=1))
         depths.append(np.full(w * k, depth, np.int32))
-        if depth < spec.depth:  # the next frontier: this depth's K best (ties: the lower index first)
-            score_bw, best_bw = jax.lax.top_k(score_ba, k)
+        if depth < spec.depth:  # the next frontier: this depth's best (ties: the lower index first)
+            score_bw, best_bw = jax.lax.top_k(score_ba, frontier_width(spec, depth))
             parent_slot_bw = best_bw // k
-            new_slot_bw = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
+            new_slot_bw = jnp.broadcast_to(jnp.arange(best_bw.shape[1], dtype=jnp.int32), best_bw.shape)
             frontier = Frontier(
                 jnp.concatenate([_take(frontier.path_bwe, parent_slot_bw), _take(ids_ba, best_bw)[..., None]], 2),
                 jnp.concatenate([_take(frontier.slots_bwe, parent_slot_bw), new_slot_bw[..., None]], 2),
