@@ -64,20 +64,26 @@ PROMPT_WIDTH = 512  # every prompt padded to one width: one compilation per meth
 
 
 def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids, pad_id: int,
-            progress=None, batch: int = 1, repeats: int = 1) -> dict[str, list[dict]]:
+            progress=None, batch: int = 1, repeats: int = 1, first_token: bool = False) -> dict[str, list[dict]]:
     """label -> per call of `batch` prompts {tokens, steps, seconds (the median of `repeats` rounds), token_ids (one
     list per prompt; a round that answers differently is kept as `other_token_ids`, counted by `summarise` as a
-    mismatch)}; methods interleaved call by call and round by round, so a change in machine load hits them alike."""
+    mismatch)}; methods interleaved call by call and round by round, so a change in machine load hits them alike.
+    With `first_token`, each round also times the same call stopped after its first token (the prefill and the
+    drafters' admission): `first_seconds`, its median, so `summarise` can give the speed after the first token."""
     rows = {label: [] for label in models}
     for i in range(0, len(prompts), batch):
         group = prompts[i: i + batch]
         runs = {label: [] for label in models}
+        firsts = {label: [] for label in models}
         for _ in range(repeats):
             for label, (model, tree) in models.items():
                 settings = BatchSettings(batch_size=batch, max_new_tokens=max_new_tokens, tree=tree,
                                          eos_ids=tuple(eos_ids), pad_id=pad_id, engine="batches",
                                          bucket=PROMPT_WIDTH)
                 runs[label].append(generate_batch(model, group, settings, progress=False).results)
+                if first_token:
+                    one = dataclasses.replace(settings, max_new_tokens=1)
+                    firsts[label].append(generate_batch(model, group, one, progress=False).results[0].seconds)
         for label, per_round in runs.items():
             first = per_round[0]
             ids = [r.token_ids for r in first]
@@ -85,10 +91,17 @@ def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids
                                 "seconds": float(np.median([results[0].seconds for results in per_round])),
                                 "token_ids": ids,
                                 "other_token_ids": [[r.token_ids for r in results] for results in per_round[1:]
-                                                    if [r.token_ids for r in results] != ids]})
+                                                    if [r.token_ids for r in results] != ids],
+                                **({"first_seconds": float(np.median(firsts[label]))} if first_token else {})})
         if progress is not None:
             progress(f"prompts {i + len(group)}/{len(prompts)}")
     return rows
+
+
+def _after_first(calls: list[dict]) -> float:
+    """Tokens/s after each call's first token: the tokens past each row's first over the time past the first."""
+    return (sum(r["tokens"] - len(r["token_ids"]) for r in calls)
+            / max(sum(r["seconds"] - r["first_seconds"] for r in calls), 1e-9))
 
 
 def summarise(rows: dict[str, list[dict]], budgets_of: dict[str, int]) -> list[dict]:
@@ -109,6 +122,9 @@ def summarise(rows: dict[str, list[dict]], budgets_of: dict[str, int]) -> list[d
                     "mismatches": sum(a != b for r, p in zip(per, plain)
                                       for answers in (r["token_ids"], *r.get("other_token_ids", ()))
                                       for a, b in zip(answers, p["token_ids"]))})
+        if all("first_seconds" in r for r in per + plain):
+            out[-1].update(first_token_seconds=round(sum(r["first_seconds"] for r in per) / len(per), 3),
+                           speedup_after_first_token=round(_after_first(per) / _after_first(plain), 3))
     return out
 
 
@@ -165,14 +181,21 @@ def markdown(results: dict, machine: dict, command: str) -> str:
     for name, summary in results["sets"].items():
         batch = results.get("batch_size", 1)
         worst = "worst prompt" if batch == 1 else f"worst batch of {batch}"
+        split = "speedup_after_first_token" in summary[0]
         lines += [f"## {name} ({summary[0]['prompts']} prompts, batch {batch}, {results['max_new_tokens']} new "
                   f"tokens)", "",
-                  f"| method | nodes | tokens/step | tokens/s | speedup vs plain | {worst} | mismatches |",
-                  "|---|---|---|---|---|---|---|"]
+                  f"| method | nodes | tokens/step | tokens/s | speedup vs plain | {worst} | mismatches |"
+                  + (" first token (s) | speedup after the first token |" if split else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|---|" if split else "")]
         for row in summary:
             lines.append(f"| {row['method']} | {row['nodes'] or '-'} | {row['tokens_per_step']:.2f} | "
                          f"{row['tokens_per_second']:.1f} | {row['speedup']:.2f}x | {row['min_prompt_speedup']:.2f}x | "
-                         f"{row['mismatches']} |")
+                         f"{row['mismatches']} |" + (f" {row['first_token_seconds']:.2f} | "
+                                                     f"{row['speedup_after_first_token']:.2f}x |" if split else ""))
+        if split:
+            lines += ["", "First token: the median time of the same call stopped after one token (the prefill of "
+                      f"the prompt padded to {PROMPT_WIDTH} tokens, and the drafters' admission), averaged over the "
+                      "calls; after the first token: the other tokens over the rest of the time."]
         lines.append("")
     lines += ["## Prompt lookup's acceptance by match length (on the plain answers, all sets)", "",
               "| n | drafted tokens tried | accepted | rate |", "|---|---|---|---|"]

@@ -45,6 +45,8 @@ def parse(argv):
     p.add_argument("--grounded", check=at_least(0), type=int, default=16, help="input-grounded prompts")
     p.add_argument("--repeats", check=at_least(1), type=int, default=1,
                    help="rounds of every call, methods interleaved; a call's time is their median (default: 1)")
+    p.add_argument("--first-token", action="store_true",
+                   help="also time each call stopped after its first token, and report the speed after it")
     options.BATCH_SIZE.add(p, default=1, more="prompts decoded together in one call")
     options.MAX_NEW_TOKENS.add(p, default=128)
     options.OUT.add(p, default="artifacts/mixed_drafts", more="report folder")
@@ -104,7 +106,8 @@ def main(argv=None) -> int:
         prompts = prompts(answered["MT-Bench"]) if callable(prompts) else prompts
         say(f"{name}: {len(prompts)} prompts x {len(models)} methods")
         rows = mixed_drafts.run_set(models, prompts, a.max_new_tokens, loaded.eos_ids, loaded.pad_id, say,
-                                    batch=a.batch_size, repeats=a.repeats)
+                                    batch=a.batch_size, repeats=a.repeats,
+                                    first_token=a.first_token)
         results["sets"][name] = mixed_drafts.summarise(rows, {m.label: m.budget for m in chosen})
         answered[name] = mixed_drafts.answers(rows)
         sequences += [p + r for p, r in zip(prompts, answered[name])]

@@ -42,6 +42,15 @@ def test_a_round_that_answers_differently_counts_as_a_mismatch():
     assert summary["plain"]["mismatches"] == 0 and summary["lookup@4"]["mismatches"] == 1
 
 
+def test_the_speed_after_the_first_token_leaves_out_each_calls_first_token_time():
+    # plain: 10 tokens of one row in 2.0 s, 1.0 s of it to the first token; the mix: the same in 1.5 s, 1.0 s first
+    call = {"tokens": 10, "steps": 10, "token_ids": [list(range(10))], "first_seconds": 1.0}
+    rows = {"plain": [dict(call, seconds=2.0)], "lookup@4": [dict(call, seconds=1.5, steps=4)]}
+    summary = {row["method"]: row for row in mixed_drafts.summarise(rows, {"lookup@4": 4})}
+    assert summary["lookup@4"]["speedup"] == round(2.0 / 1.5, 3)
+    assert summary["lookup@4"]["speedup_after_first_token"] == 2.0 and summary["lookup@4"]["first_token_seconds"] == 1.0
+
+
 def test_calls_of_two_prompts_keep_plain_answers_and_count_each_prompt(tiny_model_dir):
     base = load_pretrained(tiny_model_dir("llama"))
     rng = np.random.RandomState(0)
@@ -50,7 +59,7 @@ def test_calls_of_two_prompts_keep_plain_answers_and_count_each_prompt(tiny_mode
     mix, sizes = build_mix(base, ("lookup",), None, 4, costs=lambda s: tuple(1.0 + 0.05 * n for n in s))
     models = {"plain": (ShardedModel(base, None, MeshConfig()), None),
               "lookup@4": (ShardedModel(base, mix, MeshConfig()), sizes)}
-    rows = mixed_drafts.run_set(models, prompts, 12, (), 0, batch=2, repeats=2)
+    rows = mixed_drafts.run_set(models, prompts, 12, (), 0, batch=2, repeats=2, first_token=True)
     assert [len(call["token_ids"]) for call in rows["plain"]] == [2, 1]  # a ragged last call
     assert all(call["other_token_ids"] == [] for calls in rows.values() for call in calls)  # rounds agree
     want = [r.token_ids for r in generate(base, prompts, max_new_tokens=12, eos_ids=())]
@@ -60,3 +69,5 @@ def test_calls_of_two_prompts_keep_plain_answers_and_count_each_prompt(tiny_mode
     assert summary["plain"]["new_tokens"] == summary["lookup@4"]["new_tokens"] == 36
     assert summary["lookup@4"]["mismatches"] == 0 and summary["plain"]["tokens_per_step"] == 1.0
     assert summary["lookup@4"]["tokens_per_step"] >= 1.0 and summary["lookup@4"]["nodes"] == 4
+    assert all(0 < call["first_seconds"] < call["seconds"] for calls in rows.values() for call in calls)
+    assert summary["plain"]["speedup_after_first_token"] == 1.0 and summary["lookup@4"]["first_token_seconds"] > 0
