@@ -24,6 +24,7 @@ import numpy as np
 
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.sampling import SamplingConfig, greedy_tokens
+from medusa_jax.inference.vocab_cut import TOP_K_CANDIDATES, TOP_P_CANDIDATES, cut_logits
 
 
 @jax.tree_util.register_dataclass
@@ -77,18 +78,17 @@ def row_target_logits(logits_bxv: jax.Array, sampling: RowSampling) -> jax.Array
     scaled_bxv = logits_bxv.astype(jnp.float32) / per_row(jnp.where(sampling.temperature_b > 0,
                                                                     sampling.temperature_b, 1.0))
     v = scaled_bxv.shape[-1]
-    sorted_bxv = -jnp.sort(-scaled_bxv, axis=-1)  # descending
+    sampled_b = sampling.temperature_b > 0
     k_b = jnp.where((sampling.top_k_b > 0) & (sampling.top_k_b < v), sampling.top_k_b, v)
-    kth_bx1 = jnp.take_along_axis(sorted_bxv, jnp.broadcast_to(per_row(k_b - 1), sorted_bxv.shape[:-1] + (1,)),
-                                  axis=-1)  # top-k keeps every value >= this
-    in_top_k_bxv = sorted_bxv >= kth_bx1
-    probs_bxv = jax.nn.softmax(jnp.where(in_top_k_bxv, sorted_bxv, -jnp.inf), axis=-1)
-    # top-p over what top-k left: keep a sorted entry while the mass before it is < top_p (the top one always)
-    mass_before_bxv = jnp.cumsum(probs_bxv, axis=-1) - probs_bxv
-    top_p_bx1 = per_row(sampling.top_p_b)
-    keep_bxv = in_top_k_bxv & ((mass_before_bxv < top_p_bx1) | (top_p_bx1 >= 1.0))
-    threshold_bx1 = jnp.min(jnp.where(keep_bxv, sorted_bxv, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(scaled_bxv >= threshold_bx1, scaled_bxv, -jnp.inf)
+    top_k_b, top_p_b = sampled_b & (k_b < v), sampled_b & (sampling.top_p_b < 1.0)
+
+    def cut(count):
+        return lambda: cut_logits(scaled_bxv, per_row(k_b), per_row(sampling.top_p_b), count, per_row(sampled_b))
+
+    # no sampled row cuts: the scaled logits; top-k <= TOP_K_CANDIDATES only: that many candidates; else more
+    few_b = ~top_k_b | (k_b <= TOP_K_CANDIDATES)
+    branch = jnp.where(~jnp.any(top_k_b | top_p_b), 0, jnp.where(jnp.any(top_p_b) | ~jnp.all(few_b), 2, 1))
+    return jax.lax.switch(branch, [lambda: scaled_bxv, cut(TOP_K_CANDIDATES), cut(TOP_P_CANDIDATES)])
 
 
 def row_keys(seed_b: jax.Array, index_b: jax.Array) -> jax.Array:
