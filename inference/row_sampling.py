@@ -6,7 +6,9 @@ token number i (0 = the first token after the prompt) with the key fold_in(key(s
 depend on its seed and prompt only, not on which row it got or what else shares the batch. The distribution a
 sampled row draws from is `sampling.target_logits`'s (temperature, then top-k with ties kept, then top-p);
 rows at temperature 0 take `sampling.greedy_tokens`. A step whose rows are all greedy skips the sampling work
-(one `lax.cond`): a full sort of the vocabulary per row.
+(one `lax.cond`); one whose sampled rows have no top-k or top-p cut needs no more than the scaled logits (one
+`lax.switch`); a cut is found among the largest logits, the vocabulary sorted only when they leave it open
+(inference/vocab_cut.py).
 
 A row may also accept a drafted tree typically (`acceptance.AcceptanceConfig` kind "typical", the official Medusa's
 sampling mode): `typical_b` marks it, with its own posterior threshold and alpha; the tree decoder's rows read them
