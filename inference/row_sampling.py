@@ -72,8 +72,8 @@ class RowSampling:
 
 def row_target_logits(logits_bxv: jax.Array, sampling: RowSampling) -> jax.Array:
     """[b, ..., v] logits -> fp32 [b, ..., v] logits of each row's sampling distribution: `sampling.target_logits`
-    with the row's own temperature, top-k and top-p (rows at temperature 0 are scaled by 1: their result is
-    unused). The axes between b and v (a tree's nodes) share their row's settings."""
+    with the row's own temperature, top-k and top-p (rows at temperature 0 are scaled by 1 and may be cut or not:
+    their result is unused). The axes between b and v (a tree's nodes) share their row's settings."""
     def per_row(x_b):  # [b] -> [b, 1, ..., 1] against [b, ..., v]
         return x_b.reshape(x_b.shape + (1,) * (logits_bxv.ndim - 1))
 
@@ -82,14 +82,14 @@ def row_target_logits(logits_bxv: jax.Array, sampling: RowSampling) -> jax.Array
     v = scaled_bxv.shape[-1]
     sampled_b = sampling.temperature_b > 0
     k_b = jnp.where((sampling.top_k_b > 0) & (sampling.top_k_b < v), sampling.top_k_b, v)
-    top_k_b, top_p_b = sampled_b & (k_b < v), sampled_b & (sampling.top_p_b < 1.0)
+    cuts_k_b, cuts_p_b = sampled_b & (k_b < v), sampled_b & (sampling.top_p_b < 1.0)
 
     def cut(count):
         return lambda: cut_logits(scaled_bxv, per_row(k_b), per_row(sampling.top_p_b), count, per_row(sampled_b))
 
     # no sampled row cuts: the scaled logits; top-k <= TOP_K_CANDIDATES only: that many candidates; else more
-    few_b = ~top_k_b | (k_b <= TOP_K_CANDIDATES)
-    branch = jnp.where(~jnp.any(top_k_b | top_p_b), 0, jnp.where(jnp.any(top_p_b) | ~jnp.all(few_b), 2, 1))
+    few_b = ~cuts_k_b | (k_b <= TOP_K_CANDIDATES)
+    branch = jnp.where(~jnp.any(cuts_k_b | cuts_p_b), 0, jnp.where(jnp.any(cuts_p_b) | ~jnp.all(few_b), 2, 1))
     return jax.lax.switch(branch, [lambda: scaled_bxv, cut(TOP_K_CANDIDATES), cut(TOP_P_CANDIDATES)])
 
 

@@ -47,21 +47,21 @@ def candidate_threshold(scaled_xv: jax.Array, k_x1: jax.Array, top_p_x1: jax.Arr
     where decided holds (module docstring); elsewhere the threshold is meaningless."""
     v = scaled_xv.shape[-1]
     count = min(count, v)
-    top_xc = largest(scaled_xv, count)
+    top_xr = largest(scaled_xv, count)
     k_inside_x1 = k_x1 <= count
     kth_x1 = jnp.where(k_x1 >= v, -jnp.inf,
-                       jnp.take_along_axis(top_xc, jnp.clip(jnp.broadcast_to(k_x1, top_xc.shape[:-1] + (1,)) - 1,
+                       jnp.take_along_axis(top_xr, jnp.clip(jnp.broadcast_to(k_x1, top_xr.shape[:-1] + (1,)) - 1,
                                                             0, count - 1), axis=-1))
-    max_x1 = top_xc[..., :1]
+    max_x1 = top_xr[..., :1]
     normaliser_x1 = jnp.sum(jnp.exp(jnp.where(scaled_xv >= kth_x1, scaled_xv, -jnp.inf) - max_x1), axis=-1,
                             keepdims=True)
-    in_top_k_xc = top_xc >= kth_x1
-    probs_xc = jnp.where(in_top_k_xc, jnp.exp(top_xc - max_x1), 0.0) / normaliser_x1
-    mass_before_xc = jnp.cumsum(probs_xc, axis=-1) - probs_xc
-    keep_xc = in_top_k_xc & (mass_before_xc < top_p_x1)
-    top_p_threshold_x1 = jnp.min(jnp.where(keep_xc, top_xc, jnp.inf), axis=-1, keepdims=True)
+    in_top_k_xr = top_xr >= kth_x1
+    probs_xr = jnp.where(in_top_k_xr, jnp.exp(top_xr - max_x1), 0.0) / normaliser_x1
+    mass_before_xr = jnp.cumsum(probs_xr, axis=-1) - probs_xr
+    keep_xr = in_top_k_xr & (mass_before_xr < top_p_x1)
+    top_p_threshold_x1 = jnp.min(jnp.where(keep_xr, top_xr, jnp.inf), axis=-1, keepdims=True)
     threshold_x1 = jnp.where(top_p_x1 >= 1.0, kth_x1, top_p_threshold_x1)
-    boundary_inside_x1 = jnp.any(mass_before_xc >= top_p_x1, axis=-1, keepdims=True)
+    boundary_inside_x1 = jnp.any(mass_before_xr >= top_p_x1, axis=-1, keepdims=True)
     decided_x1 = k_inside_x1 | ((k_x1 >= v) & ((top_p_x1 >= 1.0) | boundary_inside_x1))
     return threshold_x1, decided_x1
 

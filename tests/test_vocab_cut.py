@@ -34,9 +34,9 @@ def test_candidate_threshold_keeps_what_the_sort_keeps_where_it_decides(count):
     scaled_btv = logits_btv(4, 2, 0)
     for k, top_p in [(1, 1.0), (5, 1.0), (count, 1.0), (count + 1, 1.0), (V, 1.0), (V, 0.9), (V, 0.5),
                      (7, 0.9), (count, 0.95), (count + 1, 0.9)]:
-        k_11, top_p_11 = jnp.full((1, 1), k, jnp.int32), jnp.full((1, 1), top_p, jnp.float32)
-        threshold_bt1, decided_bt1 = jax.device_get(candidate_threshold(scaled_btv, k_11, top_p_11, count))
-        want_bt1 = np.asarray(sorted_threshold(scaled_btv, k_11[..., None], top_p_11[..., None]))
+        k_x1, top_p_x1 = jnp.full((1, 1), k, jnp.int32), jnp.full((1, 1), top_p, jnp.float32)
+        threshold_bt1, decided_bt1 = jax.device_get(candidate_threshold(scaled_btv, k_x1, top_p_x1, count))
+        want_bt1 = np.asarray(sorted_threshold(scaled_btv, k_x1[..., None], top_p_x1[..., None]))
         kept_btv, want_kept_btv = np.asarray(scaled_btv) >= threshold_bt1, np.asarray(scaled_btv) >= want_bt1
         np.testing.assert_array_equal(kept_btv[decided_bt1[..., 0]], want_kept_btv[decided_bt1[..., 0]])
         if k <= count or top_p >= 1.0 and k == V:
