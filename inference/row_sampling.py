@@ -84,11 +84,11 @@ def row_target_logits(logits_bxv: jax.Array, sampling: RowSampling) -> jax.Array
     k_b = jnp.where((sampling.top_k_b > 0) & (sampling.top_k_b < v), sampling.top_k_b, v)
     cuts_k_b, cuts_p_b = sampled_b & (k_b < v), sampled_b & (sampling.top_p_b < 1.0)
 
-    def cut(count):
-        return lambda: cut_logits(scaled_bxv, per_row(k_b), per_row(sampling.top_p_b), count, per_row(sampled_b))
+    def cut(counts):
+        return lambda: cut_logits(scaled_bxv, per_row(k_b), per_row(sampling.top_p_b), counts, per_row(sampled_b))
 
-    # no sampled row cuts: the scaled logits; top-k <= TOP_K_CANDIDATES only: that many candidates; else more
-    few_b = ~cuts_k_b | (k_b <= TOP_K_CANDIDATES)
+    # no sampled row cuts: the scaled logits; top-k only, within the few candidates: those; else the top-p ones
+    few_b = ~cuts_k_b | (k_b <= TOP_K_CANDIDATES[-1])
     branch = jnp.where(~jnp.any(cuts_k_b | cuts_p_b), 0, jnp.where(jnp.any(cuts_p_b) | ~jnp.all(few_b), 2, 1))
     return jax.lax.switch(branch, [lambda: scaled_bxv, cut(TOP_K_CANDIDATES), cut(TOP_P_CANDIDATES)])
 

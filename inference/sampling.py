@@ -46,7 +46,7 @@ def target_logits(logits_xv: jax.Array, config: SamplingConfig) -> jax.Array:
     scaled_xv = logits_xv.astype(jnp.float32) / config.temperature
     v = scaled_xv.shape[-1]
     k = config.top_k if 0 < config.top_k < v else v
-    if config.top_p < 1.0:  # a sort of the vocabulary only when its top TOP_P_CANDIDATES do not decide the cut
+    if config.top_p < 1.0:  # a sort of the vocabulary only when its largest logits leave the cut open
         return cut_logits(scaled_xv, jnp.int32(k), jnp.float32(config.top_p), TOP_P_CANDIDATES)
     if k < v:
         kth_x1 = largest(scaled_xv, k)[..., -1:]

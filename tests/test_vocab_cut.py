@@ -12,13 +12,14 @@ from medusa_jax.inference.sampling import SamplingConfig, target_logits
 from medusa_jax.inference.vocab_cut import (TOP_K_CANDIDATES, TOP_P_CANDIDATES, candidate_threshold,
                                             sorted_threshold)
 
-V = 4096  # > TOP_P_CANDIDATES, so both the candidate cut and its fallback run
+V = 8192  # > every candidate count, so the candidates, more candidates and the sort all run
 
 
 def logits_btv(b: int, t: int, seed: int) -> jax.Array:
-    """Rows alternately peaked (top-p reached within the candidates) and flat (not reached), on a 0.5 grid (ties)."""
+    """Rows in turn peaked (the top 1024 hold 0.9 of the mass), flat (the top 4096 do not) and between (the top 4096
+    do, the top 1024 not), on a 0.5 grid (ties)."""
     rng = np.random.default_rng(seed)
-    scale_b = np.where(np.arange(b) % 2 == 0, 6.0, 0.4)[:, None, None]
+    scale_b = np.asarray([6.0, 0.4, 1.8])[np.arange(b) % 3, None, None]
     return jnp.asarray(np.round(rng.normal(size=(b, t, V)) * scale_b * 2) / 2, jnp.float32)
 
 
@@ -29,7 +30,7 @@ def sorted_reference(logits_btv: jax.Array, config: SamplingConfig) -> np.ndarra
     return np.asarray(jnp.where(scaled_btv >= threshold_bt1, scaled_btv, -jnp.inf))
 
 
-@pytest.mark.parametrize("count", [TOP_K_CANDIDATES, TOP_P_CANDIDATES])
+@pytest.mark.parametrize("count", [*TOP_K_CANDIDATES, *TOP_P_CANDIDATES])
 def test_candidate_threshold_keeps_what_the_sort_keeps_where_it_decides(count):
     scaled_btv = logits_btv(4, 2, 0)
     for k, top_p in [(1, 1.0), (5, 1.0), (count, 1.0), (count + 1, 1.0), (V, 1.0), (V, 0.9), (V, 0.5),
@@ -43,18 +44,22 @@ def test_candidate_threshold_keeps_what_the_sort_keeps_where_it_decides(count):
             assert decided_bt1.all()
         elif k < V:
             assert not decided_bt1.any()  # the k-th lies beyond the candidates
-        else:  # top-p alone: the peaked rows are decided by their candidates, the flat ones need the sort
-            assert decided_bt1[0::2].all() and not decided_bt1[1::2].any()
+        else:  # top-p alone: decided where the candidates but the last hold top_p of the mass
+            exp_btv = np.exp(np.asarray(scaled_btv, np.float64) - np.max(scaled_btv, axis=-1, keepdims=True))
+            mass_bt = np.sum(-np.sort(-exp_btv, axis=-1)[..., :count - 1], axis=-1) / np.sum(exp_btv, axis=-1)
+            np.testing.assert_array_equal(decided_bt1[..., 0], mass_bt >= top_p)
 
 
 @pytest.mark.parametrize("configs", [
     [SamplingConfig(0.7), SamplingConfig(1.3), SamplingConfig(), SamplingConfig(1.0)],  # no cut
-    [SamplingConfig(0.7, top_k=50), SamplingConfig(1.0), SamplingConfig(1.0, top_k=TOP_K_CANDIDATES),
+    [SamplingConfig(0.7, top_k=50), SamplingConfig(1.0), SamplingConfig(1.0, top_k=TOP_K_CANDIDATES[-1]),
      SamplingConfig(0.0, top_p=0.5, top_k=3000)],  # top-k within the few candidates (greedy rows: unused)
-    [SamplingConfig(0.7, top_k=TOP_K_CANDIDATES + 1), SamplingConfig(1.0, top_k=3), SamplingConfig(),
+    [SamplingConfig(0.7, top_k=TOP_K_CANDIDATES[-1] + 1), SamplingConfig(1.0, top_k=3), SamplingConfig(),
      SamplingConfig(0.9, top_k=1000)],  # top-k within the top-p candidates
     [SamplingConfig(0.7, top_p=0.9), SamplingConfig(1.0, top_k=20), SamplingConfig(0.7, top_p=0.95, top_k=40),
      SamplingConfig(1.0, top_k=3000)],  # top-p decided by the candidates; a top-k beyond them: the sort
+    [SamplingConfig(0.7, top_p=0.9), SamplingConfig(1.0, top_k=5), SamplingConfig(1.0, top_p=0.9),
+     SamplingConfig(0.7)],  # a top-p decided by the second candidate count only
     [SamplingConfig(0.7, top_p=0.9), SamplingConfig(1.0, top_p=0.8), SamplingConfig(1.0, top_p=0.5, top_k=900),
      SamplingConfig(0.8)],  # a flat row's top-p beyond the candidates: the sort
 ])
@@ -78,7 +83,7 @@ def test_target_logits_keeps_exactly_what_the_sort_keeps():
 def test_candidates_are_a_top_k_not_a_sort():
     """XLA:CPU runs `lax.top_k` as its TopK only when nothing else reads the sort it lowers to (vocab_cut.largest)."""
     x_bv = jnp.zeros((2, V), jnp.float32)
-    for cut in [lambda x: candidate_threshold(x, jnp.int32(V), jnp.float32(0.9), TOP_P_CANDIDATES),
+    for cut in [lambda x: candidate_threshold(x, jnp.int32(V), jnp.float32(0.9), TOP_P_CANDIDATES[0]),
                 lambda x: target_logits(x, SamplingConfig(0.7, top_k=50))]:
         hlo = jax.jit(cut).lower(x_bv).compile().as_text()
         assert 'custom_call_target="TopK"' in hlo and " sort(" not in hlo
