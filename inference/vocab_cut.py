@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 # the candidate counts tried in turn (`cut_logits`) before the sort: a top-k-only step whose every k fits the few
-# (transformers' default top_k, 50, does), else top-p steps. SmolLM2's top 1024 tokens held 0.95 of the mass at
-# all of 582 positions of sampled chat replies at temperature 0.7, at 92% of them at temperature 1 (0.9: 97%);
-# its top 4096 at 99.7% (0.9: all)
+# (transformers' default top_k, 50, does), else top-p steps: SmolLM2's top 1024 tokens decide top-p 0.9 at every
+# reply position measured at temperature 0.7, not at all of them at temperature 1, where its top 4096 do
+# (bench/sampling/vocab_cut/top_mass.md)
 TOP_K_CANDIDATES = (64,)
 TOP_P_CANDIDATES = (1024, 4096)
 
