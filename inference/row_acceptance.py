@@ -9,7 +9,7 @@ batch path's rule, `acceptance.typical_walk`, with the row's temperature, poster
 token, and its first token after the prompt, drawn from the row's typical set). A row's coins come from
 fold_in(fold_in(key(seed), DRAFTED_STREAM), length) with `length` its tokens in the cache at the step: they depend on the request's seed and position only, not on
 its row, the step count or what else shares the batch (a request with a fixed seed is reproducible). A step
-whose rows are all greedy skips the sampling work (one `lax.cond`): a sort of the vocabulary per tree node; one with
+whose rows are all greedy skips the sampling work (one `lax.cond`): the cut of the vocabulary per tree node; one with
 no typical row skips the typical rule (another).
 
 `accept_step` and `first_token` are what the tree decoder calls: they take either this per-row acceptance or

@@ -6,7 +6,9 @@ token number i (0 = the first token after the prompt) with the key fold_in(key(s
 depend on its seed and prompt only, not on which row it got or what else shares the batch. The distribution a
 sampled row draws from is `sampling.target_logits`'s (temperature, then top-k with ties kept, then top-p);
 rows at temperature 0 take `sampling.greedy_tokens`. A step whose rows are all greedy skips the sampling work
-(one `lax.cond`): a full sort of the vocabulary per row.
+(one `lax.cond`); one whose sampled rows have no top-k or top-p cut needs no more than the scaled logits (one
+`lax.switch`); a cut is found among the largest logits, the vocabulary sorted only when they leave it open
+(inference/vocab_cut.py).
 
 A row may also accept a drafted tree typically (`acceptance.AcceptanceConfig` kind "typical", the official Medusa's
 sampling mode): `typical_b` marks it, with its own posterior threshold and alpha; the tree decoder's rows read them
@@ -24,6 +26,7 @@ import numpy as np
 
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.sampling import SamplingConfig, greedy_tokens
+from medusa_jax.inference.vocab_cut import TOP_K_CANDIDATES, TOP_P_CANDIDATES, cut_logits
 
 
 @jax.tree_util.register_dataclass
@@ -69,26 +72,25 @@ class RowSampling:
 
 def row_target_logits(logits_bxv: jax.Array, sampling: RowSampling) -> jax.Array:
     """[b, ..., v] logits -> fp32 [b, ..., v] logits of each row's sampling distribution: `sampling.target_logits`
-    with the row's own temperature, top-k and top-p (rows at temperature 0 are scaled by 1: their result is
-    unused). The axes between b and v (a tree's nodes) share their row's settings."""
+    with the row's own temperature, top-k and top-p (rows at temperature 0 are scaled by 1 and may be cut or not:
+    their result is unused). The axes between b and v (a tree's nodes) share their row's settings."""
     def per_row(x_b):  # [b] -> [b, 1, ..., 1] against [b, ..., v]
         return x_b.reshape(x_b.shape + (1,) * (logits_bxv.ndim - 1))
 
     scaled_bxv = logits_bxv.astype(jnp.float32) / per_row(jnp.where(sampling.temperature_b > 0,
                                                                     sampling.temperature_b, 1.0))
     v = scaled_bxv.shape[-1]
-    sorted_bxv = -jnp.sort(-scaled_bxv, axis=-1)  # descending
+    sampled_b = sampling.temperature_b > 0
     k_b = jnp.where((sampling.top_k_b > 0) & (sampling.top_k_b < v), sampling.top_k_b, v)
-    kth_bx1 = jnp.take_along_axis(sorted_bxv, jnp.broadcast_to(per_row(k_b - 1), sorted_bxv.shape[:-1] + (1,)),
-                                  axis=-1)  # top-k keeps every value >= this
-    in_top_k_bxv = sorted_bxv >= kth_bx1
-    probs_bxv = jax.nn.softmax(jnp.where(in_top_k_bxv, sorted_bxv, -jnp.inf), axis=-1)
-    # top-p over what top-k left: keep a sorted entry while the mass before it is < top_p (the top one always)
-    mass_before_bxv = jnp.cumsum(probs_bxv, axis=-1) - probs_bxv
-    top_p_bx1 = per_row(sampling.top_p_b)
-    keep_bxv = in_top_k_bxv & ((mass_before_bxv < top_p_bx1) | (top_p_bx1 >= 1.0))
-    threshold_bx1 = jnp.min(jnp.where(keep_bxv, sorted_bxv, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(scaled_bxv >= threshold_bx1, scaled_bxv, -jnp.inf)
+    cuts_k_b, cuts_p_b = sampled_b & (k_b < v), sampled_b & (sampling.top_p_b < 1.0)
+
+    def cut(counts):
+        return lambda: cut_logits(scaled_bxv, per_row(k_b), per_row(sampling.top_p_b), counts, per_row(sampled_b))
+
+    # no sampled row cuts: the scaled logits; top-k only, within the few candidates: those; else the top-p ones
+    few_b = ~cuts_k_b | (k_b <= TOP_K_CANDIDATES[-1])
+    branch = jnp.where(~jnp.any(cuts_k_b | cuts_p_b), 0, jnp.where(jnp.any(cuts_p_b) | ~jnp.all(few_b), 2, 1))
+    return jax.lax.switch(branch, [lambda: scaled_bxv, cut(TOP_K_CANDIDATES), cut(TOP_P_CANDIDATES)])
 
 
 def row_keys(seed_b: jax.Array, index_b: jax.Array) -> jax.Array:

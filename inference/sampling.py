@@ -12,6 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from medusa_jax.inference.vocab_cut import TOP_P_CANDIDATES, cut_logits, largest
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -35,18 +37,6 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
-def top_p_filter(logits_bv: jax.Array, top_p: float) -> jax.Array:
-    """Sets to -inf every logit outside the smallest set whose probability mass reaches top_p."""
-    if top_p >= 1.0:
-        return logits_bv
-    sorted_bv = jnp.sort(logits_bv, axis=-1)[..., ::-1]
-    cum_bv = jnp.cumsum(jax.nn.softmax(sorted_bv, axis=-1), axis=-1)
-    # keep a sorted entry if the mass before it is < top_p (so the top token is always kept)
-    keep_bv = (cum_bv - jax.nn.softmax(sorted_bv, axis=-1)) < top_p
-    threshold_b = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits_bv >= threshold_b, logits_bv, -jnp.inf)
-
-
 def target_logits(logits_xv: jax.Array, config: SamplingConfig) -> jax.Array:
     """[..., V] logits -> fp32 [..., V] logits of the sampling distribution (temperature > 0): logits / T,
     -inf outside the top_k (every token tied with the k-th is kept), then top_p applied to what is left
@@ -54,10 +44,14 @@ def target_logits(logits_xv: jax.Array, config: SamplingConfig) -> jax.Array:
     if config.greedy:
         raise ValueError("target_logits needs temperature > 0 (greedy decoding takes the argmax)")
     scaled_xv = logits_xv.astype(jnp.float32) / config.temperature
-    if 0 < config.top_k < scaled_xv.shape[-1]:
-        kth_x1 = jax.lax.top_k(scaled_xv, config.top_k)[0][..., -1:]
-        scaled_xv = jnp.where(scaled_xv >= kth_x1, scaled_xv, -jnp.inf)
-    return top_p_filter(scaled_xv, config.top_p)
+    v = scaled_xv.shape[-1]
+    k = config.top_k if 0 < config.top_k < v else v
+    if config.top_p < 1.0:  # a sort of the vocabulary only when its largest logits leave the cut open
+        return cut_logits(scaled_xv, jnp.int32(k), jnp.float32(config.top_p), TOP_P_CANDIDATES)
+    if k < v:
+        kth_x1 = largest(scaled_xv, k)[..., -1:]
+        return jnp.where(scaled_xv >= kth_x1, scaled_xv, -jnp.inf)
+    return scaled_xv
 
 
 def greedy_tokens(logits_xv: jax.Array) -> jax.Array:
