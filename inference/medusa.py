@@ -2,31 +2,10 @@
 
 Shapes (axis letters as in the package legend): b rows, t tree tokens (node 0 = the root), o =
 max_new_tokens, s cache slots (s >= prompt width + o + t), m heads used = tree depth, r top-k ranks,
-e = m + 1 nodes along a path (depth 0 = the root). Each step, per row:
-  1. the proposer gives [b, m, r] candidates per (head, rank) from the hidden state that produced the root
-     (the last emitted token, not yet in the cache); the tree picks its t tokens from [root, candidates]
-     (or, for Hydra heads, the proposer drafts the t tree tokens itself, depth by depth);
-  2. ONE verify forward of the t tokens at positions length + depth under the tree mask writes their K/V to
-     slots [length, length + t);
-  3. acceptance picks a path and its accept length a, plus the base model's next token after it (bonus): with
-     one static DecodeConfig for the batch, or each row's own settings (row_acceptance.RowAcceptance);
-  4. the K/V of the root and the a accepted nodes move to slots [length, length + a + 1) (a gather and a
-     scatter of e slots per row; the rest of the tree block is scratch) and the row advances by a + 1.
-     The move is deferred to the start of the next step (and done once more after the loop): made after the
-     verify's own scatter and the attention reads of the same layer buffer, XLA copied every layer's whole
-     K and V once per step (measured in docs/results.md, "120 copies"); made before the verify
-     writes, both scatters update the carried buffers in place (tests/test_decode_hlo.py).
-Rows finish independently: tokens after an EOS inside the accepted path are dropped, the last step is cut
-to max_new_tokens, and a finished row stops advancing (it keeps computing, writing scratch slots only).
-
-Dynamic trees (`tree.DynamicTree`, EAGLE-2 style): the proposer grows each row's tree from the drafter's own
-probabilities (medusa_jax/trees/dynamic_tree.py) and returns it as a `TreeProposal`; the step derives the per-row
-ancestor mask, positions (length + each node's depth) and candidate paths from it, and verifies, accepts and
-compacts as for a static tree (acceptance reads the per-row tables). N, K and D are static, so is every shape.
-
-`medusa_step` (a MedusaState in, a MedusaState out) is THE tree step: the decode loop's body (here and under
-a mesh, inference/sharded.py) and what the step-cost timing jits (medusa_jax/trees/policy/step_cost.py).
-"""
+e = m + 1 nodes along a path (depth 0 = the root). Each step, per row: propose, ONE verify forward of the t
+tokens under the tree mask, accept a path and the bonus token, move the accepted K/V into place (deferred to the
+next step's start). `medusa_step` is THE tree step: the loop body here and under a mesh (sharded.py), and what
+step-cost timing jits. The step in full, dynamic trees and finished rows: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
 """Tree acceptance with every row's own sampling settings, so greedy and sampled requests share one drafted step
-(the generation engine's drafted rows: inference/drafted_rows.py).
-
-`RowAcceptance` carries a `RowSampling` (per-row temperature, top-p, top-k, seed, typical or not). A row at
-temperature 0 takes greedy acceptance (its tokens are plain greedy decoding's); a sampled row takes exact acceptance
-(`exact_acceptance`) against `row_target_logits`, its own settings' distribution, so its tokens have the law of
-plain sampling with those settings; a sampled row marked typical takes typical acceptance (`typical_rows`: the
-batch path's rule, `acceptance.typical_walk`, with the row's temperature, posterior threshold and alpha; its bonus
-token, and its first token after the prompt, drawn from the row's typical set). A row's coins come from
-fold_in(fold_in(key(seed), DRAFTED_STREAM), length) with `length` its tokens in the cache at the step: they depend on the request's seed and position only, not on
-its row, the step count or what else shares the batch (a request with a fixed seed is reproducible). A step
-whose rows are all greedy skips the sampling work (one `lax.cond`): the cut of the vocabulary per tree node; one with
-no typical row skips the typical rule (another).
-
-`accept_step` and `first_token` are what the tree decoder calls: they take either this per-row acceptance or
-the batch-wide static `DecodeConfig` (inference/acceptance.py) of `api.generate_batch`.
-"""
+(`RowAcceptance`; greedy rows accept greedily, sampled rows exactly, typical rows typically; coins per request
+seed and position). `accept_step` and `first_token` are what the tree decoder calls, with this or the batch-wide
+`DecodeConfig` (inference/acceptance.py). The rules in full: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
 """How a mixed-draft step chooses its draft size, inside the jitted decode loop: whether to draft at all (a backoff
-that a run of steps where drafting did not pay turns off for a while), and which of the static sizes to verify
-(predicted tokens per unit of time).
-
-Why a backoff. Drafting costs time whatever size the step then verifies (the heads' dynamic tree, the merge, the
-top-k of the candidates; measured per machine by `draft_size`), so a mixed step that ends up plain costs more than a
-plain step, and on text where no drafter is right (most MT-Bench writing prompts) that overhead lost to plain
-decoding. A step that skips the drafting is a plain step of the same loop (the drafters' states still see every
-emitted token). After a drafted step that did not pay (it emitted fewer tokens over the active rows than plain
-steps would have in its time, `DraftSizes.costs`), the next 1, 2, 4, ... up to `MAX_SKIP` steps skip the drafting;
-a drafted step that pays ends the backoff. A cheap signal overrides the backoff: when prompt lookup's own chains
-(matching only, no model call; drafted once per step, before the decision, and reused when the step drafts) already
-predict that a drafted step beats a plain one, the step drafts (`lookup_pays`).
-
-At batch > 1 one size serves every row (the verify forward has one shape): the size with the most predicted tokens
-of all active rows per unit of time, so a row with no good draft adds its one token to every size and weighs
-towards the smaller ones.
-"""
+that a run of steps where drafting did not pay turns off for a while; prompt lookup's own chains override it),
+and which of the static sizes to verify (predicted tokens per unit of time). Why, and the rule at batch > 1:
+docs/modules.md."""
 
 from __future__ import annotations
 

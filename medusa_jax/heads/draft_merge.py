@@ -1,28 +1,7 @@
 """Several drafters' candidates merged into ONE tree per step and row, and the few static draft sizes a step
-chooses among (`DraftSizes`; the choice among them: `inference.size_choice`).
-
-Candidates. Every drafter proposes a `dynamic_tree.TreeProposal`: node 0 the root, parents before children, each
-node scored with the log of its predicted acceptance (the probability that the whole path to it is accepted: the
-heads' probabilities along the path, prompt lookup's measured acceptance after an n-token match, ...), -inf for a
-node that is no candidate. `merge_proposals` concatenates them under one root and deduplicates: D rounds (one per
-depth) map every node to the first node with the same token under the same (deduplicated) parent; copies drop to
--inf. Scores are then made comparable across drafters: each candidate's own conditional, P(right | parent right)
-= its score over its parent's, is mapped through its drafter's measured counts (`merge_calibration`: by depth
-and bin of the own score, `PROB_EDGES`), a node several drafters propose is wrong only if every copy is
-(noisy-or of the copies' conditionals: on MT-Bench a node both the heads and recycling drafted was right 0.19 of
-the time, either alone 0.07 / 0.03), and a node's score is the sum of the log conditionals along its path: its
-predicted P(accepted). So siblings are distinct tokens, and every node scores at most its parent and comes after
-it: the N best nodes (`keep_best`: ties to the lower index) are a best-first expansion of the union tree and
-always include their ancestors. Kept nodes keep their order (parents first) and their parents are renumbered, as
-in `grow_tree`.
-
-Fewer than N candidates. Padding nodes, listed after every real node, are children of the root that repeat the
-root's first kept child (or the root's own token when there is none). A repeated sibling is never accepted in
-greedy acceptance (the first longest path wins) and has probability 0 in exact acceptance (`exact_acceptance.trial_outcomes`), so the output
-is unchanged; they cost verify width only, which the draft-size choice (`inference.draft_size`) avoids.
-
-Axes as in dynamic_tree.py; a: the merged candidates of a step (all drafters' nodes without their roots).
-"""
+chooses among (`DraftSizes`; the choice among them: `inference.size_choice`). How candidates are deduplicated,
+scored across drafters and padded: docs/modules.md. Axes as in dynamic_tree.py; a: the merged candidates of a
+step (all drafters' nodes without their roots)."""
 
 from __future__ import annotations
 

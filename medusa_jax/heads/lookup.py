@@ -1,22 +1,6 @@
-"""Prompt lookup (PLD; transformers' `prompt_lookup_num_tokens`, vLLM's `ngram` proposer): a drafter with no
-parameters that matches the last n tokens of each row against the row's own tokens (prompt and output so far) and
-drafts what followed the latest, longest match.
-
-The token buffer. Each row's tokens live in a [b, s] buffer beside the KV cache (s = the cache size, so it holds
-every token the cache will): `init_draft` copies the prompt, `accepted` appends the root and the accepted nodes of
-each verified step (the bonus token is the next step's root). At a step the query is the buffer plus the root.
-
-Matching, vectorised on device. Position c continues an n-token match (n = n_min..n_max) when the n tokens before
-it equal the query's last n and c is a known position (the query's own end excluded). Each position counts with
-its longest n, keyed n * s + c (longer first, then later), and the `branches` best keys give chains of `length`
-tokens: what followed each match, cut where the known tokens end. No Python runs per token; every shape is static.
-
-The proposal is a candidate forest (`dynamic_tree.TreeProposal`, T = 1 + branches * length): branch w's node i is
-the child of its node i - 1 (the root for i = 0), scored i + 1 times the log of the measured acceptance of one
-drafted token after an n-token match (`accept_log_prob`), the later branches a little lower; nodes past the known
-tokens, and branches with no match, score -inf. `heads.draft_merge.merge_proposals` dedups the branches and keeps
-the best nodes; `medusa.medusa_step` verifies them like any dynamic tree.
-"""
+"""Prompt lookup (PLD): a drafter with no parameters that matches the last n tokens of each row against the row's
+own tokens (prompt and output so far, a [b, s] buffer beside the KV cache) and drafts what followed the latest,
+longest match, vectorised on device. The buffer, the matching and the proposal's scores: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""Mixed drafts: several drafters (trained heads, prompt lookup, ...) propose into ONE tree per step and row.
-
-`MixedDrafter` has the drafter contract of `heads.medusa.HeadsBase` (init_draft / propose / accepted / verified)
-over a list of drafters: each proposes its candidates (`dynamic_tree.TreeProposal`, scored with log predicted
-acceptance) on its own static spec (a trained drafter's `DynamicTree`; a `TemplateSpec` for a drafter that fills a
-static template, as Token Recycling: its [b, t] tokens get the template's parents and depths and each node the
-measured acceptance of its path's ranks; None for a drafter that sizes itself, as prompt lookup),
-`draft_merge.merge_proposals` deduplicates their union and scores it with each member's calibrated
-conditionals (`calibrations`: the shipped counts of its kind, `merge_calibration`), and the best `DraftSizes.nodes`
-nodes go to the tree step, which verifies the best n of them, n chosen per step (`inference.size_choice`). Each drafter keeps its own state
-(a tuple of them is the mix's); a drafter that keeps its state across calls (`keeps_draft`: recycling's table)
-keeps it in the mix too.
-
-`config` is the trained heads' config (for what reads one: the model check, tree limits), or, with no trained
-drafter, a stand-in with the base's sizes and `num_heads` = the deepest draft.
-"""
+"""Mixed drafts: several drafters (trained heads, prompt lookup, ...) propose into ONE tree per step and row
+(`MixedDrafter`, the drafter contract of `heads.medusa.HeadsBase` over a list of drafters; how members propose,
+merge and keep their states: docs/modules.md). `config` is the trained heads' config, or, with no trained
+drafter, a stand-in with the base's sizes and `num_heads` = the deepest draft."""
 
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
-"""Token Recycling (Luo et al., ACL 2025, "Turning Trash into Treasure"): drafts with no trained parameters.
-
-The drafter keeps one table `table_vr` [V, r] int32: row v holds the r tokens the base model's logits last
-ranked highest right after token v (best first). Each step it drafts a fixed tree template breadth first from
-the root: node (parent, rank) gets token table_vr[token of parent, rank], so a path (r1, r2, ...) of the
-template (the `medusa_choices` form of `heads.tree`) reads rank r1 after the root, rank r2 after that, ...
-Every verify pass already computes the base's logits at every tree node; their top-r ids overwrite the table
-rows of the nodes' tokens (`recycle_update`), inside the jitted decode loop, so the table follows the text
-being written and stays warm across calls (the drafter object keeps it; `heads.recycle_file` saves it).
-
-One table is shared by the rows of a batch. When several rows or nodes of one step write the same token id,
-the write of the largest flat index (row * T + node) wins: a scatter-max of the index picks it, then only the
-winners scatter, so the result is defined (JAX leaves duplicate-index scatters unordered) and, under a mesh,
-the replicated table is updated identically on every device.
-
-The drafter follows the proposer contract of `heads.medusa.HeadsBase` (init_draft / propose / accepted /
-verified): its drafter state (`MedusaState.draft`) is the table itself. It is the drafter kind "recycle" of
-`heads.kinds.DRAFTERS`: it decodes alone on a static template (`--heads recycle`) or joins a mix filling the
-largest template within the mix's node budget (`RecycleDrafter.mix_member`).
-"""
+"""Token Recycling (Luo et al., ACL 2025, "Turning Trash into Treasure"): drafts with no trained parameters,
+from one table `table_vr` [V, r] int32 (row v: the r tokens the base's logits last ranked highest after token v),
+refreshed from every verified node's logits inside the decode loop and shared by a batch's rows. The template
+walk, the write order and the drafter contract: docs/modules.md."""
 
 from __future__ import annotations
 
