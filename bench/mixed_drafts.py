@@ -19,6 +19,7 @@ import json
 from typing import Sequence
 
 import numpy as np
+from flax import nnx
 
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.lookup import LookupConfig
@@ -67,7 +68,8 @@ def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids
             progress=None, batch: int = 1, repeats: int = 1, first_token: bool = False) -> dict[str, list[dict]]:
     """label -> per call of `batch` prompts {tokens, steps, seconds (the median of `repeats` rounds), token_ids (one
     list per prompt; a round that answers differently is kept as `other_token_ids`, counted by `summarise` as a
-    mismatch)}; methods interleaved call by call and round by round, so a change in machine load hits them alike.
+    mismatch), steps_each_round}; every round starts from the drafter states (Token Recycling's table) the call's
+    first round started from; methods interleaved call by call and round by round, so a change in machine load hits them alike.
     With `first_token`, each round also times the same call stopped after its first token (the prefill and the
     drafters' admission): `first_seconds`, its median, so `summarise` can give the speed after the first token."""
     rows = {label: [] for label in models}
@@ -75,8 +77,12 @@ def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids
         group = prompts[i: i + batch]
         runs = {label: [] for label in models}
         firsts = {label: [] for label in models}
+        kept = {label: model.medusa_params["heads"] for label, (model, _) in models.items() if model.heads is not None}
         for _ in range(repeats):
             for label, (model, tree) in models.items():
+                if label in kept:  # every round starts from the drafter state the first did: a later round must
+                    model.medusa_params["heads"] = kept[label]  # not draft from a table that saw this answer
+                    nnx.update(model.heads, kept[label])
                 settings = BatchSettings(batch_size=batch, max_new_tokens=max_new_tokens, tree=tree,
                                          eos_ids=tuple(eos_ids), pad_id=pad_id, engine="batches",
                                          bucket=PROMPT_WIDTH)
@@ -88,6 +94,7 @@ def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids
             first = per_round[0]
             ids = [r.token_ids for r in first]
             rows[label].append({"tokens": sum(r.new_tokens for r in first), "steps": sum(r.steps for r in first),
+                                "steps_each_round": [sum(r.steps for r in results) for results in per_round],
                                 "seconds": float(np.median([results[0].seconds for results in per_round])),
                                 "token_ids": ids,
                                 "other_token_ids": [[r.token_ids for r in results] for results in per_round[1:]

@@ -56,18 +56,20 @@ def test_calls_of_two_prompts_keep_plain_answers_and_count_each_prompt(tiny_mode
     rng = np.random.RandomState(0)
     # repeated n-grams, so prompt lookup drafts (and is accepted) in the answers
     prompts = [(rng.randint(3, 60, 5).tolist() * 3)[: 10 + 3 * i] for i in range(3)]
-    mix, sizes = build_mix(base, ("lookup",), None, 4, costs=lambda s: tuple(1.0 + 0.05 * n for n in s))
+    mix, sizes = build_mix(base, ("recycle", "lookup"), None, 4, costs=lambda s: tuple(1.0 + 0.05 * n for n in s))
     models = {"plain": (ShardedModel(base, None, MeshConfig()), None),
-              "lookup@4": (ShardedModel(base, mix, MeshConfig()), sizes)}
+              "mix@4": (ShardedModel(base, mix, MeshConfig()), sizes)}
     rows = mixed_drafts.run_set(models, prompts, 12, (), 0, batch=2, repeats=2, first_token=True)
     assert [len(call["token_ids"]) for call in rows["plain"]] == [2, 1]  # a ragged last call
     assert all(call["other_token_ids"] == [] for calls in rows.values() for call in calls)  # rounds agree
+    # each round drafts from the same recycling table: none from one that saw the answer in an earlier round
+    assert all(len(set(call["steps_each_round"])) == 1 for call in rows["mix@4"])
     want = [r.token_ids for r in generate(base, prompts, max_new_tokens=12, eos_ids=())]
-    assert mixed_drafts.answers(rows) == mixed_drafts.answers(rows, "lookup@4") == want
-    summary = {row["method"]: row for row in mixed_drafts.summarise(rows, {"lookup@4": 4})}
-    assert summary["plain"]["prompts"] == summary["lookup@4"]["prompts"] == 3
-    assert summary["plain"]["new_tokens"] == summary["lookup@4"]["new_tokens"] == 36
-    assert summary["lookup@4"]["mismatches"] == 0 and summary["plain"]["tokens_per_step"] == 1.0
-    assert summary["lookup@4"]["tokens_per_step"] >= 1.0 and summary["lookup@4"]["nodes"] == 4
+    assert mixed_drafts.answers(rows) == mixed_drafts.answers(rows, "mix@4") == want
+    summary = {row["method"]: row for row in mixed_drafts.summarise(rows, {"mix@4": 4})}
+    assert summary["plain"]["prompts"] == summary["mix@4"]["prompts"] == 3
+    assert summary["plain"]["new_tokens"] == summary["mix@4"]["new_tokens"] == 36
+    assert summary["mix@4"]["mismatches"] == 0 and summary["plain"]["tokens_per_step"] == 1.0
+    assert summary["mix@4"]["tokens_per_step"] >= 1.0 and summary["mix@4"]["nodes"] == 4
     assert all(0 < call["first_seconds"] < call["seconds"] for calls in rows.values() for call in calls)
-    assert summary["plain"]["speedup_after_first_token"] == 1.0 and summary["lookup@4"]["first_token_seconds"] > 0
+    assert summary["plain"]["speedup_after_first_token"] == 1.0 and summary["mix@4"]["first_token_seconds"] > 0
