@@ -19,7 +19,6 @@ import json
 from typing import Sequence
 
 import numpy as np
-from flax import nnx
 
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.lookup import LookupConfig
@@ -77,12 +76,11 @@ def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids
         group = prompts[i: i + batch]
         runs = {label: [] for label in models}
         firsts = {label: [] for label in models}
-        kept = {label: model.medusa_params["heads"] for label, (model, _) in models.items() if model.heads is not None}
+        kept = {label: model.draft_snapshot() for label, (model, _) in models.items()}
         for _ in range(repeats):
             for label, (model, tree) in models.items():
-                if label in kept:  # every round starts from the drafter state the first did: a later round must
-                    model.medusa_params["heads"] = kept[label]  # not draft from a table that saw this answer
-                    nnx.update(model.heads, kept[label])
+                # every round starts from the drafter state the first did: a later round must not draft from a
+                model.restore_draft(kept[label])  # table that saw this answer
                 settings = BatchSettings(batch_size=batch, max_new_tokens=max_new_tokens, tree=tree,
                                          eos_ids=tuple(eos_ids), pad_id=pad_id, engine="batches",
                                          bucket=PROMPT_WIDTH)

@@ -11,18 +11,59 @@ acceptance, the drafters' updates (recycling's top-k of every node's logits) and
 apart (a verify-shaped forward over a one-token forward, plus the proposal alone) were not the step, by a margin
 that depends on the machine's load: bench/mixed_drafts/real_step_costs (results.json's draft_sizes) has the real
 steps' costs its run chose with.
+
+Timing noise. On a shared machine a step's time varies from round to round and the load drifts, and the size rule
+moves with the costs (two quiet calibrations of 7 rounds and a median each, 15 minutes apart, chose differently
+enough to change MT-Bench's tokens/step: issue 37). So a round times every step once, in turn, a size's sample is
+its step over the plain step of the same round (a load that changes between rounds scales both), and its cost is
+the interquartile mean of its samples (robust to a loaded machine's spikes, less noisy than a median), timed round
+after round until every cost's standard error is within `TimingBudget.tolerance` of it or the budget's seconds are
+spent (bench/calibration_noise: repeated calibrations, the old way and this one).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import math
+import os
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.draft_merge import DraftSizes
-from medusa_jax.trees.policy.step_cost import medusa_step_call, plain_step_call, time_interleaved
+from medusa_jax.trees.policy.step_cost import WARM_UP_CALLS, medusa_step_call, plain_step_call
 
 # the cost of the size a step never chooses when size 0 is timed: a drafted step then always verifies the root alone
 UNPAYABLE = 1e9
+SECONDS_ENV = "MEDUSA_JAX_CALIBRATION_SECONDS"  # the timing budget's seconds (the test suite: 0, min_rounds only)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingBudget:
+    """How long the sizes are timed: at least `min_rounds` rounds, then until every cost's standard error is within
+    `tolerance` of the cost, `seconds` of timing have passed (warm-up apart) or `max_rounds` are timed."""
+
+    min_rounds: int = 10
+    max_rounds: int = 200
+    seconds: float = 15.0
+    tolerance: float = 0.01
+
+
+def default_budget() -> TimingBudget:
+    """TimingBudget(), its seconds from `$MEDUSA_JAX_CALIBRATION_SECONDS` when set (ValueError: not seconds >= 0)."""
+    text = os.environ.get(SECONDS_ENV)
+    if text is None:
+        return TimingBudget()
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"${SECONDS_ENV} must be a number of seconds >= 0, got {text!r}")
+    return TimingBudget(seconds=seconds)
 
 
 def forced_sizes(sizes: Sequence[int], depth: int) -> list[DraftSizes]:
@@ -31,18 +72,49 @@ def forced_sizes(sizes: Sequence[int], depth: int) -> list[DraftSizes]:
     return [DraftSizes((n,), (1.0,), depth) if n else DraftSizes((0, 1), (1.0, UNPAYABLE), depth) for n in sizes]
 
 
+def interquartile_mean(samples_n: Sequence[float]) -> tuple[float, float]:
+    """(the mean of the middle half of the samples, its standard error: the standard deviation of the samples
+    winsorized at the quartiles over half the square root of their number, Tukey and McLaughlin's)."""
+    x_n = np.sort(np.asarray(samples_n, np.float64))
+    n, cut = len(x_n), len(x_n) // 4
+    middle_m = x_n[cut: n - cut]
+    error = np.clip(x_n, middle_m[0], middle_m[-1]).std(ddof=1) / (0.5 * math.sqrt(n)) if n > 1 else math.inf
+    return float(middle_m.mean()), float(error)
+
+
+def timed_ratios(calls: Sequence[Callable[[], object]], budget: TimingBudget = TimingBudget(),
+                 clock: Callable[[], float] = time.perf_counter) -> tuple[list[float], int]:
+    """(for each of calls[1:], the interquartile mean of its seconds over those of calls[0] in the same round; the
+    rounds timed): each call `WARM_UP_CALLS` times untimed, then rounds of every call once in turn while `budget`
+    lasts (module docstring)."""
+    for fn in calls:
+        for _ in range(WARM_UP_CALLS):
+            jax.block_until_ready(fn())
+    ratios: list[list[float]] = [[] for _ in calls[1:]]
+    start = clock()
+    while True:
+        seconds = []
+        for fn in calls:
+            begin = clock()
+            jax.block_until_ready(fn())
+            seconds.append(clock() - begin)
+        for samples, s in zip(ratios, seconds[1:]):
+            samples.append(s / max(seconds[0], 1e-12))
+        rounds = len(ratios[0])
+        if rounds >= budget.max_rounds or rounds >= budget.min_rounds and (
+                clock() - start >= budget.seconds or
+                all(error <= budget.tolerance * cost for cost, error in map(interquartile_mean, ratios))):
+            return [interquartile_mean(samples)[0] for samples in ratios], rounds
+
+
 def measure_size_costs(base: CausalLM, drafter, sizes: Sequence[int], *, batch: int = 1, context: int = 256,
-                       rounds: int = 7, depth: int = 1) -> tuple[float, ...]:
-    """Seconds of the real mixed step of each size over a plain step (module docstring; interleaved rounds, the
-    median; a larger size never costs less than a smaller one, against timing noise): the `costs` of a
+                       budget: TimingBudget | None = None, depth: int = 1) -> tuple[float, ...]:
+    """Seconds of the real mixed step of each size over a plain step (`timed_ratios` under `budget`, by default
+    `default_budget()`; a larger size never costs less than a smaller one, against timing noise): the `costs` of a
     DraftSizes for `drafter`, on this machine at this batch size."""
     cache_size = context + max(sizes) + 2 + depth
     calls = [plain_step_call(base, batch, context, cache_size)]
     calls += [medusa_step_call(base, drafter, forced, batch, context, cache_size)
               for forced in forced_sizes(sizes, depth)]
-    plain, *seconds = time_interleaved(calls, rounds)
-    costs, highest = [], 0.0
-    for s in seconds:  # a larger step never costs less (each drafts alike; timing noise on a loaded machine)
-        highest = max(highest, s / plain)
-        costs.append(highest)
-    return tuple(costs)
+    ratios, _ = timed_ratios(calls, budget or default_budget())
+    return tuple(float(c) for c in np.maximum.accumulate(ratios))

@@ -1,10 +1,10 @@
 """The draft sizes' step costs of a mix, measured once per machine and cached (as the heads' tree calibrations are).
 
 `draft_size.measure_size_costs` times the real mixed step of every draft size against a plain step on this machine
-(a few seconds of timing plus a compilation per size). What it measures depends on the machine, the model, the batch
-size, the sizes and the drafters of the mix, so those key a file under `$MEDUSA_JAX_CACHE/calibration/`
-(`trees.policy.calibration.keyed_cache_file`, beside the tree calibrations) and a second build with the same
-key reads it instead of timing again.
+(up to `draft_size.TimingBudget.seconds` of timing plus a compilation per size). What it measures depends on the
+machine, the model, the batch size, the sizes and the drafters of the mix, so those key a file under
+`$MEDUSA_JAX_CACHE/calibration/` (`trees.policy.calibration.keyed_cache_file`, beside the tree calibrations) and a
+second build with the same key reads it instead of timing again.
 
 Modes, as tree calibration's (`--calibration`, `$MEDUSA_JAX_CALIBRATION`): "auto" reads the cache and measures on
 a miss, "redo" measures again and replaces the entry (after a code or load change), "skip" measures without
@@ -25,7 +25,7 @@ from medusa_jax.heads.recycle_file import model_fingerprint
 from medusa_jax.trees.policy.calibration import check_mode, keyed_cache_file, machine_key
 from medusa_jax.inference import draft_size
 
-FORMAT = "medusa-jax-draft-size-costs-v2"  # v2: the real mixed step over a plain step (v1: the pieces)
+FORMAT = "medusa-jax-draft-size-costs-v3"  # v3: per-round ratios until stable (v2: 7 rounds' medians, v1: the pieces)
 
 
 def mix_key(mix: MixedDrafter) -> list[list[str]]:

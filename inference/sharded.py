@@ -268,6 +268,19 @@ class ShardedModel:
 
         self.medusa_params["heads"] = jax.tree.map(place, nnx.state(self.heads), self.medusa_shardings["heads"])
 
+    def draft_snapshot(self):
+        """The drafter state the next call starts from, for `restore_draft` (the heads' placed variables, shared,
+        not copied: calls replace them, never write into them); None for heads that keep no state across calls."""
+        return None if self.heads is None else jax.tree.map(lambda x: x, self.medusa_params["heads"])
+
+    def restore_draft(self, snapshot) -> None:
+        """The next call starts from the drafter state of `snapshot` (`draft_snapshot`), whatever calls ran since:
+        e.g. every round of a benchmark from the same table; None (heads that keep no state) changes nothing."""
+        if snapshot is None:
+            return
+        self.medusa_params["heads"] = jax.tree.map(lambda x: x, snapshot)
+        nnx.update(self.heads, snapshot)
+
 
 @functools.lru_cache(maxsize=64)
 def _cache_sharding(mesh: Mesh, config, batch_size: int, cache_size: int) -> KVCache:

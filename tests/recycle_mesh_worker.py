@@ -4,7 +4,8 @@
 On 8 forced CPU devices: (1) `recycle_update` on row-sharded tokens and vocabulary-sharded logits with a
 replicated table, against the same call on one device; (2) Token Recycling greedy decoding of 8 ragged prompts
 (an EOS mid-way), two calls in a row (the second from the table the first ended with), on one device and on the
-meshes (data, tensor) = (8, 1) and (2, 4): tokens, steps, accept lengths and the tables after each call.
+meshes (data, tensor) = (8, 1) and (2, 4): tokens, steps, accept lengths and the tables after each call; then
+a third call from the table of the first (`ShardedModel.restore_draft` of a `draft_snapshot` taken before it).
 """
 
 from __future__ import annotations
@@ -66,20 +67,24 @@ def main(model_dir: str, out: str) -> None:
     plain = [r.token_ids for r in generate(base0, prompts, max_new_tokens=MAX_NEW, eos_ids=eos)]
     settings = BatchSettings(batch_size=8, max_new_tokens=MAX_NEW, eos_ids=eos, bucket=16,
                              tree=template_tree("recycle_16"))
-    report = {"plain": plain, "update": update_on_meshes(base0.config.vocab_size), "decode": {}}
+    report = {"plain": plain, "update": update_on_meshes(base0.config.vocab_size), "decode": {}, "restored": {}}
     for data, tensor in ((1, 1), (8, 1), (2, 4)):
         mesh = MeshConfig(data=data, tensor=tensor).make_mesh()
         base = base0 if data * tensor == 1 else load_pretrained(model_dir, sharding_for=sharding_for(mesh))
         drafter = RecycleDrafter(config)
         model = ShardedModel(base, drafter, mesh)
-        calls = []
-        for _ in range(2):
+        snapshot = model.draft_snapshot()
+
+        def call():
             run = generate_batch(model, prompts, settings, progress=False)
-            calls.append({"tokens": [r.token_ids for r in run.results], "steps": [r.steps for r in run.results],
-                          "accepts": [r.accept_lengths for r in run.results], "table": digest(drafter.table),
-                          "table_replicated": model.medusa_params["heads"]["recycle_table"][...].sharding
-                          .is_fully_replicated})
-        report["decode"][f"{data},{tensor}"] = calls
+            return {"tokens": [r.token_ids for r in run.results], "steps": [r.steps for r in run.results],
+                    "accepts": [r.accept_lengths for r in run.results], "table": digest(drafter.table),
+                    "table_replicated": model.medusa_params["heads"]["recycle_table"][...].sharding
+                    .is_fully_replicated}
+
+        report["decode"][f"{data},{tensor}"] = [call(), call()]
+        model.restore_draft(snapshot)  # the third call starts from the first one's (empty) table again
+        report["restored"][f"{data},{tensor}"] = call()
     with open(out, "w") as f:
         json.dump(report, f)
 

@@ -15,11 +15,15 @@ import numpy as np
 import pytest
 
 from medusa_jax.hf.load import load_pretrained
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.heads.config import HeadsConfig
+from medusa_jax.heads.init import init_heads
 from medusa_jax.heads import recycle, recycle_file
 from medusa_jax.heads.recycle import (TEMPLATES, RecycleConfig, RecycleDrafter, best_first_paths, draft_tokens,
                                       empty_table, recycle_update, template_tree)
 from medusa_jax.trees.tree import build_tree, load_tree
-from medusa_jax.inference.api import generate, generate_medusa
+from medusa_jax.inference.api import BatchSettings, generate, generate_batch, generate_medusa
+from medusa_jax.inference.sharded import ShardedModel
 
 N = 40
 PROMPTS = {
@@ -132,6 +136,28 @@ def test_greedy_recycling_equals_plain_greedy_fresh_and_warm(tiny, kind, tree_na
     accepts = lambda results: [r.accept_lengths for r in results]  # noqa: E731
     assert accepts(replay) == accepts(warm) != accepts(fresh)
     assert max(max(r.accept_lengths) for r in fresh + warm) >= 1  # drafts were accepted
+
+
+def test_a_restored_snapshot_decodes_as_the_call_it_was_taken_before(tiny):
+    """ShardedModel.draft_snapshot / restore_draft: the table a call starts from, restored after two calls,
+    gives the first call's steps again (lossless each time); a model that keeps no state snapshots None."""
+    base, refs = tiny("llama")
+    eos_ids, want = refs["ragged4"]
+    model = ShardedModel(base, drafter_for(base), MeshConfig())
+    settings = BatchSettings(batch_size=4, max_new_tokens=N, eos_ids=eos_ids, tree=template_tree("recycle_16"))
+    decode = lambda: generate_batch(model, PROMPTS["ragged4"], settings, progress=False).results  # noqa: E731
+    snapshot = model.draft_snapshot()
+    first, warm = decode(), decode()
+    model.restore_draft(snapshot)
+    assert (model.heads.table == empty_table(base.config.vocab_size)).all()  # the heads object follows
+    again = decode()
+    accepts = lambda results: [r.accept_lengths for r in results]  # noqa: E731
+    assert accepts(again) == accepts(first) != accepts(warm)
+    assert [r.token_ids for r in first + warm + again] == want * 3
+    medusa = init_heads(HeadsConfig(base.config.hidden_size, base.config.vocab_size, num_heads=2), base)
+    for keeps_none in (ShardedModel(base, None, MeshConfig()), ShardedModel(base, medusa, MeshConfig())):
+        assert keeps_none.draft_snapshot() is None
+        keeps_none.restore_draft(None)  # changes nothing
 
 
 def test_table_files_round_trip_and_bad_files_are_refused(tmp_path):

@@ -1,6 +1,7 @@
 """Token Recycling under a device mesh (8 forced CPU devices, in a subprocess: tests/recycle_mesh_worker.py):
 the table update on sharded rows and logits equals one device's on every device, and greedy decoding on the
-(8, 1) and (2, 4) meshes gives one device's tokens, steps, accept lengths and final tables, call after call."""
+(8, 1) and (2, 4) meshes gives one device's tokens, steps, accept lengths and final tables, call after call, and a
+call after `ShardedModel.restore_draft` repeats the first."""
 
 from __future__ import annotations
 
@@ -41,3 +42,9 @@ def test_recycling_on_a_mesh_equals_one_device_call_after_call(report, mesh):
         assert call_mesh["table"] == call_one["table"]  # the same table after each call
         assert call_mesh["table_replicated"]  # one table on every device
     assert one[0]["table"] != one[1]["table"] and one[0]["accepts"] != one[1]["accepts"]  # the 2nd call starts warm
+
+
+@pytest.mark.parametrize("mesh", ["1,1", "8,1", "2,4"])
+def test_a_restored_snapshot_decodes_as_the_first_call_on_every_mesh(report, mesh):
+    """`draft_snapshot` before the first call, `restore_draft` after the second: the third call is the first."""
+    assert report["restored"][mesh] == report["decode"][mesh][0]
