@@ -173,12 +173,14 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
 def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal, draft: Any, sizes: DraftSizes,
                  acceptance: DecodeConfig | RowAcceptance, eos_ids: tuple[int, ...]) -> MedusaState:
     """A drafted mixed-draft step (`draft_merge.DraftSizes`): the proposal's best n nodes are verified, n the size of
-    `sizes` with the most predicted tokens per unit of time over the active rows (`size_choice.choose`), one
+    `sizes` with the most predicted tokens per unit of time over the active rows (`size_choice.choose`, the
+    predictions scaled by the run's correction), one
     branch per static size (size 0: the root alone, a plain step), each run by `run_if`; the size-choice state
     (when the state carries one) learns from the outcome."""
     lengths_b, active_b = state.cache.lengths_b, state.active_b
     rows = jnp.sum(active_b).astype(jnp.float32)
-    choice = choose(predicted_accepts(proposal, sizes, active_b), sizes, rows)
+    accepts_k = predicted_accepts(proposal, sizes, active_b)
+    choice = choose(accepts_k, sizes, rows, 1.0 if state.choice is None else state.choice.correction)
 
     def branch(nodes: int):
         def run(state_: MedusaState) -> MedusaState:
@@ -197,7 +199,7 @@ def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal,
     if state.choice is None:
         return state
     emitted = jnp.sum(jnp.where(active_b, state.num_out_b - before - 1, 0)).astype(jnp.float32)
-    return dataclasses.replace(state, choice=state.choice.drafted(sizes, choice, emitted, rows))
+    return dataclasses.replace(state, choice=state.choice.drafted(sizes, choice, emitted, rows, accepts_k[choice]))
 
 
 def mixed_step(model: MedusaModel, state: MedusaState, proposer: Proposer, inputs: ProposeInputs, sizes: DraftSizes,

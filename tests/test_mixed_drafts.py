@@ -204,15 +204,35 @@ def test_size_choice_backs_off_after_drafted_steps_that_did_not_pay():
     state, skips = SizeChoiceState.start(), []
     assert bool(state.drafts)
     for _ in range(6):  # size 2 on 2 rows accepting 0.5 token: 2.5 < 2 x 1.5
-        state = state.drafted(sizes, jnp.int32(1), jnp.float32(0.5), jnp.float32(2))
+        state = state.drafted(sizes, jnp.int32(1), jnp.float32(0.5), jnp.float32(2), jnp.float32(0.5))
         skips.append(int(state.skip_left))
     assert skips == [1, 2, 4, 8, 8, 8] == [min(2 ** i, MAX_SKIP) for i in range(6)] and not bool(state.drafts)
     for _ in range(MAX_SKIP - 1):
         state = state.skipped()
     assert not bool(state.drafts) and bool(state.skipped().drafts)
-    assert int(state.drafted(sizes, jnp.int32(0), jnp.float32(0), jnp.float32(1)).misses) == 7  # drafted for nothing
-    paid = state.drafted(sizes, jnp.int32(2), jnp.float32(3), jnp.float32(2))  # 5 tokens >= 2 x 2.0
+    nothing = state.drafted(sizes, jnp.int32(0), jnp.float32(0), jnp.float32(1), jnp.float32(0))
+    assert int(nothing.misses) == 7  # drafted for nothing
+    paid = state.drafted(sizes, jnp.int32(2), jnp.float32(3), jnp.float32(2), jnp.float32(3))  # 5 tokens >= 2 x 2.0
     assert bool(paid.drafts) and int(paid.misses) == 0
+
+
+def test_size_choice_corrects_predictions_by_what_the_run_accepted():
+    """`SizeChoiceState.correction`: the drafters' predicted accepted tokens are scaled by what this run's drafted
+    steps accepted over what was predicted for them, so a run whose drafts keep missing stops verifying them (the
+    step then verifies the root alone and backs off), while one accepted as predicted keeps choosing as before;
+    a step that verified no node teaches nothing."""
+    sizes = DraftSizes((0, 1, 4), (1.13, 1.5, 1.65), depth=4)
+    accepts_k, one = jnp.asarray([0.0, 0.6, 1.4]), jnp.float32(1)  # 2.4 / 1.65 beats 1 / 1.13: four nodes
+    missing = honest = SizeChoiceState.start()
+    assert float(missing.correction) == 1.0 and int(choose(accepts_k, sizes, one, missing.correction)) == 2
+    for _ in range(2):  # four nodes predicted to accept 1.4 tokens accept none
+        missing = missing.drafted(sizes, jnp.int32(2), jnp.float32(0), one, accepts_k[2])
+        honest = honest.drafted(sizes, jnp.int32(2), accepts_k[2], one, accepts_k[2])
+    assert float(missing.correction) == pytest.approx(1 / (1 + 1.4 + 0.9 * 1.4))
+    assert int(choose(accepts_k, sizes, one, missing.correction)) == 0
+    assert float(honest.correction) == pytest.approx(1.0) and int(choose(accepts_k, sizes, one, honest.correction)) == 2
+    unchanged = missing.drafted(sizes, jnp.int32(0), jnp.float32(0), one, jnp.float32(0))
+    assert float(unchanged.correction) == pytest.approx(float(missing.correction))
 
 
 def test_lookup_pays_reads_the_lookup_chains_alone():

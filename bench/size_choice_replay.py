@@ -1,0 +1,225 @@
+"""Size-choice rules of the mixed drafts (`inference.size_choice`) evaluated offline, before any timing: record once
+what the drafters propose on real prompts, then replay rules against the recorded proposals with measured step
+costs.
+
+Record (`record`, a real greedy decode with a debug callback in the drafted step): every step drafts and verifies
+the root alone (so there is one step, and one recorded proposal, at every output position), and the callback
+keeps, per position, the merged proposal of the largest size (tokens, parents, scores), the predicted accepted
+tokens per size (`size_choice.predicted_accepts`) and those of prompt lookup's chains alone (what `lookup_pays`
+reads). The answer is plain greedy's (the decode is lossless), so the tokens a size would accept at a position are
+known exactly: the longest path among its n best nodes that the answer continues. (Token Recycling's table then
+sees only the roots' logits, not the tree nodes': its drafts are somewhat weaker than in a real run.)
+
+Replay (`replay`): a rule walks the answer from the first position: it skips (a plain step of the mixed loop, cost
+`skip_cost`) or verifies one size (cost `costs[size]`, `1 + accepted` tokens), and learns from the outcome; the
+speed against plain decoding is tokens / cost (plain: one token per unit). The rules are numpy mirrors of
+`size_choice` (the old one and the new one), so their states follow the same arithmetic as on device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Position:
+    accepts_k: np.ndarray  # predicted accepted tokens per size (all drafters, merged)
+    lookup_k: np.ndarray  # predicted accepted tokens per size of prompt lookup's chains alone (-inf scores: 0)
+    true_k: np.ndarray  # tokens each size would accept here (from the known answer)
+
+
+def true_accepts(tokens_t, parents_t, scores_t, answer: Sequence[int], pos: int, sizes: Sequence[int]) -> np.ndarray:
+    """Accepted tokens of the n best nodes (n in sizes) at output position pos (the root is answer[pos - 1])."""
+    order = sorted(range(1, len(tokens_t)), key=lambda i: (-scores_t[i], i))
+    out = []
+    for n in sizes:
+        kept = {i for i in order[:n] if scores_t[i] > -np.inf}
+        depth_of = {0: 0}
+        for i in range(1, len(tokens_t)):  # parents first
+            p = int(parents_t[i])
+            if i in kept and p in depth_of:
+                d = depth_of[p] + 1
+                if pos + d - 1 < len(answer) and answer[pos + d - 1] == tokens_t[i]:
+                    depth_of[i] = d
+        out.append(max(depth_of.values()))
+    return np.asarray(out, float)
+
+
+def positions(record: dict, sizes: Sequence[int]) -> list[Position]:
+    """The recorded steps' positions; the first step's root is the answer's first token (the decode loop's own
+    position counter may start past the prompt)."""
+    answer, first = record["answer"], record["steps"][0]["pos"]
+    out = []
+    for step in record["steps"]:
+        pos = step["pos"] - first + 1
+        assert step["tokens"][0] == answer[pos - 1], "a recorded root is not the answer's token there"
+        out.append(Position(np.asarray(step["accepts_k"]), np.asarray(step["lookup_k"]),
+                            true_accepts(step["tokens"], step["parents"], step["scores"], answer, pos, sizes)))
+    return out
+
+
+class BackoffRule:
+    """numpy mirror of `size_choice` with its correction off (`prior` None: the rule before it) or on (the
+    realised and predicted sums, `CORRECTION_PRIOR` / `CORRECTION_DECAY` as shipped unless given)."""
+
+    def __init__(self, sizes, costs, prior=None, decay=None, max_skip=None):
+        from medusa_jax.inference import size_choice
+        self.sizes, self.costs = np.asarray(sizes), np.asarray(costs)
+        self.max_skip = size_choice.MAX_SKIP if max_skip is None else max_skip
+        self.prior = prior
+        self.decay = size_choice.CORRECTION_DECAY if decay is None else decay
+        self.skip_left, self.misses, self.realised, self.predicted = 0, 0, 0.0, 0.0
+
+    def correction(self) -> float:
+        return 1.0 if self.prior is None else (self.realised + self.prior) / (self.predicted + self.prior)
+
+    def decide(self, p: Position):
+        """None: skip the drafting; else the size index verified."""
+        lookup_pays = bool(np.any((self.sizes > 0) & ((1 + p.lookup_k) / self.costs > 1)))
+        if self.skip_left > 0 and not lookup_pays:
+            self.skip_left -= 1
+            return None
+        return int(np.argmax((1 + self.correction() * p.accepts_k) / self.costs))
+
+    def learn(self, choice, predicted, accepted):
+        pays = choice > 0 and 1 + accepted >= self.costs[choice]
+        self.misses = 0 if pays else self.misses + 1
+        self.skip_left = 0 if pays else min(1 << min(max(self.misses - 1, 0), 8), self.max_skip)
+        if choice > 0:
+            self.realised = self.decay * self.realised + accepted
+            self.predicted = self.decay * self.predicted + predicted
+
+
+class Oracle(BackoffRule):
+    """Knows each size's accepted tokens: the best size, or skipping where no size beats a skipped step."""
+
+    def __init__(self, sizes, costs, skip_cost):
+        super().__init__(sizes, costs)
+        self.skip_cost = skip_cost
+
+    def decide(self, p: Position):
+        gain_k = (1 + p.true_k) / self.costs
+        return int(np.argmax(gain_k)) if gain_k.max() > 1 / self.skip_cost else None
+
+
+def replay(steps: list[Position], rule, costs, skip_cost: float) -> dict:
+    """Walks one answer (module docstring): {tokens, cost, speedup, drafted, skipped, accepted}."""
+    pos, cost, drafted, skipped, accepted = 0, 0.0, 0, 0, 0.0
+    while pos < len(steps):
+        p = steps[pos]
+        choice = rule.decide(p)
+        if choice is None:
+            cost += skip_cost
+            skipped += 1
+            pos += 1
+            continue
+        got = float(p.true_k[choice])
+        got = min(got, len(steps) - pos - 1)
+        rule.learn(choice, float(p.accepts_k[choice]), got)
+        cost += costs[choice]
+        drafted += 1
+        accepted += got
+        pos += 1 + int(got)
+    return {"tokens": len(steps), "cost": cost, "speedup": len(steps) / cost, "drafted": drafted,
+            "skipped": skipped, "accepted_per_drafted": accepted / max(drafted, 1)}
+
+
+def evaluate(records: list[dict], rule_of, sizes, costs, skip_cost) -> dict:
+    per = [replay(positions(r, sizes), rule_of(), costs, skip_cost) for r in records]
+    total = sum(r["tokens"] for r in per) / sum(r["cost"] for r in per)
+    return {"mean": total, "worst": min(r["speedup"] for r in per), "per_prompt": per}
+
+
+def load(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def record(out_path, questions: int = 8, budget: int = 4, max_new_tokens: int = 128, skip: int = 0) -> None:
+    """Decodes MT-Bench first turns with the default+recycle+lookup mix and writes one JSON line per prompt: the
+    answer and every step's record (module docstring: every step drafts and verifies the root alone)."""
+    import jax
+
+    from medusa_jax.bench.bench_inputs import mtbench_questions
+    from medusa_jax.inference import medusa, size_choice
+    from medusa_jax.inference.api import BatchSettings, generate_batch
+    from medusa_jax.inference.loaded_model import load_model
+    from medusa_jax.inference.mixed_decoding import build_mix
+    from medusa_jax.inference.sharded import ShardedModel
+    from medusa_jax.model.sharding import MeshConfig
+
+    loaded = load_model("default", "default")
+    mix, sizes = build_mix(loaded.base, ("recycle", "lookup"), loaded.heads, budget,
+                           costs=lambda sizes_: (1.0,) * len(sizes_))  # unused: every step verifies the root
+    model = ShardedModel(loaded.base, mix, MeshConfig())
+    steps: list[dict] = []
+
+    def keep(pos, accepts_k, lookup_k, tokens, parents, scores, choice):
+        steps.append({"pos": int(pos), "accepts_k": np.asarray(accepts_k).tolist(),
+                      "lookup_k": np.asarray(lookup_k).tolist(), "tokens": np.asarray(tokens).tolist(),
+                      "parents": np.asarray(parents).tolist(), "scores": np.asarray(scores).tolist(),
+                      "choice": int(choice)})
+
+    original = medusa.sized_verify
+
+    def recording(model_, state, proposal, draft, sizes_, acceptance, eos_ids):
+        active_b = state.active_b
+        accepts_k = size_choice.predicted_accepts(proposal, sizes_, active_b)
+        given = model_.heads.lookup_proposals(state.draft, state.root_b)
+        lookup_k = sum(size_choice.predicted_accepts(p, sizes_, active_b) for p in given.values())
+        choice = size_choice.choose(accepts_k, sizes_, jax.numpy.sum(active_b).astype(jax.numpy.float32))
+        jax.debug.callback(keep, state.num_out_b[0], accepts_k, lookup_k, proposal.tokens_bt[0],
+                           proposal.parent_bt[0], proposal.score_bt[0], choice)
+        return original(model_, state, proposal, draft, sizes_, acceptance, eos_ids)
+
+    medusa.sized_verify = recording  # patched for this process (jit traces read them): every step verifies the root
+    medusa.choose = lambda *args: jax.numpy.zeros((), jax.numpy.int32)
+    size_choice.SizeChoiceState.drafted = lambda self, *args: self  # and drafts again
+    prompts = loaded.encode_chat([q.first_turn for q in mtbench_questions(skip + questions)[skip:]])
+    settings = BatchSettings(batch_size=1, max_new_tokens=max_new_tokens, tree=sizes, eos_ids=tuple(loaded.eos_ids),
+                             pad_id=loaded.pad_id, engine="batches", bucket=512)
+    with open(out_path, "w") as f:
+        for i, prompt in enumerate(prompts):
+            steps.clear()
+            result = generate_batch(model, [prompt], settings, progress=False).results[0]
+            f.write(json.dumps({"prompt": i + skip, "answer": list(map(int, result.token_ids)),
+                                "steps_taken": int(result.steps), "sizes": list(sizes.sizes),
+                                "steps": sorted(steps, key=lambda s: s["pos"])}) + "\n")
+            f.flush()
+            print(f"prompt {i + skip}: {len(result.token_ids)} tokens, {len(steps)} steps recorded", flush=True)
+
+
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=("record", "replay"))
+    p.add_argument("records", help="the JSON-lines file record writes and replay reads")
+    p.add_argument("--questions", type=int, default=8, help="record: MT-Bench first turns")
+    p.add_argument("--costs", default="1.13,1.48,1.62",
+                   help="replay: the draft sizes' step costs in plain steps (default: %(default)s)")
+    p.add_argument("--skip-cost", type=float, default=1.06, help="replay: a skipped step's cost (default: 1.06)")
+    a = p.parse_args(argv)
+    if a.command == "record":
+        record(a.records, questions=a.questions)
+        return 0
+    records = load(a.records)
+    sizes, costs = records[0]["sizes"], [float(c) for c in a.costs.split(",")]
+    if len(costs) != len(sizes):
+        p.error(f"--costs {a.costs}: one cost per draft size {sizes}")
+    from medusa_jax.inference.size_choice import CORRECTION_PRIOR
+    rules = {"backoff (no correction)": lambda: BackoffRule(sizes, costs),
+             "backoff + correction (shipped)": lambda: BackoffRule(sizes, costs, prior=CORRECTION_PRIOR),
+             "oracle": lambda: Oracle(sizes, costs, a.skip_cost)}
+    print(f"| rule | speedup | worst prompt | per prompt |\n|---|---|---|---|")
+    for name, rule_of in rules.items():
+        result = evaluate(records, rule_of, sizes, costs, a.skip_cost)
+        per_prompt = " ".join(f"{r['speedup']:.2f}" for r in result["per_prompt"])
+        print(f"| {name} | {result['mean']:.3f} | {result['worst']:.3f} | {per_prompt} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
