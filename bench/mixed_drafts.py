@@ -60,7 +60,9 @@ def build_models(loaded: LoadedModel, chosen: Sequence[Method], heads_of,
     return out
 
 
-PROMPT_WIDTH = 512  # every prompt padded to one width: one compilation per method (the mixed steps compile slowly)
+# the padded width of every prompt up to 512 tokens: one cache size, one compilation of the decode steps per method
+# (the mixed steps compile slowly); each prompt is still prefilled at its own width of `engine.width_ladder`
+PROMPT_WIDTH = 512
 
 
 def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids, pad_id: int,
@@ -199,8 +201,9 @@ def markdown(results: dict, machine: dict, command: str) -> str:
                                                      f"{row['speedup_after_first_token']:.2f}x |" if split else ""))
         if split:
             lines += ["", "First token: the median time of the same call stopped after one token (the prefill of "
-                      f"the prompt padded to {PROMPT_WIDTH} tokens, and the drafters' admission), averaged over the "
-                      "calls; after the first token: the other tokens over the rest of the time."]
+                      "the prompt padded to the narrowest of 64, 96, 128, 192, 256, 384, 512, ... tokens that holds "
+                      "it, and the drafters' admission), averaged over the calls; after the first token: the other "
+                      "tokens over the rest of the time."]
         lines.append("")
     lines += ["## Prompt lookup's acceptance by match length (on the plain answers, all sets)", "",
               "| n | drafted tokens tried | accepted | rate |", "|---|---|---|---|"]

@@ -104,7 +104,7 @@ def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_token
              pad_id: int = 0, batch_size: int | None = None, cache_size: int | None = None,
              timings: dict | None = None) -> list[GenerationResult]:
     """Plain decoding of one batch of token-id prompts (ragged lengths are fine) on one device: `generate_batch`
-    on a mesh of one, prompts padded to 64 * 2**k tokens. `timings` gets "seconds" (the whole call)."""
+    on a mesh of one, prompts padded to a width of `engine.width_ladder`. `timings` gets "seconds" (the whole call)."""
     settings = BatchSettings(batch_size=_one_batch(prompts, batch_size), max_new_tokens=max_new_tokens,
                              sampling=sampling, seed=seed, eos_ids=resolve_eos(model, eos_ids), pad_id=pad_id,
                              bucket=PROMPT_BUCKET, cache_size=cache_size)

@@ -6,6 +6,7 @@ but never advances its cache length, so it writes only to scratch slots."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from functools import partial
 from typing import Any, Callable
 
@@ -15,6 +16,7 @@ from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, attention_mask, causal_block
+from medusa_jax.inference.engine import PROMPT_BUCKET, width_ladder
 from medusa_jax.inference.sampling import SamplingConfig, is_eos, sample_tokens
 
 
@@ -39,13 +41,10 @@ def prefill_states(model: CausalLM, prompt_bt: jax.Array, prompt_lens_b: jax.Arr
     return last_bd, cache.replace(lengths_b=prompt_lens_b.astype(jnp.int32)), hidden_btd if taps_btf is None else taps_btf
 
 
-def prefill_widths(width: int, smallest: int = 64) -> tuple[int, ...]:
-    """The prompt widths a prefill group may run at: smallest * 2**k below width, then width itself."""
-    widths = []
-    while smallest < width:
-        widths.append(smallest)
-        smallest *= 2
-    return tuple(widths) + (width,)
+def prefill_widths(width: int, smallest: int = PROMPT_BUCKET) -> tuple[int, ...]:
+    """The prompt widths a prefill group may run at: those of `engine.width_ladder(smallest)` below width, then
+    width itself."""
+    return tuple(itertools.takewhile(lambda w: w < width, width_ladder(smallest))) + (width,)
 
 
 def run_if(flag: jax.Array, fn: Callable[[Any], Any], carry: Any) -> Any:

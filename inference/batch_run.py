@@ -34,7 +34,7 @@ class BatchSettings:
     seed: int = 0  # prompt i samples with seed + i
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
-    bucket: int = 2 * PROMPT_BUCKET  # prompt widths are bucket * 2**k (engine.bucket_length)
+    bucket: int = 2 * PROMPT_BUCKET  # the narrowest prompt width (engine.bucket_length: 128, 192, 256, 384, ...)
     cache_size: int | None = None  # KV cache slots per row; None: sized per prompt width (engine.cache_size_for)
     engine: str = "auto"  # "batches" (sorted), "refill" (plain decoding on one device) or "auto" (`uses_refill`)
     # HEADS_TREE only: "auto" (step costs measured on this machine on first use, then cached), "redo" (measured

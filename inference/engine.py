@@ -6,28 +6,40 @@ that every generation path (sorted batches, refilled slots) runs."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
 
-PROMPT_BUCKET = 64  # the smallest padded prompt width; wider prompts double it (see bucket_length)
+PROMPT_BUCKET = 64  # the smallest padded prompt width; wider prompts climb `width_ladder`
 
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def bucket_length(n: int, smallest: int = PROMPT_BUCKET) -> int:
-    """The smallest of smallest * 2**k (k >= 0) that holds n: prompt widths come from this short fixed ladder
-    (64, 128, 256, ...; batch generation starts at 128) and cache sizes follow them (cache_size_for), so a run
-    compiles each decoder for a few shapes only (3 for 64 MT-Bench prompts at batch 8), and a later run with
-    other prompts but the same settings meets the same shapes in the persistent compilation cache."""
+def width_ladder(smallest: int = PROMPT_BUCKET) -> Iterator[int]:
+    """The padded prompt widths, ascending without end: smallest * 2**k and 1.5 times each (64, 96, 128, 192, 256,
+    384, 512, 768, ...): a prompt longer than smallest pads by less than half its length. The one rule of both the
+    engine's admission widths (bucket_length) and the widths a decode call's prefill may run at
+    (autoregressive.prefill_widths). A prefill costs about its width on a CPU (SmolLM2, 300 tokens: 384 wide ~0.7x
+    512), and each width is one compile per decoder, kept in the persistent cache: the 1.5x steps at most double
+    the shapes a run meets."""
     size = smallest
-    while size < n:
+    while True:
+        yield size
+        if size // 2:
+            yield size + size // 2
         size *= 2
-    return size
+
+
+def bucket_length(n: int, smallest: int = PROMPT_BUCKET) -> int:
+    """The narrowest of `width_ladder(smallest)` that holds n: prompt widths come from this short fixed ladder
+    (batch generation starts at 128) and cache sizes follow them (cache_size_for), so a run compiles each decoder
+    for a few shapes only (3 for 64 MT-Bench prompts at batch 8), and a later run with other prompts but the same
+    settings meets the same shapes in the persistent compilation cache."""
+    return next(width for width in width_ladder(smallest) if width >= n)
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], max_positions: int | None = None,

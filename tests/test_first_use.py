@@ -4,6 +4,7 @@ file rules, a tensor=3 mesh with heads that do not divide by 3, bucketed shapes 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -17,7 +18,8 @@ import pytest
 from medusa_jax.mtbench import load_mtbench_questions
 from medusa_jax.compile_cache import CompileCounter
 from medusa_jax.inference.api import BatchSettings, plan_batches
-from medusa_jax.inference.engine import bucket_length, cache_size_for, pad_prompts
+from medusa_jax.inference.autoregressive import prefill_widths
+from medusa_jax.inference.engine import bucket_length, cache_size_for, pad_prompts, width_ladder
 from medusa_jax.text import encode_prompt, load_tokenizer
 
 from training_helpers import build_tiny_chat_model
@@ -88,9 +90,19 @@ def test_generate_output_rules(chat_model, tmp_path, capsys):
 
 
 def test_prompt_widths_and_caches_come_from_a_short_ladder():
-    assert [bucket_length(n) for n in (1, 64, 65, 129, 300, 600)] == [64, 64, 128, 256, 512, 1024]
-    assert bucket_length(17, 16) == 32
-    assert pad_prompts([[1] * 130, [2] * 3], pad_id=0).tokens_bt.shape == (2, 256)
+    """smallest * 2**k and 1.5 times each: a prompt pads by less than half its width; the widths a decode call's
+    prefill may run at (prefill_widths) and the engine's admission widths (bucket_length, capped at the
+    context: what `GenerationEngine.warm_up` compiles) are the same ladder."""
+    assert list(itertools.islice(width_ladder(), 9)) == [64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert list(itertools.islice(width_ladder(1), 6)) == [1, 2, 3, 4, 6, 8]  # no repeated width
+    assert [bucket_length(n) for n in (1, 64, 65, 97, 129, 300, 385, 600, 700)] == [64, 64, 96, 128, 192, 384, 512,
+                                                                                     768, 768]
+    assert bucket_length(17, 16) == 24 and bucket_length(25, 16) == 32
+    assert prefill_widths(512) == (64, 96, 128, 192, 256, 384, 512) and prefill_widths(300, 128) == (128, 192, 256, 300)
+    assert prefill_widths(64) == (64,) and prefill_widths(40) == (40,)
+    for context in (64, 100, 384, 1000):
+        assert {min(bucket_length(n), context) for n in range(1, context + 1)} == set(prefill_widths(context))
+    assert pad_prompts([[1] * 130, [2] * 3], pad_id=0).tokens_bt.shape == (2, 192)
     assert cache_size_for(256, 100, 16) == 256 + 128  # the prompt width + budget and tree block, rounded
 
 

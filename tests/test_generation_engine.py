@@ -70,7 +70,7 @@ def test_engine_with_heads_decodes_trees_with_generates_greedy_tokens(model, hea
     want = [generate(model, [p], max_new_tokens=11, eos_ids=eos)[0].token_ids for p in prompts]
     engine = GenerationEngine(model, EngineConfig(rows=3, context=128, chunk_steps=3), eos_ids=eos, heads=heads,
                               tree=tree)
-    assert engine.warm_up() == 3 * 2 + 1  # admission sizes (1, 2, 3) x widths (64, 128), and the chunk
+    assert engine.warm_up() == 3 * 3 + 1  # admission sizes (1, 2, 3) x widths (64, 96, 128), and the chunk
     with CompileCounter() as compiles:  # every call shape was compiled ahead: requests wait for no compilation
         assert engine.generate_all(prompts, RequestParams(max_tokens=11)) == want
     assert compiles.requests == 0

@@ -93,14 +93,14 @@ def test_mistral_sliding_window_changes_the_result(tiny_model_dir):
 def test_greedy_generate_equals_transformers(tiny_hf_model, kind):
     folder, hf = tiny_hf_model(kind)
     model = load_pretrained(folder)
-    prompt = prompt_ids(2, 9)
-    ours = generate(model, [prompt], max_new_tokens=24, eos_ids=())[0]
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=24, min_new_tokens=24, eos_token_id=None,
-                             pad_token_id=0)[0, len(prompt):].tolist()
-    assert ours.token_ids == theirs
-    assert ours.new_tokens == 24
+    for prompt in (prompt_ids(2, 9), prompt_ids(6, 70)):  # padded to 64 and to 96 (engine.width_ladder)
+        ours = generate(model, [prompt], max_new_tokens=24, eos_ids=())[0]
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=24, min_new_tokens=24, eos_token_id=None,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours.token_ids == theirs
+        assert ours.new_tokens == 24
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

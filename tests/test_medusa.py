@@ -166,7 +166,7 @@ def test_medusa_greedy_equals_plain_greedy(tiny, kind, tree_name, case, head_typ
 
 def test_grouped_prefill_equals_prefill_in_any_row_order(tiny):
     """Rows prefilled in length groups, each at its own width, get the K/V, hidden state and length the
-    whole-batch prefill gives them (rows unsorted; the narrowest widths 64 and 128 both used)."""
+    whole-batch prefill gives them (rows unsorted; the widths 64, 96 and 128 all used)."""
     base, _, _ = tiny("llama")
     lengths = [3, 120, 7, 64, 65, 1, 90, 30]
     prompt_bt = np.zeros((8, 128), np.int32)
@@ -190,10 +190,10 @@ def test_grouped_prefill_equals_prefill_in_any_row_order(tiny):
                                            np.asarray(want.v_bksh[layer][b, :, :n]), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("longest", [64, 100])
-def test_narrow_prefill_equals_the_padded_width(tiny, longest):
+@pytest.mark.parametrize("longest, width", [(64, 64), (90, 96), (100, 128)])
+def test_narrow_prefill_equals_the_padded_width(tiny, longest, width):
     """A small batch (one group) padded to t = 256 is prefilled at the narrowest width holding its longest
-    prompt (64, then 128): the same last hidden states, K/V of the prompt slots, lengths, every prompt position's
+    prompt (64, 96, then 128): the same last hidden states, K/V of the prompt slots, lengths, every prompt position's
     hidden state and an EAGLE-3 style tap as the prefill at the whole width; positions past the width are zero."""
     base, _, _ = tiny("llama")
     lengths = [longest, 9, 1]
@@ -210,7 +210,6 @@ def test_narrow_prefill_equals_the_padded_width(tiny, longest):
         close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # noqa
         close(got_bd, want_bd)
         np.testing.assert_array_equal(np.asarray(got.lengths_b), lengths)
-        width = 64 if longest <= 64 else 128
         assert not np.asarray(got_btd[:, width:]).any()
         for b, n in enumerate(lengths):
             close(got_btd[b, :n], want_btd[b, :n])
