@@ -25,7 +25,8 @@ from medusa_jax.heads.recycle_file import model_fingerprint
 from medusa_jax.trees.policy.calibration import check_mode, keyed_cache_file, machine_key
 from medusa_jax.inference import draft_size
 
-FORMAT = "medusa-jax-draft-size-costs-v3"  # v3: per-round ratios until stable (v2: 7 rounds' medians, v1: the pieces)
+FORMAT = "medusa-jax-draft-size-costs-v4"  # v4: steps compiled without YNNPACK (backbone.TREE_STEP_COMPILER_OPTIONS);
+# v3: per-round ratios until stable (v2: 7 rounds' medians, v1: the pieces)
 
 
 def mix_key(mix: MixedDrafter) -> list[list[str]]:

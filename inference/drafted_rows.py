@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from medusa_jax.model.backbone import TREE_STEP_COMPILER_OPTIONS
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.heads.draft_merge import DraftSizes
@@ -73,7 +74,7 @@ def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, r
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree", "steps", "eos_ids", "pad_id", "proposer"),
-         donate_argnames=("state",))
+         donate_argnames=("state",), compiler_options=TREE_STEP_COMPILER_OPTIONS)
 def drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, remaining_b, emitted_b,
                   proposer_data=None, *, tree, steps: int, eos_ids: tuple[int, ...], pad_id: int,
                   proposer: Proposer = heads_proposer):

@@ -23,9 +23,9 @@ def width_ladder(smallest: int = PROMPT_BUCKET) -> Iterator[int]:
     """The padded prompt widths, ascending without end: smallest * 2**k and 1.5 times each (64, 96, 128, 192, 256,
     384, 512, 768, ...): a prompt longer than smallest pads by less than half its length. The one rule of both the
     engine's admission widths (bucket_length) and the widths a decode call's prefill may run at
-    (autoregressive.prefill_widths). A prefill costs about its width on a CPU (SmolLM2, 300 tokens: 384 wide ~0.7x
-    512), and each width is one compile per decoder, kept in the persistent cache: the 1.5x steps at most double
-    the shapes a run meets."""
+    (autoregressive.prefill_widths). A prefill costs about its width on a CPU (bench/mixed_drafts/prefill_widths),
+    and each width is one compile per decoder, kept in the persistent cache: the half steps at most double the
+    shapes a run meets."""
     size = smallest
     while True:
         yield size

@@ -51,3 +51,28 @@ def test_compiled_dot_keeps_the_embedding_left_for_few_rows(rows, embedding_left
     hlo = logits.lower(state, jnp.zeros((1, rows, CFG.hidden_size))).compile().as_text()
     dots = [tuple(int(x) for x in m.groups()) for m in _DOT.finditer(hlo)]
     assert dots == [(CFG.vocab_size, rows) if embedding_left else (rows, CFG.vocab_size)]
+
+
+def test_engine_tree_steps_compile_without_ynnpack_and_its_prefill_with():
+    """The engine's tree-step chunk compiles with `TREE_STEP_COMPILER_OPTIONS` (XLA's own dots: YNNPACK's fusion
+    costs a few-row step far more, backbone.py), its admission (the prefill, hundreds of rows) keeps YNNPACK."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the option chooses among XLA:CPU's dot emitters")
+    from medusa_jax.heads.config import HeadsConfig
+    from medusa_jax.heads.init import init_heads
+    from medusa_jax.trees.tree import load_tree
+    from medusa_jax.inference.drafted_rows import DraftedDecoder, drafted_admit, drafted_chunk
+    from medusa_jax.inference.row_sampling import RowSampling
+
+    base = CausalLM(CFG, nnx.Rngs(0))
+    heads = init_heads(HeadsConfig(CFG.hidden_size, CFG.vocab_size, num_heads=3), base, seed=0)
+    tree = load_tree("mc_sim_7b_8", num_heads=3, max_top_k=CFG.vocab_size)
+    decoder = DraftedDecoder(base, heads, tree, rows=2, context=64, steps=2, eos_ids=(), pad_id=0)
+    chunk = drafted_chunk.lower(*decoder._chunk_args(np.zeros((2,), np.int32)), tree=tree, steps=2, eos_ids=(),
+                                pad_id=0, proposer=decoder.proposer).compile().as_text()
+    zeros_n = np.zeros((2,), np.int32)
+    admit = drafted_admit.lower(decoder.graphdef, decoder.params, decoder.state, decoder.sampling, zeros_n,
+                                np.zeros((2, 64), np.int32), zeros_n + 1, RowSampling.greedy(2), tree=tree,
+                                eos_ids=()).compile().as_text()
+    assert " dot(" in chunk and "__ynn_fusion" not in chunk
+    assert "__ynn_fusion" in admit

@@ -21,6 +21,13 @@ from medusa_jax.model.sharding import constrain_rows
 # the most rows whose tied-embedding logits keep the [V, x] product on a CPU (`CausalLM.logits`): 64 rows measured
 # alike either way, 128 and 256 slower with it
 FEW_ROWS = 32
+# XLA:CPU compile options for the jits of tree steps alone (no prefill inside): XLA's own dot for every dot in place
+# of the YNNPACK fusion. YNNPACK pays on a prefill's hundreds of rows (SmolLM2, 96 / 384 / 1,024 rows: 1.2x / 1.6x /
+# 1.4x slower without it) but loses on a tree step's few: SmolLM2's mixed step (default+recycle+lookup@16, batch 1,
+# context 256; 15 rounds interleaved, two runs each, 2-core EPYC) costs 1.93 / 2.42 / 3.45 plain steps verifying
+# 2 / 5 / 16 nodes with it, 1.44-1.47 / 1.65-1.66 / 2.25-2.36 without; a plain step (one row, XLA's own
+# matrix-vector product either way) is unchanged (bench/few_row_dots/). Other backends ignore the option.
+TREE_STEP_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 class RMSNorm(nnx.Module):

@@ -46,7 +46,7 @@ from medusa_jax.trees.policy import step_cost, tree_choice
 
 MODES = ("auto", "redo", "skip")
 ENV = "MEDUSA_JAX_CALIBRATION"
-FORMAT = "medusa-jax-step-costs-v1"
+FORMAT = "medusa-jax-step-costs-v2"  # v2: tree steps compiled without YNNPACK (backbone.TREE_STEP_COMPILER_OPTIONS)
 CONTEXT = 256  # committed tokens in the cache when timing (as build_tree)
 REPEATS = 5
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model.backbone import TREE_STEP_COMPILER_OPTIONS, CausalLM
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
@@ -64,7 +64,8 @@ def time_interleaved(calls: Sequence[Callable[[], object]], rounds: int) -> list
     return [statistics.median(acc) for acc in times]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tree"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("graphdef", "tree"), donate_argnames=("state",),
+         compiler_options=TREE_STEP_COMPILER_OPTIONS)  # as the engine's tree steps (drafted_rows.drafted_chunk)
 def _medusa_step(graphdef, params, state: MedusaState, *, tree: TreeBuffers | DynamicTree) -> MedusaState:
     """`medusa.medusa_step`, the Medusa decode loop's body (greedy, the heads' proposal), jitted alone."""
     return medusa_step(nnx.merge(graphdef, params), state, tree=tree, acceptance=GREEDY, eos_ids=())

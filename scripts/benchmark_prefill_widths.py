@@ -2,7 +2,7 @@
 widths of `engine.width_ladder` (64, 96, 128, 192, 256, 384, ...), and, labelled "old widths", at the former
 ladder 64 * 2**k (so a prompt of 300 tokens is prefilled 384 wide, or 512). Takes benchmark_mixed's arguments:
 
-  python bench/mixed_drafts/prefill_widths/old_and_new_widths.py --mixes default+recycle+lookup@4 --questions 0 \
+  python scripts/benchmark_prefill_widths.py --mixes default+recycle+lookup@4 --questions 0 \
       --grounded 4 --max-new-tokens 128 --repeats 3 --first-token --out bench/mixed_drafts/prefill_widths
 """
 
@@ -46,8 +46,7 @@ generate, build_models = mixed_drafts.generate_batch, mixed_drafts.build_models
 generation_engine.bucket_length = admission_width
 mixed_drafts.generate_batch = generate_batch
 mixed_drafts.build_models = build_twice
-benchmark_mixed.command_line = lambda script, argv: command_line("bench/mixed_drafts/prefill_widths/"
-                                                                  "old_and_new_widths.py", argv)
+benchmark_mixed.command_line = lambda script, argv: command_line("scripts/benchmark_prefill_widths.py", argv)
 
 if __name__ == "__main__":
     sys.exit(benchmark_mixed.main())

@@ -1,7 +1,7 @@
 """SmolLM2's prefill of one prompt at given padded widths (a fresh cache of the width, as the engine's admission
 prefills), the widths interleaved round by round; prints each one's median seconds:
 
-  python bench/mixed_drafts/prefill_widths/prefill_time.py 300:384,300:512,700:768,700:1024 9
+  python bench/prefill_time.py 300:384,300:512,700:768,700:1024 9
 """
 
 import sys
