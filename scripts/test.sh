@@ -69,11 +69,11 @@ export MEDUSA_JAX_TEST_FIXTURES="$logs/fixtures"
 # One persistent compilation cache per run, shared by its pytest processes and the CLIs they start: most of the
 # suite's time is XLA compiling, and files (and the fresh jitted closures inside one file) compile many identical
 # programs. The key holds the program, the devices and XLA_FLAGS, so a hit is the executable that a compile gives.
-# Per run, so a run never starts from another's executables; the size bound turns on JAX's file lock, so that a
-# process never reads an entry that another is still writing. (test_medusa alone: 278 -> 247 CPU s with an empty
-# cache, 118 with a warm one, 2026-12-05.)
-export JAX_COMPILATION_CACHE_DIR="$logs/jax_compile" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-       JAX_COMPILATION_CACHE_MAX_SIZE=$((8 * 1024 * 1024 * 1024))
+# Per run, so a run never starts from another's executables. No size bound: with one, JAX lists and stats the whole
+# folder under a file lock on every write (a run writes ~5,500 entries; listing them took 0.1 s), and a fresh-clone
+# run's files took 1.6-6.5x their times of the day before (2026-12-05). Unlocked, a process that reads an entry
+# another is still writing fails to decompress it, warns and compiles. (test_medusa alone: 278 -> 247 CPU s with an empty cache, 118 with a warm one, 2026-12-05.)
+export JAX_COMPILATION_CACHE_DIR="$logs/jax_compile" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 job_name() {  # the log name of a job: its file's name, or "quick" for the files run together
   if [[ $1 == *" "* ]]; then echo quick; else basename "$1" .py; fi
 }
