@@ -27,19 +27,19 @@ def shipped_heads_dir(name: str = DEFAULT_HEADS) -> Path:
     return Path(str(importlib.resources.files("medusa_jax"))) / "assets" / "heads" / name
 
 
-def resolve_heads_dir(arg: str | os.PathLike) -> Path:
+def resolve_heads_dir(arg: str | os.PathLike, flag: str = "--heads") -> Path:
     """'default' / 'default-medusa' -> shipped SmolLM2 heads (SHIPPED_HEADS); a Hub id `ORG/NAME` that is no
     local path -> its folder in the Hugging Face cache (published Medusa heads, `medusa_jax.hub`); anything else
-    -> that folder. Raises FileNotFoundError (HubError is one)."""
+    -> that folder. Raises FileNotFoundError (HubError is one), its message naming `flag` where the folder is local."""
     if str(arg) in SHIPPED_HEADS:
         folder = shipped_heads_dir(SHIPPED_HEADS[str(arg)])
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"--heads {arg}: no shipped heads at {folder}; train them with the command "
+            raise FileNotFoundError(f"{flag} {arg}: no shipped heads at {folder}; train them with the command "
                                     f"in docs/training.md, or pass a heads folder")
         return folder
     if is_hub_id(arg):
         return hub_folder(str(arg), kind="heads")
     folder = Path(arg)
     if not folder.is_dir():
-        raise FileNotFoundError(f"--heads {folder}: heads folder does not exist")
+        raise FileNotFoundError(f"{flag} {folder}: heads folder does not exist")
     return folder

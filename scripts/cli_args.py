@@ -9,9 +9,23 @@ import math
 import sys
 from typing import Callable
 
+from medusa_jax.inference import draft_size
 from medusa_jax.model.sharding import MeshConfig
 # the value rules live with the settings they check (medusa_jax.settings); the commands take them from here too
 from medusa_jax.settings import SEED, Rule, above, at_least, each, each_or_none, in_range, shown  # noqa: F401
+from medusa_jax.trees.policy import calibration
+
+
+def environment_problem() -> str | None:
+    """What is wrong with the settings a command reads from the environment when it calibrates
+    ($MEDUSA_JAX_CALIBRATION, $MEDUSA_JAX_CALIBRATION_SECONDS), phrased with the fix; None when they are fine.
+    Checked with the flags, so a bad value stops the command before any model loads."""
+    for read in (calibration.default_mode, draft_size.default_budget):
+        try:
+            read()
+        except ValueError as e:
+            return str(e)
+    return None
 
 
 def _list_of(kind: type, what: str) -> Callable[[str], tuple]:
@@ -79,7 +93,7 @@ class ArgumentParser(_Checked, argparse.ArgumentParser):
 
     def error(self, message: str):
         message = " ".join(message.split())  # one line, whatever a path or value holds
-        if not message.startswith("--") and "see --help" not in message:
+        if not message.startswith(("--", "$")) and "see --help" not in message:
             message += f" (see {self.prog} --help)"
         sys.stderr.write(f"error: {message}\n")
         sys.exit(2)
@@ -108,6 +122,9 @@ class ArgumentParser(_Checked, argparse.ArgumentParser):
             problem = check(value) if check is not None else None
             if problem:
                 self.error(f"{_flag(action)} {shown(value)}: {problem}")
+        problem = environment_problem()
+        if problem:
+            self.error(problem)
         return ns
 
 

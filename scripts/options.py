@@ -160,9 +160,9 @@ def heads_location(arg: str | os.PathLike | None) -> Path | None:
 
 def heads_arg(flag: str, arg: str) -> Path:
     try:
-        folder = resolve_heads_dir(arg)
-    except OSError as e:
-        raise UsageError(f"{e}") from None
+        folder = resolve_heads_dir(arg, flag)
+    except OSError as e:  # a Hub id's message names the kind and id, not the flag
+        raise UsageError(str(e) if str(e).startswith(flag) else f"{flag} {e}") from None
     if not (folder / "config.json").is_file():
         raise UsageError(f"{flag} {folder}: not a heads folder (no config.json)")
     try:

@@ -99,7 +99,8 @@ CASES = [  # (command, extra args, text the error line must hold)
     (BX, ["--mixes", "lookup+lokup"], "neither a drafter"), (BX, ["--questions", "-1"], "--questions"),
     (BX, ["--questions", "2", "--second-turns", "3"], "--second-turns 3: at most --questions"),
     (BX, ["--batch-size", "0"], "--batch-size"), (BX, ["--humaneval", "-1"], "--humaneval"),
-    (BX, ["--repeats", "0"], "--repeats"),
+    (BX, ["--repeats", "0"], "--repeats"), (BX, ["--mixes", "nope@4"], "--mixes nope: heads folder does not exist"),
+    (BX, ["--mixes", "{w}/afile@4"], "--mixes {w}/afile: heads folder does not exist"),
     (GEN, ["--heads", "default+lokup"], "'lokup' is neither a drafter"), (GEN, ["--heads", "lookup++default"], "no empty part"),
     (GEN, ["--heads", "{w}/nope+lookup"], "neither a drafter"), (GEN, ["--heads", "lookup+lookup"], "named twice"),
     (GEN, ["--heads", "{w}/empty+lookup"], "no config.json"), (GEN, ["--heads", "lookup", "--tree", "mc_sim_7b_63"], "drop --tree"),
@@ -299,3 +300,20 @@ def test_unwritable_outputs_are_refused(world, offline_hub, capsys, tmp_path):
         assert code == 2 and "cannot write" in err
     finally:
         locked.chmod(0o755)
+
+
+@pytest.mark.parametrize("variable, value", [("MEDUSA_JAX_CALIBRATION", "sometimes"),
+                                             ("MEDUSA_JAX_CALIBRATION_SECONDS", "soon"),
+                                             ("MEDUSA_JAX_CALIBRATION_SECONDS", "-1")])
+@pytest.mark.parametrize("command", [GEN, ("generate", ["--model", M, "--prompt", "hi", "--heads", "lookup"]),
+                                     BX, SV], ids=lambda c: " ".join(c[1][-2:]) if isinstance(c, tuple) else c)
+def test_a_bad_calibration_variable_stops_the_command_before_the_model_loads(world, offline_hub, capsys, monkeypatch,
+                                                                            command, variable, value):
+    """The calibration's environment is read late (on the first drafted step of a mix), so every command checks
+    it with its flags: one line naming the variable, where a model load would otherwise come first."""
+    monkeypatch.setenv(variable, value)
+    name, base = command
+    code, err = run_case(world, name, [a.replace("{w}", str(world)) for a in base], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: ${variable} must be") and repr(value) in errors[0], errors[0]
