@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax.inference.vocab_cut import TOP_P_CANDIDATES, cut_logits, largest
+from medusa_jax.model.vocab_reduce import first_argmax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +57,9 @@ def target_logits(logits_xv: jax.Array, config: SamplingConfig) -> jax.Array:
 
 def greedy_tokens(logits_xv: jax.Array) -> jax.Array:
     """[..., V] -> [...] int32: the first index of the maximum over the last axis (= jnp.argmax for finite
-    logits). Two plain reductions instead of argmax's (value, index) reduce, which XLA:CPU does not vectorise
-    (its cost on SmolLM2's vocabulary: docs/results.md, "Fixes this benchmark led to")."""
-    max_x1 = jnp.max(logits_xv, axis=-1, keepdims=True)
-    iota_xv = jax.lax.broadcasted_iota(jnp.int32, logits_xv.shape, logits_xv.ndim - 1)
-    return jnp.min(jnp.where(logits_xv == max_x1, iota_xv, logits_xv.shape[-1] - 1), axis=-1)
+    logits; `model.vocab_reduce.first_argmax`, which XLA:CPU runs faster than argmax's (value, index) reduce: its
+    cost on SmolLM2's vocabulary, docs/results.md, "Fixes this benchmark led to")."""
+    return first_argmax(logits_xv)
 
 
 def sample_tokens(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig) -> jax.Array:

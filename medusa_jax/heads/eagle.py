@@ -21,6 +21,7 @@ from medusa_jax.heads.hydra import draft_rounds
 from medusa_jax.heads.medusa import HeadsBase, head_lm_head, head_logits
 from medusa_jax.model.kv_cache import KVCache, attention_mask, causal_block
 from medusa_jax.model.rope import inverse_frequencies
+from medusa_jax.model import vocab_reduce
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 
 
@@ -145,7 +146,7 @@ class EagleDrafter(HeadsBase):
 
     def top_k(self, out_xd: jax.Array, base: CausalLM, k: int) -> jax.Array:
         """[..., D] -> [..., k] full-vocabulary ids of the k most likely draft tokens, best first."""
-        _, ids = jax.lax.top_k(self.logits(out_xd, base), k)
+        _, ids = vocab_reduce.top_k(self.logits(out_xd, base), k)
         return self.to_full_vocab(ids.astype(jnp.int32))
 
     def teacher_forced_top_k(self, hidden_btd, tokens_bt, base: CausalLM, k: int) -> jax.Array:

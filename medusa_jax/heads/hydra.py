@@ -11,6 +11,7 @@ from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import resolve_dtype
+from medusa_jax.model import vocab_reduce
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.trees.dynamic_tree import TreeProposal, grow_tree, top_k_log_probs
 from medusa_jax.heads.medusa import HeadsBase, ResBlock, head_lm_head, head_logits
@@ -64,7 +65,7 @@ class HydraHeads(HeadsBase):
     def teacher_forced_top_k(self, hidden_btd, tokens_bt, base: CausalLM, k: int) -> jax.Array:
         """[M, B, T, k]: head i's k best at every position, its path the true tokens t + 1 .. t + 1 + i."""
         path_bte = path_tokens(tokens_bt, self.config.num_heads)
-        _, ids = jax.lax.top_k(jnp.stack([self.head_logits(i, hidden_btd, path_bte[..., : i + 1], base)
+        _, ids = vocab_reduce.top_k(jnp.stack([self.head_logits(i, hidden_btd, path_bte[..., : i + 1], base)
                                           for i in range(self.config.num_heads)]), k)
         return self.to_full_vocab(ids.astype(jnp.int32))
 
@@ -95,7 +96,7 @@ class HydraHeads(HeadsBase):
         for depth, r in enumerate(draft_rounds(tree), start=1):
             path_tokens_bte = tokens_bt[:, r.paths_te]
             hidden_btd = jnp.broadcast_to(hidden_bd[:, None, :], (b, len(r.parents_t), hidden_bd.shape[-1]))
-            _, ids_btr = jax.lax.top_k(self.head_logits(depth - 1, hidden_btd, path_tokens_bte, base), r.top_k)
+            _, ids_btr = vocab_reduce.top_k(self.head_logits(depth - 1, hidden_btd, path_tokens_bte, base), r.top_k)
             ids_btr = self.to_full_vocab(ids_btr.astype(jnp.int32))
             tokens_bt = tokens_bt.at[:, r.children_t].set(ids_btr[:, r.parent_slot_t, r.rank_t])
         return tokens_bt

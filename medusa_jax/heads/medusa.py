@@ -19,6 +19,7 @@ from flax import nnx
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.model.config import resolve_dtype
 from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.model import vocab_reduce
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.trees.dynamic_tree import grow_from_candidates, top_k_log_probs
 from medusa_jax.trees.tree import DynamicTree
@@ -164,7 +165,7 @@ class MedusaHeads(HeadsBase):
     def top_k(self, hidden_xd: jax.Array, base: CausalLM, k: int, num_heads: int | None = None) -> jax.Array:
         """[..., D] -> [M, ..., r] int32 full-vocab ids of each head's k best tokens, best first (first
         num_heads heads only when given)."""
-        _, ids_mxr = jax.lax.top_k(self.logits(hidden_xd, base, num_heads), k)
+        _, ids_mxr = vocab_reduce.top_k(self.logits(hidden_xd, base, num_heads), k)
         return self.to_full_vocab(ids_mxr.astype(jnp.int32))
 
     def teacher_forced_top_k(self, hidden_btd, tokens_bt, base: CausalLM, k: int) -> jax.Array:

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from medusa_jax.model.backbone import CausalLM
+from medusa_jax.model import vocab_reduce
 from medusa_jax.heads.mixed import TemplateSpec, template_spec
 from medusa_jax.heads.recycle_file import model_fingerprint, starting_table
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers, build_tree
@@ -121,7 +122,7 @@ def recycle_update(table_vr: jax.Array, tokens_bt: jax.Array, logits_btv: jax.Ar
     wins (module docstring)."""
     b, t = tokens_bt.shape
     vocab, top_k = table_vr.shape
-    _, ids_btr = jax.lax.top_k(logits_btv, top_k)
+    _, ids_btr = vocab_reduce.top_k(logits_btv, top_k)
     order_bt = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t)
     writes_bt = jnp.ones((b, t), bool) if writes_bt is None else writes_bt
     writes_bt = writes_bt if active_b is None else writes_bt & active_b[:, None]
@@ -167,7 +168,7 @@ def prompt_update(table_vr: jax.Array, base: CausalLM, prompt_bt: jax.Array, pro
 
     def chunk(i, table_vr):
         index_c = jax.lax.dynamic_slice_in_dim(order_x, i * PROMPT_CHUNK, PROMPT_CHUNK)
-        _, ids_cr = jax.lax.top_k(base.logits(hidden_xd[index_c]), top_k)
+        _, ids_cr = vocab_reduce.top_k(base.logits(hidden_xd[index_c]), top_k)
         rows_c = jnp.where(i * PROMPT_CHUNK + slot_c < count, tokens_x[index_c], vocab)  # distinct ids: no ties
         return table_vr.at[rows_c].set(ids_cr.astype(table_vr.dtype), mode="drop")
 

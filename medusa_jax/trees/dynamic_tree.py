@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax.model import vocab_reduce
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 
 
@@ -49,7 +50,7 @@ def top_k_log_probs(logits_xv: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
     """[..., V] logits -> the k most likely ids [..., k] int32 (ties: the lower id first) and their log-probs
     (the top-k of the logits themselves, as `sharded.sharded_top_k` takes it shard by shard)."""
     logits_xv = logits_xv.astype(jnp.float32)
-    values_xr, ids_xr = jax.lax.top_k(logits_xv, k)
+    values_xr, ids_xr = vocab_reduce.top_k(logits_xv, k)
     return ids_xr.astype(jnp.int32), values_xr - jax.nn.logsumexp(logits_xv, axis=-1, keepdims=True)
 
 
