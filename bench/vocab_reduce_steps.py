@@ -34,10 +34,7 @@ from medusa_jax.trees.policy import step_cost
 BUDGET, CONTEXT, ROUNDS = int(os.environ.get("BUDGET", 16)), 256, int(os.environ.get("R", 20))
 
 
-def one_stage_argmax(x):
-    max_x1 = jnp.max(x, axis=-1, keepdims=True)
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.min(jnp.where(x == max_x1, iota, x.shape[-1] - 1), axis=-1)
+one_stage_argmax = vocab_reduce._first_max  # the greedy argmax before the blocks: one two-reduction pass
 
 
 @contextlib.contextmanager

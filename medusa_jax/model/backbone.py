@@ -26,7 +26,9 @@ FEW_ROWS = 32
 # 1.4x slower without it) but loses on a tree step's few: SmolLM2's mixed step (default+recycle+lookup@16, batch 1,
 # context 256; 15 rounds interleaved, two runs each, 2-core EPYC) costs 1.93 / 2.42 / 3.45 plain steps verifying
 # 2 / 5 / 16 nodes with it, 1.44-1.47 / 1.65-1.66 / 2.25-2.36 without; a plain step (one row, XLA's own
-# matrix-vector product either way) is unchanged (bench/few_row_dots/). Other backends ignore the option.
+# matrix-vector product either way) is unchanged (bench/few_row_dots/). Those figures were taken at a load of about 2,
+# where YNNPACK's multi-threaded few-row dots lose most; on a quiet machine the costs without it were about those
+# session 22's quiet calibration found with it (bench/mixed_drafts/session24_quiet). Other backends ignore the option.
 TREE_STEP_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
