@@ -313,6 +313,33 @@ def test_mixed_drafts_greedy_equals_plain_greedy(tiny, kind, parts, case):
     assert max(accepts) >= 2  # the repeats are found: chains of two or more tokens accepted
 
 
+def test_recycling_refreshes_its_table_from_the_prompt_except_beside_prompt_lookup(tiny):
+    """`mixed.prompt_readers`: Token Recycling's refresh from the prompt's logits (`recycle.prompt_update`) runs
+    in a mix with trained heads but not in one with prompt lookup, which drafts from the prompt itself: the mix's
+    `needs_prompt_hidden` (what the prefill computes) and the table its init_draft starts the decode from."""
+    from medusa_jax.heads.recycle import prompt_update
+    from medusa_jax.inference.autoregressive import prefill_states
+
+    base, _ = tiny("llama")
+    prompt_bt = jnp.asarray([[5, 9, 2, 17, 33, 4, 9, 2]], jnp.int32)
+    lens_b = jnp.asarray([8], jnp.int32)
+    _, _, hidden_btd = prefill_states(base, prompt_bt, lens_b, KVCache.zeros(base.config, 1, 8))
+    starts = {}
+    for parts in ("medusa+recycle", "recycle+lookup", "hydra+recycle+lookup"):
+        mix = mix_of(base, parts)
+        i, recycler = next((i, d) for i, d in enumerate(mix.drafters) if isinstance(d, RecycleDrafter))
+        table = jnp.asarray(np.random.default_rng(0).integers(0, base.config.vocab_size, recycler.table.shape),
+                            jnp.int32)
+        recycler.keep_draft(table)
+        draft = mix.init_draft(base, prompt_bt, lens_b, hidden_btd, 16, mix.depth)
+        starts[parts] = (mix.needs_prompt_hidden, np.asarray(draft[i]))
+        refreshed = np.asarray(prompt_update(table, base, prompt_bt, lens_b, hidden_btd))
+        assert (refreshed != np.asarray(table)).any()  # the refresh changes rows here
+    assert starts["medusa+recycle"][0] and (starts["medusa+recycle"][1] == refreshed).all()
+    for parts in ("recycle+lookup", "hydra+recycle+lookup"):
+        assert not starts[parts][0] and (starts[parts][1] == np.asarray(table)).all(), parts
+
+
 def test_lookup_with_sampling_stays_seeded_and_typical_runs(tiny):
     base, refs = tiny("llama")
     mix = mix_of(base, "lookup")

@@ -126,6 +126,8 @@ class LookupDrafter(nnx.Module):
     trained = False  # no heads folder
     decodes_alone = False  # its candidate forest is verified through a mix (`--heads lookup` is a mix of one)
     needs_prompt_hidden = False
+    learns_prompt = False
+    drafts_from_prompt = True  # its chains are what followed a match in the row's own tokens, prompt included
     feature_layers: tuple[int, ...] = ()  # reads no hidden state at all
 
     def __init__(self, config: LookupConfig = LookupConfig()):

@@ -115,8 +115,13 @@ class HeadsBase(nnx.Module):
     # base's logits at every verified tree node (Token Recycling's table, heads/recycle.py). A drafter with
     # feature_layers (EAGLE-3) gets, in place of those hidden states, the base's residual stream entering these
     # layers, concatenated (`CausalLM.forward_taps`), in init_draft and accepted alike. keeps_draft: the decode
-    # call hands the final drafter state back (keep_draft) to start the next call from.
+    # call hands the final drafter state back (keep_draft) to start the next call from. In a mix
+    # (heads/mixed.py): a drafter that reads the prompt's hidden states only to learn the prompt (learns_prompt:
+    # Token Recycling's refresh) is not given them beside a drafter that drafts from the prompt's own tokens
+    # (drafts_from_prompt: prompt lookup).
     needs_prompt_hidden = False
+    learns_prompt = False
+    drafts_from_prompt = False
     feature_layers: tuple[int, ...] = ()
     keeps_draft = False
 

@@ -52,6 +52,17 @@ def template_spec(tree: TreeBuffers, rank_acceptance: tuple[float, ...]) -> Temp
     return TemplateSpec(tree, tuple(score))
 
 
+def prompt_readers(drafters: Sequence[nnx.Module]) -> tuple[bool, ...]:
+    """Which members the mix gives the prompt's hidden states: those that need them (`needs_prompt_hidden`), except
+    one that reads them only to learn the prompt (`learns_prompt`: Token Recycling's table refresh from the
+    prompt's logits) when another member drafts from the prompt's own tokens (`drafts_from_prompt`: prompt
+    lookup). Measured on SmolLM2 (bench/mixed_drafts/prompt_refresh): beside lookup the refresh gained no tokens per
+    step and cost the first token a vocabulary projection per distinct prompt token; alone it gains."""
+    from_prompt = any(getattr(d, "drafts_from_prompt", False) for d in drafters)
+    return tuple(bool(getattr(d, "needs_prompt_hidden", False))
+                 and not (from_prompt and getattr(d, "learns_prompt", False)) for d in drafters)
+
+
 class MixedDrafter(nnx.Module):
     def __init__(self, drafters: Sequence[nnx.Module], specs: Sequence[DynamicTree | TemplateSpec | None],
                  names: Sequence[str], config: HeadsConfig,
@@ -71,7 +82,8 @@ class MixedDrafter(nnx.Module):
         # how each member's scores are calibrated in the merge (default: the shipped counts of its kind)
         self.calibrations = tuple(calibrations) if calibrations is not None else tuple(
             calibration_for(name) for name in names)
-        self.needs_prompt_hidden = any(getattr(d, "needs_prompt_hidden", False) for d in drafters)
+        self.prompt_readers = prompt_readers(drafters)
+        self.needs_prompt_hidden = any(self.prompt_readers)
         self.keeps_draft = any(getattr(d, "keeps_draft", False) for d in drafters)
         self.feature_layers = ()  # every member reads the final hidden states (no EAGLE-3 taps)
 
@@ -88,9 +100,10 @@ class MixedDrafter(nnx.Module):
                    for drafter, spec in zip(self.drafters, self.specs))
 
     def init_draft(self, base, prompt_bt, prompt_lens_b, hidden_btd, cache_size: int, max_depth: int):
-        return tuple(drafter.init_draft(base, prompt_bt, prompt_lens_b, hidden_btd, cache_size,
+        """Each member's state from the prompt; the prompt's hidden states go to the `prompt_readers` only."""
+        return tuple(drafter.init_draft(base, prompt_bt, prompt_lens_b, hidden_btd if reads else None, cache_size,
                                         max_depth if spec is None else spec.depth)
-                     for drafter, spec in zip(self.drafters, self.specs))
+                     for drafter, spec, reads in zip(self.drafters, self.specs, self.prompt_readers))
 
     def propose(self, hidden_bd, root_b, base, tree: DraftSizes, draft, active_b,
                 given: dict[int, TreeProposal] | None = None):

@@ -184,6 +184,10 @@ class RecycleDrafter(nnx.Module):
     trained = False  # no heads folder: heads.kinds lists it among the training-free kinds
     decodes_alone = True  # drafts a static template by itself (`--heads recycle`), not only inside a mix
     needs_prompt_hidden = True  # the table is refreshed from the prompt's logits (`prompt_update`)
+    # that refresh only learns the prompt: in a mix with prompt lookup, which drafts from the prompt itself, the mix
+    # leaves it out (heads.mixed.MixedDrafter.prompt_readers; docs/recycle.md)
+    learns_prompt = True
+    drafts_from_prompt = False
     feature_layers: tuple[int, ...] = ()  # reads the final hidden states only (no EAGLE-3 taps)
     keeps_draft = True  # the decode call returns the final drafter state, handed back through keep_draft
 

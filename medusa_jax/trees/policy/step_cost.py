@@ -126,6 +126,9 @@ def medusa_step_call(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers | Dyn
                                       (b, context, hidden_bd.shape[-1] * max(len(heads.feature_layers), 1)))
     draft = heads.init_draft(base, jnp.zeros((b, context), jnp.int32), jnp.full((b,), context, jnp.int32),
                              hidden_btd, cache_size, tree.depth)
+    # the state's own buffers: the step donates them, and a drafter may start from an array it keeps (Token
+    # Recycling's table, when nothing refreshes it from the prompt)
+    draft = jax.tree.map(lambda x: jnp.array(x, copy=True), draft)
     state = MedusaState(make_cache(base, b, cache_size, context), zeros_b, hidden_bd, jnp.zeros((b, e), jnp.int32),
                         zeros_b, jnp.zeros((b,), bool), zeros_b, jnp.zeros((b, e), jnp.int32),
                         jnp.zeros((), jnp.int32), jax.random.key(0), moves_be,
