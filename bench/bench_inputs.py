@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -13,6 +14,39 @@ from typing import Callable, Sequence
 
 from medusa_jax.atomic import write_text_atomic
 from medusa_jax.mtbench import MTBenchQuestion, load_mtbench_questions
+
+
+def _usage_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def env_int(name: str, default: int, lo: int, hi: int) -> int:
+    """A bench script's whole-number setting from `$name` (default when unset); a value that is not a whole number
+    from lo to hi stops the script with one error line (exit 2) before any work."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        _usage_error(f"${name}={text} must be a whole number from {lo} to {hi}; unset it for {default}")
+    return value
+
+
+def env_choices(name: str, default: Sequence[str], allowed: Sequence[str]) -> list[str]:
+    """A bench script's comma-separated choices from `$name` (default when unset), each one of `allowed`, else one
+    error line (exit 2) before any work."""
+    text = os.environ.get(name)
+    if text is None:
+        return list(default)
+    chosen = text.split(",")
+    bad = [c for c in chosen if c not in allowed]
+    if bad:
+        _usage_error(f"${name}={text}: {', '.join(map(repr, bad))} is not one of {', '.join(allowed)}")
+    return chosen
 
 
 def git_revision(folder: Path) -> str | None:

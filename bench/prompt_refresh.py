@@ -18,9 +18,10 @@ import os
 from pathlib import Path
 
 from medusa_jax.bench import grounded_prompts, mixed_drafts
-from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
+from medusa_jax.bench.bench_inputs import env_choices, env_int, mtbench_questions, write_files
 from medusa_jax.compile_cache import enable_compile_cache
-from medusa_jax.heads.recycle import RecycleDrafter, recycle_drafter, template_tree
+from medusa_jax.heads.recycle import TEMPLATES as RECYCLE_TEMPLATES, RecycleDrafter, recycle_drafter, \
+    template_tree
 from medusa_jax.inference.api import generate_medusa
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.inference.mixed_decoding import build_mix
@@ -28,9 +29,9 @@ from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.trees.policy.calibration import machine_description
 
-QUESTIONS, GROUNDED = int(os.environ.get("QUESTIONS", 8)), int(os.environ.get("GROUNDED", 4))
-REPEATS, BUDGET = int(os.environ.get("REPEATS", 3)), int(os.environ.get("BUDGET", 16))
-TEMPLATES = os.environ.get("TEMPLATES", "recycle_16,recycle_64").split(",")
+QUESTIONS, GROUNDED = env_int("QUESTIONS", 8, 1, 80), env_int("GROUNDED", 4, 1, len(grounded_prompts.load()))
+REPEATS, BUDGET = env_int("REPEATS", 3, 1, 100), env_int("BUDGET", 16, 1, 256)
+TEMPLATES = env_choices("TEMPLATES", ("recycle_16", "recycle_64"), tuple(RECYCLE_TEMPLATES))
 OUT = Path(__file__).resolve().parent / "mixed_drafts" / "prompt_refresh"
 MIX = f"default+recycle+lookup@{BUDGET}"
 WITH_REFRESH = f"{MIX} with the refresh"

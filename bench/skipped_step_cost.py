@@ -36,8 +36,9 @@ from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.size_choice import SizeChoiceState
 from medusa_jax.model.backbone import TREE_STEP_COMPILER_OPTIONS
 from medusa_jax.trees.policy import step_cost
+from medusa_jax.bench.bench_inputs import env_int
 
-BUDGET, CONTEXT, ROUNDS = int(os.environ.get("BUDGET", 16)), 256, int(os.environ.get("R", 40))
+BUDGET, CONTEXT, ROUNDS = env_int("BUDGET", 16, 1, 256), 256, env_int("R", 40, 1, 10000)
 SKIP = 1 << 20  # steps left to skip: every timed step skips
 
 base = load_pretrained(prepare_smollm2())

@@ -7,7 +7,6 @@ twice, once with the one-stage forms put back while it is traced. R interleaved 
 """
 
 import contextlib
-import os
 import statistics
 import time
 from functools import partial
@@ -30,8 +29,9 @@ from medusa_jax.inference.mixed_decoding import build_mix
 from medusa_jax.model import vocab_reduce
 from medusa_jax.model.backbone import TREE_STEP_COMPILER_OPTIONS
 from medusa_jax.trees.policy import step_cost
+from medusa_jax.bench.bench_inputs import env_int
 
-BUDGET, CONTEXT, ROUNDS = int(os.environ.get("BUDGET", 16)), 256, int(os.environ.get("R", 20))
+BUDGET, CONTEXT, ROUNDS = env_int("BUDGET", 16, 1, 256), 256, env_int("R", 20, 1, 10000)
 
 
 one_stage_argmax = vocab_reduce._first_max  # the greedy argmax before the blocks: one two-reduction pass
