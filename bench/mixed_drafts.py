@@ -23,6 +23,7 @@ import numpy as np
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.lookup import LookupConfig
 from medusa_jax.inference.api import BatchSettings, generate_batch
+from medusa_jax.inference.draft_size import forced_sizes
 from medusa_jax.inference.mixed_decoding import build_mix, parse_mix
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.inference.loaded_model import LoadedModel
@@ -35,27 +36,37 @@ class Method:
     budget: int = 0
 
 
-def methods(mixes: Sequence[str], budgets: Sequence[int]) -> list[Method]:
-    """Plain, then each mix at each budget ("MIX@N": at N only)."""
+EVERY_STEP = " every step"  # the label's suffix of a mix that drafts its full budget at every step
+
+
+def methods(mixes: Sequence[str], budgets: Sequence[int], every_step: bool = False) -> list[Method]:
+    """Plain, then each mix at each budget ("MIX@N": at N only); with `every_step` each mix's label says so
+    (`build_models` then gives it one draft size)."""
     out = [Method("plain", None)]
     for m in mixes:
         name, _, nodes = m.partition("@")
-        out += [Method(f"{name}@{b}", name, b) for b in ((int(nodes),) if nodes else budgets)]
+        out += [Method(f"{name}@{b}{EVERY_STEP if every_step else ''}", name, b)
+                for b in ((int(nodes),) if nodes else budgets)]
     return out
 
 
 def build_models(loaded: LoadedModel, chosen: Sequence[Method], heads_of,
                  batch: int = 1) -> dict[str, tuple[ShardedModel, object]]:
     """label -> (ShardedModel, tree setting); heads_of(location) loads a trained part (the loaded heads for
-    'default'); the draft sizes' step costs are measured at `batch` rows."""
+    'default'); the draft sizes' step costs are measured at `batch` rows. A method labelled `EVERY_STEP` gets
+    one draft size instead, its full budget (nothing timed): every step drafts and verifies it, so its
+    tokens/step are the drafts' own at that budget, with no size choice between them and the machine."""
     out = {}
     for m in chosen:
         if m.parts is None:
             out[m.label] = (ShardedModel(loaded.base, None, MeshConfig()), None)
             continue
         untrained, trained = parse_mix(m.parts)
+        every_step = m.label.endswith(EVERY_STEP)
         mix, sizes = build_mix(loaded.base, untrained, heads_of(trained) if trained else None, m.budget,
-                               batch=batch)
+                               batch=batch, costs=(lambda s: (1.0,) * len(s)) if every_step else None)
+        if every_step:
+            sizes = forced_sizes((sizes.nodes,), sizes.depth)[0]
         out[m.label] = (ShardedModel(loaded.base, mix, MeshConfig()), sizes)
     return out
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.draft_merge import DraftSizes
+from medusa_jax.inference.draft_size import forced_sizes
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.inference.mixed_decoding import make_members, parse_mix
 from medusa_jax.inference.sharded import ShardedModel
@@ -22,7 +23,7 @@ MEMBERS = {"hydra": "default", "recycle": "recycle", "lookup": "lookup", "mix": 
 
 def fixed_size(mix, nodes: int) -> DraftSizes:
     """Every step verifies the mix's best `nodes` nodes (one size, so the choice is fixed)."""
-    return DraftSizes((nodes,), (1.0,), depth=mix.depth)
+    return forced_sizes((nodes,), mix.depth)[0]
 
 
 def build(loaded, names, sizes) -> dict:

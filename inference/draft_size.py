@@ -38,6 +38,10 @@ from medusa_jax.trees.policy.step_cost import WARM_UP_CALLS, medusa_step_call, p
 
 # the cost of the size a step never chooses when size 0 is timed: a drafted step then always verifies the root alone
 UNPAYABLE = 1e9
+# (nodes, cost in plain steps) of SmolLM2's mix (shipped heads + recycling + lookup) at batch 1 on a 2-core AMD EPYC,
+# from the quiet calibrations of bench/mixed_drafts/session24_quiet (@4, @16) and session24_at64: the costs a mix
+# gets when timing is skipped (`default_costs`)
+DEFAULT_COST_POINTS = ((0, 1.11), (1, 1.55), (5, 1.67), (16, 2.31), (64, 5.78))
 SECONDS_ENV = "MEDUSA_JAX_CALIBRATION_SECONDS"  # the timing budget's seconds (the test suite: 0, min_rounds only)
 
 
@@ -105,6 +109,15 @@ def timed_ratios(calls: Sequence[Callable[[], object]], budget: TimingBudget = T
                 clock() - start >= budget.seconds or
                 all(error <= budget.tolerance * cost for cost, error in map(interquartile_mean, ratios))):
             return [interquartile_mean(samples)[0] for samples in ratios], rounds
+
+
+def default_costs(sizes: Sequence[int]) -> tuple[float, ...]:
+    """The step costs of `sizes` when they are not timed (calibration "skip"): `DEFAULT_COST_POINTS` interpolated
+    linearly, past its last point along its last slope. A 2-core CPU's: on a GPU, where a step of more nodes costs
+    about what a plain one does, they draft less than measured costs would."""
+    nodes, costs = (np.asarray(axis, np.float64) for axis in zip(*DEFAULT_COST_POINTS))
+    slope = (costs[-1] - costs[-2]) / (nodes[-1] - nodes[-2])
+    return tuple(float(np.interp(n, nodes, costs) + slope * max(n - nodes[-1], 0)) for n in sizes)
 
 
 def measure_size_costs(base: CausalLM, drafter, sizes: Sequence[int], *, batch: int = 1, context: int = 256,

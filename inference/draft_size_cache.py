@@ -7,8 +7,10 @@ machine, the model, the batch size, the sizes and the drafters of the mix, so th
 second build with the same key reads it instead of timing again.
 
 Modes, as tree calibration's (`--calibration`, `$MEDUSA_JAX_CALIBRATION`): "auto" reads the cache and measures on
-a miss, "redo" measures again and replaces the entry (after a code or load change), "skip" measures without
-reading or writing the cache (the test suite's default: no test fills the user's cache).
+a miss, "redo" measures again and replaces the entry (after a code or load change), "skip" times nothing and takes
+`draft_size.default_costs` (a 2-core CPU's), as the tree calibration's skip takes the shipped trees.json; it never
+reads or writes the cache (the test suite's default: no test times steps it does not check, or fills the user's
+cache).
 """
 
 from __future__ import annotations
@@ -67,21 +69,20 @@ def size_costs(base: CausalLM, mix: MixedDrafter, sizes: Sequence[int], *, batch
                mode: str | None = None, progress: Callable[[str], None] | None = None,
                root: Path | None = None) -> tuple[tuple[float, ...], str]:
     """(the costs of `sizes` for `mix` at `batch` on this machine, where they came from: "cached", "measured now
-    (cached in ...)" or "measured now"); `mode` as the module docstring (None: $MEDUSA_JAX_CALIBRATION or auto);
-    `progress` gets one line before a measurement (default: stderr)."""
+    (cached in ...)" or "default (timing skipped)"); `mode` as the module docstring (None: $MEDUSA_JAX_CALIBRATION
+    or auto); `progress` gets one line before a measurement (default: stderr)."""
     mode = check_mode(mode)
-    path = None if mode == "skip" else cost_file(base, mix, sizes, batch, root)
+    if mode == "skip":
+        return draft_size.default_costs(sizes), "default (timing skipped)"
+    path = cost_file(base, mix, sizes, batch, root)
     if mode == "auto":
         cached = read_costs(path, sizes)
         if cached is not None:
             return cached, "cached"
-    if path is not None:
-        say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-        say(f"timing the draft sizes {', '.join(map(str, sizes))} of {'+'.join(mix.names)} at batch {batch} on this "
-            f"machine (once; cached in $MEDUSA_JAX_CACHE/calibration/{path.name})")
+    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    say(f"timing the draft sizes {', '.join(map(str, sizes))} of {'+'.join(mix.names)} at batch {batch} on this "
+        f"machine (once; cached in $MEDUSA_JAX_CACHE/calibration/{path.name})")
     costs = tuple(draft_size.measure_size_costs(base, mix, sizes, batch=batch, depth=mix.depth))
-    if path is None:
-        return costs, "measured now"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps({"format": FORMAT, "machine": machine_key(), "batch": batch,
                                         "mix": mix_key(mix), "sizes": list(sizes), "costs": list(costs)},

@@ -59,10 +59,11 @@ class SizeChoiceState:
         step that verified no node never pays: it paid for the drafting). A step that verified nodes also updates
         the correction."""
         cost = jnp.asarray(sizes.costs, jnp.float32)[choice]
-        pays = (choice > 0) & (rows + accepted >= rows * cost)
+        verified = jnp.asarray(sizes.sizes, jnp.int32)[choice] > 0  # index 0 is a plain step only when sizes[0] is 0
+        pays = verified & (rows + accepted >= rows * cost)
         misses = jnp.where(pays, 0, self.misses + 1)
         skip = jnp.where(pays, 0, jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_SKIP))
-        learn = choice > 0
+        learn = verified
         realised = jnp.where(learn, CORRECTION_DECAY * self.realised + accepted, self.realised)
         predicted = jnp.where(learn, CORRECTION_DECAY * self.predicted + predicted, self.predicted)
         return SizeChoiceState(skip.astype(jnp.int32), misses.astype(jnp.int32), realised.astype(jnp.float32),

@@ -47,6 +47,9 @@ def parse(argv):
                    help="rounds of every call, methods interleaved; a call's time is their median (default: 1)")
     p.add_argument("--first-token", action="store_true",
                    help="also time each call stopped after its first token, and report the speed after it")
+    p.add_argument("--every-step", action="store_true",
+                   help="every mix drafts and verifies its full node budget at every step instead of choosing the "
+                        "size that pays on this machine: the drafts' own tokens/step at each budget")
     options.BATCH_SIZE.add(p, default=1, more="prompts decoded together in one call")
     options.MAX_NEW_TOKENS.add(p, default=128)
     options.OUT.add(p, default="artifacts/mixed_drafts", more="report folder")
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
     loaded = load_model(options.model_arg("--model", a.model), a.heads)
     heads_of = lambda where: loaded.heads if where == a.heads else load_heads(resolve_heads_dir(where),  # noqa
                                                                              base=loaded.base)
-    chosen = mixed_drafts.methods(mixes, a.budgets)
+    chosen = mixed_drafts.methods(mixes, a.budgets, every_step=a.every_step)
     models = mixed_drafts.build_models(loaded, chosen, heads_of, batch=a.batch_size)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     questions = mtbench_questions(a.questions) if a.questions else []

@@ -75,7 +75,8 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
                         "from the accuracy stored with the heads, or plain decoding where no tree pays; redo times "
                         "again; skip takes the shipped trees.json as it is; with a --heads mix, the step costs its "
                         "draft sizes are chosen by, likewise: auto times them once (cached), redo times again, skip "
-                        "times them without the cache (default: $MEDUSA_JAX_CALIBRATION, else auto)")
+                        "times nothing and takes a 2-core CPU's default costs (default: $MEDUSA_JAX_CALIBRATION, "
+                        "else auto)")
     p.add_argument("--acceptance", default=None, choices=("greedy", "exact", "typical"),
                    help="Medusa acceptance: greedy (output identical to plain greedy decoding; needs "
                         "--temperature 0), exact (lossless sampling: the output has exactly the distribution of "

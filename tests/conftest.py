@@ -16,10 +16,11 @@ from medusa_jax.demo_model import prepare_smollm2
 # CLIs run inside the tests must not fill the user's persistent compilation cache (tests that check the cache
 # point MEDUSA_JAX_COMPILE_CACHE at a folder of their own)
 os.environ.setdefault("MEDUSA_JAX_COMPILE_CACHE", "0")
-# nor time step costs to calibrate the heads' trees on first use (tests of calibration ask for it explicitly)
+# nor time step costs to calibrate the heads' trees or a mix's draft sizes on first use (the shipped trees.json and
+# default costs instead; tests of calibration ask for it explicitly)
 os.environ.setdefault("MEDUSA_JAX_CALIBRATION", "skip")
-# and time a mix's draft sizes for its fewest rounds only (inference/draft_size.py; the tiny models' steps take
-# milliseconds, too noisy on a loaded machine for its tolerance, so its seconds would run out every time)
+# and, where they do, time a mix's draft sizes for its fewest rounds only (inference/draft_size.py; the tiny models'
+# steps take milliseconds, too noisy on a loaded machine for its tolerance, so its seconds would run out every time)
 os.environ.setdefault("MEDUSA_JAX_CALIBRATION_SECONDS", "0")
 # The suite compiles hundreds of tiny programs and runs most of them for milliseconds, so compiling is most of its
 # time. XLA:CPU's LLVM backend at -O0 compiles them ~35% faster (measured on a Medusa decode loop of the tiny

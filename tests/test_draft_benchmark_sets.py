@@ -73,3 +73,29 @@ def test_calls_of_two_prompts_keep_plain_answers_and_count_each_prompt(tiny_mode
     assert summary["mix@4"]["tokens_per_step"] >= 1.0 and summary["mix@4"]["nodes"] == 4
     assert all(0 < call["first_seconds"] < call["seconds"] for calls in rows.values() for call in calls)
     assert summary["plain"]["speedup_after_first_token"] == 1.0 and summary["mix@4"]["first_token_seconds"] > 0
+
+
+def test_every_step_mixes_draft_their_full_budget_whatever_the_step_costs(tiny_model_dir, monkeypatch):
+    """`--every-step`: a mix labelled so gets its full budget as its one draft size and no timed costs, so it drafts
+    at every step even where this machine's costs say no drafted step pays (then the size-chosen mix never
+    drafts: 1 token per step)."""
+    base = load_pretrained(tiny_model_dir("llama"))
+    real = mixed_drafts.build_mix
+
+    def priced_out(*args, costs=None, **kw):  # the calibration's costs, as if no drafted size could pay
+        return real(*args, costs=costs or (lambda s: tuple(1.0 if n == 0 else 100.0 for n in s)), **kw)
+
+    monkeypatch.setattr(mixed_drafts, "build_mix", priced_out)
+    chosen = mixed_drafts.methods(["recycle+lookup@4"], (16,)) + mixed_drafts.methods(["recycle+lookup"], (4,),
+                                                                                        every_step=True)[1:]
+    assert [m.label for m in chosen] == ["plain", "recycle+lookup@4", "recycle+lookup@4 every step"]
+    models = mixed_drafts.build_models(type("Loaded", (), {"base": base})(), chosen, heads_of=None)
+    sizes = models["recycle+lookup@4 every step"][1]
+    assert sizes.sizes == (4,) and sizes.costs == (1.0,) and sizes.depth == models["recycle+lookup@4"][1].depth
+    rng = np.random.RandomState(1)
+    prompts = [(rng.randint(3, 60, 4).tolist() * 4)[: 12 + i] for i in range(2)]
+    rows = mixed_drafts.run_set(models, prompts, 12, (), 0)
+    summary = {row["method"]: row for row in mixed_drafts.summarise(rows, {m.label: m.budget for m in chosen})}
+    assert all(row["mismatches"] == 0 and row["new_tokens"] == 24 for row in summary.values())
+    assert summary["recycle+lookup@4"]["tokens_per_step"] == 1.0  # priced out: never drafted
+    assert summary["recycle+lookup@4 every step"]["tokens_per_step"] > 1.0
