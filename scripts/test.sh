@@ -41,15 +41,17 @@ if [[ $jobs_max -gt 1 ]]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; f
 # together, 2026-12-03). Every other file runs in a process of its own.
 quick=(test_api test_bad_inputs test_bad_inputs_probe2 test_export_safety test_repo_paths test_assets test_layers
        test_atomic test_tree test_text)
-# Longest first (each job's time in a full run on a 2-core machine, 2026-12-03; the newer files from the CI run of
-# 2026-12-05: test_mixed_drafts 260 s, test_recycle 97, test_serve_mesh 95, test_engine_drafts 71, test_eagle3 63,
-# test_generation_engine 54, test_drafter_choice 52, test_serve_drafts 46), so that no long file starts last and
-# leaves one core idle at the end; then any file not named here.
-slow=(test_mixed_drafts test_medusa test_benchmark test_recycle test_serve_mesh test_sharded_decode test_smollm2
-      test_plan test_engine_drafts test_eagle test_eagle3 test_training_run test_generation_engine
-      test_drafter_choice test_self_distill test_serve_drafts test_hydra test_exact_sampling test_first_use
-      test_training_mesh test_training test_loader test_decode_hlo test_interop quick test_dynamic_tree
-      test_attention test_refill test_cli test_calibration test_edges test_train_output test_heads_trees)
+# Longest first (each job's time in the fresh-clone CI run of 2026-12-06 on a 2-core machine, 2 jobs at once:
+# test_mixed_drafts 346 s, test_benchmark 238, test_medusa 230, test_smollm2 175, test_sharded_decode 159,
+# test_serve_mesh 139, test_plan 127, test_engine_drafts 122, test_generation_engine 98, test_eagle3 91,
+# test_engine_batches_direct 70, test_recycle 61), so that no long file starts last and leaves one core idle at
+# the end; then any file not named here.
+slow=(test_mixed_drafts test_benchmark test_medusa test_smollm2 test_sharded_decode test_serve_mesh test_plan
+      test_engine_drafts test_generation_engine test_eagle3 test_engine_batches_direct test_recycle test_serve
+      test_self_distill test_first_use test_serve_drafts test_training_run test_eagle test_drafter_choice
+      test_train_memory test_exact_sampling test_loader test_stacked_cache test_decode_hlo test_hydra
+      test_training_mesh test_training test_interop quick test_dynamic_tree test_attention test_refill test_cli
+      test_calibration test_edges test_train_output test_heads_trees)
 jobs_list=()  # each entry: the test files of one pytest process, space-separated
 quick_files=""
 for name in "${quick[@]}"; do [[ -f "tests/$name.py" ]] && quick_files+="${quick_files:+ }tests/$name.py"; done
