@@ -10,7 +10,6 @@ left is the loop's own cost per step: its state, its branches and its cache layo
 Environment: PROMPTS (default 0,7: the two slowest against plain in the mix's runs of 2026-12-06), REPEATS (3).
 """
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -34,9 +33,7 @@ MEMBERS = {"heads": ((), True), "recycle": (("recycle",), False), "lookup": (("l
 
 def skip_branch(model, state, proposer, inputs, sizes, acceptance, eos_ids):
     """`medusa.mixed_step` with its decision fixed to "skip the drafting"."""
-    state = medusa.verify_and_emit(model, state, medusa.plain_inputs(state, sizes.depth), state.draft, acceptance,
-                                   eos_ids)
-    return dataclasses.replace(state, choice=state.choice.skipped())
+    return medusa.skipped_step(model, state, sizes=sizes, acceptance=acceptance, eos_ids=eos_ids)
 
 
 def main() -> None:

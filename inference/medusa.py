@@ -218,14 +218,17 @@ def mixed_step(model: MedusaModel, state: MedusaState, proposer: Proposer, input
 
     if state.choice is None:
         return drafted(state)
-
-    def plain(state_: MedusaState) -> MedusaState:
-        state_ = verify_and_emit(model, state_, plain_inputs(state_, sizes.depth), state_.draft, acceptance, eos_ids)
-        return dataclasses.replace(state_, choice=state_.choice.skipped())
-
     drafts = state.choice.drafts | lookup_pays(list((given or {}).values()), sizes, state.active_b)
-    state = run_if(~drafts, plain, state)
+    state = run_if(~drafts, partial(skipped_step, model, sizes=sizes, acceptance=acceptance, eos_ids=eos_ids), state)
     return run_if(drafts, drafted, state)
+
+
+def skipped_step(model: MedusaModel, state: MedusaState, *, sizes: DraftSizes,
+                 acceptance: DecodeConfig | RowAcceptance, eos_ids: tuple[int, ...]) -> MedusaState:
+    """A mixed-draft step that skips the drafting: a plain step of the same loop (the drafters' states still see its
+    token), the size choice told so."""
+    state = verify_and_emit(model, state, plain_inputs(state, sizes.depth), state.draft, acceptance, eos_ids)
+    return dataclasses.replace(state, choice=state.choice.skipped())
 
 
 def plain_inputs(state: MedusaState, depth: int):

@@ -63,9 +63,8 @@ class SizeChoiceState:
         pays = verified & (rows + accepted >= rows * cost)
         misses = jnp.where(pays, 0, self.misses + 1)
         skip = jnp.where(pays, 0, jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_SKIP))
-        learn = verified
-        realised = jnp.where(learn, CORRECTION_DECAY * self.realised + accepted, self.realised)
-        predicted = jnp.where(learn, CORRECTION_DECAY * self.predicted + predicted, self.predicted)
+        realised = jnp.where(verified, CORRECTION_DECAY * self.realised + accepted, self.realised)
+        predicted = jnp.where(verified, CORRECTION_DECAY * self.predicted + predicted, self.predicted)
         return SizeChoiceState(skip.astype(jnp.int32), misses.astype(jnp.int32), realised.astype(jnp.float32),
                                predicted.astype(jnp.float32))
 
