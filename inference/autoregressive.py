@@ -51,8 +51,9 @@ def run_if(flag: jax.Array, fn: Callable[[Any], Any], carry: Any) -> Any:
     """fn(carry) where the scalar `flag` holds, else carry: a `while_loop` of at most one trip. Not a
     `lax.switch`/`cond`: XLA gives a conditional's result its own buffers, so a branch that writes the cache
     copied every layer's whole K and V twice (in the branch and back into the carry); a while loop updates its
-    carry in place (tests/test_decode_hlo.py)."""
-    _, carry = jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros((), bool), fn(c[1])), (flag, carry))
+    carry in place (tests/test_decode_hlo.py). Inside `jax.shard_map` the flag may vary by device; the trip
+    clears it with an op on the flag itself (`~flag`, false inside the trip), which keeps that type."""
+    _, carry = jax.lax.while_loop(lambda c: c[0], lambda c: (~c[0], fn(c[1])), (flag, carry))
     return carry
 
 

@@ -109,9 +109,13 @@ def accepted_moves(lengths_b: jax.Array, nodes_be: jax.Array) -> tuple[jax.Array
 
 
 def move_cache_slots(cache: KVCache, src_be: jax.Array, dst_be: jax.Array) -> KVCache:
-    """`kv_cache.move_slots` in every layer; only these e slots per row are read and written. Under a mesh each
-    device moves its own rows (`sharding.map_cache_rows`), with no collectives."""
-    return map_cache_rows(move_slots, cache, src_be, dst_be)
+    """`kv_cache.move_slots` in every layer; only these e slots per row are read and written, and none when every
+    move is a no-op (src == dst: the move after a step that accepted no candidate, e.g. a plain step of a mix; a
+    `run_if`, so the cache is still updated in place). Under a mesh each device moves its own rows and decides for
+    them (`sharding.map_cache_rows`), with no collectives."""
+    def move(cache_: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+        return run_if(jnp.any(src != dst), lambda c: move_slots(c, src, dst), cache_)
+    return map_cache_rows(move, cache, src_be, dst_be)
 
 
 def compact_accepted(cache: KVCache, nodes_be: jax.Array) -> KVCache:
@@ -258,12 +262,15 @@ def verify_and_emit(model: MedusaModel, state: MedusaState, verified, draft: Any
     draft = model.heads.accepted(draft, hidden_btd if taps_btf is None else taps_btf, tokens_bt, nodes_be, accept_b,
                                  active_b)
     draft = model.heads.verified(draft, tokens_bt, logits_btv, active_b)
-    move_src_be, move_dst_be = accepted_moves(lengths_b, nodes_be)  # made by the next step (docstring, item 4)
+    rows_b1, e_1e = jnp.arange(b)[:, None], jnp.arange(e)[None, :]
+    # made by the next step (docstring, item 4); the path's root and accepted nodes only: the slots past them are
+    # scratch (past the committed length), so a step that accepted nothing leaves a no-op that is skipped
+    move_src_be, move_dst_be = accepted_moves(lengths_b, nodes_be)
+    move_src_be = jnp.where(e_1e <= accept_b[:, None], move_src_be, move_dst_be)
     last_node_b = jnp.take_along_axis(nodes_be, accept_b[:, None], axis=1)[:, 0]
     hidden_bd = jnp.take_along_axis(hidden_btd, last_node_b[:, None, None], axis=1)[:, 0]
 
     # emitted this step: the accepted candidates (depth 1..a of the path), then the bonus token
-    rows_b1, e_1e = jnp.arange(b)[:, None], jnp.arange(e)[None, :]
     path_tokens_be = jnp.take_along_axis(tokens_bt, nodes_be, axis=1)
     shifted_be = jnp.concatenate([path_tokens_be[:, 1:], path_tokens_be[:, :1]], axis=1)
     emitted_be = jnp.where(e_1e < accept_b[:, None], shifted_be, bonus_b[:, None])

@@ -2,7 +2,7 @@
 # Installs everything (scripts/setup.sh) and runs the test suite on CPU. Extra arguments go to pytest
 # (e.g. -m "not slow", -x, -k NAME); arguments naming tests/... run just those, in one pytest process.
 #
-# The whole suite runs one pytest process per test file (the quick files below share one). In a single process,
+# The whole suite runs one pytest process per test file (the small files below share a few). In a single process,
 # XLA:CPU crashed (SIGSEGV in libgcc's _Unwind_Find_FDE while jaxlib threw the error status of a failed compile)
 # after ~320 tests' worth of compiled executables; every file passes on its own and in any shorter run. A process
 # per file keeps each process's executables to one file's worth.
@@ -36,28 +36,42 @@ done
 # PyTorch (the transformers references) would start one thread per CPU in each of the files running at once
 if [[ $jobs_max -gt 1 ]]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
 
-# Files that compile little run together in one pytest process ("quick"): alone, each process's start (Python,
-# pytest, JAX and the package, 1.5-3 s) costs more than their tests (the 10 files: 86 s one process each, 37 s
-# together, 2026-12-03). Every other file runs in a process of its own.
-quick=(test_api test_bad_inputs test_bad_inputs_probe2 test_export_safety test_repo_paths test_assets test_layers
-       test_atomic test_tree test_text)
+# Files that compile little run together, a group to one pytest process: alone, each process's start (Python,
+# pytest, JAX and the package, 1.5-3 s) costs more than their tests (the 10 "quick" files: 86 s one process each,
+# 37 s together, 2026-12-03). A group stays far below the ~320 tests' executables at which one process crashed
+# (above). Every other file runs in a process of its own.
+declare -A groups=(
+  [quick]="test_api test_bad_inputs test_bad_inputs_probe2 test_export_safety test_repo_paths test_assets test_layers
+           test_atomic test_tree test_text"
+  [small_a]="test_declared_once test_vocab_reduce test_drafter_kinds test_draft_merge_calibration test_eagle_recipe
+             test_lm_head_rows test_stacked_load test_vocab_cut test_recycle_sampling"
+  [small_b]="test_train_output test_heads_trees test_edges test_layer_updates test_cache_attention"
+  [small_c]="test_calibration test_typical_rows test_attention test_dynamic_tree"
+)
 # Longest first (each job's time in the fresh-clone CI run of 2026-12-06 on a 2-core machine, 2 jobs at once:
 # test_mixed_drafts 346 s, test_benchmark 238, test_medusa 230, test_smollm2 175, test_sharded_decode 159,
 # test_serve_mesh 139, test_plan 127, test_engine_drafts 122, test_generation_engine 98, test_eagle3 91,
 # test_engine_batches_direct 70, test_recycle 61), so that no long file starts last and leaves one core idle at
-# the end; then any file not named here.
+# the end; then any file not named here (a group by its name).
 slow=(test_mixed_drafts test_benchmark test_medusa test_smollm2 test_sharded_decode test_serve_mesh test_plan
       test_engine_drafts test_generation_engine test_eagle3 test_engine_batches_direct test_recycle test_serve
       test_self_distill test_first_use test_serve_drafts test_training_run test_eagle test_drafter_choice
       test_train_memory test_exact_sampling test_loader test_stacked_cache test_decode_hlo test_hydra
-      test_training_mesh test_training test_interop quick test_dynamic_tree test_attention test_refill test_cli
-      test_calibration test_edges test_train_output test_heads_trees)
+      test_training_mesh test_training test_interop quick small_c small_b small_a test_refill test_cli)
 jobs_list=()  # each entry: the test files of one pytest process, space-separated
-quick_files=""
-for name in "${quick[@]}"; do [[ -f "tests/$name.py" ]] && quick_files+="${quick_files:+ }tests/$name.py"; done
+declare -A job_names=()  # a group's files -> its name
 for name in "${slow[@]}"; do
-  if [[ $name == quick ]]; then [[ -n $quick_files ]] && jobs_list+=("$quick_files")
+  if [[ -n ${groups[$name]+set} ]]; then
+    files=""
+    for member in ${groups[$name]}; do [[ -f "tests/$member.py" ]] && files+="${files:+ }tests/$member.py"; done
+    if [[ -n $files ]]; then jobs_list+=("$files"); job_names[$files]=$name; fi
   elif [[ -f "tests/$name.py" ]]; then jobs_list+=("tests/$name.py"); fi
+done
+for name in "${!groups[@]}"; do  # a group missing from the order above still runs
+  [[ " ${slow[*]} " == *" $name "* ]] && continue
+  files=""
+  for member in ${groups[$name]}; do [[ -f "tests/$member.py" ]] && files+="${files:+ }tests/$member.py"; done
+  if [[ -n $files ]]; then jobs_list+=("$files"); job_names[$files]=$name; fi
 done
 for file in tests/test_*.py; do
   [[ " ${jobs_list[*]} " == *" $file "* ]] || jobs_list+=("$file")
@@ -76,8 +90,8 @@ export MEDUSA_JAX_TEST_FIXTURES="$logs/fixtures"
 # run's files took 1.6-6.5x their times of the day before (2026-12-05). Unlocked, a process that reads an entry
 # another is still writing fails to decompress it, warns and compiles. (test_medusa alone: 278 -> 247 CPU s with an empty cache, 118 with a warm one, 2026-12-05.)
 export JAX_COMPILATION_CACHE_DIR="$logs/jax_compile" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-job_name() {  # the log name of a job: its file's name, or "quick" for the files run together
-  if [[ $1 == *" "* ]]; then echo quick; else basename "$1" .py; fi
+job_name() {  # the log name of a job: its file's name, or its group's for files run together
+  if [[ -n ${job_names[$1]+set} ]]; then echo "${job_names[$1]}"; else basename "$1" .py; fi
 }
 run_job() {  # one job's files in their own pytest process and temporary folder; its log and exit status under $logs
   local name; name="$(job_name "$1")"

@@ -34,7 +34,7 @@ from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.autoregressive import (grouped_prefill, narrow_prefill_states, prefill, prefill_groups,
                                                  prefill_states)
-from medusa_jax.inference.medusa import compact_accepted, medusa_decode
+from medusa_jax.inference.medusa import compact_accepted, medusa_decode, move_cache_slots
 from medusa_jax.trees.search.oracle import planted_data, planted_over_heads_proposer, planted_proposer
 
 import decode_helpers
@@ -363,6 +363,22 @@ def test_compact_accepted_moves_only_the_path():
     np.testing.assert_array_equal(out.v_bksh[0], expect.transpose(0, 1, 3, 2))
     np.testing.assert_array_equal(out.v_bksh[1], -expect.transpose(0, 1, 3, 2))
     assert out.lengths_b.tolist() == [3, 5]
+
+
+def test_cache_move_is_skipped_only_when_every_move_is_a_no_op():
+    """`move_cache_slots` (jitted, as in the loop) under its `run_if`: one row's real move is made, beside a row whose
+    moves are all no-ops; a batch of no-op moves (a step that accepted nothing) leaves the cache as it was."""
+    k = jnp.arange(2 * 16, dtype=jnp.float32).reshape(2, 1, 1, 16)
+    cache = KVCache((k,), (k.transpose(0, 1, 3, 2),), jnp.asarray([3, 5], jnp.int32))
+    move = jax.jit(move_cache_slots)
+    out = move(cache, jnp.asarray([[3, 7], [5, 6]]), jnp.asarray([[3, 4], [5, 6]]))
+    expect = np.asarray(k).copy()
+    expect[0, ..., 4] = expect[0, ..., 7]
+    np.testing.assert_array_equal(out.k_bkhs[0], expect)
+    np.testing.assert_array_equal(out.v_bksh[0], expect.transpose(0, 1, 3, 2))
+    same = move(cache, jnp.asarray([[3, 4], [5, 6]]), jnp.asarray([[3, 4], [5, 6]]))
+    np.testing.assert_array_equal(same.k_bkhs[0], k)
+    np.testing.assert_array_equal(same.v_bksh[0], k.transpose(0, 1, 3, 2))
 
 
 @pytest.mark.parametrize("tree_name", ["mc_sim_7b_8", DYNAMIC_3])

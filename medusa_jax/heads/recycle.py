@@ -127,8 +127,11 @@ def recycle_update(table_vr: jax.Array, tokens_bt: jax.Array, logits_btv: jax.Ar
     writes_bt = jnp.ones((b, t), bool) if writes_bt is None else writes_bt
     writes_bt = writes_bt if active_b is None else writes_bt & active_b[:, None]
     target_bt = jnp.where(writes_bt, tokens_bt, vocab)  # vocab: out of range, dropped
-    winner_v = jnp.full((vocab,), -1, jnp.int32).at[target_bt].max(order_bt, mode="drop")
-    wins_bt = writes_bt & (winner_v[jnp.minimum(target_bt, vocab - 1)] == order_bt)
+    if b * t == 1:  # one write (a plain step at batch 1): nothing to deduplicate, no [V] scratch
+        wins_bt = writes_bt
+    else:
+        winner_v = jnp.full((vocab,), -1, jnp.int32).at[target_bt].max(order_bt, mode="drop")
+        wins_bt = writes_bt & (winner_v[jnp.minimum(target_bt, vocab - 1)] == order_bt)
     rows_x = jnp.where(wins_bt, tokens_bt, vocab).reshape(-1)  # at most one write per token id now
     return table_vr.at[rows_x].set(ids_btr.reshape(b * t, top_k).astype(table_vr.dtype), mode="drop")
 

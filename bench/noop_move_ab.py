@@ -1,0 +1,108 @@
+"""A/B of skipping the no-op cache move (`medusa.move_cache_slots` under its `run_if`) against always making it (the
+code before: `kv_cache.move_slots` in every layer at every step), in one process: SmolLM2 with the shipped heads'
+mix `default+recycle+lookup` at 16 nodes and `draft_size.default_costs` (both arms the same costs, nudged by a part
+in a million so that each compiles its own loop), batch 1, greedy, 128 new tokens, MT-Bench first turns PROMPTS
+(0-based), REPEATS interleaved rounds (`bench.mixed_drafts.run_set`, the median), against plain decoding in the
+same rounds. Each arm's loop is traced with its own move (the swap is undone after its first call compiles it).
+
+  python bench/noop_move_ab.py            (writes bench/mixed_drafts/noop_move/{results.json,README.md})
+
+Environment: PROMPTS (default 0,1,...,7), REPEATS (3), NEVER_DRAFT=1: every step of both arms is the mix's skip
+branch (`medusa.skipped_step`, as bench/never_drafting_loop.py), so the loop's own per-step cost is compared.
+"""
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from medusa_jax.bench import mixed_drafts
+from medusa_jax.bench.bench_inputs import env_choices, env_int, mtbench_questions, write_files
+from medusa_jax.compile_cache import enable_compile_cache
+from medusa_jax.inference import draft_size, medusa
+from medusa_jax.inference.loaded_model import load_model
+from medusa_jax.inference.mixed_decoding import build_mix
+from medusa_jax.inference.sharded import ShardedModel
+from medusa_jax.model.kv_cache import move_slots
+from medusa_jax.model.sharding import MeshConfig, map_cache_rows
+from medusa_jax.trees.policy.calibration import machine_description
+
+PROMPTS = [int(p) for p in env_choices("PROMPTS", tuple(str(i) for i in range(8)), tuple(str(i) for i in range(80)))]
+REPEATS = env_int("REPEATS", 3, 1, 100)
+NEVER_DRAFT = env_int("NEVER_DRAFT", 0, 0, 1) == 1
+OUT = Path(__file__).resolve().parent / "mixed_drafts" / "noop_move"
+SKIPPED_MOVE = medusa.move_cache_slots
+
+
+def always_move(cache, src_be, dst_be):
+    """The move as it was: made in every layer at every step, no-op or not."""
+    return map_cache_rows(move_slots, cache, src_be, dst_be)
+
+
+def skip_branch(model, state, proposer, inputs, sizes, acceptance, eos_ids):
+    """`medusa.mixed_step` with its decision fixed to "skip the drafting"."""
+    return medusa.skipped_step(model, state, sizes=sizes, acceptance=acceptance, eos_ids=eos_ids)
+
+
+@contextmanager
+def move(fn):
+    medusa.move_cache_slots = fn
+    try:
+        yield
+    finally:
+        medusa.move_cache_slots = SKIPPED_MOVE
+
+
+def main() -> None:
+    if NEVER_DRAFT:
+        medusa.mixed_step = skip_branch
+    enable_compile_cache()
+    machine = machine_description()
+    loaded = load_model("default", "default")
+    arms = {"plain": (None, SKIPPED_MOVE), "skipped no-op move": (0, SKIPPED_MOVE), "always moved": (1, always_move)}
+    models, sizes = {}, None
+    for label, (nudge, _) in arms.items():
+        if nudge is None:
+            models[label] = (ShardedModel(loaded.base, None, MeshConfig()), None)
+            continue
+        mix, sizes = build_mix(loaded.base, ("recycle", "lookup"), loaded.heads, 16,
+                               costs=lambda s, n=nudge: tuple(c * (1 + 1e-6 * (n + 1))
+                                                              for c in draft_size.default_costs(s)))
+        models[label] = (ShardedModel(loaded.base, mix, MeshConfig()), sizes)
+    questions = mtbench_questions(max(PROMPTS) + 1)
+    prompts = loaded.encode_chat([questions[i].first_turn for i in PROMPTS])
+    for label, (model, tree) in models.items():  # each loop traced and compiled with its own move
+        with move(arms[label][1]):
+            mixed_drafts.run_set({label: (model, tree)}, prompts[:1], 128, loaded.eos_ids, loaded.pad_id)
+    rows = mixed_drafts.run_set(models, prompts, 128, loaded.eos_ids, loaded.pad_id, print, repeats=REPEATS)
+    results = {"machine": machine, "prompts": PROMPTS, "repeats": REPEATS, "never_draft": NEVER_DRAFT,
+               "sizes": list(sizes.sizes), "costs": [round(c, 3) for c in sizes.costs], "methods": {}}
+    for label, calls in rows.items():
+        mismatches = sum(c["token_ids"] != p["token_ids"] for c, p in zip(calls, rows["plain"]))
+        speeds = [p["seconds"] / c["seconds"] for c, p in zip(calls, rows["plain"])]
+        results["methods"][label] = {
+            "tokens_per_step": round(sum(c["tokens"] for c in calls) / sum(c["steps"] for c in calls), 3),
+            "mean_speed_vs_plain": round(float(np.mean(speeds)), 3), "worst": round(min(speeds), 3),
+            "per_prompt": [round(s, 3) for s in speeds], "mismatches": mismatches}
+    settings = " ".join(f"{k}={os.environ[k]}" for k in ("PROMPTS", "REPEATS", "NEVER_DRAFT") if k in os.environ)
+    command = (settings + " " if settings else "") + "python bench/noop_move_ab.py"
+    results["command"] = command
+    name = "results_never_draft" if NEVER_DRAFT else "results"
+    lines = [f"## {'Never drafting (every step the skip branch)' if NEVER_DRAFT else 'The mix as shipped'}", "",
+             f"Command: `{command}`", "",
+             f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, JAX {machine['jax']}, load average "
+             f"{machine['load_average_1m']:.1f} at the start. Sizes {list(sizes.sizes)}, costs "
+             f"{results['costs']} plain steps. {REPEATS} interleaved rounds per call, the median.", "",
+             "| arm | tokens/step | mean speed vs plain | worst | per prompt (" + ", ".join(f"#{i}" for i in PROMPTS)
+             + ") | mismatches |", "|---|---|---|---|---|---|"]
+    for label, r in results["methods"].items():
+        lines.append(f"| {label} | {r['tokens_per_step']:.2f} | {r['mean_speed_vs_plain']:.3f}x | {r['worst']:.3f}x | "
+                     + " ".join(f"{s:.3f}" for s in r["per_prompt"]) + f" | {r['mismatches']} |")
+    write_files(OUT, {f"{name}.json": json.dumps(results, indent=1) + "\n", f"{name}.md": "\n".join(lines) + "\n"})
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
