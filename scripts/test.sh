@@ -60,18 +60,17 @@ slow=(test_mixed_drafts test_benchmark test_medusa test_smollm2 test_sharded_dec
       test_training_mesh test_training test_interop quick small_c small_b small_a test_refill test_cli)
 jobs_list=()  # each entry: the test files of one pytest process, space-separated
 declare -A job_names=()  # a group's files -> its name
+add_group() {  # group $1's existing files as one job
+  local files="" member
+  for member in ${groups[$1]}; do [[ -f "tests/$member.py" ]] && files+="${files:+ }tests/$member.py"; done
+  if [[ -n $files ]]; then jobs_list+=("$files"); job_names[$files]=$1; fi
+}
 for name in "${slow[@]}"; do
-  if [[ -n ${groups[$name]+set} ]]; then
-    files=""
-    for member in ${groups[$name]}; do [[ -f "tests/$member.py" ]] && files+="${files:+ }tests/$member.py"; done
-    if [[ -n $files ]]; then jobs_list+=("$files"); job_names[$files]=$name; fi
+  if [[ -n ${groups[$name]+set} ]]; then add_group "$name"
   elif [[ -f "tests/$name.py" ]]; then jobs_list+=("tests/$name.py"); fi
 done
 for name in "${!groups[@]}"; do  # a group missing from the order above still runs
-  [[ " ${slow[*]} " == *" $name "* ]] && continue
-  files=""
-  for member in ${groups[$name]}; do [[ -f "tests/$member.py" ]] && files+="${files:+ }tests/$member.py"; done
-  if [[ -n $files ]]; then jobs_list+=("$files"); job_names[$files]=$name; fi
+  [[ " ${slow[*]} " == *" $name "* ]] || add_group "$name"
 done
 for file in tests/test_*.py; do
   [[ " ${jobs_list[*]} " == *" $file "* ]] || jobs_list+=("$file")
