@@ -22,6 +22,7 @@ import numpy as np
 
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.heads.lookup import LookupConfig
+from medusa_jax.inference import medusa
 from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.draft_size import forced_sizes
 from medusa_jax.inference.mixed_decoding import build_mix, parse_mix
@@ -74,6 +75,12 @@ def build_models(loaded: LoadedModel, chosen: Sequence[Method], heads_of,
 # the padded width of every prompt up to 512 tokens: one cache size, one compilation of the decode steps per method
 # (the mixed steps compile slowly); each prompt is still prefilled at its own width of `engine.width_ladder`
 PROMPT_WIDTH = 512
+
+
+def never_drafting_step(model, state, proposer, inputs, sizes, acceptance, eos_ids):
+    """`medusa.mixed_step` with its decision fixed to "skip the drafting" (`medusa.skipped_step`): swapped in for
+    it before anything is traced, a mix's loop never drafts (bench/never_drafting_loop.py, bench/noop_move_ab.py)."""
+    return medusa.skipped_step(model, state, sizes=sizes, acceptance=acceptance, eos_ids=eos_ids)
 
 
 def run_set(models: dict, prompts: list[list[int]], max_new_tokens: int, eos_ids, pad_id: int,

@@ -31,13 +31,8 @@ MEMBERS = {"heads": ((), True), "recycle": (("recycle",), False), "lookup": (("l
            "mix": (("recycle", "lookup"), True)}
 
 
-def skip_branch(model, state, proposer, inputs, sizes, acceptance, eos_ids):
-    """`medusa.mixed_step` with its decision fixed to "skip the drafting"."""
-    return medusa.skipped_step(model, state, sizes=sizes, acceptance=acceptance, eos_ids=eos_ids)
-
-
 def main() -> None:
-    medusa.mixed_step = skip_branch
+    medusa.mixed_step = mixed_drafts.never_drafting_step
     enable_compile_cache()
     machine = machine_description()
     loaded = load_model("default", "default")

@@ -41,11 +41,6 @@ def always_move(cache, src_be, dst_be):
     return map_cache_rows(move_slots, cache, src_be, dst_be)
 
 
-def skip_branch(model, state, proposer, inputs, sizes, acceptance, eos_ids):
-    """`medusa.mixed_step` with its decision fixed to "skip the drafting"."""
-    return medusa.skipped_step(model, state, sizes=sizes, acceptance=acceptance, eos_ids=eos_ids)
-
-
 @contextmanager
 def move(fn):
     medusa.move_cache_slots = fn
@@ -57,7 +52,7 @@ def move(fn):
 
 def main() -> None:
     if NEVER_DRAFT:
-        medusa.mixed_step = skip_branch
+        medusa.mixed_step = mixed_drafts.never_drafting_step
     enable_compile_cache()
     machine = machine_description()
     loaded = load_model("default", "default")

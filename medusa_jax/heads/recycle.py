@@ -123,13 +123,13 @@ def recycle_update(table_vr: jax.Array, tokens_bt: jax.Array, logits_btv: jax.Ar
     b, t = tokens_bt.shape
     vocab, top_k = table_vr.shape
     _, ids_btr = vocab_reduce.top_k(logits_btv, top_k)
-    order_bt = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t)
     writes_bt = jnp.ones((b, t), bool) if writes_bt is None else writes_bt
     writes_bt = writes_bt if active_b is None else writes_bt & active_b[:, None]
     target_bt = jnp.where(writes_bt, tokens_bt, vocab)  # vocab: out of range, dropped
     if b * t == 1:  # one write (a plain step at batch 1): nothing to deduplicate, no [V] scratch
         wins_bt = writes_bt
     else:
+        order_bt = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t)
         winner_v = jnp.full((vocab,), -1, jnp.int32).at[target_bt].max(order_bt, mode="drop")
         wins_bt = writes_bt & (winner_v[jnp.minimum(target_bt, vocab - 1)] == order_bt)
     rows_x = jnp.where(wins_bt, tokens_bt, vocab).reshape(-1)  # at most one write per token id now
