@@ -63,19 +63,27 @@ def positions(record: dict, sizes: Sequence[int]) -> list[Position]:
 
 
 class BackoffRule:
-    """numpy mirror of `size_choice` with its correction off (`prior` None: the rule before it) or on (the
-    realised and predicted sums, `CORRECTION_PRIOR` / `CORRECTION_DECAY` as shipped unless given)."""
+    """numpy mirror of `size_choice` with its correction off (`prior` None: the first rule), run-wide (one ratio of
+    the realised and predicted sums for all sizes, as shipped) or, with `per_size`, one ratio per size (each from
+    the steps of that size: a variant not shipped), `CORRECTION_PRIOR` / `CORRECTION_DECAY` as shipped unless
+    given."""
 
-    def __init__(self, sizes, costs, prior=None, decay=None, max_skip=None):
+    def __init__(self, sizes, costs, prior=None, decay=None, max_skip=None, per_size=False):
         from medusa_jax.inference import size_choice
         self.sizes, self.costs = np.asarray(sizes), np.asarray(costs)
         self.max_skip = size_choice.MAX_SKIP if max_skip is None else max_skip
         self.prior = prior
         self.decay = size_choice.CORRECTION_DECAY if decay is None else decay
-        self.skip_left, self.misses, self.realised, self.predicted = 0, 0, 0.0, 0.0
+        self.per_size = per_size
+        self.skip_left, self.misses = 0, 0
+        self.realised, self.predicted = np.zeros(len(self.sizes)), np.zeros(len(self.sizes))
 
-    def correction(self) -> float:
-        return 1.0 if self.prior is None else (self.realised + self.prior) / (self.predicted + self.prior)
+    def correction(self):
+        if self.prior is None:
+            return 1.0
+        if not self.per_size:
+            return (self.realised.sum() + self.prior) / (self.predicted.sum() + self.prior)
+        return (self.realised + self.prior) / (self.predicted + self.prior)
 
     def decide(self, p: Position):
         """None: skip the drafting; else the size index verified."""
@@ -90,8 +98,11 @@ class BackoffRule:
         self.misses = 0 if pays else self.misses + 1
         self.skip_left = 0 if pays else min(1 << min(max(self.misses - 1, 0), 8), self.max_skip)
         if choice > 0:
-            self.realised = self.decay * self.realised + accepted
-            self.predicted = self.decay * self.predicted + predicted
+            learns = np.arange(len(self.sizes)) == choice if self.per_size else np.ones(len(self.sizes), bool)
+            self.realised = np.where(learns, self.decay * self.realised, self.realised)
+            self.predicted = np.where(learns, self.decay * self.predicted, self.predicted)
+            self.realised[choice] += accepted
+            self.predicted[choice] += predicted
 
 
 class Oracle(BackoffRule):
@@ -212,6 +223,8 @@ def main(argv=None) -> int:
     from medusa_jax.inference.size_choice import CORRECTION_PRIOR
     rules = {"backoff (no correction)": lambda: BackoffRule(sizes, costs),
              "backoff + correction (shipped)": lambda: BackoffRule(sizes, costs, prior=CORRECTION_PRIOR),
+             "backoff + per-size correction": lambda: BackoffRule(sizes, costs, prior=CORRECTION_PRIOR,
+                                                                  per_size=True),
              "oracle": lambda: Oracle(sizes, costs, a.skip_cost)}
     print(f"| rule | speedup | worst prompt | per prompt |\n|---|---|---|---|")
     for name, rule_of in rules.items():

@@ -1,0 +1,100 @@
+"""The mixed drafts' size rule (`inference.size_choice`) against fixed sizes, in the real decode loop, in one process:
+SmolLM2 with the shipped heads' mix `default+recycle+lookup` at 16 nodes and `draft_size.default_costs` (sizes 0, 2,
+5, 16), batch 1, greedy, 128 new tokens, the MT-Bench first turns PROMPTS (0-based), REPEATS interleaved rounds
+(`bench.mixed_drafts.run_set`, the median), against plain decoding in the same rounds. Arms:
+
+- "size choice (shipped)": each step chooses among the sizes (predicted accepts, the run's correction, the backoff);
+- "every step N nodes" (N = 5, the middle size, and 16, the budget): every step drafts and verifies N nodes, no
+  choice and no backoff (`SizeChoiceState.drafted` a no-op while its loop is traced).
+
+  python bench/size_rule_ab.py            (writes bench/mixed_drafts/size_rule/{results.json,results.md})
+
+Environment: PROMPTS (default 0,1,...,7), REPEATS (2).
+"""
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from medusa_jax.bench import mixed_drafts
+from medusa_jax.bench.bench_inputs import env_choices, env_int, mtbench_questions, write_files
+from medusa_jax.compile_cache import enable_compile_cache
+from medusa_jax.heads.draft_merge import DraftSizes
+from medusa_jax.inference import draft_size, size_choice
+from medusa_jax.inference.loaded_model import load_model
+from medusa_jax.inference.mixed_decoding import build_mix
+from medusa_jax.inference.sharded import ShardedModel
+from medusa_jax.model.sharding import MeshConfig
+from medusa_jax.trees.policy.calibration import machine_description
+
+PROMPTS = [int(p) for p in env_choices("PROMPTS", tuple(str(i) for i in range(8)), tuple(str(i) for i in range(80)))]
+REPEATS = env_int("REPEATS", 2, 1, 100)
+OUT = Path(__file__).resolve().parent / "mixed_drafts" / "size_rule"
+FIXED = (5, 16)  # the middle size and the budget of a 16-node mix (`mixed_decoding.sizes_for(16)`: 0, 2, 5, 16)
+SHIPPED = size_choice.SizeChoiceState.drafted
+
+
+@contextmanager
+def fixed_size(on: bool):
+    """While a loop is traced: with `on`, the size choice never learns, so every step drafts (its only size)."""
+    size_choice.SizeChoiceState.drafted = (lambda self, *args: self) if on else SHIPPED
+    try:
+        yield
+    finally:
+        size_choice.SizeChoiceState.drafted = SHIPPED
+
+
+def main() -> None:
+    enable_compile_cache()
+    machine = machine_description()
+    loaded = load_model("default", "default")
+    arms = {"plain": None, "size choice (shipped)": 0, **{f"every step {n} nodes": n for n in FIXED}}
+    models, sizes = {}, None
+    for nudge, (label, fixed) in enumerate(arms.items()):
+        if fixed is None:
+            models[label] = (ShardedModel(loaded.base, None, MeshConfig()), None)
+            continue
+        mix, tree = build_mix(loaded.base, ("recycle", "lookup"), loaded.heads, 16,
+                              costs=lambda s, n=nudge: tuple(c * (1 + 1e-6 * n) for c in draft_size.default_costs(s)))
+        if fixed:
+            tree = DraftSizes((fixed,), (1.0 + 1e-6 * nudge,), tree.depth)
+        else:
+            sizes = tree
+        models[label] = (ShardedModel(loaded.base, mix, MeshConfig()), tree)
+    questions = mtbench_questions(max(PROMPTS) + 1)
+    prompts = loaded.encode_chat([questions[i].first_turn for i in PROMPTS])
+    for label, (model, tree) in models.items():  # each loop traced and compiled with its own rule
+        with fixed_size(bool(arms[label])):
+            mixed_drafts.run_set({label: (model, tree)}, prompts[:1], 128, loaded.eos_ids, loaded.pad_id)
+    rows = mixed_drafts.run_set(models, prompts, 128, loaded.eos_ids, loaded.pad_id, print, repeats=REPEATS)
+    results = {"machine": machine, "prompts": PROMPTS, "repeats": REPEATS, "sizes": list(sizes.sizes),
+               "costs": [round(c, 3) for c in sizes.costs], "methods": {}}
+    for label, calls in rows.items():
+        mismatches = sum(c["token_ids"] != p["token_ids"] or bool(c["other_token_ids"])
+                         for c, p in zip(calls, rows["plain"]))
+        speeds = [p["seconds"] / c["seconds"] for c, p in zip(calls, rows["plain"])]
+        results["methods"][label] = {
+            "tokens_per_step": round(sum(c["tokens"] for c in calls) / sum(c["steps"] for c in calls), 3),
+            "mean_speed_vs_plain": round(float(np.mean(speeds)), 3), "worst": round(min(speeds), 3),
+            "per_prompt": [round(s, 3) for s in speeds], "mismatches": mismatches}
+    settings = " ".join(f"{k}={os.environ[k]}" for k in ("PROMPTS", "REPEATS") if k in os.environ)
+    command = (settings + " " if settings else "") + "python bench/size_rule_ab.py"
+    results["command"] = command
+    lines = ["## The size rule of the mixed drafts against fixed sizes", "", f"Command: `{command}`", "",
+             f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, JAX {machine['jax']}, load average "
+             f"{machine['load_average_1m']:.1f} at the start. Sizes {list(sizes.sizes)}, costs {results['costs']} "
+             f"plain steps. {REPEATS} interleaved rounds per call, the median.", "",
+             "| arm | tokens/step | mean speed vs plain | worst | per prompt (" + ", ".join(f"#{i}" for i in PROMPTS)
+             + ") | mismatches |", "|---|---|---|---|---|---|"]
+    for label, r in results["methods"].items():
+        lines.append(f"| {label} | {r['tokens_per_step']:.2f} | {r['mean_speed_vs_plain']:.3f}x | {r['worst']:.3f}x | "
+                     + " ".join(f"{s:.3f}" for s in r["per_prompt"]) + f" | {r['mismatches']} |")
+    write_files(OUT, {"results.json": json.dumps(results, indent=1) + "\n", "results.md": "\n".join(lines) + "\n"})
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
