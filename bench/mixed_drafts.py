@@ -153,6 +153,36 @@ def summarise(rows: dict[str, list[dict]], budgets_of: dict[str, int]) -> list[d
     return out
 
 
+def arm_figures(rows: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per arm of an in-process A/B (`run_set`'s rows, "plain" among them): tokens/step, the mean and worst of the
+    per-prompt speeds against plain's, the per-prompt speeds and the mismatches (an answer, in any round, that is not
+    plain's)."""
+    out = {}
+    for label, calls in rows.items():
+        mismatches = sum(c["token_ids"] != p["token_ids"] or bool(c["other_token_ids"])
+                         for c, p in zip(calls, rows["plain"]))
+        speeds = [p["seconds"] / c["seconds"] for c, p in zip(calls, rows["plain"])]
+        out[label] = {"tokens_per_step": round(sum(c["tokens"] for c in calls) / sum(c["steps"] for c in calls), 3),
+                      "mean_speed_vs_plain": round(float(np.mean(speeds)), 3), "worst": round(min(speeds), 3),
+                      "per_prompt": [round(s, 3) for s in speeds], "mismatches": mismatches}
+    return out
+
+
+def arm_table(title: str, command: str, machine: dict, results: dict) -> str:
+    """The Markdown report of an in-process A/B: `results` holds prompts, repeats, sizes, costs and `arm_figures`'
+    methods."""
+    lines = [f"## {title}", "", f"Command: `{command}`", "",
+             f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, JAX {machine['jax']}, load average "
+             f"{machine['load_average_1m']:.1f} at the start. Sizes {results['sizes']}, costs {results['costs']} "
+             f"plain steps. {results['repeats']} interleaved rounds per call, the median.", "",
+             "| arm | tokens/step | mean speed vs plain | worst | per prompt ("
+             + ", ".join(f"#{i}" for i in results["prompts"]) + ") | mismatches |", "|---|---|---|---|---|---|"]
+    for label, r in results["methods"].items():
+        lines.append(f"| {label} | {r['tokens_per_step']:.2f} | {r['mean_speed_vs_plain']:.3f}x | {r['worst']:.3f}x | "
+                     + " ".join(f"{s:.3f}" for s in r["per_prompt"]) + f" | {r['mismatches']} |")
+    return "\n".join(lines) + "\n"
+
+
 def answers(rows: dict[str, list[dict]], label: str = "plain") -> list[list[int]]:
     """One method's answers (token ids), prompt by prompt."""
     return [ids for call in rows[label] for ids in call["token_ids"]]

@@ -16,7 +16,6 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 
 from medusa_jax.bench import mixed_drafts
 from medusa_jax.bench.bench_inputs import env_choices, env_int, mtbench_questions, write_files
@@ -73,30 +72,15 @@ def main() -> None:
             mixed_drafts.run_set({label: (model, tree)}, prompts[:1], 128, loaded.eos_ids, loaded.pad_id)
     rows = mixed_drafts.run_set(models, prompts, 128, loaded.eos_ids, loaded.pad_id, print, repeats=REPEATS)
     results = {"machine": machine, "prompts": PROMPTS, "repeats": REPEATS, "never_draft": NEVER_DRAFT,
-               "sizes": list(sizes.sizes), "costs": [round(c, 3) for c in sizes.costs], "methods": {}}
-    for label, calls in rows.items():
-        mismatches = sum(c["token_ids"] != p["token_ids"] for c, p in zip(calls, rows["plain"]))
-        speeds = [p["seconds"] / c["seconds"] for c, p in zip(calls, rows["plain"])]
-        results["methods"][label] = {
-            "tokens_per_step": round(sum(c["tokens"] for c in calls) / sum(c["steps"] for c in calls), 3),
-            "mean_speed_vs_plain": round(float(np.mean(speeds)), 3), "worst": round(min(speeds), 3),
-            "per_prompt": [round(s, 3) for s in speeds], "mismatches": mismatches}
+               "sizes": list(sizes.sizes), "costs": [round(c, 3) for c in sizes.costs],
+               "methods": mixed_drafts.arm_figures(rows)}
     settings = " ".join(f"{k}={os.environ[k]}" for k in ("PROMPTS", "REPEATS", "NEVER_DRAFT") if k in os.environ)
-    command = (settings + " " if settings else "") + "python bench/noop_move_ab.py"
-    results["command"] = command
+    results["command"] = command = (settings + " " if settings else "") + "python bench/noop_move_ab.py"
     name = "results_never_draft" if NEVER_DRAFT else "results"
-    lines = [f"## {'Never drafting (every step the skip branch)' if NEVER_DRAFT else 'The mix as shipped'}", "",
-             f"Command: `{command}`", "",
-             f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, JAX {machine['jax']}, load average "
-             f"{machine['load_average_1m']:.1f} at the start. Sizes {list(sizes.sizes)}, costs "
-             f"{results['costs']} plain steps. {REPEATS} interleaved rounds per call, the median.", "",
-             "| arm | tokens/step | mean speed vs plain | worst | per prompt (" + ", ".join(f"#{i}" for i in PROMPTS)
-             + ") | mismatches |", "|---|---|---|---|---|---|"]
-    for label, r in results["methods"].items():
-        lines.append(f"| {label} | {r['tokens_per_step']:.2f} | {r['mean_speed_vs_plain']:.3f}x | {r['worst']:.3f}x | "
-                     + " ".join(f"{s:.3f}" for s in r["per_prompt"]) + f" | {r['mismatches']} |")
-    write_files(OUT, {f"{name}.json": json.dumps(results, indent=1) + "\n", f"{name}.md": "\n".join(lines) + "\n"})
-    print("\n".join(lines))
+    title = "Never drafting (every step the skip branch)" if NEVER_DRAFT else "The mix as shipped"
+    table = mixed_drafts.arm_table(title, command, machine, results)
+    write_files(OUT, {f"{name}.json": json.dumps(results, indent=1) + "\n", f"{name}.md": table})
+    print(table)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 
 from medusa_jax.bench import mixed_drafts
 from medusa_jax.bench.bench_inputs import env_choices, env_int, mtbench_questions, write_files
@@ -71,29 +70,12 @@ def main() -> None:
             mixed_drafts.run_set({label: (model, tree)}, prompts[:1], 128, loaded.eos_ids, loaded.pad_id)
     rows = mixed_drafts.run_set(models, prompts, 128, loaded.eos_ids, loaded.pad_id, print, repeats=REPEATS)
     results = {"machine": machine, "prompts": PROMPTS, "repeats": REPEATS, "sizes": list(sizes.sizes),
-               "costs": [round(c, 3) for c in sizes.costs], "methods": {}}
-    for label, calls in rows.items():
-        mismatches = sum(c["token_ids"] != p["token_ids"] or bool(c["other_token_ids"])
-                         for c, p in zip(calls, rows["plain"]))
-        speeds = [p["seconds"] / c["seconds"] for c, p in zip(calls, rows["plain"])]
-        results["methods"][label] = {
-            "tokens_per_step": round(sum(c["tokens"] for c in calls) / sum(c["steps"] for c in calls), 3),
-            "mean_speed_vs_plain": round(float(np.mean(speeds)), 3), "worst": round(min(speeds), 3),
-            "per_prompt": [round(s, 3) for s in speeds], "mismatches": mismatches}
+               "costs": [round(c, 3) for c in sizes.costs], "methods": mixed_drafts.arm_figures(rows)}
     settings = " ".join(f"{k}={os.environ[k]}" for k in ("PROMPTS", "REPEATS") if k in os.environ)
-    command = (settings + " " if settings else "") + "python bench/size_rule_ab.py"
-    results["command"] = command
-    lines = ["## The size rule of the mixed drafts against fixed sizes", "", f"Command: `{command}`", "",
-             f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, JAX {machine['jax']}, load average "
-             f"{machine['load_average_1m']:.1f} at the start. Sizes {list(sizes.sizes)}, costs {results['costs']} "
-             f"plain steps. {REPEATS} interleaved rounds per call, the median.", "",
-             "| arm | tokens/step | mean speed vs plain | worst | per prompt (" + ", ".join(f"#{i}" for i in PROMPTS)
-             + ") | mismatches |", "|---|---|---|---|---|---|"]
-    for label, r in results["methods"].items():
-        lines.append(f"| {label} | {r['tokens_per_step']:.2f} | {r['mean_speed_vs_plain']:.3f}x | {r['worst']:.3f}x | "
-                     + " ".join(f"{s:.3f}" for s in r["per_prompt"]) + f" | {r['mismatches']} |")
-    write_files(OUT, {"results.json": json.dumps(results, indent=1) + "\n", "results.md": "\n".join(lines) + "\n"})
-    print("\n".join(lines))
+    results["command"] = command = (settings + " " if settings else "") + "python bench/size_rule_ab.py"
+    table = mixed_drafts.arm_table("The size rule of the mixed drafts against fixed sizes", command, machine, results)
+    write_files(OUT, {"results.json": json.dumps(results, indent=1) + "\n", "results.md": table})
+    print(table)
 
 
 if __name__ == "__main__":
