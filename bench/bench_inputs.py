@@ -16,7 +16,8 @@ from medusa_jax.atomic import write_text_atomic
 from medusa_jax.mtbench import MTBenchQuestion, load_mtbench_questions
 
 
-def _usage_error(message: str) -> None:
+def usage_error(message: str) -> None:
+    """One error line on stderr and exit 2: a bench script's bad setting, before any work."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -32,7 +33,7 @@ def env_int(name: str, default: int, lo: int, hi: int) -> int:
     except ValueError:
         value = None
     if value is None or not lo <= value <= hi:
-        _usage_error(f"${name}={text} must be a whole number from {lo} to {hi}; unset it for {default}")
+        usage_error(f"${name}={text} must be a whole number from {lo} to {hi}; unset it for {default}")
     return value
 
 
@@ -45,7 +46,7 @@ def env_choices(name: str, default: Sequence[str], allowed: Sequence[str]) -> li
     chosen = text.split(",")
     bad = [c for c in chosen if c not in allowed]
     if bad:
-        _usage_error(f"${name}={text}: {', '.join(map(repr, bad))} is not one of {', '.join(allowed)}")
+        usage_error(f"${name}={text}: {', '.join(map(repr, bad))} is not one of {', '.join(allowed)}")
     return chosen
 
 

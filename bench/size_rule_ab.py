@@ -1,6 +1,6 @@
 """The mixed drafts' size rule (`inference.size_choice`) against fixed sizes, in the real decode loop, in one process:
 SmolLM2 with the shipped heads' mix `default+recycle+lookup` at 16 nodes and `draft_size.default_costs` (sizes 0, 2,
-5, 16), batch 1, greedy, 128 new tokens, the MT-Bench first turns PROMPTS (0-based), REPEATS interleaved rounds
+5, 16), batch 1, greedy, 128 new tokens, the MT-Bench first turns PROMPTS (0-based; or another SET's), REPEATS interleaved rounds
 (`bench.mixed_drafts.run_set`, the median), against plain decoding in the same rounds. Arms:
 
 - "size choice (shipped)": each step chooses among the sizes (predicted accepts, the run's correction, the backoff);
@@ -9,7 +9,9 @@ SmolLM2 with the shipped heads' mix `default+recycle+lookup` at 16 nodes and `dr
 
   python bench/size_rule_ab.py            (writes bench/mixed_drafts/size_rule/{results.json,results.md})
 
-Environment: PROMPTS (default 0,1,...,7), REPEATS (2).
+Environment: PROMPTS (default 0,1,...,7), REPEATS (2), SET: mtbench (the default), grounded (the input-grounded set,
+`bench.grounded_prompts`) or humaneval (`bench.humaneval`): the prompts PROMPTS of that set, written to
+results_SET.{json,md} for a set other than mtbench.
 """
 
 import json
@@ -18,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-from medusa_jax.bench import mixed_drafts
-from medusa_jax.bench.bench_inputs import env_choices, env_int, mtbench_questions, write_files
+from medusa_jax.bench import grounded_prompts, humaneval, mixed_drafts
+from medusa_jax.bench.bench_inputs import env_choices, env_int, mtbench_questions, usage_error, write_files
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.inference import draft_size, size_choice
@@ -31,6 +33,10 @@ from medusa_jax.trees.policy.calibration import machine_description
 
 PROMPTS = [int(p) for p in env_choices("PROMPTS", tuple(str(i) for i in range(8)), tuple(str(i) for i in range(80)))]
 REPEATS = env_int("REPEATS", 2, 1, 100)
+SET = env_choices("SET", ("mtbench",), ("mtbench", "grounded", "humaneval"))
+if len(SET) != 1:
+    usage_error(f"$SET={','.join(SET)}: name one set (mtbench, grounded or humaneval)")
+SET = SET[0]
 OUT = Path(__file__).resolve().parent / "mixed_drafts" / "size_rule"
 FIXED = (5, 16)  # the middle size and the budget of a 16-node mix (`mixed_decoding.sizes_for(16)`: 0, 2, 5, 16)
 SHIPPED = size_choice.SizeChoiceState.drafted
@@ -47,6 +53,14 @@ def fixed_size(on: bool):
 
 
 def main() -> None:
+    if SET == "grounded":
+        texts = [r["prompt"] for r in grounded_prompts.load()]
+    elif SET == "humaneval":
+        texts = [p.chat_text for p in humaneval.load_problems(max(PROMPTS) + 1)]
+    else:
+        texts = [q.first_turn for q in mtbench_questions(max(PROMPTS) + 1)]
+    if max(PROMPTS) >= len(texts):
+        usage_error(f"$PROMPTS={','.join(map(str, PROMPTS))}: the {SET} set has {len(texts)} prompts")
     enable_compile_cache()
     machine = machine_description()
     loaded = load_model("default", "default")
@@ -63,18 +77,20 @@ def main() -> None:
         else:
             sizes = tree
         models[label] = (ShardedModel(loaded.base, mix, MeshConfig()), tree)
-    questions = mtbench_questions(max(PROMPTS) + 1)
-    prompts = loaded.encode_chat([questions[i].first_turn for i in PROMPTS])
+    prompts = loaded.encode_chat([texts[i] for i in PROMPTS])
     for label, (model, tree) in models.items():  # each loop traced and compiled with its own rule
         with fixed_size(bool(arms[label])):
             mixed_drafts.run_set({label: (model, tree)}, prompts[:1], 128, loaded.eos_ids, loaded.pad_id)
     rows = mixed_drafts.run_set(models, prompts, 128, loaded.eos_ids, loaded.pad_id, print, repeats=REPEATS)
     results = {"machine": machine, "prompts": PROMPTS, "repeats": REPEATS, "sizes": list(sizes.sizes),
                "costs": [round(c, 3) for c in sizes.costs], "methods": mixed_drafts.arm_figures(rows)}
-    settings = " ".join(f"{k}={os.environ[k]}" for k in ("PROMPTS", "REPEATS") if k in os.environ)
+    settings = " ".join(f"{k}={os.environ[k]}" for k in ("PROMPTS", "REPEATS", "SET") if k in os.environ)
     results["command"] = command = (settings + " " if settings else "") + "python bench/size_rule_ab.py"
-    table = mixed_drafts.arm_table("The size rule of the mixed drafts against fixed sizes", command, machine, results)
-    write_files(OUT, {"results.json": json.dumps(results, indent=1) + "\n", "results.md": table})
+    results["set"] = SET
+    name = "results" if SET == "mtbench" else f"results_{SET}"
+    table = mixed_drafts.arm_table(f"The size rule of the mixed drafts against fixed sizes ({SET})", command, machine,
+                                   results)
+    write_files(OUT, {f"{name}.json": json.dumps(results, indent=1) + "\n", f"{name}.md": table})
     print(table)
 
 
