@@ -1,7 +1,8 @@
 """The mixed drafts' size rule (`inference.size_choice`) against fixed sizes, in the real decode loop, in one process:
 SmolLM2 with the shipped heads' mix `default+recycle+lookup` at 16 nodes and `draft_size.default_costs` (sizes 0, 2,
-5, 16), batch 1, greedy, 128 new tokens, the MT-Bench first turns PROMPTS (0-based; or another SET's), REPEATS interleaved rounds
-(`bench.mixed_drafts.run_set`, the median), against plain decoding in the same rounds. Arms:
+5, 16), batch 1, greedy, 128 new tokens, the MT-Bench first turns PROMPTS (0-based; or another SET's prompts),
+REPEATS interleaved rounds (`bench.mixed_drafts.run_set`, the median), against plain decoding in the same rounds.
+Arms:
 
 - "size choice (shipped)": each step chooses among the sizes (predicted accepts, the run's correction, the backoff);
 - "every step N nodes" (N = 5, the middle size, and 16, the budget): every step drafts and verifies N nodes, no
@@ -18,7 +19,6 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
-
 
 from medusa_jax.bench import grounded_prompts, humaneval, mixed_drafts
 from medusa_jax.bench.bench_inputs import env_choices, env_int, mtbench_questions, usage_error, write_files
