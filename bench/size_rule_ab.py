@@ -1,18 +1,19 @@
 """The mixed drafts' size rule (`inference.size_choice`) against fixed sizes, in the real decode loop, in one process:
-SmolLM2 with the shipped heads' mix `default+recycle+lookup` at 16 nodes and `draft_size.default_costs` (sizes 0, 2,
-5, 16), batch 1, greedy, 128 new tokens, the MT-Bench first turns PROMPTS (0-based; or another SET's prompts),
-REPEATS interleaved rounds (`bench.mixed_drafts.run_set`, the median), against plain decoding in the same rounds.
-Arms:
+SmolLM2 with the shipped heads' mix `default+recycle+lookup` at BUDGET nodes (16: sizes 0, 2, 5, 16) and
+`draft_size.default_costs`, batch 1, greedy, 128 new tokens, the MT-Bench first turns PROMPTS (0-based; or another
+SET's prompts), REPEATS interleaved rounds (`bench.mixed_drafts.run_set`, the median), against plain decoding in the
+same rounds. Arms:
 
 - "size choice (shipped)": each step chooses among the sizes (predicted accepts, the run's correction, the backoff);
-- "every step N nodes" (N = 5, the middle size, and 16, the budget): every step drafts and verifies N nodes, no
+- "every step N nodes" (N = the largest size below the budget, 5 at 16 nodes, and the budget): every step drafts
+  and verifies N nodes, no
   choice and no backoff (`SizeChoiceState.drafted` a no-op while its loop is traced).
 
   python bench/size_rule_ab.py            (writes bench/mixed_drafts/size_rule/{results.json,results.md})
 
-Environment: PROMPTS (default 0,1,...,7), REPEATS (2), SET: mtbench (the default), grounded (the input-grounded set,
-`bench.grounded_prompts`) or humaneval (`bench.humaneval`): the prompts PROMPTS of that set, written to
-results_SET.{json,md} for a set other than mtbench.
+Environment: PROMPTS (default 0,1,...,7), REPEATS (2), BUDGET (16; 4 or 64: written to results_budgetN.*), SET:
+mtbench (the default), grounded (the input-grounded set, `bench.grounded_prompts`) or humaneval (`bench.humaneval`):
+the prompts PROMPTS of that set, written to results_SET.{json,md} for a set other than mtbench.
 """
 
 import json
@@ -26,7 +27,7 @@ from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.inference import draft_size, size_choice
 from medusa_jax.inference.loaded_model import load_model
-from medusa_jax.inference.mixed_decoding import build_mix
+from medusa_jax.inference.mixed_decoding import build_mix, sizes_for
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.trees.policy.calibration import machine_description
@@ -38,7 +39,11 @@ if len(SET) != 1:
     usage_error(f"$SET={','.join(SET)}: name one set (mtbench, grounded or humaneval)")
 SET = SET[0]
 OUT = Path(__file__).resolve().parent / "mixed_drafts" / "size_rule"
-FIXED = (5, 16)  # the middle size and the budget of a 16-node mix (`mixed_decoding.sizes_for(16)`: 0, 2, 5, 16)
+BUDGET = env_choices("BUDGET", ("16",), ("4", "16", "64"))
+if len(BUDGET) != 1:
+    usage_error(f"$BUDGET={','.join(BUDGET)}: name one budget (4, 16 or 64)")
+BUDGET = int(BUDGET[0])
+FIXED = sizes_for(BUDGET)[-2:]  # the largest size below the budget and the budget (16 nodes: 0, 2, 5, 16 -> 5, 16)
 SHIPPED = size_choice.SizeChoiceState.drafted
 
 
@@ -70,7 +75,7 @@ def main() -> None:
         if fixed is None:
             models[label] = (ShardedModel(loaded.base, None, MeshConfig()), None)
             continue
-        mix, tree = build_mix(loaded.base, ("recycle", "lookup"), loaded.heads, 16,
+        mix, tree = build_mix(loaded.base, ("recycle", "lookup"), loaded.heads, BUDGET,
                               costs=lambda s, n=nudge: tuple(c * (1 + 1e-6 * n) for c in draft_size.default_costs(s)))
         if fixed:
             tree = DraftSizes((fixed,), (1.0 + 1e-6 * nudge,), tree.depth)
@@ -84,12 +89,12 @@ def main() -> None:
     rows = mixed_drafts.run_set(models, prompts, 128, loaded.eos_ids, loaded.pad_id, print, repeats=REPEATS)
     results = {"machine": machine, "prompts": PROMPTS, "repeats": REPEATS, "sizes": list(sizes.sizes),
                "costs": [round(c, 3) for c in sizes.costs], "methods": mixed_drafts.arm_figures(rows)}
-    settings = " ".join(f"{k}={os.environ[k]}" for k in ("PROMPTS", "REPEATS", "SET") if k in os.environ)
+    settings = " ".join(f"{k}={os.environ[k]}" for k in ("PROMPTS", "REPEATS", "SET", "BUDGET") if k in os.environ)
     results["command"] = command = (settings + " " if settings else "") + "python bench/size_rule_ab.py"
-    results["set"] = SET
-    name = "results" if SET == "mtbench" else f"results_{SET}"
-    table = mixed_drafts.arm_table(f"The size rule of the mixed drafts against fixed sizes ({SET})", command, machine,
-                                   results)
+    results["set"], results["budget"] = SET, BUDGET
+    name = "results" + ("" if SET == "mtbench" else f"_{SET}") + ("" if BUDGET == 16 else f"_budget{BUDGET}")
+    table = mixed_drafts.arm_table(f"The size rule of the mixed drafts against fixed sizes ({SET}, {BUDGET} nodes)",
+                                   command, machine, results)
     write_files(OUT, {f"{name}.json": json.dumps(results, indent=1) + "\n", f"{name}.md": table})
     print(table)
 
