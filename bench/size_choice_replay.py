@@ -13,13 +13,17 @@ sees only the roots' logits, not the tree nodes': its drafts are somewhat weaker
 Replay (`replay`): a rule walks the answer from the first position: it skips (a plain step of the mixed loop, cost
 `skip_cost`) or verifies one size (cost `costs[size]`, `1 + accepted` tokens), and learns from the outcome; the
 speed against plain decoding is tokens / cost (plain: one token per unit). The rules are numpy mirrors of
-`size_choice` (the old one and the new one), so their states follow the same arithmetic as on device.
+`size_choice`: the rules before 2026-12-06 (`BackoffRule`: the step's predictions, with or without the run's
+correction, and a backoff after each drafted step that did not pay) and the shipped one (`RealisedRule`: each
+size's running estimate), so their states follow the same arithmetic as on device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from functools import partial
 from typing import Sequence
 
 import numpy as np
@@ -62,18 +66,20 @@ def positions(record: dict, sizes: Sequence[int]) -> list[Position]:
     return out
 
 
-class BackoffRule:
-    """numpy mirror of `size_choice` with its correction off (`prior` None: the first rule), run-wide (one ratio of
-    the realised and predicted sums for all sizes, as shipped) or, with `per_size`, one ratio per size (each from
-    the steps of that size: a variant not shipped), `CORRECTION_PRIOR` / `CORRECTION_DECAY` as shipped unless
-    given."""
+OLD_PRIOR, OLD_DECAY = 1.0, 0.9  # the correction's prior and decay in the rule shipped until 2026-12-06
 
-    def __init__(self, sizes, costs, prior=None, decay=None, max_skip=None, per_size=False):
+
+class BackoffRule:
+    """numpy mirror of the size rule shipped until 2026-12-06, with its correction off (`prior` None: the first
+    rule), run-wide (one ratio of the realised and predicted sums for all sizes, as it shipped) or, with
+    `per_size`, one ratio per size (each from the steps of that size: a variant never shipped)."""
+
+    def __init__(self, sizes, costs, prior=None, decay=OLD_DECAY, max_skip=None, per_size=False):
         from medusa_jax.inference import size_choice
         self.sizes, self.costs = np.asarray(sizes), np.asarray(costs)
         self.max_skip = size_choice.MAX_SKIP if max_skip is None else max_skip
         self.prior = prior
-        self.decay = size_choice.CORRECTION_DECAY if decay is None else decay
+        self.decay = decay
         self.per_size = per_size
         self.skip_left, self.misses = 0, 0
         self.realised, self.predicted = np.zeros(len(self.sizes)), np.zeros(len(self.sizes))
@@ -93,7 +99,7 @@ class BackoffRule:
             return None
         return int(np.argmax((1 + self.correction() * p.accepts_k) / self.costs))
 
-    def learn(self, choice, predicted, accepted):
+    def learn(self, choice, predicted, accepted, accepted_k=None):
         pays = choice > 0 and 1 + accepted >= self.costs[choice]
         self.misses = 0 if pays else self.misses + 1
         self.skip_left = 0 if pays else min(1 << min(max(self.misses - 1, 0), 8), self.max_skip)
@@ -103,6 +109,55 @@ class BackoffRule:
             self.predicted = np.where(learns, self.decay * self.predicted, self.predicted)
             self.realised[choice] += accepted
             self.predicted[choice] += predicted
+
+
+class RealisedRule(BackoffRule):
+    """numpy mirror of the shipped `size_choice.SizeChoiceState`: each size's running estimate of its accepted
+    tokens (every size up to the verified one learns), the step's corrected prediction a prior of `PRIOR` steps,
+    lookup's chains a floor, and a backoff while the best size's estimate (break-even prior) loses."""
+
+    def __init__(self, sizes, costs, max_skip=None):
+        from medusa_jax.inference import size_choice
+        super().__init__(sizes, costs, max_skip=max_skip, decay=size_choice.DECAY)
+        self.prior = size_choice.PRIOR
+        self.seen, self.accepted = np.zeros(len(self.sizes)), np.zeros(len(self.sizes))
+        self.realised_sum, self.predicted_sum = 0.0, 0.0
+
+    def estimates(self, prior_k):
+        return (self.accepted + self.prior * prior_k) / (self.seen + self.prior)
+
+    def decide(self, p: Position):
+        lookup_pays = bool(np.any((self.sizes > 0) & ((1 + p.lookup_k) / self.costs > 1)))
+        if self.skip_left > 0 and not lookup_pays:
+            self.skip_left -= 1
+            return None
+        correction = (self.realised_sum + self.prior) / (self.predicted_sum + self.prior)
+        estimate_k = np.maximum(self.estimates(correction * p.accepts_k), p.lookup_k)
+        return int(np.argmax(np.where(self.sizes > 0, (1 + estimate_k) / self.costs, -np.inf)))
+
+    def learn(self, choice, predicted, accepted, accepted_k=None):
+        verified = self.sizes[choice] > 0
+        if verified:
+            shown_k = np.arange(len(self.sizes)) <= choice
+            self.seen = self.decay * self.seen + shown_k
+            self.accepted = self.decay * self.accepted + np.where(shown_k, accepted_k, 0.0)
+            self.realised_sum = self.decay * self.realised_sum + accepted
+            self.predicted_sum = self.decay * self.predicted_sum + predicted
+        gain_k = (1 + self.estimates(self.costs - 1)) / self.costs
+        pays = verified and bool(np.max(np.where((self.sizes > 0) & (self.seen >= 1), gain_k, 0.0)) >= 1)
+        self.misses = 0 if pays else self.misses + 1
+        self.skip_left = 0 if pays else min(1 << min(max(self.misses - 1, 0), 8), self.max_skip)
+
+
+class FixedSize(BackoffRule):
+    """Every step drafts and verifies the size of index `index` (no choice, no backoff)."""
+
+    def __init__(self, sizes, costs, index):
+        super().__init__(sizes, costs)
+        self.index = index % len(self.sizes)
+
+    def decide(self, p: Position):
+        return self.index
 
 
 class Oracle(BackoffRule):
@@ -130,7 +185,7 @@ def replay(steps: list[Position], rule, costs, skip_cost: float) -> dict:
             continue
         got = float(p.true_k[choice])
         got = min(got, len(steps) - pos - 1)
-        rule.learn(choice, float(p.accepts_k[choice]), got)
+        rule.learn(choice, float(p.accepts_k[choice]), got, np.minimum(p.true_k, len(steps) - pos - 1))
         cost += costs[choice]
         drafted += 1
         accepted += got
@@ -176,7 +231,7 @@ def record(out_path, questions: int = 8, budget: int = 4, max_new_tokens: int = 
 
     original = medusa.sized_verify
 
-    def recording(model_, state, proposal, draft, sizes_, acceptance, eos_ids):
+    def recording(model_, state, proposal, draft, sizes_, acceptance, eos_ids, lookup=()):
         active_b = state.active_b
         accepts_k = size_choice.predicted_accepts(proposal, sizes_, active_b)
         given = model_.heads.lookup_proposals(state.draft, state.root_b)
@@ -184,10 +239,10 @@ def record(out_path, questions: int = 8, budget: int = 4, max_new_tokens: int = 
         choice = size_choice.choose(accepts_k, sizes_, jax.numpy.sum(active_b).astype(jax.numpy.float32))
         jax.debug.callback(keep, state.num_out_b[0], accepts_k, lookup_k, proposal.tokens_bt[0],
                            proposal.parent_bt[0], proposal.score_bt[0], choice)
-        return original(model_, state, proposal, draft, sizes_, acceptance, eos_ids)
+        return original(model_, state, proposal, draft, sizes_, acceptance, eos_ids, lookup)
 
     medusa.sized_verify = recording  # patched for this process (jit traces read them): every step verifies the root
-    medusa.choose = lambda *args: jax.numpy.zeros((), jax.numpy.int32)
+    size_choice.SizeChoiceState.choose = lambda *args: jax.numpy.zeros((), jax.numpy.int32)
     size_choice.SizeChoiceState.drafted = lambda self, *args: self  # and drafts again
     prompts = loaded.encode_chat([q.first_turn for q in mtbench_questions(skip + questions)[skip:]])
     settings = BatchSettings(batch_size=1, max_new_tokens=max_new_tokens, tree=sizes, eos_ids=tuple(loaded.eos_ids),
@@ -208,23 +263,37 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("command", choices=("record", "replay"))
     p.add_argument("records", help="the JSON-lines file record writes and replay reads")
-    p.add_argument("--questions", type=int, default=8, help="record: MT-Bench first turns")
+    p.add_argument("--questions", type=int, default=8, help="record: MT-Bench first turns (1-80)")
+    p.add_argument("--budget", type=int, default=4, choices=(4, 16, 64),
+                   help="record: the mix's node budget (default: %(default)s: sizes 0, 1, 4)")
     p.add_argument("--costs", default="1.13,1.48,1.62",
                    help="replay: the draft sizes' step costs in plain steps (default: %(default)s)")
     p.add_argument("--skip-cost", type=float, default=1.06, help="replay: a skipped step's cost (default: 1.06)")
     a = p.parse_args(argv)
     if a.command == "record":
-        record(a.records, questions=a.questions)
+        if not 1 <= a.questions <= 80:
+            p.error(f"--questions {a.questions}: MT-Bench has 80 questions; give 1-80")
+        if os.path.exists(a.records):
+            p.error(f"{a.records} exists: record writes a new file; remove it or name another")
+        if not os.path.isdir(os.path.dirname(a.records) or "."):
+            p.error(f"{a.records}: its folder does not exist")
+        record(a.records, questions=a.questions, budget=a.budget)
         return 0
+    if not os.path.isfile(a.records):
+        p.error(f"{a.records}: no such records file (make one with: record {a.records})")
     records = load(a.records)
-    sizes, costs = records[0]["sizes"], [float(c) for c in a.costs.split(",")]
-    if len(costs) != len(sizes):
-        p.error(f"--costs {a.costs}: one cost per draft size {sizes}")
-    from medusa_jax.inference.size_choice import CORRECTION_PRIOR
+    sizes = records[0]["sizes"]
+    try:
+        costs = [float(c) for c in a.costs.split(",")]
+    except ValueError:
+        p.error(f"--costs {a.costs}: give numbers joined by commas, one per draft size {sizes}")
+    if len(costs) != len(sizes) or not all(c > 0 for c in costs):
+        p.error(f"--costs {a.costs}: one cost > 0 per draft size {sizes}")
     rules = {"backoff (no correction)": lambda: BackoffRule(sizes, costs),
-             "backoff + correction (shipped)": lambda: BackoffRule(sizes, costs, prior=CORRECTION_PRIOR),
-             "backoff + per-size correction": lambda: BackoffRule(sizes, costs, prior=CORRECTION_PRIOR,
-                                                                  per_size=True),
+             "backoff + correction (until 2026-12-06)": lambda: BackoffRule(sizes, costs, prior=OLD_PRIOR),
+             "backoff + per-size correction": lambda: BackoffRule(sizes, costs, prior=OLD_PRIOR, per_size=True),
+             "running estimate per size (shipped)": lambda: RealisedRule(sizes, costs),
+             **{f"every step {sizes[i]} nodes": partial(FixedSize, sizes, costs, i) for i in (-2, -1) if sizes[i] > 0},
              "oracle": lambda: Oracle(sizes, costs, a.skip_cost)}
     print(f"| rule | speedup | worst prompt | per prompt |\n|---|---|---|---|")
     for name, rule_of in rules.items():

@@ -56,8 +56,7 @@ copied = partial(jax.tree.map, lambda x: jnp.array(x, copy=True))  # fresh buffe
 def skipping_state() -> medusa.MedusaState:
     zeros_b = jnp.zeros((b,), jnp.int32)
     moves_be = jnp.broadcast_to(CONTEXT + jnp.arange(e, dtype=jnp.int32), (b, e))
-    choice = SizeChoiceState(jnp.full((), SKIP, jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32),
-                             jnp.zeros((), jnp.float32))
+    choice = dataclasses.replace(SizeChoiceState.start(sizes), skip_left=jnp.full((), SKIP, jnp.int32))
     hidden_bd = jax.random.normal(jax.random.key(1), (b, base.config.hidden_size), base.config.jnp_dtype)
     return copied(medusa.MedusaState(
         step_cost.make_cache(base, b, cache_size, CONTEXT), zeros_b + 7, hidden_bd, jnp.zeros((b, e), jnp.int32),

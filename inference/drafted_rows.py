@@ -44,7 +44,7 @@ def empty_state(model: MedusaModel, rows: int, cache_size: int, tree, steps: int
                        jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32),
                        jnp.zeros((b, steps), jnp.int32), jnp.zeros((), jnp.int32), jax.random.key(0), no_move(),
                        no_move(), empty_draft(model, rows, cache_size, tree.depth),
-                       SizeChoiceState.start() if isinstance(tree, DraftSizes) else None)
+                       SizeChoiceState.start(tree) if isinstance(tree, DraftSizes) else None)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tree", "eos_ids"), donate_argnames=("state", "sampling"))

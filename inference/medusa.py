@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,8 @@ from medusa_jax.inference.acceptance import DecodeConfig
 from medusa_jax.inference.autoregressive import grouped_prefill_states, run_if
 from medusa_jax.inference.row_acceptance import RowAcceptance, accept_step, first_token
 from medusa_jax.inference.sampling import is_eos
-from medusa_jax.inference.size_choice import SizeChoiceState, choose, lookup_pays, predicted_accepts
+from medusa_jax.inference.size_choice import (SizeChoiceState, accepted_per_size, choose, lookup_pays,
+                                             predicted_accepts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,35 +176,47 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
 
 
 def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal, draft: Any, sizes: DraftSizes,
-                 acceptance: DecodeConfig | RowAcceptance, eos_ids: tuple[int, ...]) -> MedusaState:
+                 acceptance: DecodeConfig | RowAcceptance, eos_ids: tuple[int, ...],
+                 lookup: Sequence[TreeProposal] = ()) -> MedusaState:
     """A drafted mixed-draft step (`draft_merge.DraftSizes`): the proposal's best n nodes are verified, n the size of
-    `sizes` with the most predicted tokens per unit of time over the active rows (`size_choice.choose`, the
-    predictions scaled by the run's correction), one
-    branch per static size (size 0: the root alone, a plain step), each run by `run_if`; the size-choice state
-    (when the state carries one) learns from the outcome."""
+    `sizes` the size-choice state picks (`size_choice.SizeChoiceState.choose`: the run's estimate of each size's
+    accepted tokens, the step's predictions as a prior, prompt lookup's chains `lookup` as a floor), or with no
+    such state the drafters' predictions alone (`size_choice.choose`); one branch per static size (size 0: the root
+    alone, a plain step), each run by `run_if`. The size-choice state learns what each size up to the verified one
+    would have accepted (`size_choice.accepted_per_size`)."""
     lengths_b, active_b = state.cache.lengths_b, state.active_b
     rows = jnp.sum(active_b).astype(jnp.float32)
     accepts_k = predicted_accepts(proposal, sizes, active_b)
-    choice = choose(accepts_k, sizes, rows, 1.0 if state.choice is None else state.choice.correction)
+    if state.choice is None:
+        choice = choose(accepts_k, sizes, rows)
+    else:
+        lookup_k = sum((predicted_accepts(p, sizes, active_b) for p in lookup), jnp.zeros_like(accepts_k))
+        choice = state.choice.choose(accepts_k, lookup_k, sizes, rows)
 
-    def branch(nodes: int):
+    def branch(index: int, nodes: int):
         def run(state_: MedusaState) -> MedusaState:
+            kept = keep_best(proposal, nodes) if nodes else None
             if nodes == 0:
                 verified = plain_inputs(state_, sizes.depth)
             else:
-                verified = verify_inputs(keep_best(proposal, nodes), state_.root_b, lengths_b,
-                                         state_.cache.cache_size, sizes.tree(nodes))
-            return verify_and_emit(model, state_, verified, state_.draft, acceptance, eos_ids)
+                verified = verify_inputs(kept, state_.root_b, lengths_b, state_.cache.cache_size, sizes.tree(nodes))
+            after = verify_and_emit(model, state_, verified, state_.draft, acceptance, eos_ids)
+            if state_.choice is None:
+                return after
+            if nodes == 0:
+                accepted_k = jnp.zeros((len(sizes.sizes),), jnp.float32)
+            else:  # the accepted path, read back from the tokens emitted (cut at an EOS) and the pending move
+                accept_b = jnp.maximum(after.num_out_b - state_.num_out_b - 1, 0)
+                accepted_k = accepted_per_size(kept.score_bt[:, 1:], after.move_src_be - lengths_b[:, None],
+                                               accept_b, active_b, sizes, nodes)
+            return dataclasses.replace(after, choice=state_.choice.drafted(sizes, jnp.int32(index), accepted_k, rows,
+                                                                           accepts_k[index]))
         return run
 
-    before = state.num_out_b
     state = dataclasses.replace(state, draft=draft)
     for index, nodes in enumerate(sizes.sizes):
-        state = run_if(choice == index, branch(nodes), state)
-    if state.choice is None:
-        return state
-    emitted = jnp.sum(jnp.where(active_b, state.num_out_b - before - 1, 0)).astype(jnp.float32)
-    return dataclasses.replace(state, choice=state.choice.drafted(sizes, choice, emitted, rows, accepts_k[choice]))
+        state = run_if(choice == index, branch(index, nodes), state)
+    return state
 
 
 def mixed_step(model: MedusaModel, state: MedusaState, proposer: Proposer, inputs: ProposeInputs, sizes: DraftSizes,
@@ -218,7 +231,8 @@ def mixed_step(model: MedusaModel, state: MedusaState, proposer: Proposer, input
 
     def drafted(state_: MedusaState) -> MedusaState:
         proposal, draft = proposer(dataclasses.replace(inputs, draft=state_.draft, given=given))
-        return sized_verify(model, state_, proposal, draft, sizes, acceptance, eos_ids)
+        return sized_verify(model, state_, proposal, draft, sizes, acceptance, eos_ids,
+                            list((given or {}).values()))
 
     if state.choice is None:
         return drafted(state)
@@ -340,7 +354,7 @@ def decode_states(graphdef, params, cache: KVCache, prompt_bt, prompt_lens_b, ke
     no_move_be = cache.lengths_b[:, None] + jnp.arange(tree.depth + 1)[None, :]
     state = MedusaState(cache, first_b, last_bd, out_bo, jnp.ones((b,), jnp.int32), is_eos(first_b, eos_ids),
                         zeros_b, jnp.zeros((b, o), jnp.int32), jnp.zeros((), jnp.int32), key, no_move_be, no_move_be,
-                        draft, SizeChoiceState.start() if isinstance(tree, DraftSizes) else None)
+                        draft, SizeChoiceState.start(tree) if isinstance(tree, DraftSizes) else None)
     step = partial(medusa_step, model, proposer_data=proposer_data, tree=tree, acceptance=acceptance,
                    eos_ids=eos_ids, proposer=proposer)
     return jax.lax.while_loop(lambda s: jnp.any(s.active_b), step, state)

@@ -39,7 +39,8 @@ from medusa_jax.inference.mixed_decoding import MixError, build_mix, is_mix, par
 from medusa_jax.inference import draft_size
 from medusa_jax.inference.draft_size_cache import size_costs
 from medusa_jax.inference.sampling import SamplingConfig
-from medusa_jax.inference.size_choice import MAX_SKIP, SizeChoiceState, choose, lookup_pays, predicted_accepts
+from medusa_jax.inference.size_choice import (DECAY, MAX_SKIP, PRIOR, SizeChoiceState, accepted_per_size, choose,
+                                             lookup_pays, predicted_accepts)
 
 import test_exact_sampling as exact_sampling
 from test_exact_sampling import setup  # noqa: F401 (the fixture of the law check's model)
@@ -197,46 +198,84 @@ def test_forced_sizes_make_every_step_verify_the_size_timed(tiny):
     assert all(a == 0 for r in got for a in r.accept_lengths)
 
 
-def test_size_choice_backs_off_after_drafted_steps_that_did_not_pay():
-    """`size_choice.SizeChoiceState`: a drafted step that does not pay its cost (or verifies no node) makes the next
-    1, 2, 4, ... (at most MAX_SKIP) steps skip the drafting; one that pays ends the backoff."""
+def drafted_steps(state, sizes, index, accepted_k, steps, predicted=0.0):
+    """`steps` drafted steps of size index `index` on one row, each size up to it accepting `accepted_k`."""
+    for _ in range(steps):
+        state = state.drafted(sizes, jnp.int32(index), jnp.asarray(accepted_k, jnp.float32), jnp.float32(1),
+                              jnp.float32(predicted))
+    return state
+
+
+def test_size_choice_learns_each_size_from_the_steps_that_showed_it():
+    """`SizeChoiceState.choose`: before any drafted step the (corrected) prediction picks the size among those that
+    verify nodes; a step verifying n nodes shows every size up to n, whose running estimates then outweigh the step's prediction (a prior of one
+    step); a size no step shows any more decays back to its prediction; prompt lookup's chains are a floor."""
     sizes = DraftSizes((0, 2, 8), (1.1, 1.5, 2.0), depth=8)
-    state, skips = SizeChoiceState.start(), []
-    assert bool(state.drafts)
-    for _ in range(6):  # size 2 on 2 rows accepting 0.5 token: 2.5 < 2 x 1.5
-        state = state.drafted(sizes, jnp.int32(1), jnp.float32(0.5), jnp.float32(2), jnp.float32(0.5))
+    one, predicted_k, no_lookup = jnp.float32(1), jnp.asarray([0.0, 0.6, 2.0]), jnp.zeros(3)
+    state = SizeChoiceState.start(sizes)
+    assert bool(state.drafts) and int(state.choose(predicted_k, no_lookup, sizes, one)) == 2  # 3 / 2.0 > 1.6 / 1.5
+    # a drafted step never verifies the root alone (it would cost more than skipping and show nothing), unless every
+    # other size is priced out (could not beat it even if all its nodes were accepted)
+    assert int(state.choose(jnp.zeros(3), no_lookup, sizes, one)) == 1
+    dear = DraftSizes((0, 2, 8), (1.0, 5.0, 20.0), depth=8)
+    assert int(SizeChoiceState.start(dear).choose(jnp.asarray([0.0, 2.0, 8.0]), no_lookup, dear, one)) == 0
+    # eight nodes predicted to accept 2 tokens accept 1; so would two nodes
+    state = drafted_steps(state, sizes, 2, [0.0, 1.0, 1.0], 6, predicted=2.0)
+    seen = sum(DECAY ** i for i in range(6))
+    np.testing.assert_allclose(np.asarray(state.seen_k), [seen] * 3, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(state.estimates(sizes, predicted_k)),
+                               [0, (seen + PRIOR * 0.6) / (seen + PRIOR), (seen + PRIOR * 2) / (seen + PRIOR)], rtol=1e-5)
+    assert float(state.correction) == pytest.approx((seen + PRIOR) / (2 * seen + PRIOR), rel=1e-5)
+    assert int(state.choose(predicted_k, no_lookup, sizes, one)) == 1  # 1.78 / 1.5 beats 2.07 / 2.0
+    # a long lookup chain (7 tokens at eight nodes) lifts the large size for this step
+    assert int(state.choose(predicted_k, jnp.asarray([0.0, 2.0, 7.0]), sizes, one)) == 2
+    # steps of two nodes show nothing of eight: its weight decays, and a confident prediction wins it back
+    state = drafted_steps(state, sizes, 1, [0.0, 1.0, 0.0], 30, predicted=0.6)
+    assert float(state.seen_k[2]) == pytest.approx(seen * DECAY ** 30, rel=1e-4) and float(state.seen_k[1]) > 20
+    assert int(state.choose(jnp.asarray([0.0, 0.6, 0.8]), no_lookup, sizes, one)) == 1
+    assert int(state.choose(predicted_k, no_lookup, sizes, one)) == 2
+
+
+def test_size_choice_backs_off_while_the_runs_best_size_does_not_pay():
+    """`SizeChoiceState.drafted`: while even the best size's running estimate (break-even prior) loses to plain
+    steps, the next 1, 2, 4, ... (at most MAX_SKIP) steps skip the drafting; drafted steps that lift the estimate
+    above break-even end it. One unlucky step in a paying run does not start a backoff."""
+    sizes = DraftSizes((0, 2, 8), (1.1, 1.5, 2.0), depth=8)
+    state, skips = SizeChoiceState.start(sizes), []
+    for _ in range(6):  # nothing accepted at any size
+        state = drafted_steps(state, sizes, 2, [0.0, 0.0, 0.0], 1)
         skips.append(int(state.skip_left))
     assert skips == [1, 2, 4, 8, 8, 8] == [min(2 ** i, MAX_SKIP) for i in range(6)] and not bool(state.drafts)
     for _ in range(MAX_SKIP - 1):
         state = state.skipped()
     assert not bool(state.drafts) and bool(state.skipped().drafts)
-    nothing = state.drafted(sizes, jnp.int32(0), jnp.float32(0), jnp.float32(1), jnp.float32(0))
-    assert int(nothing.misses) == 7  # drafted for nothing
-    paid = state.drafted(sizes, jnp.int32(2), jnp.float32(3), jnp.float32(2), jnp.float32(3))  # 5 tokens >= 2 x 2.0
-    assert bool(paid.drafts) and int(paid.misses) == 0
-    # a single size n >= 1 (every step drafts n nodes): its index 0 is a drafted step, which pays when it costs 1
+    recovered = drafted_steps(state, sizes, 2, [0.0, 1.0, 3.0], 3)  # 1 + 3 tokens for 2.0: the average recovers
+    assert bool(recovered.drafts) and int(recovered.misses) == 0
+    paying = drafted_steps(SizeChoiceState.start(sizes), sizes, 2, [0.0, 1.0, 2.0], 8)
+    unlucky = drafted_steps(paying, sizes, 2, [0.0, 0.0, 0.0], 1)
+    assert bool(unlucky.drafts) and int(unlucky.misses) == 0
+    # a single size n >= 1 that costs what a plain step does always pays
     alone = DraftSizes((4,), (1.0,), depth=8)
-    after = SizeChoiceState.start().drafted(alone, jnp.int32(0), jnp.float32(0), jnp.float32(1), jnp.float32(0.5))
-    assert bool(after.drafts) and int(after.misses) == 0 and float(after.predicted) == 0.5
+    after = drafted_steps(SizeChoiceState.start(alone), alone, 0, [0.0], 5, predicted=0.5)
+    assert bool(after.drafts) and int(after.misses) == 0 and float(after.predicted) > 0
 
 
-def test_size_choice_corrects_predictions_by_what_the_run_accepted():
-    """`SizeChoiceState.correction`: the drafters' predicted accepted tokens are scaled by what this run's drafted
-    steps accepted over what was predicted for them, so a run whose drafts keep missing stops verifying them (the
-    step then verifies the root alone and backs off), while one accepted as predicted keeps choosing as before;
-    a step that verified no node teaches nothing."""
-    sizes = DraftSizes((0, 1, 4), (1.13, 1.5, 1.65), depth=4)
-    accepts_k, one = jnp.asarray([0.0, 0.6, 1.4]), jnp.float32(1)  # 2.4 / 1.65 beats 1 / 1.13: four nodes
-    missing = honest = SizeChoiceState.start()
-    assert float(missing.correction) == 1.0 and int(choose(accepts_k, sizes, one, missing.correction)) == 2
-    for _ in range(2):  # four nodes predicted to accept 1.4 tokens accept none
-        missing = missing.drafted(sizes, jnp.int32(2), jnp.float32(0), one, accepts_k[2])
-        honest = honest.drafted(sizes, jnp.int32(2), accepts_k[2], one, accepts_k[2])
-    assert float(missing.correction) == pytest.approx(1 / (1 + 1.4 + 0.9 * 1.4))
-    assert int(choose(accepts_k, sizes, one, missing.correction)) == 0
-    assert float(honest.correction) == pytest.approx(1.0) and int(choose(accepts_k, sizes, one, honest.correction)) == 2
-    unchanged = missing.drafted(sizes, jnp.int32(0), jnp.float32(0), one, jnp.float32(0))
-    assert float(unchanged.correction) == pytest.approx(float(missing.correction))
+def test_accepted_per_size_reads_the_path_within_each_sizes_best_nodes():
+    """`size_choice.accepted_per_size`: the best m of the verified nodes hold the accepted path's nodes ranked below
+    m, and a size's path ends at the first node it lacks; ties rank the earlier node first; sizes above the verified
+    one and inactive rows count nothing."""
+    sizes = DraftSizes((0, 1, 2, 4, 8), (1.0,) * 5, depth=4)
+    # nodes 1..4 scored -0.1, -0.5, -0.2, -1.0 (ranks 0, 2, 1, 3); the path 0 -> 1 -> 3 -> 4 accepted 3 nodes
+    score_bn = jnp.asarray([[-0.1, -0.5, -0.2, -1.0], [-0.1, -0.5, -0.2, -1.0]])
+    path_be = jnp.asarray([[0, 1, 3, 4, 4], [0, 2, 2, 3, 4]])
+    accept_b = jnp.asarray([3, 1])
+    got = accepted_per_size(score_bn, path_be, accept_b, jnp.asarray([True, False]), sizes, 4)
+    np.testing.assert_array_equal(np.asarray(got), [0, 1, 2, 3, 0])
+    both = accepted_per_size(score_bn, path_be, accept_b, jnp.asarray([True, True]), sizes, 4)
+    np.testing.assert_array_equal(np.asarray(both), [0, 1, 2 + 0, 3 + 1, 0])  # node 2 (rank 2) is only in size 4
+    ties = accepted_per_size(jnp.asarray([[-0.3, -0.3]]), jnp.asarray([[0, 2, 0]]), jnp.asarray([1]),
+                             jnp.asarray([True]), DraftSizes((1, 2), (1.0, 1.0), depth=2), 2)
+    np.testing.assert_array_equal(np.asarray(ties), [0, 1])  # node 2 ties node 1 and ranks after it
 
 
 def test_lookup_pays_reads_the_lookup_chains_alone():
