@@ -279,6 +279,8 @@ def main(argv=None) -> int:
             p.error(f"{a.records}: its folder does not exist")
         record(a.records, questions=a.questions, budget=a.budget)
         return 0
+    if not a.skip_cost > 0 or a.skip_cost == float("inf"):
+        p.error(f"--skip-cost {a.skip_cost}: give a skipped step's cost in plain steps, a number > 0 (e.g. 1.06)")
     if not os.path.isfile(a.records):
         p.error(f"{a.records}: no such records file (make one with: record {a.records})")
     records = load(a.records)
@@ -287,8 +289,8 @@ def main(argv=None) -> int:
         costs = [float(c) for c in a.costs.split(",")]
     except ValueError:
         p.error(f"--costs {a.costs}: give numbers joined by commas, one per draft size {sizes}")
-    if len(costs) != len(sizes) or not all(c > 0 for c in costs):
-        p.error(f"--costs {a.costs}: one cost > 0 per draft size {sizes}")
+    if len(costs) != len(sizes) or not all(0 < c < float("inf") for c in costs):
+        p.error(f"--costs {a.costs}: one finite cost > 0 per draft size {sizes}")
     rules = {"backoff (no correction)": lambda: BackoffRule(sizes, costs),
              "backoff + correction (until 2026-12-06)": lambda: BackoffRule(sizes, costs, prior=OLD_PRIOR),
              "backoff + per-size correction": lambda: BackoffRule(sizes, costs, prior=OLD_PRIOR, per_size=True),
