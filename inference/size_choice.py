@@ -2,7 +2,7 @@
 accepted: each size's running estimate of accepted tokens per row (a step that verified n nodes also shows what
 every smaller size would have accepted: the best m nodes of a candidate tree hold all their ancestors, so the path
 that m nodes accept is the part of the accepted path ranked among them), with the drafters' own prediction for the
-step as a prior of one step's weight and prompt lookup's chains able to raise it (a long match: a repeat). A
+step as a prior worth `PRIOR` steps and prompt lookup's chains able to raise it (a long match: a repeat). A
 drafted step verifies the size with the most estimated tokens per unit of time; when even that one loses to plain
 steps on the run's average, the following steps skip the drafting (a backoff of 1, 2, 4, ... steps that a drafted
 probe ends; prompt lookup's chains override it). Why, and the rule at batch > 1: docs/modules.md."""
