@@ -14,8 +14,10 @@ Replay (`replay`): a rule walks the answer from the first position: it skips (a 
 `skip_cost`) or verifies one size (cost `costs[size]`, `1 + accepted` tokens), and learns from the outcome; the
 speed against plain decoding is tokens / cost (plain: one token per unit). The rules are numpy mirrors of
 `size_choice`: the rules before 2026-12-06 (`BackoffRule`: the step's predictions, with or without the run's
-correction, and a backoff after each drafted step that did not pay) and the shipped one (`RealisedRule`: each
-size's running estimate), so their states follow the same arithmetic as on device.
+correction, and a backoff after each drafted step that did not pay), the one shipped on 2026-12-06
+(`RunningMeanRule`: each size's running estimate, the step's prediction a prior) and the shipped one (`RatioRule`:
+the step's prediction scaled by each size's ratio of accepted to predicted tokens), so their states follow the same
+arithmetic as on device. Record sets: MT-Bench first turns, the input-grounded set or HumanEval (`--set`).
 """
 
 from __future__ import annotations
@@ -111,17 +113,21 @@ class BackoffRule:
             self.predicted[choice] += predicted
 
 
-class RealisedRule(BackoffRule):
-    """numpy mirror of the shipped `size_choice.SizeChoiceState`: each size's running estimate of its accepted
-    tokens (every size up to the verified one learns), the step's corrected prediction a prior of `PRIOR` steps,
-    lookup's chains a floor, and a backoff while the best size's estimate (break-even prior) loses."""
+class RunningMeanRule(BackoffRule):
+    """numpy mirror of the rule shipped on 2026-12-06 before `RatioRule`: each size's running estimate of its
+    accepted tokens (every size up to the verified one learns), the step's corrected prediction a prior of 3 steps,
+    lookup's chains a floor (`lookup`: "floor"; variants never shipped: "none", "corrected" by the run-wide ratio,
+    "own": scaled by what the steps whose size lookup's floor chose accepted of it), and a backoff while the best
+    size's estimate (break-even prior) loses."""
 
-    def __init__(self, sizes, costs, max_skip=None):
+    def __init__(self, sizes, costs, max_skip=None, lookup="floor"):
         from medusa_jax.inference import size_choice
         super().__init__(sizes, costs, max_skip=max_skip, decay=size_choice.DECAY)
         self.prior = size_choice.PRIOR
         self.seen, self.accepted = np.zeros(len(self.sizes)), np.zeros(len(self.sizes))
         self.realised_sum, self.predicted_sum = 0.0, 0.0
+        self.lookup = lookup
+        self.lookup_realised, self.lookup_predicted, self.binding = 0.0, 0.0, None
 
     def estimates(self, prior_k):
         return (self.accepted + self.prior * prior_k) / (self.seen + self.prior)
@@ -132,8 +138,13 @@ class RealisedRule(BackoffRule):
             self.skip_left -= 1
             return None
         correction = (self.realised_sum + self.prior) / (self.predicted_sum + self.prior)
-        estimate_k = np.maximum(self.estimates(correction * p.accepts_k), p.lookup_k)
-        return int(np.argmax(np.where(self.sizes > 0, (1 + estimate_k) / self.costs, -np.inf)))
+        estimate_k = self.estimates(correction * p.accepts_k)
+        floor_k = {"floor": p.lookup_k, "none": 0 * p.lookup_k, "corrected": correction * p.lookup_k,
+                   "own": p.lookup_k * (self.lookup_realised + self.prior) / (self.lookup_predicted + self.prior)
+                   }[self.lookup]
+        choice = int(np.argmax(np.where(self.sizes > 0, (1 + np.maximum(estimate_k, floor_k)) / self.costs, -np.inf)))
+        self.binding = float(p.lookup_k[choice]) if floor_k[choice] > estimate_k[choice] else None
+        return choice
 
     def learn(self, choice, predicted, accepted, accepted_k=None):
         verified = self.sizes[choice] > 0
@@ -143,10 +154,45 @@ class RealisedRule(BackoffRule):
             self.accepted = self.decay * self.accepted + np.where(shown_k, accepted_k, 0.0)
             self.realised_sum = self.decay * self.realised_sum + accepted
             self.predicted_sum = self.decay * self.predicted_sum + predicted
+            if self.binding is not None:  # lookup's floor chose the size: how far its prediction held
+                self.lookup_realised = self.decay * self.lookup_realised + accepted
+                self.lookup_predicted = self.decay * self.lookup_predicted + self.binding
         gain_k = (1 + self.estimates(self.costs - 1)) / self.costs
         pays = verified and bool(np.max(np.where((self.sizes > 0) & (self.seen >= 1), gain_k, 0.0)) >= 1)
         self.misses = 0 if pays else self.misses + 1
         self.skip_left = 0 if pays else min(1 << min(max(self.misses - 1, 0), 8), self.max_skip)
+
+
+class RatioRule(RunningMeanRule):
+    """numpy mirror of the shipped `size_choice.SizeChoiceState`: the step's prediction for each size scaled by
+    that size's ratio of accepted to predicted tokens over the steps that showed it (prior: the run-wide ratio worth
+    `RATIO_PRIOR` predicted tokens), lookup's chains a floor; the backoff as `RunningMeanRule`'s."""
+
+    def __init__(self, sizes, costs, max_skip=None):
+        from medusa_jax.inference import size_choice
+        super().__init__(sizes, costs, max_skip=max_skip)
+        self.ratio_prior = size_choice.RATIO_PRIOR
+        self.predicted = np.zeros(len(self.sizes))
+        self.step_k = None
+
+    def decide(self, p: Position):
+        lookup_pays = bool(np.any((self.sizes > 0) & ((1 + p.lookup_k) / self.costs > 1)))
+        if self.skip_left > 0 and not lookup_pays:
+            self.skip_left -= 1
+            return None
+        estimate_k = np.maximum(self.ratios() * p.accepts_k, p.lookup_k)
+        self.step_k = p.accepts_k
+        return int(np.argmax(np.where(self.sizes > 0, (1 + estimate_k) / self.costs, -np.inf)))
+
+    def ratios(self) -> np.ndarray:
+        correction = (self.realised_sum + self.ratio_prior) / (self.predicted_sum + self.ratio_prior)
+        return (self.accepted + self.ratio_prior * correction) / (self.predicted + self.ratio_prior)
+
+    def learn(self, choice, predicted, accepted, accepted_k=None):
+        if self.sizes[choice] > 0:
+            shown_k = np.arange(len(self.sizes)) <= choice
+            self.predicted = self.decay * self.predicted + np.where(shown_k, self.step_k, 0.0)
+        super().learn(choice, predicted, accepted, accepted_k)
 
 
 class FixedSize(BackoffRule):
@@ -204,12 +250,29 @@ def load(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
-def record(out_path, questions: int = 8, budget: int = 4, max_new_tokens: int = 128, skip: int = 0) -> None:
-    """Decodes MT-Bench first turns with the default+recycle+lookup mix and writes one JSON line per prompt: the
-    answer and every step's record (module docstring: every step drafts and verifies the root alone)."""
+PROMPT_SETS = ("mtbench", "grounded", "humaneval")
+
+
+def prompt_texts(prompt_set: str, n: int) -> list[str]:
+    """The first n prompts (chat text) of a set of PROMPT_SETS."""
+    if prompt_set == "grounded":
+        from medusa_jax.bench import grounded_prompts
+        return [r["prompt"] for r in grounded_prompts.load()][:n]
+    if prompt_set == "humaneval":
+        from medusa_jax.bench import humaneval
+        return [p.chat_text for p in humaneval.load_problems(n)]
+    from medusa_jax.bench.bench_inputs import mtbench_questions
+    return [q.first_turn for q in mtbench_questions(n)]
+
+
+def record(out_path, questions: int = 8, budget: int = 4, max_new_tokens: int = 128, skip: int = 0,
+           prompt_set: str = "mtbench") -> None:
+    """Decodes the first `questions` prompts of `prompt_set` (mtbench: MT-Bench first turns; grounded:
+    `bench.grounded_prompts`; humaneval: `bench.humaneval`) with the default+recycle+lookup mix and writes one JSON
+    line per prompt: the answer and every step's record (module docstring: every step drafts and verifies the root
+    alone)."""
     import jax
 
-    from medusa_jax.bench.bench_inputs import mtbench_questions
     from medusa_jax.inference import medusa, size_choice
     from medusa_jax.inference.api import BatchSettings, generate_batch
     from medusa_jax.inference.loaded_model import load_model
@@ -244,7 +307,8 @@ def record(out_path, questions: int = 8, budget: int = 4, max_new_tokens: int = 
     medusa.sized_verify = recording  # patched for this process (jit traces read them): every step verifies the root
     size_choice.SizeChoiceState.choose = lambda *args: jax.numpy.zeros((), jax.numpy.int32)
     size_choice.SizeChoiceState.drafted = lambda self, *args: self  # and drafts again
-    prompts = loaded.encode_chat([q.first_turn for q in mtbench_questions(skip + questions)[skip:]])
+    texts = prompt_texts(prompt_set, skip + questions)[skip:]
+    prompts = loaded.encode_chat(texts)
     settings = BatchSettings(batch_size=1, max_new_tokens=max_new_tokens, tree=sizes, eos_ids=tuple(loaded.eos_ids),
                              pad_id=loaded.pad_id, engine="batches", bucket=512)
     with open(out_path, "w") as f:
@@ -263,7 +327,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("command", choices=("record", "replay"))
     p.add_argument("records", help="the JSON-lines file record writes and replay reads")
-    p.add_argument("--questions", type=int, default=8, help="record: MT-Bench first turns (1-80)")
+    p.add_argument("--questions", type=int, default=8, help="record: the set's first prompts (mtbench: 1-80, grounded: 1-16, humaneval: 1-164)")
+    p.add_argument("--set", default="mtbench", choices=PROMPT_SETS, dest="prompt_set",
+                   help="record: the prompts (default: %(default)s first turns)")
     p.add_argument("--budget", type=int, default=4, choices=(4, 16, 64),
                    help="record: the mix's node budget (default: %(default)s: sizes 0, 1, 4)")
     p.add_argument("--costs", default="1.13,1.48,1.62",
@@ -271,13 +337,14 @@ def main(argv=None) -> int:
     p.add_argument("--skip-cost", type=float, default=1.06, help="replay: a skipped step's cost (default: 1.06)")
     a = p.parse_args(argv)
     if a.command == "record":
-        if not 1 <= a.questions <= 80:
-            p.error(f"--questions {a.questions}: MT-Bench has 80 questions; give 1-80")
+        available = len(prompt_texts(a.prompt_set, 10_000))
+        if not 1 <= a.questions <= available:
+            p.error(f"--questions {a.questions}: the {a.prompt_set} set has {available} prompts; give 1-{available}")
         if os.path.exists(a.records):
             p.error(f"{a.records} exists: record writes a new file; remove it or name another")
         if not os.path.isdir(os.path.dirname(a.records) or "."):
             p.error(f"{a.records}: its folder does not exist")
-        record(a.records, questions=a.questions, budget=a.budget)
+        record(a.records, questions=a.questions, budget=a.budget, prompt_set=a.prompt_set)
         return 0
     if not a.skip_cost > 0 or a.skip_cost == float("inf"):
         p.error(f"--skip-cost {a.skip_cost}: give a skipped step's cost in plain steps, a number > 0 (e.g. 1.06)")
@@ -294,7 +361,11 @@ def main(argv=None) -> int:
     rules = {"backoff (no correction)": lambda: BackoffRule(sizes, costs),
              "backoff + correction (until 2026-12-06)": lambda: BackoffRule(sizes, costs, prior=OLD_PRIOR),
              "backoff + per-size correction": lambda: BackoffRule(sizes, costs, prior=OLD_PRIOR, per_size=True),
-             "running estimate per size (shipped)": lambda: RealisedRule(sizes, costs),
+             "running estimate per size (2026-12-06)": lambda: RunningMeanRule(sizes, costs),
+             "running estimate, no lookup floor": lambda: RunningMeanRule(sizes, costs, lookup="none"),
+             "running estimate, floor x correction": lambda: RunningMeanRule(sizes, costs, lookup="corrected"),
+             "running estimate, floor x its own ratio": lambda: RunningMeanRule(sizes, costs, lookup="own"),
+             "prediction x ratio per size (shipped)": lambda: RatioRule(sizes, costs),
              **{f"every step {sizes[i]} nodes": partial(FixedSize, sizes, costs, i) for i in (-2, -1) if sizes[i] > 0},
              "oracle": lambda: Oracle(sizes, costs, a.skip_cost)}
     print(f"| rule | speedup | worst prompt | per prompt |\n|---|---|---|---|")

@@ -4,8 +4,9 @@ SmolLM2 with the shipped heads' mix `default+recycle+lookup` at BUDGET nodes (16
 SET's prompts), REPEATS interleaved rounds (`bench.mixed_drafts.run_set`, the median), against plain decoding in the
 same rounds. Arms:
 
-- "size choice (shipped)": each step chooses among the sizes (`SizeChoiceState`: each size's running estimate of
-  its accepted tokens, the step's prediction as a prior, lookup's chains as a floor, the backoff);
+- "size choice (shipped)": each step chooses among the sizes (`SizeChoiceState`: the step's prediction for each
+  size scaled by the size's ratio of accepted to predicted tokens in this run, lookup's chains as a floor, the
+  backoff);
 - "every step N nodes" (N = the largest size below the budget, 5 at 16 nodes, and the budget): every step drafts
   and verifies N nodes, no
   choice and no backoff (`SizeChoiceState.drafted` a no-op while its loop is traced).

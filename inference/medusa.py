@@ -179,8 +179,8 @@ def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal,
                  acceptance: DecodeConfig | RowAcceptance, eos_ids: tuple[int, ...],
                  lookup: Sequence[TreeProposal] = ()) -> MedusaState:
     """A drafted mixed-draft step (`draft_merge.DraftSizes`): the proposal's best n nodes are verified, n the size of
-    `sizes` the size-choice state picks (`size_choice.SizeChoiceState.choose`: the run's estimate of each size's
-    accepted tokens, the step's predictions as a prior, prompt lookup's chains `lookup` as a floor), or with no
+    `sizes` the size-choice state picks (`size_choice.SizeChoiceState.choose`: the step's predictions scaled by each
+    size's ratio of accepted to predicted tokens in this run, prompt lookup's chains `lookup` as a floor), or with no
     such state the drafters' predictions alone (`size_choice.choose`); one branch per static size (size 0: the root
     alone, a plain step), each run by `run_if`. The size-choice state learns what each size up to the verified one
     would have accepted (`size_choice.accepted_per_size`)."""
@@ -210,7 +210,7 @@ def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal,
                 accepted_k = accepted_per_size(kept.score_bt[:, 1:], after.move_src_be - lengths_b[:, None],
                                                accept_b, active_b, sizes, nodes)
             return dataclasses.replace(after, choice=state_.choice.drafted(sizes, jnp.int32(index), accepted_k, rows,
-                                                                           accepts_k[index]))
+                                                                           accepts_k))
         return run
 
     state = dataclasses.replace(state, draft=draft)

@@ -1,11 +1,12 @@
 """How a mixed-draft step chooses its draft size, inside the jitted decode loop, from what this run's drafted steps
-accepted: each size's running estimate of accepted tokens per row (a step that verified n nodes also shows what
-every smaller size would have accepted: the best m nodes of a candidate tree hold all their ancestors, so the path
-that m nodes accept is the part of the accepted path ranked among them), with the drafters' own prediction for the
-step as a prior worth `PRIOR` steps and prompt lookup's chains able to raise it (a long match: a repeat). A
-drafted step verifies the size with the most estimated tokens per unit of time; when even that one loses to plain
-steps on the run's average, the following steps skip the drafting (a backoff of 1, 2, 4, ... steps that a drafted
-probe ends; prompt lookup's chains override it). Why, and the rule at batch > 1: docs/modules.md."""
+accepted. A step that verified n nodes also shows what every smaller size would have accepted (the best m nodes of
+a candidate tree hold all their ancestors, so the path that m nodes accept is the part of the accepted path ranked
+among them). Per size the run keeps what it accepted against what the drafters predicted in the steps that showed
+it; a drafted step verifies the size with the most estimated tokens per unit of time, its estimate the drafters'
+prediction for this step scaled by that size's ratio (prior: the run-wide ratio, worth `RATIO_PRIOR` predicted
+tokens), prompt lookup's chains a floor (a long match: a repeat). When even the run's best size loses to plain steps
+on its running mean, the following steps skip the drafting (a backoff of 1, 2, 4, ... steps that a drafted probe
+ends; prompt lookup's chains override it). Why, and the rule at batch > 1: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ from medusa_jax.heads.draft_merge import DraftSizes, expected_accepts
 from medusa_jax.trees.dynamic_tree import TreeProposal
 
 MAX_SKIP = 8  # the longest run of steps without drafting after drafted steps that did not pay
-# a size's estimate (`SizeChoiceState.estimates`): each drafted step weighs DECAY of the earlier ones, and a prior
-# worth PRIOR steps (the step's corrected prediction when choosing, the break-even accepts when judging the run)
+# the run's sums: each drafted step weighs DECAY of the earlier ones. A size's running mean (`estimates`, judging
+# the backoff) has the break-even accepts as a prior worth PRIOR steps; a size's ratio of accepted to predicted
+# tokens (`ratios`, scaling the step's prediction) has the run-wide ratio as a prior worth RATIO_PRIOR predicted
+# tokens, and the run-wide ratio (`correction`) has 1 worth as many
 PRIOR = 3.0
+RATIO_PRIOR = 3.0
 DECAY = 0.97
 
 
@@ -34,40 +38,48 @@ class SizeChoiceState:
     misses: jax.Array  # int32: drafted steps in a row after which the run's best size did not pay
     seen_k: jax.Array  # float32 [k]: drafted steps that showed the size (verified it or a larger one; decayed)
     accepted_k: jax.Array  # float32 [k]: tokens per active row the size accepted in those steps (decayed sum)
-    realised: jax.Array  # float32: accepted tokens of this run's drafted steps of their chosen size (decayed sum)
-    predicted: jax.Array  # float32: the tokens the drafters predicted for those steps (decayed sum)
+    predicted_k: jax.Array  # float32 [k]: tokens per active row the drafters predicted for it there (decayed sum)
+    realised: jax.Array  # float32: accepted tokens per active row of the drafted steps' chosen sizes (decayed sum)
+    predicted: jax.Array  # float32: the tokens per active row the drafters predicted for those (decayed sum)
 
     @staticmethod
     def start(sizes: DraftSizes) -> "SizeChoiceState":
         k = len(sizes.sizes)  # own buffers: calls donate them
         return SizeChoiceState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((k,), jnp.float32),
-                               jnp.zeros((k,), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+                               jnp.zeros((k,), jnp.float32), jnp.zeros((k,), jnp.float32), jnp.zeros((), jnp.float32),
+                               jnp.zeros((), jnp.float32))
 
     @property
     def correction(self) -> jax.Array:
-        """The factor the drafters' predicted accepted tokens are scaled by (float32 scalar): what this run's drafted
-        steps accepted over what was predicted for them (1 before any)."""
-        return (self.realised + PRIOR) / (self.predicted + PRIOR)
+        """The run-wide ratio (float32 scalar, the prior of each size's `ratios`): what this run's drafted steps
+        accepted over what was predicted for their chosen sizes (1 before any)."""
+        return (self.realised + RATIO_PRIOR) / (self.predicted + RATIO_PRIOR)
 
     @property
     def drafts(self) -> jax.Array:
         """Whether this step drafts (bool scalar)."""
         return self.skip_left <= 0
 
-    def estimates(self, sizes: DraftSizes, prior_k: jax.Array | None = None) -> jax.Array:
-        """[k] estimated accepted tokens per active row of a step verifying each size: the run's decayed mean, with
-        `prior_k` (default: the break-even accepts, costs - 1) weighing PRIOR steps."""
+    def estimates(self, sizes: DraftSizes) -> jax.Array:
+        """[k] the run's decayed mean of the accepted tokens per active row of a step verifying each size, with the
+        break-even accepts (costs - 1) weighing PRIOR steps."""
         costs_k = jnp.asarray(sizes.costs, jnp.float32)
-        prior_k = costs_k - 1 if prior_k is None else prior_k
-        return (self.accepted_k + PRIOR * prior_k) / (self.seen_k + PRIOR)
+        return (self.accepted_k + PRIOR * (costs_k - 1)) / (self.seen_k + PRIOR)
+
+    @property
+    def ratios(self) -> jax.Array:
+        """[k] the factor each size's predicted accepted tokens are scaled by: what the size accepted over what was
+        predicted for it in the steps that showed it, with the run-wide `correction` weighing RATIO_PRIOR predicted
+        tokens (so a size no step showed yet takes the run-wide ratio)."""
+        return (self.accepted_k + RATIO_PRIOR * self.correction) / (self.predicted_k + RATIO_PRIOR)
 
     def choose(self, accepts_k: jax.Array, lookup_k: jax.Array, sizes: DraftSizes, rows: jax.Array) -> jax.Array:
         """The index into sizes.sizes (int32 scalar) of a drafted step: the size with the most estimated tokens per
         unit of time, (1 + estimate) / cost per row (`best_size`). `accepts_k` / `lookup_k`:
-        the drafters' / prompt lookup's chains' predicted accepted tokens of the `rows` active rows (scaled by the
-        run's correction, the first is the prior; the second, lookup's measured acceptance, is a floor)."""
+        the drafters' / prompt lookup's chains' predicted accepted tokens of the `rows` active rows (the first scaled
+        by each size's `ratios`; the second, lookup's measured acceptance, is a floor)."""
         rows = jnp.maximum(rows, 1.0)
-        estimate_k = jnp.maximum(self.estimates(sizes, self.correction * accepts_k / rows), lookup_k / rows)
+        estimate_k = jnp.maximum(self.ratios * accepts_k / rows, lookup_k / rows)
         return best_size(estimate_k, sizes)
 
     def skipped(self) -> "SizeChoiceState":
@@ -75,25 +87,28 @@ class SizeChoiceState:
         return dataclasses.replace(self, skip_left=jnp.maximum(self.skip_left - 1, 0))
 
     def drafted(self, sizes: DraftSizes, choice: jax.Array, accepted_k: jax.Array, rows: jax.Array,
-                predicted: jax.Array) -> "SizeChoiceState":
+                predicted_k: jax.Array) -> "SizeChoiceState":
         """After a drafted step of size index `choice` over `rows` active rows: `accepted_k` [k] the tokens each size
-        up to the chosen one accepted (`accepted_per_size`; the rest are not read), `predicted` what the drafters
-        predicted for the chosen size (uncorrected). When it verified nodes, the sizes it showed learn it and the
-        others' weight decays (a step that verified the root alone teaches nothing and never pays); then the run's
-        best size judged on its estimate alone (break-even prior; among the sizes shown at least one step's weight)
-        decides the backoff: when its
-        (1 + estimate) / cost loses to a plain step, the next 1, 2, 4, ... (at most MAX_SKIP) steps skip the
-        drafting; otherwise every step drafts."""
+        up to the chosen one accepted (`accepted_per_size`; the rest are not read), `predicted_k` [k] what the
+        drafters predicted for each size (`predicted_accepts`, unscaled). When it verified nodes, the sizes it showed
+        learn both and the others' weight decays (a step that verified the root alone teaches nothing and never
+        pays); then the run's best size judged on its running mean alone (`estimates`; among the sizes shown at least
+        one step's weight) decides the backoff: when its (1 + estimate) / cost loses to a plain step, the next 1, 2,
+        4, ... (at most MAX_SKIP) steps skip the drafting; otherwise every step drafts."""
         shown_k = jnp.arange(len(sizes.sizes)) <= choice
         verified = jnp.asarray(sizes.sizes, jnp.int32)[choice] > 0  # index 0 is a plain step only when sizes[0] is 0
         rows = jnp.maximum(rows, 1.0)
         seen_k = jnp.where(verified, DECAY * self.seen_k + shown_k, self.seen_k)
-        sums_k = jnp.where(verified, DECAY * self.accepted_k + jnp.where(shown_k, accepted_k / rows, 0.0),
-                           self.accepted_k)
-        state = dataclasses.replace(self, seen_k=seen_k.astype(jnp.float32), accepted_k=sums_k.astype(jnp.float32))
-        accepted = jnp.take(accepted_k, choice)
-        realised = jnp.where(verified, DECAY * self.realised + accepted, self.realised)
-        predicted = jnp.where(verified, DECAY * self.predicted + predicted, self.predicted)
+
+        def learn(sum_k, step_k):
+            step_k = jnp.where(shown_k, step_k / rows, 0.0)
+            return jnp.where(verified, DECAY * sum_k + step_k, sum_k).astype(jnp.float32)
+
+        state = dataclasses.replace(self, seen_k=seen_k.astype(jnp.float32),
+                                    accepted_k=learn(self.accepted_k, accepted_k),
+                                    predicted_k=learn(self.predicted_k, predicted_k))
+        realised = jnp.where(verified, DECAY * self.realised + jnp.take(accepted_k, choice) / rows, self.realised)
+        predicted = jnp.where(verified, DECAY * self.predicted + jnp.take(predicted_k, choice) / rows, self.predicted)
         gain_k = (1 + state.estimates(sizes)) / jnp.asarray(sizes.costs, jnp.float32)
         judged_k = (jnp.asarray(sizes.sizes) > 0) & (seen_k >= 1)  # shown by this step or recently: not a prior
         pays = verified & (jnp.max(jnp.where(judged_k, gain_k, 0.0)) >= 1)

@@ -39,7 +39,7 @@ from medusa_jax.inference.mixed_decoding import MixError, build_mix, is_mix, par
 from medusa_jax.inference import draft_size
 from medusa_jax.inference.draft_size_cache import size_costs
 from medusa_jax.inference.sampling import SamplingConfig
-from medusa_jax.inference.size_choice import (DECAY, MAX_SKIP, PRIOR, SizeChoiceState, accepted_per_size, choose,
+from medusa_jax.inference.size_choice import (DECAY, MAX_SKIP, RATIO_PRIOR, SizeChoiceState, accepted_per_size, choose,
                                              lookup_pays, predicted_accepts)
 
 import test_exact_sampling as exact_sampling
@@ -198,42 +198,51 @@ def test_forced_sizes_make_every_step_verify_the_size_timed(tiny):
     assert all(a == 0 for r in got for a in r.accept_lengths)
 
 
-def drafted_steps(state, sizes, index, accepted_k, steps, predicted=0.0):
-    """`steps` drafted steps of size index `index` on one row, each size up to it accepting `accepted_k`."""
+def drafted_steps(state, sizes, index, accepted_k, steps, predicted_k=None):
+    """`steps` drafted steps of size index `index` on one row, each size up to it accepting `accepted_k` and
+    predicted `predicted_k` (default: nothing)."""
+    predicted_k = jnp.zeros(len(sizes.sizes)) if predicted_k is None else jnp.asarray(predicted_k, jnp.float32)
     for _ in range(steps):
         state = state.drafted(sizes, jnp.int32(index), jnp.asarray(accepted_k, jnp.float32), jnp.float32(1),
-                              jnp.float32(predicted))
+                              predicted_k)
     return state
 
 
-def test_size_choice_learns_each_size_from_the_steps_that_showed_it():
-    """`SizeChoiceState.choose`: before any drafted step the (corrected) prediction picks the size among those that
-    verify nodes; a step verifying n nodes shows every size up to n, whose running estimates then outweigh the step's prediction (a prior of one
-    step); a size no step shows any more decays back to its prediction; prompt lookup's chains are a floor."""
+def test_size_choice_scales_each_sizes_prediction_by_what_the_steps_that_showed_it_accepted():
+    """`SizeChoiceState.choose`: before any drafted step the prediction picks the size among those that verify
+    nodes; a step verifying n nodes shows every size up to n, and each size's prediction is then scaled by its own
+    ratio of accepted to predicted tokens (prior: the run-wide ratio, RATIO_PRIOR predicted tokens); a size no
+    step shows any more decays back to the run-wide ratio; the step's own prediction still moves the choice; prompt
+    lookup's chains are a floor."""
     sizes = DraftSizes((0, 2, 8), (1.1, 1.5, 2.0), depth=8)
     one, predicted_k, no_lookup = jnp.float32(1), jnp.asarray([0.0, 0.6, 2.0]), jnp.zeros(3)
     state = SizeChoiceState.start(sizes)
+    np.testing.assert_allclose(np.asarray(state.ratios), [1.0, 1.0, 1.0])
     assert bool(state.drafts) and int(state.choose(predicted_k, no_lookup, sizes, one)) == 2  # 3 / 2.0 > 1.6 / 1.5
     # a drafted step never verifies the root alone (it would cost more than skipping and show nothing), unless every
     # other size is priced out (could not beat it even if all its nodes were accepted)
     assert int(state.choose(jnp.zeros(3), no_lookup, sizes, one)) == 1
     dear = DraftSizes((0, 2, 8), (1.0, 5.0, 20.0), depth=8)
     assert int(SizeChoiceState.start(dear).choose(jnp.asarray([0.0, 2.0, 8.0]), no_lookup, dear, one)) == 0
-    # eight nodes predicted to accept 2 tokens accept 1; so would two nodes
-    state = drafted_steps(state, sizes, 2, [0.0, 1.0, 1.0], 6, predicted=2.0)
+    # eight nodes predicted to accept 2 tokens accept 1; two nodes, predicted 0.6, accept 1 too
+    state = drafted_steps(state, sizes, 2, [0.0, 1.0, 1.0], 6, predicted_k)
     seen = sum(DECAY ** i for i in range(6))
     np.testing.assert_allclose(np.asarray(state.seen_k), [seen] * 3, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(state.estimates(sizes, predicted_k)),
-                               [0, (seen + PRIOR * 0.6) / (seen + PRIOR), (seen + PRIOR * 2) / (seen + PRIOR)], rtol=1e-5)
-    assert float(state.correction) == pytest.approx((seen + PRIOR) / (2 * seen + PRIOR), rel=1e-5)
-    assert int(state.choose(predicted_k, no_lookup, sizes, one)) == 1  # 1.78 / 1.5 beats 2.07 / 2.0
+    run_ratio = (seen + RATIO_PRIOR) / (2 * seen + RATIO_PRIOR)
+    assert float(state.correction) == pytest.approx(run_ratio, rel=1e-5)
+    ratio_k = (seen + RATIO_PRIOR * run_ratio) / (np.asarray([0.0, 0.6, 2.0]) * seen + RATIO_PRIOR)
+    np.testing.assert_allclose(np.asarray(state.ratios)[1:], ratio_k[1:], rtol=1e-5)  # 1.17 and 0.52
+    assert int(state.choose(predicted_k, no_lookup, sizes, one)) == 1  # (1 + 0.70) / 1.5 beats (1 + 1.05) / 2.0
+    # a confident prediction for this step still wins the large size: 4 * 0.52 = 2.09 tokens at 2.0
+    assert int(state.choose(jnp.asarray([0.0, 0.6, 4.0]), no_lookup, sizes, one)) == 2
     # a long lookup chain (7 tokens at eight nodes) lifts the large size for this step
     assert int(state.choose(predicted_k, jnp.asarray([0.0, 2.0, 7.0]), sizes, one)) == 2
-    # steps of two nodes show nothing of eight: its weight decays, and a confident prediction wins it back
-    state = drafted_steps(state, sizes, 1, [0.0, 1.0, 0.0], 30, predicted=0.6)
+    # steps of two nodes show nothing of eight: its weight decays, and its ratio moves back to the run-wide one
+    state = drafted_steps(state, sizes, 1, [0.0, 1.0, 0.0], 30, [0.0, 0.6, 0.0])
     assert float(state.seen_k[2]) == pytest.approx(seen * DECAY ** 30, rel=1e-4) and float(state.seen_k[1]) > 20
+    assert float(state.correction) > 1.2 and 0.52 < float(state.ratios[2]) < float(state.correction)
     assert int(state.choose(jnp.asarray([0.0, 0.6, 0.8]), no_lookup, sizes, one)) == 1
-    assert int(state.choose(predicted_k, no_lookup, sizes, one)) == 2
+    assert int(state.choose(jnp.asarray([0.0, 0.6, 3.0]), no_lookup, sizes, one)) == 2
 
 
 def test_size_choice_backs_off_while_the_runs_best_size_does_not_pay():
@@ -256,7 +265,7 @@ def test_size_choice_backs_off_while_the_runs_best_size_does_not_pay():
     assert bool(unlucky.drafts) and int(unlucky.misses) == 0
     # a single size n >= 1 that costs what a plain step does always pays
     alone = DraftSizes((4,), (1.0,), depth=8)
-    after = drafted_steps(SizeChoiceState.start(alone), alone, 0, [0.0], 5, predicted=0.5)
+    after = drafted_steps(SizeChoiceState.start(alone), alone, 0, [0.0], 5, [0.5])
     assert bool(after.drafts) and int(after.misses) == 0 and float(after.predicted) > 0
 
 

@@ -1,0 +1,51 @@
+"""The offline replay's numpy mirror of the shipped size rule (`bench.size_choice_replay.RatioRule`) follows the
+device rule (`inference.size_choice.SizeChoiceState`) step by step: the rules compared offline are the rules that
+run."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.bench.size_choice_replay import Position, RatioRule
+from medusa_jax.heads.draft_merge import DraftSizes
+from medusa_jax.inference.size_choice import SizeChoiceState
+
+
+def random_positions(rng, n, sizes):
+    """Predictions that grow with the size, true accepts in three regimes: nothing, some, a repeat."""
+    out = []
+    for i in range(n):
+        regime = (i // 25) % 3
+        grow = np.cumsum(rng.uniform(0.0, 1.0, len(sizes))) * np.asarray([s > 0 for s in sizes])
+        true = np.minimum(np.floor(grow * (0.0, 0.6, 2.5)[regime]), np.asarray(sizes, float))
+        lookup = grow * 3.0 if regime == 2 and rng.uniform() < 0.5 else np.zeros(len(sizes))
+        out.append(Position(grow, lookup, true))
+    return out
+
+
+def test_the_replays_mirror_makes_the_device_rules_choices():
+    sizes = DraftSizes((0, 2, 5, 16), (1.11, 1.58, 1.67, 2.31), depth=8)
+    costs = np.asarray(sizes.costs)
+    steps = random_positions(np.random.default_rng(0), 150, sizes.sizes)
+    mirror, state = RatioRule(list(sizes.sizes), list(costs)), SizeChoiceState.start(sizes)
+    one = jnp.float32(1)
+    made = {"skipped": 0, "drafted": set()}
+    for p in steps:
+        want = mirror.decide(p)
+        lookup_pays = bool(np.any((np.asarray(sizes.sizes) > 0) & ((1 + p.lookup_k) / costs > 1)))
+        if not (bool(state.drafts) or lookup_pays):
+            state = state.skipped()
+            assert want is None
+            made["skipped"] += 1
+            continue
+        got = int(state.choose(jnp.asarray(p.accepts_k, jnp.float32), jnp.asarray(p.lookup_k, jnp.float32), sizes,
+                               one))
+        assert got == want
+        made["drafted"].add(got)
+        accepted_k = np.where(np.arange(len(sizes.sizes)) <= got, p.true_k, 0.0)
+        mirror.learn(got, float(p.accepts_k[got]), float(p.true_k[got]), accepted_k)
+        state = state.drafted(sizes, jnp.int32(got), jnp.asarray(accepted_k, jnp.float32), one,
+                              jnp.asarray(p.accepts_k, jnp.float32))
+        np.testing.assert_allclose(np.asarray(state.ratios)[1:], mirror.ratios()[1:], rtol=1e-4)
+        assert int(state.skip_left) == mirror.skip_left
+    # the walk went through skipped steps and more than one drafted size
+    assert made["skipped"] > 0 and len(made["drafted"]) >= 2
