@@ -132,10 +132,16 @@ class RunningMeanRule(BackoffRule):
     def estimates(self, prior_k):
         return (self.accepted + self.prior * prior_k) / (self.seen + self.prior)
 
-    def decide(self, p: Position):
+    def skips(self, p: Position) -> bool:
+        """Whether this step skips the drafting (the backoff, unless lookup's chains alone promise a paying step)."""
         lookup_pays = bool(np.any((self.sizes > 0) & ((1 + p.lookup_k) / self.costs > 1)))
         if self.skip_left > 0 and not lookup_pays:
             self.skip_left -= 1
+            return True
+        return False
+
+    def decide(self, p: Position):
+        if self.skips(p):
             return None
         correction = (self.realised_sum + self.prior) / (self.predicted_sum + self.prior)
         estimate_k = self.estimates(correction * p.accepts_k)
@@ -176,9 +182,7 @@ class RatioRule(RunningMeanRule):
         self.step_k = None
 
     def decide(self, p: Position):
-        lookup_pays = bool(np.any((self.sizes > 0) & ((1 + p.lookup_k) / self.costs > 1)))
-        if self.skip_left > 0 and not lookup_pays:
-            self.skip_left -= 1
+        if self.skips(p):
             return None
         estimate_k = np.maximum(self.ratios() * p.accepts_k, p.lookup_k)
         self.step_k = p.accepts_k
