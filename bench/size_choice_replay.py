@@ -348,6 +348,11 @@ def main(argv=None) -> int:
             p.error(f"{a.records} exists: record writes a new file; remove it or name another")
         if not os.path.isdir(os.path.dirname(a.records) or "."):
             p.error(f"{a.records}: its folder does not exist")
+        from pathlib import Path
+
+        from medusa_jax.demo_model import default_model_dir
+        if Path(a.records).resolve().is_relative_to(default_model_dir().resolve()):
+            p.error(f"{a.records} is inside the model folder {default_model_dir()}: choose a path outside it")
         record(a.records, questions=a.questions, budget=a.budget, prompt_set=a.prompt_set)
         return 0
     if not a.skip_cost > 0 or a.skip_cost == float("inf"):
