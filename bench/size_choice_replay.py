@@ -12,7 +12,8 @@ sees only the roots' logits, not the tree nodes': its drafts are somewhat weaker
 
 Replay (`replay`): a rule walks the answer from the first position: it skips (a plain step of the mixed loop, cost
 `skip_cost`) or verifies one size (cost `costs[size]`, `1 + accepted` tokens), and learns from the outcome; the
-speed against plain decoding is tokens / cost (plain: one token per unit). The rules are numpy mirrors of
+speed against plain decoding is tokens / cost (plain: one token per unit). `replay_batch` (`--batch`) walks the
+answers of rows decoded together: one choice per step for all, the batch as slow as its last row. The rules are numpy mirrors of
 `size_choice`: the rules before 2026-12-06 (`BackoffRule`: the step's predictions, with or without the run's
 correction, and a backoff after each drafted step that did not pay), the one shipped on 2026-12-06
 (`RunningMeanRule`: each size's running estimate, the step's prediction a prior) and the shipped one (`RatioRule`:
@@ -244,6 +245,65 @@ def replay(steps: list[Position], rule, costs, skip_cost: float) -> dict:
             "skipped": skipped, "accepted_per_drafted": accepted / max(drafted, 1)}
 
 
+ROW_WEIGHTS = ("mean", "critical")
+
+
+def row_weights(kind: str, active_b: np.ndarray, out_b: np.ndarray, steps_b: np.ndarray, capacity: int,
+                rate_prior: float = 3.0) -> np.ndarray:
+    """How much each row's tokens count in a batch step's choice (summing to 1 over the active rows): "mean" every
+    active row alike (the shipped rule); "critical" the active row with the most steps left at its own pace so far
+    ((capacity - out) over its tokens per step, a prior of 1 token per step worth `rate_prior` steps): in a batch
+    that ends when its last row does, only the tokens of the row that finishes last shorten it."""
+    if kind == "mean":
+        w_b = active_b.astype(float)
+    else:
+        rate_b = (out_b + rate_prior) / (steps_b + rate_prior)
+        left_b = np.where(active_b, (capacity - out_b) / rate_b, -np.inf)
+        w_b = (left_b == left_b.max()).astype(float) * active_b
+    return w_b / max(w_b.sum(), 1e-12)
+
+
+def replay_batch(rows: list[list[Position]], rule, costs, skip_cost: float, weights: str = "mean",
+                 capacity: int = 128) -> dict:
+    """`replay` for a batch of rows decoded together (one size per step for all of them, the batch done when its
+    last row is): each step's position is the weighted mean of the active rows' (`row_weights`), the rule learns
+    the weighted means of what they predicted and accepted, every active row advances by its own accepted tokens.
+    Plain decoding takes as many steps as the longest row: the speedup is that over the cost."""
+    b = len(rows)
+    len_b = np.asarray([len(r) for r in rows])
+    pos_b, steps_b = np.zeros(b, int), np.zeros(b, int)
+    cost, drafted, skipped = 0.0, 0, 0
+    while np.any(pos_b < len_b):
+        active_b = pos_b < len_b
+        w_b = row_weights(weights, active_b, pos_b, steps_b, capacity)
+        here = [rows[i][pos_b[i]] if active_b[i] else None for i in range(b)]
+        mean = lambda field: sum(w_b[i] * getattr(here[i], field) for i in range(b) if active_b[i])
+        choice = rule.decide(Position(mean("accepts_k"), mean("lookup_k"), mean("true_k")))
+        steps_b += active_b
+        if choice is None:
+            cost += skip_cost
+            skipped += 1
+            pos_b += active_b
+            continue
+        left_b = len_b - pos_b - 1
+        got_b = np.asarray([min(here[i].true_k[choice], left_b[i]) if active_b[i] else 0.0 for i in range(b)])
+        got_k = sum(w_b[i] * np.minimum(here[i].true_k, left_b[i]) for i in range(b) if active_b[i])
+        rule.learn(choice, float(mean("accepts_k")[choice]), float(w_b @ got_b), got_k)
+        cost += costs[choice]
+        drafted += 1
+        pos_b += np.where(active_b, 1 + got_b.astype(int), 0)
+    return {"tokens": int(len_b.sum()), "cost": cost, "speedup": int(len_b.max()) / cost, "drafted": drafted,
+            "skipped": skipped, "tokens_per_step": float(len_b.sum() / steps_b.sum())}
+
+
+def evaluate_batch(records: list[dict], rule_of, sizes, costs, skip_cost, batch: int, weights: str = "mean") -> dict:
+    """`replay_batch` over the records in batches of `batch` (in order); mean: the plain steps over the cost."""
+    groups = [records[i: i + batch] for i in range(0, len(records), batch)]
+    per = [replay_batch([positions(r, sizes) for r in g], rule_of(), costs, skip_cost, weights) for g in groups]
+    plain = sum(max(len(r["answer"]) for r in g) for g in groups)
+    return {"mean": plain / sum(r["cost"] for r in per), "worst": min(r["speedup"] for r in per), "per_prompt": per}
+
+
 def evaluate(records: list[dict], rule_of, sizes, costs, skip_cost) -> dict:
     per = [replay(positions(r, sizes), rule_of(), costs, skip_cost) for r in records]
     total = sum(r["tokens"] for r in per) / sum(r["cost"] for r in per)
@@ -339,6 +399,9 @@ def main(argv=None) -> int:
     p.add_argument("--costs", default="1.13,1.48,1.62",
                    help="replay: the draft sizes' step costs in plain steps (default: %(default)s)")
     p.add_argument("--skip-cost", type=float, default=1.06, help="replay: a skipped step's cost (default: 1.06)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="replay: rows decoded together, the records in turn (default: %(default)s; > 1: "
+                        "`replay_batch`, and the shipped rule also with the critical row's weights)")
     a = p.parse_args(argv)
     if a.command == "record":
         available = len(prompt_texts(a.prompt_set, 10_000))
@@ -357,6 +420,8 @@ def main(argv=None) -> int:
         return 0
     if not a.skip_cost > 0 or a.skip_cost == float("inf"):
         p.error(f"--skip-cost {a.skip_cost}: give a skipped step's cost in plain steps, a number > 0 (e.g. 1.06)")
+    if a.batch < 1:
+        p.error(f"--batch {a.batch}: give the rows decoded together, a whole number >= 1")
     if not os.path.isfile(a.records):
         p.error(f"{a.records}: no such records file (make one with: record {a.records})")
     records = load(a.records)
@@ -377,9 +442,15 @@ def main(argv=None) -> int:
              "prediction x ratio per size (shipped)": lambda: RatioRule(sizes, costs),
              **{f"every step {sizes[i]} nodes": partial(FixedSize, sizes, costs, i) for i in (-2, -1) if sizes[i] > 0},
              "oracle": lambda: Oracle(sizes, costs, a.skip_cost)}
-    print(f"| rule | speedup | worst prompt | per prompt |\n|---|---|---|---|")
+    if a.batch > 1:  # a step's oracle is not the batch's: each row's best size differs
+        del rules["oracle"]
+        rules["prediction x ratio per size, the critical row's weights"] = lambda: RatioRule(sizes, costs)
+    print(f"| rule | speedup | worst {'prompt' if a.batch == 1 else 'batch'} | per {'prompt' if a.batch == 1 else 'batch'} |"
+          "\n|---|---|---|---|")
     for name, rule_of in rules.items():
-        result = evaluate(records, rule_of, sizes, costs, a.skip_cost)
+        weights = "critical" if "critical row" in name else "mean"
+        result = evaluate(records, rule_of, sizes, costs, a.skip_cost) if a.batch == 1 else \
+            evaluate_batch(records, rule_of, sizes, costs, a.skip_cost, a.batch, weights)
         per_prompt = " ".join(f"{r['speedup']:.2f}" for r in result["per_prompt"])
         print(f"| {name} | {result['mean']:.3f} | {result['worst']:.3f} | {per_prompt} |")
     return 0

@@ -1,7 +1,7 @@
 """What a mixed step that skips the drafting costs against a plain step, and its parts: SmolLM2,
-default+recycle+lookup@BUDGET (default 16), batch 1, context 256 of random prompt tokens, R interleaved rounds
+default+recycle+lookup@BUDGET (default 16), BATCH rows (default 1), context 256 of random prompt tokens, R interleaved rounds
 (default 40), the median of each call over the plain step's (`step_cost.plain_step_call`, compiled as the plain
-engine's). Every variant is `medusa.medusa_step` with the size choice set to skip (`SizeChoiceState.skip_left`
+engine's). The skipped steps compile as the engine's tree steps over BATCH rows (`backbone.tree_step_compiler_options`). Every variant is `medusa.medusa_step` with the size choice set to skip (`SizeChoiceState.skip_left`
 large; each call is checked to have skipped) and the drafter state reset per call, with parts taken out while it
 is traced: prompt lookup's matching (`lookup_proposals`), the members' `verified` (Token Recycling's table update)
 and `accepted`, the pending cache move (`finish_moves`). With XLA_FLAGS=--xla_cpu_multi_thread_eigen=false it
@@ -34,7 +34,7 @@ from medusa_jax.inference.autoregressive import plain_step
 from medusa_jax.inference.mixed_decoding import build_mix
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.size_choice import SizeChoiceState
-from medusa_jax.model.backbone import TREE_STEP_COMPILER_OPTIONS
+from medusa_jax.model.backbone import TREE_STEP_COMPILER_OPTIONS, tree_step_compiler_options
 from medusa_jax.trees.policy import step_cost
 from medusa_jax.bench.bench_inputs import env_int
 
@@ -45,7 +45,7 @@ base = load_pretrained(prepare_smollm2())
 heads = load_heads(resolve_heads_dir("default"), base_config=base.config, base=base)
 mix, sizes = build_mix(base, ("recycle", "lookup"), heads, BUDGET, costs=lambda s: tuple(1.0 for _ in s))
 cache_size = CONTEXT + max(sizes.sizes) + 2 + sizes.depth
-b, e = 1, sizes.depth + 1
+b, e = env_int("BATCH", 1, 1, 64), sizes.depth + 1
 graphdef, params = nnx.split(MedusaModel(base, mix))
 prompt_bt = jnp.asarray(np.random.default_rng(0).integers(100, 40000, (b, CONTEXT)), jnp.int32)
 hidden_btd = jax.random.normal(jax.random.key(2), (b, CONTEXT, base.config.hidden_size), base.config.jnp_dtype)
@@ -76,7 +76,7 @@ def patched(owner, name, value):
 
 def skipped_step(*removed):
     """The step jitted with the parts `removed` (context managers) in force while it is traced."""
-    @partial(jax.jit, donate_argnames=("state",), compiler_options=TREE_STEP_COMPILER_OPTIONS)
+    @partial(jax.jit, donate_argnames=("state",), compiler_options=tree_step_compiler_options(b))
     def step(params, state):
         with contextlib.ExitStack() as stack:
             for part in removed:
@@ -137,7 +137,7 @@ for _ in range(ROUNDS):
         jax.block_until_ready(fn())
         acc.append(clock() - start)
 median = [statistics.median(t) for t in times]
-print(f"@{BUDGET}: depth {sizes.depth}, cache {cache_size} slots, {'CPU' if cpu_time else 'wall'} time; "
+print(f"@{BUDGET}, batch {b}: depth {sizes.depth}, cache {cache_size} slots, {'CPU' if cpu_time else 'wall'} time; "
       f"plain step {median[0] * 1e3:.2f} ms")
 for name, m in zip(calls, median[1:]):
     print(f"{name:40s} {m / median[0]:.3f} of a plain step ({(m - median[0]) * 1e3:+.2f} ms)")

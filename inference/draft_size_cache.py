@@ -27,7 +27,8 @@ from medusa_jax.heads.recycle_file import model_fingerprint
 from medusa_jax.trees.policy.calibration import check_mode, keyed_cache_file, machine_key
 from medusa_jax.inference import draft_size
 
-FORMAT = "medusa-jax-draft-size-costs-v4"  # v4: steps compiled without YNNPACK (backbone.TREE_STEP_COMPILER_OPTIONS);
+FORMAT = "medusa-jax-draft-size-costs-v5"  # v5: YNNPACK kept from 2 rows (backbone.tree_step_compiler_options);
+# v4: steps compiled without YNNPACK;
 # v3: per-round ratios until stable (v2: 7 rounds' medians, v1: the pieces)
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from medusa_jax.model.backbone import TREE_STEP_COMPILER_OPTIONS
+from medusa_jax.model.backbone import tree_step_jit
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.heads.draft_merge import DraftSizes
@@ -73,9 +74,7 @@ def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, r
         sampling.put_rows(rows_n, sampling_n), first_n
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tree", "steps", "eos_ids", "pad_id", "proposer"),
-         donate_argnames=("state",), compiler_options=TREE_STEP_COMPILER_OPTIONS)
-def drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, remaining_b, emitted_b,
+def _drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, remaining_b, emitted_b,
                   proposer_data=None, *, tree, steps: int, eos_ids: tuple[int, ...], pad_id: int,
                   proposer: Proposer = heads_proposer):
     """Up to `steps` tree steps while any row is active, each row accepting with its own settings; emitted_b [b]:
@@ -96,6 +95,12 @@ def drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, r
                    acceptance=RowAcceptance(sampling), eos_ids=eos_ids, proposer=counted)
     state = jax.lax.while_loop(lambda s: (s.step < steps) & jnp.any(s.active_b), step, state)
     return state, state.out_bo, start_b, state.num_out_b
+
+
+def drafted_chunk(rows: int) -> Callable:
+    """The jitted chunk of tree steps over `rows` rows, compiled with `backbone.tree_step_compiler_options(rows)`."""
+    return tree_step_jit(_drafted_chunk, rows, static_argnames=("graphdef", "tree", "steps", "eos_ids", "pad_id",
+                                                                "proposer"), donate_argnames=("state",))
 
 
 class DraftedDecoder:
@@ -137,7 +142,7 @@ class DraftedDecoder:
 
     def chunk(self, steps: int, remaining_b: np.ndarray) -> tuple[list[list[int]], int, int]:
         with self.placement.active():
-            self.state, out_bo, start_b, end_b = drafted_chunk(
+            self.state, out_bo, start_b, end_b = drafted_chunk(len(self.emitted_b))(
                 *self._chunk_args(remaining_b), tree=self.tree, steps=steps, eos_ids=self.eos_ids,
                 pad_id=self.pad_id, proposer=self.proposer)
         out_bo, start_b, end_b, run, steps_b = fetch((out_bo, start_b, end_b, self.state.step, self.state.steps_b))
@@ -156,6 +161,7 @@ class DraftedDecoder:
                 drafted_admit.lower(self.graphdef, self.params, self.state, self.sampling, zeros_n,
                                     np.zeros((n, width), np.int32), zeros_n + 1, RowSampling.greedy(n),
                                     tree=self.tree, eos_ids=self.eos_ids).compile()
-            drafted_chunk.lower(*self._chunk_args(np.zeros(self.state.root_b.shape, np.int32)), tree=self.tree,
+            drafted_chunk(len(self.emitted_b)).lower(
+                *self._chunk_args(np.zeros(self.state.root_b.shape, np.int32)), tree=self.tree,
                                 steps=steps, eos_ids=self.eos_ids, pad_id=self.pad_id,
                                 proposer=self.proposer).compile()

@@ -53,9 +53,12 @@ def test_compiled_dot_keeps_the_embedding_left_for_few_rows(rows, embedding_left
     assert dots == [(CFG.vocab_size, rows) if embedding_left else (rows, CFG.vocab_size)]
 
 
-def test_engine_tree_steps_compile_without_ynnpack_and_its_prefill_with():
-    """The engine's tree-step chunk compiles with `TREE_STEP_COMPILER_OPTIONS` (XLA's own dots: YNNPACK's fusion
-    costs a few-row step far more, backbone.py), its admission (the prefill, hundreds of rows) keeps YNNPACK."""
+@pytest.mark.parametrize("rows", [1, 2])
+def test_engine_tree_steps_compile_without_ynnpack_for_one_row_and_its_prefill_with(rows):
+    """The engine's tree-step chunk over one row compiles with `TREE_STEP_COMPILER_OPTIONS` (XLA's own dots:
+    YNNPACK's fusion costs a one-row tree step more), over more rows with YNNPACK (a plain step's dots are then
+    YNNPACK's, and a mixed step that skips the drafting is a plain step; backbone.py); its admission (the prefill,
+    hundreds of rows) keeps YNNPACK."""
     if jax.default_backend() != "cpu":
         pytest.skip("the option chooses among XLA:CPU's dot emitters")
     from medusa_jax.heads.config import HeadsConfig
@@ -67,12 +70,15 @@ def test_engine_tree_steps_compile_without_ynnpack_and_its_prefill_with():
     base = CausalLM(CFG, nnx.Rngs(0))
     heads = init_heads(HeadsConfig(CFG.hidden_size, CFG.vocab_size, num_heads=3), base, seed=0)
     tree = load_tree("mc_sim_7b_8", num_heads=3, max_top_k=CFG.vocab_size)
-    decoder = DraftedDecoder(base, heads, tree, rows=2, context=64, steps=2, eos_ids=(), pad_id=0)
-    chunk = drafted_chunk.lower(*decoder._chunk_args(np.zeros((2,), np.int32)), tree=tree, steps=2, eos_ids=(),
-                                pad_id=0, proposer=decoder.proposer).compile().as_text()
-    zeros_n = np.zeros((2,), np.int32)
+    decoder = DraftedDecoder(base, heads, tree, rows=rows, context=64, steps=2, eos_ids=(), pad_id=0)
+    chunk = drafted_chunk(rows).lower(*decoder._chunk_args(np.zeros((rows,), np.int32)), tree=tree, steps=2,
+                                      eos_ids=(), pad_id=0, proposer=decoder.proposer).compile().as_text()
+    zeros_n = np.zeros((rows,), np.int32)
     admit = drafted_admit.lower(decoder.graphdef, decoder.params, decoder.state, decoder.sampling, zeros_n,
-                                np.zeros((2, 64), np.int32), zeros_n + 1, RowSampling.greedy(2), tree=tree,
+                                np.zeros((rows, 64), np.int32), zeros_n + 1, RowSampling.greedy(rows), tree=tree,
                                 eos_ids=()).compile().as_text()
-    assert " dot(" in chunk and "__ynn_fusion" not in chunk
+    if rows == 1:
+        assert " dot(" in chunk and "__ynn_fusion" not in chunk
+    else:
+        assert "__ynn_fusion" in chunk
     assert "__ynn_fusion" in admit

@@ -49,3 +49,19 @@ def test_the_replays_mirror_makes_the_device_rules_choices():
         assert int(state.skip_left) == mirror.skip_left
     # the walk went through skipped steps and more than one drafted size
     assert made["skipped"] > 0 and len(made["drafted"]) >= 2
+
+
+def test_a_batch_replay_of_one_row_is_the_row_replay_and_a_batch_waits_for_its_last_row():
+    from medusa_jax.bench.size_choice_replay import FixedSize, replay, replay_batch
+
+    sizes, costs = [0, 2, 5, 16], [1.11, 1.58, 1.67, 2.31]
+    rng = np.random.default_rng(1)
+    rows = [random_positions(rng, n, sizes) for n in (150, 90, 40)]
+    one = replay_batch([rows[0]], RatioRule(sizes, costs), costs, 1.02)
+    alone = replay(rows[0], RatioRule(sizes, costs), costs, 1.02)
+    assert one["cost"] == alone["cost"] and one["skipped"] == alone["skipped"] and one["drafted"] == alone["drafted"]
+    # every step verifies 5 nodes: the batch takes as many steps as its slowest row alone, at that size's cost
+    batch = replay_batch(rows, FixedSize(sizes, costs, 2), costs, 1.02)
+    slowest = max(replay(r, FixedSize(sizes, costs, 2), costs, 1.02)["drafted"] for r in rows)
+    assert batch["drafted"] == slowest and np.isclose(batch["cost"], slowest * costs[2])
+    assert np.isclose(batch["speedup"], 150 / batch["cost"])

@@ -7,6 +7,9 @@ layers under one scan over a stacked cache (`layer_stack.py`)."""
 
 from __future__ import annotations
 
+import functools
+from typing import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -29,7 +32,31 @@ FEW_ROWS = 32
 # matrix-vector product either way) is unchanged (bench/few_row_dots/). Those figures were taken at a load of about 2,
 # where YNNPACK's multi-threaded few-row dots lose most; on a quiet machine the costs without it were about those
 # session 22's quiet calibration found with it (bench/mixed_drafts/session24_quiet). Other backends ignore the option.
+# One row only: from two rows on a plain step's dots are YNNPACK's too, and a tree step without them loses its
+# cheapest branch. A mixed step that skips the drafting is a plain step of the tree-step jit: at batch 4 (2-core
+# EPYC, SmolLM2, MT-Bench first turns, the engine's chunk) it cost 1.20-1.23 plain steps without YNNPACK and 1.005
+# with it, and the chunk verifying 2 / 5 nodes 1.62 / 2.15 against 1.53 / 2.05 (bench/mixed_drafts_batch4/ynnpack).
 TREE_STEP_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def tree_step_compiler_options(rows: int) -> dict[str, str]:
+    """The XLA compile options of a jit that runs tree steps alone over `rows` rows: `TREE_STEP_COMPILER_OPTIONS`
+    for one row, XLA's defaults for more (the comment above)."""
+    return TREE_STEP_COMPILER_OPTIONS if rows == 1 else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(fn: Callable, options: tuple[tuple[str, str], ...], static_argnames: tuple[str, ...],
+            donate_argnames: tuple[str, ...]) -> Callable:
+    return jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames, compiler_options=dict(options))
+
+
+def tree_step_jit(fn: Callable, rows: int, *, static_argnames: Sequence[str] = (),
+                  donate_argnames: Sequence[str] = ()) -> Callable:
+    """`jax.jit(fn, ...)` compiled with `tree_step_compiler_options(rows)`: one jit per function and options, kept
+    (so its compilations are)."""
+    return _jitted(fn, tuple(sorted(tree_step_compiler_options(rows).items())), tuple(static_argnames),
+                   tuple(donate_argnames))
 
 
 class RMSNorm(nnx.Module):

@@ -46,7 +46,8 @@ from medusa_jax.trees.policy import step_cost, tree_choice
 
 MODES = ("auto", "redo", "skip")
 ENV = "MEDUSA_JAX_CALIBRATION"
-FORMAT = "medusa-jax-step-costs-v2"  # v2: tree steps compiled without YNNPACK (backbone.TREE_STEP_COMPILER_OPTIONS)
+FORMAT = "medusa-jax-step-costs-v3"  # v3: YNNPACK kept from 2 rows (backbone.tree_step_compiler_options);
+# v2: tree steps compiled without YNNPACK
 CONTEXT = 256  # committed tokens in the cache when timing (as build_tree)
 REPEATS = 5
 

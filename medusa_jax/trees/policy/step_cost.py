@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from medusa_jax.model.backbone import TREE_STEP_COMPILER_OPTIONS, CausalLM
+from medusa_jax.model.backbone import CausalLM, tree_step_jit
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
@@ -64,11 +64,14 @@ def time_interleaved(calls: Sequence[Callable[[], object]], rounds: int) -> list
     return [statistics.median(acc) for acc in times]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tree"), donate_argnames=("state",),
-         compiler_options=TREE_STEP_COMPILER_OPTIONS)  # as the engine's tree steps (drafted_rows.drafted_chunk)
 def _medusa_step(graphdef, params, state: MedusaState, *, tree: TreeBuffers | DynamicTree) -> MedusaState:
-    """`medusa.medusa_step`, the Medusa decode loop's body (greedy, the heads' proposal), jitted alone."""
+    """`medusa.medusa_step`, the Medusa decode loop's body (greedy, the heads' proposal), jitted alone by
+    `_medusa_step_jit` as the engine's tree steps are (`drafted_rows.drafted_chunk`: the compile options of its rows)."""
     return medusa_step(nnx.merge(graphdef, params), state, tree=tree, acceptance=GREEDY, eos_ids=())
+
+
+def _medusa_step_jit(rows: int) -> Callable:
+    return tree_step_jit(_medusa_step, rows, static_argnames=("graphdef", "tree"), donate_argnames=("state",))
 
 
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
@@ -133,7 +136,8 @@ def medusa_step_call(base: CausalLM, heads: MedusaHeads, tree: TreeBuffers | Dyn
                         zeros_b, jnp.zeros((b,), bool), zeros_b, jnp.zeros((b, e), jnp.int32),
                         jnp.zeros((), jnp.int32), jax.random.key(0), moves_be,
                         jnp.array(moves_be, copy=True), draft)  # src and dst: two buffers, both donated
-    return _SteppedState(lambda s: _medusa_step(graphdef, params, s, tree=tree), state, context)
+    step = _medusa_step_jit(b)
+    return _SteppedState(lambda s: step(graphdef, params, s, tree=tree), state, context)
 
 
 def plain_step_seconds(base: CausalLM, batch: int, context: int, cache_size: int, repeats: int = 5) -> float:
