@@ -13,8 +13,8 @@ sees only the roots' logits, not the tree nodes': its drafts are somewhat weaker
 Replay (`replay`): a rule walks the answer from the first position: it skips (a plain step of the mixed loop, cost
 `skip_cost`) or verifies one size (cost `costs[size]`, `1 + accepted` tokens), and learns from the outcome; the
 speed against plain decoding is tokens / cost (plain: one token per unit). `replay_batch` (`--batch`) walks the
-answers of rows decoded together: one choice per step for all, the batch as slow as its last row. The rules are numpy mirrors of
-`size_choice`: the rules before 2026-12-06 (`BackoffRule`: the step's predictions, with or without the run's
+answers of rows decoded together: one choice per step for all, the batch as slow as its last row. The rules are
+numpy mirrors of `size_choice`: the rules before 2026-12-06 (`BackoffRule`: the step's predictions, with or without the run's
 correction, and a backoff after each drafted step that did not pay), the one shipped on 2026-12-06
 (`RunningMeanRule`: each size's running estimate, the step's prediction a prior) and the shipped one (`RatioRule`:
 the step's prediction scaled by each size's ratio of accepted to predicted tokens), so their states follow the same
@@ -445,8 +445,8 @@ def main(argv=None) -> int:
     if a.batch > 1:  # a step's oracle is not the batch's: each row's best size differs
         del rules["oracle"]
         rules["prediction x ratio per size, the critical row's weights"] = lambda: RatioRule(sizes, costs)
-    print(f"| rule | speedup | worst {'prompt' if a.batch == 1 else 'batch'} | per {'prompt' if a.batch == 1 else 'batch'} |"
-          "\n|---|---|---|---|")
+    unit = "prompt" if a.batch == 1 else "batch"
+    print(f"| rule | speedup | worst {unit} | per {unit} |\n|---|---|---|---|")
     for name, rule_of in rules.items():
         weights = "critical" if "critical row" in name else "mean"
         result = evaluate(records, rule_of, sizes, costs, a.skip_cost) if a.batch == 1 else \

@@ -162,6 +162,5 @@ class DraftedDecoder:
                                     np.zeros((n, width), np.int32), zeros_n + 1, RowSampling.greedy(n),
                                     tree=self.tree, eos_ids=self.eos_ids).compile()
             drafted_chunk(len(self.emitted_b)).lower(
-                *self._chunk_args(np.zeros(self.state.root_b.shape, np.int32)), tree=self.tree,
-                                steps=steps, eos_ids=self.eos_ids, pad_id=self.pad_id,
-                                proposer=self.proposer).compile()
+                *self._chunk_args(np.zeros(self.state.root_b.shape, np.int32)), tree=self.tree, steps=steps,
+                eos_ids=self.eos_ids, pad_id=self.pad_id, proposer=self.proposer).compile()

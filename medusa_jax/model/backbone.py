@@ -34,8 +34,8 @@ FEW_ROWS = 32
 # session 22's quiet calibration found with it (bench/mixed_drafts/session24_quiet). Other backends ignore the option.
 # One row only: from two rows on a plain step's dots are YNNPACK's too, and a tree step without them loses its
 # cheapest branch. A mixed step that skips the drafting is a plain step of the tree-step jit: at batch 4 (2-core
-# EPYC, SmolLM2, MT-Bench first turns, the engine's chunk) it cost 1.20-1.23 plain steps without YNNPACK and 1.005
-# with it, and the chunk verifying 2 / 5 nodes 1.62 / 2.15 against 1.53 / 2.05 (bench/mixed_drafts_batch4/ynnpack).
+# EPYC, SmolLM2, MT-Bench first turns, the engine's chunk) it cost 1.173 plain steps without YNNPACK and 0.995
+# with it, and the chunk verifying 2 / 5 nodes 1.599 / 2.173 against 1.464 / 1.965 (bench/mixed_drafts_batch4/ynnpack).
 TREE_STEP_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 

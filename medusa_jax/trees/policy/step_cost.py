@@ -66,7 +66,7 @@ def time_interleaved(calls: Sequence[Callable[[], object]], rounds: int) -> list
 
 def _medusa_step(graphdef, params, state: MedusaState, *, tree: TreeBuffers | DynamicTree) -> MedusaState:
     """`medusa.medusa_step`, the Medusa decode loop's body (greedy, the heads' proposal), jitted alone by
-    `_medusa_step_jit` as the engine's tree steps are (`drafted_rows.drafted_chunk`: the compile options of its rows)."""
+    `_medusa_step_jit` as the engine's tree steps are (`drafted_rows.drafted_chunk`: the options of its rows)."""
     return medusa_step(nnx.merge(graphdef, params), state, tree=tree, acceptance=GREEDY, eos_ids=())
 
 
