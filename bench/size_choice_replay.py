@@ -198,25 +198,25 @@ def replay(steps: list[Position], rule, costs, skip_cost: float) -> dict:
             "skipped": skipped, "accepted_per_drafted": accepted / max(drafted, 1)}
 
 
-ROW_WEIGHTS = ("mean", "critical")
+ROW_WEIGHTS = ("mean", "left")
 
 
-def row_weights(kind: str, active_b: np.ndarray, out_b: np.ndarray, steps_b: np.ndarray, capacity: int,
-                rate_prior: float = 3.0) -> np.ndarray:
+def row_weights(kind: str, active_b: np.ndarray, out_b: np.ndarray, capacity: int) -> np.ndarray:
     """How much each row's tokens count in a batch step's choice (summing to 1 over the active rows): "mean" every
-    active row alike (the shipped rule); "critical" the active row with the most steps left at its own pace so far
-    ((capacity - out) over its tokens per step, a prior of 1 token per step worth `rate_prior` steps): in a batch
-    that ends when its last row does, only the tokens of the row that finishes last shorten it."""
+    active row alike (the rule until 2026-12-07, and the shipped rule's where rows are refilled); "left" the active
+    rows with the most tokens left (capacity - out; the shipped rule's `SizeChoiceState.counted_rows` for rows that
+    end together): in a batch that ends when its last row does, only the tokens of the row that finishes last
+    shorten it. (A variant that ranked the rows by their steps left at their own pace so far, never shipped, made
+    the same choices as "left" on every record set.)"""
     if kind == "mean":
         w_b = active_b.astype(float)
     else:
-        rate_b = (out_b + rate_prior) / (steps_b + rate_prior)
-        left_b = np.where(active_b, (capacity - out_b) / rate_b, -np.inf)
+        left_b = np.where(active_b, capacity - out_b, -np.inf)
         w_b = (left_b == left_b.max()).astype(float) * active_b
     return w_b / max(w_b.sum(), 1e-12)
 
 
-def replay_batch(rows: list[list[Position]], rule, costs, skip_cost: float, weights: str = "mean",
+def replay_batch(rows: list[list[Position]], rule, costs, skip_cost: float, weights: str = "left",
                  capacity: int = 128) -> dict:
     """`replay` for a batch of rows decoded together (one size per step for all of them, the batch done when its
     last row is): each step's position is the weighted mean of the active rows' (`row_weights`), the rule learns
@@ -228,7 +228,7 @@ def replay_batch(rows: list[list[Position]], rule, costs, skip_cost: float, weig
     cost, drafted, skipped = 0.0, 0, 0
     while np.any(pos_b < len_b):
         active_b = pos_b < len_b
-        w_b = row_weights(weights, active_b, pos_b, steps_b, capacity)
+        w_b = row_weights(weights, active_b, pos_b, capacity)
         here = [rows[i][pos_b[i]] if active_b[i] else None for i in range(b)]
         mean = lambda field: sum(w_b[i] * getattr(here[i], field) for i in range(b) if active_b[i])
         choice = rule.decide(Position(mean("accepts_k"), mean("lookup_k"), mean("true_k")))
@@ -249,7 +249,7 @@ def replay_batch(rows: list[list[Position]], rule, costs, skip_cost: float, weig
             "skipped": skipped, "tokens_per_step": float(len_b.sum() / steps_b.sum())}
 
 
-def evaluate_batch(records: list[dict], rule_of, sizes, costs, skip_cost, batch: int, weights: str = "mean") -> dict:
+def evaluate_batch(records: list[dict], rule_of, sizes, costs, skip_cost, batch: int, weights: str = "left") -> dict:
     """`replay_batch` over the records in batches of `batch` (in order); mean: the plain steps over the cost."""
     groups = [records[i: i + batch] for i in range(0, len(records), batch)]
     per = [replay_batch([positions(r, sizes) for r in g], rule_of(), costs, skip_cost, weights) for g in groups]
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-cost", type=float, default=1.06, help="replay: a skipped step's cost (default: 1.06)")
     p.add_argument("--batch", type=int, default=1,
                    help="replay: rows decoded together, the records in turn (default: %(default)s; > 1: "
-                        "`replay_batch`, and the shipped rule also with the critical row's weights)")
+                        "`replay_batch`; the shipped rule also counting every active row)")
     a = p.parse_args(argv)
     if a.command == "record":
         available = len(prompt_texts(a.prompt_set, 10_000))
@@ -321,11 +321,12 @@ def main(argv=None) -> int:
              "oracle": lambda: Oracle(sizes, costs, a.skip_cost)}
     if a.batch > 1:  # a step's oracle is not the batch's: each row's best size differs
         del rules["oracle"]
-        rules["prediction x ratio per size, the critical row's weights"] = lambda: RatioRule(sizes, costs)
+        rules["prediction x ratio per size, every active row counted (until 2026-12-07)"] = \
+            lambda: RatioRule(sizes, costs)
     unit = "prompt" if a.batch == 1 else "batch"
     print(f"| rule | speedup | worst {unit} | per {unit} |\n|---|---|---|---|")
     for name, rule_of in rules.items():
-        weights = "critical" if "critical row" in name else "mean"
+        weights = "mean" if "every active row" in name else "left"
         result = evaluate(records, rule_of, sizes, costs, a.skip_cost) if a.batch == 1 else \
             evaluate_batch(records, rule_of, sizes, costs, a.skip_cost, a.batch, weights)
         per_prompt = " ".join(f"{r['speedup']:.2f}" for r in result["per_prompt"])

@@ -75,11 +75,12 @@ def drafted_admit(graphdef, params, state: MedusaState, sampling: RowSampling, r
 
 
 def _drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, remaining_b, emitted_b,
-                  proposer_data=None, *, tree, steps: int, eos_ids: tuple[int, ...], pad_id: int,
-                  proposer: Proposer = heads_proposer):
+                   together, proposer_data=None, *, tree, steps: int, eos_ids: tuple[int, ...], pad_id: int,
+                   proposer: Proposer = heads_proposer):
     """Up to `steps` tree steps while any row is active, each row accepting with its own settings; emitted_b [b]:
-    each row's tokens so far. Returns (state, tokens [b, c*e], first [b], end [b]): row b's new tokens are
-    tokens[b, first[b]:end[b]]; state.steps_b counts its verify steps."""
+    each row's tokens so far; together (bool scalar): the rows end together, so a mix's size choice counts the rows
+    with the most tokens left (`size_choice.SizeChoiceState.counted_rows`). Returns (state, tokens [b, c*e],
+    first [b], end [b]): row b's new tokens are tokens[b, first[b]:end[b]]; state.steps_b counts its verify steps."""
     model: MedusaModel = nnx.merge(graphdef, params)
     b, width = state.root_b.shape[0], steps * (tree.depth + 1)
     start_b = width - jnp.clip(remaining_b, 0, width)
@@ -87,6 +88,8 @@ def _drafted_chunk(graphdef, params, state: MedusaState, sampling: RowSampling, 
     state = dataclasses.replace(state, out_bo=jnp.full((b, width), pad_id, jnp.int32), num_out_b=start_b,
                                 steps_b=zeros_b, accept_bo=jnp.zeros((b, steps), jnp.int32),
                                 step=jnp.zeros((), jnp.int32), done_b=state.done_b | (remaining_b <= 0))
+    if state.choice is not None:
+        state = dataclasses.replace(state, choice=dataclasses.replace(state.choice, together=jnp.asarray(together)))
 
     def counted(inputs):  # the proposer counts a row's tokens from its reply's first, as in a decode call
         return proposer(dataclasses.replace(inputs, num_out_b=inputs.num_out_b - start_b + emitted_b))
@@ -136,14 +139,17 @@ class DraftedDecoder:
         self.emitted_b[rows_n[rows_n < len(self.emitted_b)]] = 1
         return fetch(first_n)
 
-    def _chunk_args(self, remaining_b: np.ndarray) -> tuple:
+    def _chunk_args(self, remaining_b: np.ndarray, together: bool) -> tuple:
         return (self.graphdef, self.params, self.state, self.sampling, np.asarray(remaining_b, np.int32),
-                self.emitted_b, self.proposer_data)
+                self.emitted_b, np.bool_(together), self.proposer_data)
 
-    def chunk(self, steps: int, remaining_b: np.ndarray) -> tuple[list[list[int]], int, int]:
+    def chunk(self, steps: int, remaining_b: np.ndarray, together: bool = False
+              ) -> tuple[list[list[int]], int, int]:
+        """`PlainDecoder.chunk`; `together`: the busy rows end together (no request waits for a row), which a mix's
+        size choice weighs (`_drafted_chunk`)."""
         with self.placement.active():
             self.state, out_bo, start_b, end_b = drafted_chunk(len(self.emitted_b))(
-                *self._chunk_args(remaining_b), tree=self.tree, steps=steps, eos_ids=self.eos_ids,
+                *self._chunk_args(remaining_b, together), tree=self.tree, steps=steps, eos_ids=self.eos_ids,
                 pad_id=self.pad_id, proposer=self.proposer)
         out_bo, start_b, end_b, run, steps_b = fetch((out_bo, start_b, end_b, self.state.step, self.state.steps_b))
         self.emitted_b += end_b - start_b
@@ -162,5 +168,5 @@ class DraftedDecoder:
                                     np.zeros((n, width), np.int32), zeros_n + 1, RowSampling.greedy(n),
                                     tree=self.tree, eos_ids=self.eos_ids).compile()
             drafted_chunk(len(self.emitted_b)).lower(
-                *self._chunk_args(np.zeros(self.state.root_b.shape, np.int32)), tree=self.tree, steps=steps,
+                *self._chunk_args(np.zeros(self.state.root_b.shape, np.int32), False), tree=self.tree, steps=steps,
                 eos_ids=self.eos_ids, pad_id=self.pad_id, proposer=self.proposer).compile()

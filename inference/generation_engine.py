@@ -142,6 +142,7 @@ class GenerationEngine:
         self._pending: deque[Request] = deque()
         self._cv = threading.Condition()
         self._closing = self._drain = False
+        self._client_waiting: int | None = None  # generate_all's prompts not yet submitted; None: no batch client
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what stopped the engine's thread, if anything did
         self.metrics = EngineMetrics()
@@ -274,11 +275,24 @@ class GenerationEngine:
     def generate_all(self, prompts: Sequence[Sequence[int]], params: RequestParams) -> list[list[int]]:
         """Every prompt's tokens (EOS included), the engine driven in this thread (not started): a batch client."""
         requests, todo = [], deque(prompts)
-        while todo or any(r.finish_reason is None for r in requests):
-            while todo and len(self._pending) < self.config.max_queue:
-                requests.append(self.submit(todo.popleft(), params))
-            self.run_once()
+        try:
+            while todo or any(r.finish_reason is None for r in requests):
+                while todo and len(self._pending) < self.config.max_queue:
+                    requests.append(self.submit(todo.popleft(), params))
+                self._client_waiting = len(todo)
+                self.run_once()
+        finally:
+            self._client_waiting = None
         return [r.tokens for r in requests]
+
+    def _rows_end_together(self) -> bool:
+        """Whether the busy rows end together: a batch client's last requests (none waiting for a row), or sorted
+        admission's batch (the next one waits for every row). A mix's size choice then counts the rows with the most
+        tokens left (`size_choice.SizeChoiceState.counted_rows`); a server's rows answer requests each of its own."""
+        if self.config.admission == "sorted":
+            return True
+        with self._cv:
+            return self._client_waiting == 0 and not self._pending
 
     def _finish(self, request: Request, reason: str, tokens: Sequence[int]) -> None:
         request.finish_reason = reason
@@ -355,7 +369,8 @@ class GenerationEngine:
         for row in busy:
             request = self._row_request[row]
             remaining_b[row] = request.params.max_tokens - len(request.tokens)
-        tokens, steps, row_steps = self._decoder.chunk(self.config.chunk_steps, remaining_b)
+        tokens, steps, row_steps = self._decoder.chunk(self.config.chunk_steps, remaining_b,
+                                                       self._rows_end_together())
         if self.drafted:  # each row's verify steps of the chunk and their accept lengths
             steps_b, accept_bc = fetch((self._decoder.state.steps_b, self._decoder.state.accept_bo))
             for row in busy:

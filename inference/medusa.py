@@ -183,14 +183,16 @@ def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal,
     size's ratio of accepted to predicted tokens in this run, prompt lookup's chains `lookup` as a floor), or with no
     such state the drafters' predictions alone (`size_choice.choose`); one branch per static size (size 0: the root
     alone, a plain step), each run by `run_if`. The size-choice state learns what each size up to the verified one
-    would have accepted (`size_choice.accepted_per_size`)."""
-    lengths_b, active_b = state.cache.lengths_b, state.active_b
-    rows = jnp.sum(active_b).astype(jnp.float32)
-    accepts_k = predicted_accepts(proposal, sizes, active_b)
+    would have accepted (`size_choice.accepted_per_size`). Predictions and outcomes are those of the rows the choice
+    counts (`counted_rows`)."""
+    lengths_b = state.cache.lengths_b
+    counted_b = state.active_b if state.choice is None else counted_rows(state)
+    rows = jnp.sum(counted_b).astype(jnp.float32)
+    accepts_k = predicted_accepts(proposal, sizes, counted_b)
     if state.choice is None:
         choice = choose(accepts_k, sizes, rows)
     else:
-        lookup_k = sum((predicted_accepts(p, sizes, active_b) for p in lookup), jnp.zeros_like(accepts_k))
+        lookup_k = sum((predicted_accepts(p, sizes, counted_b) for p in lookup), jnp.zeros_like(accepts_k))
         choice = state.choice.choose(accepts_k, lookup_k, sizes, rows)
 
     def branch(index: int, nodes: int):
@@ -208,7 +210,7 @@ def sized_verify(model: MedusaModel, state: MedusaState, proposal: TreeProposal,
             else:  # the accepted path, read back from the tokens emitted (cut at an EOS) and the pending move
                 accept_b = jnp.maximum(after.num_out_b - state_.num_out_b - 1, 0)
                 accepted_k = accepted_per_size(kept.score_bt[:, 1:], after.move_src_be - lengths_b[:, None],
-                                               accept_b, active_b, sizes, nodes)
+                                               accept_b, counted_b, sizes, nodes)
             return dataclasses.replace(after, choice=state_.choice.drafted(sizes, jnp.int32(index), accepted_k, rows,
                                                                            accepts_k))
         return run
@@ -236,9 +238,15 @@ def mixed_step(model: MedusaModel, state: MedusaState, proposer: Proposer, input
 
     if state.choice is None:
         return drafted(state)
-    drafts = state.choice.drafts | lookup_pays(list((given or {}).values()), sizes, state.active_b)
+    drafts = state.choice.drafts | lookup_pays(list((given or {}).values()), sizes, counted_rows(state))
     state = run_if(~drafts, partial(skipped_step, model, sizes=sizes, acceptance=acceptance, eos_ids=eos_ids), state)
     return run_if(drafts, drafted, state)
+
+
+def counted_rows(state: MedusaState) -> jax.Array:
+    """[b] bool: the rows whose tokens the size choice counts (`size_choice.SizeChoiceState.counted_rows`; a row's
+    budget left: its output buffer's free end)."""
+    return state.choice.counted_rows(state.active_b, state.out_bo.shape[1] - state.num_out_b)
 
 
 def skipped_step(model: MedusaModel, state: MedusaState, *, sizes: DraftSizes,

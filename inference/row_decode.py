@@ -141,9 +141,9 @@ class PlainDecoder:
                                                               sampling_n), eos_ids=self.eos_ids)
         return fetch(first_n)
 
-    def chunk(self, steps: int, remaining_b: np.ndarray) -> tuple[list[list[int]], int, int]:
-        """Up to `steps` steps (budgets are on the device already). Returns (each row's new tokens, steps run,
-        active row steps)."""
+    def chunk(self, steps: int, remaining_b: np.ndarray, together: bool = False) -> tuple[list[list[int]], int, int]:
+        """Up to `steps` steps (budgets are on the device already; `together`, whether the rows end together, changes
+        nothing in plain decoding). Returns (each row's new tokens, steps run, active row steps)."""
         with self.placement.active():
             self.rows, tokens_bc, emitted_b, run = decode_chunk(self.graphdef, self.params, self.rows, steps=steps,
                                                                 eos_ids=self.eos_ids, pad_id=self.pad_id)

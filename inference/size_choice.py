@@ -1,12 +1,13 @@
 """How a mixed-draft step chooses its draft size, inside the jitted decode loop, from what this run's drafted steps
-accepted. A step that verified n nodes also shows what every smaller size would have accepted (the best m nodes of
-a candidate tree hold all their ancestors, so the path that m nodes accept is the part of the accepted path ranked
-among them). Per size the run keeps what it accepted against what the drafters predicted in the steps that showed
-it; a drafted step verifies the size with the most estimated tokens per unit of time, its estimate the drafters'
-prediction for this step scaled by that size's ratio (prior: the run-wide ratio, worth `RATIO_PRIOR` predicted
-tokens), prompt lookup's chains a floor (a long match: a repeat). When even the run's best size loses to plain steps
-on its running mean, the following steps skip the drafting (a backoff of 1, 2, 4, ... steps that a drafted probe
-ends; prompt lookup's chains override it). Why, and the rule at batch > 1: docs/modules.md."""
+accepted by the rows that count (`SizeChoiceState.counted_rows`). A step that verified n nodes also shows what
+every smaller size would have accepted (the best m nodes of a candidate tree hold all their ancestors, so the path
+that m nodes accept is the part of the accepted path ranked among them). Per size the run keeps what it accepted
+against what the drafters predicted in the steps that showed it; a drafted step verifies the size with the most
+estimated tokens per unit of time, its estimate the drafters' prediction for this step scaled by that size's ratio
+(prior: the run-wide ratio, worth `RATIO_PRIOR` predicted tokens), prompt lookup's chains a floor (a long match: a
+repeat). When even the run's best size loses to plain steps on its running mean, the following steps skip the
+drafting (a backoff of 1, 2, 4, ... steps that a drafted probe ends; prompt lookup's chains override it). Why, and
+the rule at batch > 1: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -37,17 +38,29 @@ class SizeChoiceState:
     skip_left: jax.Array  # int32: steps still to run without drafting
     misses: jax.Array  # int32: drafted steps in a row after which the run's best size did not pay
     seen_k: jax.Array  # float32 [k]: drafted steps that showed the size (verified it or a larger one; decayed)
-    accepted_k: jax.Array  # float32 [k]: tokens per active row the size accepted in those steps (decayed sum)
-    predicted_k: jax.Array  # float32 [k]: tokens per active row the drafters predicted for it there (decayed sum)
-    realised: jax.Array  # float32: accepted tokens per active row of the drafted steps' chosen sizes (decayed sum)
-    predicted: jax.Array  # float32: the tokens per active row the drafters predicted for those (decayed sum)
+    accepted_k: jax.Array  # float32 [k]: tokens per counted row the size accepted in those steps (decayed sum)
+    predicted_k: jax.Array  # float32 [k]: tokens per counted row the drafters predicted for it there (decayed sum)
+    realised: jax.Array  # float32: accepted tokens per counted row of the drafted steps' chosen sizes (decayed sum)
+    predicted: jax.Array  # float32: the tokens per counted row the drafters predicted for those (decayed sum)
+    # bool: the rows end together (a batch call with no prompt waiting for a row), so only the rows with the most
+    # tokens left count (`counted_rows`); False: every active row counts (a server's rows, or rows refilled)
+    together: jax.Array
 
     @staticmethod
-    def start(sizes: DraftSizes) -> "SizeChoiceState":
+    def start(sizes: DraftSizes, together: bool = True) -> "SizeChoiceState":
         k = len(sizes.sizes)  # own buffers: calls donate them
         return SizeChoiceState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((k,), jnp.float32),
                                jnp.zeros((k,), jnp.float32), jnp.zeros((k,), jnp.float32), jnp.zeros((), jnp.float32),
-                               jnp.zeros((), jnp.float32))
+                               jnp.zeros((), jnp.float32), jnp.asarray(together, bool))
+
+    def counted_rows(self, active_b: jax.Array, left_b: jax.Array) -> jax.Array:
+        """[b] bool: the rows whose tokens the choice counts (their predictions, what they accepted). Rows that end
+        together (`together`) end when the last one does, so a step pays only for the rows with the most tokens left
+        (`left_b`: each row's budget left; ties all count): a step that the other rows would gain by shortens nothing
+        (bench/size_choice, "batches of 4 rows"). Otherwise every active row: a row that ends early is refilled or
+        answers its own request sooner, so all of their tokens count. At one row both are the row."""
+        most = jnp.max(jnp.where(active_b, left_b, jnp.iinfo(jnp.int32).min))
+        return active_b & (~self.together | (left_b == most))
 
     @property
     def correction(self) -> jax.Array:
@@ -61,7 +74,7 @@ class SizeChoiceState:
         return self.skip_left <= 0
 
     def estimates(self, sizes: DraftSizes) -> jax.Array:
-        """[k] the run's decayed mean of the accepted tokens per active row of a step verifying each size, with the
+        """[k] the run's decayed mean of the accepted tokens per counted row of a step verifying each size, with the
         break-even accepts (costs - 1) weighing PRIOR steps."""
         costs_k = jnp.asarray(sizes.costs, jnp.float32)
         return (self.accepted_k + PRIOR * (costs_k - 1)) / (self.seen_k + PRIOR)
@@ -76,7 +89,7 @@ class SizeChoiceState:
     def choose(self, accepts_k: jax.Array, lookup_k: jax.Array, sizes: DraftSizes, rows: jax.Array) -> jax.Array:
         """The index into sizes.sizes (int32 scalar) of a drafted step: the size with the most estimated tokens per
         unit of time, (1 + estimate) / cost per row (`best_size`). `accepts_k` / `lookup_k`:
-        the drafters' / prompt lookup's chains' predicted accepted tokens of the `rows` active rows (the first scaled
+        the drafters' / prompt lookup's chains' predicted accepted tokens of the `rows` counted rows (the first scaled
         by each size's `ratios`; the second, lookup's measured acceptance, is a floor)."""
         rows = jnp.maximum(rows, 1.0)
         estimate_k = jnp.maximum(self.ratios * accepts_k / rows, lookup_k / rows)
@@ -88,7 +101,7 @@ class SizeChoiceState:
 
     def drafted(self, sizes: DraftSizes, choice: jax.Array, accepted_k: jax.Array, rows: jax.Array,
                 predicted_k: jax.Array) -> "SizeChoiceState":
-        """After a drafted step of size index `choice` over `rows` active rows: `accepted_k` [k] the tokens each size
+        """After a drafted step of size index `choice` over `rows` counted rows: `accepted_k` [k] the tokens each size
         up to the chosen one accepted (`accepted_per_size`; the rest are not read), `predicted_k` [k] what the
         drafters predicted for each size (`predicted_accepts`, unscaled). When it verified nodes, the sizes it showed
         learn both and the others' weight decays (a step that verified the root alone teaches nothing and never
@@ -135,12 +148,12 @@ def best_size(accepts_k: jax.Array, sizes: DraftSizes) -> jax.Array:
     return jnp.argmax(jnp.where(jnp.asarray(drafted_k), gain_k, -jnp.inf)).astype(jnp.int32)
 
 
-def accepted_per_size(score_bn: jax.Array, path_be: jax.Array, accept_b: jax.Array, active_b: jax.Array,
+def accepted_per_size(score_bn: jax.Array, path_be: jax.Array, accept_b: jax.Array, counted_b: jax.Array,
                       sizes: DraftSizes, verified: int) -> jax.Array:
-    """[k] tokens the active rows would have accepted with each size up to `verified` nodes, from a step that
-    verified the best `verified` nodes (`draft_merge.keep_best`, scores `score_bn` [b, verified] of nodes 1..n) and
-    accepted `accept_b` nodes along `path_be` (node indices, the root first): a size of m nodes holds the path's
-    nodes ranked below m, and its path ends at the first one it lacks. Sizes above `verified`: 0."""
+    """[k] tokens the counted rows (`counted_b`) would have accepted with each size up to `verified` nodes, from a
+    step that verified the best `verified` nodes (`draft_merge.keep_best`, scores `score_bn` [b, verified] of nodes
+    1..n) and accepted `accept_b` nodes along `path_be` (node indices, the root first): a size of m nodes holds the
+    path's nodes ranked below m, and its path ends at the first one it lacks. Sizes above `verified`: 0."""
     b, n = score_bn.shape
     i_n1, j_1n = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
     # rank: nodes scored higher, and equal ones earlier (lax.top_k's order)
@@ -157,14 +170,14 @@ def accepted_per_size(score_bn: jax.Array, path_be: jax.Array, accept_b: jax.Arr
             counts.append(jnp.zeros((), jnp.float32))
             continue
         kept_bd = jnp.cumprod(on_path_bd & (rank_bd < m), axis=1)
-        counts.append(jnp.sum(jnp.where(active_b, jnp.sum(kept_bd, axis=1), 0)).astype(jnp.float32))
+        counts.append(jnp.sum(jnp.where(counted_b, jnp.sum(kept_bd, axis=1), 0)).astype(jnp.float32))
     return jnp.stack(counts)
 
 
-def predicted_accepts(proposal: TreeProposal, sizes: DraftSizes, active_b: jax.Array) -> jax.Array:
-    """[k] predicted accepted tokens of all active rows if the best n nodes of each row are verified, n in
-    sizes.sizes: the drafters' own prediction (`draft_merge.expected_accepts`)."""
-    return jnp.sum(jnp.where(active_b[:, None], expected_accepts(proposal, sizes.sizes), 0.0), axis=0)
+def predicted_accepts(proposal: TreeProposal, sizes: DraftSizes, counted_b: jax.Array) -> jax.Array:
+    """[k] predicted accepted tokens of the counted rows (`counted_b`) if the best n nodes of each row are verified,
+    n in sizes.sizes: the drafters' own prediction (`draft_merge.expected_accepts`)."""
+    return jnp.sum(jnp.where(counted_b[:, None], expected_accepts(proposal, sizes.sizes), 0.0), axis=0)
 
 
 def choose(accepts_k: jax.Array, sizes: DraftSizes, rows: jax.Array) -> jax.Array:
@@ -175,16 +188,17 @@ def choose(accepts_k: jax.Array, sizes: DraftSizes, rows: jax.Array) -> jax.Arra
     return jnp.argmax(gain_k).astype(jnp.int32)
 
 
-def lookup_pays(proposals: Sequence[TreeProposal], sizes: DraftSizes, active_b: jax.Array) -> jax.Array:
+def lookup_pays(proposals: Sequence[TreeProposal], sizes: DraftSizes, counted_b: jax.Array) -> jax.Array:
     """Whether the mix's prompt-lookup chains alone (`proposals`: `MixedDrafter.lookup_proposals`, drafted once per
     step and reused by a drafted step; scored with lookup's measured acceptance, so uncorrected) predict a drafted
     step that beats the plain step it would replace (bool scalar; False with no lookup member): some drafted size
     n > 0 whose rows + predicted accepts per its cost exceed the rows of a plain step (cost 1; a step that skips
-    the drafting costs what a plain step does, not `sizes.costs[0]`, which also pays the drafting)."""
-    rows = jnp.sum(active_b).astype(jnp.float32)
+    the drafting costs what a plain step does, not `sizes.costs[0]`, which also pays the drafting), over the counted
+    rows `counted_b`."""
+    rows = jnp.sum(counted_b).astype(jnp.float32)
     drafted_k = jnp.asarray(sizes.sizes) > 0
     pays = jnp.zeros((), bool)
     for proposal in proposals:
-        gain_k = (rows + predicted_accepts(proposal, sizes, active_b)) / jnp.asarray(sizes.costs, jnp.float32)
+        gain_k = (rows + predicted_accepts(proposal, sizes, counted_b)) / jnp.asarray(sizes.costs, jnp.float32)
         pays |= jnp.any(drafted_k & (gain_k > rows))
     return pays

@@ -132,6 +132,37 @@ def test_a_mix_shares_its_steps_between_greedy_and_sampled_rows(model):
                                                       for p in prompts[:3]]
 
 
+def test_the_size_choice_counts_the_longest_rows_only_where_the_rows_end_together(model):
+    """The engine tells its drafted chunks whether the busy rows end together (`_rows_end_together`): a batch
+    client's chunks while prompts still wait for a row do not (finished rows are refilled: every row's tokens
+    count), its last ones do, and so does every chunk of sorted admission; a server's (requests submitted one by
+    one) never do. The tokens stay plain greedy's either way."""
+    drafter, tree = drafter_of(model, "recycle+lookup")
+    prompts = prompts_of((6, 12, 3, 20, 8))
+    plain = [generate(model, [p], max_new_tokens=N, eos_ids=())[0].token_ids for p in prompts]
+    for admission, want in (("fifo", {False, True}), ("sorted", {True})):
+        engine = GenerationEngine(model, EngineConfig(rows=2, context=64, chunk_steps=3, max_queue=2,
+                                                      admission=admission), eos_ids=(), heads=drafter, tree=tree)
+        told, chunk = [], engine._decoder.chunk
+
+        def spy(steps, remaining_b, together=False):
+            told.append((together, engine._client_waiting, len(engine._pending)))
+            return chunk(steps, remaining_b, together)
+
+        engine._decoder.chunk = spy
+        assert engine.generate_all(prompts, RequestParams(max_tokens=N)) == plain
+        assert {t for t, _, _ in told} == want
+        if admission == "fifo":  # together exactly when nothing waits
+            assert all(t == (waiting == 0 and pending == 0) for t, waiting, pending in told)
+            assert told[-1][0]
+        told.clear()
+        served = [engine.submit(p, RequestParams(max_tokens=N)) for p in prompts[:2]]
+        while any(r.finish_reason is None for r in served):
+            engine.run_once()
+        assert [r.tokens for r in served] == plain[:2]
+        assert {t for t, _, _ in told} == {admission == "sorted"}
+
+
 NOTHING = AcceptanceConfig("typical", posterior_threshold=1.0, posterior_alpha=1e9)  # no p exceeds 1
 
 

@@ -71,7 +71,7 @@ def test_engine_tree_steps_compile_without_ynnpack_for_one_row_and_its_prefill_w
     heads = init_heads(HeadsConfig(CFG.hidden_size, CFG.vocab_size, num_heads=3), base, seed=0)
     tree = load_tree("mc_sim_7b_8", num_heads=3, max_top_k=CFG.vocab_size)
     decoder = DraftedDecoder(base, heads, tree, rows=rows, context=64, steps=2, eos_ids=(), pad_id=0)
-    chunk = drafted_chunk(rows).lower(*decoder._chunk_args(np.zeros((rows,), np.int32)), tree=tree, steps=2,
+    chunk = drafted_chunk(rows).lower(*decoder._chunk_args(np.zeros((rows,), np.int32), False), tree=tree, steps=2,
                                       eos_ids=(), pad_id=0, proposer=decoder.proposer).compile().as_text()
     zeros_n = np.zeros((rows,), np.int32)
     admit = drafted_admit.lower(decoder.graphdef, decoder.params, decoder.state, decoder.sampling, zeros_n,

@@ -308,6 +308,21 @@ def test_lookup_pays_reads_the_lookup_chains_alone():
     assert bool(lookup_pays([one], DraftSizes((0, 6), (1.25, 1.55), depth=6), active))
 
 
+def test_rows_that_end_together_count_only_those_with_the_most_tokens_left():
+    """`SizeChoiceState.counted_rows`: rows that end together (a batch call's) end with the row that has the most
+    tokens left, so only that row (and rows tied with it) counts in the choice; rows that do not (a server's) all
+    count; an inactive row never counts, however much budget it has left; one row counts itself either way."""
+    sizes = DraftSizes((0, 2, 6), (1.1, 1.5, 2.0), depth=6)
+    active = jnp.asarray([True, True, False, True])
+    left = jnp.asarray([40, 90, 120, 90])
+    together, apart = SizeChoiceState.start(sizes), SizeChoiceState.start(sizes, together=False)
+    np.testing.assert_array_equal(np.asarray(together.counted_rows(active, left)), [False, True, False, True])
+    np.testing.assert_array_equal(np.asarray(apart.counted_rows(active, left)), [True, True, False, True])
+    for state in (together, apart):
+        np.testing.assert_array_equal(np.asarray(state.counted_rows(jnp.asarray([True]), jnp.asarray([7]))), [True])
+        assert not np.any(np.asarray(state.counted_rows(jnp.zeros(2, bool), jnp.asarray([3, 5]))))
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     """kind -> (base, {case: (eos_ids, plain greedy token ids per row)}).

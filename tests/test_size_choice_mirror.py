@@ -65,3 +65,22 @@ def test_a_batch_replay_of_one_row_is_the_row_replay_and_a_batch_waits_for_its_l
     slowest = max(replay(r, FixedSize(sizes, costs, 2), costs, 1.02)["drafted"] for r in rows)
     assert batch["drafted"] == slowest and np.isclose(batch["cost"], slowest * costs[2])
     assert np.isclose(batch["speedup"], 150 / batch["cost"])
+
+
+def test_the_batch_replays_left_weights_are_the_device_rules_counted_rows():
+    """`row_weights("left")` (the batch replay of rows that end together) weighs exactly the rows the device rule
+    counts (`SizeChoiceState.counted_rows`), each alike; "mean" those of rows that do not end together."""
+    from medusa_jax.bench.size_choice_replay import row_weights
+
+    sizes = DraftSizes((0, 2, 5), (1.1, 1.5, 1.7), depth=8)
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        active = rng.uniform(size=4) < 0.7
+        out = rng.integers(0, 4, size=4) * 30  # ties are common
+        for together, kind in ((True, "left"), (False, "mean")):
+            counted = np.asarray(SizeChoiceState.start(sizes, together).counted_rows(jnp.asarray(active),
+                                                                                     jnp.asarray(128 - out)))
+            w = row_weights(kind, active, out, 128)
+            np.testing.assert_array_equal(w > 0, counted)
+            if counted.any():
+                np.testing.assert_allclose(w[counted], 1 / counted.sum())
