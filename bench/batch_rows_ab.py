@@ -21,8 +21,8 @@ import json
 import os
 from pathlib import Path
 
-from medusa_jax.bench import grounded_prompts, humaneval, mixed_drafts
-from medusa_jax.bench.bench_inputs import env_choices, env_int, mtbench_questions, usage_error, write_files
+from medusa_jax.bench import mixed_drafts
+from medusa_jax.bench.bench_inputs import PROMPT_SETS, env_choices, env_int, prompt_texts, usage_error, write_files
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.inference import generation_engine
 from medusa_jax.inference.loaded_model import load_model
@@ -34,7 +34,7 @@ from medusa_jax.trees.policy.calibration import machine_description
 PROMPTS = [int(p) for p in env_choices("PROMPTS", tuple(str(i) for i in range(24)), tuple(str(i) for i in range(164)))]
 REPEATS = env_int("REPEATS", 2, 1, 100)
 BATCH = env_int("BATCH", 4, 2, 64)
-SET = env_choices("SET", ("mtbench",), ("mtbench", "grounded", "humaneval"))
+SET = env_choices("SET", ("mtbench",), PROMPT_SETS)
 if len(SET) != 1:
     usage_error(f"$SET={','.join(SET)}: name one set (mtbench, grounded or humaneval)")
 SET = SET[0]
@@ -45,12 +45,7 @@ SHIPPED_RULE = generation_engine.GenerationEngine._rows_end_together
 
 
 def main() -> None:
-    if SET == "grounded":
-        texts = [r["prompt"] for r in grounded_prompts.load()]
-    elif SET == "humaneval":
-        texts = [p.chat_text for p in humaneval.load_problems(max(PROMPTS) + 1)]
-    else:
-        texts = [q.first_turn for q in mtbench_questions(max(PROMPTS) + 1)]
+    texts = prompt_texts(SET, max(PROMPTS) + 1)
     if max(PROMPTS) >= len(texts):
         usage_error(f"$PROMPTS={','.join(map(str, PROMPTS))}: the {SET} set has {len(texts)} prompts")
     if len(PROMPTS) % BATCH:

