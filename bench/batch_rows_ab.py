@@ -22,7 +22,8 @@ import os
 from pathlib import Path
 
 from medusa_jax.bench import mixed_drafts
-from medusa_jax.bench.bench_inputs import PROMPT_SETS, env_choices, env_int, prompt_texts, usage_error, write_files
+from medusa_jax.bench.bench_inputs import (PROMPT_SETS, env_choice, env_choices, env_int, prompt_texts, usage_error,
+                                           write_files)
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.inference import generation_engine
 from medusa_jax.inference.loaded_model import load_model
@@ -34,10 +35,7 @@ from medusa_jax.trees.policy.calibration import machine_description
 PROMPTS = [int(p) for p in env_choices("PROMPTS", tuple(str(i) for i in range(24)), tuple(str(i) for i in range(164)))]
 REPEATS = env_int("REPEATS", 2, 1, 100)
 BATCH = env_int("BATCH", 4, 2, 64)
-SET = env_choices("SET", ("mtbench",), PROMPT_SETS)
-if len(SET) != 1:
-    usage_error(f"$SET={','.join(SET)}: name one set (mtbench, grounded or humaneval)")
-SET = SET[0]
+SET = env_choice("SET", "mtbench", PROMPT_SETS, "one set")
 OUT = Path(__file__).resolve().parent / "mixed_drafts_batch4" / "counted_rows"
 SHIPPED_ARM, EVERY_ROW_ARM = "rows with the most tokens left counted (shipped)", \
     "every active row counted (until 2026-12-07)"

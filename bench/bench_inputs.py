@@ -50,6 +50,14 @@ def env_choices(name: str, default: Sequence[str], allowed: Sequence[str]) -> li
     return chosen
 
 
+def env_choice(name: str, default: str, allowed: Sequence[str], what: str) -> str:
+    """`env_choices` for exactly one of `allowed` (`what` names it in the error: "one set", ...)."""
+    chosen = env_choices(name, (default,), allowed)
+    if len(chosen) != 1:
+        usage_error(f"${name}={','.join(chosen)}: name {what} ({', '.join(allowed[:-1])} or {allowed[-1]})")
+    return chosen[0]
+
+
 def git_revision(folder: Path) -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,

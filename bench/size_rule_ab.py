@@ -24,7 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from medusa_jax.bench import mixed_drafts
-from medusa_jax.bench.bench_inputs import PROMPT_SETS, env_choices, env_int, prompt_texts, usage_error, write_files
+from medusa_jax.bench.bench_inputs import (PROMPT_SETS, env_choice, env_choices, env_int, prompt_texts, usage_error,
+                                           write_files)
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.inference import draft_size, size_choice
@@ -36,15 +37,9 @@ from medusa_jax.trees.policy.calibration import machine_description
 
 PROMPTS = [int(p) for p in env_choices("PROMPTS", tuple(str(i) for i in range(8)), tuple(str(i) for i in range(80)))]
 REPEATS = env_int("REPEATS", 2, 1, 100)
-SET = env_choices("SET", ("mtbench",), PROMPT_SETS)
-if len(SET) != 1:
-    usage_error(f"$SET={','.join(SET)}: name one set (mtbench, grounded or humaneval)")
-SET = SET[0]
+SET = env_choice("SET", "mtbench", PROMPT_SETS, "one set")
 OUT = Path(__file__).resolve().parent / "mixed_drafts" / "size_rule"
-BUDGET = env_choices("BUDGET", ("16",), ("4", "16", "64"))
-if len(BUDGET) != 1:
-    usage_error(f"$BUDGET={','.join(BUDGET)}: name one budget (4, 16 or 64)")
-BUDGET = int(BUDGET[0])
+BUDGET = int(env_choice("BUDGET", "16", ("4", "16", "64"), "one budget"))
 FIXED = sizes_for(BUDGET)[-2:]  # the largest size below the budget and the budget (16 nodes: 0, 2, 5, 16 -> 5, 16)
 SHIPPED = size_choice.SizeChoiceState.drafted
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from medusa_jax.bench import mixed_drafts
-from medusa_jax.bench.bench_inputs import env_choices, env_int, mtbench_questions, usage_error, write_files
+from medusa_jax.bench.bench_inputs import env_choice, env_int, mtbench_questions, write_files
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.inference import medusa, size_choice
 from medusa_jax.inference.api import BatchSettings, generate_batch
@@ -35,10 +35,7 @@ from medusa_jax.model import backbone
 from medusa_jax.model.sharding import MeshConfig
 from medusa_jax.trees.policy.calibration import machine_description
 
-BATCH = env_choices("BATCH", ("4",), ("1", "2", "4", "8"))
-if len(BATCH) != 1:
-    usage_error(f"$BATCH={','.join(BATCH)}: name one batch size (1, 2, 4 or 8)")
-BATCH = int(BATCH[0])
+BATCH = int(env_choice("BATCH", "4", ("1", "2", "4", "8"), "one batch size"))
 REPEATS = env_int("REPEATS", 3, 1, 100)
 OUT = Path(__file__).resolve().parent / "mixed_drafts_batch4" / "ynnpack"
 SHIPPED = backbone.tree_step_compiler_options
