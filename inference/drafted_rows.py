@@ -26,7 +26,7 @@ from medusa_jax.inference.medusa import MedusaState, Proposer, heads_proposer, m
 from medusa_jax.inference.row_decode import release_rows
 from medusa_jax.inference.row_acceptance import RowAcceptance, first_row_tokens
 from medusa_jax.inference.row_drafts import (check_servable, empty_draft, prompt_prefill, put_draft_rows,
-                                             shared_fields, shared_part)
+                                             shared_fields, shared_part, shared_start)
 from medusa_jax.inference.row_sampling import RowSampling
 from medusa_jax.inference.sampling import is_eos
 from medusa_jax.inference.size_choice import SizeChoiceState
@@ -121,10 +121,27 @@ class DraftedDecoder:
         self.proposer, self.proposer_data = proposer, self.placement.draft(proposer_data, True)
         self.emitted_b = np.zeros((rows,), np.int32)  # each row's tokens so far (what the proposer counts)
         self.shared = shared_fields(heads)
-        state = empty_state(model, rows, context + scratch_slots(tree), tree, steps)
+        self.base, self.cache_size = base, context + scratch_slots(tree)
+        state = empty_state(model, rows, self.cache_size, tree, steps)
         self.state = dataclasses.replace(self.placement.state(dataclasses.replace(state, draft=None)),
                                          draft=self.placement.draft(state.draft, self.shared))
         self.sampling = self.placement.state(jax.tree.map(jnp.asarray, RowSampling.greedy(rows)))
+
+    def restart(self, heads: MedusaHeads | None = None, proposer_data=None) -> None:
+        """Idle rows as a new decoder over the same model and shapes would start them, for the engine's next client
+        (`engine_batches.sorted_batches`): the size choice from its start, `proposer_data` the proposer's, and the
+        shared drafter state from `heads` (their kept state, e.g. a recycling table restored since) where given,
+        else kept as the last chunk left it. Per-row state needs nothing: admission replaces a row's."""
+        state = self.state
+        if state.choice is not None:
+            state = dataclasses.replace(state, choice=self.placement.state(SizeChoiceState.start(self.tree)))
+        if heads is not None and any(jax.tree.leaves(self.shared)):
+            start = shared_start(heads, self.base, len(self.emitted_b), self.cache_size, self.tree.depth)
+            start = self.placement.draft(jax.tree.map(lambda x: jnp.array(x, copy=True), start), self.shared)
+            draft = jax.tree.map(lambda is_shared, own, new: new if is_shared else own, self.shared, state.draft, start)
+            state = dataclasses.replace(state, draft=draft)
+        self.state = state
+        self.proposer_data = self.placement.draft(proposer_data, True)
 
     def shared_draft(self):
         """The drafter state shared by all rows, on the host (Token Recycling's table; None over the parts kept

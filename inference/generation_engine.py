@@ -179,6 +179,16 @@ class GenerationEngine:
             return params.acceptance
         return AcceptanceConfig() if params.sampling.greedy else self.config.acceptance
 
+    def restart(self, max_queue: int, heads: MedusaHeads | None = None, proposer_data=None) -> None:
+        """Readies an idle engine (no request running or waiting, no thread serving it) for a new batch client of the
+        same shapes (`engine_batches.sorted_batches`): a queue of `max_queue`, the drafter as
+        `DraftedDecoder.restart` leaves it (`heads`: the drafter state to start from; `proposer_data`)."""
+        if self.rows_busy or self._pending or self._thread is not None or self.failure is not None:
+            raise RuntimeError("only an idle engine with no thread serving it restarts")
+        self.config = dataclasses.replace(self.config, max_queue=max_queue)
+        if self.drafted:
+            self._decoder.restart(heads, proposer_data)
+
     def drafter_state(self):
         """The drafter state the engine shares across rows and requests, on the host (Token Recycling's table;
         None over parts kept row by row; None without a drafter)."""

@@ -113,7 +113,8 @@ def _decode(statics: DecodeStatics, params, cache, prompt_bt, prompt_lens_b, key
 class ShardedModel:
     """A base model (and optionally Medusa heads) placed on a mesh, with the decode loops jitted under explicit
     in/out shardings. Build it once and reuse it across batches: compilations are cached per batch shape and
-    static settings, and the donated KV cache is recycled when the next batch has the same shape."""
+    static settings, the donated KV cache is recycled when the next batch has the same shape, and so is the
+    generation engine of `api.generate_batch`'s sorted batches."""
 
     def __init__(self, base: CausalLM, heads: MedusaHeads | None = None, mesh: Mesh | MeshConfig | None = None):
         if mesh is None or isinstance(mesh, MeshConfig):
@@ -147,6 +148,8 @@ class ShardedModel:
                         "meshes for decoding", mesh.shape["fsdp"])
         self._jits: dict[tuple, Callable] = {}
         self._spare_cache: KVCache | None = None  # the last donated-and-returned cache
+        # the generation engine of the last batch call (`engine_batches.LastEngine`), for the next of its shapes
+        self.last_engine = None
 
     @property
     def has_heads(self) -> bool:

@@ -10,7 +10,7 @@ import pytest
 
 from medusa_jax.bench import humaneval, mixed_drafts
 from medusa_jax.hf.load import load_pretrained
-from medusa_jax.inference.api import generate
+from medusa_jax.inference.api import BatchSettings, generate
 from medusa_jax.inference.mixed_decoding import build_mix
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.model.sharding import MeshConfig
@@ -73,6 +73,30 @@ def test_calls_of_two_prompts_keep_plain_answers_and_count_each_prompt(tiny_mode
     assert summary["mix@4"]["tokens_per_step"] >= 1.0 and summary["mix@4"]["nodes"] == 4
     assert all(0 < call["first_seconds"] < call["seconds"] for calls in rows.values() for call in calls)
     assert summary["plain"]["speedup_after_first_token"] == 1.0 and summary["mix@4"]["first_token_seconds"] > 0
+
+
+def mix_clone(base):
+    return build_mix(base, ("recycle", "lookup"), None, 4, costs=lambda s: tuple(1.0 + 0.05 * n for n in s))[0]
+
+
+def test_a_timed_call_that_compiled_runs_again_from_the_same_drafter_state(tiny_model_dir, monkeypatch):
+    """`timed_call`: the first call of a shape compiles, so it runs twice, the second from the table the first
+    started from (the model's table then is one call's); a call of a seen shape runs once."""
+    base = load_pretrained(tiny_model_dir("llama"))
+    mix, sizes = build_mix(base, ("recycle", "lookup"), None, 4, costs=lambda s: tuple(1.0 + 0.05 * n for n in s))
+    model, once = ShardedModel(base, mix, MeshConfig()), ShardedModel(base, mix_clone(base), MeshConfig())
+    settings = BatchSettings(batch_size=1, max_new_tokens=12, tree=sizes, eos_ids=(), pad_id=0, engine="batches")
+    prompt = (np.random.RandomState(2).randint(3, 60, 5).tolist() * 3)[:13]
+    calls = []
+    real = mixed_drafts.generate_batch
+    monkeypatch.setattr(mixed_drafts, "generate_batch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    results, seconds = mixed_drafts.timed_call(model, [prompt], settings)
+    assert len(calls) == 2 and seconds > 0
+    want = real(once, [prompt], settings, progress=False).results
+    assert [r.accept_lengths for r in results] == [r.accept_lengths for r in want]
+    np.testing.assert_array_equal(model.heads.drafters[0].table, once.heads.drafters[0].table)
+    mixed_drafts.timed_call(model, [prompt], settings)
+    assert len(calls) == 3
 
 
 def test_every_step_mixes_draft_their_full_budget_whatever_the_step_costs(tiny_model_dir, monkeypatch):

@@ -8,6 +8,8 @@ one call the engine's size choice carries on from batch to batch.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -112,3 +114,41 @@ def test_recycling_stays_warm_from_call_to_call_as_on_the_direct_path(model):
         np.testing.assert_array_equal(sharded[0].heads.table, sharded[1].heads.table)
         steps.append(by_engine.steps)
     assert steps[2] < steps[0], steps
+
+
+def test_a_call_of_the_same_shapes_restarts_the_last_calls_engine(model):
+    """`engine_batches.LastEngine`: a call whose engine would be built alike runs on the last call's engine, restarted
+    (a fresh size choice, the model's table, the call's proposer data), so each call still takes the direct call's
+    steps; a call of fewer tokens runs on it too (one chunk still holds it), a call of more builds its own; a
+    restored table is the one the restarted engine drafts from; a call that fails leaves no engine behind."""
+    prompt, other = prompts_of((9, 11), seed=6)  # one padded width: one cache size
+    mix = mix_of(model, recycle=True)
+    settings = BatchSettings(batch_size=1, max_new_tokens=N, tree=DraftSizes(SIZES, DEAR, depth=mix.depth),
+                             eos_ids=(), bucket=PROMPT_BUCKET)
+    sharded = ShardedModel(model, mix, MeshConfig()), ShardedModel(model, mix_of(model, True), MeshConfig())
+    snapshot = sharded[0].draft_snapshot()
+    engines, accepts = [], []
+    for one in (prompt, other, prompt):
+        by_engine, (direct_ids, direct_accepts, _) = both_paths(*sharded, one, settings)
+        assert by_engine.token_ids == direct_ids and by_engine.accept_lengths == direct_accepts
+        engines.append(sharded[0].last_engine.engine)
+        accepts.append(by_engine.accept_lengths)
+    assert engines[0] is engines[1] is engines[2]
+    assert accepts[2] != accepts[0]  # the warm table drafts otherwise
+    sharded[0].restore_draft(snapshot)
+    (again,) = generate_batch(sharded[0], [prompt], settings, progress=False).results
+    assert sharded[0].last_engine.engine is engines[0] and again.accept_lengths == accepts[0]
+    for tokens in (1, N // 2, 2 * N):  # fewer tokens (one cache size): the same engine; more: longer chunks
+        (reply,) = generate_batch(sharded[0], [prompt], dataclasses.replace(settings, max_new_tokens=tokens),
+                                  progress=False).results
+        assert reply.token_ids[:N] == again.token_ids[:tokens]
+        assert (sharded[0].last_engine.engine is engines[0]) == (tokens < N)
+
+    def fail(results):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_batch(sharded[0], [prompt], settings, progress=False, on_batch=fail)
+    assert sharded[0].last_engine is None
+    (after,) = generate_batch(sharded[0], [other], settings, progress=False).results
+    assert after.token_ids == generate(model, [other], max_new_tokens=N, eos_ids=())[0].token_ids
