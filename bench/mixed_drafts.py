@@ -149,7 +149,8 @@ def _after_first(calls: list[dict]) -> float:
 
 def summarise(rows: dict[str, list[dict]], budgets_of: dict[str, int]) -> list[dict]:
     """Per method: tokens/step (new tokens over each row's forward passes), tokens/s, speedup over plain's in the
-    same run, the worst call's speedup and mismatches (answers differing from plain greedy)."""
+    same run, each call's speedup, the worst, how many are below 1, and mismatches (answers differing from plain
+    greedy)."""
     plain = rows["plain"]
     plain_rate = sum(r["tokens"] for r in plain) / max(sum(r["seconds"] for r in plain), 1e-9)
     out = []
@@ -162,6 +163,8 @@ def summarise(rows: dict[str, list[dict]], budgets_of: dict[str, int]) -> list[d
                     "prompts": sum(len(r["token_ids"]) for r in per), "new_tokens": tokens,
                     "tokens_per_step": round(tokens / max(steps, 1), 3), "tokens_per_second": round(rate, 2),
                     "speedup": round(rate / plain_rate, 3), "min_prompt_speedup": round(min(speedups), 3),
+                    "calls_below_plain": sum(x < 1 for x in speedups),
+                    "call_speedups": [round(x, 3) for x in speedups],
                     "mismatches": sum(a != b for r, p in zip(per, plain)
                                       for answers in (r["token_ids"], *r.get("other_token_ids", ()))
                                       for a, b in zip(answers, p["token_ids"]))})
@@ -254,17 +257,19 @@ def markdown(results: dict, machine: dict, command: str) -> str:
     for name, summary in results["sets"].items():
         batch = results.get("batch_size", 1)
         worst = "worst prompt" if batch == 1 else f"worst batch of {batch}"
+        below = "prompts below plain" if batch == 1 else "batches below plain"
         split = "speedup_after_first_token" in summary[0]
         lines += [f"## {name} ({summary[0]['prompts']} prompts, batch {batch}, {results['max_new_tokens']} new "
                   f"tokens)", "",
-                  f"| method | nodes | tokens/step | tokens/s | speedup vs plain | {worst} | mismatches |"
+                  f"| method | nodes | tokens/step | tokens/s | speedup vs plain | {worst} | {below} | mismatches |"
                   + (" first token (s) | speedup after the first token |" if split else ""),
-                  "|---|---|---|---|---|---|---|" + ("---|---|" if split else "")]
+                  "|---|---|---|---|---|---|---|---|" + ("---|---|" if split else "")]
         for row in summary:
             lines.append(f"| {row['method']} | {row['nodes'] or '-'} | {row['tokens_per_step']:.2f} | "
                          f"{row['tokens_per_second']:.1f} | {row['speedup']:.2f}x | {row['min_prompt_speedup']:.2f}x | "
-                         f"{row['mismatches']} |" + (f" {row['first_token_seconds']:.2f} | "
-                                                     f"{row['speedup_after_first_token']:.2f}x |" if split else ""))
+                         f"{row['calls_below_plain']} | {row['mismatches']} |"
+                         + (f" {row['first_token_seconds']:.2f} | {row['speedup_after_first_token']:.2f}x |"
+                            if split else ""))
         if split:
             lines += ["", "First token: the median time of the same call stopped after one token (the prefill of "
                       "the prompt padded to the narrowest of 64, 96, 128, 192, 256, 384, 512, ... tokens that holds "

@@ -49,6 +49,10 @@ def test_the_speed_after_the_first_token_leaves_out_each_calls_first_token_time(
     summary = {row["method"]: row for row in mixed_drafts.summarise(rows, {"lookup@4": 4})}
     assert summary["lookup@4"]["speedup"] == round(2.0 / 1.5, 3)
     assert summary["lookup@4"]["speedup_after_first_token"] == 2.0 and summary["lookup@4"]["first_token_seconds"] == 1.0
+    slower = {"plain": [dict(call, seconds=2.0)] * 2, "lookup@4": [dict(call, seconds=1.5), dict(call, seconds=2.5)]}
+    summary = {row["method"]: row for row in mixed_drafts.summarise(slower, {"lookup@4": 4})}
+    assert summary["lookup@4"]["call_speedups"] == [round(2.0 / 1.5, 3), 0.8]
+    assert summary["lookup@4"]["calls_below_plain"] == 1 and summary["plain"]["calls_below_plain"] == 0
 
 
 def test_calls_of_two_prompts_keep_plain_answers_and_count_each_prompt(tiny_model_dir):
