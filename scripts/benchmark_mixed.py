@@ -19,6 +19,7 @@ from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_po
 from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.heads.load import load_heads
+from medusa_jax.inference.batch_run import BatchSettings
 from medusa_jax.inference.mixed_decoding import UNTRAINED
 from medusa_jax.bench import grounded_prompts, humaneval, mixed_drafts
 from medusa_jax.bench.bench_inputs import mtbench_questions, write_files
@@ -45,6 +46,10 @@ def parse(argv):
     p.add_argument("--grounded", check=at_least(0), type=int, default=16, help="input-grounded prompts")
     p.add_argument("--repeats", check=at_least(1), type=int, default=1,
                    help="rounds of every call, methods interleaved; a call's time is their median (default: 1)")
+    p.add_argument("--prompt-bucket", check=at_least(1), type=int, default=BatchSettings().bucket,
+                   help="the narrowest padded prompt width, so the cache sizes are those of generate_batch's default "
+                        "(default: %(default)s); 512 compiles one cache size for all prompts up to 512 tokens, "
+                        "whose wider caches slow every step")
     p.add_argument("--first-token", action="store_true",
                    help="also time each call stopped after its first token, and report the speed after it")
     p.add_argument("--every-step", action="store_true",
@@ -110,7 +115,7 @@ def main(argv=None) -> int:
         say(f"{name}: {len(prompts)} prompts x {len(models)} methods")
         rows = mixed_drafts.run_set(models, prompts, a.max_new_tokens, loaded.eos_ids, loaded.pad_id, say,
                                     batch=a.batch_size, repeats=a.repeats,
-                                    first_token=a.first_token)
+                                    first_token=a.first_token, bucket=a.prompt_bucket)
         results["sets"][name] = mixed_drafts.summarise(rows, {m.label: m.budget for m in chosen})
         answered[name] = mixed_drafts.answers(rows)
         sequences += [p + r for p, r in zip(prompts, answered[name])]

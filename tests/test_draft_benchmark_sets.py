@@ -103,6 +103,20 @@ def test_a_timed_call_that_compiled_runs_again_from_the_same_drafter_state(tiny_
     assert len(calls) == 3
 
 
+def test_run_set_pads_prompts_to_the_bucket_it_is_given(tiny_model_dir, monkeypatch):
+    base = load_pretrained(tiny_model_dir("llama"))
+    models = {"plain": (ShardedModel(base, None, MeshConfig()), None)}
+    buckets = []
+    real = mixed_drafts.generate_batch
+    monkeypatch.setattr(mixed_drafts, "generate_batch",
+                        lambda model, prompts, settings, **kw: buckets.append(settings.bucket)
+                        or real(model, prompts, settings, **kw))
+    for bucket in (64, mixed_drafts.PROMPT_WIDTH):
+        buckets.clear()
+        mixed_drafts.run_set(models, [[5, 6, 7]], 4, (), 0, bucket=bucket)
+        assert buckets and set(buckets) == {bucket}
+
+
 def test_every_step_mixes_draft_their_full_budget_whatever_the_step_costs(tiny_model_dir, monkeypatch):
     """`--every-step`: a mix labelled so gets its full budget as its one draft size and no timed costs, so it drafts
     at every step even where this machine's costs say no drafted step pays (then the size-chosen mix never
