@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from medusa_jax.scripts import options, validate
-from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, parse_positive_int_list
+from medusa_jax.scripts.cli_args import ArgumentParser, at_least, each, in_range, parse_positive_int_list
 
 from medusa_jax.assets import resolve_heads_dir
 from medusa_jax.compile_cache import enable_compile_cache
@@ -27,6 +27,8 @@ from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.paths import command_line
 from medusa_jax.text import chat_prompt_ids
 from medusa_jax.trees.policy.calibration import machine_description
+
+MAX_PROMPT_BUCKET = 8192  # a padding width, not a context: wider ones only pad (and can exhaust memory)
 
 
 def parse(argv):
@@ -46,7 +48,7 @@ def parse(argv):
     p.add_argument("--grounded", check=at_least(0), type=int, default=16, help="input-grounded prompts")
     p.add_argument("--repeats", check=at_least(1), type=int, default=1,
                    help="rounds of every call, methods interleaved; a call's time is their median (default: 1)")
-    p.add_argument("--prompt-bucket", check=at_least(1), type=int, default=BatchSettings().bucket,
+    p.add_argument("--prompt-bucket", check=in_range(1, MAX_PROMPT_BUCKET), type=int, default=BatchSettings().bucket,
                    help="the narrowest padded prompt width, so the cache sizes are those of generate_batch's default "
                         "(default: %(default)s); 512 compiles one cache size for all prompts up to 512 tokens, "
                         "whose wider caches slow every step")
