@@ -23,7 +23,7 @@ from medusa_jax.heads.medusa import MedusaHeads, MedusaModel
 from medusa_jax.trees.tree import DynamicTree, TreeBuffers
 from medusa_jax.inference.engine_mesh import Placement, fetch
 from medusa_jax.inference.medusa import MedusaState, Proposer, heads_proposer, medusa_step
-from medusa_jax.inference.row_decode import release_rows
+from medusa_jax.inference.row_decode import SlotReach, chunk_windows, release_rows, with_window
 from medusa_jax.inference.row_acceptance import RowAcceptance, first_row_tokens
 from medusa_jax.inference.row_drafts import (check_servable, empty_draft, prompt_prefill, put_draft_rows,
                                              shared_fields, shared_part, shared_start)
@@ -111,7 +111,8 @@ class DraftedDecoder:
 
     def __init__(self, base, heads: MedusaHeads, tree: TreeBuffers | DynamicTree | DraftSizes, rows: int,
                  context: int, steps: int, *, eos_ids: tuple[int, ...], pad_id: int,
-                 placement: Placement | None = None, proposer: Proposer = heads_proposer, proposer_data=None):
+                 placement: Placement | None = None, proposer: Proposer = heads_proposer, proposer_data=None,
+                 windows: bool = True):
         check_servable(heads)
         model = MedusaModel(base, heads)
         self.placement = placement or Placement(None, rows)
@@ -122,6 +123,8 @@ class DraftedDecoder:
         self.emitted_b = np.zeros((rows,), np.int32)  # each row's tokens so far (what the proposer counts)
         self.shared = shared_fields(heads)
         self.base, self.cache_size = base, context + scratch_slots(tree)
+        # a step commits at most depth + 1 slots (the root and the accepted path) and writes scratch slots past them
+        self.reach = SlotReach(rows, self.cache_size, scratch_slots(tree), tree.depth + 1, windows)
         state = empty_state(model, rows, self.cache_size, tree, steps)
         self.state = dataclasses.replace(self.placement.state(dataclasses.replace(state, draft=None)),
                                          draft=self.placement.draft(state.draft, self.shared))
@@ -154,22 +157,27 @@ class DraftedDecoder:
                                                                rows_n, prompt_nt, lens_n, sampling_n, tree=self.tree,
                                                                eos_ids=self.eos_ids)
         self.emitted_b[rows_n[rows_n < len(self.emitted_b)]] = 1
+        self.reach.admitted(rows_n, lens_n)
         return fetch(first_n)
 
-    def _chunk_args(self, remaining_b: np.ndarray, together: bool) -> tuple:
-        return (self.graphdef, self.params, self.state, self.sampling, np.asarray(remaining_b, np.int32),
+    def _chunk_args(self, remaining_b: np.ndarray, together: bool, window: int | None = None) -> tuple:
+        state = dataclasses.replace(self.state, cache=with_window(self.state.cache, window))
+        return (self.graphdef, self.params, state, self.sampling, np.asarray(remaining_b, np.int32),
                 self.emitted_b, np.bool_(together), self.proposer_data)
 
     def chunk(self, steps: int, remaining_b: np.ndarray, together: bool = False
               ) -> tuple[list[list[int]], int, int]:
         """`PlainDecoder.chunk`; `together`: the busy rows end together (no request waits for a row), which a mix's
         size choice weighs (`_drafted_chunk`)."""
+        window = self.reach.window(steps, remaining_b)
         with self.placement.active():
-            self.state, out_bo, start_b, end_b = drafted_chunk(len(self.emitted_b))(
-                *self._chunk_args(remaining_b, together), tree=self.tree, steps=steps, eos_ids=self.eos_ids,
+            state, out_bo, start_b, end_b = drafted_chunk(len(self.emitted_b))(
+                *self._chunk_args(remaining_b, together, window), tree=self.tree, steps=steps, eos_ids=self.eos_ids,
                 pad_id=self.pad_id, proposer=self.proposer)
+        self.state = dataclasses.replace(state, cache=with_window(state.cache, None))  # the other calls: no window
         out_bo, start_b, end_b, run, steps_b = fetch((out_bo, start_b, end_b, self.state.step, self.state.steps_b))
         self.emitted_b += end_b - start_b
+        self.reach.emitted(end_b - start_b)
         return ([out_bo[r, s:e].tolist() for r, (s, e) in enumerate(zip(start_b, end_b))], int(run),
                 int(steps_b.sum()))
 
@@ -184,6 +192,7 @@ class DraftedDecoder:
                 drafted_admit.lower(self.graphdef, self.params, self.state, self.sampling, zeros_n,
                                     np.zeros((n, width), np.int32), zeros_n + 1, RowSampling.greedy(n),
                                     tree=self.tree, eos_ids=self.eos_ids).compile()
-            drafted_chunk(len(self.emitted_b)).lower(
-                *self._chunk_args(np.zeros(self.state.root_b.shape, np.int32), False), tree=self.tree, steps=steps,
-                eos_ids=self.eos_ids, pad_id=self.pad_id, proposer=self.proposer).compile()
+            for window in chunk_windows(self.reach):
+                drafted_chunk(len(self.emitted_b)).lower(
+                    *self._chunk_args(np.zeros(self.state.root_b.shape, np.int32), False, window), tree=self.tree,
+                    steps=steps, eos_ids=self.eos_ids, pad_id=self.pad_id, proposer=self.proposer).compile()

@@ -27,7 +27,7 @@ from medusa_jax.inference.engine_mesh import Placement, fetch
 from medusa_jax.inference.engine_metrics import EngineMetrics
 from medusa_jax.inference.drafted_rows import DraftedDecoder
 from medusa_jax.inference.medusa import Proposer, heads_proposer
-from medusa_jax.inference.row_decode import PlainDecoder, stop_ids_array
+from medusa_jax.inference.row_decode import PlainDecoder, chunk_windows, stop_ids_array
 from medusa_jax.inference.row_sampling import RowSampling
 from medusa_jax.inference.sampling import SamplingConfig
 
@@ -47,6 +47,9 @@ class EngineConfig:
     # "sorted" only: requests per batch at most (None: rows); a batch client on a mesh keeps its batch size
     # while rows are rounded up to a multiple of data x fsdp (the other rows stay idle)
     sorted_batch: int | None = None
+    # each chunk attends over the smallest window of cache slots that its rows can reach (`row_decode.SlotReach`)
+    # instead of all `context` slots; off: one chunk executable over the whole cache
+    attention_windows: bool = True
 
     def __post_init__(self):
         for name in ("rows", "context", "chunk_steps", "max_queue", "max_stop_ids"):
@@ -134,10 +137,12 @@ class GenerationEngine:
         if self.drafted:
             self._decoder = DraftedDecoder(model, heads, tree, config.rows, config.context, config.chunk_steps,
                                            eos_ids=self.eos_ids, pad_id=pad_id, placement=placement,
-                                           proposer=proposer, proposer_data=proposer_data)
+                                           proposer=proposer, proposer_data=proposer_data,
+                                           windows=config.attention_windows)
         else:
             self._decoder = PlainDecoder(model, config.rows, config.context, config.max_stop_ids,
-                                         eos_ids=self.eos_ids, pad_id=pad_id, placement=placement)
+                                         eos_ids=self.eos_ids, pad_id=pad_id, placement=placement,
+                                         windows=config.attention_windows)
         self._row_request: list[Request | None] = [None] * config.rows
         self._pending: deque[Request] = deque()
         self._cv = threading.Condition()
@@ -230,12 +235,13 @@ class GenerationEngine:
         return self.metrics.prometheus_text(self.queue_depth, self.rows_busy, self.config.rows)
 
     def warm_up(self) -> int:
-        """Compiles every call shape ahead of time (each admission size x prompt width, and the chunk; nothing
-        runs), so no request waits for XLA: a later call finds its executable in JAX's compilation caches (the
-        in-memory one, or the persistent one where the caller enabled it). Returns the number of shapes."""
+        """Compiles every call shape ahead of time (each admission size x prompt width, and the chunk over each
+        attention window; nothing runs), so no request waits for XLA: a later call finds its executable in JAX's
+        compilation caches (the in-memory one, or the persistent one where the caller enabled it). Returns the
+        number of shapes."""
         shapes = [(n, w) for w in prefill_widths(self.config.context) for n in admission_sizes(self.config.rows)]
         self._decoder.compile(shapes, self.config.chunk_steps)
-        return len(shapes) + 1
+        return len(shapes) + len(chunk_windows(self._decoder.reach))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._serve, name="generation-engine", daemon=True)

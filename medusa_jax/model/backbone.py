@@ -100,7 +100,8 @@ class Attention(nnx.Module):
                                        cfg.execution.attention)
             return self.o_proj(out_btkgh.reshape(b, t, n * h)), None, None
         k_bkhs, v_bksh = write_layer(k_bkhs, v_bksh, k_btkh, v_btkh, lengths_b)
-        out_btkgh = cache_attention(q_btnh.reshape(b, t, k, g, h), k_bkhs, v_bksh, mask_bts,
+        s = mask_bts.shape[-1]  # the slots attended: the cache's window (`KVCache.window`) or all of them
+        out_btkgh = cache_attention(q_btnh.reshape(b, t, k, g, h), k_bkhs[..., :s], v_bksh[:, :, :s], mask_bts,
                                     cfg.execution.attention)
         return self.o_proj(out_btkgh.reshape(b, t, n * h)), k_bkhs, v_bksh
 
@@ -173,6 +174,8 @@ class CausalLM(nnx.Module):
         if cfg.sliding_window is not None:  # key position: its slot in the cache, its own position without one
             keys_bs = (positions_bt if cache is None else jnp.arange(cache.cache_size, dtype=jnp.int32)[None, :])
             mask_bts = mask_bts & ((positions_bt[:, :, None] - keys_bs[:, None, :]) < cfg.sliding_window)
+        if cache is not None and cache.window is not None:
+            mask_bts = mask_bts[..., :cache.window]
         inv_freq = inverse_frequencies(cfg)
         x = constrain_rows(self.embed_tokens(tokens_bt))  # no-op unless traced under a mesh (jax.set_mesh)
         if cache is None and not taps:  # unrolled or scanned, with remat, as cfg.execution says (layer_stack.py)

@@ -14,6 +14,12 @@ from medusa_jax.model.config import ModelConfig
 
 K_SLOT_AXIS = 3  # the slot axis of a K buffer [b, k, h, s]
 V_SLOT_AXIS = 2  # the slot axis of a V buffer [b, k, s, h]
+# the smallest attention window (`KVCache.window`); each larger one doubles it. XLA:CPU copies a window's slots out
+# of the buffers before its dots, so a window of W slots costs about 3 W slot reads against the S of the whole cache:
+# a window is at most 1 / WINDOW_FRACTION of the cache (SmolLM2 plain steps, 1,024 slots, docs/design.md: a 256-slot
+# window took 0.67x / 0.82x the time at 64 / 4 rows, a 512-slot one 1.11x / 0.92x)
+SMALLEST_WINDOW = 256
+WINDOW_FRACTION = 4
 
 
 @jax.tree_util.register_dataclass
@@ -22,6 +28,10 @@ class KVCache:
     k_bkhs: tuple[jax.Array, ...] | jax.Array  # one [B, K, H, S] buffer per layer, or them stacked [L, B, K, H, S]
     v_bksh: tuple[jax.Array, ...] | jax.Array  # one [B, K, S, H] buffer per layer, or them stacked [L, B, K, S, H]
     lengths_b: jax.Array
+    # the slots a forward attends over: [0, window) (None: all of them). Static: a jit specialises on it. Only a
+    # caller that knows every row that counts stays inside it sets one (the generation engine's chunks:
+    # `attention_window`); writes still go to the whole buffers, and a row past it reads garbage
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def stacked(self) -> bool:
@@ -152,6 +162,23 @@ def attention_mask(lengths_b: jax.Array, block_mask_tt: jax.Array, cache_size: i
         return committed_bs[:, None, :] | (in_block_bs[:, None, :] & block_bts)
     block_bts = jnp.take(block_mask_tt, jnp.clip(rel_bs, 0, num_new - 1), axis=1).transpose(1, 0, 2)
     return committed_bs[:, None, :] | (in_block_bs[:, None, :] & block_bts)
+
+
+def attention_windows(cache_size: int) -> tuple[int, ...]:
+    """The windows a cache of `cache_size` slots may attend over (`KVCache.window`): SMALLEST_WINDOW, twice that,
+    ... up to a WINDOW_FRACTION of cache_size, then cache_size itself (few shapes: one executable each)."""
+    windows, w = [], SMALLEST_WINDOW
+    while w * WINDOW_FRACTION <= cache_size:
+        windows.append(w)
+        w *= 2
+    return tuple(windows) + (cache_size,)
+
+
+def attention_window(reach: int, cache_size: int) -> int | None:
+    """The smallest of `attention_windows(cache_size)` that holds slots [0, reach), or None when that is the whole
+    cache (`KVCache.window`)."""
+    window = next(w for w in attention_windows(cache_size) if w >= min(reach, cache_size))
+    return None if window == cache_size else window
 
 
 def causal_block(num_new: int) -> np.ndarray:
