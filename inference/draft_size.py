@@ -34,7 +34,8 @@ import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.draft_merge import DraftSizes
-from medusa_jax.trees.policy.step_cost import WARM_UP_CALLS, medusa_step_call, plain_step_call
+from medusa_jax.trees.policy.step_cost import (WARM_UP_CALLS, medusa_step_call, plain_step_call,
+                                                  release_executables)
 
 # the cost of the size a step never chooses when size 0 is timed: a drafted step then always verifies the root alone
 UNPAYABLE = 1e9
@@ -130,4 +131,6 @@ def measure_size_costs(base: CausalLM, drafter, sizes: Sequence[int], *, batch: 
     calls += [medusa_step_call(base, drafter, forced, batch, context, cache_size)
               for forced in forced_sizes(sizes, depth)]
     ratios, _ = timed_ratios(calls, budget or default_budget())
+    del calls
+    release_executables()
     return tuple(float(c) for c in np.maximum.accumulate(ratios))

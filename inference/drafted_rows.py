@@ -185,14 +185,18 @@ class DraftedDecoder:
         with self.placement.active():
             self.state = release_rows(self.state, release_b)
 
-    def compile(self, shapes: list[tuple[int, int]], steps: int) -> None:
+    def compile(self, shapes: list[tuple[int, int]], steps: int,
+                before: Callable[[str], None] = lambda kind: None) -> None:
+        """`PlainDecoder.compile`."""
         with self.placement.active():
-            for n, width in shapes:
-                zeros_n = np.zeros((n,), np.int32)
-                drafted_admit.lower(self.graphdef, self.params, self.state, self.sampling, zeros_n,
-                                    np.zeros((n, width), np.int32), zeros_n + 1, RowSampling.greedy(n),
-                                    tree=self.tree, eos_ids=self.eos_ids).compile()
             for window in chunk_windows(self.reach):
+                before("chunk")
                 drafted_chunk(len(self.emitted_b)).lower(
                     *self._chunk_args(np.zeros(self.state.root_b.shape, np.int32), False, window), tree=self.tree,
                     steps=steps, eos_ids=self.eos_ids, pad_id=self.pad_id, proposer=self.proposer).compile()
+            for n, width in shapes:
+                zeros_n = np.zeros((n,), np.int32)
+                before("admission")
+                drafted_admit.lower(self.graphdef, self.params, self.state, self.sampling, zeros_n,
+                                    np.zeros((n, width), np.int32), zeros_n + 1, RowSampling.greedy(n),
+                                    tree=self.tree, eos_ids=self.eos_ids).compile()

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 from jax.sharding import Mesh
 
+from medusa_jax.compile_cache import MappingGuard
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.heads.medusa import MedusaHeads
@@ -234,13 +235,16 @@ class GenerationEngine:
     def prometheus_text(self) -> str:
         return self.metrics.prometheus_text(self.queue_depth, self.rows_busy, self.config.rows)
 
-    def warm_up(self) -> int:
+    def warm_up(self, fix: str = "use fewer rows or a shorter context") -> int:
         """Compiles every call shape ahead of time (each admission size x prompt width, and the chunk over each
         attention window; nothing runs), so no request waits for XLA: a later call finds its executable in JAX's
         compilation caches (the in-memory one, or the persistent one where the caller enabled it). Returns the
-        number of shapes."""
+        number of shapes. Stops with `compile_cache.MappingLimitError` (its message ending in `fix`) before a
+        compilation that would pass the process's limit on memory mappings."""
         shapes = [(n, w) for w in prefill_widths(self.config.context) for n in admission_sizes(self.config.rows)]
-        self._decoder.compile(shapes, self.config.chunk_steps)
+        guard = MappingGuard(f"the engine's call shapes ({self.config.rows} rows, a context of "
+                             f"{self.config.context} tokens)", fix)
+        self._decoder.compile(shapes, self.config.chunk_steps, guard.before)
         return len(shapes) + len(chunk_windows(self._decoder.reach))
 
     def start(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -207,14 +208,19 @@ class PlainDecoder:
         with self.placement.active():
             self.rows = release_rows(self.rows, release_b)
 
-    def compile(self, shapes: list[tuple[int, int]], steps: int) -> None:
-        """Compiles ahead of time (nothing runs) the admission of n prompts of each (n, width) and the chunk."""
+    def compile(self, shapes: list[tuple[int, int]], steps: int,
+                before: Callable[[str], None] = lambda kind: None) -> None:
+        """Compiles ahead of time (nothing runs) the chunk over each attention window, then the admission of n
+        prompts of each (n, width), calling `before(kind)` ahead of each compilation ("chunk" or "admission": the
+        largest executables first)."""
         with self.placement.active():
+            for window in chunk_windows(self.reach):
+                before("chunk")
+                decode_chunk.lower(self.graphdef, self.params, self._windowed(window), steps=steps,
+                                   eos_ids=self.eos_ids, pad_id=self.pad_id).compile()
             for n, width in shapes:
                 zeros_n = np.zeros((n,), np.int32)
+                before("admission")
                 admit_rows.lower(*self._admit_args(zeros_n, np.zeros((n, width), np.int32), zeros_n + 1, zeros_n + 1,
                                                    stop_ids_array([()] * n, self.stop_width), RowSampling.greedy(n)),
                                  eos_ids=self.eos_ids).compile()
-            for window in chunk_windows(self.reach):
-                decode_chunk.lower(self.graphdef, self.params, self._windowed(window), steps=steps,
-                                   eos_ids=self.eos_ids, pad_id=self.pad_id).compile()

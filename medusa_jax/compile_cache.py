@@ -1,13 +1,15 @@
 """JAX's persistent compilation cache for the command lines (`enable_compile_cache`: in $MEDUSA_JAX_CACHE/jax_compile;
 MEDUSA_JAX_COMPILE_CACHE=0 turns it off, =DIR moves it; docs/design.md, "Caches on disk"), and `CompileCounter`: the
 executables a block asked XLA for (`requests`), read from the persistent cache (`cache_hits`) or compiled afresh
-(`compiles`), and the seconds spent tracing, lowering and compiling (`compile_seconds`)."""
+(`compiles`), and the seconds spent tracing, lowering and compiling (`compile_seconds`). `MappingGuard`: a series of
+compilations stopped with a clear error before it passes the kernel's limit on a process's memory mappings."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from pathlib import Path
+from typing import Callable
 
 import jax
 
@@ -17,6 +19,8 @@ _REQUEST = "/jax/core/compile/backend_compile_duration"  # one per executable: c
 _SECONDS_PREFIX = "/jax/core/compile/"
 _HIT = "/jax/compilation_cache/cache_hits"
 _counters: list["CompileCounter"] = []
+MAPS_FILE, MAP_LIMIT_FILE = "/proc/self/maps", "/proc/sys/vm/max_map_count"
+RAISED_MAP_LIMIT = 262144  # what the error suggests (the value several distributions now ship)
 
 
 def compile_cache_dir() -> Path | None:
@@ -83,3 +87,56 @@ def _on_event(event: str, **_) -> None:
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
 jax.monitoring.register_event_listener(_on_event)
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the kernel's limit on them: vm.max_map_count), or None where Linux's
+    /proc does not tell."""
+    try:
+        with open(MAPS_FILE, "rb") as f:
+            held = sum(1 for _ in f)
+        return held, int(Path(MAP_LIMIT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class MappingLimitError(ValueError):
+    """The next compilation would pass the process's limit on memory mappings."""
+
+
+@dataclasses.dataclass
+class MappingGuard:
+    """Call `before(kind)` ahead of each compilation of a series (e.g. `GenerationEngine.warm_up`'s call shapes,
+    the largest kind first).
+
+    XLA:CPU maps each kernel of an executable it compiles or loads as its own memory mappings (code, data,
+    read-only data): a SmolLM2 decode step holds about 1,900 of them, and a server's engine of 16 rows and 1,024
+    slots 49,000 after its warm-up, against Linux's default limit of 65,530 per process. Past the limit LLVM
+    aborts the process ("Unable to allocate section memory"). So `before(kind)` raises MappingLimitError when the
+    mappings held plus the largest growth of one compilation of that kind seen so far, times `margin`, would pass
+    the limit, with what to do (`fix`); a kind's first compilation is checked against the mappings held alone, so a
+    series compiles its largest kind first. `maps` reads (held, limit) (None: `memory_maps`; reading None checks
+    nothing)."""
+
+    what: str  # what is being compiled, for the error
+    fix: str  # what the caller can lower, for the error
+    margin: float = 1.25  # the largest step's growth is taken this many times
+    maps: Callable[[], tuple[int, int] | None] | None = None
+    _last: tuple[int, str] | None = None  # (held before the previous compilation, its kind)
+    _largest: dict = dataclasses.field(default_factory=dict)  # kind -> the largest growth of one compilation
+
+    def before(self, kind: str = "") -> None:
+        seen = (self.maps or memory_maps)()
+        if seen is None:
+            return
+        held, limit = seen
+        if self._last is not None:
+            last_held, last_kind = self._last
+            self._largest[last_kind] = max(self._largest.get(last_kind, 0), held - last_held)
+        self._last = held, kind
+        growth = self._largest.get(kind, 0)
+        if held + self.margin * growth > limit:
+            raise MappingLimitError(
+                f"compiling {self.what} would pass this machine's limit of {limit} memory mappings per process "
+                f"({held} held; XLA:CPU maps each compiled kernel, about {growth} for one such call): {self.fix}, "
+                f"or raise the limit (sudo sysctl -w vm.max_map_count={RAISED_MAP_LIMIT})")

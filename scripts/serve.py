@@ -139,7 +139,7 @@ def build_engine(a: argparse.Namespace):
                               mesh=MeshConfig.parse(a.mesh).make_mesh() if a.mesh else None)
     start = time.perf_counter()
     with CompileCounter() as compiles:
-        shapes = engine.warm_up()
+        shapes = engine.warm_up(fix="lower --batch-size or --context")
     print(f"medusa-serve: {shapes} call shapes ready in {time.perf_counter() - start:.1f} s ({compiles.compiles} "
           f"compiled, {compiles.cache_hits} from the persistent cache)", file=sys.stderr, flush=True)
     return engine, tokenizer, a.served_model_name or Path(folder).name

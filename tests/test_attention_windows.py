@@ -30,30 +30,35 @@ def model(tiny_model_dir):
 
 
 def test_the_windows_double_from_the_smallest_up_to_the_cache():
-    """A window is at most a quarter of the cache (its slots are copied before the dots)."""
-    assert attention_windows(4096) == (256, 512, 1024, 4096)
+    """Windows of 256, 1024, 4096, ... slots, each at most a quarter of the cache (its slots are copied before the
+    dots), then the whole cache."""
+    assert attention_windows(16384) == (256, 1024, 4096, 16384)
+    assert attention_windows(4096) == (256, 1024, 4096) and attention_windows(4095) == (256, 4095)
     assert attention_windows(1024) == (256, 1024) and attention_windows(1023) == (1023,)
     assert attention_windows(256) == (256,) and attention_windows(100) == (100,)
     assert attention_window(1, 4096) == 256 and attention_window(256, 4096) == 256
-    assert attention_window(257, 4096) == 512 and attention_window(1024, 4096) == 1024
+    assert attention_window(257, 4096) == 1024 and attention_window(1024, 4096) == 1024
     assert attention_window(1025, 4096) is None and attention_window(9000, 4096) is None  # the whole cache
     assert attention_window(10, 100) is None
 
 
 def test_a_chunks_window_holds_what_its_rows_with_tokens_left_can_reach():
-    reach = SlotReach(rows=3, cache_size=2048, scratch=7, per_step=4)
+    reach = SlotReach(rows=3, cache_size=4096, scratch=7, per_step=4)
     reach.admitted(np.array([0, 1, 5]), np.array([200, 900, 50]))  # row 5: a filler, dropped
     assert reach.length_b.tolist() == [200, 900, 0]
     # row 1 is done (no tokens left): only row 0 counts; 8 steps of 4 slots, then its scratch and a step's margin
     assert reach.window(8, np.array([100, 0, 0])) == 256  # 200 + 32 + 7 + 4 = 243
     assert reach.window(8, np.array([100, 0, 3])) == 256
-    assert reach.window(16, np.array([100, 0, 0])) == 512  # 200 + 64 + 11 = 275
+    assert reach.window(16, np.array([100, 0, 0])) == 1024  # 200 + 64 + 11 = 275
     assert reach.window(16, np.array([20, 0, 0])) == 256  # the row's budget caps its growth: 200 + 20 + 11
-    assert reach.window(1, np.array([1, 1, 0])) is None  # 912 slots: past the largest window (512), the whole cache
+    assert reach.window(1, np.array([1, 1, 0])) == 1024  # 912 slots
+    reach.admitted(np.array([2]), np.array([1100]))
+    assert reach.window(1, np.array([0, 0, 1])) is None  # past the largest window (1024): the whole cache
+    assert reach.window(1, np.array([0, 0, 0])) == 256
     reach.emitted(np.array([60, 0, 0]))
-    assert reach.window(1, np.array([1, 0, 0])) == 512
+    assert reach.window(1, np.array([1, 0, 0])) == 1024  # 260 + 1 + 11
     assert reach.window(1, np.zeros(3, int)) == 256  # nothing to decode
-    assert SlotReach(3, 2048, 7, 4, enabled=False).window(1, np.array([1, 0, 0])) is None
+    assert SlotReach(3, 4096, 7, 4, enabled=False).window(1, np.array([1, 0, 0])) is None
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "llama-stacked"])

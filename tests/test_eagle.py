@@ -394,3 +394,4 @@ def test_step_cost_times_drafter_steps_static_and_dynamic(base):
                                          dynamic=[DynamicTree(6, 2, 3)])
     assert costs.dynamic_trees == ("dynamic:6,k=2,d=3",) and costs.dynamic_seconds[0] > 0
     assert costs.plain_seconds > 0 and min(costs.medusa_seconds) > 0
+    assert step_cost._plain_step._cache_size() == 0 and step_cost._medusa_step_jit(2)._cache_size() == 0  # let go

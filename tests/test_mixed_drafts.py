@@ -37,6 +37,7 @@ from medusa_jax.inference.api import generate, generate_medusa
 from medusa_jax.inference.medusa import medusa_decode
 from medusa_jax.inference.mixed_decoding import MixError, build_mix, is_mix, parse_mix, sizes_for
 from medusa_jax.inference import draft_size
+from medusa_jax.trees.policy import step_cost
 from medusa_jax.inference.draft_size_cache import size_costs
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.inference.size_choice import (DECAY, MAX_SKIP, RATIO_PRIOR, SizeChoiceState, accepted_per_size, choose,
@@ -522,6 +523,8 @@ def test_build_mix_sizes_its_budget_and_measures_non_decreasing_costs(tiny):
     assert draft_size.default_costs((3, 100))[1] == pytest.approx(5.78 + 36 * (5.78 - 2.31) / 48)
     measured = draft_size.measure_size_costs(base, mix, sizes.sizes, depth=mix.depth)
     assert len(measured) == 4 and all(b >= a for a, b in zip(measured, measured[1:]))
+    # the timed steps' executables are let go (their kernels' memory mappings: compile_cache.MappingGuard)
+    assert step_cost._plain_step._cache_size() == 0 and step_cost._medusa_step_jit(1)._cache_size() == 0
     with pytest.raises(MixError, match="empty part"):
         parse_mix("lookup++default")
     assert parse_mix("default+recycle+lookup") == (("recycle", "lookup"), "default")

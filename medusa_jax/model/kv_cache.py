@@ -14,10 +14,12 @@ from medusa_jax.model.config import ModelConfig
 
 K_SLOT_AXIS = 3  # the slot axis of a K buffer [b, k, h, s]
 V_SLOT_AXIS = 2  # the slot axis of a V buffer [b, k, s, h]
-# the smallest attention window (`KVCache.window`); each larger one doubles it. XLA:CPU copies a window's slots out
-# of the buffers before its dots, so a window of W slots costs about 3 W slot reads against the S of the whole cache:
-# a window is at most 1 / WINDOW_FRACTION of the cache (SmolLM2 plain steps, 1,024 slots, docs/design.md: a 256-slot
-# window took 0.67x / 0.82x the time at 64 / 4 rows, a 512-slot one 1.11x / 0.92x)
+# the smallest attention window (`KVCache.window`); each larger one is WINDOW_FRACTION times it. XLA:CPU copies a
+# window's slots out of the buffers before its dots, so a window of W slots costs about 3 W slot reads against the
+# S of the whole cache: a window is at most 1 / WINDOW_FRACTION of the cache (SmolLM2 plain steps, 1,024 slots,
+# docs/design.md: a 256-slot window took 0.67x / 0.82x the time at 64 / 4 rows, a 512-slot one 1.11x / 0.92x). The
+# windows grow by the same factor to keep the chunk executables few: each holds thousands of memory mappings on a
+# CPU (`compile_cache.MappingGuard`)
 SMALLEST_WINDOW = 256
 WINDOW_FRACTION = 4
 
@@ -165,12 +167,12 @@ def attention_mask(lengths_b: jax.Array, block_mask_tt: jax.Array, cache_size: i
 
 
 def attention_windows(cache_size: int) -> tuple[int, ...]:
-    """The windows a cache of `cache_size` slots may attend over (`KVCache.window`): SMALLEST_WINDOW, twice that,
-    ... up to a WINDOW_FRACTION of cache_size, then cache_size itself (few shapes: one executable each)."""
+    """The windows a cache of `cache_size` slots may attend over (`KVCache.window`): SMALLEST_WINDOW, WINDOW_FRACTION
+    times that, ... up to a WINDOW_FRACTION of cache_size, then cache_size itself (one executable each)."""
     windows, w = [], SMALLEST_WINDOW
     while w * WINDOW_FRACTION <= cache_size:
         windows.append(w)
-        w *= 2
+        w *= WINDOW_FRACTION
     return tuple(windows) + (cache_size,)
 
 

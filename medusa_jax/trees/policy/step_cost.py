@@ -80,6 +80,15 @@ def _plain_step(graphdef, params, state: PlainState) -> PlainState:
     return plain_step(nnx.merge(graphdef, params), state, sampling=SamplingConfig(), eos_ids=())
 
 
+def release_executables() -> None:
+    """Drops the executables of the steps timed here (each call's plain and Medusa step): a calibration's are not
+    used again, and XLA:CPU holds each one's kernels as memory mappings, of which a process may hold a limited
+    number (`compile_cache.MappingGuard`). A later timing compiles again, or reads JAX's persistent cache."""
+    _plain_step.clear_cache()
+    for rows in (1, 2):  # one row's compile options, and every larger batch's
+        _medusa_step_jit(rows).clear_cache()
+
+
 class _SteppedState:
     """Calls step(state) repeatedly, feeding each call's returned (donated) state into the next, reset to the
     same committed context and an empty output so that every call does the same work."""
@@ -191,6 +200,8 @@ def measure_step_costs(base: CausalLM, heads: MedusaHeads, trees: Sequence[TreeB
     calls += [medusa_step_call(base, heads, tree, batch, context, cache_size) for tree in trees]
     calls += [medusa_step_call(base, heads, tree, batch, context, cache_size) for tree in dynamic]
     plain, *seconds = time_interleaved(calls, repeats)
+    del calls
+    release_executables()
     static_seconds, dynamic_seconds = seconds[: len(trees)], seconds[len(trees):]
     if progress:
         for name, s in [(f"T={t.num_tokens}", s) for t, s in zip(trees, static_seconds)] + [

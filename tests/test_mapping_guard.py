@@ -1,0 +1,83 @@
+"""`compile_cache.MappingGuard`: a series of compilations (the generation engine's warm-up) stops with one clear
+error before it passes the process's limit on memory mappings, where XLA:CPU's compiler would fail with "Cannot
+allocate memory"."""
+
+from __future__ import annotations
+
+import pytest
+
+from medusa_jax import compile_cache
+from medusa_jax.compile_cache import CompileCounter, MappingGuard, MappingLimitError, memory_maps
+from medusa_jax.hf.load import load_pretrained
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
+
+
+def test_this_process_reports_its_mappings_and_their_limit():
+    seen = memory_maps()
+    if seen is None:
+        pytest.skip("no /proc/self/maps here")
+    held, limit = seen
+    assert 0 < held < limit
+
+
+def test_the_guard_stops_before_the_compilation_that_would_pass_the_limit():
+    """Each compilation adds 300 mappings under a limit of 2,000: the guard lets them run while the held ones plus
+    1.25 times the largest step so far fit, and raises before the one that would not, naming the limit and fix."""
+    held = [1000]
+    guard = MappingGuard("the shapes", "use fewer of them", maps=lambda: (held[0], 2000))
+    ran = 0
+    with pytest.raises(MappingLimitError) as error:
+        for _ in range(10):
+            guard.before()
+            held[0] += 300  # the compilation
+            ran += 1
+    assert ran == 3  # held 1000 (no step seen yet), 1300 + 375 and 1600 + 375 fit; 1900 + 375 does not
+    message = str(error.value)
+    assert "2000 memory mappings" in message and "use fewer of them" in message
+    assert "vm.max_map_count=262144" in message and "\n" not in message
+
+
+def test_each_kind_of_compilation_is_estimated_by_its_own_largest_step():
+    """Two chunks of 2,000 mappings, then admissions of 100 under a limit of 6,000: the admissions are estimated by
+    their own growth (a kind's first one by the mappings held alone), so they run until 100 more would not fit."""
+    held = [1000]
+    guard = MappingGuard("the shapes", "fewer", maps=lambda: (held[0], 6000))
+    for _ in range(2):
+        guard.before("chunk")
+        held[0] += 2000
+    admissions = 0
+    with pytest.raises(MappingLimitError, match="about 100 for one such call"):
+        while True:
+            guard.before("admission")
+            held[0] += 100
+            admissions += 1
+    assert admissions == 9  # 5000 + 9 x 100 = 5900 held; 5900 + 125 > 6000
+    with pytest.raises(MappingLimitError, match="about 2000"):
+        guard.before("chunk")
+
+
+def test_without_proc_nothing_is_checked():
+    guard = MappingGuard("x", "y", maps=lambda: None)
+    for _ in range(3):
+        guard.before()
+
+
+def test_an_engine_warm_up_near_the_limit_fails_before_compiling_every_shape(tiny_model_dir, monkeypatch):
+    """A process that already holds its limit but for one mapping: the engine's warm-up raises the guard's error
+    (its message ends in the caller's fix) before it has compiled all of its 2 x 2 admission shapes and chunk."""
+    model = load_pretrained(tiny_model_dir("llama"))
+    engine = GenerationEngine(model, EngineConfig(rows=2, context=128, chunk_steps=2), eos_ids=())
+    real = memory_maps()
+    if real is None:
+        pytest.skip("no /proc/self/maps here")
+    limit = real[0] + 1
+    monkeypatch.setattr(compile_cache, "memory_maps", lambda: (memory_maps_now(), limit))
+    with CompileCounter() as compiles, pytest.raises(MappingLimitError,
+                                                      match="lower --batch-size or --context, or raise the limit"):
+        engine.warm_up(fix="lower --batch-size or --context")
+    assert compiles.requests < 5
+
+
+def memory_maps_now() -> int:
+    with open(compile_cache.MAPS_FILE, "rb") as f:
+        return sum(1 for _ in f)
