@@ -186,17 +186,18 @@ class DraftedDecoder:
             self.state = release_rows(self.state, release_b)
 
     def compile(self, shapes: list[tuple[int, int]], steps: int,
-                before: Callable[[str], None] = lambda kind: None) -> None:
+                before: Callable[[str, int], None] = lambda kind, left: None) -> None:
         """`PlainDecoder.compile`."""
         with self.placement.active():
-            for window in chunk_windows(self.reach):
-                before("chunk")
+            windows = chunk_windows(self.reach)
+            for i, window in enumerate(windows):
+                before("chunk", len(windows) - i)
                 drafted_chunk(len(self.emitted_b)).lower(
                     *self._chunk_args(np.zeros(self.state.root_b.shape, np.int32), False, window), tree=self.tree,
                     steps=steps, eos_ids=self.eos_ids, pad_id=self.pad_id, proposer=self.proposer).compile()
-            for n, width in shapes:
+            for i, (n, width) in enumerate(shapes):
                 zeros_n = np.zeros((n,), np.int32)
-                before("admission")
+                before("admission", len(shapes) - i)
                 drafted_admit.lower(self.graphdef, self.params, self.state, self.sampling, zeros_n,
                                     np.zeros((n, width), np.int32), zeros_n + 1, RowSampling.greedy(n),
                                     tree=self.tree, eos_ids=self.eos_ids).compile()

@@ -209,18 +209,19 @@ class PlainDecoder:
             self.rows = release_rows(self.rows, release_b)
 
     def compile(self, shapes: list[tuple[int, int]], steps: int,
-                before: Callable[[str], None] = lambda kind: None) -> None:
+                before: Callable[[str, int], None] = lambda kind, left: None) -> None:
         """Compiles ahead of time (nothing runs) the chunk over each attention window, then the admission of n
-        prompts of each (n, width), calling `before(kind)` ahead of each compilation ("chunk" or "admission": the
-        largest executables first)."""
+        prompts of each (n, width), calling `before(kind, left)` ahead of each compilation ("chunk" or "admission":
+        the largest executables first; `left`: those of its kind still to compile, this one included)."""
         with self.placement.active():
-            for window in chunk_windows(self.reach):
-                before("chunk")
+            windows = chunk_windows(self.reach)
+            for i, window in enumerate(windows):
+                before("chunk", len(windows) - i)
                 decode_chunk.lower(self.graphdef, self.params, self._windowed(window), steps=steps,
                                    eos_ids=self.eos_ids, pad_id=self.pad_id).compile()
-            for n, width in shapes:
+            for i, (n, width) in enumerate(shapes):
                 zeros_n = np.zeros((n,), np.int32)
-                before("admission")
+                before("admission", len(shapes) - i)
                 admit_rows.lower(*self._admit_args(zeros_n, np.zeros((n, width), np.int32), zeros_n + 1, zeros_n + 1,
                                                    stop_ids_array([()] * n, self.stop_width), RowSampling.greedy(n)),
                                  eos_ids=self.eos_ids).compile()

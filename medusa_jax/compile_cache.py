@@ -112,11 +112,13 @@ class MappingGuard:
     XLA:CPU maps each kernel of an executable it compiles or loads as its own memory mappings (code, data,
     read-only data): a SmolLM2 decode step holds about 1,900 of them, and a server's engine of 16 rows and 1,024
     slots 49,000 after its warm-up, against Linux's default limit of 65,530 per process. Past the limit LLVM
-    aborts the process ("Unable to allocate section memory"). So `before(kind)` raises MappingLimitError when the
-    mappings held plus the largest growth of one compilation of that kind seen so far, times `margin`, would pass
-    the limit, with what to do (`fix`); a kind's first compilation is checked against the mappings held alone, so a
-    series compiles its largest kind first. `maps` reads (held, limit) (None: `memory_maps`; reading None checks
-    nothing)."""
+    aborts the process ("Unable to allocate section memory"). So `before(kind, left)` raises MappingLimitError when
+    the mappings held plus what the `left` compilations of that kind still to come (this one included) add would
+    pass the limit, each taken as the largest growth of one compilation of that kind seen so far (and the next one
+    alone as `margin` times it), with what to do (`fix`): a series that cannot fit stops after its first
+    compilation of each kind, not at its end. A kind's first compilation is checked against the mappings held
+    alone, so a series compiles its largest kind first. `maps` reads (held, limit) (None: `memory_maps`; reading
+    None checks nothing)."""
 
     what: str  # what is being compiled, for the error
     fix: str  # what the caller can lower, for the error
@@ -125,7 +127,7 @@ class MappingGuard:
     _last: tuple[int, str] | None = None  # (held before the previous compilation, its kind)
     _largest: dict = dataclasses.field(default_factory=dict)  # kind -> the largest growth of one compilation
 
-    def before(self, kind: str = "") -> None:
+    def before(self, kind: str = "", left: int = 1) -> None:
         seen = (self.maps or memory_maps)()
         if seen is None:
             return
@@ -135,8 +137,8 @@ class MappingGuard:
             self._largest[last_kind] = max(self._largest.get(last_kind, 0), held - last_held)
         self._last = held, kind
         growth = self._largest.get(kind, 0)
-        if held + self.margin * growth > limit:
+        if held + max(self.margin, left) * growth > limit:
             raise MappingLimitError(
                 f"compiling {self.what} would pass this machine's limit of {limit} memory mappings per process "
-                f"({held} held; XLA:CPU maps each compiled kernel, about {growth} for one such call): {self.fix}, "
-                f"or raise the limit (sudo sysctl -w vm.max_map_count={RAISED_MAP_LIMIT})")
+                f"({held} held; XLA:CPU maps each compiled kernel, about {growth} for each of the {left} calls "
+                f"left): {self.fix}, or raise the limit (sudo sysctl -w vm.max_map_count={RAISED_MAP_LIMIT})")

@@ -46,7 +46,7 @@ def test_each_kind_of_compilation_is_estimated_by_its_own_largest_step():
         guard.before("chunk")
         held[0] += 2000
     admissions = 0
-    with pytest.raises(MappingLimitError, match="about 100 for one such call"):
+    with pytest.raises(MappingLimitError, match="about 100 for each of the 1 calls left"):
         while True:
             guard.before("admission")
             held[0] += 100
@@ -54,6 +54,22 @@ def test_each_kind_of_compilation_is_estimated_by_its_own_largest_step():
     assert admissions == 9  # 5000 + 9 x 100 = 5900 held; 5900 + 125 > 6000
     with pytest.raises(MappingLimitError, match="about 2000"):
         guard.before("chunk")
+
+
+def test_a_series_that_cannot_fit_stops_after_the_first_compilation_of_its_kind():
+    """20 admissions of 100 mappings each left, 1,500 free: the guard projects them all after the first one and
+    stops there, instead of compiling 14 of them first."""
+    held = [4500]
+    guard = MappingGuard("the shapes", "fewer", maps=lambda: (held[0], 6000))
+    guard.before("admission", 20)  # the first: its growth unknown yet
+    held[0] += 100
+    with pytest.raises(MappingLimitError, match="about 100 for each of the 19 calls left"):
+        guard.before("admission", 19)
+    held = [4500]
+    fits = MappingGuard("the shapes", "fewer", maps=lambda: (held[0], 6000))
+    for left in range(14, 0, -1):  # 14 x 100 fit in 1,500
+        fits.before("admission", left)
+        held[0] += 100
 
 
 def test_without_proc_nothing_is_checked():
