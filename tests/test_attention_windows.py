@@ -88,7 +88,7 @@ def test_a_forward_over_a_window_equals_the_forward_over_the_whole_cache(tiny_mo
     assert windowed.window == 256 and windowed.cache_size == 500
     np.testing.assert_allclose(window_logits, full_logits, rtol=1e-5, atol=1e-5 * float(jnp.abs(full_logits).max()))
     for a, b in zip(jax.tree.leaves((full.k_bkhs, full.v_bksh)), jax.tree.leaves((windowed.k_bkhs, windowed.v_bksh))):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.abs(a).max()))
     # a block written past the window lands in the buffers all the same
     far = jnp.asarray([300, 300], jnp.int32)
     _, written = base(tokens_bt, far[:, None] + jnp.arange(5)[None, :], attention_mask(far, causal_block(5), 500),
