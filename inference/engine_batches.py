@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import jax
 from flax import nnx
 
-from medusa_jax.compile_cache import CompileCounter
+from medusa_jax.compile_cache import CompileCounter, MappingGuard
 from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.trees.policy.choose import ChosenTree
 from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult, report_batch
@@ -24,6 +24,12 @@ from medusa_jax.inference.medusa import Proposer, heads_proposer
 from medusa_jax.inference.sharded import ShardedModel
 
 REFILL_CHUNK_STEPS = 32  # decode steps between refills (bench/refill's setting)
+# every batch call of this process: before a call's engine runs a cache size's batches, the mappings held plus the
+# largest that one such run added so far must fit the process's limit (`compile_cache.MappingGuard`): each new shape
+# compiles executables that stay mapped, and past the limit XLA:CPU's compiler fails ("Cannot allocate memory")
+MAPPINGS = MappingGuard("the engine of a batch call's next cache size",
+                        "run fewer batch sizes, prompt lengths or max_new_tokens in one process (each shape compiles "
+                        "executables that stay loaded)")
 SEED_RANGE = 2**31  # request seeds (seed + prompt index) wrap here: they reach the jitted key as int32
 
 OnBatch = Callable[[list[GenerationResult]], None]
@@ -86,6 +92,7 @@ def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
                                   sorted_batch=None if rows == settings.batch_size else settings.batch_size)
             key = (dataclasses.replace(config, max_queue=1, chunk_steps=1), settings.eos_ids, settings.pad_id, tree,
                    proposer)
+            MAPPINGS.before("cache size")
             engine = _engine(model, key, config, proposer_data)
             finished: list[int] = []  # prompt indices, as their requests finish
             requests = {i: engine.submit(prompts[i], _params(settings, i), _on_finish(finished, i)) for i in indices}
@@ -110,6 +117,7 @@ def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
             if model.heads is not None:  # a drafter state kept across calls (Token Recycling's table): handed back
                 model.keep_draft(engine.drafter_state())
             model.last_engine = LastEngine(key, engine, _kept(model))
+            MAPPINGS.after()
     seconds = time.perf_counter() - start
     return BatchRun(results, seconds, min(run_compiles.compile_seconds, seconds), len(plan), len(set(sizes)), chosen,
                     run_compiles)
@@ -163,6 +171,7 @@ def refilled_slots(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     config = EngineConfig(rows=settings.batch_size, context=context, chunk_steps=REFILL_CHUNK_STEPS,
                           max_queue=len(prompts), admission="fifo")
     start = time.perf_counter()
+    MAPPINGS.before("cache size")
     with CompileCounter() as compiles:
         engine = GenerationEngine(base, config, eos_ids=settings.eos_ids, pad_id=settings.pad_id)
 
@@ -175,6 +184,7 @@ def refilled_slots(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
         while any(r.finish_reason is None for r in requests):
             engine.run_once()
             iterations += 1
+    MAPPINGS.after()
     seconds = time.perf_counter() - start
     compiling = min(compiles.compile_seconds, seconds)
     results = [_result(r, i, 0, seconds, compiling, settings, False) for i, r in enumerate(requests)]

@@ -142,3 +142,13 @@ class MappingGuard:
                 f"compiling {self.what} would pass this machine's limit of {limit} memory mappings per process "
                 f"({held} held; XLA:CPU maps each compiled kernel, about {growth} for each of the {left} calls "
                 f"left): {self.fix}, or raise the limit (sudo sysctl -w vm.max_map_count={RAISED_MAP_LIMIT})")
+
+    def after(self) -> None:
+        """Ends the compilation (or the run that compiles) that the last `before` announced: its growth is taken now,
+        not at the next `before`, so what the process compiles in between is not counted as its."""
+        seen = (self.maps or memory_maps)()
+        if seen is None or self._last is None:
+            return
+        last_held, last_kind = self._last
+        self._largest[last_kind] = max(self._largest.get(last_kind, 0), seen[0] - last_held)
+        self._last = None

@@ -97,3 +97,40 @@ def test_an_engine_warm_up_near_the_limit_fails_before_compiling_every_shape(tin
 def memory_maps_now() -> int:
     with open(compile_cache.MAPS_FILE, "rb") as f:
         return sum(1 for _ in f)
+
+
+def test_what_runs_between_two_announced_compilations_is_not_counted_as_theirs():
+    """`after` ends the growth of the run `before` announced: 200 mappings added by other work before the next
+    `before` are not taken as that kind's step (with them, 1500 + 1.25 * 500 would pass the limit of 2,000)."""
+    held = [1000]
+    guard = MappingGuard("the shapes", "fewer", maps=lambda: (held[0], 2000))
+    guard.before("run")
+    held[0] += 300  # the announced run
+    guard.after()
+    held[0] += 200  # other work
+    guard.before("run")  # 1500 + 1.25 * 300 fits
+    assert guard._largest == {"run": 300}
+
+
+@pytest.mark.parametrize("engine", ["batches", "refill"])
+def test_batch_calls_stop_before_a_cache_size_that_would_pass_the_limit(tiny_model_dir, monkeypatch, engine):
+    """`generate_batch` checks the process's mappings before each cache size's engine runs (`engine_batches.
+    MAPPINGS`): a first call that added 500 mappings under a limit of 2,200 answers; the next, with 1,750 held,
+    stops with one error line naming what to run fewer of before it builds anything."""
+    from medusa_jax.inference import engine_batches
+    from medusa_jax.inference.api import generate_batch
+    from medusa_jax.inference.batch_run import BatchSettings
+    from medusa_jax.inference.sharded import ShardedModel
+    from medusa_jax.model.sharding import MeshConfig
+
+    reads = iter([1000, 1500, 1750])  # before and after the first call, before the second
+    monkeypatch.setattr(engine_batches, "MAPPINGS", MappingGuard(
+        engine_batches.MAPPINGS.what, engine_batches.MAPPINGS.fix, maps=lambda: (next(reads), 2200)))
+    model = ShardedModel(load_pretrained(tiny_model_dir("llama")), None, MeshConfig())
+    settings = BatchSettings(batch_size=2, max_new_tokens=3, engine=engine)
+    first = generate_batch(model, [[5, 6, 7], [8, 9]], settings, progress=False)
+    assert [len(r.token_ids) for r in first.results] == [3, 3]
+    with pytest.raises(MappingLimitError) as error:
+        generate_batch(model, [[5, 6, 7, 8]], settings, progress=False)
+    message = str(error.value)
+    assert "2200 memory mappings" in message and "max_new_tokens" in message and "\n" not in message
