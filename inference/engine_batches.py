@@ -24,7 +24,7 @@ from medusa_jax.inference.medusa import Proposer, heads_proposer
 from medusa_jax.inference.sharded import ShardedModel
 
 REFILL_CHUNK_STEPS = 32  # decode steps between refills (bench/refill's setting)
-# every batch call of this process: before a call's engine runs a cache size's batches, the mappings held plus the
+# every batch call of this process: before a new engine runs a cache size's batches, the mappings held plus the
 # largest that one such run added so far must fit the process's limit (`compile_cache.MappingGuard`): each new shape
 # compiles executables that stay mapped, and past the limit XLA:CPU's compiler fails ("Cannot allocate memory")
 MAPPINGS = MappingGuard("the engine of a batch call's next cache size",
@@ -92,7 +92,6 @@ def sorted_batches(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
                                   sorted_batch=None if rows == settings.batch_size else settings.batch_size)
             key = (dataclasses.replace(config, max_queue=1, chunk_steps=1), settings.eos_ids, settings.pad_id, tree,
                    proposer)
-            MAPPINGS.before("cache size")
             engine = _engine(model, key, config, proposer_data)
             finished: list[int] = []  # prompt indices, as their requests finish
             requests = {i: engine.submit(prompts[i], _params(settings, i), _on_finish(finished, i)) for i in indices}
@@ -157,6 +156,7 @@ def _engine(model: ShardedModel, key: tuple, config: EngineConfig, proposer_data
         last.engine.restart(config.max_queue, None if _same(last.kept, _kept(model)) else model.heads, proposer_data)
         return last.engine
     del last
+    MAPPINGS.before("cache size")  # a new engine compiles its shapes as it runs (an engine restarted has them)
     base, heads = _parts(model, tree is not None)
     return GenerationEngine(base, config, eos_ids=eos_ids, pad_id=pad_id, heads=heads, tree=tree,
                             mesh=model.mesh if model.mesh.size > 1 else None, proposer=proposer,

@@ -146,8 +146,10 @@ class MappingGuard:
     def after(self) -> None:
         """Ends the compilation (or the run that compiles) that the last `before` announced: its growth is taken now,
         not at the next `before`, so what the process compiles in between is not counted as its."""
+        if self._last is None:
+            return
         seen = (self.maps or memory_maps)()
-        if seen is None or self._last is None:
+        if seen is None:
             return
         last_held, last_kind = self._last
         self._largest[last_kind] = max(self._largest.get(last_kind, 0), seen[0] - last_held)

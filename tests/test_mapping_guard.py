@@ -113,24 +113,29 @@ def test_what_runs_between_two_announced_compilations_is_not_counted_as_theirs()
 
 
 @pytest.mark.parametrize("engine", ["batches", "refill"])
-def test_batch_calls_stop_before_a_cache_size_that_would_pass_the_limit(tiny_model_dir, monkeypatch, engine):
-    """`generate_batch` checks the process's mappings before each cache size's engine runs (`engine_batches.
-    MAPPINGS`): a first call that added 500 mappings under a limit of 2,200 answers; the next, with 1,750 held,
-    stops with one error line naming what to run fewer of before it builds anything."""
+def test_batch_calls_stop_before_a_new_engine_that_would_pass_the_limit(tiny_model_dir, monkeypatch, engine):
+    """`generate_batch` checks the process's mappings before a new engine runs a cache size's batches (`engine_batches.
+    MAPPINGS`): a first call that added 500 mappings under a limit of 2,200 answers; with 1,750 held, a call whose
+    sorted batches restart the last engine (the same shapes: nothing to compile) answers too, and one that needs a
+    new engine (refilled slots always do) stops with one error line naming what to run fewer of."""
     from medusa_jax.inference import engine_batches
     from medusa_jax.inference.api import generate_batch
     from medusa_jax.inference.batch_run import BatchSettings
     from medusa_jax.inference.sharded import ShardedModel
     from medusa_jax.model.sharding import MeshConfig
 
-    reads = iter([1000, 1500, 1750])  # before and after the first call, before the second
+    reads = iter([1000, 1500])  # before and after the first call; 1,750 from then on
     monkeypatch.setattr(engine_batches, "MAPPINGS", MappingGuard(
-        engine_batches.MAPPINGS.what, engine_batches.MAPPINGS.fix, maps=lambda: (next(reads), 2200)))
+        engine_batches.MAPPINGS.what, engine_batches.MAPPINGS.fix, maps=lambda: (next(reads, 1750), 2200)))
     model = ShardedModel(load_pretrained(tiny_model_dir("llama")), None, MeshConfig())
     settings = BatchSettings(batch_size=2, max_new_tokens=3, engine=engine)
-    first = generate_batch(model, [[5, 6, 7], [8, 9]], settings, progress=False)
-    assert [len(r.token_ids) for r in first.results] == [3, 3]
+    prompts = [[5, 6, 7], [8, 9]]
+    assert [len(r.token_ids) for r in generate_batch(model, prompts, settings, progress=False).results] == [3, 3]
+    if engine == "batches":
+        again = generate_batch(model, prompts, settings, progress=False)
+        assert [len(r.token_ids) for r in again.results] == [3, 3]
+        settings = BatchSettings(batch_size=3, max_new_tokens=3, engine=engine)  # a new engine: 3 rows
     with pytest.raises(MappingLimitError) as error:
-        generate_batch(model, [[5, 6, 7, 8]], settings, progress=False)
+        generate_batch(model, prompts + [[4]], settings, progress=False)
     message = str(error.value)
     assert "2200 memory mappings" in message and "max_new_tokens" in message and "\n" not in message
