@@ -19,7 +19,8 @@ from pathlib import Path
 
 from medusa_jax.bench.bench_inputs import env_choices, env_int, mtbench_questions, write_files
 from medusa_jax.compile_cache import enable_compile_cache
-from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
+from medusa_jax.inference.engine_requests import RequestParams
 from medusa_jax.inference.loaded_model import load_model
 from medusa_jax.inference.mixed_decoding import build_mix
 from medusa_jax.model.kv_cache import attention_windows

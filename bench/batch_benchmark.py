@@ -17,7 +17,8 @@ from medusa_jax.settings import at_least, check_settings, each, setting
 from medusa_jax.trees.tree import DEFAULT_TREE, load_tree
 from medusa_jax.inference.api import BatchSettings, generate_batch
 from medusa_jax.inference.engine import PROMPT_BUCKET, check_prompts, round_up
-from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
+from medusa_jax.inference.engine_requests import RequestParams
 from medusa_jax.inference.sharded import ShardedModel
 from medusa_jax.bench.bench_inputs import write_files
 from medusa_jax.bench.bench_report import table

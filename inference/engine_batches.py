@@ -18,8 +18,8 @@ from medusa_jax.trees.dynamic_tree import scratch_slots
 from medusa_jax.trees.policy.choose import ChosenTree
 from medusa_jax.inference.batch_run import BatchRun, BatchSettings, GenerationResult, report_batch
 from medusa_jax.inference.engine import PROMPT_BUCKET, cache_size_for, check_fits, pad_prompts, round_up
-from medusa_jax.inference.generation_engine import (EngineConfig, GenerationEngine, Request, RequestParams,
-                                                    TokenEvent)
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
+from medusa_jax.inference.engine_requests import Request, RequestParams, TokenEvent
 from medusa_jax.inference.medusa import Proposer, heads_proposer
 from medusa_jax.inference.sharded import ShardedModel
 

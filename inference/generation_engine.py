@@ -1,13 +1,12 @@
 """One generation engine: requests queued, admitted into free rows of a running jitted decode (continuous batching
 over a static KV cache), each with its own sampling settings, budget and stop ids; tokens handed out chunk by chunk
-(`TokenEvent`s, the last with the finish reason: "stop", "length" or "cancelled"); a request can be cancelled.
-`start()` serves in a thread of its own, `generate_all` in the caller's. Rows, drafting, the admission policies
-("fifo": refilled slots, "sorted": sorted batches) and compilation: docs/serving.md, "The engine"."""
+(`engine_requests.TokenEvent`s, the last with the finish reason: "stop", "length" or "cancelled"); a request can be
+cancelled. `start()` serves in a thread of its own, `generate_all` in the caller's. Rows, drafting, the admission
+policies ("fifo": refilled slots, "sorted": sorted batches) and compilation: docs/serving.md, "The engine"."""
 
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 import time
 from collections import defaultdict, deque
@@ -26,11 +25,11 @@ from medusa_jax.inference.autoregressive import prefill_widths
 from medusa_jax.inference.engine import PROMPT_BUCKET, bucket_length
 from medusa_jax.inference.engine_mesh import Placement, fetch
 from medusa_jax.inference.engine_metrics import EngineMetrics
+from medusa_jax.inference.engine_requests import EngineClosed, QueueFull, Request, RequestParams, TokenEvent
 from medusa_jax.inference.drafted_rows import DraftedDecoder
 from medusa_jax.inference.medusa import Proposer, heads_proposer
 from medusa_jax.inference.row_decode import PlainDecoder, chunk_windows, stop_ids_array
 from medusa_jax.inference.row_sampling import RowSampling
-from medusa_jax.inference.sampling import SamplingConfig
 
 ADMISSIONS = ("fifo", "sorted")
 
@@ -65,15 +64,6 @@ class EngineConfig:
                              f"got {self.sorted_batch} with {self.admission!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class RequestParams:
-    max_tokens: int = 16
-    sampling: SamplingConfig = SamplingConfig()  # temperature 0: greedy
-    seed: int = 0
-    stop_ids: tuple[int, ...] = ()  # tokens that end the reply besides the model's EOS ids
-    acceptance: AcceptanceConfig | None = None  # drafted rows' acceptance (None: the engine's, greedy if greedy)
-
-
 def admission_sizes(rows: int) -> tuple[int, ...]:
     """The row counts an admission call is padded to: 1, 2, 4, ... below `rows`, then `rows` (few shapes; a
     filler row computes a whole prompt's prefill, so the steps stay small: bench/refill/engine_client.md)."""
@@ -82,40 +72,6 @@ def admission_sizes(rows: int) -> tuple[int, ...]:
         sizes.append(n)
         n *= 2
     return tuple(sizes) + (rows,)
-
-
-class QueueFull(RuntimeError):
-    """The queue holds config.max_queue requests already."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine is shutting down (or failed) and takes no new requests."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenEvent:
-    request: "Request"
-    tokens: tuple[int, ...]  # new tokens
-    finish_reason: str | None  # set on the request's last event
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    prompt_ids: list[int]
-    params: RequestParams
-    on_event: Callable[[TokenEvent], None] | None = None  # called from the engine's thread
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    verify_steps: int = 0  # drafted rows: the tree steps after the first token (to its chunk's end past a stop id)
-    accept_lengths: list[int] = dataclasses.field(default_factory=list)  # drafted rows: each step's accepted drafts
-    cancel_requested: bool = False
-    events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
-
-    def emit(self, tokens: Sequence[int], finish_reason: str | None) -> None:
-        event = TokenEvent(self, tuple(tokens), finish_reason)
-        (self.on_event or self.events.put)(event)
 
 
 class GenerationEngine:

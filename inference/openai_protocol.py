@@ -9,7 +9,7 @@ import math
 import secrets
 from typing import Any
 
-from medusa_jax.inference.generation_engine import RequestParams
+from medusa_jax.inference.engine_requests import RequestParams
 from medusa_jax.inference.sampling import SamplingConfig
 
 MAX_STOP_STRINGS = 4

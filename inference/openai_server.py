@@ -18,8 +18,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from medusa_jax.text import TokenizerError, chat_prompt_ids, encode_prompt
-from medusa_jax.inference.generation_engine import EngineClosed, GenerationEngine, QueueFull, TokenEvent
-from medusa_jax.inference.generation_engine import Request as EngineRequest
+from medusa_jax.inference.generation_engine import GenerationEngine
+from medusa_jax.inference.engine_requests import EngineClosed, QueueFull, TokenEvent
+from medusa_jax.inference.engine_requests import Request as EngineRequest
 from medusa_jax.inference.openai_protocol import (ApiError, ParsedRequest, answer_body, chunk_body, parse_request,
                                                   usage)
 from medusa_jax.inference.text_stream import TextStream

@@ -27,7 +27,8 @@ from medusa_jax.heads.lookup import LookupConfig  # noqa: E402
 from medusa_jax.heads.mixed import make_mix, template_spec  # noqa: E402
 from medusa_jax.heads.recycle import RANK_ACCEPTANCE, RecycleConfig, RecycleDrafter, template_tree  # noqa: E402
 from medusa_jax.trees.tree import DynamicTree, load_tree  # noqa: E402
-from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams  # noqa: E402
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine  # noqa: E402
+from medusa_jax.inference.engine_requests import RequestParams  # noqa: E402
 
 def drafters(model, heads, tree):
     """method -> (drafter, tree), each drafter new (a fresh recycling table per engine)."""

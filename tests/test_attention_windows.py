@@ -14,7 +14,8 @@ from medusa_jax.model.config import LayerExecution
 from medusa_jax.model.kv_cache import KVCache, attention_mask, attention_window, attention_windows, causal_block
 from medusa_jax.inference.api import generate
 from medusa_jax.inference.autoregressive import prefill
-from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
+from medusa_jax.inference.engine_requests import RequestParams
 from medusa_jax.inference.row_decode import SlotReach
 from decode_helpers import prompts_of
 from medusa_jax.trees.tree import load_tree

@@ -18,7 +18,8 @@ from medusa_jax.heads.recycle import RANK_ACCEPTANCE, RecycleConfig, RecycleDraf
 from medusa_jax.trees.tree import DynamicTree, load_tree
 from medusa_jax.inference.acceptance import AcceptanceConfig
 from medusa_jax.inference.api import generate, generate_medusa
-from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
+from medusa_jax.inference.engine_requests import RequestParams
 from medusa_jax.inference.sampling import SamplingConfig
 from decode_helpers import prompts_of, randomise_kernels
 

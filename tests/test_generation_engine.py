@@ -17,8 +17,8 @@ from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.init import init_heads
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.api import generate, generate_medusa
-from medusa_jax.inference.generation_engine import (EngineClosed, EngineConfig, GenerationEngine, QueueFull,
-                                                    RequestParams)
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
+from medusa_jax.inference.engine_requests import EngineClosed, QueueFull, RequestParams
 from medusa_jax.inference.row_sampling import RowSampling, row_target_logits, sample_rows
 from medusa_jax.inference.sampling import SamplingConfig, target_logits
 from medusa_jax.inference.text_stream import TextStream

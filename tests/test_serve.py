@@ -26,7 +26,8 @@ from medusa_jax.text import chat_prompt_ids, decode_tokens, eos_token_ids, load_
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.trees.tree import load_tree
 from medusa_jax.inference.api import generate
-from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, RequestParams
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
+from medusa_jax.inference.engine_requests import RequestParams
 from medusa_jax.inference.openai_server import OpenAIServer
 from tokenizers import Tokenizer, models, pre_tokenizers
 

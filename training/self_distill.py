@@ -24,7 +24,8 @@ from medusa_jax.model import sharding as shd
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.model.backbone import CausalLM
 from medusa_jax.inference.engine import PROMPT_BUCKET, round_up
-from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine, Request, RequestParams
+from medusa_jax.inference.generation_engine import EngineConfig, GenerationEngine
+from medusa_jax.inference.engine_requests import Request, RequestParams
 from medusa_jax.inference.sampling import SamplingConfig
 from medusa_jax.training import hidden_store, output_folder
 from medusa_jax.training.teacher_forced import FeatureStoreConfig, chunk_hidden
