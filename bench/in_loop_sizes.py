@@ -22,6 +22,7 @@ from pathlib import Path
 
 from medusa_jax.bench import mixed_drafts
 from medusa_jax.bench.bench_inputs import env_int, mtbench_questions, write_files
+from medusa_jax.bench.bench_report import table
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.inference.batch_run import BatchSettings
 from medusa_jax.inference.draft_size import forced_sizes
@@ -105,13 +106,11 @@ def main() -> None:
              f"{machine['load_average_1m']:.1f} at the start. MT-Bench first turns 1-{PROMPTS}, {NEW_TOKENS} new "
              f"tokens, greedy, calls of {BATCH}, {REPEATS} interleaved rounds per call (the median). Steps: each "
              f"call's longest row. Cost in the loop: seconds per step past plain's first token (its prefill), "
-             f"over plain's.", "",
-             "| method | steps | tokens per step and row | speed vs plain | cost in the loop | calibrated cost |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        cal = "-" if r["calibrated_cost"] is None else f"{r['calibrated_cost']:.3f}"
-        lines.append(f"| {r['method']} | {r['steps']} | {r['tokens_per_step_and_row']:.2f} | "
-                     f"{r['speed_vs_plain']:.3f}x | {r['cost_in_loop']:.3f} | {cal} |")
+             f"over plain's.", ""]
+    lines += table("method | steps | tokens per step and row | speed vs plain | cost in the loop | calibrated cost",
+                   ((r["method"], r["steps"], f"{r['tokens_per_step_and_row']:.2f}", f"{r['speed_vs_plain']:.3f}x",
+                     f"{r['cost_in_loop']:.3f}",
+                     "-" if r["calibrated_cost"] is None else f"{r['calibrated_cost']:.3f}") for r in rows))
     write_files(OUT, {"results.json": json.dumps(results, indent=1) + "\n", "README.md": "\n".join(lines) + "\n"})
     print("\n".join(lines))
 
