@@ -10,7 +10,9 @@ numpy mirrors of `size_choice`: the rules before 2026-12-06 (`BackoffRule`: the 
 the run's correction, and a backoff after each drafted step that did not pay), the one shipped on 2026-12-06
 (`RunningMeanRule`: each size's running estimate, the step's prediction a prior) and the shipped one (`RatioRule`:
 the step's prediction scaled by each size's ratio of accepted to predicted tokens), so their states follow the same
-arithmetic as on device. Record sets: MT-Bench first turns, the input-grounded set or HumanEval (`--set`).
+arithmetic as on device. Two references no decoder can run sit beside them at one row: `FittedReference` (each
+answer's own best calibration of the predictions) and `Oracle` (the outcomes known). Record sets: MT-Bench first
+turns, the input-grounded set or HumanEval (`--set`).
 """
 
 from __future__ import annotations
@@ -177,8 +179,38 @@ class Oracle(BackoffRule):
         return int(np.argmax(gain_k)) if gain_k.max() > 1 / self.skip_cost else None
 
 
+class FittedReference(BackoffRule):
+    """A reference, not a rule a decoder can run: it knows from the first step this answer's own least-squares fit
+    of each size's accepted tokens on the step's two predictions (the drafters' and prompt lookup's chains', with
+    an intercept), made over every position of the answer (`fit`, called by `replay`), and at each step verifies
+    the size with the most fitted (1 + accepted) / cost, or skips where none beats a skipped step. So it is what a
+    rule reading these predictions could make with a perfect calibration per answer: where it stays near plain, the
+    predictions carry no paying steps that a better calibration could find (the oracle, knowing the outcomes,
+    bounds every rule)."""
+
+    def __init__(self, sizes, costs, skip_cost):
+        super().__init__(sizes, costs)
+        self.skip_cost = skip_cost
+        self.coef_k3 = None
+
+    def fit(self, steps: list[Position]) -> None:
+        accepts, lookup, true = (np.asarray([getattr(p, f) for p in steps]) for f in ("accepts_k", "lookup_k",
+                                                                                    "true_k"))
+        self.coef_k3 = np.stack([np.linalg.lstsq(np.stack([np.ones(len(steps)), accepts[:, k], lookup[:, k]], 1),
+                                                 true[:, k], rcond=None)[0] for k in range(len(self.sizes))])
+
+    def decide(self, p: Position):
+        fitted_k = np.maximum(self.coef_k3[:, 0] + self.coef_k3[:, 1] * p.accepts_k + self.coef_k3[:, 2] * p.lookup_k,
+                              0.0)
+        gain_k = np.where(self.sizes > 0, (1 + fitted_k) / self.costs, -np.inf)
+        return int(np.argmax(gain_k)) if gain_k.max() > 1 / self.skip_cost else None
+
+
 def replay(steps: list[Position], rule, costs, skip_cost: float) -> dict:
-    """Walks one answer (module docstring): {tokens, cost, speedup, drafted, skipped, accepted}."""
+    """Walks one answer (module docstring): {tokens, cost, speedup, drafted, skipped, accepted}; a rule with a `fit`
+    (`FittedReference`) first sees the whole answer."""
+    if hasattr(rule, "fit"):
+        rule.fit(steps)
     pos, cost, drafted, skipped, accepted = 0, 0.0, 0, 0, 0.0
     while pos < len(steps):
         p = steps[pos]
@@ -319,9 +351,10 @@ def main(argv=None) -> int:
              "running estimate, floor x its own ratio": lambda: RunningMeanRule(sizes, costs, lookup="own"),
              "prediction x ratio per size (shipped)": lambda: RatioRule(sizes, costs),
              **{f"every step {sizes[i]} nodes": partial(FixedSize, sizes, costs, i) for i in (-2, -1) if sizes[i] > 0},
+             "fitted per answer (reference)": lambda: FittedReference(sizes, costs, a.skip_cost),
              "oracle": lambda: Oracle(sizes, costs, a.skip_cost)}
-    if a.batch > 1:  # a step's oracle is not the batch's: each row's best size differs
-        del rules["oracle"]
+    if a.batch > 1:  # a step's oracle is not the batch's: each row's best size differs (nor is one answer's fit)
+        del rules["oracle"], rules["fitted per answer (reference)"]
         rules["prediction x ratio per size, every active row counted (until 2026-12-07)"] = \
             lambda: RatioRule(sizes, costs)
     unit = "prompt" if a.batch == 1 else "batch"

@@ -30,6 +30,10 @@ from medusa_jax.inference.sampling import is_eos
 from medusa_jax.inference.size_choice import (SizeChoiceState, accepted_per_size, choose, lookup_pays,
                                              predicted_accepts)
 
+# the narrower widths of a cache move (`move_widths`; entry 0 is the root, which never moves): 3 holds an accepted
+# path of up to 2 candidates, 6 of up to 5
+MOVE_WIDTHS = (3, 6)
+
 
 @dataclasses.dataclass(frozen=True)
 class ProposeInputs:
@@ -109,13 +113,28 @@ def accepted_moves(lengths_b: jax.Array, nodes_be: jax.Array) -> tuple[jax.Array
     return lengths_b[:, None] + nodes_be, lengths_b[:, None] + jnp.arange(nodes_be.shape[1])[None, :]
 
 
+def move_widths(e: int) -> tuple[int, ...]:
+    """The static widths a move of e entries per row is made at (`move_cache_slots`): MOVE_WIDTHS below e, then e."""
+    return tuple(w for w in MOVE_WIDTHS if w < e) + (e,)
+
+
 def move_cache_slots(cache: KVCache, src_be: jax.Array, dst_be: jax.Array) -> KVCache:
-    """`kv_cache.move_slots` in every layer; only these e slots per row are read and written, and none when every
-    move is a no-op (src == dst: the move after a step that accepted no candidate, e.g. a plain step of a mix; a
-    `run_if`, so the cache is still updated in place). Under a mesh each device moves its own rows and decides for
-    them (`sharding.map_cache_rows`), with no collectives."""
+    """`kv_cache.move_slots` in every layer over the first w of the e entries per row, w the narrowest of
+    `move_widths(e)` past the last entry that any row moves (src != dst), and no move when every entry is a no-op
+    (the move after a step that accepted no candidate, e.g. a plain step of a mix). A move costs its width in
+    every layer, and the entries past the accepted path are no-ops, so a step that accepted a short path moves a
+    few slots, not the deepest path's (bench/mixed_drafts/move_width). One `run_if` per width, so the cache is
+    still updated in place. Under a mesh each device moves its own rows and decides for them
+    (`sharding.map_cache_rows`), with no collectives."""
     def move(cache_: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-        return run_if(jnp.any(src != dst), lambda c: move_slots(c, src, dst), cache_)
+        e = src.shape[1]
+        last = jnp.max(jnp.where(jnp.any(src != dst, axis=0), jnp.arange(1, e + 1), 0))  # entries [0, last) move
+        narrower = 0
+        for w in move_widths(e):
+            cache_ = run_if((last > narrower) & (last <= w),
+                            lambda c, w=w: move_slots(c, src[:, :w], dst[:, :w]), cache_)
+            narrower = w
+        return cache_
     return map_cache_rows(move, cache, src_be, dst_be)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from medusa_jax.model.kv_cache import KVCache
+from medusa_jax.model.kv_cache import KVCache, move_slots
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.config import HeadsConfig
 from medusa_jax.heads.folder import save_heads
@@ -379,6 +379,29 @@ def test_cache_move_is_skipped_only_when_every_move_is_a_no_op():
     same = move(cache, jnp.asarray([[3, 4], [5, 6]]), jnp.asarray([[3, 4], [5, 6]]))
     np.testing.assert_array_equal(same.k_bkhs[0], k)
     np.testing.assert_array_equal(same.v_bksh[0], k.transpose(0, 1, 3, 2))
+
+
+@pytest.mark.parametrize("last", [1, 2, 3, 5, 6, 8])
+def test_cache_move_at_each_width_is_the_whole_move(last):
+    """`move_cache_slots` makes the move at the narrowest of `move_widths(e)` past the last entry any row moves:
+    wherever that entry is (inside the first width, at a width's edge, past the last narrower one), the cache is
+    what the whole move of all e entries (`kv_cache.move_slots`) leaves, the other row's later entries no-ops."""
+    from medusa_jax.inference.medusa import move_widths
+
+    e, s = 9, 40
+    assert move_widths(e) == (3, 6, 9)
+    k = jnp.arange(2 * s, dtype=jnp.float32).reshape(2, 1, 1, s) + 1
+    cache = KVCache((k, -k), (k.transpose(0, 1, 3, 2), 2 * k.transpose(0, 1, 3, 2)), jnp.asarray([4, 10], jnp.int32))
+    dst = np.asarray([[4], [10]]) + np.arange(e)[None, :]
+    src = dst.copy()
+    src[0, 1:last] += 11  # row 0 moves entries 1 .. last - 1 from past the tree block's end
+    src[1, 1:min(last, 3)] += 3  # row 1 a shorter path
+    src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
+    got = jax.jit(move_cache_slots)(cache, src, dst)
+    want = move_slots(cache, src, dst)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+    assert (last > 1) == bool(np.any(np.asarray(got.k_bkhs[0]) != np.asarray(k)))
 
 
 @pytest.mark.parametrize("tree_name", ["mc_sim_7b_8", DYNAMIC_3])

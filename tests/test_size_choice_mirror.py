@@ -84,3 +84,28 @@ def test_the_batch_replays_left_weights_are_the_device_rules_counted_rows():
             np.testing.assert_array_equal(w > 0, counted)
             if counted.any():
                 np.testing.assert_allclose(w[counted], 1 / counted.sum())
+
+
+def test_the_fitted_reference_recovers_an_affine_calibration_and_then_chooses_as_the_oracle():
+    """`FittedReference` (a replay reference, not a device rule): where each size's accepted tokens are an exact
+    affine function of the two predictions, its per-answer fit recovers that function, so it makes the oracle's
+    choices at every step and its replay matches the oracle's."""
+    from medusa_jax.bench.size_choice_replay import FittedReference, Oracle, replay
+
+    sizes, costs, skip = [0, 2, 5, 16], [1.14, 1.40, 1.53, 2.18], 1.03
+    rng = np.random.default_rng(3)
+    coef = np.asarray([[0.0, 0.0, 0.0], [-0.2, 0.5, 0.1], [-0.4, 0.6, 0.2], [-0.9, 0.7, 0.3]])
+    steps = []
+    for _ in range(120):
+        accepts = np.cumsum(rng.uniform(0.0, 1.5, 4)) * np.asarray([s > 0 for s in sizes])
+        lookup = accepts * rng.uniform() if rng.uniform() < 0.4 else np.zeros(4)
+        steps.append(Position(accepts, lookup, coef[:, 0] + coef[:, 1] * accepts + coef[:, 2] * lookup))
+    fitted = FittedReference(sizes, costs, skip)
+    fitted.fit(steps)
+    np.testing.assert_allclose(fitted.coef_k3[1:], coef[1:], atol=1e-6)
+    oracle = Oracle(sizes, costs, skip)
+    positive = [p for p in steps if np.all(p.true_k >= 0)]  # the fit clips at 0 as the outcome cannot go below
+    assert len(positive) > 40 and all(fitted.decide(p) == oracle.decide(p) for p in positive)
+    walked = replay(positive, FittedReference(sizes, costs, skip), costs, skip)
+    assert walked["drafted"] > 0 and walked["skipped"] > 0
+    assert np.isclose(walked["cost"], replay(positive, Oracle(sizes, costs, skip), costs, skip)["cost"])
