@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from contextlib import contextmanager
 from typing import Sequence
 
 import numpy as np
@@ -78,6 +79,27 @@ def build_models(loaded: LoadedModel, chosen: Sequence[Method], heads_of,
 # step then attends over a wider cache than generate's bucket (64) gives: plain decoding ran 13% slower and
 # the mix's speedup on 8 MT-Bench first turns fell from 1.25x to 1.16x (2026-12-07)
 PROMPT_WIDTH = 512
+
+
+@contextmanager
+def traced_with_move(fn):
+    """`medusa.move_cache_slots` replaced by `fn` while a decode loop is traced (the A/Bs of the cache move:
+    bench/noop_move_ab.py, bench/move_width_ab.py), the shipped move back after."""
+    kept = medusa.move_cache_slots
+    medusa.move_cache_slots = fn
+    try:
+        yield
+    finally:
+        medusa.move_cache_slots = kept
+
+
+def compile_with_moves(models: dict, moves: dict, prompts: list[list[int]], eos_ids, pad_id: int,
+                       batch: int = 1) -> None:
+    """Each arm's loop (`run_set`'s models) traced and compiled by one call on the first `batch` prompts with its
+    own cache move (`moves[label]`, `traced_with_move`), before the timed rounds."""
+    for label, (model, tree) in models.items():
+        with traced_with_move(moves[label]):
+            run_set({label: (model, tree)}, prompts[:batch], 128, eos_ids, pad_id, batch=batch)
 
 
 def never_drafting_step(model, state, proposer, inputs, sizes, acceptance, eos_ids):

@@ -17,7 +17,6 @@ results_move_alone.{json,md}.
 
 import json
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import time
@@ -54,15 +53,6 @@ def whole_move(cache, src_be, dst_be):
     def move(cache_, src, dst):
         return run_if(jnp.any(src != dst), lambda c: move_slots(c, src, dst), cache_)
     return map_cache_rows(move, cache, src_be, dst_be)
-
-
-@contextmanager
-def move(fn):
-    medusa.move_cache_slots = fn
-    try:
-        yield
-    finally:
-        medusa.move_cache_slots = AT_WIDTH
 
 
 def moves_alone(loaded, machine) -> None:
@@ -124,10 +114,8 @@ def main() -> None:
         models[label] = (ShardedModel(loaded.base, mix, MeshConfig()), sizes)
     questions = mtbench_questions(max(PROMPTS) + 1)
     prompts = loaded.encode_chat([questions[i].first_turn for i in PROMPTS])
-    for label, (model, tree) in models.items():  # each loop traced and compiled with its own move
-        with move(arms[label][1]):
-            mixed_drafts.run_set({label: (model, tree)}, prompts[:BATCH], 128, loaded.eos_ids, loaded.pad_id,
-                                 batch=BATCH)
+    mixed_drafts.compile_with_moves(models, {label: fn for label, (_, fn) in arms.items()}, prompts, loaded.eos_ids,
+                                    loaded.pad_id, batch=BATCH)
     rows = mixed_drafts.run_set(models, prompts, 128, loaded.eos_ids, loaded.pad_id, print, batch=BATCH,
                                 repeats=REPEATS)
     results = {"machine": machine, "prompts": PROMPTS, "repeats": REPEATS, "batch": BATCH, "fixed": FIXED,

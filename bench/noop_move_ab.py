@@ -1,5 +1,6 @@
-"""A/B of skipping the no-op cache move (`medusa.move_cache_slots` under its `run_if`) against always making it (the
-code before: `kv_cache.move_slots` in every layer at every step), in one process: SmolLM2 with the shipped heads'
+"""A/B of skipping the no-op cache move (`medusa.move_cache_slots` as shipped: skipped when every entry is a no-op,
+and since 2026-12-07 made at its width, bench/move_width_ab.py) against always making it (the code before:
+`kv_cache.move_slots` in every layer at every step), in one process: SmolLM2 with the shipped heads'
 mix `default+recycle+lookup` at 16 nodes and `draft_size.default_costs` (both arms the same costs, nudged by a part
 in a million so that each compiles its own loop), batch 1, greedy, 128 new tokens, MT-Bench first turns PROMPTS
 (0-based), REPEATS interleaved rounds (`bench.mixed_drafts.run_set`, the median), against plain decoding in the
@@ -13,7 +14,6 @@ branch (`medusa.skipped_step`, as bench/never_drafting_loop.py), so the loop's o
 
 import json
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -40,15 +40,6 @@ def always_move(cache, src_be, dst_be):
     return map_cache_rows(move_slots, cache, src_be, dst_be)
 
 
-@contextmanager
-def move(fn):
-    medusa.move_cache_slots = fn
-    try:
-        yield
-    finally:
-        medusa.move_cache_slots = SKIPPED_MOVE
-
-
 def main() -> None:
     if NEVER_DRAFT:
         medusa.mixed_step = mixed_drafts.never_drafting_step
@@ -67,9 +58,8 @@ def main() -> None:
         models[label] = (ShardedModel(loaded.base, mix, MeshConfig()), sizes)
     questions = mtbench_questions(max(PROMPTS) + 1)
     prompts = loaded.encode_chat([questions[i].first_turn for i in PROMPTS])
-    for label, (model, tree) in models.items():  # each loop traced and compiled with its own move
-        with move(arms[label][1]):
-            mixed_drafts.run_set({label: (model, tree)}, prompts[:1], 128, loaded.eos_ids, loaded.pad_id)
+    mixed_drafts.compile_with_moves(models, {label: fn for label, (_, fn) in arms.items()}, prompts, loaded.eos_ids,
+                                    loaded.pad_id)
     rows = mixed_drafts.run_set(models, prompts, 128, loaded.eos_ids, loaded.pad_id, print, repeats=REPEATS)
     results = {"machine": machine, "prompts": PROMPTS, "repeats": REPEATS, "never_draft": NEVER_DRAFT,
                "sizes": list(sizes.sizes), "costs": [round(c, 3) for c in sizes.costs],
