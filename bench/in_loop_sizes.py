@@ -9,7 +9,7 @@ the root alone). Per method: the loop's steps (each call's longest row: the batc
 tokens per step and row, the speed against plain, and the cost of a step in the loop: its seconds past plain
 decoding's first token (each round also times plain's call stopped at its first token: the prefill, taken as every
 method's) per step, over plain's. A forced size's cost in the
-loop is what its calibrated cost (`draft_size.measure_size_costs`: one step timed alone) stands for.
+loop is what its calibrated cost (`draft_size.measure_span_costs`: one step timed alone) stands for.
 
   python bench/in_loop_sizes.py       (writes bench/in_loop_sizes/batchBATCH/{results.json,README.md})
 """

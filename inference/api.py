@@ -52,8 +52,7 @@ def generate_batch(model: ShardedModel, prompts: Sequence[Sequence[int]], settin
     chosen = None
     if isinstance(settings.tree, DraftSizes):
         chosen = ChosenTree(settings.tree, f"mixed drafts ({settings.tree.name}: up to {settings.tree.nodes} nodes, "
-                                           f"the size chosen per step from costs "
-                                           f"{'/'.join(f'{c:.2f}' for c in settings.tree.costs)}x a plain step)")
+                                           f"the size chosen per step from costs {settings.tree.cost_note})")
     elif settings.tree is not None:
         given = None if isinstance(settings.tree, HeadsOwnTree) else settings.tree
         chosen = choose_tree(model.heads_config, model.heads_trees, settings.batch_size, given, model=model,

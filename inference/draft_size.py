@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from medusa_jax.model.backbone import CausalLM
-from medusa_jax.heads.draft_merge import DraftSizes
+from medusa_jax.heads.draft_merge import DraftSizes, SpanCosts
 from medusa_jax.trees.policy.step_cost import (WARM_UP_CALLS, medusa_step_call, plain_step_call,
                                                   release_executables)
 
@@ -43,6 +43,12 @@ UNPAYABLE = 1e9
 # from the quiet calibrations of bench/mixed_drafts/session24_quiet (@4, @16) and session24_at64: the costs a mix
 # gets when timing is skipped (`default_costs`)
 DEFAULT_COST_POINTS = ((0, 1.11), (1, 1.55), (5, 1.67), (16, 2.31), (64, 5.78))
+# the cached tokens of the spans a mix's sizes are timed at (each span: its context + the largest step's scratch
+# slots; a step between or past them is priced along a line, `draft_merge.SpanCosts`): the smallest attention window
+# and the server's default context (`kv_cache.attention_windows`, scripts/serve.py), 284 and 1,052 slots for
+# SmolLM2's mix at 16 nodes. What a step costs depends on the slots its attention reads, not on the tokens cached
+# (bench/size_costs_by_cache)
+SPAN_CONTEXTS = (256, 1024)
 SECONDS_ENV = "MEDUSA_JAX_CALIBRATION_SECONDS"  # the timing budget's seconds (the test suite: 0, min_rounds only)
 
 
@@ -121,16 +127,22 @@ def default_costs(sizes: Sequence[int]) -> tuple[float, ...]:
     return tuple(float(np.interp(n, nodes, costs) + slope * max(n - nodes[-1], 0)) for n in sizes)
 
 
-def measure_size_costs(base: CausalLM, drafter, sizes: Sequence[int], *, batch: int = 1, context: int = 256,
-                       budget: TimingBudget | None = None, depth: int = 1) -> tuple[float, ...]:
-    """Seconds of the real mixed step of each size over a plain step (`timed_ratios` under `budget`, by default
-    `default_budget()`; a larger size never costs less than a smaller one, against timing noise): the `costs` of a
-    DraftSizes for `drafter`, on this machine at this batch size."""
-    cache_size = context + max(sizes) + 2 + depth
-    calls = [plain_step_call(base, batch, context, cache_size)]
-    calls += [medusa_step_call(base, drafter, forced, batch, context, cache_size)
-              for forced in forced_sizes(sizes, depth)]
-    ratios, _ = timed_ratios(calls, budget or default_budget())
-    del calls
-    release_executables()
-    return tuple(float(c) for c in np.maximum.accumulate(ratios))
+def measure_span_costs(base: CausalLM, drafter, sizes: Sequence[int], *, batch: int = 1,
+                       contexts: Sequence[int] = SPAN_CONTEXTS, budget: TimingBudget | None = None,
+                       depth: int = 1) -> SpanCosts:
+    """Seconds of the real mixed step of each size over a plain step of the same cache (`timed_ratios` under
+    `budget`, by default `default_budget()`, a larger size never costing less than a smaller one, against timing
+    noise), for a cache of each context of `contexts` plus the largest step's scratch slots (its span), one span
+    after the other (one span's states and executables held at a time): the `by_span` costs of a DraftSizes for
+    `drafter`, on this machine at this batch size."""
+    scratch = max(sizes) + 2 + depth
+    costs = []
+    for context in contexts:
+        calls = [plain_step_call(base, batch, context, context + scratch)]
+        calls += [medusa_step_call(base, drafter, forced, batch, context, context + scratch)
+                  for forced in forced_sizes(sizes, depth)]
+        ratios, _ = timed_ratios(calls, budget or default_budget())
+        del calls
+        release_executables()
+        costs.append(tuple(float(c) for c in np.maximum.accumulate(ratios)))
+    return SpanCosts(tuple(context + scratch for context in contexts), tuple(costs))

@@ -185,6 +185,8 @@ def medusa_step(model: MedusaModel, state: MedusaState, proposer_data: Any = Non
     verify, accept and record this step's move, then emit the accepted tokens and the bonus token (cut at an
     EOS and at the output buffer's end) and advance each active row's cache length by their number; an
     inactive row changes nothing but scratch slots."""
+    if isinstance(tree, DraftSizes):  # priced at the slots this step attends over (its window, else its cache)
+        tree = tree.at_span(state.cache.window or state.cache.cache_size)
     inputs = ProposeInputs(model, state.hidden_bd, state.root_b, state.num_out_b, state.step, tree, proposer_data,
                            state.draft, state.active_b)
     if isinstance(tree, DraftSizes):

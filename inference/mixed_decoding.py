@@ -6,8 +6,9 @@ heads folder, `default`, `default-medusa` or a Hub id), built into a `heads.mixe
 Node budgets. A budget B (the most nodes a step verifies) gives the static sizes (0, ..., B) of `sizes_for`; the
 trained heads grow a dynamic tree of B nodes (K = the default for B, D = 4), and each training-free kind joins as
 its `mix_member(base, B)` says (Token Recycling fills its largest shipped template of at most B nodes, prompt
-lookup drafts chains sized by B). The sizes' costs are measured on this machine at the batch size that decodes
-(`draft_size.measure_size_costs`), once: later builds read them from the cache (`draft_size_cache`).
+lookup drafts chains sized by B). The sizes' costs are measured on this machine at the batch size that decodes,
+over two cache sizes (`draft_size.measure_span_costs`: each step prices its sizes at the slots it attends over),
+once: later builds read them from the cache (`draft_size_cache`).
 """
 
 from __future__ import annotations
@@ -94,14 +95,14 @@ def build_mix(base: CausalLM, untrained: tuple[str, ...], trained_heads, budget:
               batch: int = 1, costs: Callable[[tuple[int, ...]], tuple[float, ...]] | None = None,
               given: Mapping[str, nnx.Module] | None = None,
               calibration: str | None = None) -> tuple[MixedDrafter, DraftSizes]:
-    """The drafter and the draft sizes of a parsed mix (`make_members`); `costs` (sizes -> relative costs)
-    defaults to this machine's at `batch`, measured once and cached (`draft_size_cache.size_costs`; `calibration`
-    auto / redo / skip as there)."""
+    """The drafter and the draft sizes of a parsed mix (`make_members`); `costs` (sizes -> relative costs, at every
+    span) defaults to this machine's at `batch` by span, measured once and cached (`draft_size_cache.size_costs`;
+    `calibration` auto / redo / skip as there)."""
     mix = make_members(base, untrained, trained_heads, budget, given)
     sizes = sizes_for(min(budget, mix.candidates))
-    measured = costs(sizes) if costs is not None else size_costs(base, mix, sizes, batch=batch,
-                                                                 mode=calibration)[0]
-    return mix, DraftSizes(sizes, tuple(measured), depth=mix.depth)
+    if costs is not None:
+        return mix, DraftSizes(sizes, tuple(costs(sizes)), depth=mix.depth)
+    return mix, DraftSizes.timed(sizes, size_costs(base, mix, sizes, batch=batch, mode=calibration)[0], mix.depth)
 
 
 def load_mixed(model_dir, heads: str, mesh: MeshConfig | None = None, dtype: str = "float32", batch: int = 1,

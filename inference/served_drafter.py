@@ -36,9 +36,8 @@ def served_drafter(base: CausalLM, heads: str | None, heads_dir: Path | None, tr
         trained = None if heads_dir is None else load_heads(heads_dir, base_config=base.config, base=base,
                                                             dtype=dtype)
         mix, sizes = build_mix(base, untrained, trained, batch=rows)
-        costs = "/".join(f"{c:.2f}" for c in sizes.costs)
         return ServedDrafter(mix, sizes, f"mixed drafts {heads} ({sizes.name}: the size chosen per step from "
-                                         f"costs {costs}x a plain step at {rows} rows)")
+                                         f"costs {sizes.cost_note} at {rows} rows)")
     if heads == recycle.HEAD_TYPE:
         drafter = recycle.recycle_drafter(base)
         top_k = drafter.config.top_k

@@ -25,7 +25,7 @@ from flax import nnx
 from medusa_jax.model.kv_cache import KVCache
 from medusa_jax.hf.load import load_pretrained
 from medusa_jax.heads.folder import save_heads
-from medusa_jax.heads.draft_merge import DraftSizes, expected_accepts, keep_best, merge_proposals
+from medusa_jax.heads.draft_merge import DraftSizes, SpanCosts, expected_accepts, keep_best, merge_proposals
 from medusa_jax.trees.dynamic_tree import TreeProposal
 from medusa_jax.heads.lookup import LookupConfig, init_lookup, lookup_matches, lookup_proposal
 from medusa_jax.heads.medusa import MedusaModel
@@ -179,6 +179,47 @@ def test_choose_size_follows_predicted_tokens_per_unit_of_time():
     assert size_of(kept(middling), dearer, active) == 1 and size_of(kept(middling, weak), dearer, both) == 0
     with pytest.raises(ValueError, match="distinct ascending"):
         DraftSizes((4, 2), (1.0, 1.0), depth=2)
+
+
+def test_span_costs_price_a_step_at_the_slots_it_attends_over():
+    """`draft_merge.SpanCosts`: a size's cost (its step over a plain step of the same span) is linear in the span
+    between the timed spans and along the last piece past them, the first span's below it, never below the least
+    timed cost nor a smaller size's. `DraftSizes.at_span` prices the sizes so."""
+    spans = SpanCosts((100, 300), ((1.1, 1.2, 1.5), (1.3, 1.4, 2.5)))
+    assert spans.at(100) == (1.1, 1.2, 1.5) and spans.at(50) == spans.at(100) and spans.at(300) == (1.3, 1.4, 2.5)
+    assert spans.at(200) == pytest.approx((1.2, 1.3, 2.0)) and spans.at(500) == pytest.approx((1.5, 1.6, 3.5))
+    falling = SpanCosts((100, 300), ((1.5, 1.6, 2.0), (1.1, 1.2, 1.5)))  # noise: dearer over fewer slots
+    assert falling.at(900) == (1.1, 1.2, 1.5)  # never below the least timed cost
+    assert SpanCosts((100,), ((3.0, 2.5),)).at(900) == (3.0, 3.0)  # one span; never cheaper with more nodes
+    sizes = DraftSizes.timed((0, 2, 8), spans, depth=8)
+    assert sizes.costs == spans.at(100) and sizes.by_span == spans
+    assert sizes.at_span(500) == DraftSizes((0, 2, 8), spans.at(500), depth=8)
+    assert DraftSizes.timed((0, 2, 8), SpanCosts((100,), ((1.1, 1.2, 1.5),)), 8).by_span is None
+    assert DraftSizes((0, 2), (1.0, 1.2), depth=2).at_span(10_000).costs == (1.0, 1.2)
+    for bad, match in ((((300, 100), ((1,), (1,))), "ascending"), (((100,), ((),)), "one row"),
+                       (((100, 300), ((1, 1), (1,))), "one length"), (((100, 300), ((1, 1), (1, 0))), "costs > 0")):
+        with pytest.raises(ValueError, match=match):
+            SpanCosts(*bad)
+    with pytest.raises(ValueError, match="one cost per size"):
+        DraftSizes((0, 2), (1.0, 1.2), depth=2, by_span=spans)
+
+
+def test_the_decode_prices_its_sizes_at_its_cache_or_attention_window(tiny):
+    """A mix's sizes timed cheap over 256 slots and dear (50 plain steps) over 1,024: a decode over a 128-slot
+    cache drafts and accepts lookup's chains, one over 1,000 slots (no window: `kv_cache.attention_windows`) backs
+    off to plain steps, and one over a 1,100-slot cache drafts as the first, its short row attending over a 256-slot
+    window. Every run's greedy tokens are plain greedy's."""
+    base, refs = tiny("llama")
+    eos_ids, reference = refs["batch1"]
+    mix = mix_of(base, "lookup")
+    sizes = DraftSizes.timed(SIZES, SpanCosts((256, 1024), (COSTS, (50.0, 50.0, 50.0))), mix.depth)
+    accepted = {}
+    for cache_size in (128, 1000, 1100):
+        got = generate_medusa(base, mix, PROMPTS["batch1"], tree=sizes, max_new_tokens=N, eos_ids=eos_ids,
+                              cache_size=cache_size)
+        assert [r.token_ids for r in got] == reference
+        accepted[cache_size] = sum(got[0].accept_lengths)
+    assert accepted[128] == accepted[1100] >= N // 5 and accepted[1000] < accepted[128] // 2, accepted
 
 
 def test_forced_sizes_make_every_step_verify_the_size_timed(tiny):
@@ -510,7 +551,7 @@ def test_generate_script_with_lookup_and_a_mix(tiny_model_dir, tmp_path, capsys,
 def test_build_mix_sizes_its_budget_and_measures_non_decreasing_costs(tiny):
     """`mixed_decoding.build_mix`: plain and three sizes up to the candidates within the budget; with timing
     skipped (the suite's calibration mode) the default costs, else measured ones (the real mixed step of each size
-    over a plain step, `draft_size.measure_size_costs`: a step of more nodes never costs less)."""
+    over a plain step, `draft_size.measure_span_costs` at each span: a step of more nodes never costs less)."""
     base, _ = tiny("llama")
     mix, sizes = build_mix(base, ("lookup",), None, 16)
     assert mix.candidates == 40 and sizes.depth == 10  # 4 chains of 10 (LookupDrafter.mix_member at 16)
@@ -521,8 +562,12 @@ def test_build_mix_sizes_its_budget_and_measures_non_decreasing_costs(tiny):
                                                              if n in (0, 1, 16, 64))
     assert draft_size.default_costs((3, 100))[0] == pytest.approx((1.55 + 1.67) / 2)  # between points, past the last
     assert draft_size.default_costs((3, 100))[1] == pytest.approx(5.78 + 36 * (5.78 - 2.31) / 48)
-    measured = draft_size.measure_size_costs(base, mix, sizes.sizes, depth=mix.depth)
-    assert len(measured) == 4 and all(b >= a for a, b in zip(measured, measured[1:]))
+    measured = draft_size.measure_span_costs(base, mix, sizes.sizes, depth=mix.depth)
+    assert measured.spans == tuple(c + 16 + 2 + mix.depth for c in draft_size.SPAN_CONTEXTS)
+    assert [len(row) for row in measured.costs] == [4, 4]
+    for span in measured.spans + (5000,):
+        costs = measured.at(span)
+        assert len(costs) == 4 and all(b >= a for a, b in zip(costs, costs[1:]))
     # the timed steps' executables are let go (their kernels' memory mappings: compile_cache.MappingGuard)
     assert step_cost._plain_step._cache_size() == 0 and step_cost._medusa_step_jit(1)._cache_size() == 0
     with pytest.raises(MixError, match="empty part"):
@@ -539,19 +584,21 @@ def test_a_second_build_reads_the_step_costs_cached_for_this_machine(tiny, tmp_p
     monkeypatch.setenv("MEDUSA_JAX_CACHE", str(tmp_path))
     _, first = build_mix(base, ("lookup",), None, 16, calibration="auto")
     files = sorted((tmp_path / "calibration").glob("*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["costs"] == list(first.costs)
+    doc = json.loads(files[0].read_text())
+    assert len(files) == 1 and doc["spans"] == list(first.by_span.spans)
+    assert doc["costs"] == [list(row) for row in first.by_span.costs]
 
     def no_timing(*args, **kwargs):
         raise AssertionError("timed again")
 
-    monkeypatch.setattr(draft_size, "measure_size_costs", no_timing)
+    monkeypatch.setattr(draft_size, "measure_span_costs", no_timing)
     _, second = build_mix(base, ("lookup",), None, 16, calibration="auto")
     assert second == first
     assert size_costs(base, build_mix(base, ("lookup",), None, 16, costs=lambda s: (1.0,) * len(s))[0], first.sizes,
-                      mode="auto") == (first.costs, "cached")
+                      mode="auto") == (first.by_span, "cached")
     for mode, batch in (("redo", 1), ("auto", 2)):
         with pytest.raises(AssertionError, match="timed again"):
             build_mix(base, ("lookup",), None, 16, batch=batch, calibration=mode)
     _, skipped = build_mix(base, ("lookup",), None, 16, calibration="skip")  # times nothing, reads no cache
-    assert skipped.costs == draft_size.default_costs(first.sizes)
+    assert skipped.costs == draft_size.default_costs(first.sizes) and skipped.by_span is None
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1  # nothing written by a failed timing or skip

@@ -32,6 +32,42 @@ def score_bins(probability_x: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpanCosts:
+    """A mix's step costs timed at several attention spans (the slots a step attends over: its cache, or its
+    attention window, `KVCache.window`). A step's verify forward reads every slot of its span for each of its n + 1
+    tokens and a plain step for one, so a size costs more plain steps over a larger span (bench/size_costs_by_cache).
+    `costs[i]` holds each size's step over a plain step of `spans[i]` slots (`draft_size.measure_span_costs`).
+    Hashable."""
+
+    spans: tuple[int, ...]  # ascending, distinct, each >= 1
+    costs: tuple[tuple[float, ...], ...]  # per span: one cost per size
+
+    def __post_init__(self):
+        spans = tuple(self.spans)
+        if not spans or list(spans) != sorted(set(spans)) or spans[0] < 1:
+            raise ValueError(f"cost spans must be distinct ascending slot counts >= 1, got {self.spans!r}")
+        if len(self.costs) != len(spans) or len({len(row) for row in self.costs}) != 1 or not self.costs[0] or \
+                not all(c > 0 for row in self.costs for c in row):
+            raise ValueError(f"cost spans {spans} need one row of costs > 0 each, all of one length, got "
+                             f"{self.costs!r}")
+
+    def at(self, span: int) -> tuple[float, ...]:
+        """Each size's cost at `span` slots: linear in the span between the timed spans and along the last piece
+        past the last one (it under-prices far past it: bench/size_costs_by_cache), the first span's below it (a
+        step reads its weights whatever its span); never below the least timed cost, and a larger size never
+        costing less than a smaller one."""
+        costs = np.asarray(self.costs, np.float64)  # [spans, sizes]
+        spans = np.asarray(self.spans, np.float64)
+        if len(spans) == 1 or span <= spans[0]:
+            at = costs[0]
+        else:
+            i = min(int(np.searchsorted(spans, span)) - 1, len(spans) - 2)
+            w = (span - spans[i]) / (spans[i + 1] - spans[i])
+            at = np.maximum((1 - w) * costs[i] + w * costs[i + 1], costs.min(axis=0))
+        return tuple(float(c) for c in np.maximum.accumulate(at))
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftSizes:
     """The static shapes of a mixed-draft step: `sizes` verified node counts (0: a plain step) the step chooses
     among by predicted tokens per second (`inference.draft_size`), `costs` the measured time of a step of each
@@ -41,6 +77,9 @@ class DraftSizes:
     sizes: tuple[int, ...]  # ascending, distinct, each >= 0
     costs: tuple[float, ...]  # same length; a plain step (size 0) costs 1
     depth: int  # D: the deepest drafted path (the accept-length axis is D + 1)
+    # the costs by attention span, when timed at several (`costs` are then those at by_span.spans[0]): a step prices
+    # its sizes at the span it attends over (`at_span`); None: `costs` at every span
+    by_span: SpanCosts | None = None
 
     def __post_init__(self):
         sizes = tuple(self.sizes)
@@ -51,6 +90,23 @@ class DraftSizes:
             raise ValueError(f"draft sizes {sizes} need one cost > 0 each, got {self.costs!r}")
         if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
             raise ValueError(f"draft depth must be an integer >= 1, got {self.depth!r}")
+        if self.by_span is not None and len(self.by_span.costs[0]) != len(sizes):
+            raise ValueError(f"draft sizes {sizes} need costs by span with one cost per size, got "
+                             f"{self.by_span.costs!r}")
+
+    @staticmethod
+    def timed(sizes: Sequence[int], costs: SpanCosts, depth: int) -> "DraftSizes":
+        """The sizes with the costs timed at `costs.spans` (`costs` the first span's; by span where there are
+        several)."""
+        return DraftSizes(tuple(sizes), costs.at(costs.spans[0]), depth,
+                          costs if len(costs.spans) > 1 else None)
+
+    def at_span(self, span: int) -> "DraftSizes":
+        """These sizes priced at a step that attends over `span` slots (`SpanCosts.at`; unchanged without
+        `by_span`). Static: the decode step calls it with its cache's window or size while it is traced."""
+        if self.by_span is None:
+            return self
+        return dataclasses.replace(self, costs=self.by_span.at(span), by_span=None)
 
     @property
     def nodes(self) -> int:
@@ -60,6 +116,16 @@ class DraftSizes:
     def num_tokens(self) -> int:
         """T of the largest step: verified tokens, the root included (the cache's scratch slots)."""
         return self.nodes + 1
+
+    @property
+    def cost_note(self) -> str:
+        """The costs as a reply's or a log's note says them (each size's, "x a plain step"), by span where timed so."""
+        def said(costs) -> str:
+            return "/".join(f"{c:.2f}" for c in costs)
+        if self.by_span is None:
+            return f"{said(self.costs)}x a plain step"
+        return ", ".join(f"{said(self.by_span.at(span))}x over {span} slots" for span in self.by_span.spans) + \
+            " (a plain step's)"
 
     @property
     def name(self) -> str:
