@@ -55,10 +55,7 @@ def main() -> None:
     rows = mixed_drafts.run_set(models, prompts, 128, loaded.eos_ids, loaded.pad_id, print, batch=BATCH,
                                 repeats=REPEATS, bucket=BUCKET)
     results = {"machine": machine, "prompts": PROMPTS, "repeats": REPEATS, "batch": BATCH, "bucket": BUCKET,
-               "sizes": list(sizes.sizes), "costs": [round(c, 3) for c in sizes.costs],
-               "costs_by_span": {str(s): [round(c, 3) for c in sizes.by_span.at(s)] for s in sizes.by_span.spans}
-               if sizes.by_span is not None else None,
-               "methods": mixed_drafts.arm_figures(rows)}
+               **sizes.record(), "methods": mixed_drafts.arm_figures(rows)}
     settings = " ".join(f"{k}={os.environ[k]}" for k in ("PROMPTS", "REPEATS", "BATCH", "BUCKET") if k in os.environ)
     results["command"] = command = (settings + " " if settings else "") + "python bench/span_costs_ab.py"
     table = mixed_drafts.arm_table(f"Draft sizes priced by span against the first span's costs (batch {BATCH}, "

@@ -29,8 +29,8 @@ from medusa_jax.heads.recycle_file import model_fingerprint
 from medusa_jax.trees.policy.calibration import check_mode, keyed_cache_file, machine_key
 from medusa_jax.inference import draft_size
 
-FORMAT = "medusa-jax-draft-size-costs-v6"  # v6: timed at several spans (`draft_size.SPAN_CONTEXTS`); v5: YNNPACK kept from 2 rows (backbone.tree_step_compiler_options);
-# v4: steps compiled without YNNPACK;
+FORMAT = "medusa-jax-draft-size-costs-v6"  # v6: timed at several spans (`draft_size.SPAN_CONTEXTS`);
+# v5: YNNPACK kept from 2 rows (backbone.tree_step_compiler_options); v4: steps compiled without YNNPACK;
 # v3: per-round ratios until stable (v2: 7 rounds' medians, v1: the pieces)
 
 

@@ -81,13 +81,6 @@ def parse(argv):
     return a, mixes
 
 
-def sizes_record(sizes) -> dict:
-    """A mix's draft sizes as results.json records them: the sizes, their costs (by span where timed so), depth."""
-    return {"sizes": sizes.sizes, "costs": [round(c, 3) for c in sizes.costs], "depth": sizes.depth,
-            "costs_by_span": None if sizes.by_span is None else {
-                str(span): [round(c, 3) for c in sizes.by_span.costs(span)] for span in sizes.by_span.spans}}
-
-
 def main(argv=None) -> int:
     a, mixes = parse(argv)
     enable_compile_cache()
@@ -114,7 +107,7 @@ def main(argv=None) -> int:
         sets["input-grounded"] = loaded.encode_chat([r["prompt"] for r in grounded_prompts.load()[: a.grounded]])
     results = {"max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size, "repeats": a.repeats,
                "machine": machine, "sets": {},
-               "draft_sizes": {label: None if tree is None else sizes_record(tree)
+               "draft_sizes": {label: None if tree is None else tree.record()
                                for label, (_, tree) in models.items()}}
     sequences, starts, answered = [], [], {}
     for name, prompts in sets.items():

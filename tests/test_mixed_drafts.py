@@ -196,6 +196,9 @@ def test_span_costs_price_a_step_at_the_slots_it_attends_over():
     assert sizes.at_span(500) == DraftSizes((0, 2, 8), spans.at(500), depth=8)
     assert DraftSizes.timed((0, 2, 8), SpanCosts((100,), ((1.1, 1.2, 1.5),)), 8).by_span is None
     assert DraftSizes((0, 2), (1.0, 1.2), depth=2).at_span(10_000).costs == (1.0, 1.2)
+    assert sizes.record() == {"sizes": [0, 2, 8], "costs": [1.1, 1.2, 1.5], "depth": 8,
+                              "costs_by_span": {"100": [1.1, 1.2, 1.5], "300": [1.3, 1.4, 2.5]}}
+    assert DraftSizes((0, 2), (1.0, 1.2), depth=2).record()["costs_by_span"] is None
     for bad, match in ((((300, 100), ((1,), (1,))), "ascending"), (((100,), ((),)), "one row"),
                        (((100, 300), ((1, 1), (1,))), "one length"), (((100, 300), ((1, 1), (1, 0))), "costs > 0")):
         with pytest.raises(ValueError, match=match):

@@ -127,6 +127,15 @@ class DraftSizes:
         return ", ".join(f"{said(self.by_span.at(span))}x over {span} slots" for span in self.by_span.spans) + \
             " (a plain step's)"
 
+    def record(self) -> dict:
+        """The sizes as a results.json records them: sizes, costs (the first span's), depth and the costs by span
+        (None where untimed by span), rounded to 3 decimals."""
+        def rounded(costs) -> list[float]:
+            return [round(c, 3) for c in costs]
+        return {"sizes": list(self.sizes), "costs": rounded(self.costs), "depth": self.depth,
+                "costs_by_span": None if self.by_span is None else {
+                    str(span): rounded(self.by_span.at(span)) for span in self.by_span.spans}}
+
     @property
     def name(self) -> str:
         return "mixed:" + "/".join(str(n) for n in self.sizes) + f",d={self.depth}"
