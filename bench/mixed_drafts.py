@@ -215,14 +215,17 @@ def arm_figures(rows: dict[str, list[dict]]) -> dict[str, dict]:
 
 
 def arm_table(title: str, command: str, machine: dict, results: dict) -> str:
-    """The Markdown report of an in-process A/B: `results` holds prompts, repeats, sizes, costs and `arm_figures`'
-    methods."""
+    """The Markdown report of an in-process A/B: `results` holds prompts, repeats, sizes, costs, `arm_figures`'
+    methods and, for calls of several prompts, their batch size (each speed is then one call's)."""
+    batch, prompts = results.get("batch", 1), results["prompts"]
+    calls = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
     lines = [f"## {title}", "", f"Command: `{command}`", "",
              f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, JAX {machine['jax']}, load average "
              f"{machine['load_average_1m']:.1f} at the start. Sizes {results['sizes']}, costs {results['costs']} "
              f"plain steps. {results['repeats']} interleaved rounds per call, the median.", "",
-             "| arm | tokens/step | mean speed vs plain | worst | per prompt ("
-             + ", ".join(f"#{i}" for i in results["prompts"]) + ") | mismatches |", "|---|---|---|---|---|---|"]
+             f"| arm | tokens/step | mean speed vs plain | worst | per {'prompt' if batch == 1 else 'call'} ("
+             + ", ".join("#" + "+".join(map(str, call)) for call in calls) + ") | mismatches |",
+             "|---|---|---|---|---|---|"]
     for label, r in results["methods"].items():
         lines.append(f"| {label} | {r['tokens_per_step']:.2f} | {r['mean_speed_vs_plain']:.3f}x | {r['worst']:.3f}x | "
                      + " ".join(f"{s:.3f}" for s in r["per_prompt"]) + f" | {r['mismatches']} |")

@@ -77,6 +77,14 @@ def test_calls_of_two_prompts_keep_plain_answers_and_count_each_prompt(tiny_mode
     assert summary["mix@4"]["tokens_per_step"] >= 1.0 and summary["mix@4"]["nodes"] == 4
     assert all(0 < call["first_seconds"] < call["seconds"] for calls in rows.values() for call in calls)
     assert summary["plain"]["speedup_after_first_token"] == 1.0 and summary["mix@4"]["first_token_seconds"] > 0
+    # an A/B's report labels each speed with its call's prompts
+    results = {"prompts": [0, 1, 2], "batch": 2, "repeats": 2, "sizes": list(sizes.sizes),
+               "costs": list(sizes.costs), "methods": mixed_drafts.arm_figures(rows)}
+    machine = {"cpu": "cpu", "cpu_count": 2, "jax": "0", "load_average_1m": 0.0}
+    table = mixed_drafts.arm_table("A/B", "python bench/x.py", machine, results)
+    assert "| per call (#0+1, #2) |" in table and table.count("\n| mix@4 | ") == 1
+    assert "| per prompt (#0, #1, #2) |" in mixed_drafts.arm_table("A/B", "python bench/x.py", machine,
+                                                                  dict(results, batch=1))
 
 
 def mix_clone(base):
