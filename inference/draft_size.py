@@ -3,8 +3,8 @@ it chooses by, on device inside the decode loop: `inference.size_choice`).
 
 A size's cost is the time of the real mixed step (`medusa.medusa_step`, the decode loop's body, jitted alone as
 `trees.policy.step_cost` times the Medusa steps) that drafts with the mix and verifies n nodes per row, over the time
-of a plain decoding step (`autoregressive.plain_step`), after `context` cached tokens, at the batch size that
-decodes. Each size is timed as its own forced step (a `DraftSizes` of that size alone); size 0 is a drafted step
+of a plain decoding step (`autoregressive.plain_step`) over the same cache, at the batch size that decodes, for
+each cache size of `SPAN_CONTEXTS` (a step prices its sizes at its own span: `draft_merge.SpanCosts`). Each size is timed as its own forced step (a `DraftSizes` of that size alone); size 0 is a drafted step
 that verifies the root alone (the drafting paid, one token verified). So a cost holds everything a step of that size
 does: the drafters and their merge, the verify forward of n + 1 tokens (on a CPU its time grows with n), the
 acceptance, the drafters' updates (recycling's top-k of every node's logits) and the bookkeeping. The pieces timed
