@@ -7,12 +7,14 @@ calibration (`draft_size_cache.size_costs`: timed once at the spans of `draft_si
 - "costs by span (shipped)": each step prices its sizes at its cache's or window's slots (`DraftSizes.at_span`);
 - "costs of the first span": the costs timed over the first span (256 cached tokens) at every span, as before.
 
-Prompts are padded to BUCKET tokens (`BatchSettings.bucket`): at 512 (bench.mixed_drafts' width) every call's
-cache holds 1,024 slots, at 64 (generate's) 256 to 512.
+Prompts are padded to bench.mixed_drafts' width, 512 tokens (`BatchSettings.bucket`), so every call's cache holds
+1,024 slots and each arm compiles one decode loop. At generate's width (64) the prompts' caches differ, each arm
+compiles a loop per cache size, and on this 2-core machine (24 GiB) the compiler ran out of memory mappings
+("LLVM compilation error: Cannot allocate memory") with three arms of 8 MT-Bench prompts.
 
-  python bench/span_costs_ab.py      (writes bench/mixed_drafts/span_costs/results_bucketBUCKET_batchBATCH.{json,md})
+  python bench/span_costs_ab.py      (writes bench/mixed_drafts/span_costs/results_bucket512_batchBATCH.{json,md})
 
-Environment: PROMPTS (default 0,1,...,7), REPEATS (3), BATCH (1), BUCKET (512 or 64).
+Environment: PROMPTS (default 0,1,...,7), REPEATS (3), BATCH (1).
 """
 
 import json
@@ -20,7 +22,7 @@ import os
 from pathlib import Path
 
 from medusa_jax.bench import mixed_drafts
-from medusa_jax.bench.bench_inputs import env_choice, env_choices, env_int, prompt_texts, write_files
+from medusa_jax.bench.bench_inputs import env_choices, env_int, prompt_texts, write_files
 from medusa_jax.compile_cache import enable_compile_cache
 from medusa_jax.heads.draft_merge import DraftSizes
 from medusa_jax.inference.loaded_model import load_model
@@ -32,7 +34,7 @@ from medusa_jax.trees.policy.calibration import machine_description
 PROMPTS = [int(p) for p in env_choices("PROMPTS", tuple(str(i) for i in range(8)), tuple(str(i) for i in range(80)))]
 REPEATS = env_int("REPEATS", 3, 1, 100)
 BATCH = env_int("BATCH", 1, 1, 16)
-BUCKET = int(env_choice("BUCKET", "512", ("512", "64"), "one prompt width"))
+BUCKET = mixed_drafts.PROMPT_WIDTH
 OUT = Path(__file__).resolve().parent / "mixed_drafts" / "span_costs"
 
 
@@ -56,7 +58,7 @@ def main() -> None:
                                 repeats=REPEATS, bucket=BUCKET)
     results = {"machine": machine, "prompts": PROMPTS, "repeats": REPEATS, "batch": BATCH, "bucket": BUCKET,
                **sizes.record(), "methods": mixed_drafts.arm_figures(rows)}
-    settings = " ".join(f"{k}={os.environ[k]}" for k in ("PROMPTS", "REPEATS", "BATCH", "BUCKET") if k in os.environ)
+    settings = " ".join(f"{k}={os.environ[k]}" for k in ("PROMPTS", "REPEATS", "BATCH") if k in os.environ)
     results["command"] = command = (settings + " " if settings else "") + "python bench/span_costs_ab.py"
     table = mixed_drafts.arm_table(f"Draft sizes priced by span against the first span's costs (batch {BATCH}, "
                                    f"prompts padded to {BUCKET})", command, machine, results)
