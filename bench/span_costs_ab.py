@@ -12,7 +12,8 @@ Prompts are padded to bench.mixed_drafts' width, 512 tokens (`BatchSettings.buck
 compiles a loop per cache size, and on this 2-core machine (24 GiB) the compiler ran out of memory mappings
 ("LLVM compilation error: Cannot allocate memory") with three arms of 8 MT-Bench prompts.
 
-  python bench/span_costs_ab.py      (writes bench/mixed_drafts/span_costs/results_bucket512_batchBATCH.{json,md})
+  python bench/span_costs_ab.py      (writes bench/mixed_drafts/span_costs/results_bucket512_batchBATCH.{json,md};
+                                      with PROMPTS set: results_bucket512_batchBATCH_promptsN, N prompts)
 
 Environment: PROMPTS (default 0,1,...,7), REPEATS (3), BATCH (1).
 """
@@ -65,7 +66,7 @@ def main() -> None:
     if results["costs_by_span"]:
         table += "\nCosts by span (slots: 0 / 2 / 5 / 16 nodes): " + "; ".join(
             f"{s}: {' / '.join(f'{c:.3f}' for c in costs)}" for s, costs in results["costs_by_span"].items()) + "\n"
-    name = f"results_bucket{BUCKET}_batch{BATCH}"
+    name = f"results_bucket{BUCKET}_batch{BATCH}" + (f"_prompts{len(PROMPTS)}" if "PROMPTS" in os.environ else "")
     write_files(OUT, {f"{name}.json": json.dumps(results, indent=1) + "\n", f"{name}.md": table})
     print(table)
 
