@@ -2,15 +2,16 @@
 it chooses by, on device inside the decode loop: `inference.size_choice`).
 
 A size's cost is the time of the real mixed step (`medusa.medusa_step`, the decode loop's body, jitted alone as
-`trees.policy.step_cost` times the Medusa steps) that drafts with the mix and verifies n nodes per row, over the time
-of a plain decoding step (`autoregressive.plain_step`) over the same cache, at the batch size that decodes, for
-each cache size of `SPAN_CONTEXTS` (a step prices its sizes at its own span: `draft_merge.SpanCosts`). Each size is timed as its own forced step (a `DraftSizes` of that size alone); size 0 is a drafted step
-that verifies the root alone (the drafting paid, one token verified). So a cost holds everything a step of that size
-does: the drafters and their merge, the verify forward of n + 1 tokens (on a CPU its time grows with n), the
-acceptance, the drafters' updates (recycling's top-k of every node's logits) and the bookkeeping. The pieces timed
-apart (a verify-shaped forward over a one-token forward, plus the proposal alone) were not the step, by a margin
-that depends on the machine's load: bench/mixed_drafts/real_step_costs (results.json's draft_sizes) has the real
-steps' costs its run chose with.
+`trees.policy.step_cost` times the Medusa steps) that drafts with the mix and verifies n nodes per row, over the
+time of a plain decoding step (`autoregressive.plain_step`) over the same cache, at the batch size that decodes, for
+each cache size of `SPAN_CONTEXTS` (a step prices its sizes at its own span: `draft_merge.SpanCosts`). Each size is
+timed as its own forced step (a `DraftSizes` of that size alone); size 0 is a drafted step that verifies the root
+alone (the drafting paid, one token verified). So a cost holds everything a step of that size does: the drafters and
+their merge, the verify forward of n + 1 tokens (on a CPU its time grows with n), the acceptance, the drafters'
+updates (recycling's top-k of every node's logits) and the bookkeeping. The pieces timed apart (a verify-shaped
+forward over a one-token forward, plus the proposal alone) were not the step, by a margin that depends on the
+machine's load: bench/mixed_drafts/real_step_costs (results.json's draft_sizes) has the real steps' costs its run
+chose with.
 
 Timing noise. On a shared machine a step's time varies from round to round and the load drifts, and the size rule
 moves with the costs (two quiet calibrations of 7 rounds and a median each, 15 minutes apart, chose differently
