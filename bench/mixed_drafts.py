@@ -82,23 +82,24 @@ PROMPT_WIDTH = 512
 
 
 @contextmanager
-def traced_with_move(fn):
-    """`medusa.move_cache_slots` replaced by `fn` while a decode loop is traced (the A/Bs of the cache move:
-    bench/noop_move_ab.py, bench/move_width_ab.py), the shipped move back after."""
-    kept = medusa.move_cache_slots
-    medusa.move_cache_slots = fn
+def traced_with(fn, name: str = "move_cache_slots"):
+    """`medusa.<name>` replaced by `fn` while a decode loop is traced (the A/Bs of the cache move,
+    bench/noop_move_ab.py and bench/move_width_ab.py, and of the mixed step's branch inputs,
+    bench/branch_inputs_ab.py), the shipped function back after."""
+    kept = getattr(medusa, name)
+    setattr(medusa, name, fn)
     try:
         yield
     finally:
-        medusa.move_cache_slots = kept
+        setattr(medusa, name, kept)
 
 
-def compile_with_moves(models: dict, moves: dict, prompts: list[list[int]], eos_ids, pad_id: int,
-                       batch: int = 1) -> None:
+def compile_with(models: dict, swaps: dict, prompts: list[list[int]], eos_ids, pad_id: int, batch: int = 1,
+                 name: str = "move_cache_slots") -> None:
     """Each arm's loop (`run_set`'s models) traced and compiled by one call on the first `batch` prompts with its
-    own cache move (`moves[label]`, `traced_with_move`), before the timed rounds."""
+    own `medusa.<name>` (`swaps[label]`, `traced_with`), before the timed rounds."""
     for label, (model, tree) in models.items():
-        with traced_with_move(moves[label]):
+        with traced_with(swaps[label], name):
             run_set({label: (model, tree)}, prompts[:batch], 128, eos_ids, pad_id, batch=batch)
 
 

@@ -58,7 +58,7 @@ def main() -> None:
         models[label] = (ShardedModel(loaded.base, mix, MeshConfig()), sizes)
     questions = mtbench_questions(max(PROMPTS) + 1)
     prompts = loaded.encode_chat([questions[i].first_turn for i in PROMPTS])
-    mixed_drafts.compile_with_moves(models, {label: fn for label, (_, fn) in arms.items()}, prompts, loaded.eos_ids,
+    mixed_drafts.compile_with(models, {label: fn for label, (_, fn) in arms.items()}, prompts, loaded.eos_ids,
                                     loaded.pad_id)
     rows = mixed_drafts.run_set(models, prompts, 128, loaded.eos_ids, loaded.pad_id, print, repeats=REPEATS)
     results = {"machine": machine, "prompts": PROMPTS, "repeats": REPEATS, "never_draft": NEVER_DRAFT,

@@ -5,7 +5,9 @@ Timing tests are flaky on shared machines, so these read the compiler's own outp
   V buffer (the cache is updated in place and the attention dots read it in the layout it is stored in);
 - attention accesses bytes (XLA's cost analysis) in proportion to the slots it reads: doubling the slots or
   the rows at most doubles the bytes, and the total stays close to one read of K and V (re-laying K/V for
-  the dots, or materialising them once per query group as a GQA broadcast would, fails).
+  the dots, or materialising them once per query group as a GQA broadcast would, fails);
+- a narrow prefill runs only the width it takes: the work of its one-trip loops (`autoregressive.run_if`) stays
+  inside them, no matrix product outside.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from medusa_jax.heads.mixed import make_mix, template_spec
 from medusa_jax.heads.recycle import RANK_ACCEPTANCE, RecycleConfig, RecycleDrafter, template_tree
 from medusa_jax.trees.tree import DynamicTree, build_tree, load_tree
 from medusa_jax.inference.acceptance import GREEDY
-from medusa_jax.inference.autoregressive import decode
+from medusa_jax.inference.autoregressive import decode, narrow_prefill_states, prefill_widths
 from medusa_jax.inference.medusa import heads_proposer, medusa_decode
 from medusa_jax.inference.sampling import SamplingConfig
 
@@ -97,6 +99,73 @@ def test_mixed_draft_loop_holds_no_copy_of_the_whole_cache():
                               max_new_tokens=8, acceptance=GREEDY, eos_ids=(), pad_id=0,
                               proposer=heads_proposer).compile().as_text()
     assert _cache_copies(hlo, slots, batch) == []
+
+
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?(\S+) = (.*)$")
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def _computations(hlo: str) -> dict[str, list[tuple[str, str, list[str]]]]:
+    """name -> its instructions (name, opcode, the computations it calls) in an HLO module's text."""
+    comps, current = {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            current = line.split(" ")[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            comps[current] = []
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and current is not None:
+            rest, depth = m.group(2), 0
+            for i, ch in enumerate(rest):  # past the shape, a tuple's "(...)" included
+                depth += (ch == "(") - (ch == ")")
+                if ch == " " and depth == 0:
+                    break
+            called = _CALLED.findall(line) + [c.strip().lstrip("%") for b in _BRANCHES.findall(line)
+                                              for c in b.split(",")]
+            comps[current].append((m.group(1), rest[i + 1:].split("(", 1)[0], called))
+    return comps
+
+
+def _reach(comps: dict, comp: str, seen: set, through_while: bool = True) -> set:
+    """The computations `comp` runs (itself included), those of its while loops only `through_while`."""
+    if comp not in seen:
+        seen.add(comp)
+        for _, op, called in comps.get(comp, []):
+            if through_while or op != "while":
+                for c in called:
+                    _reach(comps, c, seen, through_while)
+    return seen
+
+
+def _dots_outside_trips(hlo: str) -> list[str]:
+    """The matrix products that run whatever the one-trip loops (`run_if`) of the entry computation decide: its
+    own instructions, not those of its while loops, that are or call a dot."""
+    comps = _computations(hlo)
+    comp = next(line.split(" ")[1].lstrip("%") for line in hlo.splitlines() if line.startswith("ENTRY"))
+
+    def dot(op: str, called: list[str]) -> bool:
+        inner = set().union(*(_reach(comps, c, set(), through_while=False) for c in called)) if op != "while" \
+            else set()
+        return op in ("dot", "convolution") or any(o in ("dot", "convolution") for c in inner
+                                                    for _, o, _ in comps.get(c, []))
+
+    return [f"{name} ({op})" for name, op, called in comps[comp] if dot(op, called)]
+
+
+def test_narrow_prefill_runs_only_the_width_it_takes():
+    """`narrow_prefill_states` runs one width's prefill (a `run_if` each): the prompt reaches each width as an
+    operand, so XLA cannot hoist the first layer's projections of every width out of them."""
+    model = CausalLM(CFG, nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+
+    def prefill(params_, prompt_bt, lens_b, cache):
+        return narrow_prefill_states(nnx.merge(graphdef, params_), prompt_bt, lens_b, cache)
+
+    assert len(prefill_widths(512)) > 1
+    hlo = jax.jit(prefill).lower(params, jnp.zeros((2, 512), jnp.int32), jnp.full((2,), 10, jnp.int32),
+                                 KVCache.zeros(CFG, 2, 640)).compile().as_text()
+    assert _dots_outside_trips(hlo) == []
 
 
 def _attention_bytes(rows: int, slots: int, tokens: int = 1) -> tuple[float, int]:
